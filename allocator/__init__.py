@@ -1,0 +1,1 @@
+"""KV-cache bookkeeping shared by the router and the worker (pure Python, no torch)."""

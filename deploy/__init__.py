@@ -1,0 +1,1 @@
+"""CLI, local launcher and deployment helpers."""

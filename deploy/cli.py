@@ -1,0 +1,165 @@
+"""The ``kvfleet`` command: up, generate, demo, budget, model.
+
+Diagnostics go to stderr; generated text to stdout. Exit codes: 0 ok, 1 a gRPC/runtime
+failure (the status is printed), 2 a usage or configuration error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from typing import Optional
+
+import grpc
+
+DEFAULT_ROUTER = "127.0.0.1:50051"
+
+
+def _add_cluster_args(p: argparse.ArgumentParser) -> None:
+    from kvfleet.deploy.models import DEFAULT_MODEL
+
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"served model name or HF-format directory (default {DEFAULT_MODEL})")
+    p.add_argument("--replicas", type=int, default=2, help="worker replicas (default 2)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--num-blocks", type=int, help="KV blocks per replica")
+    size.add_argument("--kv-memory", help="KV memory per replica, e.g. 256MiB (default 256MiB)")
+    p.add_argument("--policy", default="prefix_aware",
+                   choices=["prefix_aware", "least_loaded", "round_robin"], help="routing policy")
+    p.add_argument("--admission", default="watermark", choices=["watermark", "reserve"],
+                   help="worker admission policy (default watermark)")
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--port", type=int, default=50051, help="router port (0 = a free port)")
+    p.add_argument("--redis-url", help="use this Redis instead of starting a private one")
+    p.add_argument("--ray-address", help="join this Ray cluster instead of starting one")
+    p.add_argument("--api-keys", help="JSON file mapping API keys to tenants (default: open)")
+
+
+def cluster_config(args: argparse.Namespace):
+    """Build a ClusterConfig from parsed args. Raises ModelNotPrepared / ValueError."""
+    from kvfleet.allocator.units import parse_size
+    from kvfleet.deploy.launcher import ClusterConfig
+    from kvfleet.deploy.models import resolve_model
+    from kvfleet.worker.scheduler import SchedulerConfig
+
+    name, model_dir = resolve_model(args.model)
+    return ClusterConfig(
+        model_name=name, model_dir=str(model_dir), replicas=args.replicas,
+        block_size=args.block_size, num_blocks=args.num_blocks,
+        kv_memory_bytes=parse_size(args.kv_memory, "--kv-memory") if args.kv_memory else None,
+        policy=args.policy, port=args.port, redis_url=args.redis_url,
+        ray_address=args.ray_address, api_keys_file=args.api_keys,
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                                  max_num_batched_tokens=args.max_num_batched_tokens,
+                                  policy=args.admission))
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from kvfleet.deploy.launcher import LocalCluster
+
+    cluster = LocalCluster(cluster_config(args))
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        address = cluster.start()
+        print(f"kvfleet ready: router at {address} ({args.replicas} replicas of {args.model}); "
+              "Ctrl-C to stop", flush=True)
+        stop.wait()
+    finally:
+        print("kvfleet: stopping…", file=sys.stderr, flush=True)
+        cluster.stop()
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from kvfleet.client import Client
+
+    kwargs = dict(model=args.model or "", max_tokens=args.max_tokens,
+                  temperature=args.temperature, seed=args.seed)
+    if args.raw:
+        kwargs["prompt"] = args.prompt
+    else:
+        kwargs["messages"] = [{"role": "user", "content": args.prompt}]
+    with Client(args.router, api_key=args.api_key) as client:
+        last = None
+        for chunk in client.stream(timeout=args.timeout, **kwargs):
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+            last = chunk
+    sys.stdout.write("\n")
+    if last is not None and last.finish_reason:
+        print(f"[{last.finish_reason}: {last.completion_tokens} tokens from {last.replica_id}, "
+              f"{last.cached_prompt_tokens}/{last.prompt_tokens} prompt tokens cached]",
+              file=sys.stderr)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from kvfleet.deploy.demo import run_demo
+
+    return run_demo(cluster_config(args))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvfleet", description="kvfleet LLM serving cluster")
+    p.add_argument("-v", "--verbose", action="store_true", help="INFO logs on stderr")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="start a local cluster and serve until Ctrl-C")
+    _add_cluster_args(up)
+    up.set_defaults(func=cmd_up)
+
+    demo = sub.add_parser("demo", help="start a local cluster, send a shared-prefix workload, stop")
+    _add_cluster_args(demo)
+    demo.set_defaults(func=cmd_demo, port=0)
+
+    gen = sub.add_parser("generate", help="stream one completion from a running router")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-tokens", type=int)
+    gen.add_argument("--temperature", type=float)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--model", default="")
+    gen.add_argument("--router", default=DEFAULT_ROUTER)
+    gen.add_argument("--api-key")
+    gen.add_argument("--timeout", type=float, help="deadline in seconds")
+    gen.add_argument("--raw", action="store_true", help="send the prompt as plain text, no chat template")
+    gen.set_defaults(func=cmd_generate)
+
+    sub.add_parser("budget", help="KV-cache byte budget from a config.json (see `kvfleet budget -h`)",
+                   add_help=False)
+    sub.add_parser("model", help="prepare or locate models (see `kvfleet model -h`)", add_help=False)
+    return p
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    # Subcommands with their own parsers.
+    if argv and argv[0] == "budget":
+        from kvfleet.deploy.budget import main as budget_main
+        return budget_main(argv[1:])
+    if argv and argv[0] == "model":
+        from kvfleet.deploy.models import main as model_main
+        return model_main(argv[1:])
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from kvfleet.deploy.models import ModelNotPrepared
+
+    try:
+        return args.func(args)
+    except grpc.RpcError as exc:
+        print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    except (ModelNotPrepared, FileNotFoundError, ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

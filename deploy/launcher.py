@@ -1,0 +1,198 @@
+"""Local cluster launcher: a private redis-server (unless given), a local Ray (or an existing
+one), N worker replicas as Ray actors and the router as its own process.
+
+Ray is started with the settings measured in ENVIRONMENT.md: no dashboard, a 512 MiB object
+store, every listener on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Optional
+
+from kvfleet.deploy.redis_server import RedisServer, start_redis
+from kvfleet.index_keys import DEFAULT_NAMESPACE
+from kvfleet.worker.replica import ReplicaConfig
+from kvfleet.worker.scheduler import SchedulerConfig
+
+log = logging.getLogger(__name__)
+
+RAY_ENV = {
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # keep Ray's listeners on loopback
+    "RAY_AUTH_MODE": "disabled",
+    "GLOO_SOCKET_IFNAME": "lo",
+    "RAY_DEDUP_LOGS": "0",
+}
+RAY_OBJECT_STORE_BYTES = 512 << 20
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """What ``kvfleet up`` starts. Sizes: ``kv_memory_bytes`` in bytes per replica."""
+
+    model_name: str
+    model_dir: str
+    replicas: int = 2
+    block_size: int = 16
+    num_blocks: Optional[int] = None
+    kv_memory_bytes: Optional[int] = None
+    dtype: str = "float32"
+    policy: str = "prefix_aware"
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    host: str = "127.0.0.1"
+    port: int = 50051
+    redis_url: Optional[str] = None
+    ray_address: Optional[str] = None
+    namespace: str = DEFAULT_NAMESPACE
+    api_keys_file: Optional[str] = None
+    ray_num_cpus: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError(f"--replicas must be >= 1, got {self.replicas}")
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raises OSError naming the port if something already listens there (port 0: no check)."""
+    if port == 0:
+        return
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise OSError(f"router port {host}:{port} is already in use "
+                          f"(pick another with --port, or --port 0 for a free one)") from exc
+
+
+def init_ray(address: Optional[str] = None, num_cpus: Optional[int] = None) -> None:
+    """Start a local Ray head with small caps, or join ``address``. Idempotent."""
+    import ray
+
+    os.environ.update(RAY_ENV)
+    if ray.is_initialized():
+        return
+    if address:
+        ray.init(address=address, log_to_driver=False)
+        return
+    ray.init(num_cpus=num_cpus or os.cpu_count() or 2, include_dashboard=False,
+             object_store_memory=RAY_OBJECT_STORE_BYTES, log_to_driver=False,
+             _temp_dir=tempfile.mkdtemp(prefix="kvf-ray-"),
+             runtime_env={"env_vars": dict(RAY_ENV)})
+
+
+class LocalCluster:
+    """Start with :meth:`start`, stop with :meth:`stop` (or use as a context manager)."""
+
+    def __init__(self, cfg: ClusterConfig) -> None:
+        self.cfg = cfg
+        self.redis: Optional[RedisServer] = None
+        self.redis_url: Optional[str] = cfg.redis_url
+        self.actors: list = []
+        self.replica_addresses: list[str] = []
+        self.router_proc: Optional[subprocess.Popen] = None
+        self.router_address: Optional[str] = None
+        self._started_ray = False
+
+    def start(self, timeout_s: float = 300.0) -> str:
+        """Start everything; returns the router address. Cleans up what it started on failure."""
+        try:
+            return self._start(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, timeout_s: float) -> str:
+        import ray
+
+        cfg = self.cfg
+        check_port_free(cfg.host, cfg.port)
+        if self.redis_url is None:
+            self.redis = start_redis()
+            self.redis_url = self.redis.url
+        self._started_ray = not ray.is_initialized() and not cfg.ray_address
+        init_ray(cfg.ray_address, cfg.ray_num_cpus)
+        cpus = float(ray.available_resources().get("CPU", 1.0))
+        per_replica = max(0.1, min(1.0, cpus / cfg.replicas))
+        threads = max(1, (os.cpu_count() or 1) // cfg.replicas)
+        from kvfleet.worker.ray_actor import ReplicaActor
+
+        actor_cls = ray.remote(num_cpus=per_replica, max_restarts=0)(ReplicaActor)
+        run_id = uuid.uuid4().hex[:6]
+        for i in range(cfg.replicas):
+            rcfg = ReplicaConfig(
+                replica_id=f"replica-{i}-{run_id}", model_name=cfg.model_name,
+                model_dir=cfg.model_dir, block_size=cfg.block_size, num_blocks=cfg.num_blocks,
+                kv_memory_bytes=cfg.kv_memory_bytes, dtype=cfg.dtype, scheduler=cfg.scheduler,
+                redis_url=self.redis_url, namespace=cfg.namespace, num_threads=threads)
+            self.actors.append(actor_cls.remote(rcfg))
+        self.replica_addresses = ray.get([a.start.remote() for a in self.actors], timeout=timeout_s)
+        self.router_address = self._start_router(timeout_s)
+        return self.router_address
+
+    def _start_router(self, timeout_s: float) -> str:
+        cfg = self.cfg
+        cmd = [sys.executable, "-m", "kvfleet.router.main", "--redis-url", self.redis_url,
+               "--model-name", cfg.model_name, "--model-dir", cfg.model_dir,
+               "--block-size", str(cfg.block_size), "--kv-dtype", cfg.dtype,
+               "--host", cfg.host, "--port", str(cfg.port), "--policy", cfg.policy,
+               "--namespace", cfg.namespace]
+        if cfg.api_keys_file:
+            cmd += ["--api-keys", cfg.api_keys_file]
+        self.router_proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([self.router_proc.stdout], [], [], 0.2)
+            if ready:
+                line = self.router_proc.stdout.readline()
+                if line.startswith("router ready "):
+                    return line.split()[-1]
+            if self.router_proc.poll() is not None:
+                raise RuntimeError(f"router exited with code {self.router_proc.returncode} "
+                                   "before it was ready (see its error above)")
+        raise TimeoutError(f"router not ready within {timeout_s} s")
+
+    def stop(self) -> None:
+        """Stop router, replicas, Ray (if started here) and Redis (if started here). Idempotent."""
+        if self.router_proc is not None:
+            self.router_proc.terminate()
+            try:
+                self.router_proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.router_proc.kill()
+                self.router_proc.wait()
+            self.router_proc = None
+        if self.actors:
+            import ray
+
+            try:
+                ray.get([a.stop.remote() for a in self.actors], timeout=30)
+            except Exception as exc:
+                log.warning("replica stop failed: %s", exc)
+            for a in self.actors:
+                ray.kill(a, no_restart=True)
+            self.actors = []
+        if self._started_ray:
+            import ray
+
+            ray.shutdown()
+            self._started_ray = False
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
+
+    def __enter__(self) -> "LocalCluster":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,161 @@
+"""A small Python client for a kvfleet router (sync and asyncio), yielding tokens as they arrive.
+
+    from kvfleet.client import Client
+    with Client("127.0.0.1:50051") as c:
+        for chunk in c.stream(messages=[{"role": "user", "content": "Hi"}], max_tokens=32):
+            print(chunk.text, end="", flush=True)
+
+Errors surface as ``grpc.RpcError`` with the server's status code and message.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Iterator, Optional, Sequence
+
+import grpc
+
+from kvfleet.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+_FINISH = {common_pb2.STOP: "stop", common_pb2.LENGTH: "length"}
+_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "n", "ignore_eos",
+                    "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs")
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One streamed message: the tokens one engine step produced for sample ``index``."""
+
+    index: int
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: Optional[str]  # "stop" / "length" on the sample's last chunk, else None
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    completion_tokens: int = 0
+    replica_id: str = ""
+    timing: dict = field(default_factory=dict)  # worker-measured seconds: queue/prefill/decode/ttft
+    received_s: float = 0.0  # client monotonic clock when this chunk arrived
+
+    @classmethod
+    def from_proto(cls, m: common_pb2.GenerateResponse, received_s: float) -> "Chunk":
+        done = m.finish_reason in _FINISH
+        return cls(
+            index=m.index, token_ids=tuple(m.token_ids), text=m.text,
+            finish_reason=_FINISH.get(m.finish_reason),
+            prompt_tokens=m.usage.prompt_tokens if done else 0,
+            cached_prompt_tokens=m.usage.cached_prompt_tokens if done else 0,
+            completion_tokens=m.usage.completion_tokens if done else 0,
+            replica_id=m.replica_id,
+            timing={k: getattr(m.timing, k) for k in ("queue_s", "prefill_s", "decode_s", "ttft_s")}
+            if done else {},
+            received_s=received_s)
+
+
+def build_request(prompt: Optional[str] = None, *, messages: Optional[Sequence[dict]] = None,
+                  token_ids: Optional[Sequence[int]] = None, model: str = "",
+                  cache_salt: str = "", request_id: str = "", stop: Sequence[str] = (),
+                  stop_token_ids: Sequence[int] = (), **sampling) -> router_pb2.GenerateRequest:
+    """Build a GenerateRequest; exactly one of ``prompt``, ``messages``, ``token_ids``.
+
+    ``sampling`` keys: max_tokens, temperature, top_p, top_k, seed, n, ignore_eos,
+    presence_penalty, frequency_penalty, repetition_penalty, logprobs (None = server default).
+
+    Raises:
+        ValueError: zero or several prompt forms, or an unknown sampling key.
+    """
+    forms = [x is not None for x in (prompt, messages, token_ids)]
+    if sum(forms) != 1:
+        raise ValueError("give exactly one of prompt, messages, token_ids")
+    unknown = set(sampling) - set(_SAMPLING_FIELDS)
+    if unknown:
+        raise ValueError(f"unknown sampling parameters: {sorted(unknown)}")
+    req = router_pb2.GenerateRequest(model=model, cache_salt=cache_salt, request_id=request_id)
+    if prompt is not None:
+        req.text = prompt
+    elif messages is not None:
+        req.messages.messages.extend(
+            common_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages)
+    else:
+        req.token_ids.ids.extend(token_ids)
+    for k, v in sampling.items():
+        if v is not None:
+            setattr(req.sampling, k, v)
+    req.sampling.stop.extend(stop)
+    req.sampling.stop_token_ids.extend(stop_token_ids)
+    return req
+
+
+def _metadata(api_key: Optional[str]):
+    return (("authorization", f"Bearer {api_key}"),) if api_key else None
+
+
+class Client:
+    """Blocking client. ``timeout`` (seconds) becomes the request's gRPC deadline."""
+
+    def __init__(self, address: str = "127.0.0.1:50051", api_key: Optional[str] = None) -> None:
+        self._channel = grpc.insecure_channel(address)
+        self._stub = router_pb2_grpc.RouterStub(self._channel)
+        self._metadata = _metadata(api_key)
+
+    def stream(self, prompt: Optional[str] = None, *, timeout: Optional[float] = None,
+               **kwargs) -> Iterator[Chunk]:
+        """Yield chunks as they arrive (see :func:`build_request` for arguments)."""
+        call = self._stub.Generate(build_request(prompt, **kwargs), timeout=timeout,
+                                   metadata=self._metadata)
+        try:
+            for m in call:
+                yield Chunk.from_proto(m, time.monotonic())
+        finally:
+            call.cancel()  # stop the server-side work if the caller stops early
+
+    def generate(self, prompt: Optional[str] = None, **kwargs) -> str:
+        """The whole completion text of sample 0."""
+        return "".join(c.text for c in self.stream(prompt, **kwargs) if c.index == 0)
+
+    def list_models(self) -> router_pb2.ListModelsResponse:
+        return self._stub.ListModels(router_pb2.ListModelsRequest(), metadata=self._metadata)
+
+    def cluster_status(self) -> router_pb2.ClusterStatusResponse:
+        return self._stub.ClusterStatus(router_pb2.ClusterStatusRequest(), metadata=self._metadata)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """asyncio client with the same arguments as :class:`Client`."""
+
+    def __init__(self, address: str = "127.0.0.1:50051", api_key: Optional[str] = None) -> None:
+        self._channel = grpc.aio.insecure_channel(address)
+        self._stub = router_pb2_grpc.RouterStub(self._channel)
+        self._metadata = _metadata(api_key)
+
+    async def stream(self, prompt: Optional[str] = None, *, timeout: Optional[float] = None,
+                     **kwargs) -> AsyncIterator[Chunk]:
+        call = self._stub.Generate(build_request(prompt, **kwargs), timeout=timeout,
+                                   metadata=self._metadata)
+        try:
+            async for m in call:
+                yield Chunk.from_proto(m, time.monotonic())
+        finally:
+            call.cancel()
+
+    async def generate(self, prompt: Optional[str] = None, **kwargs) -> str:
+        return "".join([c.text async for c in self.stream(prompt, **kwargs) if c.index == 0])
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

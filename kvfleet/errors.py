@@ -1,0 +1,63 @@
+"""Errors a client can cause, each mapped once to a gRPC status code at the service edge.
+
+Internal invariants use ``assert``; anything caused by input raises one of these.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class KvfleetError(Exception):
+    """Base class: an error with the gRPC status code it maps to."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+
+class InvalidArgument(KvfleetError):
+    """A malformed field; the message names it."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class OutOfRange(KvfleetError):
+    """Prompt + max_tokens beyond the model's context length."""
+
+    code = grpc.StatusCode.OUT_OF_RANGE
+
+
+class NotFound(KvfleetError):
+    """Unknown model or adapter."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class Unauthenticated(KvfleetError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class ResourceExhausted(KvfleetError):
+    """The waiting queue is full, or the request can never fit the replica's KV capacity."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Unavailable(KvfleetError):
+    """No live replica can serve the request."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class DeadlineExceeded(KvfleetError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status code and message a server answers for ``exc``.
+
+    A :class:`KvfleetError` keeps its code and message; anything else is INTERNAL with the
+    exception type only (no internals leak to clients).
+    """
+    if isinstance(exc, KvfleetError):
+        return exc.code, str(exc)
+    return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__})"

@@ -1,0 +1,1 @@
+"""The stateless router: authenticate → validate → tokenize → hash → route → relay."""

@@ -1,0 +1,128 @@
+"""Router process entry point: ``python -m kvfleet.router.main --redis-url … --model …``.
+
+Prints one line ``router ready <host:port>`` on stdout once it accepts requests; stops
+cleanly on SIGINT/SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from dataclasses import dataclass
+from typing import Optional
+
+import grpc
+
+from kvfleet.grpc_util import SERVER_OPTIONS, add_health_and_reflection, bind_port, mark_serving
+from kvfleet.index_keys import DEFAULT_NAMESPACE
+from kvfleet.router.auth import Authenticator
+from kvfleet.router.policy import make_policy
+from kvfleet.router.prefix_index import RedisPrefixIndex
+from kvfleet.router.replica_set import ReplicaSet
+from kvfleet.router.served_model import ServedModel
+from kvfleet.router.server import RouterService
+from kvfleet.v1 import router_pb2, router_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    redis_url: str
+    model_name: str
+    model_dir: str
+    block_size: int = 16
+    kv_dtype: str = "float32"
+    host: str = "127.0.0.1"
+    port: int = 50051
+    policy: str = "prefix_aware"
+    namespace: str = DEFAULT_NAMESPACE
+    api_keys_file: Optional[str] = None
+    replica_ttl_s: float = 10.0
+
+
+class RouterServer:
+    """The router's gRPC server and its collaborators, on the current asyncio loop."""
+
+    def __init__(self, cfg: RouterConfig) -> None:
+        self.cfg = cfg
+        self.address: Optional[str] = None
+        self._server: Optional[grpc.aio.Server] = None
+        self.replicas: Optional[ReplicaSet] = None
+
+    async def start(self) -> str:
+        """Start serving; returns ``host:port``. Raises OSError if the port is taken."""
+        cfg = self.cfg
+        policy = make_policy(cfg.policy)
+        auth = Authenticator.from_file(cfg.api_keys_file)
+        model = ServedModel.load(cfg.model_name, cfg.model_dir, cfg.block_size, cfg.kv_dtype)
+        index = RedisPrefixIndex(cfg.redis_url, namespace=cfg.namespace,
+                                 replica_ttl_s=cfg.replica_ttl_s)
+        self._server = grpc.aio.server(options=SERVER_OPTIONS)
+        port = bind_port(self._server, cfg.host, cfg.port)
+        self.address = f"{cfg.host}:{port}"
+        self.replicas = ReplicaSet(index)
+        await self.replicas.start()
+        service = RouterService({model.name: model}, model.name, self.replicas, policy, auth)
+        router_pb2_grpc.add_RouterServicer_to_server(service, self._server)
+        name = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
+        health = add_health_and_reflection(self._server, [name])
+        await self._server.start()
+        await mark_serving(health, [name])
+        return self.address
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        if self._server is not None:
+            await self._server.stop(grace_s)
+            self._server = None
+        if self.replicas is not None:
+            await self.replicas.close()
+            self.replicas = None
+
+
+def parse_args(argv: list[str]) -> RouterConfig:
+    p = argparse.ArgumentParser(prog="kvfleet-router", description=__doc__)
+    p.add_argument("--redis-url", required=True)
+    p.add_argument("--model-name", required=True)
+    p.add_argument("--model-dir", required=True)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-dtype", default="float32")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--policy", default="prefix_aware")
+    p.add_argument("--namespace", default=DEFAULT_NAMESPACE)
+    p.add_argument("--api-keys", default=None, help="JSON file mapping API keys to tenants")
+    a = p.parse_args(argv)
+    return RouterConfig(redis_url=a.redis_url, model_name=a.model_name, model_dir=a.model_dir,
+                        block_size=a.block_size, kv_dtype=a.kv_dtype, host=a.host, port=a.port,
+                        policy=a.policy, namespace=a.namespace, api_keys_file=a.api_keys)
+
+
+async def _serve(cfg: RouterConfig) -> int:
+    server = RouterServer(cfg)
+    try:
+        address = await server.start()
+    except OSError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    print(f"router ready {address}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop()
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s router %(name)s: %(message)s")
+    return asyncio.run(_serve(parse_args(sys.argv[1:] if argv is None else argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""The router's view of live replicas: refreshed from the index in the background, with the
+router's own in-flight counts and one gRPC channel per replica.
+
+When the index is unreachable the last-known list is kept (DESIGN §1: route by load over the
+replicas it knew) and the outage is logged once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import defaultdict
+from typing import Optional
+
+import grpc
+
+from kvfleet.grpc_util import CHANNEL_OPTIONS
+from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
+from kvfleet.router.prefix_index import IndexUnavailable, PrefixIndex
+from kvfleet.v1 import worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class ReplicaSet:
+    def __init__(self, index: PrefixIndex, refresh_interval_s: float = 0.5) -> None:
+        self.index = index
+        self.refresh_interval_s = refresh_interval_s
+        self.replicas: dict[str, tuple[ReplicaInfo, Optional[ReplicaLoad]]] = {}
+        self.inflight: dict[str, int] = defaultdict(int)
+        self.index_available = True
+        self._channels: dict[str, tuple[str, grpc.aio.Channel, worker_pb2_grpc.WorkerStub]] = {}
+        self._task: Optional[asyncio.Task] = None
+
+    async def start(self) -> None:
+        await self.refresh()
+        self._task = asyncio.create_task(self._refresh_forever())
+
+    async def refresh(self) -> None:
+        try:
+            live = await self.index.replicas()
+        except IndexUnavailable as exc:
+            self.mark_index_down(exc)
+            return
+        self.mark_index_up()
+        self.replicas = {info.replica_id: (info, load) for info, load in live}
+
+    def mark_index_down(self, exc: BaseException) -> None:
+        if self.index_available:
+            log.warning("prefix index unreachable (%s); routing by load over %d known replicas",
+                        exc, len(self.replicas))
+        self.index_available = False
+
+    def mark_index_up(self) -> None:
+        if not self.index_available:
+            log.warning("prefix index reachable again")
+        self.index_available = True
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_interval_s)
+            try:
+                await self.refresh()
+            except Exception:
+                log.exception("replica refresh failed")
+
+    def for_model(self, model: str) -> list[tuple[ReplicaInfo, Optional[ReplicaLoad]]]:
+        return [r for r in self.replicas.values() if r[0].model == model]
+
+    def stub(self, info: ReplicaInfo) -> worker_pb2_grpc.WorkerStub:
+        """A cached stub for the replica's current address (a new address gets a new channel)."""
+        cached = self._channels.get(info.replica_id)
+        if cached is None or cached[0] != info.address:
+            if cached is not None:
+                asyncio.create_task(cached[1].close())
+            channel = grpc.aio.insecure_channel(info.address, options=CHANNEL_OPTIONS)
+            cached = (info.address, channel, worker_pb2_grpc.WorkerStub(channel))
+            self._channels[info.replica_id] = cached
+        return cached[2]
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        for _, channel, _ in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+        await self.index.close()

@@ -1,0 +1,91 @@
+"""A model as the router serves it: tokenizer, chat template, cache identity, limits.
+
+Loaded from the same model directory the workers load, so both derive the same identity and
+the tokens the router hashes are the tokens the worker caches.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import tokenizers
+
+from kvfleet.allocator.fingerprint import fingerprint_model_dir, read_chat_template
+from kvfleet.allocator.hashing import CacheIdentity
+from kvfleet.errors import InvalidArgument
+from kvfleet.router.chat_template import ChatTemplate
+
+VALID_ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclass
+class ServedModel:
+    """Everything the router needs to validate, tokenize and hash prompts for one model."""
+
+    name: str
+    model_dir: Path
+    tokenizer: tokenizers.Tokenizer
+    chat_template: Optional[ChatTemplate]
+    identity: CacheIdentity
+    max_context: int
+    vocab_size: int
+    block_size: int
+
+    @classmethod
+    def load(cls, name: str, model_dir: str | Path, block_size: int, kv_dtype: str = "float32") -> "ServedModel":
+        """Load tokenizer, chat template and identity from a model directory.
+
+        Raises:
+            FileNotFoundError: ``config.json`` or ``tokenizer.json`` is missing.
+        """
+        d = Path(model_dir)
+        config = json.loads((d / "config.json").read_text())
+        tokenizer = tokenizers.Tokenizer.from_file(str(d / "tokenizer.json"))
+        source = read_chat_template(d)
+        special = _special_tokens(d)
+        fp = fingerprint_model_dir(d)
+        identity = CacheIdentity(model=name, weights_fingerprint=fp.weights,
+                                 tokenizer_fingerprint=fp.tokenizer,
+                                 chat_template_fingerprint=fp.chat_template,
+                                 kv_dtype=kv_dtype, block_size=block_size)
+        return cls(name=name, model_dir=d, tokenizer=tokenizer,
+                   chat_template=ChatTemplate(source, special) if source else None,
+                   identity=identity, max_context=int(config["max_position_embeddings"]),
+                   vocab_size=int(config["vocab_size"]), block_size=block_size)
+
+    def encode_text(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=True).ids
+
+    def encode_messages(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """Render with the chat template (adding the assistant prompt) and tokenize once.
+
+        Raises:
+            InvalidArgument: no chat template, an unknown role, or an empty list.
+        """
+        if self.chat_template is None:
+            raise InvalidArgument(f"messages: model {self.name!r} has no chat template; send text")
+        if not messages:
+            raise InvalidArgument("messages must not be empty")
+        for i, m in enumerate(messages):
+            if m["role"] not in VALID_ROLES:
+                raise InvalidArgument(f"messages[{i}].role must be one of {VALID_ROLES}, got {m['role']!r}")
+        text = self.chat_template.render(messages)
+        # The template already wrote any special tokens; do not add them twice.
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def _special_tokens(model_dir: Path) -> dict[str, str]:
+    cfg = model_dir / "tokenizer_config.json"
+    out = {"bos_token": "", "eos_token": ""}
+    if cfg.exists():
+        data = json.loads(cfg.read_text())
+        for key in out:
+            tok = data.get(key)
+            if isinstance(tok, dict):
+                tok = tok.get("content")
+            if isinstance(tok, str):
+                out[key] = tok
+    return out

@@ -1,0 +1,174 @@
+"""The Router gRPC service: authenticate → validate → tokenize → hash → route → relay."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Optional
+
+import grpc
+
+from kvfleet.allocator.hashing import block_hash_chain, root_hash
+from kvfleet.errors import (InvalidArgument, KvfleetError, NotFound, OutOfRange, Unavailable,
+                            status_of)
+from kvfleet.router.auth import Authenticator
+from kvfleet.router.policy import Candidate, RoutingPolicy
+from kvfleet.router.prefix_index import IndexUnavailable
+from kvfleet.router.replica_set import ReplicaSet
+from kvfleet.router.served_model import ServedModel
+from kvfleet.sampling_params import SamplingParams
+from kvfleet.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
+
+log = logging.getLogger(__name__)
+
+MAX_PROMPT_BYTES = 1 << 20  # 1 MiB of prompt text per request
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    candidate: Candidate
+    num_blocks: int
+    redis_s: float
+    index_used: bool
+
+
+class RouterService(router_pb2_grpc.RouterServicer):
+    def __init__(self, models: dict[str, ServedModel], default_model: str, replicas: ReplicaSet,
+                 policy: RoutingPolicy, auth: Authenticator) -> None:
+        self.models = models
+        self.default_model = default_model
+        self.replicas = replicas
+        self.policy = policy
+        self.auth = auth
+
+    # ---- helpers -------------------------------------------------------------------------
+    def _model(self, name: str) -> ServedModel:
+        model = self.models.get(name or self.default_model)
+        if model is None:
+            raise NotFound(f"model {name!r} is not served; served: {sorted(self.models)}")
+        return model
+
+    def _prompt_tokens(self, request, model: ServedModel) -> list[int]:
+        kind = request.WhichOneof("prompt")
+        if kind is None:
+            raise InvalidArgument("prompt: one of text, token_ids or messages is required")
+        if kind == "text":
+            if not request.text:
+                raise InvalidArgument("text must not be empty")
+            if len(request.text.encode()) > MAX_PROMPT_BYTES:
+                raise InvalidArgument(f"text exceeds {MAX_PROMPT_BYTES} bytes")
+            return model.encode_text(request.text)
+        if kind == "token_ids":
+            ids = list(request.token_ids.ids)
+            if not ids:
+                raise InvalidArgument("token_ids must not be empty")
+            bad = [t for t in ids if not 0 <= t < model.vocab_size]
+            if bad:
+                raise InvalidArgument(f"token_ids: {bad[0]} is outside [0, {model.vocab_size})")
+            return ids
+        msgs = [{"role": m.role, "content": m.content} for m in request.messages.messages]
+        if sum(len(m["content"].encode()) for m in msgs) > MAX_PROMPT_BYTES:
+            raise InvalidArgument(f"messages exceed {MAX_PROMPT_BYTES} bytes of content")
+        return model.encode_messages(msgs)
+
+    async def route(self, model: ServedModel, chain: list[bytes]) -> RouteDecision:
+        """Pick a replica for a chain of block hashes. Raises Unavailable if none is live."""
+        live = self.replicas.for_model(model.name)
+        if not live:
+            raise Unavailable(f"no live replica serves model {model.name!r}")
+        matched: dict[str, int] = {}
+        t0 = time.perf_counter()
+        index_used = False
+        if chain and self.policy.name == "prefix_aware":
+            try:
+                matched = await self.replicas.index.match(chain)
+                index_used = True
+                self.replicas.mark_index_up()
+            except IndexUnavailable as exc:
+                self.replicas.mark_index_down(exc)
+        redis_s = time.perf_counter() - t0
+        candidates = [Candidate(info, load, matched.get(info.replica_id, 0),
+                                self.replicas.inflight[info.replica_id]) for info, load in live]
+        first = chain[0] if chain else b""
+        return RouteDecision(self.policy.choose(candidates, first), len(chain), redis_s, index_used)
+
+    # ---- RPCs ------------------------------------------------------------------------------
+    async def Generate(self, request: router_pb2.GenerateRequest, context):
+        try:
+            tenant = self.auth.tenant(context.invocation_metadata())
+            model = self._model(request.model)
+            if request.adapter:
+                raise NotFound(f"adapter {request.adapter!r} is not loaded")
+            params = SamplingParams.from_proto(request.sampling)
+            tokens = self._prompt_tokens(request, model)
+            total = len(tokens) + params.max_tokens
+            if total > model.max_context:
+                raise OutOfRange(
+                    f"prompt ({len(tokens)} tokens) + sampling.max_tokens ({params.max_tokens}) "
+                    f"= {total} exceeds the context of {model.max_context} tokens")
+            root = root_hash(model.identity.digest(), tenant, request.cache_salt)
+            chain = block_hash_chain(root, tokens, model.block_size)
+            decision = await self.route(model, chain)
+        except KvfleetError as exc:
+            await context.abort(*status_of(exc))
+            return
+        request_id = request.request_id or uuid.uuid4().hex
+        worker_req = worker_pb2.WorkerGenerateRequest(
+            request_id=request_id, prompt_token_ids=tokens, tenant=tenant,
+            cache_salt=request.cache_salt, adapter=request.adapter)
+        params.to_proto(worker_req.sampling)
+        remaining = context.time_remaining()
+        if remaining is not None:
+            worker_req.deadline_unix_s = time.time() + remaining
+        info = decision.candidate.info
+        log.debug("request %s: %d tokens, %d blocks matched on %s (%s)", request_id, len(tokens),
+                  decision.candidate.matched_blocks, info.replica_id, self.policy.name)
+        self.replicas.inflight[info.replica_id] += 1
+        call = self.replicas.stub(info).Generate(worker_req, timeout=remaining)
+        try:
+            async for msg in call:
+                yield msg
+        except grpc.aio.AioRpcError as exc:
+            await context.abort(exc.code(), exc.details() or "worker stream failed")
+        finally:
+            self.replicas.inflight[info.replica_id] -= 1
+            call.cancel()  # no-op when finished; cancels the worker stream if the client left
+
+    async def Tokenize(self, request, context):
+        try:
+            model = self._model(request.model)
+            kind = request.WhichOneof("prompt")
+            if kind == "messages":
+                ids = model.encode_messages([{"role": m.role, "content": m.content}
+                                             for m in request.messages.messages])
+            elif kind == "text" and request.text:
+                ids = model.encode_text(request.text)
+            else:
+                raise InvalidArgument("prompt: text or messages is required")
+        except KvfleetError as exc:
+            await context.abort(*status_of(exc))
+            return
+        return router_pb2.TokenizeResponse(token_ids=ids, block_size=model.block_size,
+                                           num_full_blocks=len(ids) // model.block_size)
+
+    async def ListModels(self, request, context):
+        return router_pb2.ListModelsResponse(models=[
+            router_pb2.ModelInfo(name=m.name, max_context=m.max_context, block_size=m.block_size,
+                                 identity=m.identity.digest().hex())
+            for m in self.models.values()])
+
+    async def ClusterStatus(self, request, context):
+        now = time.time()
+        out = router_pb2.ClusterStatusResponse(policy=self.policy.name,
+                                               index_available=self.replicas.index_available)
+        for info, load in self.replicas.replicas.values():
+            r = out.replicas.add(replica_id=info.replica_id, address=info.address,
+                                 model=info.model, epoch=info.epoch)
+            if load is not None:
+                r.running, r.waiting = load.running, load.waiting
+                r.num_free_blocks, r.num_total_blocks = load.num_free_blocks, load.num_total_blocks
+                r.heartbeat_age_s = max(0.0, now - load.updated_at)
+        return out

@@ -1,0 +1,109 @@
+"""The CLI as a user runs it: `kvfleet up` on the real SmolLM2, `kvfleet generate`, Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+KVFLEET = [sys.executable, "-m", "kvfleet.deploy.cli"]
+
+
+def _wait_ready(proc: subprocess.Popen, timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"kvfleet up exited early with {proc.returncode}")
+        ready, _, _ = select.select([proc.stdout], [], [], 0.5)
+        if ready:
+            line = proc.stdout.readline()
+            if "ready" in line:
+                return line.split("router at ")[1].split()[0]
+    raise AssertionError("kvfleet up never printed ready")
+
+
+@pytest.fixture(scope="module")
+def cli_cluster(smollm2_dir, redis_server):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [*KVFLEET, "up", "--model", str(smollm2_dir), "--port", "0", "--replicas", "2",
+         "--redis-url", redis_server.url, "--kv-memory", "64MiB"],
+        stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        yield proc, _wait_ready(proc, 240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_generate_streams_a_coherent_answer(cli_cluster):
+    _, address = cli_cluster
+    out = subprocess.run([*KVFLEET, "generate", "--prompt", "What is the capital of France?",
+                          "--router", address, "--max-tokens", "24"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in out.stdout
+    assert "stop" in out.stderr or "length" in out.stderr
+
+
+def test_generate_reports_bad_input_with_its_status(cli_cluster):
+    _, address = cli_cluster
+    out = subprocess.run([*KVFLEET, "generate", "--prompt", "hi", "--router", address,
+                          "--temperature", "-1"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1
+    assert "INVALID_ARGUMENT" in out.stderr and "temperature" in out.stderr
+
+
+def test_taken_port_is_a_clear_error(cli_cluster, smollm2_dir):
+    _, address = cli_cluster
+    port = address.rsplit(":", 1)[1]
+    out = subprocess.run([*KVFLEET, "up", "--model", str(smollm2_dir), "--port", port],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert f"{port} is already in use" in out.stderr
+
+
+def test_unprepared_model_says_how_to_prepare(tmp_path):
+    env = {**os.environ, "KVFLEET_CACHE_DIR": str(tmp_path)}
+    out = subprocess.run([*KVFLEET, "up", "--port", "0"], capture_output=True, text=True,
+                         timeout=60, env=env)
+    assert out.returncode == 2
+    assert "kvfleet model prepare" in out.stderr
+
+
+def test_sigterm_stops_everything(cli_cluster):
+    proc, _ = cli_cluster
+    children = _descendants(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0
+    time.sleep(1.0)
+    alive = [pid for pid in children if _alive(pid)]
+    assert not alive, f"orphan processes left: {alive}"
+
+
+def _descendants(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True).stdout
+    pairs = [tuple(map(int, l.split())) for l in out.strip().splitlines()]
+    kids, frontier = [], [pid]
+    while frontier:
+        p = frontier.pop()
+        for c, pp in pairs:
+            if pp == p:
+                kids.append(c)
+                frontier.append(c)
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.split(") ")[1][0] != "Z"

@@ -1,0 +1,142 @@
+"""Scheduler decisions with the real KV cache manager and no model: budgets, FCFS, prefix
+reuse, watermark preemption by recompute, the reserve policy, refusal of what never fits."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvfleet.allocator.kv_cache_manager import KVCacheManager
+from kvfleet.errors import ResourceExhausted
+from kvfleet.sampling_params import SamplingParams
+from kvfleet.worker.request import Sequence, SeqStatus
+from kvfleet.worker.scheduler import Scheduler, SchedulerConfig
+
+BS = 4
+
+
+def make(n_blocks=16, **cfg) -> Scheduler:
+    return Scheduler(SchedulerConfig(**cfg), KVCacheManager(n_blocks, BS))
+
+
+_arrival = iter(range(10**6))
+
+
+def seq(prompt_len: int, max_tokens: int = 8, first: int = 1, sid: str | None = None) -> Sequence:
+    a = next(_arrival)
+    return Sequence(seq_id=sid or f"s{a}", request_id=sid or f"s{a}", index=0,
+                    prompt_token_ids=list(range(first, first + prompt_len)),
+                    params=SamplingParams(max_tokens=max_tokens), root_hash=b"r" * 16,
+                    block_size=BS, arrival_seq=a)
+
+
+def run_step(s: Scheduler, token: int = 7):
+    """One step as the engine does it: schedule, 'compute', append a token where sampled."""
+    out = s.schedule()
+    s.on_step_done(out)
+    for x in out.scheduled:
+        if x.sample and x.seq.status is SeqStatus.RUNNING:
+            x.seq.append_token(token)
+    s.kv.check_invariants()
+    return out
+
+
+def test_chunked_prefill_respects_the_token_budget_and_decodes_go_first():
+    s = make(max_num_batched_tokens=6)
+    a, b = seq(3), seq(10)
+    s.add([a, b])
+    out = run_step(s)
+    assert [(x.seq.seq_id, x.num_new_tokens, x.sample) for x in out.scheduled] == [
+        (a.seq_id, 3, True), (b.seq_id, 3, False)]
+    out = run_step(s)  # a decodes first (1 token), b's prefill fills the rest (5)
+    assert [(x.seq.seq_id, x.num_new_tokens) for x in out.scheduled] == [(a.seq_id, 1), (b.seq_id, 5)]
+    assert out.plan.chunks[1].num_computed_tokens == 3
+    out = run_step(s)
+    assert [(x.seq.seq_id, x.num_new_tokens, x.sample) for x in out.scheduled] == [
+        (a.seq_id, 1, True), (b.seq_id, 2, True)]
+
+
+def test_max_num_seqs_and_fcfs():
+    s = make(max_num_seqs=2)
+    seqs = [seq(2) for _ in range(3)]
+    s.add(seqs)
+    out = run_step(s)
+    assert [x.seq.seq_id for x in out.scheduled] == [seqs[0].seq_id, seqs[1].seq_id]
+    assert list(s.waiting) == [seqs[2]]
+
+
+def test_prefix_hit_reuses_full_blocks_but_recomputes_the_last_prompt_token():
+    s = make()
+    a = seq(8)
+    s.add([a])
+    run_step(s)
+    s.finish(a)  # its two full blocks stay cached (evictable)
+    b = seq(8)  # same tokens: 8 tokens = 2 full blocks, but only 1 may be reused ((8-1)//4)
+    s.add([b])
+    out = run_step(s)
+    assert b.num_cached_tokens == 4
+    assert out.plan.chunks[0].num_computed_tokens == 4 and len(out.plan.chunks[0].token_ids) == 4
+    c = seq(10)  # 10 tokens: both full blocks reusable
+    s.add([c])
+    run_step(s)
+    assert c.num_cached_tokens == 8
+
+
+def test_watermark_preempts_the_newest_by_recompute_and_resumes_it_in_fcfs_order():
+    s = make(n_blocks=4, watermark=0.0)
+    old, new = seq(4, max_tokens=8), seq(4, max_tokens=8, first=50)
+    s.add([old, new])
+    for _ in range(20):
+        out = run_step(s)
+        if out.preempted:
+            break
+    # Both need a 3rd block with none free: the newest is preempted, the oldest keeps going.
+    assert out.preempted == (new,) and new.status is SeqStatus.WAITING
+    assert [x.seq for x in out.scheduled] == [old]
+    assert new.num_computed_tokens == 0 and new.num_preemptions == 1
+    kept = list(new.output_token_ids)
+    assert kept  # its output is kept and recomputed, not dropped
+    while len(old.output_token_ids) < 8:
+        run_step(s)
+    s.finish(old)
+    out = run_step(s)
+    assert out.scheduled[0].seq is new and new.output_token_ids[:len(kept)] == kept
+    # prompt + output so far is recomputed (minus whatever full blocks are still cached)
+    first = out.plan.chunks[0]
+    assert first.num_computed_tokens + len(first.token_ids) == 4 + len(kept)
+    assert new.num_cached_tokens == 0  # counted once, at first admission
+
+
+def test_reserve_never_preempts_and_holds_back_admission():
+    s = make(n_blocks=4, policy="reserve")
+    a, b = seq(4, max_tokens=8), seq(4, max_tokens=8, first=50)  # each reserves 3 blocks
+    s.add([a, b])
+    out = run_step(s)
+    assert [x.seq for x in out.scheduled] == [a]
+    while a.status is SeqStatus.RUNNING and len(a.output_token_ids) < 8:
+        out = run_step(s)
+        assert not out.preempted
+        assert b.status is SeqStatus.WAITING
+    s.finish(a)
+    run_step(s)
+    assert b.status is SeqStatus.RUNNING
+
+
+def test_never_fitting_request_is_refused_at_once_and_queue_is_bounded():
+    s = make(n_blocks=4, max_waiting=2)
+    with pytest.raises(ResourceExhausted, match="4 in total"):
+        s.add([seq(10, max_tokens=10)])
+    s.add([seq(2), seq(2)])
+    with pytest.raises(ResourceExhausted, match="queue is full"):
+        s.add([seq(2)])
+
+
+def test_finish_returns_every_block():
+    s = make(n_blocks=8)
+    seqs = [seq(5) for _ in range(3)]
+    s.add(seqs)
+    run_step(s)
+    run_step(s)
+    for x in seqs:
+        s.finish(x)
+    assert s.kv.num_free_blocks == 8
+    s.kv.check_invariants()

@@ -1,0 +1,1 @@
+"""A model replica: gRPC server → engine loop → scheduler → model runner → stream."""

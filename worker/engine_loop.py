@@ -1,0 +1,160 @@
+"""Runs the :class:`Engine` on its own thread and bridges it to asyncio.
+
+The gRPC handlers (on the event loop) submit requests and aborts through an inbox; the engine
+thread applies them between steps, runs steps while there is work, and hands each output to
+the request's ``asyncio.Queue`` with ``call_soon_threadsafe``. The event loop never blocks on
+a forward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable, Optional
+
+from kvfleet.worker.engine import Engine, EngineRequest
+from kvfleet.worker.outputs import SeqOutput
+from kvfleet.worker.request import FinishReason
+
+log = logging.getLogger(__name__)
+
+# Called on the engine thread after a step that stored or evicted blocks:
+# (stored hashes, removed hashes, stats snapshot).
+StepHook = Callable[[list[bytes], list[bytes], dict], None]
+
+
+@dataclass
+class _Add:
+    req: EngineRequest
+    out: asyncio.Queue
+    admitted: asyncio.Future
+
+
+@dataclass
+class _Abort:
+    request_id: str
+    reason: FinishReason
+
+
+class EngineLoop:
+    """Thread-safe, asyncio-facing wrapper of one :class:`Engine`."""
+
+    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop,
+                 on_step: Optional[StepHook] = None) -> None:
+        self.engine = engine
+        self.loop = loop
+        self.on_step = on_step
+        self._inbox: queue.Queue = queue.Queue()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._stop = threading.Event()
+        self._stats: dict = engine.stats()
+        self._thread = threading.Thread(target=self._run, name="kvfleet-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        self._inbox.put(None)
+        self._thread.join(timeout_s)
+
+    @property
+    def stats(self) -> dict:
+        """Last stats snapshot taken by the engine thread (running, waiting, blocks)."""
+        return dict(self._stats)
+
+    async def generate(self, req: EngineRequest) -> AsyncIterator[SeqOutput]:
+        """Submit a request and yield its outputs until every sample has finished.
+
+        Raises a :class:`~kvfleet.errors.KvfleetError` before the first output if refused.
+        If the consumer stops iterating (client cancelled), the request is aborted.
+        """
+        out: asyncio.Queue = asyncio.Queue()
+        admitted = self.loop.create_future()
+        self._inbox.put(_Add(req, out, admitted))
+        await admitted
+        remaining = req.params.n
+        try:
+            while remaining:
+                item = await out.get()
+                if item.finished:
+                    remaining -= 1
+                yield item
+        finally:
+            if remaining:
+                self.abort(req.request_id)
+
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> None:
+        """Ask the engine thread to end a request at its next step boundary."""
+        self._inbox.put(_Abort(request_id, reason))
+
+    # ---- engine thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._drain_inbox(block=not self.engine.has_work)
+            if self._stop.is_set():
+                break
+            try:
+                outputs = self.engine.step()
+            except Exception:  # never let the loop die silently: fail everything in flight
+                log.exception("engine step failed; aborting all requests")
+                outputs = []
+                for rid in list(self._streams):
+                    outputs += self.engine.abort(rid, FinishReason.ERROR)
+            self._deliver(outputs)
+            self._after_step()
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while item is not None or not self._inbox.empty():
+            if isinstance(item, _Add):
+                self._add(item)
+            elif isinstance(item, _Abort):
+                self._deliver(self.engine.abort(item.request_id, item.reason))
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+
+    def _add(self, item: _Add) -> None:
+        try:
+            self.engine.add_request(item.req)
+        except Exception as exc:
+            self.loop.call_soon_threadsafe(_set_exception, item.admitted, exc)
+            return
+        self._streams[item.req.request_id] = item.out
+        self.loop.call_soon_threadsafe(_set_result, item.admitted, None)
+
+    def _deliver(self, outputs: list[SeqOutput]) -> None:
+        for o in outputs:
+            q = self._streams.get(o.request_id)
+            if q is None:
+                continue
+            self.loop.call_soon_threadsafe(q.put_nowait, o)
+            if o.finished and not self.engine.is_active(o.request_id):
+                self._streams.pop(o.request_id, None)
+
+    def _after_step(self) -> None:
+        self._stats = self.engine.stats()
+        stored, removed = self.engine.kv.take_events()
+        if self.on_step is not None and (stored or removed):
+            try:
+                self.on_step(stored, removed, self._stats)
+            except Exception:
+                log.exception("step hook failed")
+
+
+def _set_result(fut: asyncio.Future, value) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)

@@ -1,0 +1,51 @@
+"""What the engine hands to the stream layer: one message per sample per step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from kvfleet.worker.request import FinishReason
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Worker-side durations in seconds (one monotonic clock)."""
+
+    queue_s: float
+    prefill_s: float
+    decode_s: float
+    ttft_s: float
+
+
+@dataclass(frozen=True)
+class SeqOutput:
+    """New tokens of one sample from one engine step; the finish fields are set on its last."""
+
+    request_id: str
+    index: int
+    token_ids: tuple[int, ...]
+    text: str
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    finish_reason: Optional[FinishReason] = None
+    usage: Optional[Usage] = None
+    timing: Optional[Timing] = None
+    error: Optional[BaseException] = field(default=None, compare=False)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

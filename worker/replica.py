@@ -1,0 +1,179 @@
+"""One model replica: builds the engine from a model directory, serves it over gRPC on a free
+loopback port, registers in Redis, publishes KV events and heartbeats with load.
+
+:class:`ReplicaServer` is plain asyncio (usable in-process in tests); :mod:`kvfleet.worker.ray_actor`
+hosts it inside a Ray actor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import grpc
+import tokenizers
+import torch
+
+from kvfleet.allocator.fingerprint import fingerprint_model_dir
+from kvfleet.allocator.hashing import CacheIdentity
+from kvfleet.allocator.kv_cache_manager import KVCacheManager
+from kvfleet.grpc_util import SERVER_OPTIONS, add_health_and_reflection, bind_port, mark_serving
+from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
+from kvfleet.v1 import worker_pb2, worker_pb2_grpc
+from kvfleet.worker.engine import Engine
+from kvfleet.worker.engine_loop import EngineLoop
+from kvfleet.worker.kv_publisher import KvPublisher
+from kvfleet.worker.kv_cache import num_blocks_for_memory
+from kvfleet.worker.model_config import load_model_config
+from kvfleet.worker.model_runner import ModelRunner
+from kvfleet.worker.scheduler import SchedulerConfig
+from kvfleet.worker.server import WorkerService
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_KV_MEMORY_BYTES = 256 << 20  # 256 MiB of K/V per replica unless told otherwise
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    """How to build and serve one replica (tensor_parallel_size 1 for now).
+
+    Exactly one of ``num_blocks`` / ``kv_memory_bytes`` sizes the KV pool; with neither,
+    ``DEFAULT_KV_MEMORY_BYTES`` is used.
+    """
+
+    replica_id: str
+    model_name: str
+    model_dir: str
+    block_size: int = 16
+    num_blocks: Optional[int] = None
+    kv_memory_bytes: Optional[int] = None
+    dtype: str = "float32"
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    redis_url: Optional[str] = None
+    namespace: str = "kvfleet:"
+    host: str = "127.0.0.1"
+    port: int = 0
+    num_threads: int = 1
+    heartbeat_interval_s: float = 1.0
+    replica_ttl_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be > 0, got {self.block_size}")
+
+
+def cache_identity(model_name: str, model_dir: str | Path, kv_dtype: str, block_size: int) -> CacheIdentity:
+    """The identity both router and worker derive from the same model directory (DESIGN §2)."""
+    fp = fingerprint_model_dir(model_dir)
+    return CacheIdentity(model=model_name, weights_fingerprint=fp.weights,
+                         tokenizer_fingerprint=fp.tokenizer,
+                         chat_template_fingerprint=fp.chat_template,
+                         kv_dtype=kv_dtype, block_size=block_size)
+
+
+def build_engine(cfg: ReplicaConfig) -> Engine:
+    """Load the model and size the KV pool. Raises FileNotFoundError for a bad model dir."""
+    torch.set_num_threads(cfg.num_threads)
+    dtype = DTYPES[cfg.dtype]
+    model_dir = Path(cfg.model_dir)
+    num_blocks = cfg.num_blocks
+    if num_blocks is None:
+        mc = load_model_config(model_dir)
+        num_blocks = num_blocks_for_memory(mc, cfg.block_size, dtype,
+                                           cfg.kv_memory_bytes or DEFAULT_KV_MEMORY_BYTES)
+    runner = ModelRunner(model_dir, num_blocks=num_blocks, block_size=cfg.block_size, dtype=dtype)
+    kv = KVCacheManager(num_blocks, cfg.block_size)
+    identity = cache_identity(cfg.model_name, model_dir, cfg.dtype, cfg.block_size)
+    tokenizer = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    mc = runner.config
+    return Engine(runner, kv, tokenizer, identity.digest(), mc.eos_token_ids,
+                  mc.max_position_embeddings, mc.vocab_size, cfg.scheduler)
+
+
+class ReplicaServer:
+    """A replica's engine thread + gRPC server + Redis publisher, on one asyncio loop."""
+
+    def __init__(self, cfg: ReplicaConfig) -> None:
+        self.cfg = cfg
+        self.engine = build_engine(cfg)
+        self.address: Optional[str] = None
+        self.publisher: Optional[KvPublisher] = None
+        self._server: Optional[grpc.aio.Server] = None
+        self._loop: Optional[EngineLoop] = None
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> str:
+        """Start serving; returns ``host:port``. Raises OSError if the port is taken."""
+        aio_loop = asyncio.get_running_loop()
+        self._server = grpc.aio.server(options=SERVER_OPTIONS)
+        port = bind_port(self._server, self.cfg.host, self.cfg.port)
+        self.address = f"{self.cfg.host}:{port}"
+        if self.cfg.redis_url:
+            info = ReplicaInfo(self.cfg.replica_id, self.address, self.cfg.model_name, 0,
+                               self.cfg.block_size)
+            self.publisher = KvPublisher(self.cfg.redis_url, info, namespace=self.cfg.namespace,
+                                         replica_ttl_s=self.cfg.replica_ttl_s)
+        self._loop = EngineLoop(self.engine, aio_loop, on_step=self._on_step(aio_loop))
+        service = WorkerService(self._loop, self.cfg.replica_id, self.cfg.model_name,
+                                self.cfg.block_size, epoch_fn=self._epoch)
+        worker_pb2_grpc.add_WorkerServicer_to_server(service, self._server)
+        name = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+        health = add_health_and_reflection(self._server, [name])
+        self._loop.start()
+        await self._server.start()
+        await mark_serving(health, [name])
+        if self.publisher is not None:
+            await self.publisher.register()
+            self._tasks.append(asyncio.create_task(self._heartbeat()))
+        log.info("replica %s serving %s on %s", self.cfg.replica_id, self.cfg.model_name, self.address)
+        return self.address
+
+    def _epoch(self) -> int:
+        return getattr(self.publisher, "epoch", 0) if self.publisher else 0
+
+    def _on_step(self, aio_loop: asyncio.AbstractEventLoop):
+        def hook(stored: list[bytes], removed: list[bytes], stats: dict) -> None:
+            if self.publisher is not None:
+                # Off the engine thread and off the TTFT path: one pipeline per step.
+                asyncio.run_coroutine_threadsafe(self.publisher.publish(stored, removed), aio_loop)
+        return hook
+
+    def load(self) -> ReplicaLoad:
+        s = self._loop.stats if self._loop else self.engine.stats()
+        return ReplicaLoad(running=s["running"], waiting=s["waiting"],
+                           num_free_blocks=s["num_free_blocks"],
+                           num_total_blocks=s["num_total_blocks"], updated_at=time.time())
+
+    async def _heartbeat(self) -> None:
+        while True:
+            try:
+                await self.publisher.heartbeat(self.load())
+            except Exception:
+                log.exception("heartbeat failed")
+            await asyncio.sleep(self.cfg.heartbeat_interval_s)
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        """Deregister, stop the gRPC server and the engine thread (idempotent)."""
+        for t in self._tasks:
+            t.cancel()
+        self._tasks.clear()
+        if self.publisher is not None:
+            try:
+                await self.publisher.deregister()
+            finally:
+                await self.publisher.close()
+                self.publisher = None
+        if self._server is not None:
+            await self._server.stop(grace_s)
+            self._server = None
+        if self._loop is not None:
+            self._loop.stop()
+            self._loop = None

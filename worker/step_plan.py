@@ -1,0 +1,40 @@
+"""The typed plan that crosses from the scheduler to the model runner (one per engine step).
+
+The scheduler decides, the model runner executes: nothing else crosses this line (and, once
+tensor parallelism exists, this is what is broadcast to the other ranks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SeqChunk:
+    """One request's slice of a step: ``len(token_ids)`` new tokens to compute.
+
+    ``token_ids[j]`` sits at absolute position ``num_computed_tokens + j``; its query attends
+    to keys ``0 .. num_computed_tokens + j`` of this request only. ``block_table`` lists the
+    request's KV blocks in order and covers every position up to the chunk's last token.
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    num_computed_tokens: int
+    block_table: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Chunks to run in one forward, plus block copies (copy-on-write) to do before it.
+
+    ``block_copies`` holds ``(src_block, dst_block)`` pairs: the runner copies every layer's
+    K and V of ``src`` into ``dst`` before writing new KV.
+    """
+
+    chunks: tuple[SeqChunk, ...]
+    block_copies: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
