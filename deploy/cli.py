@@ -64,10 +64,15 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     cluster = LocalCluster(cluster_config(args))
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+
+    def on_signal(*_) -> None:
+        stop.set()
+
     try:
         address = cluster.start()
+        # After start: ray.init installs its own SIGTERM handler (it aborts the process).
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, on_signal)
         print(f"kvfleet ready: router at {address} ({args.replicas} replicas of {args.model}); "
               "Ctrl-C to stop", flush=True)
         stop.wait()

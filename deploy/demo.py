@@ -19,7 +19,7 @@ from kvfleet.deploy.launcher import ClusterConfig, LocalCluster
 
 SYSTEM_PROMPTS = {
     "geography": (
-        "You are Atlas, a patient geography tutor for secondary-school students. Answer in one "
+        "You are a patient geography tutor for secondary-school students. Answer in one "
         "or two short sentences, name the country or region you are talking about, prefer "
         "well-established facts over trivia, and never invent statistics. If a question is "
         "ambiguous, answer the most common reading of it and say which reading you chose. "
@@ -28,7 +28,7 @@ SYSTEM_PROMPTS = {
         "Keep a warm and encouraging tone, and do not ask follow-up questions."
     ),
     "cooking": (
-        "You are Basil, a friendly kitchen assistant for home cooks with little equipment. Give "
+        "You are a friendly kitchen assistant for home cooks with little equipment. Give "
         "practical answers in at most two sentences, mention quantities in grams or millilitres, "
         "suggest a simple substitute when an ingredient is hard to find, and remind the cook "
         "about food safety only when it truly matters for the dish being discussed. Assume a "
@@ -40,7 +40,7 @@ SYSTEM_PROMPTS = {
 QUESTIONS = {
     "geography": ["What is the capital of France?", "Which river flows through Cairo?",
                   "What is the largest ocean on Earth?"],
-    "cooking": ["How long should I boil an egg for a soft yolk?",
+    "cooking": ["How long does a medium potato take to bake?",
                 "What can I use instead of buttermilk?", "How do I keep rice from sticking?"],
 }
 MAX_TOKENS = 48

@@ -1,0 +1,153 @@
+"""Admission capacity: how many requests a replica's KV memory holds, per tensor-parallel rank.
+
+Reference lesson, "From payload bytes to admission capacity": the memory left for KV is the
+usable memory of a device minus its share of the weights, minus a *measured* non-KV reserve
+(activations, workspaces, graphs, runtime) and a safety margin. There is no built-in overhead
+constant: the reserve is an input, default 0. Each live request reserves
+``block_size * ceil(T / block_size)`` token slots; the slots past its ``T`` tokens are tail
+waste.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Iterable
+
+from kvfleet.allocator.kv_bytes import (
+    SCALE_BYTES, scales_per_token, bytes_per_token, dtype_bytes, rank_spec, recurrent_state_bytes,
+    scale_bytes_per_token,
+)
+from kvfleet.allocator.model_spec import ModelKVSpec
+
+
+class CapacityError(ValueError):
+    """An admission input out of range; the message names the flag."""
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """ceil(num_tokens / block_size)."""
+    return -(-num_tokens // block_size)
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Token slots reserved for some live requests versus tokens they actually hold."""
+
+    reserved_tokens: int
+    live_tokens: int
+
+    @property
+    def tail_waste_tokens(self) -> int:
+        return self.reserved_tokens - self.live_tokens
+
+
+def reserve_slots(lengths: Iterable[int], block_size: int) -> Reservation:
+    """Slots reserved by requests of ``lengths`` tokens: ``sum block_size * ceil(T / block_size)``.
+
+    Block size 4, requests of 5 and 3 tokens: 12 slots for 8 live tokens (4 wasted).
+    """
+    if block_size <= 0:
+        raise CapacityError(f"--block-size: must be positive, got {block_size}")
+    lengths = list(lengths)
+    if any(n < 0 for n in lengths):
+        raise CapacityError(f"--context: token counts must be >= 0, got {lengths}")
+    reserved = sum(block_size * blocks_for(n, block_size) for n in lengths)
+    return Reservation(reserved_tokens=reserved, live_tokens=sum(lengths))
+
+
+def weight_bytes(num_params: int, weight_dtype: str = "bf16") -> int:
+    """Weight payload of ``num_params`` parameters stored as ``weight_dtype`` (7e9 bf16: 14 GB)."""
+    if num_params <= 0:
+        raise CapacityError(f"--params: must be positive, got {num_params}")
+    return num_params * dtype_bytes(weight_dtype, "--weight-dtype")
+
+
+def reserved_request_bytes(spec: ModelKVSpec, num_tokens: int, kv_dtype: str,
+                           block_size: int) -> int:
+    """Bytes one request of ``num_tokens`` tokens reserves in ``spec`` (pass a per-rank spec):
+    each layer's retained span ``min(T, window)`` rounded up to whole blocks, times its payload
+    and scale bytes per token, plus the request's fixed recurrent state."""
+    s = dtype_bytes(kv_dtype)
+    scaled = scale_bytes_per_token(spec, kv_dtype) > 0
+    total = 0
+    for layer in spec.layers:
+        slots = block_size * blocks_for(layer.retained_tokens(num_tokens), block_size)
+        per_token = layer.elements_per_token * s
+        if scaled:
+            per_token += scales_per_token(layer) * SCALE_BYTES
+        total += slots * per_token
+    return total + recurrent_state_bytes(spec, kv_dtype)
+
+
+@dataclass(frozen=True)
+class CapacityPlan:
+    """What one rank of a replica can hold. Every ``*_bytes`` field is bytes per rank."""
+
+    tp: int
+    block_size: int
+    tokens_per_request: int
+    memory_bytes: int          # usable memory of one device
+    weights_bytes: int         # this rank's share of the weights: ceil(total / tp)
+    reserve_bytes: int         # measured non-KV reserve
+    margin_bytes: int          # ceil(memory_bytes * margin)
+    available_kv_bytes: int    # memory - weights - reserve - margin, floored at 0
+    shortfall_bytes: int       # > 0 when weights + reserve + margin exceed the memory
+    block_bytes: int           # one block of block_size tokens over every layer (+ scales)
+    num_blocks: int            # available_kv_bytes // block_bytes
+    request_bytes: int         # what one request reserves (see reserved_request_bytes)
+    max_concurrent_requests: int  # available_kv_bytes // request_bytes
+
+
+def _margin_bytes(memory_bytes: int, margin: float | str | Fraction) -> int:
+    fraction = Fraction(str(margin)) if isinstance(margin, float) else Fraction(margin)
+    if not 0 <= fraction < 1:
+        raise CapacityError(f"--margin: must be a fraction in [0, 1), got {margin}")
+    return math.ceil(memory_bytes * fraction)
+
+
+def plan_capacity(spec: ModelKVSpec, *, memory_bytes: int, tokens_per_request: int, tp: int = 1,
+                  weights_bytes: int | None = None, num_params: int | None = None,
+                  weight_dtype: str = "bf16", kv_dtype: str = "bf16", reserve_bytes: int = 0,
+                  margin: float | str | Fraction = 0, block_size: int = 16) -> CapacityPlan:
+    """Block budget and concurrent-request capacity of one rank.
+
+    ``memory_bytes`` is the usable memory of one device; the weights are ``weights_bytes`` in
+    total (or ``num_params * bytes(weight_dtype)``), split evenly over ``tp`` ranks;
+    ``reserve_bytes`` is the measured non-KV reserve per device; ``margin`` a fraction of
+    ``memory_bytes`` kept free. Each request holds ``tokens_per_request`` tokens
+    (prompt + max_tokens).
+
+    Raises:
+        CapacityError: a negative size, a margin outside [0, 1), no weights given.
+        ShardingError: heads that do not split over ``tp``.
+    """
+    if memory_bytes <= 0:
+        raise CapacityError(f"--memory: must be positive, got {memory_bytes}")
+    if reserve_bytes < 0:
+        raise CapacityError(f"--reserve: must be >= 0, got {reserve_bytes}")
+    if block_size <= 0:
+        raise CapacityError(f"--block-size: must be positive, got {block_size}")
+    if tokens_per_request <= 0:
+        raise CapacityError(f"--context: must be positive, got {tokens_per_request}")
+    if weights_bytes is None:
+        if num_params is None:
+            raise CapacityError("--params: needed with --memory (the weights share the memory)")
+        weights_bytes = weight_bytes(num_params, weight_dtype)
+    rank = rank_spec(spec, tp)
+    per_rank_weights = -(-weights_bytes // tp)
+    margin_bytes = _margin_bytes(memory_bytes, margin)
+    left = memory_bytes - per_rank_weights - reserve_bytes - margin_bytes
+    available = max(0, left)
+    block_bytes = block_size * (bytes_per_token(rank, kv_dtype)
+                                + scale_bytes_per_token(rank, kv_dtype))
+    request_bytes = reserved_request_bytes(rank, tokens_per_request, kv_dtype, block_size)
+    return CapacityPlan(
+        tp=tp, block_size=block_size, tokens_per_request=tokens_per_request,
+        memory_bytes=memory_bytes, weights_bytes=per_rank_weights, reserve_bytes=reserve_bytes,
+        margin_bytes=margin_bytes, available_kv_bytes=available, shortfall_bytes=max(0, -left),
+        block_bytes=block_bytes, num_blocks=available // block_bytes if block_bytes else 0,
+        request_bytes=request_bytes,
+        max_concurrent_requests=available // request_bytes if request_bytes else 0,
+    )

@@ -1,0 +1,157 @@
+"""The Redis layout of the prefix index and replica registry, defined once (DESIGN.md §2).
+
+Every key starts with a configurable namespace (default ``kvfleet:``)::
+
+    {ns}block:{hash}      HASH   replica_id -> epoch        replicas holding one KV block (raw 16 bytes)
+    {ns}epochs            HASH   replica_id -> epoch        current epoch per replica id (never deleted)
+    {ns}registry          HASH   replica_id -> JSON         address, model, epoch, block_size, started_at
+    {ns}heartbeats        ZSET   replica_id @ last beat     score = Redis server time, milliseconds
+    {ns}load:{replica_id} HASH   running, waiting, num_free_blocks, num_total_blocks, updated_at
+                                 (PEXPIRE = the publisher's replica TTL)
+    {ns}sweep_cursor      STRING SCAN cursor of the incremental garbage sweep, shared by all routers
+
+**Epochs.** ``register()`` does ``HINCRBY {ns}epochs replica_id 1``: a restarted replica with the same
+id gets a strictly higher epoch, and block entries tagged with an older epoch stop counting at once.
+The counter survives deregistration, so epochs never repeat while Redis keeps its data; a restarted
+(empty) Redis restarts the counters, which is harmless because it also lost every block entry.
+
+**Liveness.** A replica counts when its heartbeat (server clock, so host clocks never matter) is
+within the reader's ``replica_ttl_s`` and the block entry's epoch equals ``{ns}epochs``. Garbage is
+cleaned lazily: the lookup deletes old-epoch members of live replicas it meets, and each registry read
+(``replicas()``, every refresh) sweeps one SCAN page of block keys, deleting members with a stale
+epoch or whose replica has been silent for 6 TTLs. ``block_ttl_s`` can add a TTL as a safety net.
+
+Block keys hold the raw hash bytes (no hex): scripts receive a chain as ONE argument (hashes
+concatenated) and build the keys themselves, which keeps a 64-block lookup's packing cheap. The
+layout is written for one Redis (not Redis Cluster): scripts build keys that are not in KEYS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from typing import Sequence
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from kvfleet.allocator.hashing import HASH_BYTES
+
+DEFAULT_NAMESPACE = "kvfleet:"
+DEFAULT_REPLICA_TTL_S = 10.0
+DEFAULT_TIMEOUT_S = 0.5
+LOAD_FIELDS = ("running", "waiting", "num_free_blocks", "num_total_blocks", "updated_at")
+
+
+@dataclass(frozen=True)
+class ReplicaInfo:
+    """A worker replica as the registry knows it; ``epoch`` is assigned by ``register()``."""
+
+    replica_id: str
+    address: str
+    model: str
+    epoch: int
+    block_size: int
+
+    def to_json(self, started_at: float) -> str:
+        """Registry value; ``started_at`` is unix seconds."""
+        return json.dumps(
+            {"address": self.address, "model": self.model, "epoch": self.epoch,
+             "block_size": self.block_size, "started_at": started_at},
+            separators=(",", ":"),
+        )
+
+    @classmethod
+    def from_json(cls, replica_id: str, raw: str | bytes) -> "ReplicaInfo":
+        d = json.loads(raw)
+        return cls(replica_id=replica_id, address=str(d["address"]), model=str(d["model"]),
+                   epoch=int(d["epoch"]), block_size=int(d["block_size"]))
+
+
+@dataclass(frozen=True)
+class ReplicaLoad:
+    """A replica's latest load report; ``updated_at`` is unix seconds (the worker's clock)."""
+
+    running: int
+    waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    updated_at: float
+
+    def to_fields(self) -> list[str]:
+        """Values in ``LOAD_FIELDS`` order, as strings for Redis."""
+        return [str(self.running), str(self.waiting), str(self.num_free_blocks),
+                str(self.num_total_blocks), repr(float(self.updated_at))]
+
+    @classmethod
+    def from_fields(cls, values: list) -> "ReplicaLoad | None":
+        """Inverse of ``to_fields``; ``None`` when the record is missing or expired."""
+        if not values or any(v is None or v is False for v in values):
+            return None
+        r, w, free, total, at = values
+        return cls(int(r), int(w), int(free), int(total), float(at))
+
+
+@dataclass(frozen=True)
+class IndexKeys:
+    """Key names under one namespace. Block hashes are ``HASH_BYTES``-long ``bytes``, keyed raw."""
+
+    namespace: str = DEFAULT_NAMESPACE
+
+    @property
+    def block_prefix(self) -> str:
+        return f"{self.namespace}block:"
+
+    def block(self, block_hash: bytes) -> bytes:
+        return self.block_prefix.encode() + block_hash
+
+    @property
+    def sweep_cursor(self) -> str:
+        return f"{self.namespace}sweep_cursor"
+
+    @property
+    def epochs(self) -> str:
+        return f"{self.namespace}epochs"
+
+    @property
+    def registry(self) -> str:
+        return f"{self.namespace}registry"
+
+    @property
+    def heartbeats(self) -> str:
+        return f"{self.namespace}heartbeats"
+
+    @property
+    def load_prefix(self) -> str:
+        return f"{self.namespace}load:"
+
+    def load(self, replica_id: str) -> str:
+        return f"{self.load_prefix}{replica_id}"
+
+
+def pack_chain(hashes: Sequence[bytes]) -> bytes:
+    """Block hashes concatenated into one script argument (each exactly ``HASH_BYTES`` long)."""
+    packed = b"".join(hashes)
+    assert len(packed) == HASH_BYTES * len(hashes), "block hashes must be HASH_BYTES long"
+    return packed
+
+
+def seconds_to_ms(seconds: float) -> int:
+    """A TTL in seconds as whole milliseconds (at least 1)."""
+    return max(1, int(round(seconds * 1000)))
+
+
+# What "Redis is unreachable" looks like from redis-py and asyncio (BusyLoadingError is a ConnectionError).
+REDIS_DOWN_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError, asyncio.TimeoutError)
+
+
+def redis_client(url: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> aioredis.Redis:
+    """An asyncio client that fails fast: socket timeouts ``timeout_s`` seconds, one immediate retry."""
+    return aioredis.Redis.from_url(
+        url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+        retry=Retry(NoBackoff(), 1), decode_responses=True,
+    )

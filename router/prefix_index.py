@@ -1,0 +1,286 @@
+"""Read side of the prefix index: which live replica holds how many leading blocks of a chain.
+
+Two implementations of :class:`PrefixIndex`: :class:`RedisPrefixIndex` (one Lua round trip per
+lookup, layout in :mod:`kvfleet.index_keys`) and :class:`InMemoryPrefixIndex` (same semantics, for
+scheduler/router unit tests; it hands out publishers with :class:`~kvfleet.worker.kv_publisher.KvPublisher`'s
+API). Redis is an index, not truth: a stale answer only costs a cache miss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Callable, Protocol, Sequence
+
+from redis.exceptions import RedisError
+
+from kvfleet.allocator.hashing import HASH_BYTES
+from kvfleet.index_keys import (
+    DEFAULT_NAMESPACE, DEFAULT_REPLICA_TTL_S, DEFAULT_TIMEOUT_S, LOAD_FIELDS, REDIS_DOWN_ERRORS,
+    IndexKeys, ReplicaInfo, ReplicaLoad, pack_chain, redis_client, seconds_to_ms,
+)
+
+
+class IndexUnavailable(Exception):
+    """The index cannot be read now (Redis unreachable or too slow); route without it and retry later."""
+
+
+class PrefixIndex(Protocol):
+    async def match(self, chain: Sequence[bytes]) -> dict[str, int]:
+        """Per live replica (current epoch), how many LEADING blocks of ``chain`` it holds.
+
+        Counting stops at a replica's first miss (holding blocks 0, 1, 3 → 2). Replicas absent from
+        the result hold 0. Raises :class:`IndexUnavailable` when the index cannot be read.
+        """
+        ...
+
+    async def replicas(self) -> list[tuple[ReplicaInfo, ReplicaLoad | None]]:
+        """Live replicas (heartbeat within the TTL) with their latest load, or ``None`` if expired."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+_NOW_MS = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+"""
+
+_MATCH_LUA = _NOW_MS + """
+-- KEYS[1] heartbeats, KEYS[2] epochs; ARGV[1] replica TTL (ms), ARGV[2] block key prefix,
+-- ARGV[3] the chain: block hashes concatenated, %(w)d bytes each. Returns {replica_id, count, ...}.
+local live = redis.call('ZRANGEBYSCORE', KEYS[1], now - tonumber(ARGV[1]), '+inf')
+if #live == 0 then return {} end
+local cur = redis.call('HMGET', KEYS[2], unpack(live))
+local ids, eps = {}, {}  -- replicas still matching, with their current epochs
+for i, rid in ipairs(live) do
+  if cur[i] then ids[#ids + 1] = rid; eps[#eps + 1] = cur[i] end
+end
+local pfx, chain = ARGV[2], ARGV[3]
+local n = #chain / %(w)d
+local out = {}
+for b = 1, n do
+  if #ids == 0 then break end
+  local key = pfx .. string.sub(chain, %(w)d * (b - 1) + 1, %(w)d * b)
+  local got = redis.call('HMGET', key, unpack(ids))
+  local all = true
+  for j = 1, #ids do if got[j] ~= eps[j] then all = false; break end end
+  if not all then
+    local nids, neps = {}, {}
+    for j = 1, #ids do
+      if got[j] == eps[j] then nids[#nids + 1] = ids[j]; neps[#neps + 1] = eps[j]
+      else
+        if got[j] then redis.call('HDEL', key, ids[j]) end  -- an old epoch's entry: clean it
+        if b > 1 then out[#out + 1] = ids[j]; out[#out + 1] = b - 1 end
+      end
+    end
+    ids, eps = nids, neps
+  end
+end
+for j = 1, #ids do out[#out + 1] = ids[j]; out[#out + 1] = n end
+return out
+""" % {"w": HASH_BYTES}
+
+_REPLICAS_LUA = _NOW_MS + """
+-- KEYS: heartbeats, registry, epochs, sweep cursor; ARGV[1] TTL (ms), ARGV[2] load key prefix,
+-- ARGV[3] prune after (ms), ARGV[4] block key SCAN pattern, ARGV[5] SCAN COUNT
+local out = {}
+for _, rid in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], now - tonumber(ARGV[1]), '+inf')) do
+  local info = redis.call('HGET', KEYS[2], rid)
+  if info then
+    out[#out + 1] = {rid, info, redis.call('HMGET', ARGV[2] .. rid, %(fields)s)}
+  end
+end
+local horizon = now - tonumber(ARGV[3])
+-- one page of the garbage sweep: members with a stale epoch or silent for the prune horizon
+local page = redis.call('SCAN', redis.call('GET', KEYS[4]) or '0', 'MATCH', ARGV[4], 'COUNT', ARGV[5])
+redis.call('SET', KEYS[4], page[1])
+local valid = {}  -- replica_id -> epoch its entries must carry, or false
+for _, key in ipairs(page[2]) do
+  local m = redis.call('HGETALL', key)
+  local stale = {}
+  for j = 1, #m, 2 do
+    local e = valid[m[j]]
+    if e == nil then
+      local hb = redis.call('ZSCORE', KEYS[1], m[j])
+      e = (hb and tonumber(hb) >= horizon) and redis.call('HGET', KEYS[3], m[j]) or false
+      valid[m[j]] = e
+    end
+    if e ~= m[j + 1] then stale[#stale + 1] = m[j] end
+  end
+  if #stale > 0 then redis.call('HDEL', key, unpack(stale)) end
+end
+local dead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. horizon)
+if #dead > 0 then
+  redis.call('ZREM', KEYS[1], unpack(dead)); redis.call('HDEL', KEYS[2], unpack(dead))
+end
+return out
+""" % {"fields": ", ".join(f"'{f}'" for f in LOAD_FIELDS)}
+
+PRUNE_AFTER_TTLS = 6  # registry entries and block members silent this many TTLs are garbage
+
+
+def _glob_escape(text: str) -> str:
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
+class RedisPrefixIndex:
+    """:class:`PrefixIndex` over Redis; safe to share between router tasks and router processes.
+
+    ``replica_ttl_s``: a replica whose last heartbeat is older than this (seconds) does not count.
+    Every call returns or raises :class:`IndexUnavailable` within about ``2 × timeout_s`` seconds,
+    and works again as soon as Redis answers. Each ``replicas()`` call also sweeps ``sweep_count``
+    block keys for garbage (old epochs, replicas silent ``PRUNE_AFTER_TTLS × replica_ttl_s``).
+    """
+
+    def __init__(self, url: str, namespace: str = DEFAULT_NAMESPACE,
+                 replica_ttl_s: float = DEFAULT_REPLICA_TTL_S, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 sweep_count: int = 64):
+        self._keys = IndexKeys(namespace)
+        self._ttl_ms = seconds_to_ms(replica_ttl_s)
+        self._timeout_s = timeout_s
+        self._sweep_count = sweep_count
+        self._redis = redis_client(url, timeout_s)
+        self._match = self._redis.register_script(_MATCH_LUA)
+        self._replicas = self._redis.register_script(_REPLICAS_LUA)
+
+    async def _run(self, script, keys: list[str], args: list) -> list:
+        try:
+            async with asyncio.timeout(self._timeout_s * 2):
+                return await script(keys=keys, args=args)
+        except (*REDIS_DOWN_ERRORS, RedisError) as e:  # unreachable, or refusing (OOM, BUSY, ...)
+            raise IndexUnavailable(f"prefix index unreachable: {type(e).__name__}: {e}") from e
+
+    async def match(self, chain: Sequence[bytes]) -> dict[str, int]:
+        if not chain:
+            return {}
+        k = self._keys
+        flat = await self._run(self._match, [k.heartbeats, k.epochs],
+                               [self._ttl_ms, k.block_prefix, pack_chain(chain)])
+        return {flat[i]: int(flat[i + 1]) for i in range(0, len(flat), 2)}
+
+    async def replicas(self) -> list[tuple[ReplicaInfo, ReplicaLoad | None]]:
+        k = self._keys
+        rows = await self._run(
+            self._replicas, [k.heartbeats, k.registry, k.epochs, k.sweep_cursor],
+            [self._ttl_ms, k.load_prefix, PRUNE_AFTER_TTLS * self._ttl_ms,
+             _glob_escape(k.block_prefix) + "*", self._sweep_count])
+        return [(ReplicaInfo.from_json(rid, info), ReplicaLoad.from_fields(load))
+                for rid, info, load in rows]
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+
+
+class InMemoryPrefixIndex:
+    """:class:`PrefixIndex` in one process, with the Redis index's semantics (epochs, TTL, lazy clean).
+
+    ``clock`` gives seconds (default ``time.monotonic``; tests pass a fake one). Set ``available =
+    False`` to simulate an outage: ``match``/``replicas`` then raise :class:`IndexUnavailable`.
+    """
+
+    def __init__(self, replica_ttl_s: float = DEFAULT_REPLICA_TTL_S,
+                 clock: Callable[[], float] = time.monotonic):
+        self.replica_ttl_s = replica_ttl_s
+        self.clock = clock
+        self.available = True
+        self.blocks: dict[bytes, dict[str, int]] = {}
+        self.epochs: dict[str, int] = {}
+        self.registry: dict[str, ReplicaInfo] = {}
+        self.beats: dict[str, float] = {}
+        self.loads: dict[str, tuple[ReplicaLoad, float]] = {}  # load, expiry (clock seconds)
+
+    def publisher(self, replica: ReplicaInfo,
+                  replica_ttl_s: float = DEFAULT_REPLICA_TTL_S) -> "InMemoryKvPublisher":
+        """A writer for ``replica`` with ``KvPublisher``'s async API."""
+        return InMemoryKvPublisher(self, replica, replica_ttl_s)
+
+    def _live_epochs(self) -> dict[str, int]:
+        if not self.available:
+            raise IndexUnavailable("in-memory index marked unavailable")
+        cutoff = self.clock() - self.replica_ttl_s
+        return {rid: self.epochs[rid] for rid, at in self.beats.items() if at >= cutoff}
+
+    async def match(self, chain: Sequence[bytes]) -> dict[str, int]:
+        epoch = self._live_epochs()
+        active, count = set(epoch), {}
+        for i, h in enumerate(chain):
+            if not active:
+                break
+            members = self.blocks.get(h, {})
+            for rid in [r for r, e in members.items() if epoch.get(r) != e]:
+                del members[rid]  # lazy clean, like the Lua script
+            active &= set(members)
+            for rid in active:
+                count[rid] = i + 1
+        return count
+
+    async def replicas(self) -> list[tuple[ReplicaInfo, ReplicaLoad | None]]:
+        live, now = self._live_epochs(), self.clock()
+        horizon = now - PRUNE_AFTER_TTLS * self.replica_ttl_s
+        for rid in [r for r, at in self.beats.items() if at < horizon]:
+            del self.beats[rid], self.registry[rid]
+        for members in self.blocks.values():  # the whole sweep at once (Redis: one page per call)
+            for rid in [r for r, e in members.items() if r not in self.beats or self.epochs[r] != e]:
+                del members[rid]
+        out = []
+        for rid in live:
+            load, expires = self.loads.get(rid, (None, 0.0))
+            out.append((self.registry[rid], load if expires > now else None))
+        return out
+
+    async def close(self) -> None:
+        pass
+
+
+class InMemoryKvPublisher:
+    """``KvPublisher`` against an :class:`InMemoryPrefixIndex` (writes always land)."""
+
+    def __init__(self, index: InMemoryPrefixIndex, replica: ReplicaInfo, replica_ttl_s: float):
+        self._index, self._ttl_s = index, replica_ttl_s
+        self.replica = replica
+        self.epoch = 0  # 0 until registered
+        self._held: set[bytes] = set()
+
+    def _current(self) -> bool:
+        return self.epoch > 0 and self._index.epochs.get(self.replica.replica_id) == self.epoch
+
+    async def register(self) -> None:
+        ix, rid = self._index, self.replica.replica_id
+        self.epoch = ix.epochs[rid] = ix.epochs.get(rid, 0) + 1
+        self.replica = ReplicaInfo(rid, self.replica.address, self.replica.model, self.epoch,
+                                   self.replica.block_size)
+        ix.registry[rid], ix.beats[rid] = self.replica, ix.clock()
+        ix.loads.pop(rid, None)
+        await self.publish(list(self._held), ())  # like KvPublisher: republish what it holds
+
+    async def publish(self, stored: Sequence[bytes], removed: Sequence[bytes]) -> None:
+        self._held.difference_update(removed)
+        self._held.update(stored)
+        if not self._current():
+            return
+        rid = self.replica.replica_id
+        for h in removed:
+            self._index.blocks.get(h, {}).pop(rid, None)
+        for h in stored:
+            self._index.blocks.setdefault(h, {})[rid] = self.epoch
+
+    async def heartbeat(self, load: ReplicaLoad) -> None:
+        if not self._current():
+            return
+        ix, rid = self._index, self.replica.replica_id
+        ix.beats[rid], ix.registry[rid] = ix.clock(), self.replica
+        ix.loads[rid] = (load, ix.clock() + self._ttl_s)
+
+    async def deregister(self) -> None:
+        if not self._current():
+            return
+        ix, rid = self._index, self.replica.replica_id
+        for table in (ix.registry, ix.beats, ix.loads):
+            table.pop(rid, None)
+        for members in ix.blocks.values():
+            if members.get(rid) == self.epoch:
+                del members[rid]
+
+    async def close(self) -> None:
+        pass
