@@ -32,6 +32,8 @@ from kvfleet.worker.model_config import load_model_config
 from kvfleet.worker.model_runner import ModelRunner
 from kvfleet.worker.scheduler import SchedulerConfig
 from kvfleet.worker.server import WorkerService
+from kvfleet.telemetry import Telemetry, TelemetryConfig
+from kvfleet.telemetry.worker_spans import WorkerTelemetry
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +64,7 @@ class ReplicaConfig:
     num_threads: int = 1
     heartbeat_interval_s: float = 1.0
     replica_ttl_s: float = 10.0
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)  # OTLP / Prometheus
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -101,10 +104,13 @@ def build_engine(cfg: ReplicaConfig) -> Engine:
 class ReplicaServer:
     """A replica's engine thread + gRPC server + Redis publisher, on one asyncio loop."""
 
-    def __init__(self, cfg: ReplicaConfig) -> None:
+    def __init__(self, cfg: ReplicaConfig, telemetry: Optional[Telemetry] = None) -> None:
         self.cfg = cfg
         self.engine = build_engine(cfg)
         self.address: Optional[str] = None
+        self.metrics_address: Optional[str] = None  # Prometheus endpoint, when one is served
+        self.telemetry = telemetry  # built from cfg.telemetry at start unless given
+        self._owns_telemetry = telemetry is None
         self.publisher: Optional[KvPublisher] = None
         self._server: Optional[grpc.aio.Server] = None
         self._loop: Optional[EngineLoop] = None
@@ -121,9 +127,15 @@ class ReplicaServer:
                                self.cfg.block_size)
             self.publisher = KvPublisher(self.cfg.redis_url, info, namespace=self.cfg.namespace,
                                          replica_ttl_s=self.cfg.replica_ttl_s)
-        self._loop = EngineLoop(self.engine, aio_loop, on_step=self._on_step(aio_loop))
+        if self.telemetry is None:
+            self.telemetry = Telemetry(self.cfg.telemetry, "worker", self.cfg.replica_id)
+        self.metrics_address = self.telemetry.metrics_address
+        wt = WorkerTelemetry(self.telemetry, self.cfg.replica_id, self.cfg.model_name,
+                             stats_fn=lambda: self._loop.stats if self._loop else {})
+        self._loop = EngineLoop(self.engine, aio_loop, on_step=self._on_step(aio_loop),
+                                on_finish=wt.on_finished)
         service = WorkerService(self._loop, self.cfg.replica_id, self.cfg.model_name,
-                                self.cfg.block_size, epoch_fn=self._epoch)
+                                self.cfg.block_size, epoch_fn=self._epoch, telemetry=wt)
         worker_pb2_grpc.add_WorkerServicer_to_server(service, self._server)
         name = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
         health = add_health_and_reflection(self._server, [name])
@@ -177,3 +189,6 @@ class ReplicaServer:
         if self._loop is not None:
             self._loop.stop()
             self._loop = None
+        if self.telemetry is not None and self._owns_telemetry:
+            self.telemetry.shutdown()  # flushes the last spans
+            self.telemetry = None

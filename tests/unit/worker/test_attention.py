@@ -1,0 +1,81 @@
+"""Paged attention against a dense per-request reference, on random tensors (no model)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvfleet.worker.attention import build_attention_metadata, causal_mask, paged_attention
+from kvfleet.worker.step_plan import SeqChunk
+
+HEADS, KV_HEADS, DIM, BLOCK = 6, 2, 8, 4
+
+
+def dense_reference(q, k, v, window):
+    """q ``(n, HEADS, DIM)`` at positions ``ctx - n .. ctx - 1``; k, v ``(ctx, KV_HEADS, DIM)``."""
+    n, ctx = q.shape[0], k.shape[0]
+    qp = torch.arange(ctx - n, ctx)[:, None]
+    kp = torch.arange(ctx)[None, :]
+    allowed = (kp <= qp) & ((kp > qp - window) if window else True)
+    rep = HEADS // KV_HEADS
+    scores = torch.einsum("qhd,khd->hqk", q, k.repeat_interleave(rep, 1)) / DIM**0.5
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    return torch.einsum("hqk,khd->qhd", probs, v.repeat_interleave(rep, 1)).reshape(n, -1)
+
+
+def _attend(chunks, parts, key_cache, value_cache, window):
+    """Run one step: ``parts`` = per chunk (q, k, v) of its new tokens."""
+    meta = build_attention_metadata(tuple(chunks), BLOCK, (window,))
+    q, k, v = (torch.cat([p[i] for p in parts]) for i in range(3))
+    return meta, paged_attention(q, k, v, key_cache, value_cache, meta, window)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_mixed_batch_matches_dense(window) -> None:
+    g = torch.Generator().manual_seed(0)
+    key_cache = torch.zeros(20, BLOCK, KV_HEADS, DIM)
+    value_cache = torch.zeros_like(key_cache)
+    # (cached tokens, new tokens, block table): decodes, a chunk after a cache, a fresh prefill.
+    layout = [(9, 1, (7, 2, 9)), (0, 1, (4,)), (6, 7, (11, 0, 13, 5)), (0, 5, (3, 17)),
+              (13, 1, (1, 8, 6, 16))]
+    full = [(torch.randn(c + n, HEADS, DIM, generator=g), torch.randn(c + n, KV_HEADS, DIM, generator=g),
+             torch.randn(c + n, KV_HEADS, DIM, generator=g)) for c, n, _ in layout]
+
+    # Step 1 writes the cached prefixes; step 2 is the mixed batch under test.
+    first = [(SeqChunk(str(i), (0,) * c, 0, bt), [t[:c] for t in full[i]])
+             for i, (c, _, bt) in enumerate(layout) if c]
+    _attend([c for c, _ in first], [p for _, p in first], key_cache, value_cache, window)
+    chunks = [SeqChunk(str(i), (0,) * n, c, bt) for i, (c, n, bt) in enumerate(layout)]
+    parts = [[t[c:] for t in full[i]] for i, (c, _, _) in enumerate(layout)]
+    meta, out = _attend(chunks, parts, key_cache, value_cache, window)
+
+    assert meta.decode_token_indices.tolist() == [0, 1, 14]
+    for i, (c, _, _) in enumerate(layout):
+        q, k, v = full[i]
+        s, e = meta.query_start[i], meta.query_start[i + 1]
+        torch.testing.assert_close(out[s:e], dense_reference(q[c:], k, v, window), rtol=1e-5, atol=1e-5)
+
+
+def test_causal_mask_is_offset_by_the_cached_count() -> None:
+    m = causal_mask(num_computed=3, q_len=2, window=None)
+    assert m.tolist() == [[True, True, True, True, False], [True, True, True, True, True]]
+    w = causal_mask(num_computed=3, q_len=2, window=2)
+    assert w.tolist() == [[False, False, True, True, False], [False, False, False, True, True]]
+
+
+def test_slot_mapping_follows_the_block_table() -> None:
+    chunks = (SeqChunk("a", (0,) * 3, 2, (7, 2, 9)), SeqChunk("b", (0,), 4, (5, 1)))
+    meta = build_attention_metadata(chunks, 4, (None,))
+    # a: positions 2, 3 in block 7, position 4 in block 2; b: position 4 in block 1.
+    assert meta.slot_mapping.tolist() == [7 * 4 + 2, 7 * 4 + 3, 2 * 4 + 0, 1 * 4 + 0]
+    assert meta.positions.tolist() == [2, 3, 4, 4]
+    assert meta.last_token_indices.tolist() == [2, 3]
+
+
+def test_sdpa_enable_gqa_equals_repeated_kv() -> None:
+    """Guards the torch behaviour the kernel relies on to avoid materialising repeated K/V."""
+    q, k = torch.randn(1, HEADS, 3, DIM), torch.randn(1, KV_HEADS, 3, DIM)
+    a = F.scaled_dot_product_attention(q, k, k, enable_gqa=True)
+    b = F.scaled_dot_product_attention(q, k.repeat_interleave(3, 1), k.repeat_interleave(3, 1))
+    torch.testing.assert_close(a, b)

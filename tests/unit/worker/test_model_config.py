@@ -1,0 +1,92 @@
+"""config.json parsing: transformers 4.x and 5.x field names, per-family facts, clear refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvfleet.worker.model_config import UnsupportedModel, load_model_config, parse_model_config
+
+BASE = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 100,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 256,
+}
+
+
+def test_tiny_llama(tiny_llama_dir) -> None:
+    c = load_model_config(tiny_llama_dir)
+    assert c.architecture == "LlamaForCausalLM"
+    assert (c.num_heads, c.num_kv_heads, c.head_dim, c.num_layers) == (4, 2, 16, 3)
+    assert c.rope_theta == 10000.0 and c.rope_scaling is None
+    assert c.sliding_windows == (None,) * 3 and not c.qkv_bias and not c.tie_word_embeddings
+    assert c.eos_token_ids == (2,) and c.max_position_embeddings == 256
+
+
+def test_tiny_qwen2_has_qkv_bias_and_no_window(tiny_qwen2_dir) -> None:
+    raw = json.loads((tiny_qwen2_dir / "config.json").read_text())
+    assert raw["use_sliding_window"] is False
+    c = load_model_config(tiny_qwen2_dir)
+    assert c.qkv_bias and not c.o_bias and c.sliding_window is None and c.tie_word_embeddings
+
+
+def test_tiny_mistral_window(tiny_mistral_dir) -> None:
+    c = load_model_config(tiny_mistral_dir)
+    assert c.sliding_windows == (8, 8, 8) and c.sliding_window == 8
+
+
+def test_defaults_and_legacy_rope_fields() -> None:
+    c = parse_model_config({**BASE, "rope_theta": 5e5, "rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192}})
+    assert c.num_kv_heads == 4 and c.head_dim == 16  # absent: MHA, hidden / heads
+    assert c.rope_theta == 5e5 and c.rope_scaling.rope_type == "llama3"
+    assert c.rope_scaling.original_max_position_embeddings == 8192
+
+
+def test_explicit_head_dim_wins() -> None:
+    assert parse_model_config({**BASE, "head_dim": 32}).head_dim == 32
+
+
+def test_eos_ids_merge_generation_config_first() -> None:
+    c = parse_model_config({**BASE, "eos_token_id": [7, 2]}, {"eos_token_id": [2, 9]})
+    assert c.eos_token_ids == (2, 9, 7)
+    assert parse_model_config({**BASE, "eos_token_id": None}).eos_token_ids == ()
+
+
+def test_old_qwen2_sliding_layers_from_max_window_layers() -> None:
+    raw = {**BASE, "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 4,
+           "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 2}
+    assert parse_model_config(raw).sliding_windows == (None, None, 16, 16)
+
+
+def test_architecture_from_model_type_when_absent() -> None:
+    raw = {**BASE, "architectures": None, "model_type": "mistral", "sliding_window": 4}
+    assert parse_model_config(raw).architecture == "MistralForCausalLM"
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0}}, "yarn"),
+    ({"hidden_act": "gelu"}, "gelu"),
+    ({"mlp_bias": True}, "mlp_bias"),
+    ({"architectures": None, "model_type": "gpt2"}, "architecture"),
+])
+def test_unsupported_features_are_refused(change, match) -> None:
+    with pytest.raises(UnsupportedModel, match=match):
+        parse_model_config({**BASE, **change})
+
+
+def test_unknown_architecture_is_refused_at_build() -> None:
+    import torch
+
+    from kvfleet.worker.models import build_model
+
+    c = parse_model_config({**BASE, "architectures": ["Gemma2ForCausalLM"]})
+    with pytest.raises(UnsupportedModel, match="Gemma2ForCausalLM"):
+        build_model(c, {}, torch.float32, "cpu")

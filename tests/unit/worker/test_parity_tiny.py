@@ -1,0 +1,132 @@
+"""Paged, chunked, batched forward == transformers' full-prefix forward, on tiny checkpoints.
+
+fp32; every recorded logit row within 1e-4 x max(1, max|ref|) of transformers (see
+paged_driver.scaled_error: <= 1 passes). Block tables come from a shuffled pool (never
+contiguous); chunk widths are not multiples of the block size (4).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.unit.worker.paged_driver import (
+    BlockPool,
+    Seq,
+    decode,
+    fork_siblings,
+    prefill,
+    random_prompt,
+    reference_error,
+    replay,
+    runner_for,
+    scaled_error,
+    step,
+)
+
+FAMILIES = ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_mistral_dir"]
+
+
+@pytest.fixture(params=FAMILIES)
+def model_dir(request: pytest.FixtureRequest):
+    return request.getfixturevalue(request.param)
+
+
+def new_seq(pool: BlockPool, rid: str, prompt_len: int, seed: int, max_len: int = 64) -> Seq:
+    return Seq(rid, random_prompt(prompt_len, seed), pool.take(-(-max_len // 4)))
+
+
+def test_token_by_token(model_dir) -> None:
+    runner = runner_for(model_dir)
+    seq = new_seq(BlockPool(runner.num_blocks, seed=1), "a", 13, seed=1)
+    prefill(runner, seq, [1] * 13)
+    decode(runner, seq, 8)
+    assert len(seq.logits) == 21
+    assert reference_error(model_dir, seq) <= 1
+
+
+def test_uneven_chunks_then_decode(model_dir) -> None:
+    runner = runner_for(model_dir)
+    seq = new_seq(BlockPool(runner.num_blocks, seed=2), "a", 35, seed=2)
+    prefill(runner, seq, [5, 11, 16, 3])
+    decode(runner, seq, 6)
+    assert reference_error(model_dir, seq) <= 1
+
+
+def test_mixed_batch_equals_each_alone(model_dir) -> None:
+    """Prefill chunks and decodes of four requests share steps; each equals its solo run."""
+    runner = runner_for(model_dir)
+    pool = BlockPool(runner.num_blocks, seed=3)
+    a, b, c, d = (new_seq(pool, r, n, seed=10 + i) for i, (r, n) in enumerate(
+        [("a", 23), ("b", 9), ("c", 14), ("d", 3)]))
+    step(runner, [(a, 10), (b, 9)])
+    step(runner, [(b, 1), (a, 13), (c, 7)])
+    step(runner, [(a, 1), (c, 7), (b, 1), (d, 3)])
+    for _ in range(4):
+        step(runner, [(d, 1), (c, 1), (a, 1), (b, 1)])
+    step(runner, [(c, 1), (a, 1)])  # b and d left
+    for seq in (a, b, c, d):
+        assert reference_error(model_dir, seq) <= 1, seq.request_id
+        alone = replay(runner, seq, pool.take(len(seq.block_table)))
+        assert scaled_error(seq.logits, alone.logits) <= 1, seq.request_id
+
+
+def test_copy_on_write_siblings(tiny_llama_dir) -> None:
+    """Two samples share a partly filled block; the scheduler copies it before the second writes."""
+    runner = runner_for(tiny_llama_dir)
+    a, b = fork_siblings(runner, BlockPool(runner.num_blocks, seed=4), share_partial=False)
+    step(runner, [(a, 1), (b, 1)], copies=((a.block_table[2], b.block_table[2]),))
+    for _ in range(5):
+        step(runner, [(b, 1), (a, 1)])
+    assert reference_error(tiny_llama_dir, a) <= 1
+    assert reference_error(tiny_llama_dir, b) <= 1
+
+
+def test_non_contiguous_block_table_lands_in_those_blocks(tiny_llama_dir) -> None:
+    """Blocks [7, 2, 9]: K/V of positions 0-9 land exactly there and nowhere else."""
+    from kvfleet.worker.model_runner import ModelRunner
+
+    runner = ModelRunner(tiny_llama_dir, num_blocks=12, block_size=4)
+    seq = Seq("a", random_prompt(10, seed=6), [7, 2, 9])
+    prefill(runner, seq, [6, 4])
+    assert reference_error(tiny_llama_dir, seq) <= 1
+    written = runner.kv_cache.data.abs().sum(dim=(0, 1, 4, 5)) > 0  # (num_blocks, block_size)
+    expected = torch.zeros(12, 4, dtype=torch.bool)
+    expected[7] = expected[2] = True
+    expected[9, :2] = True
+    assert torch.equal(written, expected)
+
+
+def test_sliding_window_beyond_window(tiny_mistral_dir) -> None:
+    runner = runner_for(tiny_mistral_dir)
+    assert runner.config.sliding_window == 8
+    seq = new_seq(BlockPool(runner.num_blocks, seed=7), "a", 30, seed=7)
+    prefill(runner, seq, [5, 11, 3, 7, 4])
+    decode(runner, seq, 10)
+    assert reference_error(tiny_mistral_dir, seq) <= 1
+
+
+def test_llama3_rope_scaling(tmp_path, smollm2_dir) -> None:
+    from tests.fixtures.models import write_tiny_model
+
+    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+    model_dir = write_tiny_model(tmp_path, "llama", smollm2_dir, seed=3, rope_parameters=rope)
+    runner = runner_for(model_dir)
+    assert runner.config.rope_scaling is not None and runner.config.rope_scaling.factor == 8.0
+    seq = new_seq(BlockPool(runner.num_blocks, seed=8), "a", 40, seed=8)
+    prefill(runner, seq, [17, 23])
+    decode(runner, seq, 4)
+    assert reference_error(model_dir, seq) <= 1
+
+
+def test_bfloat16_runs_close_to_fp32(tiny_llama_dir) -> None:
+    """Not a parity claim (bf16 has ~3 significant digits): the dtype plumbing works end to end."""
+    from kvfleet.worker.model_runner import ModelRunner
+
+    runner = ModelRunner(tiny_llama_dir, num_blocks=16, block_size=4, dtype=torch.bfloat16)
+    assert runner.kv_cache.data.dtype == torch.bfloat16
+    seq = Seq("a", random_prompt(12, seed=9), BlockPool(16, seed=9).take(5))
+    prefill(runner, seq, [7, 5])
+    decode(runner, seq, 3)
+    assert reference_error(tiny_llama_dir, seq) < 500  # within 5e-2 of the logit scale

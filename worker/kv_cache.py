@@ -1,0 +1,70 @@
+"""The paged KV cache of one rank: every layer's K and V blocks in one allocation."""
+
+from __future__ import annotations
+
+import torch
+
+from kvfleet.worker.model_config import ModelConfig
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block occupies: K + V, every layer, ``block_size`` tokens."""
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element
+
+
+def num_blocks_for_memory(
+    config: ModelConfig, block_size: int, dtype: torch.dtype, kv_memory_bytes: int
+) -> int:
+    """How many whole blocks fit in ``kv_memory_bytes`` (bytes, integer; ``--kv-memory``).
+
+    Raises:
+        ValueError: not even one block fits.
+    """
+    per_block = kv_bytes_per_block(config, block_size, dtype)
+    blocks = kv_memory_bytes // per_block
+    if blocks < 1:
+        raise ValueError(
+            f"kv memory {kv_memory_bytes} B holds no block of {per_block} B "
+            f"(block_size {block_size}, {config.num_layers} layers)"
+        )
+    return int(blocks)
+
+
+class KVCache:
+    """Per-layer ``key_cache``/``value_cache`` views of shape
+    ``(num_blocks, block_size, num_kv_heads, head_dim)`` into one zeroed tensor
+    ``(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)``.
+
+    Zeroed so that padded (masked) reads never meet NaN/inf garbage.
+    """
+
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be >= 1")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.data = torch.zeros(
+            config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim,
+            dtype=dtype, device=device,
+        )
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(key_cache, value_cache)`` of layer ``i``, views into the shared tensor."""
+        return self.data[i, 0], self.data[i, 1]
+
+    def copy_blocks(self, copies: tuple[tuple[int, int], ...]) -> None:
+        """Copy-on-write: for each ``(src, dst)`` copy K and V of every layer.
+
+        All copies read the state from before any of them (a ``dst`` is never a ``src``).
+        """
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=self.data.device)
+        dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=self.data.device)
+        self.data[:, :, dst] = self.data[:, :, src]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()

@@ -1,0 +1,54 @@
+"""Model families: ``config.json`` architecture name → the module that implements it.
+
+Adding a family is one module with ``build_model(config, weights, dtype, device)`` returning a
+:class:`CausalLM`, plus one line in ``REGISTRY``. Modules are imported on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from kvfleet.worker.model_config import ModelConfig, UnsupportedModel
+
+if TYPE_CHECKING:
+    from kvfleet.worker.attention import AttentionMetadata
+    from kvfleet.worker.kv_cache import KVCache
+
+# Mistral and Qwen2 differ from Llama only in what ModelConfig carries (window, QKV bias).
+REGISTRY: dict[str, str] = {
+    "LlamaForCausalLM": "kvfleet.worker.models.llama",
+    "MistralForCausalLM": "kvfleet.worker.models.llama",
+    "Qwen2ForCausalLM": "kvfleet.worker.models.llama",
+}
+
+
+class CausalLM(Protocol):
+    """What the model runner calls; the model knows nothing of paging beyond ``meta``."""
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
+        """``input_ids``/``positions`` ``(T,)`` → hidden states ``(T, hidden_size)``."""
+        ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden states ``(N, hidden_size)`` → logits ``(N, vocab_size)`` (final norm included)."""
+        ...
+
+
+def build_model(config: ModelConfig, weights: Mapping[str, torch.Tensor],
+                dtype: torch.dtype, device: torch.device | str) -> CausalLM:
+    """Instantiate the family that implements ``config.architecture`` from HF-named weights.
+
+    Raises:
+        UnsupportedModel: no registered family for the architecture.
+    """
+    module_name = REGISTRY.get(config.architecture)
+    if module_name is None:
+        raise UnsupportedModel(
+            f"architecture {config.architecture!r} is not supported ({', '.join(sorted(REGISTRY))})"
+        )
+    return importlib.import_module(module_name).build_model(config, weights, dtype, device)

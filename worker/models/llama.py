@@ -1,0 +1,189 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2): RMSNorm, RoPE, GQA attention, SwiGLU MLP.
+
+Differences between the families live in :class:`ModelConfig` (sliding window per layer,
+QKV/O bias, RoPE scaling), not in branches here. At load time Q/K/V and gate/up are fused
+into one matrix each, so a layer runs four matmuls. Numerics follow transformers' reference
+(RoPE tables in fp32 then cast, RMSNorm in fp32) so fp32 logits match it to ~1e-5.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvfleet.worker.attention import AttentionMetadata, paged_attention
+from kvfleet.worker.kv_cache import KVCache
+from kvfleet.worker.model_config import ModelConfig, RopeScaling
+
+
+def _llama3_scaling(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    """Llama 3.1 frequency scaling: long wavelengths ÷ factor, a smooth ramp in between."""
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+_ROPE_SCALING: dict[str, Callable[[torch.Tensor, RopeScaling], torch.Tensor]] = {
+    "linear": lambda inv_freq, s: inv_freq / s.factor,
+    "llama3": _llama3_scaling,
+}
+
+
+def rope_tables(config: ModelConfig, dtype: torch.dtype, device: torch.device | str
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)``, each ``(max_position_embeddings, head_dim)``, computed in fp32, cast to dtype."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if config.rope_scaling is not None:
+        inv_freq = _ROPE_SCALING[config.rope_scaling.rope_type](inv_freq, config.rope_scaling)
+    freqs = torch.arange(config.max_position_embeddings).float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(device=device, dtype=dtype), emb.sin().to(device=device, dtype=dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``(T, heads, head_dim)`` by ``cos``/``sin`` ``(T, 1, head_dim)`` (half-split layout)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``(T, size)``; normalised in fp32 like the reference, then scaled."""
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        h, q, kv = config.hidden_size, config.q_size, config.kv_size
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.window = config.sliding_windows[layer_idx]
+        self.input_layernorm = RMSNorm(h, config.rms_norm_eps)
+        self.qkv_proj = nn.Linear(h, q + 2 * kv, bias=config.qkv_bias)  # rows: q | k | v
+        self.o_proj = nn.Linear(q, h, bias=config.o_bias)
+        self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
+        self.gate_up_proj = nn.Linear(h, 2 * config.intermediate_size, bias=False)  # rows: gate | up
+        self.down_proj = nn.Linear(config.intermediate_size, h, bias=False)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata, key_cache: torch.Tensor, value_cache: torch.Tensor
+                ) -> torch.Tensor:
+        """``hidden`` ``(T, hidden_size)`` → ``(T, hidden_size)``; writes this layer's K/V."""
+        t = hidden.shape[0]
+        qkv = self.qkv_proj(self.input_layernorm(hidden))
+        heads = self.num_heads + self.num_kv_heads
+        # RoPE on Q and K together: one kernel for both.
+        qk = apply_rope(qkv[:, : heads * self.head_dim].view(t, heads, self.head_dim), cos, sin)
+        v = qkv[:, heads * self.head_dim :].view(t, self.num_kv_heads, self.head_dim)
+        attn = paged_attention(qk[:, : self.num_heads], qk[:, self.num_heads :], v,
+                               key_cache, value_cache, meta, self.window)
+        hidden = hidden + self.o_proj(attn)
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(hidden)).chunk(2, dim=-1)
+        return hidden + self.down_proj(F.silu(gate) * up)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder stack plus LM head; see :class:`kvfleet.worker.models.CausalLM`."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rope_cos = self.rope_sin = torch.empty(0)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
+        """``input_ids``/``positions`` ``(T,)`` → hidden states ``(T, hidden_size)`` (pre final norm)."""
+        hidden = self.embed_tokens(input_ids)
+        cos = self.rope_cos[positions].unsqueeze(1)  # (T, 1, head_dim)
+        sin = self.rope_sin[positions].unsqueeze(1)
+        for i, layer in enumerate(self.layers):
+            key_cache, value_cache = kv_cache.layer(i)
+            hidden = layer(hidden, cos, sin, meta, key_cache, value_cache)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``(N, hidden_size)`` → ``(N, vocab_size)`` in the model dtype."""
+        head = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        return F.linear(self.norm(hidden), head)
+
+
+# Checkpoint tensors that carry no weights (older exports store RoPE frequencies).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def fuse_hf_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF tensor names → this module's state dict, fusing q|k|v and gate|up.
+
+    Raises:
+        KeyError: a tensor the config requires is missing.
+        ValueError: the checkpoint holds tensors this model would silently ignore.
+    """
+    src = {k: v for k, v in weights.items() if not k.endswith(_IGNORED_SUFFIXES)}
+    if config.tie_word_embeddings:
+        src.pop("lm_head.weight", None)  # some exports store the tied copy too
+
+    def take(*names: str) -> torch.Tensor:
+        missing = [n for n in names if n not in src]
+        if missing:
+            raise KeyError(f"{config.architecture} checkpoint lacks tensor(s): {', '.join(missing)}")
+        return torch.cat([src.pop(n) for n in names]) if len(names) > 1 else src.pop(names[0])
+
+    out = {"embed_tokens.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
+    if not config.tie_word_embeddings:
+        out["lm_head.weight"] = take("lm_head.weight")
+    for i in range(config.num_layers):
+        p, o = f"model.layers.{i}.", f"layers.{i}."
+        attn, mlp = p + "self_attn.", p + "mlp."
+        out[o + "qkv_proj.weight"] = take(*(f"{attn}{n}_proj.weight" for n in "qkv"))
+        if config.qkv_bias:
+            out[o + "qkv_proj.bias"] = take(*(f"{attn}{n}_proj.bias" for n in "qkv"))
+        out[o + "o_proj.weight"] = take(attn + "o_proj.weight")
+        if config.o_bias:
+            out[o + "o_proj.bias"] = take(attn + "o_proj.bias")
+        out[o + "gate_up_proj.weight"] = take(mlp + "gate_proj.weight", mlp + "up_proj.weight")
+        out[o + "down_proj.weight"] = take(mlp + "down_proj.weight")
+        out[o + "input_layernorm.weight"] = take(p + "input_layernorm.weight")
+        out[o + "post_attention_layernorm.weight"] = take(p + "post_attention_layernorm.weight")
+    if src:
+        names = ", ".join(sorted(src)[:5])
+        raise ValueError(f"{len(src)} checkpoint tensors unused by {config.architecture}: {names}")
+    return out
+
+
+def build_model(config: ModelConfig, weights: Mapping[str, torch.Tensor],
+                dtype: torch.dtype, device: torch.device | str) -> LlamaForCausalLM:
+    """Build on the meta device (no throwaway init), then take the fused checkpoint tensors."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    state = {k: v.to(device=device, dtype=dtype) for k, v in fuse_hf_weights(config, weights).items()}
+    model.load_state_dict(state, strict=True, assign=True)
+    for param in model.parameters():
+        param.requires_grad_(False)
+    model.rope_cos, model.rope_sin = rope_tables(config, dtype, device)
+    return model.eval()
