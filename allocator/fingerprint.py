@@ -1,8 +1,9 @@
 """Cheap, deterministic fingerprints of a model directory (DESIGN.md §2).
 
 A fingerprint digests ``config.json``, the safetensors *headers* (tensor names, dtypes,
-shapes, byte ranges — not the weight bytes), ``tokenizer.json`` and the chat template, so
-router and worker agree on identity without reading gigabytes.
+shapes, byte ranges), 64 bytes at the start and middle of every tensor (so a fine-tuned
+revision with the same shapes gets another identity), ``tokenizer.json`` and the chat template,
+so router and worker agree on identity without reading gigabytes.
 """
 
 from __future__ import annotations
@@ -29,6 +30,29 @@ def _safetensors_header(path: Path) -> dict:
         header = json.loads(f.read(n))
     header.pop("__metadata__", None)
     return header
+
+
+SAMPLE_BYTES = 64  # bytes read at the start and at the middle of every tensor
+
+
+def _sampled_bytes(path: Path, header: dict) -> bytes:
+    """``SAMPLE_BYTES`` at the start and the middle of every tensor's data, in name order.
+
+    Headers alone cannot tell a fine-tuned revision from its base (same names, shapes and
+    dtypes); a few bytes of every tensor can, without reading gigabytes (two small reads per
+    tensor). A revision that changes only bytes no sample covers goes undetected: serve it
+    under another model name (the name is part of the identity too).
+    """
+    with path.open("rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        base = 8 + n
+        out = []
+        for name in sorted(header):
+            begin, end = header[name]["data_offsets"]
+            for offset in (begin, begin + (end - begin) // 2):
+                f.seek(base + offset)
+                out.append(f.read(min(SAMPLE_BYTES, end - offset)))
+    return b"".join(out)
 
 
 def read_chat_template(model_dir: Path) -> str:
@@ -60,7 +84,9 @@ def fingerprint_model_dir(model_dir: str | Path) -> ModelFingerprints:
         raise FileNotFoundError(f"no *.safetensors in {d}")
     for f in files:
         weights.update(f.name.encode())
-        weights.update(json.dumps(_safetensors_header(f), sort_keys=True).encode())
+        header = _safetensors_header(f)
+        weights.update(json.dumps(header, sort_keys=True).encode())
+        weights.update(_sampled_bytes(f, header))
     tok = d / "tokenizer.json"
     tokenizer = hashlib.sha256(tok.read_bytes() if tok.exists() else b"").hexdigest()
     template = hashlib.sha256(read_chat_template(d).encode()).hexdigest()

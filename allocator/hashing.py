@@ -89,7 +89,23 @@ def block_hash_chain(
         raise ValueError(f"block_size must be positive, got {block_size}")
     chain = list(start)
     parent = chain[-1] if chain else root
-    for i in range(len(chain), len(token_ids) // block_size):
-        parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size])
+    first, end = len(chain), len(token_ids) // block_size
+    if first >= end:
+        return chain
+    # Same bytes as hash_block, built once per chain (the router hashes every prompt): pack
+    # all tokens in one call, slice per block, reuse the constant tag/length headers.
+    packed = struct.pack(f"<{(end - first) * block_size}i",
+                         *token_ids[first * block_size : end * block_size])
+    width = 4 * block_size
+    parent_head = _field(b"parent", b"")[:-8] + struct.pack("<Q", HASH_BYTES)
+    tokens_head = _field(b"tokens", b"")[:-8] + struct.pack("<Q", width)
+    sha256 = hashlib.sha256
+    for j in range(end - first):
+        if len(parent) != HASH_BYTES:  # a caller-supplied root of another length
+            i = first + j
+            parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size])
+        else:
+            parent = sha256(parent_head + parent + tokens_head
+                            + packed[j * width:(j + 1) * width]).digest()[:HASH_BYTES]
         chain.append(parent)
     return chain

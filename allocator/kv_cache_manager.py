@@ -112,15 +112,17 @@ class KVCacheManager:
         return new_blocks
 
     def cache_full_blocks(self, request_id: str, block_hashes: Sequence[bytes],
-                          num_computed_tokens: int) -> None:
+                          num_computed_tokens: int, from_token: int = 0) -> None:
         """Register each full block of the table (all positions < ``num_computed_tokens``) that
         has a hash (``block_hashes[i]`` belongs to ``block_table[i]``). Idempotent; a hash
-        already held by another block keeps its existing registration."""
+        already held by another block keeps its existing registration. ``from_token``: skip
+        blocks that were already full before that many tokens were computed (an engine step
+        passes its chunk's start, so each step only looks at the blocks it filled)."""
         table = self._tables.get(request_id)
         if table is None or not self.enable_prefix_caching:
             return
         num_full = min(num_computed_tokens // self.block_size, len(table), len(block_hashes))
-        for i in range(num_full):
+        for i in range(from_token // self.block_size, num_full):
             self.pool.register(table[i], block_hashes[i])
 
     def free(self, request_id: str) -> None:

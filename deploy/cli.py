@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -38,6 +39,18 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", help="use this Redis instead of starting a private one")
     p.add_argument("--ray-address", help="join this Ray cluster instead of starting one")
     p.add_argument("--api-keys", help="JSON file mapping API keys to tenants (default: open)")
+    p.add_argument("--metrics-port", type=int,
+                   help="Prometheus metrics: the router on this port, replica i on port+1+i "
+                        "(0 = free ports). Traces and OTLP metrics follow OTEL_* variables, "
+                        "e.g. OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4317")
+    p.add_argument("--executor", default="model", choices=["model", "cost-model"],
+                   help="model: the real forward; cost-model: a timed stand-in for the forward "
+                        "only (scheduler, KV cache, index, gRPC stay real; many per process)")
+    p.add_argument("--cost-model", metavar="FILE",
+                   help="calibration JSON for --executor cost-model (default: the constants "
+                        "measured on SmolLM2 by bench/calibrate.py)")
+    p.add_argument("--cost-model-scale", type=float, default=1.0,
+                   help="multiply the cost model's step times (e.g. 0.05 = 20x faster)")
 
 
 def cluster_config(args: argparse.Namespace):
@@ -45,9 +58,15 @@ def cluster_config(args: argparse.Namespace):
     from kvfleet.allocator.units import parse_size
     from kvfleet.deploy.launcher import ClusterConfig
     from kvfleet.deploy.models import resolve_model
+    from kvfleet.telemetry import TelemetryConfig
     from kvfleet.worker.scheduler import SchedulerConfig
 
+    from kvfleet.worker.cost_model import MEASURED, CostModel
+
     name, model_dir = resolve_model(args.model)
+    cost = CostModel.load(args.cost_model) if args.cost_model else MEASURED
+    if args.cost_model_scale != 1.0:
+        cost = cost.scaled(args.cost_model_scale)
     return ClusterConfig(
         model_name=name, model_dir=str(model_dir), replicas=args.replicas,
         block_size=args.block_size, num_blocks=args.num_blocks,
@@ -56,7 +75,9 @@ def cluster_config(args: argparse.Namespace):
         ray_address=args.ray_address, api_keys_file=args.api_keys,
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
-                                  policy=args.admission))
+                                  policy=args.admission),
+        executor=args.executor, cost_model=cost if args.executor == "cost-model" else None,
+        telemetry=TelemetryConfig.from_env(os.environ), metrics_port=args.metrics_port)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -75,6 +96,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             signal.signal(sig, on_signal)
         print(f"kvfleet ready: router at {address} ({args.replicas} replicas of {args.model}); "
               "Ctrl-C to stop", flush=True)
+        for name, metrics in cluster.metrics_addresses.items():
+            print(f"kvfleet: {name} metrics at http://{metrics}/metrics", file=sys.stderr, flush=True)
         stop.wait()
     finally:
         print("kvfleet: stopping…", file=sys.stderr, flush=True)
@@ -108,7 +131,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from kvfleet.deploy.demo import run_demo
 
-    return run_demo(cluster_config(args))
+    return run_demo(cluster_config(args), trace=args.trace, jaeger_url=args.jaeger_url)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -122,6 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="start a local cluster, send a shared-prefix workload, stop")
     _add_cluster_args(demo)
+    demo.add_argument("--trace", action="store_true",
+                      help="trace every request and print its queue / prefill / decode / network "
+                           "breakdown (and its Jaeger link when Jaeger answers at --jaeger-url)")
+    demo.add_argument("--jaeger-url", default="http://127.0.0.1:16686",
+                      help="Jaeger UI for trace links (default http://127.0.0.1:16686)")
     demo.set_defaults(func=cmd_demo, port=0)
 
     gen = sub.add_parser("generate", help="stream one completion from a running router")

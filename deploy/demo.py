@@ -12,10 +12,13 @@ import asyncio
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Optional
 
-from kvfleet.client import AsyncClient
+from kvfleet.client import AsyncClient, RequestStats
 from kvfleet.deploy.launcher import ClusterConfig, LocalCluster
+from kvfleet.deploy.trace_report import DEFAULT_JAEGER_URL, breakdown_table, jaeger_reachable
+from kvfleet.telemetry import Telemetry
 
 SYSTEM_PROMPTS = {
     "geography": (
@@ -58,6 +61,7 @@ class Result:
     itl_s: float = 0.0
     text: str = ""
     finish: str = ""
+    stats: RequestStats = field(default_factory=RequestStats)  # timing breakdown, trace id
 
 
 async def _ask(client: AsyncClient, group: str, question: str, echo: bool) -> Result:
@@ -66,7 +70,8 @@ async def _ask(client: AsyncClient, group: str, question: str, echo: bool) -> Re
     arrivals: list[float] = []
     messages = [{"role": "system", "content": SYSTEM_PROMPTS[group]},
                 {"role": "user", "content": question}]
-    async for chunk in client.stream(messages=messages, max_tokens=MAX_TOKENS, temperature=0.0):
+    async for chunk in client.stream(messages=messages, max_tokens=MAX_TOKENS, temperature=0.0,
+                                     stats=res.stats):
         if chunk.token_ids:
             arrivals.append(chunk.received_s)
         res.text += chunk.text
@@ -83,6 +88,22 @@ async def _ask(client: AsyncClient, group: str, question: str, echo: bool) -> Re
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
     res.itl_s = statistics.fmean(gaps) if gaps else float("nan")
     return res
+
+
+def _print_breakdown(results: list[Result], cfg: ClusterConfig, jaeger_url: str) -> None:
+    exported = cfg.telemetry.tracing_enabled
+    link = jaeger_url if exported and jaeger_reachable(jaeger_url) else None
+    print("\nwhere the time went (worker clock for queue/prefill/decode; network = router "
+          "dispatch − worker; other = router + client↔router):")
+    print(breakdown_table([(f"[{r.group}] {r.question}", r.stats) for r in results], link))
+    if not exported:
+        print("traces were not exported: set OTEL_EXPORTER_OTLP_ENDPOINT (see README, "
+              "'Tracing and metrics') to see them in Jaeger")
+    elif link is None:
+        print(f"traces exported to {cfg.telemetry.traces_endpoint()}; no Jaeger UI answered at "
+              f"{jaeger_url} (docker compose -f deploy/compose/docker-compose.yaml up -d)")
+    else:
+        print(f"open {jaeger_url} and pick service kvfleet-client, or follow the links above")
 
 
 def _table(results: list[Result]) -> str:
@@ -113,8 +134,8 @@ def check_routing(results: list[Result], block_size: int) -> list[str]:
     return problems
 
 
-async def _workload(address: str) -> list[Result]:
-    async with AsyncClient(address) as client:
+async def _workload(address: str, telemetry: Optional[Telemetry] = None) -> list[Result]:
+    async with AsyncClient(address, telemetry=telemetry) as client:
         results = []
         for i, group in enumerate(QUESTIONS):
             print(f"\n[{group}] {QUESTIONS[group][0]}", flush=True)
@@ -125,14 +146,26 @@ async def _workload(address: str) -> list[Result]:
         return results
 
 
-def run_demo(cfg: ClusterConfig) -> int:
-    """Run the demo; returns 0 when every follow-up was routed to its prefix and reused it."""
+def run_demo(cfg: ClusterConfig, trace: bool = False,
+             jaeger_url: str = DEFAULT_JAEGER_URL) -> int:
+    """Run the demo; returns 0 when every follow-up was routed to its prefix and reused it.
+
+    ``trace``: the client traces every request too (one trace per request, exported where
+    ``cfg.telemetry`` says) and a per-request time breakdown is printed, with Jaeger links.
+    """
     print(f"starting {cfg.replicas} replicas of {cfg.model_name} (this loads the model)…", flush=True)
-    with LocalCluster(cfg) as cluster:
-        print(f"kvfleet ready: router at {cluster.router_address}", flush=True)
-        results = asyncio.run(_workload(cluster.router_address))
+    telemetry = Telemetry(cfg.telemetry, "client") if trace else None
+    try:
+        with LocalCluster(cfg) as cluster:
+            print(f"kvfleet ready: router at {cluster.router_address}", flush=True)
+            results = asyncio.run(_workload(cluster.router_address, telemetry))
+    finally:
+        if telemetry is not None:
+            telemetry.shutdown()  # the cluster flushed its spans on stop; these are the client's
     print()
     print(_table(results))
+    if trace:
+        _print_breakdown(results, cfg, jaeger_url)
     for r in results[len(QUESTIONS):]:
         print(f"  [{r.group}] {r.question} → {r.text.strip()[:100]!r}")
     problems = check_routing(results, cfg.block_size)

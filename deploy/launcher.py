@@ -22,7 +22,9 @@ from typing import Optional
 
 from kvfleet.deploy.redis_server import RedisServer, start_redis
 from kvfleet.index_keys import DEFAULT_NAMESPACE
-from kvfleet.worker.replica import ReplicaConfig
+from kvfleet.telemetry import TelemetryConfig
+from kvfleet.worker.cost_model import CostModel
+from kvfleet.worker.replica import EXECUTORS, ReplicaConfig
 from kvfleet.worker.scheduler import SchedulerConfig
 
 log = logging.getLogger(__name__)
@@ -56,10 +58,24 @@ class ClusterConfig:
     namespace: str = DEFAULT_NAMESPACE
     api_keys_file: Optional[str] = None
     ray_num_cpus: Optional[int] = None
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)  # OTLP export settings
+    # Prometheus: the router on metrics_port, replica i on metrics_port + 1 + i (0: free ports).
+    metrics_port: Optional[int] = None
+    # CPUs each replica actor reserves in Ray (default: the free CPUs shared out, at most 1;
+    # 0 lets a second cluster share a Ray whose CPUs another one holds, as tests do).
+    replica_num_cpus: Optional[float] = None
+    # "cost-model": replicas whose forward is the cost model (kvfleet.worker.cost_model),
+    # up to replicas_per_host of them sharing one process (Ray actor).
+    executor: str = "model"
+    cost_model: Optional[CostModel] = None
+    replicas_per_host: int = 64
+    router_args: tuple[str, ...] = ()  # extra router command-line arguments (policy knobs)
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ValueError(f"--replicas must be >= 1, got {self.replicas}")
+        if self.executor not in EXECUTORS:
+            raise ValueError(f"--executor must be one of {EXECUTORS}, got {self.executor!r}")
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -72,6 +88,13 @@ def check_port_free(host: str, port: int) -> None:
         except OSError as exc:
             raise OSError(f"router port {host}:{port} is already in use "
                           f"(pick another with --port, or --port 0 for a free one)") from exc
+
+
+def free_port(host: str) -> int:
+    """A port nothing listens on right now (for a child that must be told its port)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def init_ray(address: Optional[str] = None, num_cpus: Optional[int] = None) -> None:
@@ -101,6 +124,7 @@ class LocalCluster:
         self.replica_addresses: list[str] = []
         self.router_proc: Optional[subprocess.Popen] = None
         self.router_address: Optional[str] = None
+        self.metrics_addresses: dict[str, str] = {}  # "router" / "replica-<i>" → host:port
         self._started_ray = False
 
     def start(self, timeout_s: float = 300.0) -> str:
@@ -123,21 +147,48 @@ class LocalCluster:
         init_ray(cfg.ray_address, cfg.ray_num_cpus)
         cpus = float(ray.available_resources().get("CPU", 1.0))
         per_replica = max(0.1, min(1.0, cpus / cfg.replicas))
+        if cfg.replica_num_cpus is not None:
+            per_replica = cfg.replica_num_cpus
         threads = max(1, (os.cpu_count() or 1) // cfg.replicas)
         from kvfleet.worker.ray_actor import ReplicaActor
 
         actor_cls = ray.remote(num_cpus=per_replica, max_restarts=0)(ReplicaActor)
         run_id = uuid.uuid4().hex[:6]
-        for i in range(cfg.replicas):
-            rcfg = ReplicaConfig(
-                replica_id=f"replica-{i}-{run_id}", model_name=cfg.model_name,
-                model_dir=cfg.model_dir, block_size=cfg.block_size, num_blocks=cfg.num_blocks,
-                kv_memory_bytes=cfg.kv_memory_bytes, dtype=cfg.dtype, scheduler=cfg.scheduler,
-                redis_url=self.redis_url, namespace=cfg.namespace, num_threads=threads)
-            self.actors.append(actor_cls.remote(rcfg))
-        self.replica_addresses = ray.get([a.start.remote() for a in self.actors], timeout=timeout_s)
+        rcfgs = [ReplicaConfig(
+            replica_id=f"replica-{i}-{run_id}", model_name=cfg.model_name,
+            model_dir=cfg.model_dir, block_size=cfg.block_size, num_blocks=cfg.num_blocks,
+            kv_memory_bytes=cfg.kv_memory_bytes, dtype=cfg.dtype, scheduler=cfg.scheduler,
+            redis_url=self.redis_url, namespace=cfg.namespace, num_threads=threads,
+            telemetry=replace(cfg.telemetry, metrics_port=self._metrics_port(1 + i)),
+            executor=cfg.executor, cost_model=cfg.cost_model) for i in range(cfg.replicas)]
+        if cfg.executor == "cost-model":
+            self._start_hosts(rcfgs, per_replica, timeout_s)
+        else:
+            self.actors = [actor_cls.remote(rcfg) for rcfg in rcfgs]
+            self.replica_addresses = ray.get([a.start.remote() for a in self.actors],
+                                             timeout=timeout_s)
+        if cfg.metrics_port is not None:
+            if cfg.executor == "cost-model":
+                found = [addr for host in ray.get([a.metrics_addresses.remote() for a in self.actors],
+                                                  timeout=timeout_s) for addr in host]
+            else:
+                found = ray.get([a.metrics_address.remote() for a in self.actors], timeout=timeout_s)
+            for i, address in enumerate(found):
+                self.metrics_addresses[f"replica-{i}"] = address
         self.router_address = self._start_router(timeout_s)
         return self.router_address
+
+    def _start_hosts(self, rcfgs: list[ReplicaConfig], num_cpus: float, timeout_s: float) -> None:
+        """Cost-model replicas, ``replicas_per_host`` to a process (one Ray actor each)."""
+        import ray
+
+        from kvfleet.worker.replica_host import ReplicaHostActor
+
+        host_cls = ray.remote(num_cpus=num_cpus, max_restarts=0)(ReplicaHostActor)
+        per = max(1, self.cfg.replicas_per_host)
+        self.actors = [host_cls.remote(rcfgs[i:i + per]) for i in range(0, len(rcfgs), per)]
+        hosts = ray.get([a.start.remote() for a in self.actors], timeout=timeout_s)
+        self.replica_addresses = [addr for host in hosts for addr in host]
 
     def _start_router(self, timeout_s: float) -> str:
         cfg = self.cfg
@@ -148,7 +199,15 @@ class LocalCluster:
                "--namespace", cfg.namespace]
         if cfg.api_keys_file:
             cmd += ["--api-keys", cfg.api_keys_file]
-        self.router_proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        cmd += list(cfg.router_args)
+        if cfg.metrics_port is not None:
+            port = self._metrics_port(0) or free_port(cfg.host)
+            cmd += ["--metrics-port", str(port)]
+            self.metrics_addresses["router"] = f"{cfg.host}:{port}"
+        # The router reads OTEL_* at start-up: give it exactly this cluster's settings.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+        env.update(cfg.telemetry.to_env())
+        self.router_proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             ready, _, _ = select.select([self.router_proc.stdout], [], [], 0.2)
@@ -160,6 +219,10 @@ class LocalCluster:
                 raise RuntimeError(f"router exited with code {self.router_proc.returncode} "
                                    "before it was ready (see its error above)")
         raise TimeoutError(f"router not ready within {timeout_s} s")
+
+    def _metrics_port(self, offset: int) -> Optional[int]:
+        port = self.cfg.metrics_port
+        return None if port is None else (port + offset if port else 0)
 
     def stop(self) -> None:
         """Stop router, replicas, Ray (if started here) and Redis (if started here). Idempotent."""

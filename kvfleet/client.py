@@ -6,6 +6,11 @@
             print(chunk.text, end="", flush=True)
 
 Errors surface as ``grpc.RpcError`` with the server's status code and message.
+
+Pass ``stats=RequestStats()`` to ``stream`` to get the client-observed TTFT next to the
+worker's timing, the router's network time and the trace id; pass a
+:class:`~kvfleet.telemetry.Telemetry` to ``Client(…, telemetry=…)`` to open a ``client.Generate``
+span per request (otherwise a span current in the caller's context is propagated).
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from typing import AsyncIterator, Iterator, Optional, Sequence
 
 import grpc
 
+from kvfleet.telemetry.client_spans import ClientTelemetry, RequestStats
+from kvfleet.telemetry.provider import Telemetry
 from kvfleet.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 _FINISH = {common_pb2.STOP: "stop", common_pb2.LENGTH: "length"}
@@ -94,20 +101,35 @@ def _metadata(api_key: Optional[str]):
 class Client:
     """Blocking client. ``timeout`` (seconds) becomes the request's gRPC deadline."""
 
-    def __init__(self, address: str = "127.0.0.1:50051", api_key: Optional[str] = None) -> None:
+    def __init__(self, address: str = "127.0.0.1:50051", api_key: Optional[str] = None,
+                 telemetry: Optional[Telemetry] = None) -> None:
         self._channel = grpc.insecure_channel(address)
         self._stub = router_pb2_grpc.RouterStub(self._channel)
         self._metadata = _metadata(api_key)
+        self._telemetry = ClientTelemetry(telemetry)  # client.Generate spans, client TTFT
 
     def stream(self, prompt: Optional[str] = None, *, timeout: Optional[float] = None,
-               **kwargs) -> Iterator[Chunk]:
-        """Yield chunks as they arrive (see :func:`build_request` for arguments)."""
-        call = self._stub.Generate(build_request(prompt, **kwargs), timeout=timeout,
-                                   metadata=self._metadata)
+               stats: Optional[RequestStats] = None, **kwargs) -> Iterator[Chunk]:
+        """Yield chunks as they arrive (see :func:`build_request` for arguments).
+
+        ``stats``, when given, is filled in: client-observed TTFT, the worker's timing, the
+        router's network time and the trace id.
+        """
+        request = build_request(prompt, **kwargs)
+        trace = self._telemetry.start(request, stats)
+        call = self._stub.Generate(request, timeout=timeout,
+                                   metadata=trace.metadata(self._metadata))
         try:
             for m in call:
-                yield Chunk.from_proto(m, time.monotonic())
+                chunk = Chunk.from_proto(m, time.monotonic())
+                trace.on_chunk(chunk)
+                yield chunk
+            trace.on_trailers(call.trailing_metadata())
+        except BaseException as exc:
+            trace.fail(exc)
+            raise
         finally:
+            trace.end()
             call.cancel()  # stop the server-side work if the caller stops early
 
     def generate(self, prompt: Optional[str] = None, **kwargs) -> str:
@@ -133,19 +155,30 @@ class Client:
 class AsyncClient:
     """asyncio client with the same arguments as :class:`Client`."""
 
-    def __init__(self, address: str = "127.0.0.1:50051", api_key: Optional[str] = None) -> None:
+    def __init__(self, address: str = "127.0.0.1:50051", api_key: Optional[str] = None,
+                 telemetry: Optional[Telemetry] = None) -> None:
         self._channel = grpc.aio.insecure_channel(address)
         self._stub = router_pb2_grpc.RouterStub(self._channel)
         self._metadata = _metadata(api_key)
+        self._telemetry = ClientTelemetry(telemetry)
 
     async def stream(self, prompt: Optional[str] = None, *, timeout: Optional[float] = None,
-                     **kwargs) -> AsyncIterator[Chunk]:
-        call = self._stub.Generate(build_request(prompt, **kwargs), timeout=timeout,
-                                   metadata=self._metadata)
+                     stats: Optional[RequestStats] = None, **kwargs) -> AsyncIterator[Chunk]:
+        request = build_request(prompt, **kwargs)
+        trace = self._telemetry.start(request, stats)
+        call = self._stub.Generate(request, timeout=timeout,
+                                   metadata=trace.metadata(self._metadata))
         try:
             async for m in call:
-                yield Chunk.from_proto(m, time.monotonic())
+                chunk = Chunk.from_proto(m, time.monotonic())
+                trace.on_chunk(chunk)
+                yield chunk
+            trace.on_trailers(await call.trailing_metadata())
+        except BaseException as exc:
+            trace.fail(exc)
+            raise
         finally:
+            trace.end()
             call.cancel()
 
     async def generate(self, prompt: Optional[str] = None, **kwargs) -> str:

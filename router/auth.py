@@ -1,7 +1,17 @@
-"""API key → tenant. With no key file the router runs open and every request is ``default``.
+"""API key → tenant, and tenant → cache scope. With no key file the router runs open and every
+request is tenant ``default``.
 
-Key file: JSON object ``{"<api key>": "<tenant>", ...}``; clients send
-``authorization: Bearer <api key>`` metadata. The tenant never comes from a request field.
+Clients send ``authorization: Bearer <api key>`` metadata; the tenant never comes from a request
+field. The key file is JSON, either a flat ``{"<api key>": "<tenant>", ...}`` or::
+
+    {"keys": {"<api key>": "<tenant>", ...},
+     "shared_namespaces": {"<name>": ["<tenant>", "<tenant>", ...], ...}}
+
+Tenants never share KV blocks (prefix reuse across tenants is a timing side channel) unless the
+operator lists them in one shared namespace. The *cache scope* is what the block-hash root is
+keyed by (``root = H(identity, scope, cache_salt)``) and what the router sends the worker as
+``tenant``: the tenant's own name, or ``@<name>`` for a member of shared namespace ``<name>``.
+Tenant names may not start with ``@``, so no tenant can collide with a shared scope.
 """
 
 from __future__ import annotations
@@ -14,22 +24,54 @@ from typing import Optional, Sequence
 from kvfleet.errors import Unauthenticated
 
 DEFAULT_TENANT = "default"
+SHARED_SCOPE_PREFIX = "@"
 
 
 class Authenticator:
-    def __init__(self, keys: Optional[dict[str, str]] = None) -> None:
+    """``keys``: API key → tenant; ``shared_namespaces``: namespace name → member tenants.
+
+    Raises ValueError for a tenant or namespace name that is empty or starts with ``@``, or a
+    tenant listed in two shared namespaces.
+    """
+
+    def __init__(self, keys: Optional[dict[str, str]] = None,
+                 shared_namespaces: Optional[dict[str, Sequence[str]]] = None) -> None:
         self._keys = dict(keys or {})
+        self._scope: dict[str, str] = {}
+        for tenant in self._keys.values():
+            _check_name(tenant, "tenant")
+        for name, members in (shared_namespaces or {}).items():
+            _check_name(name, "shared namespace")
+            for tenant in members:
+                _check_name(tenant, "tenant")
+                if tenant in self._scope:
+                    raise ValueError(f"tenant {tenant!r} is in two shared namespaces "
+                                     f"({self._scope[tenant][1:]!r} and {name!r})")
+                self._scope[tenant] = SHARED_SCOPE_PREFIX + name
 
     @classmethod
     def from_file(cls, path: Optional[str]) -> "Authenticator":
-        """Raises ValueError if the file is not a JSON object of string → string."""
+        """Raises ValueError if the file is not one of the two documented JSON shapes."""
         if not path:
             return cls()
         data = json.loads(Path(path).read_text())
-        if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, str)
-                                                 for k, v in data.items()):
+        shared: dict = {}
+        if isinstance(data, dict) and isinstance(data.get("keys"), dict):
+            keys, shared = data["keys"], data.get("shared_namespaces") or {}
+            if set(data) - {"keys", "shared_namespaces"}:
+                raise ValueError(f"{path}: unknown fields {sorted(set(data) - {'keys', 'shared_namespaces'})}")
+        else:
+            keys = data
+        if not isinstance(keys, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                 for k, v in keys.items()):
             raise ValueError(f"{path}: expected a JSON object mapping API keys to tenant names")
-        return cls(data)
+        if not isinstance(shared, dict) or not all(
+                isinstance(v, list) and all(isinstance(t, str) for t in v) for v in shared.values()):
+            raise ValueError(f"{path}: shared_namespaces must map names to lists of tenants")
+        try:
+            return cls(keys, shared)
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None
 
     @property
     def open(self) -> bool:
@@ -47,3 +89,13 @@ class Authenticator:
             if hmac.compare_digest(known.encode(), key.strip().encode()):
                 return tenant
         raise Unauthenticated("unknown API key")
+
+    def cache_scope(self, tenant: str) -> str:
+        """The scope a tenant's KV blocks are keyed by: itself, or ``@<shared namespace>``."""
+        return self._scope.get(tenant, tenant)
+
+
+def _check_name(name: str, kind: str) -> None:
+    if not isinstance(name, str) or not name or name.startswith(SHARED_SCOPE_PREFIX):
+        raise ValueError(f"{kind} name must be non-empty and not start with "
+                         f"{SHARED_SCOPE_PREFIX!r}, got {name!r}")

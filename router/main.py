@@ -11,7 +11,8 @@ import asyncio
 import logging
 import signal
 import sys
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from typing import Optional
 
 import grpc
@@ -24,6 +25,8 @@ from kvfleet.router.prefix_index import RedisPrefixIndex
 from kvfleet.router.replica_set import ReplicaSet
 from kvfleet.router.served_model import ServedModel
 from kvfleet.router.server import RouterService
+from kvfleet.telemetry import Telemetry, TelemetryConfig
+from kvfleet.telemetry.router_spans import RouterTelemetry
 from kvfleet.v1 import router_pb2, router_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -42,6 +45,10 @@ class RouterConfig:
     namespace: str = DEFAULT_NAMESPACE
     api_keys_file: Optional[str] = None
     replica_ttl_s: float = 10.0
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)  # OTLP / Prometheus
+    # prefix_aware knobs (kvfleet.router.policy): load_penalty_blocks, max_imbalance,
+    # popularity_window, kv_saturation; empty = the documented defaults.
+    policy_options: dict = field(default_factory=dict)
 
 
 class RouterServer:
@@ -52,11 +59,14 @@ class RouterServer:
         self.address: Optional[str] = None
         self._server: Optional[grpc.aio.Server] = None
         self.replicas: Optional[ReplicaSet] = None
+        self.service: Optional[RouterService] = None
+        self.telemetry: Optional[Telemetry] = None
+        self.metrics_address: Optional[str] = None  # Prometheus endpoint, when one is served
 
     async def start(self) -> str:
         """Start serving; returns ``host:port``. Raises OSError if the port is taken."""
         cfg = self.cfg
-        policy = make_policy(cfg.policy)
+        policy = make_policy(cfg.policy, **cfg.policy_options)
         auth = Authenticator.from_file(cfg.api_keys_file)
         model = ServedModel.load(cfg.model_name, cfg.model_dir, cfg.block_size, cfg.kv_dtype)
         index = RedisPrefixIndex(cfg.redis_url, namespace=cfg.namespace,
@@ -66,7 +76,11 @@ class RouterServer:
         self.address = f"{cfg.host}:{port}"
         self.replicas = ReplicaSet(index)
         await self.replicas.start()
-        service = RouterService({model.name: model}, model.name, self.replicas, policy, auth)
+        self.telemetry = Telemetry(cfg.telemetry, "router")
+        self.metrics_address = self.telemetry.metrics_address
+        service = RouterService({model.name: model}, model.name, self.replicas, policy, auth,
+                                telemetry=RouterTelemetry(self.telemetry))
+        self.service = service
         router_pb2_grpc.add_RouterServicer_to_server(service, self._server)
         name = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
         health = add_health_and_reflection(self._server, [name])
@@ -81,6 +95,9 @@ class RouterServer:
         if self.replicas is not None:
             await self.replicas.close()
             self.replicas = None
+        if self.telemetry is not None:
+            self.telemetry.shutdown()  # flushes the last spans
+            self.telemetry = None
 
 
 def parse_args(argv: list[str]) -> RouterConfig:
@@ -95,10 +112,28 @@ def parse_args(argv: list[str]) -> RouterConfig:
     p.add_argument("--policy", default="prefix_aware")
     p.add_argument("--namespace", default=DEFAULT_NAMESPACE)
     p.add_argument("--api-keys", default=None, help="JSON file mapping API keys to tenants")
+    p.add_argument("--load-penalty-blocks", type=float, default=None,
+                   help="prefix_aware: matched blocks one request of load is worth")
+    p.add_argument("--max-imbalance", type=float, default=None,
+                   help="prefix_aware: fair shares of traffic one holder of a prefix may carry "
+                        "before the prefix gets another holder")
+    p.add_argument("--popularity-window", type=int, default=None,
+                   help="prefix_aware: routing decisions the prefix popularity averages over")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics on this port (0 = a free one); OTLP export "
+                        "follows the standard OTEL_* environment variables")
     a = p.parse_args(argv)
+    try:
+        telemetry = TelemetryConfig.from_env(os.environ, metrics_port=a.metrics_port)
+    except ValueError as exc:
+        p.error(str(exc))
     return RouterConfig(redis_url=a.redis_url, model_name=a.model_name, model_dir=a.model_dir,
                         block_size=a.block_size, kv_dtype=a.kv_dtype, host=a.host, port=a.port,
-                        policy=a.policy, namespace=a.namespace, api_keys_file=a.api_keys)
+                        policy=a.policy, namespace=a.namespace, api_keys_file=a.api_keys,
+                        telemetry=telemetry, policy_options={
+                            k: v for k in ("load_penalty_blocks", "max_imbalance",
+                                           "popularity_window")
+                            if (v := getattr(a, k)) is not None})
 
 
 async def _serve(cfg: RouterConfig) -> int:
@@ -108,6 +143,8 @@ async def _serve(cfg: RouterConfig) -> int:
     except OSError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
+    if server.metrics_address:
+        log.info("Prometheus metrics on http://%s/metrics", server.metrics_address)
     print(f"router ready {address}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -1,20 +1,49 @@
 """Routing policies: pick a replica from candidates with their prefix match and load.
 
-* ``prefix_aware`` (default): maximise ``matched_blocks − load_penalty_blocks × load`` so a
-  request goes where its prefix already sits unless that replica is busier by more than the
-  prefix is worth; ties go to the least loaded, then to rendezvous hashing on the first
-  block's hash, so a new prefix family lands on one replica consistently (across routers too).
-* ``least_loaded`` and ``round_robin``: baselines for benchmarks.
+``prefix_aware`` (default). Per request, with ``m`` = a replica's matched leading blocks and
+``load`` = its requests (running + waiting: the larger of its last report and this router's own
+in-flight count, so a burst counts before the next heartbeat):
+
+1. **Score** ``m − load_penalty_blocks × load``; the highest wins. Ties go to the least loaded;
+   among holders of equally long prefixes, to the one with the lowest *smoothed* load (an
+   exponential average over ~``load_window`` decisions per replica), so a shared family's
+   traffic fills the holder with the least other work; then to rendezvous hashing on the first
+   block's hash — a new prefix family (``m = 0`` everywhere) lands on the least-loaded replica,
+   and on the same one from every router when their views agree.
+2. **Bounded imbalance.** The router also keeps the exponentially weighted share of recent
+   requests whose deepest cached block is a given one (the prefix's *popularity*). A prefix gets
+   one more holder — the request goes to the least-loaded replica that lacks it, which computes
+   it once and from then on shares the family's traffic — when either
+   * its own traffic would give each holder more than ``max_imbalance`` fair shares
+     (``popularity × replicas > max_imbalance × holders``: a hot prefix, seen at once), or
+   * every holder's smoothed load exceeds ``max_imbalance ×`` the fleet's mean smoothed load.
+   A copy sent but not yet visible in the index counts as a holder for a while, so a burst does
+   not start one copy per request. A prefix on a replica within the bound is never copied: under
+   uniform popularity each family stays on one replica and the fleet's KV holds as many distinct
+   prefixes as it can; a holder loses a request to plain load only when it is busier than an
+   idle replica by more than the prefix is worth (``m / load_penalty_blocks`` requests).
+3. **KV saturation.** A replica whose KV blocks are ``kv_saturation`` or more in use by live
+   requests (last report) is skipped while another is not: it could not admit the request.
+
+``least_loaded`` and ``round_robin`` are the baselines benchmarks compare against.
 """
 
 from __future__ import annotations
 
 import hashlib
 import itertools
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional, Protocol, Sequence
 
 from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
+
+DEFAULT_LOAD_PENALTY_BLOCKS = 1.0
+DEFAULT_MAX_IMBALANCE = 1.25
+DEFAULT_POPULARITY_WINDOW = 256  # routing decisions
+DEFAULT_LOAD_WINDOW = 64  # routing decisions per replica the smoothed load averages over
+DEFAULT_KV_SATURATION = 0.98
+WARM_UP_SAMPLES = 16  # decisions per replica before smoothed loads may trigger a copy
 
 
 @dataclass(frozen=True)
@@ -32,6 +61,14 @@ class Candidate:
         reported = (self.load_report.running + self.load_report.waiting) if self.load_report else 0
         return max(reported, self.inflight)
 
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of KV blocks referenced by live requests, from the last report (0 if none)."""
+        r = self.load_report
+        if r is None or r.num_total_blocks <= 0:
+            return 0.0
+        return 1.0 - r.num_free_blocks / r.num_total_blocks
+
 
 def rendezvous_score(key: bytes, replica_id: str) -> bytes:
     """Highest-random-weight hashing score; the max over replicas picks the owner of ``key``."""
@@ -41,28 +78,144 @@ def rendezvous_score(key: bytes, replica_id: str) -> bytes:
 class RoutingPolicy(Protocol):
     name: str
 
-    def choose(self, candidates: Sequence[Candidate], first_block: bytes) -> Candidate:
-        """Pick one of a non-empty list of candidates."""
+    def choose(self, candidates: Sequence[Candidate], chain: Sequence[bytes]) -> Candidate:
+        """Pick one of a non-empty list of candidates for a request's block-hash ``chain``."""
+
+
+class PrefixPopularity:
+    """Exponentially weighted share of routing decisions per key, over ~``window`` decisions.
+
+    ``observe(key)`` counts one decision for ``key`` and returns its share in [0, 1]: the
+    probability, recently, that a request's deepest cached block was ``key``. Keeps at most
+    ``capacity`` keys (least recently seen dropped first).
+    """
+
+    def __init__(self, window: int = DEFAULT_POPULARITY_WINDOW, capacity: int = 8192) -> None:
+        if window < 1 or capacity < 1:
+            raise ValueError("window and capacity must be >= 1")
+        self._keep = 1.0 - 1.0 / window
+        self._capacity = capacity
+        self._decisions = 0
+        self._shares: OrderedDict[bytes, tuple[float, int]] = OrderedDict()  # key → (share, at)
+
+    def observe(self, key: bytes) -> float:
+        self._decisions += 1
+        share, at = self._shares.pop(key, (0.0, self._decisions))
+        share = share * self._keep ** (self._decisions - at) + (1.0 - self._keep)
+        self._shares[key] = (share, self._decisions)
+        if len(self._shares) > self._capacity:
+            self._shares.popitem(last=False)
+        return share
+
+    def skip(self) -> None:
+        """A decision for no key (a request with nothing cached anywhere)."""
+        self._decisions += 1
 
 
 class PrefixAware:
+    """See the module docstring. Holds per-router state: prefix popularity, a smoothed load per
+    replica, and copies started but not yet visible in the index."""
+
     name = "prefix_aware"
 
-    def __init__(self, load_penalty_blocks: float = 1.0) -> None:
+    def __init__(self, load_penalty_blocks: float = DEFAULT_LOAD_PENALTY_BLOCKS,
+                 max_imbalance: float = DEFAULT_MAX_IMBALANCE,
+                 popularity_window: int = DEFAULT_POPULARITY_WINDOW,
+                 load_window: int = DEFAULT_LOAD_WINDOW,
+                 kv_saturation: float = DEFAULT_KV_SATURATION) -> None:
+        if load_penalty_blocks < 0 or max_imbalance < 1 or load_window < 1 \
+                or not 0 < kv_saturation <= 1:
+            raise ValueError("need load_penalty_blocks >= 0, max_imbalance >= 1, "
+                             "load_window >= 1, 0 < kv_saturation <= 1")
+        self.load_window = load_window
         self.load_penalty_blocks = load_penalty_blocks
+        self.max_imbalance = max_imbalance
+        self.kv_saturation = kv_saturation
+        self.popularity = PrefixPopularity(popularity_window)
+        self._window = popularity_window
+        self.avg_load: dict[str, float] = {}
+        # prefix key → {replica_id: decision number}: copies started but not yet in the index
+        self._copies: dict[bytes, dict[str, int]] = {}
+        self._decisions = 0
 
-    def choose(self, candidates: Sequence[Candidate], first_block: bytes) -> Candidate:
-        def key(c: Candidate):
-            score = c.matched_blocks - self.load_penalty_blocks * c.load
-            return (score, -c.load, rendezvous_score(first_block, c.info.replica_id))
-        return max(candidates, key=key)
+    def choose(self, candidates: Sequence[Candidate], chain: Sequence[bytes]) -> Candidate:
+        self._decisions += 1
+        avg = self._observe_loads(candidates)
+        usable = [c for c in candidates if c.kv_usage < self.kv_saturation] or list(candidates)
+        best = max(c.matched_blocks for c in usable)
+        if best == 0:
+            self.popularity.skip()
+            return self._best_score(usable, chain)
+        key = chain[best - 1]
+        holders = {c.info.replica_id for c in usable if c.matched_blocks == best}
+        holders |= self._pending_copies(key, holders)
+        fair_shares = self.popularity.observe(key) * len(candidates)
+        if self._needs_holder(fair_shares, holders, avg):
+            others = [c for c in usable if c.info.replica_id not in holders]
+            if others:
+                target = min(others, key=lambda c: (c.load, avg[c.info.replica_id],
+                                                    _rdv_desc(chain[0], c)))
+                self._copies.setdefault(key, {})[target.info.replica_id] = self._decisions
+                return target
+        return self._best_score(usable, chain)
+
+    def _needs_holder(self, fair_shares: float, holders: set[str], avg: dict[str, float]) -> bool:
+        """Another holder is needed when the prefix's own traffic gives each holder more than
+        ``max_imbalance`` fair shares (a hot prefix, seen at once), or when every holder's
+        smoothed load is above ``max_imbalance ×`` the mean (any prefix: the bound)."""
+        if fair_shares > self.max_imbalance * len(holders):
+            return True
+        if self._decisions < WARM_UP_SAMPLES * len(avg):
+            return False  # too few samples: the smoothed loads are still noise
+        bound = self.max_imbalance * sum(avg.values()) / len(avg)
+        return all(avg.get(h, 0.0) > bound for h in holders)
+
+    def _best_score(self, candidates: Sequence[Candidate], chain: Sequence[bytes]) -> Candidate:
+        """Highest score; then least loaded; holders then by smoothed load (the one with less
+        other work takes the shared family's traffic); then rendezvous on the first block."""
+        first = chain[0] if chain else b""
+        return max(candidates, key=lambda c: (
+            c.matched_blocks - self.load_penalty_blocks * c.load, -c.load,
+            -self.avg_load.get(c.info.replica_id, 0.0) if c.matched_blocks else 0.0,
+            rendezvous_score(first, c.info.replica_id)))
+
+    def _observe_loads(self, candidates: Sequence[Candidate]) -> dict[str, float]:
+        """Update each replica's exponentially weighted load (one sample per decision)."""
+        k = 1.0 - 1.0 / (self.load_window * len(candidates))
+        for c in candidates:
+            rid = c.info.replica_id
+            self.avg_load[rid] = k * self.avg_load.get(rid, 0.0) + (1 - k) * c.load
+        return {c.info.replica_id: self.avg_load[c.info.replica_id] for c in candidates}
+
+    def _pending_copies(self, key: bytes, holders: set[str]) -> set[str]:
+        """Replicas sent a copy of ``key`` recently that the index does not show yet."""
+        if self._decisions % 1024 == 0:  # forget copies of prefixes not seen since
+            horizon = self._decisions - max(16, self._window // 8)
+            self._copies = {k: v for k, v in self._copies.items()
+                            if max(v.values()) >= horizon}
+        pending = self._copies.get(key)
+        if not pending:
+            return set()
+        horizon = self._decisions - max(16, self._window // 8)
+        for rid in [r for r, at in pending.items() if r in holders or at < horizon]:
+            del pending[rid]
+        if not pending:
+            del self._copies[key]
+            return set()
+        return set(pending)
+
+
+def _rdv_desc(key: bytes, c: Candidate) -> bytes:
+    """Rendezvous score inverted, for ``min``: the highest score sorts first."""
+    return bytes(255 - b for b in rendezvous_score(key, c.info.replica_id))
 
 
 class LeastLoaded:
     name = "least_loaded"
 
-    def choose(self, candidates: Sequence[Candidate], first_block: bytes) -> Candidate:
-        return max(candidates, key=lambda c: (-c.load, rendezvous_score(first_block, c.info.replica_id)))
+    def choose(self, candidates: Sequence[Candidate], chain: Sequence[bytes]) -> Candidate:
+        first = chain[0] if chain else b""
+        return max(candidates, key=lambda c: (-c.load, rendezvous_score(first, c.info.replica_id)))
 
 
 class RoundRobin:
@@ -71,7 +224,7 @@ class RoundRobin:
     def __init__(self) -> None:
         self._counter = itertools.count()
 
-    def choose(self, candidates: Sequence[Candidate], first_block: bytes) -> Candidate:
+    def choose(self, candidates: Sequence[Candidate], chain: Sequence[bytes]) -> Candidate:
         ordered = sorted(candidates, key=lambda c: c.info.replica_id)
         return ordered[next(self._counter) % len(ordered)]
 
@@ -79,8 +232,8 @@ class RoundRobin:
 POLICIES = {"prefix_aware": PrefixAware, "least_loaded": LeastLoaded, "round_robin": RoundRobin}
 
 
-def make_policy(name: str) -> RoutingPolicy:
-    """Raises ValueError naming the valid policies."""
+def make_policy(name: str, **options) -> RoutingPolicy:
+    """Raises ValueError naming the valid policies. ``options`` go to ``prefix_aware`` only."""
     if name not in POLICIES:
         raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {name!r}")
-    return POLICIES[name]()
+    return POLICIES[name](**options) if name == "prefix_aware" else POLICIES[name]()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import defaultdict
 from typing import Optional
 
@@ -23,9 +24,16 @@ log = logging.getLogger(__name__)
 
 
 class ReplicaSet:
-    def __init__(self, index: PrefixIndex, refresh_interval_s: float = 0.5) -> None:
+    """``empty_grace_s``: when the registry suddenly lists no replica at all (Redis restarted
+    empty or was flushed), keep routing to the last-known ones for this long while they
+    re-register (an empty registry is far likelier a lost index than a fleet gone at once)."""
+
+    def __init__(self, index: PrefixIndex, refresh_interval_s: float = 0.5,
+                 empty_grace_s: float = 10.0) -> None:
         self.index = index
         self.refresh_interval_s = refresh_interval_s
+        self.empty_grace_s = empty_grace_s
+        self._last_listed = time.monotonic()  # when the registry last listed a replica
         self.replicas: dict[str, tuple[ReplicaInfo, Optional[ReplicaLoad]]] = {}
         self.inflight: dict[str, int] = defaultdict(int)
         self.index_available = True
@@ -43,12 +51,19 @@ class ReplicaSet:
             self.mark_index_down(exc)
             return
         self.mark_index_up()
+        now = time.monotonic()
+        if not live and self.replicas and now - self._last_listed < self.empty_grace_s:
+            return  # keep the last-known list (loads already dropped or stale) for a while
+        self._last_listed = now
         self.replicas = {info.replica_id: (info, load) for info, load in live}
 
     def mark_index_down(self, exc: BaseException) -> None:
+        """Keep the known replicas, forget their load reports (they would freeze): from now on
+        load is this router's own in-flight count until the index answers again."""
         if self.index_available:
             log.warning("prefix index unreachable (%s); routing by load over %d known replicas",
                         exc, len(self.replicas))
+            self.replicas = {rid: (info, None) for rid, (info, _) in self.replicas.items()}
         self.index_available = False
 
     def mark_index_up(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -20,6 +21,7 @@ from kvfleet.router.prefix_index import IndexUnavailable
 from kvfleet.router.replica_set import ReplicaSet
 from kvfleet.router.served_model import ServedModel
 from kvfleet.sampling_params import SamplingParams
+from kvfleet.telemetry.router_spans import RouterTelemetry
 from kvfleet.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
 
 log = logging.getLogger(__name__)
@@ -37,12 +39,14 @@ class RouteDecision:
 
 class RouterService(router_pb2_grpc.RouterServicer):
     def __init__(self, models: dict[str, ServedModel], default_model: str, replicas: ReplicaSet,
-                 policy: RoutingPolicy, auth: Authenticator) -> None:
+                 policy: RoutingPolicy, auth: Authenticator,
+                 telemetry: Optional[RouterTelemetry] = None) -> None:
         self.models = models
         self.default_model = default_model
         self.replicas = replicas
         self.policy = policy
         self.auth = auth
+        self.telemetry = telemetry or RouterTelemetry()  # spans + metrics (no-op by default)
 
     # ---- helpers -------------------------------------------------------------------------
     def _model(self, name: str) -> ServedModel:
@@ -82,7 +86,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
         matched: dict[str, int] = {}
         t0 = time.perf_counter()
         index_used = False
-        if chain and self.policy.name == "prefix_aware":
+        # During an outage skip the lookup (each would wait for a timeout): route by load until
+        # the background refresh sees Redis answer again.
+        if chain and self.policy.name == "prefix_aware" and self.replicas.index_available:
             try:
                 matched = await self.replicas.index.match(chain)
                 index_used = True
@@ -92,32 +98,45 @@ class RouterService(router_pb2_grpc.RouterServicer):
         redis_s = time.perf_counter() - t0
         candidates = [Candidate(info, load, matched.get(info.replica_id, 0),
                                 self.replicas.inflight[info.replica_id]) for info, load in live]
-        first = chain[0] if chain else b""
-        return RouteDecision(self.policy.choose(candidates, first), len(chain), redis_s, index_used)
+        return RouteDecision(self.policy.choose(candidates, chain), len(chain), redis_s, index_used)
 
     # ---- RPCs ------------------------------------------------------------------------------
     async def Generate(self, request: router_pb2.GenerateRequest, context):
+        metadata = context.invocation_metadata()
+        with self.telemetry.request(metadata, request.WhichOneof("prompt")) as trace:
+            async with contextlib.aclosing(self._generate(request, context, metadata, trace)) as out:
+                async for msg in out:
+                    yield msg
+
+    async def _generate(self, request, context, metadata, trace):
         try:
-            tenant = self.auth.tenant(context.invocation_metadata())
+            tenant = self.auth.tenant(metadata)
             model = self._model(request.model)
             if request.adapter:
                 raise NotFound(f"adapter {request.adapter!r} is not loaded")
             params = SamplingParams.from_proto(request.sampling)
-            tokens = self._prompt_tokens(request, model)
+            trace.on_request(model.name, params, tenant)
+            with trace.tokenize() as tokenized:
+                tokens = self._prompt_tokens(request, model)
+                tokenized["tokens"] = len(tokens)
             total = len(tokens) + params.max_tokens
             if total > model.max_context:
                 raise OutOfRange(
                     f"prompt ({len(tokens)} tokens) + sampling.max_tokens ({params.max_tokens}) "
                     f"= {total} exceeds the context of {model.max_context} tokens")
-            root = root_hash(model.identity.digest(), tenant, request.cache_salt)
+            route_start = time.monotonic()
+            scope = self.auth.cache_scope(tenant)  # the tenant, or its shared namespace
+            root = root_hash(model.identity.digest(), scope, request.cache_salt)
             chain = block_hash_chain(root, tokens, model.block_size)
             decision = await self.route(model, chain)
+            trace.routed(route_start, decision, self.policy.name)
         except KvfleetError as exc:
+            trace.fail(*status_of(exc))
             await context.abort(*status_of(exc))
             return
         request_id = request.request_id or uuid.uuid4().hex
         worker_req = worker_pb2.WorkerGenerateRequest(
-            request_id=request_id, prompt_token_ids=tokens, tenant=tenant,
+            request_id=request_id, prompt_token_ids=tokens, tenant=scope,
             cache_salt=request.cache_salt, adapter=request.adapter)
         params.to_proto(worker_req.sampling)
         remaining = context.time_remaining()
@@ -127,11 +146,18 @@ class RouterService(router_pb2_grpc.RouterServicer):
         log.debug("request %s: %d tokens, %d blocks matched on %s (%s)", request_id, len(tokens),
                   decision.candidate.matched_blocks, info.replica_id, self.policy.name)
         self.replicas.inflight[info.replica_id] += 1
-        call = self.replicas.stub(info).Generate(worker_req, timeout=remaining)
+        call = self.replicas.stub(info).Generate(
+            worker_req, timeout=remaining,
+            metadata=trace.start_dispatch(request_id, info.replica_id, info.address))
         try:
             async for msg in call:
+                if msg.finish_reason:
+                    trace.on_final(msg)
                 yield msg
+            trace.dispatched(await call.trailing_metadata())
+            context.set_trailing_metadata(trace.trailers())
         except grpc.aio.AioRpcError as exc:
+            trace.fail(exc.code(), exc.details() or "worker stream failed")
             await context.abort(exc.code(), exc.details() or "worker stream failed")
         finally:
             self.replicas.inflight[info.replica_id] -= 1

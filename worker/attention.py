@@ -8,15 +8,26 @@ A chunk of ``q`` new tokens after ``c`` cached ones: its ``j``-th query sits at 
 position ``c + j`` and sees keys ``0 .. c + j`` (a causal mask shifted right by ``c``, never the
 top-left square), and with a sliding window ``w`` only keys ``> c + j - w``.
 
-One-token chunks (decodes) run as one padded batch; longer chunks (prefill) one by one.
+Three paths, chosen per chunk when the step's metadata is built:
+
+* **decodes** (one-token chunks) run together over exactly the blocks they use, flattened —
+  no padding to the longest context: each block's keys are scored against its owner's query
+  heads in one batched matmul, the scores are laid out per request for the softmax, and the
+  per-block partial outputs are summed back per request;
+* **fresh prefill chunks** (nothing cached before them) attend to their own new K/V — no
+  cache read, a plain causal mask;
+* **continued prefill chunks** (after a cached prefix or an earlier chunk) read their whole
+  context from the cache under the rectangular, offset causal mask.
+
+GQA is never materialised: query heads ``h * g .. h * g + g - 1`` share KV head ``h``.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from kvfleet.worker.step_plan import SeqChunk
 
@@ -25,22 +36,27 @@ from kvfleet.worker.step_plan import SeqChunk
 class AttentionMetadata:
     """The batch layout of one step, built once and shared by every layer.
 
-    ``T`` = new tokens in the step, ``B`` = chunks, ``D`` = one-token chunks, ``L`` = padded
-    key length of the decode batch (a multiple of ``block_size``).
+    ``T`` = new tokens in the step, ``B`` = chunks, ``D`` = one-token chunks (decodes),
+    ``NB`` = blocks the decodes read in total, ``W`` = most blocks one decode reads.
     """
 
     positions: torch.Tensor  # (T,) int64 absolute position of each new token
     slot_mapping: torch.Tensor  # (T,) int64 flat cache slot each new token's K/V is written to
     query_start: tuple[int, ...]  # (B + 1,) offsets of each chunk's tokens in the flat batch
     last_token_indices: torch.Tensor  # (B,) int64 index of each chunk's last token
-    # Decodes: token indices (D,), block tables (D, L / block_size), masks per window (D, 1, 1, L).
-    decode_token_indices: torch.Tensor
-    decode_block_tables: torch.Tensor
-    decode_masks: dict[int | None, torch.Tensor]
-    # Prefill chunks: chunk indices, block tables covering each context, masks per window (q, c + q).
+    # Decodes, flattened over their blocks in table order.
+    decode_token_indices: torch.Tensor  # (D,) token index of each decode
+    decode_blocks: torch.Tensor  # (NB,) block ids
+    decode_block_owner: torch.Tensor  # (NB,) which decode (0 .. D-1) reads each block
+    decode_block_rows: torch.Tensor  # (NB,) owner * W + the block's index in its table
+    decode_width: int  # W
+    decode_masks: dict[int | None, torch.Tensor]  # window → (D, W * block_size) additive 0/-inf
+    # Prefill chunks (more than one token): chunk indices, cached counts, context tables, masks.
     prefill: tuple[int, ...]
+    prefill_computed: tuple[int, ...]
     prefill_block_tables: tuple[torch.Tensor, ...]
-    prefill_masks: dict[int | None, tuple[torch.Tensor, ...]]
+    # window → per chunk additive (q, c + q) 0/-inf: the causal mask, offset and windowed
+    prefill_bias: dict[int | None, tuple[torch.Tensor, ...]]
 
 
 def causal_mask(num_computed: int, q_len: int, window: int | None) -> torch.Tensor:
@@ -56,14 +72,19 @@ def causal_mask(num_computed: int, q_len: int, window: int | None) -> torch.Tens
     return mask
 
 
-def _decode_mask(context_lens: torch.Tensor, length: int, window: int | None) -> torch.Tensor:
-    """Bool ``(D, 1, 1, length)``: the keys ``0 .. ctx - 1`` of each decode (padding masked)."""
+def _additive(keep: torch.Tensor) -> torch.Tensor:
+    """Bool keep-mask → float 0 where kept, -inf elsewhere."""
+    return torch.zeros(keep.shape).masked_fill_(~keep, float("-inf"))
+
+
+def _decode_mask(context_lens: list[int], length: int, window: int | None) -> torch.Tensor:
+    """Additive ``(D, length)``: 0 on keys ``0 .. ctx - 1`` (within the window), else -inf."""
     k_pos = torch.arange(length)[None, :]
-    ctx = context_lens[:, None]
-    mask = k_pos < ctx
+    ctx = torch.tensor(context_lens, dtype=torch.long)[:, None]
+    keep = k_pos < ctx
     if window is not None:
-        mask &= k_pos >= ctx - window
-    return mask[:, None, None, :]
+        keep &= k_pos >= ctx - window
+    return _additive(keep)
 
 
 def build_attention_metadata(
@@ -71,40 +92,60 @@ def build_attention_metadata(
     block_size: int,
     windows: tuple[int | None, ...],
     device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
 ) -> AttentionMetadata:
-    """Turn a step's chunks into the tensors every layer needs (``windows``: distinct per layer)."""
-    q_lens = [len(c.token_ids) for c in chunks]
-    computed = [c.num_computed_tokens for c in chunks]
+    """Turn a step's chunks into the tensors every layer needs (``windows``: distinct per
+    layer; ``dtype``: the model's, for the additive masks)."""
+    positions: list[int] = []
+    slots: list[int] = []
     starts = [0]
-    for n in q_lens:
+    decode, prefill = [], []
+    for i, c in enumerate(chunks):
+        n, start = len(c.token_ids), c.num_computed_tokens
+        table = c.block_table
+        positions += range(start, start + n)
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(start, start + n)]
         starts.append(starts[-1] + n)
-    num_blocks = [-(-(c + n) // block_size) for c, n in zip(computed, q_lens, strict=True)]
-    width = max(num_blocks, default=1)
-    # Padding entries point at block 0: only ever read under a False mask.
-    padded = [list(c.block_table[:n]) + [0] * (width - n) for c, n in zip(chunks, num_blocks, strict=True)]
-    tables = torch.tensor(padded, dtype=torch.long).reshape(len(chunks), width)
+        (decode if n == 1 else prefill).append(i)
 
-    seq = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor(q_lens, dtype=torch.long))
-    start_t = torch.tensor(starts[:-1], dtype=torch.long)
-    positions = torch.arange(starts[-1]) - start_t[seq] + torch.tensor(computed, dtype=torch.long)[seq]
-    slots = tables[seq, positions // block_size] * block_size + positions % block_size
+    ctx = [chunks[i].num_computed_tokens + 1 for i in decode]
+    num_blocks = [-(-n // block_size) for n in ctx]
+    width = max(num_blocks, default=0)
+    blocks: list[int] = []
+    owner: list[int] = []
+    rows: list[int] = []
+    for d, (i, nb) in enumerate(zip(decode, num_blocks)):
+        blocks += chunks[i].block_table[:nb]
+        owner += [d] * nb
+        rows += range(d * width, d * width + nb)
 
-    decode = [i for i, n in enumerate(q_lens) if n == 1]
-    prefill = [i for i, n in enumerate(q_lens) if n > 1]
-    d_width = max((num_blocks[i] for i in decode), default=0)
-    d_ctx = torch.tensor([computed[i] + 1 for i in decode], dtype=torch.long)
+    def tensor(values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    pre_tables = []
+    for i in prefill:
+        c = chunks[i]
+        context = c.num_computed_tokens + len(c.token_ids)
+        pre_tables.append(tensor(c.block_table[: -(-context // block_size)]))
     return AttentionMetadata(
-        positions=positions.to(device),
-        slot_mapping=slots.to(device),
+        positions=tensor(positions),
+        slot_mapping=tensor(slots),
         query_start=tuple(starts),
-        last_token_indices=torch.tensor(starts[1:], dtype=torch.long, device=device) - 1,
-        decode_token_indices=torch.tensor([starts[i] for i in decode], dtype=torch.long, device=device),
-        decode_block_tables=tables[decode, :d_width].to(device),
-        decode_masks={w: _decode_mask(d_ctx, d_width * block_size, w).to(device) for w in windows},
+        last_token_indices=tensor([s - 1 for s in starts[1:]]),
+        decode_token_indices=tensor([starts[i] for i in decode]),
+        decode_blocks=tensor(blocks),
+        decode_block_owner=tensor(owner),
+        decode_block_rows=tensor(rows),
+        decode_width=width,
+        decode_masks={w: _decode_mask(ctx, width * block_size, w).to(device, dtype) for w in windows}
+        if decode else {},
         prefill=tuple(prefill),
-        prefill_block_tables=tuple(tables[i, : num_blocks[i]].to(device) for i in prefill),
-        prefill_masks={
-            w: tuple(causal_mask(computed[i], q_lens[i], w).to(device) for i in prefill) for w in windows
+        prefill_computed=tuple(chunks[i].num_computed_tokens for i in prefill),
+        prefill_block_tables=tuple(pre_tables),
+        prefill_bias={
+            w: tuple(_additive(causal_mask(chunks[i].num_computed_tokens, len(chunks[i].token_ids), w))
+                     .to(device, dtype) for i in prefill)
+            for w in windows
         },
     )
 
@@ -115,6 +156,68 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
     kv_heads, head_dim = key_cache.shape[-2:]
     key_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, key)
     value_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """``cache[blocks]`` as ``(len(blocks), block_size * kv_heads * head_dim)``: gathering whole
+    rows of a 2-D view copies each block in one piece (several times faster than 4-D)."""
+    return cache.view(cache.shape[0], -1).index_select(0, blocks)
+
+
+def _prefill_attention(query, key, value, key_cache, value_cache, meta, window, out, scale):
+    """Each prefill chunk on its own: its g query heads per KV head stacked into one matrix,
+    so GQA needs no repeated K/V; a fresh chunk reads only its own new K/V."""
+    kv_heads, head_dim = key_cache.shape[2:]
+    num_heads = query.shape[1]
+    group = num_heads // kv_heads
+    for i, computed, table, bias in zip(meta.prefill, meta.prefill_computed,
+                                        meta.prefill_block_tables, meta.prefill_bias[window],
+                                        strict=True):
+        start, end = meta.query_start[i], meta.query_start[i + 1]
+        n = end - start
+        if computed == 0:
+            k, v = key[start:end], value[start:end]
+        else:
+            ctx = computed + n
+            k = _gather(key_cache, table).view(-1, kv_heads, head_dim)[:ctx]
+            v = _gather(value_cache, table).view(-1, kv_heads, head_dim)[:ctx]
+        # (n, H, d) → (kv_heads, g * n, d)
+        q = query[start:end].view(n, kv_heads, group, head_dim).permute(1, 2, 0, 3)
+        q = q.reshape(kv_heads, group * n, head_dim)
+        scores = torch.bmm(q, k.permute(1, 2, 0)).mul_(scale)  # (kvh, g * n, ctx)
+        scores = scores.view(kv_heads, group, n, -1).add_(bias).view(kv_heads, group * n, -1)
+        o = torch.bmm(torch.softmax(scores, dim=-1), v.transpose(0, 1))  # (kvh, g * n, d)
+        out[start:end] = o.view(kv_heads, group, n, head_dim).permute(2, 0, 1, 3).reshape(
+            n, num_heads, head_dim)
+
+
+def _decode_attention(query, key_cache, value_cache, meta, window, out, scale):
+    """Every decode against exactly its own blocks (see the module docstring)."""
+    _, block_size, kv_heads, head_dim = key_cache.shape
+    num_heads = query.shape[1]
+    group = num_heads // kv_heads
+    nb = meta.decode_blocks.numel()
+    d = meta.decode_token_indices.numel()
+    width = meta.decode_width
+    k = _gather(key_cache, meta.decode_blocks).view(nb, block_size * kv_heads, head_dim)
+    v = _gather(value_cache, meta.decode_blocks).view(nb, block_size * kv_heads, head_dim)
+    q = query.index_select(0, meta.decode_token_indices)  # (D, H, d)
+    qb = q.index_select(0, meta.decode_block_owner).transpose(1, 2)  # (NB, d, H)
+    # Every key head against every query head, then keep the matching pairs: (NB, bs, g, kvh).
+    scores = torch.bmm(k, qb).view(nb, block_size, kv_heads, kv_heads, group)
+    scores = scores.diagonal(dim1=2, dim2=3)
+    padded = scores.new_full((d * width, block_size, group, kv_heads), float("-inf"))
+    padded.index_copy_(0, meta.decode_block_rows, scores)
+    padded = padded.view(d, width * block_size, group, kv_heads) * scale
+    padded += meta.decode_masks[window][:, :, None, None]
+    probs = torch.softmax(padded, dim=1).view(d * width, block_size, group, kv_heads)
+    probs = probs.index_select(0, meta.decode_block_rows)  # (NB, bs, g, kvh)
+    # Block-diagonal (query head, key slot × key head) weights: one batched matmul for P·V.
+    weights = probs.new_zeros(nb, kv_heads, group, block_size, kv_heads)
+    weights.diagonal(dim1=1, dim2=4).copy_(probs.permute(0, 2, 1, 3))
+    partial = torch.bmm(weights.view(nb, num_heads, block_size * kv_heads), v)  # (NB, H, d)
+    summed = partial.new_zeros(d, num_heads, head_dim).index_add_(0, meta.decode_block_owner, partial)
+    out.index_copy_(0, meta.decode_token_indices, summed)
 
 
 def paged_attention(
@@ -139,27 +242,10 @@ def paged_attention(
     """
     write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
     num_tokens, num_heads, head_dim = query.shape
-    kv_heads = key_cache.shape[2]
-    out = torch.empty_like(query)
-
+    scale = 1.0 / math.sqrt(head_dim)
+    out = query.new_empty(num_tokens, num_heads, head_dim)
     if meta.decode_token_indices.numel():
-        idx = meta.decode_token_indices
-        d = idx.numel()
-        # (D, blocks, block_size, kv_heads, head_dim) → (D, kv_heads, L, head_dim)
-        k = key_cache[meta.decode_block_tables].view(d, -1, kv_heads, head_dim).transpose(1, 2)
-        v = value_cache[meta.decode_block_tables].view(d, -1, kv_heads, head_dim).transpose(1, 2)
-        o = F.scaled_dot_product_attention(
-            query[idx].unsqueeze(2), k, v, attn_mask=meta.decode_masks[window], enable_gqa=True
-        )
-        out[idx] = o.squeeze(2)
-
-    masks = meta.prefill_masks[window]
-    for i, table, mask in zip(meta.prefill, meta.prefill_block_tables, masks, strict=True):
-        start, end = meta.query_start[i], meta.query_start[i + 1]
-        ctx = mask.shape[1]
-        k = key_cache[table].view(-1, kv_heads, head_dim)[:ctx].transpose(0, 1)
-        v = value_cache[table].view(-1, kv_heads, head_dim)[:ctx].transpose(0, 1)
-        q = query[start:end].transpose(0, 1)  # (num_heads, q, head_dim)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        out[start:end] = o.transpose(0, 1)
+        _decode_attention(query, key_cache, value_cache, meta, window, out, scale)
+    if meta.prefill:
+        _prefill_attention(query, key, value, key_cache, value_cache, meta, window, out, scale)
     return out.view(num_tokens, num_heads * head_dim)

@@ -19,10 +19,10 @@ from kvfleet.allocator.kv_cache_manager import KVCacheManager
 from kvfleet.errors import InvalidArgument, OutOfRange
 from kvfleet.sampling_params import SamplingParams
 from kvfleet.worker.detokenizer import IncrementalDetokenizer
-from kvfleet.worker.outputs import SeqOutput, Timing, TokenLogprobs, Usage
+from kvfleet.worker.outputs import Milestones, SeqOutput, Timing, TokenLogprobs, Usage
 from kvfleet.worker.request import FinishReason, Sequence, SeqStatus
 from kvfleet.worker.sampling import SampleState, Sampler, make_generator
-from kvfleet.worker.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kvfleet.worker.scheduler import Fork, Scheduler, SchedulerConfig, SchedulerOutput
 from kvfleet.worker.stop_checker import StopChecker
 
 log = logging.getLogger(__name__)
@@ -117,9 +117,11 @@ class Engine:
         for s in seqs:
             self._io[s.seq_id] = _SeqIO(s, self.tokenizer)
 
-    def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> list[SeqOutput]:
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED,
+              error: BaseException | None = None) -> list[SeqOutput]:
         """End every unfinished sample of a request now and free its blocks."""
-        return [self._finish(s, reason) for s in self._seqs.get(request_id, []) if not s.is_finished]
+        return [self._finish(s, reason, error)
+                for s in list(self._seqs.get(request_id, [])) if not s.is_finished]
 
     def is_active(self, request_id: str) -> bool:
         """True while any sample of the request is unfinished."""
@@ -140,21 +142,33 @@ class Engine:
         for s in out.scheduled:
             if s.seq.timing.first_scheduled is None:
                 s.seq.timing.first_scheduled = now
+            if s.seq.num_computed_tokens < s.seq.num_prompt_tokens:  # a prefill chunk (tracing)
+                s.seq.timing.prefill_chunks.append((now, s.num_new_tokens))
         try:
             logits = self.runner.execute(out.plan)
         except Exception as exc:  # a failed forward fails the requests in it, not the replica
             log.exception("forward failed for %d sequences", len(out.scheduled))
-            return outputs + [self._finish(s.seq, FinishReason.ERROR, exc) for s in out.scheduled]
-        self.scheduler.on_step_done(out)
-        outputs += self._sample_and_emit(out, logits)
+            failed = dict.fromkeys(s.seq.request_id for s in out.scheduled)
+            return outputs + [o for rid in failed
+                              for o in self.abort(rid, FinishReason.ERROR, exc)]
+        forks = self.scheduler.on_step_done(out)
+        outputs += self._sample_and_emit(out, forks, logits)
         return outputs
 
-    def _sample_and_emit(self, out: SchedulerOutput, logits) -> list[SeqOutput]:
+    def _sample_and_emit(self, out: SchedulerOutput, forks: list[Fork], logits) -> list[SeqOutput]:
         rows = [i for i, s in enumerate(out.scheduled) if s.sample]
+        seqs = [out.scheduled[i].seq for i in rows]
+        if forks:  # siblings draw their first token from their leader's logits row
+            row_of = {out.scheduled[i].seq.seq_id: i for i in rows}
+            for f in forks:
+                f.sibling.timing.first_scheduled = f.leader.timing.first_scheduled
+                f.sibling.timing.prefill_chunks = list(f.leader.timing.prefill_chunks)
+                rows.append(row_of[f.leader.seq_id])
+                seqs.append(f.sibling)
         if not rows:
             return []
-        seqs = [out.scheduled[i].seq for i in rows]
-        results = self.sampler(logits[rows], [self._io[s.seq_id].state for s in seqs])
+        picked = logits if rows == list(range(len(logits))) else logits[rows]
+        results = self.sampler(picked, [self._io[s.seq_id].state for s in seqs])
         now = time.monotonic()
         outputs = []
         for seq, res in zip(seqs, results):
@@ -210,8 +224,10 @@ class Engine:
         timing = Timing(queue_s=scheduled - t.arrival, prefill_s=first - scheduled,
                         decode_s=(t.last_token or first) - first, ttft_s=first - t.arrival)
         usage = Usage(seq.num_prompt_tokens, seq.num_cached_tokens or 0, len(seq.output_token_ids))
+        milestones = Milestones(t.arrival, t.first_scheduled, t.first_token, t.last_token,
+                                time.monotonic(), tuple(t.prefill_chunks))
         return SeqOutput(seq.request_id, seq.index, token_ids, text, logprobs, reason, usage,
-                         timing, error)
+                         timing, error, milestones)
 
     # ---- observability --------------------------------------------------------------------
     def stats(self) -> dict[str, int]:

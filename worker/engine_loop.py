@@ -43,10 +43,14 @@ class EngineLoop:
     """Thread-safe, asyncio-facing wrapper of one :class:`Engine`."""
 
     def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop,
-                 on_step: Optional[StepHook] = None) -> None:
+                 on_step: Optional[StepHook] = None,
+                 on_finish: Optional[Callable[[SeqOutput], None]] = None) -> None:
         self.engine = engine
         self.loop = loop
         self.on_step = on_step
+        # Called on the event loop with every sample's last output, read by a stream or not
+        # (telemetry: a cancelled request's finish still reaches it).
+        self.on_finish = on_finish
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, asyncio.Queue] = {}
         self._stop = threading.Event()
@@ -75,7 +79,13 @@ class EngineLoop:
         out: asyncio.Queue = asyncio.Queue()
         admitted = self.loop.create_future()
         self._inbox.put(_Add(req, out, admitted))
-        await admitted
+        try:
+            await admitted
+        except asyncio.CancelledError:
+            # Cancelled before admission was confirmed: the engine may admit it anyway, and the
+            # abort (queued after the add) then ends it at once.
+            self.abort(req.request_id)
+            raise
         remaining = req.params.n
         try:
             while remaining:
@@ -133,6 +143,8 @@ class EngineLoop:
 
     def _deliver(self, outputs: list[SeqOutput]) -> None:
         for o in outputs:
+            if o.finished and self.on_finish is not None:
+                self.loop.call_soon_threadsafe(self.on_finish, o)
             q = self._streams.get(o.request_id)
             if q is None:
                 continue

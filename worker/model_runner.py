@@ -92,7 +92,8 @@ class ModelRunner:
         self.kv_cache.copy_blocks(plan.block_copies)
         if not plan.chunks:
             return torch.empty(0, self.config.vocab_size, dtype=torch.float32)
-        meta = attention.build_attention_metadata(plan.chunks, self.block_size, self._windows, self.device)
+        meta = attention.build_attention_metadata(plan.chunks, self.block_size, self._windows,
+                                                  self.device, self.dtype)
         input_ids = torch.tensor(
             list(itertools.chain.from_iterable(c.token_ids for c in plan.chunks)),
             dtype=torch.long, device=self.device,

@@ -33,6 +33,23 @@ class Timing:
 
 
 @dataclass(frozen=True)
+class Milestones:
+    """Monotonic timestamps (seconds, the worker's clock) of one sample, for tracing.
+
+    ``None`` where the sample never got there (e.g. cancelled while waiting); ``finished`` is
+    when the engine ended it; ``prefill_chunks`` holds (step start, prompt tokens computed)
+    for each prefill chunk, recompute after preemption included.
+    """
+
+    arrival: float
+    first_scheduled: Optional[float]
+    first_token: Optional[float]
+    last_token: Optional[float]
+    finished: float
+    prefill_chunks: tuple[tuple[float, int], ...] = ()
+
+
+@dataclass(frozen=True)
 class SeqOutput:
     """New tokens of one sample from one engine step; the finish fields are set on its last."""
 
@@ -45,6 +62,7 @@ class SeqOutput:
     usage: Optional[Usage] = None
     timing: Optional[Timing] = None
     error: Optional[BaseException] = field(default=None, compare=False)
+    milestones: Optional[Milestones] = field(default=None, compare=False)  # on the last one
 
     @property
     def finished(self) -> bool:

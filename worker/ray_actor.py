@@ -40,6 +40,10 @@ class ReplicaActor:
     def address(self) -> Optional[str]:
         return self._server.address if self._server else None
 
+    def metrics_address(self) -> Optional[str]:
+        """``host:port`` of the replica's Prometheus endpoint (``--metrics-port``), if any."""
+        return self._server.metrics_address if self._server else None
+
     def stats(self) -> dict:
         return self._server.engine.stats() if self._server else {}
 

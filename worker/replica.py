@@ -24,6 +24,7 @@ from kvfleet.allocator.kv_cache_manager import KVCacheManager
 from kvfleet.grpc_util import SERVER_OPTIONS, add_health_and_reflection, bind_port, mark_serving
 from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
 from kvfleet.v1 import worker_pb2, worker_pb2_grpc
+from kvfleet.worker.cost_model import CostModel, cost_model_runner
 from kvfleet.worker.engine import Engine
 from kvfleet.worker.engine_loop import EngineLoop
 from kvfleet.worker.kv_publisher import KvPublisher
@@ -39,6 +40,7 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_KV_MEMORY_BYTES = 256 << 20  # 256 MiB of K/V per replica unless told otherwise
+EXECUTORS = ("model", "cost-model")
 
 
 @dataclass(frozen=True)
@@ -64,11 +66,18 @@ class ReplicaConfig:
     num_threads: int = 1
     heartbeat_interval_s: float = 1.0
     replica_ttl_s: float = 10.0
+    block_ttl_s: Optional[float] = None  # safety-net TTL on the index's block keys (None: none)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)  # OTLP / Prometheus
+    # "model" runs the real forward; "cost-model" replaces only the forward with a timed
+    # stand-in (kvfleet.worker.cost_model) — scheduler, block pool, KV events stay real.
+    executor: str = "model"
+    cost_model: Optional[CostModel] = None  # constants for "cost-model" (default: measured ones)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.executor not in EXECUTORS:
+            raise ValueError(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
         if self.block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {self.block_size}")
 
@@ -92,10 +101,14 @@ def build_engine(cfg: ReplicaConfig) -> Engine:
         mc = load_model_config(model_dir)
         num_blocks = num_blocks_for_memory(mc, cfg.block_size, dtype,
                                            cfg.kv_memory_bytes or DEFAULT_KV_MEMORY_BYTES)
-    runner = ModelRunner(model_dir, num_blocks=num_blocks, block_size=cfg.block_size, dtype=dtype)
+    tokenizer = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    if cfg.executor == "cost-model":
+        runner = cost_model_runner(load_model_config(model_dir), tokenizer, num_blocks,
+                                   cfg.block_size, cfg.cost_model)
+    else:
+        runner = ModelRunner(model_dir, num_blocks=num_blocks, block_size=cfg.block_size, dtype=dtype)
     kv = KVCacheManager(num_blocks, cfg.block_size)
     identity = cache_identity(cfg.model_name, model_dir, cfg.dtype, cfg.block_size)
-    tokenizer = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     mc = runner.config
     return Engine(runner, kv, tokenizer, identity.digest(), mc.eos_token_ids,
                   mc.max_position_embeddings, mc.vocab_size, cfg.scheduler)
@@ -126,7 +139,8 @@ class ReplicaServer:
             info = ReplicaInfo(self.cfg.replica_id, self.address, self.cfg.model_name, 0,
                                self.cfg.block_size)
             self.publisher = KvPublisher(self.cfg.redis_url, info, namespace=self.cfg.namespace,
-                                         replica_ttl_s=self.cfg.replica_ttl_s)
+                                         replica_ttl_s=self.cfg.replica_ttl_s,
+                                         block_ttl_s=self.cfg.block_ttl_s)
         if self.telemetry is None:
             self.telemetry = Telemetry(self.cfg.telemetry, "worker", self.cfg.replica_id)
         self.metrics_address = self.telemetry.metrics_address

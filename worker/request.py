@@ -34,6 +34,7 @@ class SeqTiming:
     first_scheduled: Optional[float] = None
     first_token: Optional[float] = None
     last_token: Optional[float] = None
+    prefill_chunks: list[tuple[float, int]] = field(default_factory=list)  # (step start, tokens)
 
 
 @dataclass
@@ -70,6 +71,15 @@ class Sequence:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, end: int) -> tuple[int, ...]:
+        """``tuple(all_token_ids[start:end])`` without concatenating prompt and output."""
+        p = len(self.prompt_token_ids)
+        if start >= p:
+            return tuple(self.output_token_ids[start - p:end - p])
+        if end <= p:
+            return tuple(self.prompt_token_ids[start:end])
+        return tuple(self.prompt_token_ids[start:]) + tuple(self.output_token_ids[:end - p])
 
     @property
     def num_tokens(self) -> int:

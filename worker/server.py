@@ -5,11 +5,14 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from typing import Optional
 
 import grpc
 
 from kvfleet.errors import KvfleetError, NotFound, Unavailable, status_of
 from kvfleet.sampling_params import SamplingParams
+from kvfleet.telemetry.names import MD_WORKER_DURATION_S
+from kvfleet.telemetry.worker_spans import WorkerTelemetry
 from kvfleet.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from kvfleet.worker.engine import EngineRequest
 from kvfleet.worker.engine_loop import EngineLoop
@@ -50,31 +53,40 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     """Serves one replica's engine over gRPC."""
 
     def __init__(self, loop: EngineLoop, replica_id: str, model: str, block_size: int,
-                 epoch_fn=lambda: 0) -> None:
+                 epoch_fn=lambda: 0, telemetry: Optional[WorkerTelemetry] = None) -> None:
         self.loop = loop
         self.replica_id = replica_id
         self.model = model
         self.block_size = block_size
         self.epoch_fn = epoch_fn
         self.draining = False
+        # Spans and metrics; the engine loop's on_finish hook must call telemetry.on_finished.
+        self.telemetry = telemetry or WorkerTelemetry(replica_id=replica_id, model=model)
 
     async def Generate(self, request: worker_pb2.WorkerGenerateRequest, context):
-        try:
-            if self.draining:
-                raise Unavailable(f"replica {self.replica_id} is draining")
-            stream = self.loop.generate(_engine_request(request))
+        if not request.request_id:
+            request.request_id = uuid.uuid4().hex  # one id for the engine and the trace
+        with self.telemetry.start(request, context.invocation_metadata()) as trace:
             try:
-                async for out in stream:
-                    if out.finish_reason in _ABNORMAL or out.finish_reason is FinishReason.ERROR:
-                        # A failure after tokens were sent ends the stream with a non-OK status.
-                        code, msg = _ABNORMAL.get(out.finish_reason) or status_of(
-                            out.error or RuntimeError())
-                        await context.abort(code, msg)
-                    yield output_to_proto(out, self.replica_id)
-            finally:
-                await stream.aclose()  # client gone at a bare yield: abort the request now
-        except KvfleetError as exc:
-            await context.abort(*status_of(exc))
+                if self.draining:
+                    raise Unavailable(f"replica {self.replica_id} is draining")
+                stream = self.loop.generate(_engine_request(request))
+                try:
+                    async for out in stream:
+                        if out.finish_reason in _ABNORMAL or out.finish_reason is FinishReason.ERROR:
+                            # A failure after tokens were sent ends the stream with a non-OK status.
+                            code, msg = _ABNORMAL.get(out.finish_reason) or status_of(
+                                out.error or RuntimeError())
+                            await context.abort(code, msg)
+                        yield output_to_proto(out, self.replica_id)
+                    # The router subtracts this from its dispatch time: network time.
+                    context.set_trailing_metadata(
+                        ((MD_WORKER_DURATION_S, f"{trace.handler_done():.6f}"),))
+                finally:
+                    await stream.aclose()  # client gone at a bare yield: abort the request now
+            except KvfleetError as exc:
+                trace.refused(*status_of(exc))
+                await context.abort(*status_of(exc))
 
     async def Abort(self, request, context):
         found = self.loop.engine.is_active(request.request_id)

@@ -1,46 +1,125 @@
-"""Routing policies decide from (matched blocks, load); no Redis or Ray needed."""
+"""Routing policies decide from (matched blocks, load, prefix popularity); no Redis or Ray needed."""
+
+import pytest
 
 from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
-from kvfleet.router.policy import Candidate, LeastLoaded, PrefixAware, RoundRobin, rendezvous_score
+from kvfleet.router.policy import (Candidate, LeastLoaded, PrefixAware, PrefixPopularity,
+                                   RoundRobin, make_policy, rendezvous_score)
 
 
-def cand(rid: str, matched: int = 0, inflight: int = 0, running: int = 0, waiting: int = 0):
-    load = ReplicaLoad(running, waiting, 10, 10, 0.0)
+def cand(rid: str, matched: int = 0, inflight: int = 0, running: int = 0, waiting: int = 0,
+         free: int = 10):
+    load = ReplicaLoad(running, waiting, free, 10, 0.0)
     return Candidate(ReplicaInfo(rid, f"127.0.0.1:{len(rid)}", "m", 1, 16), load, matched, inflight)
 
 
+def chain(name: bytes, n: int = 8) -> list[bytes]:
+    return [name + b"-%d" % i for i in range(n)]
+
+
 def test_prefix_aware_prefers_the_longest_holder_over_the_first_block_owner():
-    a, b = cand("a", matched=1), cand("b", matched=6)
     first = b"first-block"
-    # Rendezvous alone would pick one of them on the first block; the holder must win anyway.
-    assert PrefixAware().choose([a, b], first) is b
-    assert PrefixAware().choose([b, a], first) is b
+    owner = max(["a", "b"], key=lambda r: rendezvous_score(first, r))
+    other = "b" if owner == "a" else "a"
+    holder, rdv_pick = cand(other, matched=6), cand(owner, matched=1)
+    # Rendezvous on the first block alone would pick `owner`; the longest holder wins anyway.
+    blocks = [first] + chain(b"rest", 7)
+    assert PrefixAware().choose([rdv_pick, holder], blocks).info.replica_id == other
+    assert PrefixAware().choose([holder, rdv_pick], blocks).info.replica_id == other
 
 
 def test_prefix_aware_spreads_when_the_holder_is_much_busier():
     holder, idle = cand("a", matched=3, inflight=5), cand("b")
-    assert PrefixAware(load_penalty_blocks=1.0).choose([holder, idle], b"x") is idle
+    assert PrefixAware(load_penalty_blocks=1.0).choose([holder, idle], chain(b"x")) is idle
     busy_but_worth_it = cand("a", matched=8, inflight=2)
-    assert PrefixAware(load_penalty_blocks=1.0).choose([busy_but_worth_it, idle], b"x") is busy_but_worth_it
+    assert PrefixAware(load_penalty_blocks=1.0).choose([busy_but_worth_it, idle], chain(b"x")) is busy_but_worth_it
 
 
-def test_ties_go_to_least_loaded_then_rendezvous_consistently():
+def test_new_families_go_least_loaded_then_rendezvous_consistently():
     a, b = cand("a", running=1), cand("b")
-    assert PrefixAware().choose([a, b], b"k") is b
-    c1, c2 = cand("r1"), cand("r2")
+    assert PrefixAware().choose([a, b], [b"k"]) is b
     owner = max(["r1", "r2"], key=lambda r: rendezvous_score(b"k", r))
-    # Same choice whatever the candidate order (two routers, same state → same replica).
-    assert PrefixAware().choose([c1, c2], b"k").info.replica_id == owner
-    assert PrefixAware().choose([c2, c1], b"k").info.replica_id == owner
+    # Same choice whatever the candidate order, from any router (two routers, same state).
+    for order in ([cand("r1"), cand("r2")], [cand("r2"), cand("r1")]):
+        assert PrefixAware().choose(order, [b"k"]).info.replica_id == owner
+
+
+def test_equal_holders_split_by_load():
+    a, b = cand("a", matched=8, inflight=2), cand("b", matched=8, inflight=1)
+    assert PrefixAware().choose([a, b, cand("c")], chain(b"x")) is b
+
+
+def test_a_hot_prefix_gets_more_holders_a_cold_one_never_does():
+    policy = PrefixAware(max_imbalance=1.25, popularity_window=64)
+    fleet = ["a", "b", "c", "d"]
+    hot = chain(b"hot")
+    holders = {"a"}
+    for i in range(200):  # every request is the hot family: it needs every replica
+        cands = [cand(r, matched=8 if r in holders else 0, inflight=i % 2) for r in fleet]
+        holders.add(policy.choose(cands, hot).info.replica_id)
+    assert holders == set(fleet)
+
+    policy, holders = PrefixAware(max_imbalance=1.25, popularity_window=64), {}
+    families = [chain(b"f%d" % f) for f in range(8)]
+    for i in range(400):  # eight equally popular families on four replicas: one holder each
+        fam = i % 8
+        cands = [cand(r, matched=8 if holders.get(fam) == r else 0) for r in fleet]
+        got = policy.choose(cands, families[fam]).info.replica_id
+        assert holders.setdefault(fam, got) == got
+
+
+def test_a_prefix_on_a_persistently_overloaded_holder_gets_a_copy_after_warm_up():
+    # A rare prefix (popularity stays tiny) on a holder that stays busier than the bound.
+    policy = PrefixAware(max_imbalance=1.25, load_window=4, popularity_window=10**6)
+    cold = chain(b"cold")
+    picks = [policy.choose([cand("a", matched=8, inflight=3), cand("b"), cand("c", running=1)],
+                           cold).info.replica_id for _ in range(48)]
+    assert picks[:47] == ["a"] * 47   # smoothed loads warming up (16 samples × 3 replicas)
+    assert picks[47] == "b"            # then a copy on the least-loaded replica
+    # Within the bound nothing moves, however long it runs.
+    policy = PrefixAware(max_imbalance=1.25, load_window=4, popularity_window=10**6)
+    for _ in range(50):
+        got = policy.choose([cand("a", matched=8, inflight=1), cand("b", inflight=1),
+                             cand("c", running=1)], cold)
+        assert got.info.replica_id == "a"
+
+
+def test_a_copy_in_flight_counts_as_a_holder():
+    policy = PrefixAware(max_imbalance=1.0, popularity_window=8)
+    hot = chain(b"hot")
+    for _ in range(3):  # warm the popularity: one holder is not enough for this share
+        policy.choose([cand("a", matched=8), cand("b"), cand("c")], hot)
+    # The index does not show the copies yet: the policy must not start one per request.
+    picks = [policy.choose([cand("a", matched=8), cand("b"), cand("c")], hot).info.replica_id
+             for _ in range(6)]
+    assert picks.count("b") <= 1 and picks.count("c") <= 1
+
+
+def test_kv_saturated_replicas_are_skipped_while_another_can_admit():
+    full, free = cand("a", matched=8, free=0), cand("b")
+    assert PrefixAware().choose([full, free], chain(b"x")) is free
+    assert PrefixAware().choose([full], chain(b"x")) is full
+
+
+def test_popularity_share_converges_to_the_frequency():
+    pop = PrefixPopularity(window=50)
+    for i in range(2000):
+        share = pop.observe(b"a") if i % 4 == 0 else pop.observe(b"b%d" % (i % 3))
+    assert share == pytest.approx(1 / 4 * 0 + share)  # last observation was not "a"
+    assert pop.observe(b"a") == pytest.approx(0.25, abs=0.08)
 
 
 def test_load_uses_the_larger_of_report_and_own_inflight():
     assert cand("a", inflight=3, running=1).load == 3
     assert cand("a", inflight=0, running=2, waiting=2).load == 4
+    assert cand("a", free=5).kv_usage == pytest.approx(0.5)
 
 
-def test_baselines():
+def test_baselines_and_factory():
     cs = [cand("a", running=2), cand("b"), cand("c", running=1)]
-    assert LeastLoaded().choose(cs, b"").info.replica_id == "b"
+    assert LeastLoaded().choose(cs, []).info.replica_id == "b"
     rr = RoundRobin()
-    assert [rr.choose(cs, b"").info.replica_id for _ in range(4)] == ["a", "b", "c", "a"]
+    assert [rr.choose(cs, []).info.replica_id for _ in range(4)] == ["a", "b", "c", "a"]
+    assert make_policy("prefix_aware", max_imbalance=2.0).max_imbalance == 2.0
+    with pytest.raises(ValueError, match="policy must be one of"):
+        make_policy("random")

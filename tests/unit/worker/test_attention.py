@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from kvfleet.worker.attention import build_attention_metadata, causal_mask, paged_attention
 from kvfleet.worker.step_plan import SeqChunk
@@ -73,9 +72,16 @@ def test_slot_mapping_follows_the_block_table() -> None:
     assert meta.last_token_indices.tolist() == [2, 3]
 
 
-def test_sdpa_enable_gqa_equals_repeated_kv() -> None:
-    """Guards the torch behaviour the kernel relies on to avoid materialising repeated K/V."""
-    q, k = torch.randn(1, HEADS, 3, DIM), torch.randn(1, KV_HEADS, 3, DIM)
-    a = F.scaled_dot_product_attention(q, k, k, enable_gqa=True)
-    b = F.scaled_dot_product_attention(q, k.repeat_interleave(3, 1), k.repeat_interleave(3, 1))
-    torch.testing.assert_close(a, b)
+def test_decodes_read_exactly_their_own_blocks() -> None:
+    """No padding to the longest context: each decode's blocks, in table order, once."""
+    chunks = (SeqChunk("a", (0,), 9, (7, 2, 9, 4)), SeqChunk("p", (0,) * 3, 0, (5,)),
+              SeqChunk("b", (0,), 3, (1, 8)))
+    meta = build_attention_metadata(chunks, 4, (None, 2))
+    # a: 10 keys in blocks 7, 2, 9 (block 4 not yet used); b: 4 keys in block 1 only.
+    assert meta.decode_blocks.tolist() == [7, 2, 9, 1]
+    assert meta.decode_block_owner.tolist() == [0, 0, 0, 1]
+    assert meta.decode_width == 3 and meta.decode_block_rows.tolist() == [0, 1, 2, 3]
+    inf = float("-inf")
+    assert meta.decode_masks[None][1].tolist() == [0.0] * 4 + [inf] * 8
+    assert meta.decode_masks[2][0].tolist() == [inf] * 8 + [0.0] * 2 + [inf] * 2
+    assert meta.prefill == (1,) and meta.prefill_computed == (0,)

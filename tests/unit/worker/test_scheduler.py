@@ -140,3 +140,74 @@ def test_finish_returns_every_block():
         s.finish(x)
     assert s.kv.num_free_blocks == 8
     s.kv.check_invariants()
+
+
+def sibling_group(prompt_len: int, n: int, max_tokens: int = 8) -> list[Sequence]:
+    a = next(_arrival)
+    return [Sequence(seq_id=f"g{a}#{i}", request_id=f"g{a}", index=i,
+                     prompt_token_ids=list(range(1, 1 + prompt_len)),
+                     params=SamplingParams(max_tokens=max_tokens, n=n), root_hash=b"r" * 16,
+                     block_size=BS, arrival_seq=a) for i in range(n)]
+
+
+def test_siblings_fork_the_computed_prompt_and_copy_the_shared_partial_block():
+    s = make(n_blocks=16)
+    leader, sib = sibling_group(6, 2)  # 6 tokens: block 0 full, block 1 half full
+    s.add([leader, sib])
+    assert list(s.waiting) == [leader] and s.num_unfinished == 2
+    out = s.schedule()
+    assert [(x.seq, x.num_new_tokens, x.sample) for x in out.scheduled] == [(leader, 6, True)]
+    forks = s.on_step_done(out)
+    assert [(f.leader, f.sibling) for f in forks] == [(leader, sib)]
+    assert s.kv.block_table(sib.seq_id) == s.kv.block_table(leader.seq_id) == [0, 1]
+    assert sib.num_computed_tokens == 6 and sib.status is SeqStatus.RUNNING
+    assert s.kv.ref_count(0) == s.kv.ref_count(1) == 2
+    leader.append_token(7)
+    sib.append_token(8)
+    out = s.schedule()  # the leader writes first: it copies; the sibling then owns block 1 alone
+    assert out.plan.block_copies == ((1, 2),)
+    assert s.kv.block_table(leader.seq_id) == [0, 2] and s.kv.block_table(sib.seq_id) == [0, 1]
+    assert [c.block_table for c in out.plan.chunks] == [(0, 2), (0, 1)]
+    s.on_step_done(out)
+    s.kv.check_invariants()
+    for x in (leader, sib):
+        s.finish(x)
+    assert s.kv.num_free_blocks == 16
+
+
+def test_siblings_of_a_block_aligned_prompt_copy_nothing():
+    s = make(n_blocks=16)
+    group = sibling_group(8, 3)
+    s.add(group)
+    s.on_step_done(s.schedule())
+    for i, x in enumerate(group):
+        x.append_token(10 + i)
+    out = s.schedule()  # position 8 starts block 2 for each: nothing shared is written
+    assert out.plan.block_copies == ()
+    assert [c.block_table for c in out.plan.chunks] == [(0, 1, 2), (0, 1, 3), (0, 1, 4)]
+
+
+def test_unforked_siblings_hold_their_seats():
+    s = make(n_blocks=16, max_num_seqs=2)
+    leader, sib = sibling_group(10, 2)
+    other = seq(3)
+    s.add([leader, sib])
+    s.add([other])
+    out = s.schedule()  # budget left over, but the sibling will need the second seat
+    assert [x.seq for x in out.scheduled] == [leader] and list(s.waiting) == [other]
+    with pytest.raises(ResourceExhausted, match="max_num_seqs"):
+        s.add(sibling_group(2, 3))
+
+
+def test_siblings_of_a_leader_that_ends_before_its_prompt_go_on_alone():
+    s = make(n_blocks=16, max_num_batched_tokens=4)
+    leader, sib = sibling_group(10, 2)
+    other = seq(3)
+    s.add([leader, sib])
+    s.add([other])
+    s.on_step_done(s.schedule())  # 4 of the leader's 10 prompt tokens
+    s.finish(leader)  # e.g. its forward failed
+    assert sib.status is SeqStatus.WAITING and list(s.waiting) == [sib, other]
+    assert s.kv.num_free_blocks == 16 and not s.pending_forks
+    out = s.schedule()
+    assert [(x.seq, x.num_new_tokens) for x in out.scheduled] == [(sib, 4)]

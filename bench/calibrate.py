@@ -1,0 +1,71 @@
+"""Measure a real replica's forward to get the cost model's constants (issue 5).
+
+    .venv/bin/python -m bench.calibrate [--out bench/results/calibration.json]
+
+Builds the real :class:`~kvfleet.worker.model_runner.ModelRunner` on the prepared SmolLM2
+(fp32, one torch thread: what each of two replicas gets on a 2-core machine), times the step
+shapes the router benchmark produces (512-token prefill chunks from an empty and a half-full
+context, the 64-token suffix after a 1,024-token cached prefix, decode batches at ~1,088 tokens
+of context) and fits ``seconds ≈ a + b·prefill tokens + c·decode tokens`` by least squares.
+The samples, the fit, and the machine's load are written to one JSON file, which the benchmark
+reads and records; the constants are never edited by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from kvfleet.deploy.models import prepare_model
+from kvfleet.worker.cost_model import calibration_plans, fit, measure
+from kvfleet.worker.model_runner import ModelRunner
+
+DEFAULT_OUT = Path(__file__).parent / "results" / "calibration.json"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench.calibrate", description=__doc__)
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--repeats", type=int, default=3)
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    model_dir = prepare_model(progress=False)
+    block_size = 16
+    runner = ModelRunner(model_dir, num_blocks=1200, block_size=block_size)
+    load_before = os.getloadavg()
+    t0 = time.time()
+    samples = []
+    for sizes, contexts in (([512], [0, 512]), ([64], [0, 1024]), ([16, 128], [1024])):
+        samples += measure(runner, calibration_plans(block_size, sizes, contexts, [], 0), a.repeats)
+    samples += measure(runner, calibration_plans(block_size, [], [], [1, 4, 8, 16], 1088), a.repeats)
+    source = (f"SmolLM2-135M-Instruct fp32, {a.threads} torch thread(s), {platform.node()} "
+              f"({os.cpu_count()} CPUs), {time.strftime('%Y-%m-%d')}")
+    cost = fit(samples, source)
+    record = {
+        "cost_model": cost.to_json(),
+        "samples": [asdict(s) | {"fitted_s": cost.step_base_s + cost.prefill_token_s * s.prefill_tokens
+                                 + cost.decode_token_s * s.decode_tokens} for s in samples],
+        "machine": {"cpus": os.cpu_count(), "torch_threads": a.threads,
+                    "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
+                    "python": platform.python_version(), "torch": torch.__version__},
+        "seconds": time.time() - t0,
+    }
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(record, indent=2) + "\n")
+    print(json.dumps(record["cost_model"], indent=2))
+    for s in record["samples"]:
+        print(f"  prefill {s['prefill_tokens']:4d} decode {s['decode_tokens']:3d} ctx "
+              f"{s['context_tokens']:5d}: {s['seconds'] * 1e3:8.1f} ms (fit {s['fitted_s'] * 1e3:8.1f} ms)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

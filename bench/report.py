@@ -1,0 +1,89 @@
+"""Statistics, policy ratios and TTFT CDF plots for the router benchmark."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Sequence
+
+from bench.load import Result
+
+
+def quantile(xs: Sequence[float], q: float) -> float:
+    """Nearest-rank quantile (``q`` in [0, 1]) of a non-empty sequence."""
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, int(round(q * len(s) + 0.5)) - 1))]
+
+
+def summarize(results: Sequence[Result], replicas: Sequence[str]) -> dict:
+    """TTFT quantiles (seconds), hit rate, load balance over ``replicas``, errors.
+
+    ``load`` of a replica = its requests' summed client-side lifetimes (time-average number of
+    requests in flight × duration): ``busiest_load_over_mean`` = max ÷ mean over all replicas.
+    """
+    ok = [r for r in results if r.ok]
+    ttft = [r.ttft_s for r in ok]
+    busy = {rid: 0.0 for rid in replicas}
+    count = {rid: 0 for rid in replicas}
+    for r in ok:
+        busy[r.replica] = busy.get(r.replica, 0.0) + (r.done - r.sent)
+        count[r.replica] = count.get(r.replica, 0) + 1
+    out = {"requests": len(results), "errors": len(results) - len(ok)}
+    if not ok:
+        return out
+    out.update({
+        "ttft_p50_s": quantile(ttft, 0.5), "ttft_p90_s": quantile(ttft, 0.9),
+        "ttft_p99_s": quantile(ttft, 0.99), "ttft_mean_s": statistics.fmean(ttft),
+        "e2e_p50_s": quantile([r.done - r.sent for r in ok], 0.5),
+        "hit_rate": sum(r.cached_tokens for r in ok) / max(1, sum(r.prompt_tokens for r in ok)),
+        "busiest_load_over_mean": max(busy.values()) / max(1e-12, statistics.fmean(busy.values())),
+        "busiest_requests_over_mean": max(count.values()) / max(1e-12, statistics.fmean(count.values())),
+        # group 0 is the most popular one: on how many replicas did it hit its prefix?
+        "top_group_holders": len({r.replica for r in ok if r.request.group == 0
+                                  and r.cached_tokens > 0}),
+        "first_errors": sorted({r.error for r in results if r.error})[:3],
+    })
+    return out
+
+
+def throughput(results: Sequence[Result], warmup_s: float) -> float:
+    """Completions per second after ``warmup_s`` from the first send, until the last send."""
+    ok = [r for r in results if r.ok]
+    if not ok:
+        return 0.0
+    t0 = min(r.sent for r in results) + warmup_s
+    t1 = max(r.sent for r in results)
+    done = [r for r in ok if t0 <= r.done <= t1]
+    return len(done) / (t1 - t0) if t1 > t0 else 0.0
+
+
+def ratio_spread(values: Sequence[float]) -> dict:
+    """min / median / max of per-round ratios."""
+    vs = sorted(values)
+    return {"min": vs[0], "median": statistics.median(vs), "max": vs[-1], "rounds": len(vs)}
+
+
+def plot_ttft_cdfs(ttfts: dict[str, Sequence[float]], path: Path, title: str) -> Path:
+    """One CDF line per policy (log-scaled TTFT axis); writes a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    for name, xs in ttfts.items():
+        s = sorted(xs)
+        if s:
+            ax.step([x * 1e3 for x in s], [(i + 1) / len(s) for i in range(len(s))],
+                    where="post", label=f"{name} (n={len(s)})")
+    ax.set_xscale("log")
+    ax.set_xlabel("time to first token (ms, client side)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path

@@ -1,0 +1,206 @@
+"""What the router itself costs (issue 5), against a cost-model replica that answers at once.
+
+    .venv/bin/python -m bench.router_cost
+
+1. Added TTFT: the same Poisson stream (``--rate`` req/s, 1,024-token shared prefix + 64
+   unique tokens, one output token) sent straight to the worker and through the router, in
+   alternating segments; added TTFT = routed quantile − direct quantile.
+2. Prefix lookup: ``RedisPrefixIndex.match`` latency for 256-, 1,024- and 4,096-token chains
+   that four replicas hold in full, and Redis commands per lookup (``INFO commandstats``).
+3. Index writes off the TTFT path: direct TTFT with Redis answering vs Redis frozen (SIGSTOP):
+   if a KV-event write sat on the path, every TTFT would grow by the write timeout.
+4. Relay: streamed messages/s of long generations straight from the worker vs through the
+   router, and the router process's CPU µs per relayed message (``/proc``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+from bench.load import Target, open_loop
+from bench.report import quantile
+from bench.workload import Request, Workload, requests
+from kvfleet.worker.cost_model import ZERO
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process, in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def q_ms(xs, q: float) -> float:
+    return quantile(xs, q) * 1e3
+
+
+async def added_ttft(worker: Target, router: Target, rate: float, segment: int, rounds: int) -> dict:
+    w = Workload(groups=1, prefix_tokens=1024, suffix_tokens=64)
+    direct, routed = [], []
+    for r in range(rounds):
+        reqs = requests(w, rate, segment, seed=50 + r)
+        for target, out in ((worker, direct), (router, routed)) if r % 2 == 0 else \
+                ((router, routed), (worker, direct)):
+            res = await open_loop(target, reqs)
+            out += [x.ttft_s for x in res if x.ok]
+            await asyncio.sleep(0.5)
+    got = {"rate_per_s": rate, "requests_each": len(direct)}
+    for q in (0.5, 0.9, 0.99):
+        got[f"direct_p{int(q * 100)}_ms"] = q_ms(direct, q)
+        got[f"routed_p{int(q * 100)}_ms"] = q_ms(routed, q)
+        got[f"added_p{int(q * 100)}_ms"] = q_ms(routed, q) - q_ms(direct, q)
+    return got
+
+
+async def lookup_latency(redis_url: str, calls: int = 400) -> dict:
+    import redis.asyncio as aioredis
+
+    from kvfleet.allocator.hashing import block_hash_chain
+    from kvfleet.index_keys import ReplicaInfo
+    from kvfleet.router.prefix_index import RedisPrefixIndex
+    from kvfleet.worker.kv_publisher import KvPublisher
+
+    ns = "bench-lookup:"
+    chain = block_hash_chain(b"r" * 16, list(range(1000, 1000 + 4096)), 16)
+    pubs = [KvPublisher(redis_url, ReplicaInfo(f"r{i}", f"127.0.0.1:{i}", "m", 0, 16), ns)
+            for i in range(4)]
+    for p in pubs:
+        await p.register()
+        await p.publish(chain, [])
+    index = RedisPrefixIndex(redis_url, namespace=ns)
+    raw = aioredis.Redis.from_url(redis_url)
+    out = {}
+    for tokens in (256, 1024, 4096):
+        sub = chain[: tokens // 16]
+        assert await index.match(sub) == {f"r{i}": len(sub) for i in range(4)}
+        await raw.config_resetstat()
+        lat = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            await index.match(sub)
+            lat.append(time.perf_counter() - t0)
+        stats = await raw.info("commandstats")
+        evalsha = stats.get("cmdstat_evalsha", {})
+        out[f"{tokens}_tokens"] = {
+            "p50_ms": q_ms(lat, 0.5), "p99_ms": q_ms(lat, 0.99),
+            "redis_commands_per_lookup": sum(v["calls"] for v in stats.values()) / calls,
+            "script_calls_per_lookup": evalsha.get("calls", 0) / calls,
+            "redis_side_us_per_lookup": evalsha.get("usec_per_call", 0.0)}
+    for p in pubs:
+        await p.deregister()
+        await p.close()
+    await index.close()
+    await raw.aclose()
+    return out
+
+
+async def writes_off_path(worker: Target, redis_process, rate: float, n: int) -> dict:
+    w = Workload(groups=1, prefix_tokens=1024, suffix_tokens=64)
+    out = {}
+    for state in ("redis_answering", "redis_frozen"):
+        if state == "redis_frozen":
+            redis_process.send_signal(signal.SIGSTOP)
+        try:
+            res = await open_loop(worker, requests(w, rate, n, seed=90))
+        finally:
+            if state == "redis_frozen":
+                redis_process.send_signal(signal.SIGCONT)
+        ttft = [x.ttft_s for x in res if x.ok]
+        out[state] = {"ttft_p50_ms": q_ms(ttft, 0.5), "ttft_p99_ms": q_ms(ttft, 0.99),
+                      "ok": len(ttft), "requests": n}
+    return out
+
+
+async def relay(worker: Target, router: Target, router_pid: int, streams: int, seconds: float,
+                rounds: int) -> dict:
+    req = Request(0, 0, tuple(range(1000, 1016)), 0.0)
+    out = {"direct_msgs_per_s": [], "routed_msgs_per_s": [], "router_cpu_us_per_msg": []}
+
+    async def phase(target: Target, key: str) -> None:
+        stop, count = time.monotonic() + seconds, 0
+
+        async def client() -> None:
+            nonlocal count
+            while time.monotonic() < stop:
+                res = await target.send(req)
+                count += res.messages
+        cpu0, t0 = cpu_seconds(router_pid), time.monotonic()
+        await asyncio.gather(*(client() for _ in range(streams)))
+        elapsed, cpu = time.monotonic() - t0, cpu_seconds(router_pid) - cpu0
+        out[key].append(count / elapsed)
+        if target is router:
+            out["router_cpu_us_per_msg"].append(cpu / count * 1e6)
+
+    for _ in range(rounds):
+        await phase(worker, "direct_msgs_per_s")
+        await phase(router, "routed_msgs_per_s")
+    ratios = [r / d for r, d in zip(out["routed_msgs_per_s"], out["direct_msgs_per_s"])]
+    return {**out, "routed_over_direct": ratios, "streams": streams,
+            "tokens_per_stream": worker.max_tokens}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench.router_cost", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rate", type=float, default=120.0, help="requests/s for the TTFT test")
+    p.add_argument("--segment", type=int, default=600)
+    p.add_argument("--rounds", type=int, default=4)
+    a = p.parse_args(argv)
+
+    from kvfleet.deploy.launcher import ClusterConfig, LocalCluster, init_ray
+    from kvfleet.deploy.models import DEFAULT_MODEL, resolve_model
+    from kvfleet.deploy.redis_server import start_redis
+
+    name, model_dir = resolve_model(DEFAULT_MODEL)
+    redis = start_redis()
+    init_ray(num_cpus=2)
+    cluster = LocalCluster(ClusterConfig(
+        model_name=name, model_dir=str(model_dir), replicas=1, num_blocks=4096, port=0,
+        redis_url=redis.url, namespace="bench-cost:", replica_num_cpus=0,
+        executor="cost-model", cost_model=ZERO))
+    load_before = os.getloadavg()
+    try:
+        cluster.start()
+
+        async def run() -> dict:
+            from bench.router_bench import wait_registered
+
+            await wait_registered(cluster.router_address, 1)
+            worker = Target(cluster.replica_addresses[0], kind="worker", max_tokens=1)
+            router = Target(cluster.router_address, max_tokens=1)
+            out = {"added_ttft": await added_ttft(worker, router, a.rate, a.segment, a.rounds)}
+            print(json.dumps(out["added_ttft"]), flush=True)
+            out["prefix_lookup"] = await lookup_latency(redis.url)
+            print(json.dumps(out["prefix_lookup"]), flush=True)
+            out["index_writes"] = await writes_off_path(worker, redis.process, 50.0, 200)
+            print(json.dumps(out["index_writes"]), flush=True)
+            long_w = Target(cluster.replica_addresses[0], kind="worker", max_tokens=2000)
+            long_r = Target(cluster.router_address, max_tokens=2000)
+            out["relay"] = await relay(long_w, long_r, cluster.router_proc.pid, 8, 6.0, 3)
+            print(json.dumps(out["relay"]), flush=True)
+            for t in (worker, router, long_w, long_r):
+                await t.close()
+            return out
+
+        out = asyncio.run(run())
+    finally:
+        cluster.stop()
+        redis.stop()
+    out["machine"] = {"cpus": os.cpu_count(), "loadavg_before": load_before,
+                      "loadavg_after": os.getloadavg()}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / "router-cost.json"
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,76 @@
+"""The benchmark's workload: prefix groups, popularity, Poisson arrivals (issue 5).
+
+A request = one group's shared prefix (a system prompt, a long history) + a unique suffix, as
+token ids. Prefixes and suffixes are seeded random ids from a plain-token range, so every
+policy sees exactly the same request stream in the same order at the same offsets.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Iterator
+
+TOKEN_RANGE = (1000, 40000)  # plain BPE tokens of SmolLM2's vocabulary: no special tokens
+
+
+@dataclass(frozen=True)
+class Workload:
+    """``groups`` prefixes of ``prefix_tokens`` tokens, each request adds ``suffix_tokens``.
+
+    ``zipf_s`` = 0 for uniform group popularity, else P(group k) ∝ 1 / (k+1)^s.
+    """
+
+    groups: int = 32
+    prefix_tokens: int = 1024
+    suffix_tokens: int = 64
+    output_tokens: int = 16
+    zipf_s: float = 0.0
+    seed: int = 0
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.prefix_tokens + self.suffix_tokens
+
+    def weights(self) -> list[float]:
+        return [1.0 / (k + 1) ** self.zipf_s for k in range(self.groups)]
+
+    def prefix_blocks(self, block_size: int) -> int:
+        return self.prefix_tokens // block_size
+
+    def cache_pressure(self, block_size: int, replica_blocks: int) -> float:
+        """Prefix KV demand ÷ one replica's KV capacity (both in blocks)."""
+        return self.groups * self.prefix_blocks(block_size) / replica_blocks
+
+
+@dataclass(frozen=True)
+class Request:
+    index: int
+    group: int
+    token_ids: tuple[int, ...]
+    offset_s: float  # arrival time from the start of the run (seconds)
+
+
+def requests(w: Workload, rate_per_s: float, count: int, seed: int | None = None) -> list[Request]:
+    """``count`` requests with Poisson arrivals at ``rate_per_s`` (``inf``: all at offset 0)."""
+    rng = random.Random(w.seed if seed is None else seed)
+    prefix_rng = random.Random(w.seed * 7919 + 17)  # prefixes do not depend on the stream seed
+    prefixes = [tuple(prefix_rng.randrange(*TOKEN_RANGE) for _ in range(w.prefix_tokens))
+                for _ in range(w.groups)]
+    weights = w.weights()
+    out, t = [], 0.0
+    for i in range(count):
+        g = rng.choices(range(w.groups), weights)[0]
+        suffix = tuple(rng.randrange(*TOKEN_RANGE) for _ in range(w.suffix_tokens))
+        out.append(Request(i, g, prefixes[g] + suffix, t))
+        if rate_per_s != float("inf"):
+            t += rng.expovariate(rate_per_s)
+    return out
+
+
+def stream(w: Workload, seed: int = 0) -> Iterator[Request]:
+    """An endless stream (closed-loop runs): arrival offsets are 0."""
+    i = 0
+    while True:
+        yield from requests(w, float("inf"), 256, seed=seed * 1_000_003 + i)
+        i += 1

@@ -1,0 +1,57 @@
+"""API keys → tenants → cache scopes: tenants share blocks only in a declared namespace."""
+
+import json
+
+import pytest
+
+from kvfleet.errors import Unauthenticated
+from kvfleet.router.auth import DEFAULT_TENANT, Authenticator
+
+
+def bearer(key: str):
+    return (("authorization", f"Bearer {key}"),)
+
+
+def test_open_mode_is_tenant_default_with_its_own_scope():
+    auth = Authenticator.from_file(None)
+    assert auth.open and auth.tenant(()) == DEFAULT_TENANT
+    assert auth.cache_scope(DEFAULT_TENANT) == DEFAULT_TENANT
+
+
+def test_flat_key_file_and_unknown_keys(tmp_path):
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"k-a": "acme", "k-b": "globex"}))
+    auth = Authenticator.from_file(str(path))
+    assert auth.tenant(bearer("k-a")) == "acme" and auth.tenant(bearer("k-b")) == "globex"
+    assert auth.cache_scope("acme") == "acme" != auth.cache_scope("globex")
+    for metadata in [(), bearer("nope"), (("authorization", "Basic k-a"),)]:
+        with pytest.raises(Unauthenticated):
+            auth.tenant(metadata)
+
+
+def test_shared_namespace_gives_members_one_scope_and_outsiders_their_own(tmp_path):
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({
+        "keys": {"k-a": "acme", "k-b": "globex", "k-c": "initech"},
+        "shared_namespaces": {"docs-bot": ["acme", "globex"]},
+    }))
+    auth = Authenticator.from_file(str(path))
+    assert auth.cache_scope("acme") == auth.cache_scope("globex") == "@docs-bot"
+    assert auth.cache_scope("initech") == "initech"
+    assert auth.tenant(bearer("k-b")) == "globex"  # the tenant itself is unchanged
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"k": "@docs-bot"}, "tenant name"),  # a tenant could impersonate a shared scope
+    ({"k": ""}, "tenant name"),
+    ({"keys": {"k": "a"}, "shared_namespaces": {"@x": ["a"]}}, "shared namespace name"),
+    ({"keys": {"k": "a"}, "shared_namespaces": {"x": ["a"], "y": ["a"]}}, "two shared namespaces"),
+    ({"keys": {"k": "a"}, "shared_namespaces": {"x": "a"}}, "lists of tenants"),
+    ({"keys": {"k": "a"}, "extra": 1}, "unknown fields"),
+    (["k", "a"], "JSON object"),
+])
+def test_bad_key_files_are_refused_with_a_reason(tmp_path, data, message):
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=message):
+        Authenticator.from_file(str(path))

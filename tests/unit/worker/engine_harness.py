@@ -1,0 +1,153 @@
+"""Drive the real Scheduler + Engine over a real ModelRunner and capture the logits it computed.
+
+:class:`RecordingRunner` wraps the runner the engine calls: for every chunk of every plan it
+keeps ``(position, logits row)`` — the logits of the chunk's last token, i.e. what the engine
+sampled from (or, mid-prefill, what it computed and discarded). Positions recomputed after a
+preemption are recorded again, so every computation is checked, not just the last.
+``reference_error`` compares them with transformers' full-prefix forward over the sequence's
+final tokens (``paged_driver.scaled_error``: <= 1 passes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+import tokenizers
+import torch
+
+from kvfleet.allocator.kv_cache_manager import KVCacheManager
+from kvfleet.sampling_params import SamplingParams
+from kvfleet.worker.engine import Engine, EngineRequest
+from kvfleet.worker.model_runner import ModelRunner
+from kvfleet.worker.outputs import SeqOutput
+from kvfleet.worker.request import FinishReason
+from kvfleet.worker.scheduler import SchedulerConfig
+from kvfleet.worker.step_plan import StepPlan
+from tests.unit.worker.paged_driver import random_prompt, reference_logits, runner_for, scaled_error
+
+BLOCK_SIZE = 4
+_ids = itertools.count()
+
+
+class RecordingRunner:
+    """The engine's runner, recording each chunk's last-token logits by sequence id."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.config = runner.config
+        self.logits: dict[str, list[tuple[int, torch.Tensor]]] = defaultdict(list)
+        self.plans: list[StepPlan] = []
+
+    def execute(self, plan: StepPlan) -> torch.Tensor:
+        out = self.runner.execute(plan)
+        self.plans.append(plan)
+        for chunk, row in zip(plan.chunks, out, strict=True):
+            pos = chunk.num_computed_tokens + len(chunk.token_ids) - 1
+            self.logits[chunk.request_id].append((pos, row.clone()))
+        return out
+
+
+@dataclass
+class Result:
+    """Everything one sample streamed."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list = field(default_factory=list)
+    last: SeqOutput | None = None
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return self.last.finish_reason if self.last else None
+
+
+def make_engine(model_dir: Path, num_blocks: int = 150, runner: ModelRunner | None = None,
+                **scheduler) -> tuple[Engine, RecordingRunner]:
+    """A fresh engine (new KV cache manager) over the session's shared runner for ``model_dir``.
+
+    Sharing the runner's KV tensor across tests is safe: a new manager has no cached blocks,
+    so every slot a test reads was written by that test.
+    """
+    runner = runner or runner_for(Path(model_dir), block_size=BLOCK_SIZE)
+    assert num_blocks <= runner.num_blocks
+    rec = RecordingRunner(runner)
+    kv = KVCacheManager(num_blocks, runner.block_size)
+    tok = tokenizers.Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+    cfg = runner.config
+    engine = Engine(rec, kv, tok, b"engine-test-identity", cfg.eos_token_ids,
+                    cfg.max_position_embeddings, cfg.vocab_size, SchedulerConfig(**scheduler))
+    return engine, rec
+
+
+def request(prompt: list[int], max_tokens: int = 8, rid: str | None = None,
+            deadline: float | None = None, **params) -> EngineRequest:
+    params.setdefault("ignore_eos", True)
+    return EngineRequest(rid or f"req{next(_ids)}", tuple(prompt),
+                         SamplingParams(max_tokens=max_tokens, **params).validate(), deadline=deadline)
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return random_prompt(n, seed)
+
+
+def collect(results: dict[tuple[str, int], Result], outputs: Iterable[SeqOutput]) -> None:
+    for o in outputs:
+        r = results.setdefault((o.request_id, o.index), Result())
+        r.token_ids += o.token_ids
+        r.text += o.text
+        r.logprobs += o.logprobs
+        if o.finished:
+            assert r.last is None, f"{o.request_id}#{o.index} finished twice"
+            r.last = o
+
+
+def run(engine: Engine, arrivals: dict[int, list[EngineRequest]] | list[EngineRequest],
+        budgets: Callable[[int], int] | None = None, max_steps: int = 2000,
+        on_step: Callable[[int, Engine], None] | None = None) -> dict[tuple[str, int], Result]:
+    """Step until idle. ``arrivals[k]`` join before step ``k``; ``budgets(k)`` (if given) sets
+    ``max_num_batched_tokens`` for step ``k``; ``on_step(k, engine)`` runs before step ``k``."""
+    if isinstance(arrivals, list):
+        arrivals = {0: arrivals}
+    results: dict[tuple[str, int], Result] = {}
+    last_arrival = max(arrivals, default=0)
+    for k in range(max_steps):
+        for req in arrivals.get(k, ()):
+            engine.add_request(req)
+        if on_step is not None:
+            on_step(k, engine)
+        if budgets is not None:
+            engine.scheduler.config = dataclasses.replace(engine.scheduler.config,
+                                                          max_num_batched_tokens=budgets(k))
+        collect(results, engine.step())
+        engine.kv.check_invariants()
+        if k >= last_arrival and not engine.has_work:
+            break
+    else:
+        raise AssertionError(f"engine still busy after {max_steps} steps")
+    assert engine.kv.num_free_blocks == engine.kv.num_total_blocks, "blocks leaked"
+    return results
+
+
+def seq_tokens(req: EngineRequest, res: Result) -> list[int]:
+    return list(req.prompt_token_ids) + res.token_ids
+
+
+def reference_error(model_dir: Path, rec: RecordingRunner, seq_id: str, tokens: list[int]) -> float:
+    """Every logits row the engine computed for ``seq_id`` against transformers on ``tokens``."""
+    rows = rec.logits[seq_id]
+    assert rows, f"no logits recorded for {seq_id}"
+    ref = reference_logits(model_dir, tokens[: max(p for p, _ in rows) + 1])
+    return max(scaled_error({p: row}, ref) for p, row in rows)
+
+
+def positions(rec: RecordingRunner, seq_id: str) -> list[int]:
+    return [p for p, _ in rec.logits[seq_id]]
+
+
+def by_position(rec: RecordingRunner, seq_id: str) -> dict[int, torch.Tensor]:
+    return dict(rec.logits[seq_id])

@@ -1,0 +1,152 @@
+"""The real Scheduler + Engine + ModelRunner against transformers' full-prefix forward.
+
+fp32; every logits row the engine computed (captured by ``RecordingRunner``) within
+1e-4 x max(1, max|ref|) of transformers on the sequence's own tokens (``scaled_error <= 1``).
+Block size 4, so chunk widths and prefix lengths below are deliberately not multiples of it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.unit.worker.engine_harness import (
+    BLOCK_SIZE,
+    by_position,
+    make_engine,
+    positions,
+    prompt,
+    reference_error,
+    request,
+    run,
+    seq_tokens,
+)
+from tests.unit.worker.paged_driver import scaled_error
+
+FAMILIES = ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_mistral_dir"]
+
+
+@pytest.fixture(params=FAMILIES)
+def model_dir(request: pytest.FixtureRequest):
+    return request.getfixturevalue(request.param)
+
+
+def _check(model_dir, rec, req, res, index: int = 0) -> None:
+    err = reference_error(model_dir, rec, f"{req.request_id}#{index}", seq_tokens(req, res))
+    assert err <= 1, f"{req.request_id}#{index}: {err:.2f}x the tolerance"
+
+
+def test_token_by_token(model_dir) -> None:
+    """A budget of one token per step: the prompt is fed one token at a time, then decodes."""
+    engine, rec = make_engine(model_dir, max_num_batched_tokens=1)
+    req = request(prompt(13, seed=1), max_tokens=8)
+    res = run(engine, [req])[(req.request_id, 0)]
+    assert len(res.token_ids) == 8
+    assert positions(rec, f"{req.request_id}#0") == list(range(13 + 7))
+    _check(model_dir, rec, req, res)
+
+
+def test_uneven_chunks(model_dir) -> None:
+    widths = [5, 11, 3, 7, 2, 6]  # 34 prompt tokens, none a multiple of the block size of 4
+    engine, rec = make_engine(model_dir)
+    req = request(prompt(34, seed=2), max_tokens=6)
+    res = run(engine, [req], budgets=lambda k: widths[k] if k < len(widths) else 64)[(req.request_id, 0)]
+    chunks = [len(p.chunks[0].token_ids) for p in rec.plans]
+    assert chunks[:6] == widths and chunks[6:] == [1] * 5
+    _check(model_dir, rec, req, res)
+
+
+def test_prefix_hits_full_and_mid_block(tiny_llama_dir) -> None:
+    """A second request reuses the cached full blocks of the first; a third whose shared prefix
+    ends mid-block reuses only the full blocks before it and computes the rest."""
+    engine, rec = make_engine(tiny_llama_dir)
+    base = prompt(22, seed=3)
+    first = request(base, max_tokens=4)
+    same_16 = request(base[:16] + prompt(9, seed=4), max_tokens=5)    # 4 full blocks shared
+    same_18 = request(base[:18] + prompt(7, seed=5), max_tokens=5)    # shared prefix ends mid-block
+    whole = request(base, max_tokens=3)                               # the whole prompt again
+    results = run(engine, {0: [first], 8: [same_16], 16: [same_18], 24: [whole]})
+    cached = {r.request_id: results[(r.request_id, 0)].last.usage.cached_prompt_tokens
+              for r in (first, same_16, same_18, whole)}
+    # 22 tokens: at most (22 - 1) // 4 = 5 blocks reusable, the last prompt token is recomputed.
+    assert cached == {first.request_id: 0, same_16.request_id: 16, same_18.request_id: 16,
+                      whole.request_id: 20}
+    for r in (same_16, same_18, whole):
+        first_chunk = next(c for p in rec.plans for c in p.chunks if c.request_id == f"{r.request_id}#0")
+        assert first_chunk.num_computed_tokens == cached[r.request_id]
+        _check(tiny_llama_dir, rec, r, results[(r.request_id, 0)])
+
+
+def test_mixed_batch_of_eight_joining_and_leaving_equals_each_alone(model_dir) -> None:
+    """Eight requests of different lengths arrive at different steps and finish at different
+    steps; prefill chunks share steps with decodes. Each request's logits equal those it gets
+    alone (batch invariance) and transformers'."""
+    lengths = [(5, 9), (23, 4), (14, 12), (3, 7), (31, 5), (9, 10), (18, 3), (11, 8)]
+    reqs = [request(prompt(p, seed=10 + i), max_tokens=m) for i, (p, m) in enumerate(lengths)]
+    arrivals = {0: reqs[:2], 1: [reqs[2]], 3: reqs[3:5], 6: [reqs[5]], 9: reqs[6:]}
+    engine, rec = make_engine(model_dir, max_num_batched_tokens=24)
+    results = run(engine, arrivals)
+    assert max(len(p.chunks) for p in rec.plans) >= 5
+    assert any(len({len(c.token_ids) > 1 for c in p.chunks}) == 2 for p in rec.plans), \
+        "some step must mix prefill chunks and decodes"
+    for req in reqs:
+        res = results[(req.request_id, 0)]
+        assert len(res.token_ids) == req.params.max_tokens
+        _check(model_dir, rec, req, res)
+        alone_engine, alone_rec = make_engine(model_dir)
+        alone = run(alone_engine, [req])[(req.request_id, 0)]
+        assert alone.token_ids == res.token_ids
+        seq_id = f"{req.request_id}#0"
+        ours, solo = by_position(rec, seq_id), by_position(alone_rec, seq_id)
+        common = {p: ours[p] for p in solo.keys() & ours.keys()}
+        assert len(common) >= req.params.max_tokens
+        assert scaled_error(common, solo) <= 1, req.request_id
+
+
+def test_preempted_then_resumed(tiny_llama_dir) -> None:
+    """Eight blocks of four tokens for three growing requests: the newest is preempted by
+    recompute, resumes later, and ends with exactly the tokens and logits it gets alone."""
+    reqs = [request(prompt(6, seed=20 + i), max_tokens=12) for i in range(3)]
+    engine, rec = make_engine(tiny_llama_dir, num_blocks=10, watermark=0.0)
+    preempted = []
+
+    def watch(k, eng):
+        preempted.extend(s.seq_id for s in eng.scheduler.waiting if s.num_preemptions)
+
+    results = run(engine, reqs, on_step=watch)
+    assert preempted, "the workload must force a preemption"
+    for req in reqs:
+        res = results[(req.request_id, 0)]
+        _check(tiny_llama_dir, rec, req, res)
+        alone_engine, _ = make_engine(tiny_llama_dir)
+        assert run(alone_engine, [req])[(req.request_id, 0)].token_ids == res.token_ids
+    widths = [len(c.token_ids) for p in rec.plans for c in p.chunks if c.request_id == preempted[0]]
+    assert max(widths[widths.index(1):]) > 1, "the preempted sequence recomputed after decoding"
+
+
+def test_n2_siblings_after_copy_on_write(tiny_llama_dir) -> None:
+    """n=2 sampled siblings fork one prompt (10 tokens: 2 full blocks + a half-full one): the
+    prompt is computed once, the shared partial block is copied before a sibling writes into
+    it, and each sibling's logits equal transformers' on its own tokens."""
+    engine, rec = make_engine(tiny_llama_dir)
+    req = request(prompt(10, seed=30), max_tokens=9, n=2, temperature=1.0, seed=7)
+    results = run(engine, [req])
+    a, b = results[(req.request_id, 0)], results[(req.request_id, 1)]
+    assert a.token_ids != b.token_ids, "seeded siblings must diverge"
+    prompt_chunks = [c for p in rec.plans for c in p.chunks if c.num_computed_tokens < 10]
+    assert [c.request_id for c in prompt_chunks] == [f"{req.request_id}#0"], "prompt computed once"
+    copies = [cp for p in rec.plans for cp in p.block_copies]
+    assert len(copies) == 1
+    src, dst = copies[0]
+    assert src == prompt_chunks[0].block_table[10 // BLOCK_SIZE] and dst != src
+    for index, res in enumerate((a, b)):
+        _check(tiny_llama_dir, rec, req, res, index)
+        assert b.last.usage.prompt_tokens == 10
+
+
+def test_sliding_window_beyond_the_window(tiny_mistral_dir) -> None:
+    engine, rec = make_engine(tiny_mistral_dir)
+    assert rec.config.sliding_window == 8
+    req = request(prompt(27, seed=40), max_tokens=12)
+    widths = [5, 11, 3, 8]
+    res = run(engine, [req], budgets=lambda k: widths[k] if k < len(widths) else 64)[(req.request_id, 0)]
+    _check(tiny_mistral_dir, rec, req, res)
