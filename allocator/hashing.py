@@ -48,9 +48,15 @@ class CacheIdentity:
     adapter_revision: str = ""
 
     def digest(self) -> bytes:
-        """sha256/128 of the canonical JSON of all fields (sorted keys, no whitespace)."""
-        canonical = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
-        return _h(_field(b"identity", canonical.encode()))
+        """sha256/128 of the canonical JSON of all fields (sorted keys, no whitespace).
+
+        Computed once per instance (the router needs it for every request)."""
+        cached = self.__dict__.get("_digest")
+        if cached is None:
+            canonical = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+            cached = _h(_field(b"identity", canonical.encode()))
+            object.__setattr__(self, "_digest", cached)  # frozen: not a field, not compared
+        return cached
 
     def with_adapter(self, adapter: str, revision: str = "") -> "CacheIdentity":
         """The same identity with a LoRA adapter (name + revision) applied."""

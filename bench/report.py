@@ -63,6 +63,32 @@ def ratio_spread(values: Sequence[float]) -> dict:
     return {"min": vs[0], "median": statistics.median(vs), "max": vs[-1], "rounds": len(vs)}
 
 
+def markdown(paths: Sequence[Path]) -> str:
+    """One table row per policy run: prefix_aware against round robin (min–max over rounds)."""
+    rows = ["| run | pressure | rate | TTFT p50 PA/RR | TTFT p99 PA/RR | hit PA (RR) "
+            "| busiest/mean PA (RR) | saturation PA/RR | load avg |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    import json
+
+    for path in paths:
+        d = json.loads(Path(path).read_text())
+        if "ratios_vs_round_robin" not in d or "prefix_aware" not in d["ratios_vs_round_robin"]:
+            continue
+        r, pa, rr = (d["ratios_vs_round_robin"]["prefix_aware"], d["policies"]["prefix_aware"],
+                     d["policies"]["round_robin"])
+
+        def span(k: str) -> str:
+            return f"{r[k]['median']:.2f} ({r[k]['min']:.2f}–{r[k]['max']:.2f})"
+        load = d["machine"]["loadavg_before"][0], d["machine"]["loadavg_after"][0]
+        rows.append(
+            f"| {d['run']['name']} | {d['cache_pressure']:.1f} | {d['open_loop_rate_per_s']:.2f}/s "
+            f"| {span('ttft_p50_s')} | {span('ttft_p99_s')} | {pa['hit_rate']:.3f} "
+            f"({rr['hit_rate']:.3f}) | {pa['busiest_load_over_mean']:.2f} "
+            f"({rr['busiest_load_over_mean']:.2f}) | {r['saturation_throughput']:.2f}× "
+            f"| {load[0]:.1f}→{load[1]:.1f} |")
+    return "\n".join(rows)
+
+
 def plot_ttft_cdfs(ttfts: dict[str, Sequence[float]], path: Path, title: str) -> Path:
     """One CDF line per policy (log-scaled TTFT axis); writes a PNG."""
     import matplotlib
@@ -87,3 +113,9 @@ def plot_ttft_cdfs(ttfts: dict[str, Sequence[float]], path: Path, title: str) ->
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+if __name__ == "__main__":  # python -m bench.report bench/results/*.json → the README table
+    import sys
+
+    print(markdown([Path(p) for p in sys.argv[1:]]))

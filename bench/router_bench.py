@@ -157,11 +157,12 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.cmd == "policies":
         run = Run(replicas=a.replicas, scale=a.scale, workload=Workload(zipf_s=a.zipf), tag=a.tag)
-    else:  # 8 groups × 256-token prefix: same cache pressure as the main workload (3.2)
-        run = Run(replicas=2, executor="model", num_blocks=40, clients_per_replica=2,
+    else:  # 8 groups × 256-token prefix; like the main run, the fleet's KV holds 1.25× the
+        # prefixes (2 replicas × 80 blocks), so one replica's pressure is 2 / 1.25 = 1.6
+        run = Run(replicas=2, executor="model", num_blocks=80, clients_per_replica=2,
                   workload=Workload(groups=8, prefix_tokens=256, suffix_tokens=32,
                                     output_tokens=4, zipf_s=a.zipf),
-                  rounds=2, segment=12, saturation_s=90.0, tag=a.tag)
+                  rounds=3, segment=20, saturation_s=120.0, tag=a.tag)
     overrides = {k: v for k, v in (("rounds", a.rounds), ("segment", a.segment),
                                    ("saturation_s", a.saturation_s)) if v is not None}
     if a.policies:

@@ -2,7 +2,7 @@
 
     .venv/bin/python -m bench.router_cost
 
-1. Added TTFT: the same Poisson stream (``--rate`` req/s, 1,024-token shared prefix + 64
+1. Added TTFT: the same Poisson stream (``--rates`` req/s, 1,024-token shared prefix + 64
    unique tokens, one output token) sent straight to the worker and through the router, in
    alternating segments; added TTFT = routed quantile − direct quantile.
 2. Prefix lookup: ``RedisPrefixIndex.match`` latency for 256-, 1,024- and 4,096-token chains
@@ -149,8 +149,8 @@ async def relay(worker: Target, router: Target, router_pid: int, streams: int, s
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench.router_cost", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rate", type=float, default=120.0, help="requests/s for the TTFT test")
-    p.add_argument("--segment", type=int, default=600)
+    p.add_argument("--rates", default="30,100", help="requests/s for the TTFT test")
+    p.add_argument("--segment", type=int, default=400)
     p.add_argument("--rounds", type=int, default=4)
     a = p.parse_args(argv)
 
@@ -175,8 +175,12 @@ def main(argv: list[str] | None = None) -> int:
             await wait_registered(cluster.router_address, 1)
             worker = Target(cluster.replica_addresses[0], kind="worker", max_tokens=1)
             router = Target(cluster.router_address, max_tokens=1)
-            out = {"added_ttft": await added_ttft(worker, router, a.rate, a.segment, a.rounds)}
-            print(json.dumps(out["added_ttft"]), flush=True)
+            cpu0 = cpu_seconds(cluster.router_proc.pid)
+            out = {"added_ttft": [await added_ttft(worker, router, float(rate), a.segment, a.rounds)
+                                  for rate in a.rates.split(",")]}
+            routed = sum(x["requests_each"] for x in out["added_ttft"])
+            out["router_cpu_ms_per_request"] = (cpu_seconds(cluster.router_proc.pid) - cpu0) / routed * 1e3
+            print(json.dumps(out), flush=True)
             out["prefix_lookup"] = await lookup_latency(redis.url)
             print(json.dumps(out["prefix_lookup"]), flush=True)
             out["index_writes"] = await writes_off_path(worker, redis.process, 50.0, 200)

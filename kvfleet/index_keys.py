@@ -3,6 +3,7 @@
 Every key starts with a configurable namespace (default ``kvfleet:``)::
 
     {ns}block:{hash}      HASH   replica_id -> epoch        replicas holding one KV block (raw 16 bytes)
+    {ns}held:{replica_id} HASH   block hash -> epoch        the same entries, per replica
     {ns}epochs            HASH   replica_id -> epoch        current epoch per replica id (never deleted)
     {ns}registry          HASH   replica_id -> JSON         address, model, epoch, block_size, started_at
     {ns}heartbeats        ZSET   replica_id @ last beat     score = Redis server time, milliseconds
@@ -20,6 +21,12 @@ within the reader's ``replica_ttl_s`` and the block entry's epoch equals ``{ns}e
 cleaned lazily: the lookup deletes old-epoch members of live replicas it meets, and each registry read
 (``replicas()``, every refresh) sweeps one SCAN page of block keys, deleting members with a stale
 epoch or whose replica has been silent for 6 TTLs. ``block_ttl_s`` can add a TTL as a safety net.
+
+**Lookup cost.** Every entry is written twice (per block and per replica, in the same script
+call): the lookup reads the first block's key to find the replicas holding the chain's start,
+then one ``HMGET`` of the whole chain per such replica — ``1 + holders`` commands inside one
+script call, whatever the prompt length. ``register()`` deletes the replica's ``held`` hash
+(the new epoch republishes it), ``deregister()`` and the sweep of silent replicas too.
 
 Block keys hold the raw hash bytes (no hex): scripts receive a chain as ONE argument (hashes
 concatenated) and build the keys themselves, which keeps a 64-block lookup's packing cheap. The
@@ -108,6 +115,13 @@ class IndexKeys:
 
     def block(self, block_hash: bytes) -> bytes:
         return self.block_prefix.encode() + block_hash
+
+    @property
+    def held_prefix(self) -> str:
+        return f"{self.namespace}held:"
+
+    def held(self, replica_id: str) -> str:
+        return f"{self.held_prefix}{replica_id}"
 
     @property
     def sweep_cursor(self) -> str:

@@ -44,6 +44,7 @@ DEFAULT_POPULARITY_WINDOW = 256  # routing decisions
 DEFAULT_LOAD_WINDOW = 64  # routing decisions per replica the smoothed load averages over
 DEFAULT_KV_SATURATION = 0.98
 WARM_UP_SAMPLES = 16  # decisions per replica before smoothed loads may trigger a copy
+RECENT_WINDOW = 4     # decisions per replica of the fast load average (holder tie-breaks)
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,8 @@ class PrefixAware:
         self.kv_saturation = kv_saturation
         self.popularity = PrefixPopularity(popularity_window)
         self._window = popularity_window
-        self.avg_load: dict[str, float] = {}
+        self.avg_load: dict[str, float] = {}     # over ~load_window decisions per replica
+        self.recent_load: dict[str, float] = {}  # over ~RECENT_WINDOW: tie-breaks among holders
         # prefix key → {replica_id: decision number}: copies started but not yet in the index
         self._copies: dict[bytes, dict[str, int]] = {}
         self._decisions = 0
@@ -171,20 +173,22 @@ class PrefixAware:
         return all(avg.get(h, 0.0) > bound for h in holders)
 
     def _best_score(self, candidates: Sequence[Candidate], chain: Sequence[bytes]) -> Candidate:
-        """Highest score; then least loaded; holders then by smoothed load (the one with less
+        """Highest score; then least loaded; holders then by recent load (the one with less
         other work takes the shared family's traffic); then rendezvous on the first block."""
         first = chain[0] if chain else b""
         return max(candidates, key=lambda c: (
             c.matched_blocks - self.load_penalty_blocks * c.load, -c.load,
-            -self.avg_load.get(c.info.replica_id, 0.0) if c.matched_blocks else 0.0,
+            -self.recent_load.get(c.info.replica_id, 0.0) if c.matched_blocks else 0.0,
             rendezvous_score(first, c.info.replica_id)))
 
     def _observe_loads(self, candidates: Sequence[Candidate]) -> dict[str, float]:
         """Update each replica's exponentially weighted load (one sample per decision)."""
         k = 1.0 - 1.0 / (self.load_window * len(candidates))
+        fast = 1.0 - 1.0 / (RECENT_WINDOW * len(candidates))
         for c in candidates:
             rid = c.info.replica_id
             self.avg_load[rid] = k * self.avg_load.get(rid, 0.0) + (1 - k) * c.load
+            self.recent_load[rid] = fast * self.recent_load.get(rid, 0.0) + (1 - fast) * c.load
         return {c.info.replica_id: self.avg_load[c.info.replica_id] for c in candidates}
 
     def _pending_copies(self, key: bytes, holders: set[str]) -> set[str]:

@@ -48,42 +48,51 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
 _MATCH_LUA = _NOW_MS + """
 -- KEYS[1] heartbeats, KEYS[2] epochs; ARGV[1] replica TTL (ms), ARGV[2] block key prefix,
--- ARGV[3] the chain: block hashes concatenated, %(w)d bytes each. Returns {replica_id, count, ...}.
+-- ARGV[3] the chain: block hashes concatenated, %(w)d bytes each, ARGV[4] held key prefix.
+-- Returns {replica_id, count, ...}: 1 + (replicas holding block 0) commands, any chain length.
 local live = redis.call('ZRANGEBYSCORE', KEYS[1], now - tonumber(ARGV[1]), '+inf')
 if #live == 0 then return {} end
 local cur = redis.call('HMGET', KEYS[2], unpack(live))
-local ids, eps = {}, {}  -- replicas still matching, with their current epochs
+local ids, eps = {}, {}  -- live replicas with their current epochs
 for i, rid in ipairs(live) do
   if cur[i] then ids[#ids + 1] = rid; eps[#eps + 1] = cur[i] end
 end
+if #ids == 0 then return {} end
 local pfx, chain = ARGV[2], ARGV[3]
 local n = #chain / %(w)d
+local blocks = {}
+for b = 1, n do blocks[b] = string.sub(chain, %(w)d * (b - 1) + 1, %(w)d * b) end
+local first = pfx .. blocks[1]
+local got = redis.call('HMGET', first, unpack(ids))
 local out = {}
-for b = 1, n do
-  if #ids == 0 then break end
-  local key = pfx .. string.sub(chain, %(w)d * (b - 1) + 1, %(w)d * b)
-  local got = redis.call('HMGET', key, unpack(ids))
-  local all = true
-  for j = 1, #ids do if got[j] ~= eps[j] then all = false; break end end
-  if not all then
-    local nids, neps = {}, {}
-    for j = 1, #ids do
-      if got[j] == eps[j] then nids[#nids + 1] = ids[j]; neps[#neps + 1] = eps[j]
-      else
-        if got[j] then redis.call('HDEL', key, ids[j]) end  -- an old epoch's entry: clean it
-        if b > 1 then out[#out + 1] = ids[j]; out[#out + 1] = b - 1 end
-      end
+for j = 1, #ids do
+  if got[j] == eps[j] then
+    local count = 0  -- leading blocks it holds, read %(step)d hashes per HMGET
+    while count < n do
+      local last = math.min(n, count + %(step)d)
+      local held = redis.call('HMGET', ARGV[4] .. ids[j], unpack(blocks, count + 1, last))
+      local k = 0
+      while count + k < last and held[k + 1] == eps[j] do k = k + 1 end
+      count = count + k
+      if count < last then break end
     end
-    ids, eps = nids, neps
+    out[#out + 1] = ids[j]; out[#out + 1] = count
+    if count < n then  -- its first miss: drop an old epoch's entry there, if any
+      local key = pfx .. blocks[count + 1]
+      local e = redis.call('HGET', key, ids[j])
+      if e and e ~= eps[j] then redis.call('HDEL', key, ids[j]) end
+    end
+  elseif got[j] then
+    redis.call('HDEL', first, ids[j])  -- an old epoch's entry: clean it
   end
 end
-for j = 1, #ids do out[#out + 1] = ids[j]; out[#out + 1] = n end
 return out
-""" % {"w": HASH_BYTES}
+""" % {"w": HASH_BYTES, "step": 1024}
 
 _REPLICAS_LUA = _NOW_MS + """
 -- KEYS: heartbeats, registry, epochs, sweep cursor; ARGV[1] TTL (ms), ARGV[2] load key prefix,
--- ARGV[3] prune after (ms), ARGV[4] block key SCAN pattern, ARGV[5] SCAN COUNT
+-- ARGV[3] prune after (ms), ARGV[4] block key SCAN pattern, ARGV[5] SCAN COUNT,
+-- ARGV[6] held key prefix
 local out = {}
 for _, rid in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], now - tonumber(ARGV[1]), '+inf')) do
   local info = redis.call('HGET', KEYS[2], rid)
@@ -113,6 +122,7 @@ end
 local dead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. horizon)
 if #dead > 0 then
   redis.call('ZREM', KEYS[1], unpack(dead)); redis.call('HDEL', KEYS[2], unpack(dead))
+  for _, rid in ipairs(dead) do redis.call('DEL', ARGV[6] .. rid) end
 end
 return out
 """ % {"fields": ", ".join(f"'{f}'" for f in LOAD_FIELDS)}
@@ -156,7 +166,7 @@ class RedisPrefixIndex:
             return {}
         k = self._keys
         flat = await self._run(self._match, [k.heartbeats, k.epochs],
-                               [self._ttl_ms, k.block_prefix, pack_chain(chain)])
+                               [self._ttl_ms, k.block_prefix, pack_chain(chain), k.held_prefix])
         return {flat[i]: int(flat[i + 1]) for i in range(0, len(flat), 2)}
 
     async def replicas(self) -> list[tuple[ReplicaInfo, ReplicaLoad | None]]:
@@ -164,7 +174,7 @@ class RedisPrefixIndex:
         rows = await self._run(
             self._replicas, [k.heartbeats, k.registry, k.epochs, k.sweep_cursor],
             [self._ttl_ms, k.load_prefix, PRUNE_AFTER_TTLS * self._ttl_ms,
-             _glob_escape(k.block_prefix) + "*", self._sweep_count])
+             _glob_escape(k.block_prefix) + "*", self._sweep_count, k.held_prefix])
         return [(ReplicaInfo.from_json(rid, info), ReplicaLoad.from_fields(load))
                 for rid, info, load in rows]
 

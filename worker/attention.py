@@ -15,9 +15,9 @@ Three paths, chosen per chunk when the step's metadata is built:
   heads in one batched matmul, the scores are laid out per request for the softmax, and the
   per-block partial outputs are summed back per request;
 * **fresh prefill chunks** (nothing cached before them) attend to their own new K/V — no
-  cache read, a plain causal mask;
+  cache read, a plain causal mask (SDPA's flash kernel);
 * **continued prefill chunks** (after a cached prefix or an earlier chunk) read their whole
-  context from the cache under the rectangular, offset causal mask.
+  context from the cache under the rectangular, offset causal mask (SDPA with that mask).
 
 GQA is never materialised: query heads ``h * g .. h * g + g - 1`` share KV head ``h``.
 """
@@ -28,6 +28,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from kvfleet.worker.step_plan import SeqChunk
 
@@ -56,7 +57,8 @@ class AttentionMetadata:
     prefill_computed: tuple[int, ...]
     prefill_block_tables: tuple[torch.Tensor, ...]
     # window → per chunk additive (q, c + q) 0/-inf: the causal mask, offset and windowed
-    prefill_bias: dict[int | None, tuple[torch.Tensor, ...]]
+    # (None for a fresh chunk, which needs only the plain causal square)
+    prefill_bias: dict[int | None, tuple[torch.Tensor | None, ...]]
 
 
 def causal_mask(num_computed: int, q_len: int, window: int | None) -> torch.Tensor:
@@ -75,6 +77,14 @@ def causal_mask(num_computed: int, q_len: int, window: int | None) -> torch.Tens
 def _additive(keep: torch.Tensor) -> torch.Tensor:
     """Bool keep-mask → float 0 where kept, -inf elsewhere."""
     return torch.zeros(keep.shape).masked_fill_(~keep, float("-inf"))
+
+
+def _prefill_bias(chunk: SeqChunk, window: int | None, device, dtype) -> torch.Tensor | None:
+    """The chunk's additive mask, or None for a fresh chunk that a plain causal mask serves."""
+    n, computed = len(chunk.token_ids), chunk.num_computed_tokens
+    if computed == 0 and (window is None or window >= n):
+        return None
+    return _additive(causal_mask(computed, n, window)).to(device, dtype)
 
 
 def _decode_mask(context_lens: list[int], length: int, window: int | None) -> torch.Tensor:
@@ -142,11 +152,8 @@ def build_attention_metadata(
         prefill=tuple(prefill),
         prefill_computed=tuple(chunks[i].num_computed_tokens for i in prefill),
         prefill_block_tables=tuple(pre_tables),
-        prefill_bias={
-            w: tuple(_additive(causal_mask(chunks[i].num_computed_tokens, len(chunks[i].token_ids), w))
-                     .to(device, dtype) for i in prefill)
-            for w in windows
-        },
+        prefill_bias={w: tuple(_prefill_bias(chunks[i], w, device, dtype) for i in prefill)
+                      for w in windows},
     )
 
 
@@ -164,31 +171,27 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     return cache.view(cache.shape[0], -1).index_select(0, blocks)
 
 
-def _prefill_attention(query, key, value, key_cache, value_cache, meta, window, out, scale):
-    """Each prefill chunk on its own: its g query heads per KV head stacked into one matrix,
-    so GQA needs no repeated K/V; a fresh chunk reads only its own new K/V."""
+def _prefill_attention(query, key, value, key_cache, value_cache, meta, window, out):
+    """Each prefill chunk on its own through SDPA (GQA without repeated K/V): a fresh chunk
+    over its own new K/V with a plain causal mask, a continued one over its cached context
+    with the offset (and windowed) additive mask from the metadata."""
     kv_heads, head_dim = key_cache.shape[2:]
-    num_heads = query.shape[1]
-    group = num_heads // kv_heads
     for i, computed, table, bias in zip(meta.prefill, meta.prefill_computed,
                                         meta.prefill_block_tables, meta.prefill_bias[window],
                                         strict=True):
         start, end = meta.query_start[i], meta.query_start[i + 1]
         n = end - start
+        causal = bias is None
         if computed == 0:
             k, v = key[start:end], value[start:end]
         else:
             ctx = computed + n
             k = _gather(key_cache, table).view(-1, kv_heads, head_dim)[:ctx]
             v = _gather(value_cache, table).view(-1, kv_heads, head_dim)[:ctx]
-        # (n, H, d) → (kv_heads, g * n, d)
-        q = query[start:end].view(n, kv_heads, group, head_dim).permute(1, 2, 0, 3)
-        q = q.reshape(kv_heads, group * n, head_dim)
-        scores = torch.bmm(q, k.permute(1, 2, 0)).mul_(scale)  # (kvh, g * n, ctx)
-        scores = scores.view(kv_heads, group, n, -1).add_(bias).view(kv_heads, group * n, -1)
-        o = torch.bmm(torch.softmax(scores, dim=-1), v.transpose(0, 1))  # (kvh, g * n, d)
-        out[start:end] = o.view(kv_heads, group, n, head_dim).permute(2, 0, 1, 3).reshape(
-            n, num_heads, head_dim)
+        o = F.scaled_dot_product_attention(  # (1, heads, n, d)
+            query[start:end].transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+            attn_mask=None if causal else bias, is_causal=causal, enable_gqa=True)
+        out[start:end] = o[0].transpose(0, 1)
 
 
 def _decode_attention(query, key_cache, value_cache, meta, window, out, scale):
@@ -247,5 +250,5 @@ def paged_attention(
     if meta.decode_token_indices.numel():
         _decode_attention(query, key_cache, value_cache, meta, window, out, scale)
     if meta.prefill:
-        _prefill_attention(query, key, value, key_cache, value_cache, meta, window, out, scale)
+        _prefill_attention(query, key, value, key_cache, value_cache, meta, window, out)
     return out.view(num_tokens, num_heads * head_dim)

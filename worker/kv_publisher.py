@@ -40,12 +40,13 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
 _REGISTER_LUA = _NOW_MS + """
--- KEYS: epochs, heartbeats, registry, load key; ARGV: replica_id, registry JSON (epoch filled here)
+-- KEYS: epochs, heartbeats, registry, load key, held key; ARGV: replica_id, registry JSON
+-- (epoch filled here)
 local epoch = redis.call('HINCRBY', KEYS[1], ARGV[1], 1)
 local info = cjson.decode(ARGV[2]); info['epoch'] = epoch
 redis.call('HSET', KEYS[3], ARGV[1], cjson.encode(info))
 redis.call('ZADD', KEYS[2], now, ARGV[1])
-redis.call('DEL', KEYS[4])
+redis.call('DEL', KEYS[4], KEYS[5])  -- the old epoch's per-replica entries: republished next
 return epoch
 """
 
@@ -56,21 +57,32 @@ if cur ~= ARGV[2] then return -2 end
 """
 
 _PUBLISH_LUA = _GUARD + """
--- KEYS[1] epochs; ARGV: replica_id, epoch, block key prefix, removed hashes, stored hashes
--- (each concatenated, %(w)d bytes per hash), block TTL ms (0 = none)
+-- KEYS[1] epochs, KEYS[2] this replica's held key; ARGV: replica_id, epoch, block key prefix,
+-- removed hashes, stored hashes (each concatenated, %(w)d bytes per hash), block TTL ms (0 = none)
 local rid, epoch, pfx, ttl = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[6])
 local removed, stored = ARGV[4], ARGV[5]
-for i = 1, #removed, %(w)d do redis.call('HDEL', pfx .. string.sub(removed, i, i + %(w)d - 1), rid) end
+local gone, kept = {}, {}
+for i = 1, #removed, %(w)d do
+  local h = string.sub(removed, i, i + %(w)d - 1)
+  redis.call('HDEL', pfx .. h, rid); gone[#gone + 1] = h
+end
 for i = 1, #stored, %(w)d do
-  local key = pfx .. string.sub(stored, i, i + %(w)d - 1)
+  local h = string.sub(stored, i, i + %(w)d - 1)
+  local key = pfx .. h
   redis.call('HSET', key, rid, epoch)
   if ttl > 0 then redis.call('PEXPIRE', key, ttl) end
+  kept[#kept + 1] = h; kept[#kept + 1] = epoch
+end
+if #gone > 0 then redis.call('HDEL', KEYS[2], unpack(gone)) end
+if #kept > 0 then
+  redis.call('HSET', KEYS[2], unpack(kept))
+  if ttl > 0 then redis.call('PEXPIRE', KEYS[2], ttl) end
 end
 return 1
 """ % {"w": HASH_BYTES}
 
 _HEARTBEAT_LUA = _NOW_MS + _GUARD + """
--- KEYS: epochs, heartbeats, registry, load key
+-- KEYS: epochs, heartbeats, registry, load key (, held key: unused here)
 -- ARGV: replica_id, epoch, registry JSON, load TTL ms, load values...
 redis.call('ZADD', KEYS[2], now, ARGV[1])
 redis.call('HSET', KEYS[3], ARGV[1], ARGV[3])
@@ -80,8 +92,9 @@ return 1
 """ % ", ".join(f"'{f}', ARGV[{5 + i}]" for i, f in enumerate(LOAD_FIELDS))
 
 _DEREGISTER_LUA = _GUARD + """
--- KEYS: epochs, heartbeats, registry, load key; ARGV: replica_id, epoch
-redis.call('ZREM', KEYS[2], ARGV[1]); redis.call('HDEL', KEYS[3], ARGV[1]); redis.call('DEL', KEYS[4])
+-- KEYS: epochs, heartbeats, registry, load key, held key; ARGV: replica_id, epoch
+redis.call('ZREM', KEYS[2], ARGV[1]); redis.call('HDEL', KEYS[3], ARGV[1])
+redis.call('DEL', KEYS[4], KEYS[5])
 return 1
 """
 
@@ -168,15 +181,16 @@ class KvPublisher:
         return 1
 
     def _replica_keys(self) -> list[str]:
-        k = self._keys
-        return [k.epochs, k.heartbeats, k.registry, k.load(self.replica.replica_id)]
+        k, rid = self._keys, self.replica.replica_id
+        return [k.epochs, k.heartbeats, k.registry, k.load(rid), k.held(rid)]
 
     async def _call(self, script, keys: list[str], args: list) -> int:
         return int(await script(keys=keys, args=[self.replica.replica_id, self.epoch, *args]))
 
     async def _write_blocks(self, stored: Sequence[bytes], removed: Sequence[bytes]) -> int:
         args = [self._keys.block_prefix, pack_chain(removed), pack_chain(stored), self._block_ttl_ms]
-        return await self._call(self._publish, [self._keys.epochs], args)
+        keys = [self._keys.epochs, self._keys.held(self.replica.replica_id)]
+        return await self._call(self._publish, keys, args)
 
     async def _sync(self) -> None:
         """Register under a new epoch, then republish the whole held set under it."""
