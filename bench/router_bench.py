@@ -19,6 +19,8 @@ import argparse
 import asyncio
 import json
 import os
+import signal
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -178,6 +180,7 @@ def bench(run: Run) -> int:
     load_before = os.getloadavg()
     redis = start_redis()
     init_ray(num_cpus=2)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # after Ray's: clean up on kill
     fleets = {}
     try:
         fleets = start_fleets(run, redis.url)

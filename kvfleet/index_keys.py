@@ -3,7 +3,9 @@
 Every key starts with a configurable namespace (default ``kvfleet:``)::
 
     {ns}block:{hash}      HASH   replica_id -> epoch        replicas holding one KV block (raw 16 bytes)
-    {ns}held:{replica_id} HASH   block hash -> epoch        the same entries, per replica
+    {ns}held:{replica_id} HASH   block hash -> epoch        the same entries, per replica (plus a
+                                 field "~" with a 96-byte value: keeps the hash out of listpack
+                                 encoding, whose HMGET is O(fields × entries))
     {ns}epochs            HASH   replica_id -> epoch        current epoch per replica id (never deleted)
     {ns}registry          HASH   replica_id -> JSON         address, model, epoch, block_size, started_at
     {ns}heartbeats        ZSET   replica_id @ last beat     score = Redis server time, milliseconds

@@ -5,8 +5,8 @@
 in-flight count, so a burst counts before the next heartbeat):
 
 1. **Score** ``m − load_penalty_blocks × load``; the highest wins. Ties go to the least loaded;
-   among holders of equally long prefixes, to the one with the lowest *smoothed* load (an
-   exponential average over ~``load_window`` decisions per replica), so a shared family's
+   among holders of equally long prefixes, to the one with the lowest *recent* load (an
+   exponential average over ~``RECENT_WINDOW`` decisions per replica), so a shared family's
    traffic fills the holder with the least other work; then to rendezvous hashing on the first
    block's hash — a new prefix family (``m = 0`` everywhere) lands on the least-loaded replica,
    and on the same one from every router when their views agree.
@@ -16,7 +16,8 @@ in-flight count, so a burst counts before the next heartbeat):
    it once and from then on shares the family's traffic — when either
    * its own traffic would give each holder more than ``max_imbalance`` fair shares
      (``popularity × replicas > max_imbalance × holders``: a hot prefix, seen at once), or
-   * every holder's smoothed load exceeds ``max_imbalance ×`` the fleet's mean smoothed load.
+   * every holder's *smoothed* load (averaged over ~``load_window`` decisions per replica, after
+     a warm-up of ``WARM_UP_SAMPLES``) exceeds ``max_imbalance ×`` the fleet's mean.
    A copy sent but not yet visible in the index counts as a holder for a while, so a burst does
    not start one copy per request. A prefix on a replica within the bound is never copied: under
    uniform popularity each family stays on one replica and the fleet's KV holds as many distinct

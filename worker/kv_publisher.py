@@ -75,6 +75,9 @@ for i = 1, #stored, %(w)d do
 end
 if #gone > 0 then redis.call('HDEL', KEYS[2], unpack(gone)) end
 if #kept > 0 then
+  -- a value longer than hash-max-listpack-value (64 B by default) keeps the hash in hashtable
+  -- encoding: the lookup's HMGET of a whole chain is then O(chain), not O(chain × entries)
+  redis.call('HSETNX', KEYS[2], '~', string.rep('~', 96))
   redis.call('HSET', KEYS[2], unpack(kept))
   if ttl > 0 then redis.call('PEXPIRE', KEYS[2], ttl) end
 end

@@ -73,15 +73,14 @@ def test_slot_mapping_follows_the_block_table() -> None:
 
 
 def test_decodes_read_exactly_their_own_blocks() -> None:
-    """No padding to the longest context: each decode's blocks, in table order, once."""
+    """No padding to the longest context: each decode reads its own used blocks, in order."""
     chunks = (SeqChunk("a", (0,), 9, (7, 2, 9, 4)), SeqChunk("p", (0,) * 3, 0, (5,)),
               SeqChunk("b", (0,), 3, (1, 8)))
     meta = build_attention_metadata(chunks, 4, (None, 2))
     # a: 10 keys in blocks 7, 2, 9 (block 4 not yet used); b: 4 keys in block 1 only.
-    assert meta.decode_blocks.tolist() == [7, 2, 9, 1]
-    assert meta.decode_block_owner.tolist() == [0, 0, 0, 1]
-    assert meta.decode_width == 3 and meta.decode_block_rows.tolist() == [0, 1, 2, 3]
+    assert [t.tolist() for t in meta.decode_tables] == [[7, 2, 9], [1]]
+    assert meta.decode_context == (10, 4) and meta.decode_token_indices.tolist() == [0, 4]
     inf = float("-inf")
-    assert meta.decode_masks[None][1].tolist() == [0.0] * 4 + [inf] * 8
-    assert meta.decode_masks[2][0].tolist() == [inf] * 8 + [0.0] * 2 + [inf] * 2
+    assert meta.decode_bias[None] == (None, None)
+    assert meta.decode_bias[2][0].tolist() == [[inf] * 8 + [0.0] * 2]
     assert meta.prefill == (1,) and meta.prefill_computed == (0,)
