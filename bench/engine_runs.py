@@ -121,11 +121,8 @@ def decode_latency_curve(runner: ModelRunner, contexts: list[int], repeats: int 
 
 
 def weight_bytes_per_decode(runner: ModelRunner) -> int:
-    """Bytes of weights one decode step reads: every parameter except the embedding table
-    (of which it reads one row; a tied LM head is counted through its own copy)."""
-    model = runner.model
-    return sum(p.numel() * p.element_size() for name, p in model.named_parameters()
-               if name != "embed_tokens")
+    """Bytes of weights one decode step reads (see the model's ``weight_bytes_per_decode``)."""
+    return runner.model.weight_bytes_per_decode()
 
 
 def read_bandwidth_gbs(repeats: int = 5) -> float:

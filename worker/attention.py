@@ -10,9 +10,12 @@ top-left square), and with a sliding window ``w`` only keys ``> c + j - w``.
 
 Three paths, chosen per chunk when the step's metadata is built:
 
-* **decodes** (one-token chunks) each read exactly their own blocks — no padding to the
-  longest context in the batch (measured faster than one padded batched kernel, and than a
-  flattened all-blocks formulation, for every batch size up to 16 here);
+* **decodes** (one-token chunks), fp32 on CPU: one call of the C kernel in
+  :mod:`.decode_kernel` per layer for all of them, reading keys and values in place through
+  the block tables. Elsewhere (or without a C compiler) each decode gathers exactly its own
+  blocks and runs one SDPA call — no padding to the longest context in the batch (on the
+  SmolLM2 benchmark this beat one padded batched kernel, length-bucketed padded kernels, a
+  flattened all-blocks formulation and hand-written bmm/softmax/bmm);
 * **fresh prefill chunks** (nothing cached before them) attend to their own new K/V — no
   cache read, a plain causal mask (SDPA's flash kernel);
 * **continued prefill chunks** (after a cached prefix or an earlier chunk) read their whole
@@ -23,14 +26,25 @@ GQA is never materialised: query heads ``h * g .. h * g + g - 1`` share KV head 
 
 from __future__ import annotations
 
-import contextlib
+import itertools
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from kvfleet.worker import decode_kernel
 from kvfleet.worker.step_plan import SeqChunk
+
+
+@dataclass(frozen=True)
+class DecodeKernelArgs:
+    """The C decode kernel's inputs for one step (int64 CPU tensors; ``D`` decodes)."""
+
+    tables: torch.Tensor  # the decodes' used blocks, concatenated in table order
+    table_start: torch.Tensor  # (D + 1,) offsets into ``tables``
+    context: torch.Tensor  # (D,) keys each decode sees without a window (its position + 1)
+    first_key: dict[int | None, torch.Tensor]  # window → (D,) first visible key
 
 
 @dataclass(frozen=True)
@@ -44,9 +58,11 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # (T,) int64 flat cache slot each new token's K/V is written to
     query_start: tuple[int, ...]  # (B + 1,) offsets of each chunk's tokens in the flat batch
     last_token_indices: torch.Tensor  # (B,) int64 index of each chunk's last token
-    # Decodes: token index, the blocks holding its keys (table order), its key count, and per
-    # window an additive (1, ctx) mask or None where every key is visible.
+    # Decodes: token index; then either the C kernel's arguments, or for the torch path the
+    # blocks holding each decode's keys (table order), its key count, and per window an
+    # additive (1, ctx) mask or None where every key is visible.
     decode_token_indices: torch.Tensor  # (D,)
+    decode_kernel: DecodeKernelArgs | None
     decode_tables: tuple[torch.Tensor, ...]
     decode_context: tuple[int, ...]
     decode_bias: dict[int | None, tuple[torch.Tensor | None, ...]]
@@ -98,9 +114,11 @@ def build_attention_metadata(
     windows: tuple[int | None, ...],
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
+    use_kernel: bool | None = None,
 ) -> AttentionMetadata:
     """Turn a step's chunks into the tensors every layer needs (``windows``: distinct per
-    layer; ``dtype``: the model's, for the additive masks)."""
+    layer; ``dtype``: the model's, for the additive masks; ``use_kernel``: decode through the
+    C kernel — by default wherever it applies, see :mod:`.decode_kernel`)."""
     positions: list[int] = []
     slots: list[int] = []
     starts = [0]
@@ -114,9 +132,22 @@ def build_attention_metadata(
         (decode if n == 1 else prefill).append(i)
 
     ctx = [chunks[i].num_computed_tokens + 1 for i in decode]
+    used = [chunks[i].block_table[: -(-n // block_size)] for i, n in zip(decode, ctx)]
+    if use_kernel is None:
+        use_kernel = (torch.device(device).type == "cpu" and dtype == torch.float32
+                      and decode_kernel.load() is not None)
 
     def tensor(values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)
+
+    kernel = None
+    if use_kernel and decode:
+        kernel = DecodeKernelArgs(
+            tables=tensor([b for table in used for b in table]),
+            table_start=tensor([0, *itertools.accumulate(len(t) for t in used)]),
+            context=tensor(ctx),
+            first_key={w: tensor([0 if w is None else max(0, n - w) for n in ctx]) for w in windows},
+        )
 
     pre_tables = []
     for i in prefill:
@@ -129,10 +160,11 @@ def build_attention_metadata(
         query_start=tuple(starts),
         last_token_indices=tensor([s - 1 for s in starts[1:]]),
         decode_token_indices=tensor([starts[i] for i in decode]),
-        decode_tables=tuple(tensor(chunks[i].block_table[: -(-n // block_size)])
-                            for i, n in zip(decode, ctx)),
+        decode_kernel=kernel,
+        decode_tables=() if use_kernel else tuple(tensor(t) for t in used),
         decode_context=tuple(ctx),
-        decode_bias={w: tuple(_decode_bias(n, w, device, dtype) for n in ctx) for w in windows},
+        decode_bias={w: () if use_kernel else tuple(_decode_bias(n, w, device, dtype) for n in ctx)
+                     for w in windows},
         prefill=tuple(prefill),
         prefill_computed=tuple(chunks[i].num_computed_tokens for i in prefill),
         prefill_block_tables=tuple(pre_tables),
@@ -178,36 +210,18 @@ def _prefill_attention(query, key, value, key_cache, value_cache, meta, window, 
         out[start:end] = o[0].transpose(0, 1)
 
 
-@contextlib.contextmanager
-def _one_thread():
-    """Run a stretch of small ops on one thread: decode attention is a few dozen tiny
-    kernels per layer, and an OpenMP team for each costs more (and, on a busy machine, stalls
-    on a descheduled worker far longer) than the work itself."""
-    n = torch.get_num_threads()
-    if n == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
-
-
 def _decode_attention(query, key_cache, value_cache, meta, window, out, scale):
-    """Each decode against exactly its own keys (no padding to the longest context): its g
-    query heads per KV head as one small matrix, two batched matmuls over the KV heads."""
+    """Each decode against exactly its own keys (no padding to the longest context), one SDPA
+    call per decode (GQA without repeated K/V)."""
     kv_heads, head_dim = key_cache.shape[2:]
     num_heads = query.shape[1]
-    group = num_heads // kv_heads
     for idx, table, ctx, bias in zip(meta.decode_token_indices.tolist(), meta.decode_tables,
                                      meta.decode_context, meta.decode_bias[window], strict=True):
-        k = _gather(key_cache, table).view(-1, kv_heads, head_dim)[:ctx]
-        v = _gather(value_cache, table).view(-1, kv_heads, head_dim)[:ctx]
-        scores = torch.bmm(query[idx].view(kv_heads, group, head_dim), k.permute(1, 2, 0)).mul_(scale)
-        if bias is not None:
-            scores += bias
-        out[idx] = torch.bmm(torch.softmax(scores, dim=-1), v.transpose(0, 1)).view(num_heads, head_dim)
+        k = _gather(key_cache, table).view(-1, kv_heads, head_dim)[:ctx].transpose(0, 1)
+        v = _gather(value_cache, table).view(-1, kv_heads, head_dim)[:ctx].transpose(0, 1)
+        out[idx] = F.scaled_dot_product_attention(
+            query[idx].view(1, num_heads, 1, head_dim), k[None], v[None], attn_mask=bias,
+            scale=scale, enable_gqa=True).view(num_heads, head_dim)
 
 
 def paged_attention(
@@ -234,9 +248,12 @@ def paged_attention(
     num_tokens, num_heads, head_dim = query.shape
     scale = 1.0 / math.sqrt(head_dim)
     out = query.new_empty(num_tokens, num_heads, head_dim)
-    if meta.decode_token_indices.numel():
-        with _one_thread():
-            _decode_attention(query, key_cache, value_cache, meta, window, out, scale)
+    if meta.decode_kernel is not None:
+        k = meta.decode_kernel
+        decode_kernel.decode_attention(query, key_cache, value_cache, out, meta.decode_token_indices,
+                                       k.tables, k.table_start, k.first_key[window], k.context, scale)
+    elif meta.decode_token_indices.numel():
+        _decode_attention(query, key_cache, value_cache, meta, window, out, scale)
     if meta.prefill:
         _prefill_attention(query, key, value, key_cache, value_cache, meta, window, out)
     return out.view(num_tokens, num_heads * head_dim)

@@ -38,6 +38,10 @@ class CausalLM(Protocol):
         """Hidden states ``(N, hidden_size)`` → logits ``(N, vocab_size)`` (final norm included)."""
         ...
 
+    def weight_bytes_per_decode(self) -> int:
+        """Bytes of weights one decode step reads (the embedding table counts one row)."""
+        ...
+
 
 def build_model(config: ModelConfig, weights: Mapping[str, torch.Tensor],
                 dtype: torch.dtype, device: torch.device | str) -> CausalLM:

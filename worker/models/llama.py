@@ -2,10 +2,9 @@
 
 Differences between the families live in :class:`ModelConfig` (sliding window per layer,
 QKV/O bias, RoPE scaling), not in branches here. At load time Q/K/V and gate/up are fused
-into one matrix each, so a layer runs four matmuls, and every matrix is stored transposed,
-``[in, out]``: ``x @ W`` streams the weight row by row, which on CPU reads it markedly faster
-than ``F.linear`` on ``[out, in]`` for the few-row products of decode steps, and no slower for
-prefill (a tied LM head keeps its own transposed copy). The forward calls torch ops directly
+into one matrix each, so a layer runs four matmuls, each a :class:`Linear` whose weight is
+packed once at load for the CPU's GEMM library (see :mod:`.linear`; a tied LM head gets its
+own packed copy, the embedding table stays for lookups). The forward calls torch ops directly
 (no per-op module dispatch). Numerics follow transformers' reference (RoPE tables in fp32 then
 cast, RMSNorm in fp32) so fp32 logits match it to ~1e-5.
 """
@@ -22,6 +21,7 @@ from torch import nn
 from kvfleet.worker.attention import AttentionMetadata, paged_attention
 from kvfleet.worker.kv_cache import KVCache
 from kvfleet.worker.model_config import ModelConfig, RopeScaling
+from kvfleet.worker.models.linear import Linear
 
 
 def _llama3_scaling(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
@@ -74,14 +74,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x.float(), weight.shape, eps=eps).to(x.dtype)
 
 
-def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x`` ``(T, in)`` @ ``weight`` ``(in, out)`` (+ ``bias``) → ``(T, out)``."""
-    return torch.mm(x, weight) if bias is None else torch.addmm(bias, x, weight)
-
-
 class LlamaDecoderLayer(nn.Module):
-    """One block; weights ``[in, out]``: ``qkv_weight`` columns q | k | v, ``gate_up_weight``
-    columns gate | up."""
+    """One block. Loaded as ``[in, out]`` parameters (``qkv_weight`` columns q | k | v,
+    ``gate_up_weight`` columns gate | up), then :meth:`pack` turns them into projections."""
 
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -99,22 +94,35 @@ class LlamaDecoderLayer(nn.Module):
         self.gate_up_weight = _weight(h, 2 * ffn)
         self.down_weight = _weight(ffn, h)
 
+    def pack(self) -> None:
+        """Replace the loaded matrices by :class:`Linear` projections (weights held once)."""
+        self.qkv = Linear(self.qkv_weight, self.qkv_bias)
+        self.o_proj = Linear(self.o_weight, self.o_bias)
+        self.gate_up = Linear(self.gate_up_weight)
+        self.down = Linear(self.down_weight)
+        for name in ("qkv_weight", "qkv_bias", "o_weight", "o_bias", "gate_up_weight", "down_weight"):
+            delattr(self, name)
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights one forward reads (projections and norms)."""
+        norms = sum(p.numel() * p.element_size() for p in (self.input_norm, self.post_norm))
+        return norms + sum(p.nbytes for p in (self.qkv, self.o_proj, self.gate_up, self.down))
+
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, key_cache: torch.Tensor, value_cache: torch.Tensor
                 ) -> torch.Tensor:
         """``hidden`` ``(T, hidden_size)`` → ``(T, hidden_size)``; writes this layer's K/V."""
         t = hidden.shape[0]
-        qkv = matmul(rms_norm(hidden, self.input_norm, self.eps), self.qkv_weight, self.qkv_bias)
+        qkv = self.qkv(rms_norm(hidden, self.input_norm, self.eps))
         heads = self.num_heads + self.num_kv_heads
         # RoPE on Q and K together: one kernel for both.
         qk = apply_rope(qkv[:, : heads * self.head_dim].view(t, heads, self.head_dim), cos, sin)
         v = qkv[:, heads * self.head_dim :].view(t, self.num_kv_heads, self.head_dim)
         attn = paged_attention(qk[:, : self.num_heads], qk[:, self.num_heads :], v,
                                key_cache, value_cache, meta, self.window)
-        hidden = hidden + matmul(attn, self.o_weight, self.o_bias)
-        gate_up = matmul(rms_norm(hidden, self.post_norm, self.eps), self.gate_up_weight)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return hidden + matmul(F.silu(gate).mul_(up), self.down_weight)
+        hidden = hidden + self.o_proj(attn)
+        gate, up = self.gate_up(rms_norm(hidden, self.post_norm, self.eps)).chunk(2, dim=-1)
+        return hidden + self.down(F.silu(gate).mul_(up))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -126,8 +134,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = _weight(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = _weight(config.hidden_size)
-        self.lm_head = _weight(config.hidden_size, config.vocab_size)  # [in, out]
-        self.packed_lm_head: torch.Tensor | None = None  # see pack_lm_head
+        self.lm_head_weight = _weight(config.hidden_size, config.vocab_size)  # [in, out]; see pack
         self.rope_cos = self.rope_sin = torch.empty(0)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -141,34 +148,22 @@ class LlamaForCausalLM(nn.Module):
             hidden = layer.forward(hidden, cos, sin, meta, key_cache, value_cache)
         return hidden
 
+    def pack(self) -> None:
+        """Turn every loaded matrix into a :class:`Linear` (packed where the platform allows)."""
+        for layer in self.layers:
+            layer.pack()
+        self.lm_head = Linear(self.lm_head_weight)
+        del self.lm_head_weight
+
+    def weight_bytes_per_decode(self) -> int:
+        """Bytes of weights one decode step reads: everything but the embedding table, of
+        which it reads one row per token (a tied LM head counts through its own copy)."""
+        norm = self.norm.numel() * self.norm.element_size()
+        return norm + self.lm_head.nbytes + sum(layer.weight_bytes() for layer in self.layers)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``(N, hidden_size)`` → ``(N, vocab_size)`` in the model dtype."""
-        x = rms_norm(hidden, self.norm, self.config.rms_norm_eps)
-        if self.packed_lm_head is not None and x.shape[0] >= PACKED_HEAD_MIN_ROWS:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_lm_head, None, "none", [], "")
-        return matmul(x, self.lm_head)
-
-
-# The LM head is the largest matrix by far (vocab x hidden) and every step multiplies it by
-# one row per sampled sequence. A few rows stream the [in, out] copy fastest; from about eight
-# rows on, oneDNN on a copy pre-packed into its blocked layout is 2-3x faster than either
-# layout through MKL (which re-packs the whole weight on every call).
-PACKED_HEAD_MIN_ROWS = 8
-
-
-def pack_lm_head(weight_out_in: torch.Tensor) -> torch.Tensor | None:
-    """oneDNN's pre-packed copy of an fp32 ``[vocab, hidden]`` head, or None where unavailable."""
-    if weight_out_in.dtype != torch.float32 or weight_out_in.device.type != "cpu":
-        return None
-    try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight_out_in, 16)
-        probe = torch.ones(PACKED_HEAD_MIN_ROWS, weight_out_in.shape[1])
-        got = torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "")
-        if not torch.allclose(got, F.linear(probe, weight_out_in), rtol=1e-4, atol=1e-4):
-            return None
-        return packed
-    except (RuntimeError, AttributeError, NotImplementedError):
-        return None
+        return self.lm_head(rms_norm(hidden, self.norm, self.config.rms_norm_eps))
 
 
 # Checkpoint tensors that carry no weights (older exports store RoPE frequencies).
@@ -197,7 +192,7 @@ def fuse_hf_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor]) ->
 
     embed = take("model.embed_tokens.weight")
     out = {"embed_tokens": embed, "norm": take("model.norm.weight"),
-           "lm_head": embed.t().contiguous() if config.tie_word_embeddings else take_t("lm_head.weight")}
+           "lm_head_weight": embed.t().contiguous() if config.tie_word_embeddings else take_t("lm_head.weight")}
     for i in range(config.num_layers):
         p, o = f"model.layers.{i}.", f"layers.{i}."
         attn, mlp = p + "self_attn.", p + "mlp."
@@ -227,5 +222,5 @@ def build_model(config: ModelConfig, weights: Mapping[str, torch.Tensor],
     for param in model.parameters():
         param.requires_grad_(False)
     model.rope_cos, model.rope_sin = rope_tables(config, dtype, device)
-    model.packed_lm_head = pack_lm_head(model.lm_head.t().contiguous())
+    model.pack()
     return model.eval()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvfleet.worker import decode_kernel
 from kvfleet.worker.attention import build_attention_metadata, causal_mask, paged_attention
 from kvfleet.worker.step_plan import SeqChunk
 
@@ -23,15 +24,25 @@ def dense_reference(q, k, v, window):
     return torch.einsum("hqk,khd->qhd", probs, v.repeat_interleave(rep, 1)).reshape(n, -1)
 
 
-def _attend(chunks, parts, key_cache, value_cache, window):
+def _attend(chunks, parts, key_cache, value_cache, window, use_kernel=None):
     """Run one step: ``parts`` = per chunk (q, k, v) of its new tokens."""
-    meta = build_attention_metadata(tuple(chunks), BLOCK, (window,))
+    meta = build_attention_metadata(tuple(chunks), BLOCK, (window,), use_kernel=use_kernel)
     q, k, v = (torch.cat([p[i] for p in parts]) for i in range(3))
     return meta, paged_attention(q, k, v, key_cache, value_cache, meta, window)
 
 
+def test_decode_kernel_builds_here() -> None:
+    """CI machines have a C compiler: the kernel path must really be the one that runs."""
+    assert decode_kernel.load() is not None
+    meta = build_attention_metadata((SeqChunk("a", (0,), 3, (1,)),), BLOCK, (None,))
+    assert meta.decode_kernel is not None
+    # Loading it must not switch the process to flush-denormals-to-zero (a -ffast-math build would).
+    assert (torch.tensor([1e-40]) * 1.0).item() != 0.0
+
+
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["c-kernel", "torch"])
 @pytest.mark.parametrize("window", [None, 5])
-def test_mixed_batch_matches_dense(window) -> None:
+def test_mixed_batch_matches_dense(window, use_kernel) -> None:
     g = torch.Generator().manual_seed(0)
     key_cache = torch.zeros(20, BLOCK, KV_HEADS, DIM)
     value_cache = torch.zeros_like(key_cache)
@@ -44,10 +55,11 @@ def test_mixed_batch_matches_dense(window) -> None:
     # Step 1 writes the cached prefixes; step 2 is the mixed batch under test.
     first = [(SeqChunk(str(i), (0,) * c, 0, bt), [t[:c] for t in full[i]])
              for i, (c, _, bt) in enumerate(layout) if c]
-    _attend([c for c, _ in first], [p for _, p in first], key_cache, value_cache, window)
+    _attend([c for c, _ in first], [p for _, p in first], key_cache, value_cache, window, use_kernel)
     chunks = [SeqChunk(str(i), (0,) * n, c, bt) for i, (c, n, bt) in enumerate(layout)]
     parts = [[t[c:] for t in full[i]] for i, (c, _, _) in enumerate(layout)]
-    meta, out = _attend(chunks, parts, key_cache, value_cache, window)
+    meta, out = _attend(chunks, parts, key_cache, value_cache, window, use_kernel)
+    assert (meta.decode_kernel is not None) == use_kernel
 
     assert meta.decode_token_indices.tolist() == [0, 1, 14]
     for i, (c, _, _) in enumerate(layout):
@@ -76,7 +88,7 @@ def test_decodes_read_exactly_their_own_blocks() -> None:
     """No padding to the longest context: each decode reads its own used blocks, in order."""
     chunks = (SeqChunk("a", (0,), 9, (7, 2, 9, 4)), SeqChunk("p", (0,) * 3, 0, (5,)),
               SeqChunk("b", (0,), 3, (1, 8)))
-    meta = build_attention_metadata(chunks, 4, (None, 2))
+    meta = build_attention_metadata(chunks, 4, (None, 2), use_kernel=False)
     # a: 10 keys in blocks 7, 2, 9 (block 4 not yet used); b: 4 keys in block 1 only.
     assert [t.tolist() for t in meta.decode_tables] == [[7, 2, 9], [1]]
     assert meta.decode_context == (10, 4) and meta.decode_token_indices.tolist() == [0, 4]
@@ -84,3 +96,38 @@ def test_decodes_read_exactly_their_own_blocks() -> None:
     assert meta.decode_bias[None] == (None, None)
     assert meta.decode_bias[2][0].tolist() == [[inf] * 8 + [0.0] * 2]
     assert meta.prefill == (1,) and meta.prefill_computed == (0,)
+
+
+def test_decode_kernel_arguments() -> None:
+    """The C kernel gets the same used blocks, contexts and window starts."""
+    chunks = (SeqChunk("a", (0,), 9, (7, 2, 9, 4)), SeqChunk("p", (0,) * 3, 0, (5,)),
+              SeqChunk("b", (0,), 3, (1, 8)))
+    k = build_attention_metadata(chunks, 4, (None, 2), use_kernel=True).decode_kernel
+    assert k.tables.tolist() == [7, 2, 9, 1] and k.table_start.tolist() == [0, 3, 4]
+    assert k.context.tolist() == [10, 4]
+    assert k.first_key[None].tolist() == [0, 0] and k.first_key[2].tolist() == [8, 2]
+
+
+def test_decode_kernel_long_context_gqa_and_strided_rows() -> None:
+    """Many blocks, 4 query heads per KV head, a query view with a row stride (as the model
+    passes q sliced out of q|k), against the dense reference."""
+    g = torch.Generator().manual_seed(1)
+    heads, kv_heads, dim, bs = 8, 2, 16, 16
+    ctx = 300
+    table = torch.randperm(40, generator=g)[: -(-ctx // bs)].tolist()
+    key_cache = torch.randn(40, bs, kv_heads, dim, generator=g)
+    value_cache = torch.randn(40, bs, kv_heads, dim, generator=g)
+    qk = torch.randn(1, heads + kv_heads, dim, generator=g)
+    q = qk[:, :heads]  # row stride (heads + kv_heads) * dim
+    k_new, v_new = qk[:, heads:], torch.randn(1, kv_heads, dim, generator=g)
+    meta = build_attention_metadata((SeqChunk("a", (0,), ctx - 1, tuple(table)),), bs, (None, 100),
+                                    use_kernel=True)
+    for window in (None, 100):
+        out = paged_attention(q, k_new, v_new, key_cache, value_cache, meta, window).view(1, heads, dim)
+        keys = key_cache[table].view(-1, kv_heads, dim)[:ctx]
+        values = value_cache[table].view(-1, kv_heads, dim)[:ctx]
+        lo = 0 if window is None else ctx - window
+        scores = torch.einsum("hd,khd->hk", q[0], keys.repeat_interleave(4, 1)) / dim**0.5
+        scores[:, :lo] = float("-inf")
+        ref = torch.einsum("hk,khd->hd", scores.softmax(-1), values.repeat_interleave(4, 1))
+        torch.testing.assert_close(out[0], ref, rtol=1e-5, atol=1e-5)

@@ -45,6 +45,24 @@ def test_token_by_token(model_dir) -> None:
     assert reference_error(model_dir, seq) <= 1
 
 
+@pytest.mark.parametrize("backend", ["c", "torch"])
+def test_token_by_token_each_decode_backend(tiny_mistral_dir, backend, monkeypatch) -> None:
+    """Both decode-attention paths (the C kernel and the torch fallback), sliding window included."""
+    from kvfleet.worker import decode_kernel
+
+    monkeypatch.setenv(decode_kernel.ENV_SWITCH, backend)
+    decode_kernel.load.cache_clear()
+    try:
+        assert (decode_kernel.load() is None) == (backend == "torch")
+        runner = runner_for(tiny_mistral_dir)
+        seq = new_seq(BlockPool(runner.num_blocks, seed=4), "a", 9, seed=4, max_len=48)
+        prefill(runner, seq, [9])
+        decode(runner, seq, 30)
+        assert reference_error(tiny_mistral_dir, seq) <= 1
+    finally:
+        decode_kernel.load.cache_clear()
+
+
 def test_uneven_chunks_then_decode(model_dir) -> None:
     runner = runner_for(model_dir)
     seq = new_seq(BlockPool(runner.num_blocks, seed=2), "a", 35, seed=2)
