@@ -49,6 +49,7 @@ class ClusterConfig:
     num_blocks: Optional[int] = None
     kv_memory_bytes: Optional[int] = None
     dtype: str = "float32"
+    one_row_weights: bool = True  # see ReplicaConfig
     policy: str = "prefix_aware"
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     host: str = "127.0.0.1"
@@ -157,7 +158,8 @@ class LocalCluster:
         rcfgs = [ReplicaConfig(
             replica_id=f"replica-{i}-{run_id}", model_name=cfg.model_name,
             model_dir=cfg.model_dir, block_size=cfg.block_size, num_blocks=cfg.num_blocks,
-            kv_memory_bytes=cfg.kv_memory_bytes, dtype=cfg.dtype, scheduler=cfg.scheduler,
+            kv_memory_bytes=cfg.kv_memory_bytes, dtype=cfg.dtype,
+            one_row_weights=cfg.one_row_weights, scheduler=cfg.scheduler,
             redis_url=self.redis_url, namespace=cfg.namespace, num_threads=threads,
             telemetry=replace(cfg.telemetry, metrics_port=self._metrics_port(1 + i)),
             executor=cfg.executor, cost_model=cfg.cost_model) for i in range(cfg.replicas)]

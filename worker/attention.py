@@ -11,7 +11,7 @@ top-left square), and with a sliding window ``w`` only keys ``> c + j - w``.
 Three paths, chosen per chunk when the step's metadata is built:
 
 * **decodes** (one-token chunks), fp32 on CPU: one call of the C kernel in
-  :mod:`.decode_kernel` per layer for all of them, reading keys and values in place through
+  :mod:`.cpu_kernels` per layer for all of them, reading keys and values in place through
   the block tables. Elsewhere (or without a C compiler) each decode gathers exactly its own
   blocks and runs one SDPA call — no padding to the longest context in the batch (on the
   SmolLM2 benchmark this beat one padded batched kernel, length-bucketed padded kernels, a
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvfleet.worker import decode_kernel
+from kvfleet.worker import cpu_kernels
 from kvfleet.worker.step_plan import SeqChunk
 
 
@@ -118,7 +118,7 @@ def build_attention_metadata(
 ) -> AttentionMetadata:
     """Turn a step's chunks into the tensors every layer needs (``windows``: distinct per
     layer; ``dtype``: the model's, for the additive masks; ``use_kernel``: decode through the
-    C kernel — by default wherever it applies, see :mod:`.decode_kernel`)."""
+    C kernel — by default wherever it applies, see :mod:`.cpu_kernels`)."""
     positions: list[int] = []
     slots: list[int] = []
     starts = [0]
@@ -135,7 +135,7 @@ def build_attention_metadata(
     used = [chunks[i].block_table[: -(-n // block_size)] for i, n in zip(decode, ctx)]
     if use_kernel is None:
         use_kernel = (torch.device(device).type == "cpu" and dtype == torch.float32
-                      and decode_kernel.load() is not None)
+                      and cpu_kernels.load() is not None)
 
     def tensor(values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)
@@ -250,7 +250,7 @@ def paged_attention(
     out = query.new_empty(num_tokens, num_heads, head_dim)
     if meta.decode_kernel is not None:
         k = meta.decode_kernel
-        decode_kernel.decode_attention(query, key_cache, value_cache, out, meta.decode_token_indices,
+        cpu_kernels.decode_attention(query, key_cache, value_cache, out, meta.decode_token_indices,
                                        k.tables, k.table_start, k.first_key[window], k.context, scale)
     elif meta.decode_token_indices.numel():
         _decode_attention(query, key_cache, value_cache, meta, window, out, scale)

@@ -27,16 +27,20 @@ class ModelRunner:
         model_dir: HF-format directory (``config.json``, ``*.safetensors``).
         num_blocks, block_size: KV cache geometry, in blocks and tokens per block.
         dtype: weights, activations and KV cache dtype; logits are returned as float32.
+        one_row_weights: hold every projection weight a second time for batch-1 decode steps
+            (fp32 CPU with the C kernels): see :class:`~kvfleet.worker.models.linear.Linear`.
     """
 
     def __init__(self, model_dir: str | Path, num_blocks: int, block_size: int,
-                 dtype: torch.dtype = torch.float32, device: str = "cpu") -> None:
+                 dtype: torch.dtype = torch.float32, device: str = "cpu",
+                 one_row_weights: bool = True) -> None:
         self.config: ModelConfig = load_model_config(model_dir)
         self.device = torch.device(device)
         self.dtype = dtype
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.model = build_model(self.config, load_weights(model_dir, dtype), dtype, self.device)
+        self.model = build_model(self.config, load_weights(model_dir, dtype), dtype, self.device,
+                                 one_row_weights)
         self.kv_cache = KVCache(self.config, num_blocks, block_size, dtype, self.device)
         self._windows = tuple(dict.fromkeys(self.config.sliding_windows))
 

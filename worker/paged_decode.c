@@ -1,7 +1,7 @@
 /* Paged decode attention (fp32, CPU): every one-token query of a step against its own keys,
  * read in place from the paged cache through its block table — no gather copy, no padding.
  *
- * Built and loaded by kvfleet/worker/decode_kernel.py (plain C, no torch headers, compiled once
+ * Built and loaded by kvfleet/worker/cpu_kernels.py (plain C, no torch headers, compiled once
  * per machine). Layouts, all contiguous unless a stride is given:
  *   query   rows at query + token[d] * q_stride, each (num_heads, head_dim)
  *   out     rows at out   + token[d] * o_stride, each (num_heads, head_dim)

@@ -58,6 +58,9 @@ class ReplicaConfig:
     num_blocks: Optional[int] = None
     kv_memory_bytes: Optional[int] = None
     dtype: str = "float32"
+    # A second copy of each weight for batch-1 decode (see worker/models/linear.py): ~20 %
+    # lower batch-1 ITL on CPU for twice the weight memory.
+    one_row_weights: bool = True
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     redis_url: Optional[str] = None
     namespace: str = "kvfleet:"
@@ -106,7 +109,8 @@ def build_engine(cfg: ReplicaConfig) -> Engine:
         runner = cost_model_runner(load_model_config(model_dir), tokenizer, num_blocks,
                                    cfg.block_size, cfg.cost_model)
     else:
-        runner = ModelRunner(model_dir, num_blocks=num_blocks, block_size=cfg.block_size, dtype=dtype)
+        runner = ModelRunner(model_dir, num_blocks=num_blocks, block_size=cfg.block_size, dtype=dtype,
+                             one_row_weights=cfg.one_row_weights)
     kv = KVCacheManager(num_blocks, cfg.block_size)
     identity = cache_identity(cfg.model_name, model_dir, cfg.dtype, cfg.block_size)
     mc = runner.config

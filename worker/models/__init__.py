@@ -44,8 +44,11 @@ class CausalLM(Protocol):
 
 
 def build_model(config: ModelConfig, weights: Mapping[str, torch.Tensor],
-                dtype: torch.dtype, device: torch.device | str) -> CausalLM:
-    """Instantiate the family that implements ``config.architecture`` from HF-named weights.
+                dtype: torch.dtype, device: torch.device | str,
+                one_row_copy: bool = False) -> CausalLM:
+    """Instantiate the family that implements ``config.architecture`` from HF-named weights
+    (``one_row_copy``: keep a second copy of each weight for batch-1 decode steps, see
+    :class:`~kvfleet.worker.models.linear.Linear`).
 
     Raises:
         UnsupportedModel: no registered family for the architecture.
@@ -55,4 +58,5 @@ def build_model(config: ModelConfig, weights: Mapping[str, torch.Tensor],
         raise UnsupportedModel(
             f"architecture {config.architecture!r} is not supported ({', '.join(sorted(REGISTRY))})"
         )
-    return importlib.import_module(module_name).build_model(config, weights, dtype, device)
+    return importlib.import_module(module_name).build_model(config, weights, dtype, device,
+                                                            one_row_copy)

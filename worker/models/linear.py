@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from kvfleet.worker import cpu_kernels
+
 PACK_BATCH_HINT = 16
 
 
@@ -49,14 +51,22 @@ class Linear:
     Args:
         weight: ``[in, out]`` (float, any device); replaced by its packed copy where available.
         bias: ``(out,)`` or None.
+        one_row_copy: also keep an ``[out, in]`` copy for one-row products through the C GEMV
+            of :mod:`kvfleet.worker.cpu_kernels` (where it loads): batch-1 decode then streams
+            the weight at close to the read bandwidth, at the cost of holding it twice.
     """
 
-    __slots__ = ("weight", "bias", "packed", "in_features", "out_features")
+    __slots__ = ("weight", "bias", "packed", "in_features", "out_features", "rows", "_lib")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 one_row_copy: bool = False) -> None:
         self.in_features, self.out_features = weight.shape
         packed = pack_weight(weight)
         self.packed = packed is not None
+        self.rows = None
+        self._lib = cpu_kernels.load() if one_row_copy and self.packed else None
+        if self._lib is not None:  # chosen once: a later KVFLEET_DECODE_KERNEL change does not apply
+            self.rows = weight.t().contiguous()
         self.weight = packed if packed is not None else weight
         self.bias = bias
 
@@ -67,6 +77,8 @@ class Linear:
         return n + (self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rows is not None and x.shape[0] == 1:
+            return cpu_kernels.gemv(x, self.rows, self.bias, self._lib)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return torch.mm(x, self.weight) if self.bias is None else torch.addmm(self.bias, x, self.weight)

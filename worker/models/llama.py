@@ -94,12 +94,13 @@ class LlamaDecoderLayer(nn.Module):
         self.gate_up_weight = _weight(h, 2 * ffn)
         self.down_weight = _weight(ffn, h)
 
-    def pack(self) -> None:
-        """Replace the loaded matrices by :class:`Linear` projections (weights held once)."""
-        self.qkv = Linear(self.qkv_weight, self.qkv_bias)
-        self.o_proj = Linear(self.o_weight, self.o_bias)
-        self.gate_up = Linear(self.gate_up_weight)
-        self.down = Linear(self.down_weight)
+    def pack(self, one_row_copy: bool = False) -> None:
+        """Replace the loaded matrices by :class:`Linear` projections (``one_row_copy``: see
+        :class:`Linear`)."""
+        self.qkv = Linear(self.qkv_weight, self.qkv_bias, one_row_copy)
+        self.o_proj = Linear(self.o_weight, self.o_bias, one_row_copy)
+        self.gate_up = Linear(self.gate_up_weight, None, one_row_copy)
+        self.down = Linear(self.down_weight, None, one_row_copy)
         for name in ("qkv_weight", "qkv_bias", "o_weight", "o_bias", "gate_up_weight", "down_weight"):
             delattr(self, name)
 
@@ -148,11 +149,12 @@ class LlamaForCausalLM(nn.Module):
             hidden = layer.forward(hidden, cos, sin, meta, key_cache, value_cache)
         return hidden
 
-    def pack(self) -> None:
-        """Turn every loaded matrix into a :class:`Linear` (packed where the platform allows)."""
+    def pack(self, one_row_copy: bool = False) -> None:
+        """Turn every loaded matrix into a :class:`Linear` (packed where the platform allows;
+        ``one_row_copy``: also a copy for batch-1 decode, see :class:`Linear`)."""
         for layer in self.layers:
-            layer.pack()
-        self.lm_head = Linear(self.lm_head_weight)
+            layer.pack(one_row_copy)
+        self.lm_head = Linear(self.lm_head_weight, None, one_row_copy)
         del self.lm_head_weight
 
     def weight_bytes_per_decode(self) -> int:
@@ -213,8 +215,10 @@ def fuse_hf_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor]) ->
 
 
 def build_model(config: ModelConfig, weights: Mapping[str, torch.Tensor],
-                dtype: torch.dtype, device: torch.device | str) -> LlamaForCausalLM:
-    """Build on the meta device (no throwaway init), then take the fused checkpoint tensors."""
+                dtype: torch.dtype, device: torch.device | str,
+                one_row_copy: bool = False) -> LlamaForCausalLM:
+    """Build on the meta device (no throwaway init), then take the fused checkpoint tensors
+    (``one_row_copy``: see :class:`Linear`)."""
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     state = {k: v.to(device=device, dtype=dtype) for k, v in fuse_hf_weights(config, weights).items()}
@@ -222,5 +226,5 @@ def build_model(config: ModelConfig, weights: Mapping[str, torch.Tensor],
     for param in model.parameters():
         param.requires_grad_(False)
     model.rope_cos, model.rope_sin = rope_tables(config, dtype, device)
-    model.pack()
+    model.pack(one_row_copy)
     return model.eval()

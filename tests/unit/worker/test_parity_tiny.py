@@ -48,19 +48,19 @@ def test_token_by_token(model_dir) -> None:
 @pytest.mark.parametrize("backend", ["c", "torch"])
 def test_token_by_token_each_decode_backend(tiny_mistral_dir, backend, monkeypatch) -> None:
     """Both decode-attention paths (the C kernel and the torch fallback), sliding window included."""
-    from kvfleet.worker import decode_kernel
+    from kvfleet.worker import cpu_kernels
 
-    monkeypatch.setenv(decode_kernel.ENV_SWITCH, backend)
-    decode_kernel.load.cache_clear()
+    monkeypatch.setenv(cpu_kernels.ENV_SWITCH, backend)
+    cpu_kernels.load.cache_clear()
     try:
-        assert (decode_kernel.load() is None) == (backend == "torch")
+        assert (cpu_kernels.load() is None) == (backend == "torch")
         runner = runner_for(tiny_mistral_dir)
         seq = new_seq(BlockPool(runner.num_blocks, seed=4), "a", 9, seed=4, max_len=48)
         prefill(runner, seq, [9])
         decode(runner, seq, 30)
         assert reference_error(tiny_mistral_dir, seq) <= 1
     finally:
-        decode_kernel.load.cache_clear()
+        cpu_kernels.load.cache_clear()
 
 
 def test_uneven_chunks_then_decode(model_dir) -> None:

@@ -1,15 +1,20 @@
-"""Builds and calls ``paged_decode.c``: decode attention read in place from the paged cache.
+"""Builds and calls kvfleet's two C kernels (fp32, CPU):
 
-The torch formulation of decode attention costs two gather copies and an SDPA call per decode
-per layer; on this project's CPU benchmarks that was 25-45 % of a step. The C kernel reads each
-key and value once, where it lies, for every decode of a step in one call (OpenMP over
-decode × KV head, sharing torch's own OpenMP runtime and thread count).
+* ``paged_decode.c`` — decode attention read in place from the paged cache. The torch
+  formulation costs two gather copies and an SDPA call per decode per layer (25-45 % of a step
+  on this project's CPU benchmarks); the kernel reads each key and value once, where it lies,
+  for every decode of a step in one call.
+* ``gemv.c`` — the one-row projection of batch-1 decode steps, streaming each weight once
+  (oneDNN's packed path reaches about half the read bandwidth with a single row).
 
-It is compiled once per machine with the system C compiler (``$CC``, default ``cc``) into
-``$KVFLEET_CACHE_DIR/kernels/`` (default ``~/.cache/kvfleet``), keyed by a hash of source and
-flags; no torch headers, so a build takes about a second. Where there is no compiler, the build
-fails, the tensors are not fp32 on CPU, or ``KVFLEET_DECODE_KERNEL=torch`` is set, attention
-uses the torch path instead (logged once): both are tested against the same dense reference.
+Both use OpenMP, sharing torch's own runtime (its bundled ``libgomp.so.1`` is already loaded
+under that soname) and its thread count.
+
+The library is compiled once per machine with the system C compiler (``$CC``, default ``cc``)
+into ``$KVFLEET_CACHE_DIR/kernels/`` (default ``~/.cache/kvfleet``), keyed by a hash of sources,
+flags and CPU; no torch headers, so a build takes about a second. Where there is no compiler,
+the build fails, the tensors are not fp32 on CPU, or ``KVFLEET_DECODE_KERNEL=torch`` is set,
+the torch paths run instead (logged once): both are tested against the same references.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("paged_decode.c")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_decode.c", "gemv.c"))
 # The relaxed-math flags let GCC vectorise the dot products and sums (2x here); never
 # -ffast-math or -funsafe-math-optimizations: with them GCC links crtfastmath.o, whose load
 # switches the whole process (torch included) to flush-denormals-to-zero.
@@ -56,9 +61,9 @@ def _cpu_signature() -> str:
 
 def _build(compiler: str) -> Path:
     """Compile (or reuse) the shared library; returns its path. Raises OSError / CalledProcessError."""
-    source = SOURCE.read_bytes()
+    source = b"".join(src.read_bytes() for src in SOURCES)
     key = hashlib.sha256(source + " ".join((compiler, *FLAGS, _cpu_signature())).encode()).hexdigest()[:16]
-    lib = _cache_dir() / f"paged_decode-{key}.so"
+    lib = _cache_dir() / f"kvfleet-kernels-{key}.so"
     if lib.is_file():
         return lib
     lib.parent.mkdir(parents=True, exist_ok=True)
@@ -66,7 +71,7 @@ def _build(compiler: str) -> Path:
     with tempfile.NamedTemporaryFile(dir=lib.parent, suffix=".so", delete=False) as tmp:
         pass
     try:
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp.name, "-lm"], check=True,
+        subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", tmp.name, "-lm"], check=True,
                        capture_output=True, text=True, timeout=120)
         os.replace(tmp.name, lib)
     finally:
@@ -94,7 +99,31 @@ def load() -> ctypes.CDLL | None:
     fn.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64,
                    ctypes.c_float, ctypes.c_int]
     fn.restype = ctypes.c_int
+    lib.gemv_rows.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_int]
+    lib.gemv_rows.restype = None
     return lib
+
+
+def gemv(x: torch.Tensor, weight_out_in: torch.Tensor, bias: torch.Tensor | None,
+         lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """``x`` ``(1, in)`` · ``weight_out_in`` ``(out, in)``ᵀ (+ ``bias`` ``(out,)``) → ``(1, out)``.
+
+    ``lib``: the library a caller loaded when it chose this path (default :func:`load`, which
+    callers check first); all tensors fp32 on CPU.
+
+    Raises:
+        ValueError: shapes that do not match, or non-contiguous operands.
+    """
+    out_features, in_features = weight_out_in.shape
+    if x.shape != (1, in_features) or (bias is not None and bias.shape != (out_features,)):
+        raise ValueError(f"gemv: x {tuple(x.shape)}, weight {tuple(weight_out_in.shape)}")
+    x = x.contiguous()
+    if not weight_out_in.is_contiguous() or (bias is not None and not bias.is_contiguous()):
+        raise ValueError("gemv: weight and bias must be contiguous")
+    y = x.new_empty(1, out_features)
+    (lib or load()).gemv_rows(x.data_ptr(), weight_out_in.data_ptr(), None if bias is None else bias.data_ptr(),
+                     y.data_ptr(), in_features, out_features, torch.get_num_threads())
+    return y
 
 
 def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
