@@ -4,13 +4,30 @@ from __future__ import annotations
 
 import torch
 
+from kvfleet.allocator.kv_bytes import bytes_per_token
+from kvfleet.allocator.model_spec import AttentionLayer, ModelKVSpec
 from kvfleet.worker.model_config import ModelConfig
+
+_KV_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def cache_spec(config: ModelConfig) -> ModelKVSpec:
+    """The paged cache's layout as the allocator's spec: every layer stores K and V of every
+    token of a block (a sliding-window layer's old blocks are not dropped, so no window)."""
+    layers = tuple(AttentionLayer(i, config.num_kv_heads, config.head_dim)
+                   for i in range(config.num_layers))
+    return ModelKVSpec(config.model_type, config.num_layers, config.num_heads, layers,
+                       config.max_position_embeddings)
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block occupies: K + V, every layer, ``block_size`` tokens."""
-    element = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element
+    """Bytes one block occupies: ``block_size`` tokens × the allocator's per-token formula
+    (:func:`kvfleet.allocator.kv_bytes.bytes_per_token`; K + V, every layer).
+
+    Raises:
+        KeyError: a dtype the cache does not support.
+    """
+    return block_size * bytes_per_token(cache_spec(config), _KV_DTYPE_NAMES[dtype])
 
 
 def num_blocks_for_memory(

@@ -8,6 +8,8 @@ import shutil
 import pytest
 import torch
 
+from kvfleet.allocator.kv_bytes import bytes_per_token
+from kvfleet.allocator.model_spec import spec_from_config
 from kvfleet.worker.kv_cache import KVCache, kv_bytes_per_block, num_blocks_for_memory
 from kvfleet.worker.model_config import load_model_config
 from kvfleet.worker.model_runner import ModelRunner
@@ -86,6 +88,8 @@ def test_kv_bytes_per_block(smollm2_dir) -> None:
         num_blocks_for_memory(config, 16, torch.float32, 737_279)
     cache = KVCache(config, num_blocks=3, block_size=16)
     assert cache.nbytes == 3 * 737_280
+    # The same figure `kvfleet budget` derives from config.json (one formula, the allocator's).
+    assert 16 * bytes_per_token(spec_from_config(smollm2_dir), "fp32") == 737_280
     assert cache.layer(29)[0].shape == (3, 16, 3, 64)
 
 
