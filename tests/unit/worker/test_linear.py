@@ -1,4 +1,5 @@
-"""Projections: the packed oneDNN path and the one-row C GEMV equal a plain matmul."""
+"""Projections: the packed oneDNN path and the one-row C GEMV equal a plain matmul; without a
+C compiler everything falls back."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import pytest
 import torch
 
 from kvfleet.worker import cpu_kernels
+from kvfleet.worker.attention import build_attention_metadata
 from kvfleet.worker.models.linear import Linear
+from kvfleet.worker.step_plan import SeqChunk
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -37,3 +40,24 @@ def test_non_fp32_falls_back_to_plain_matmul() -> None:
     assert not lin.packed and lin.rows is None
     x = torch.randn(1, 8, dtype=torch.float64)
     torch.testing.assert_close(lin(x), x @ w)
+
+
+def test_without_a_compiler_everything_falls_back(monkeypatch, tmp_path, caplog) -> None:
+    """No C compiler: the library does not load (logged), projections keep one packed copy,
+    attention takes the torch path — and results stay the same."""
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("KVFLEET_CACHE_DIR", str(tmp_path))
+    cpu_kernels.load.cache_clear()
+    try:
+        with caplog.at_level("WARNING"):
+            assert cpu_kernels.load() is None
+        assert "torch path" in caplog.text
+        w = torch.randn(16, 8)
+        lin = Linear(w, one_row_copy=True)
+        assert lin.packed and lin.rows is None
+        x = torch.randn(1, 16)
+        torch.testing.assert_close(lin(x), x @ w, rtol=1e-5, atol=1e-5)
+        meta = build_attention_metadata((SeqChunk("a", (0,), 3, (1,)),), 4, (None,))
+        assert meta.decode_kernel is None and len(meta.decode_tables) == 1
+    finally:
+        cpu_kernels.load.cache_clear()
