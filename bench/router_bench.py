@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def bench(run: Run) -> int:
-    from kvfleet.deploy.launcher import init_ray
+    from kvfleet.deploy.launcher import init_ray, shutdown_ray
     from kvfleet.deploy.redis_server import start_redis
 
     load_before = os.getloadavg()
@@ -189,6 +189,7 @@ def bench(run: Run) -> int:
         for c in fleets.values():
             c.stop()
         redis.stop()
+        shutdown_ray()
     out = analyse(run, raw)
     w = run.workload
     record = {

@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=4)
     a = p.parse_args(argv)
 
-    from kvfleet.deploy.launcher import ClusterConfig, LocalCluster, init_ray
+    from kvfleet.deploy.launcher import ClusterConfig, LocalCluster, init_ray, shutdown_ray
     from kvfleet.deploy.models import DEFAULT_MODEL, resolve_model
     from kvfleet.deploy.redis_server import start_redis
 
@@ -197,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         cluster.stop()
         redis.stop()
+        shutdown_ray()
     out["machine"] = {"cpus": os.cpu_count(), "loadavg_before": load_before,
                       "loadavg_after": os.getloadavg()}
     RESULTS.mkdir(parents=True, exist_ok=True)

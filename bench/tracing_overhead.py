@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 from kvfleet.client import AsyncClient
-from kvfleet.deploy.launcher import ClusterConfig, LocalCluster, init_ray
+from kvfleet.deploy.launcher import ClusterConfig, LocalCluster, init_ray, shutdown_ray
 from kvfleet.deploy.redis_server import start_redis
 from kvfleet.telemetry import Telemetry, TelemetryConfig
 from kvfleet.telemetry.collector import OtlpSink
@@ -226,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         for c in clusters.values():
             c.stop()
         redis.stop()
+        shutdown_ray()
     spans = len(sink.spans())
     micro = micro_cost_us(a.micro_requests, sink.endpoint)
     sink.stop()

@@ -97,7 +97,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         # After start: ray.init installs its own SIGTERM handler (it aborts the process).
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, on_signal)
-        print(f"kvfleet ready: router at {address} ({args.replicas} replicas of {args.model}); "
+        print(f"kvfleet ready: router at {address} ({args.replicas} replica{'s' if args.replicas != 1 else ''} of {args.model}); "
               "Ctrl-C to stop", flush=True)
         for name, metrics in cluster.metrics_addresses.items():
             print(f"kvfleet: {name} metrics at http://{metrics}/metrics", file=sys.stderr, flush=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import select
+import shutil
 import socket
 import subprocess
 import sys
@@ -108,10 +109,25 @@ def init_ray(address: Optional[str] = None, num_cpus: Optional[int] = None) -> N
     if address:
         ray.init(address=address, log_to_driver=False)
         return
+    global _ray_temp_dir
+    _ray_temp_dir = tempfile.mkdtemp(prefix="kvf-ray-")
     ray.init(num_cpus=num_cpus or os.cpu_count() or 2, include_dashboard=False,
              object_store_memory=RAY_OBJECT_STORE_BYTES, log_to_driver=False,
-             _temp_dir=tempfile.mkdtemp(prefix="kvf-ray-"),
-             runtime_env={"env_vars": dict(RAY_ENV)})
+             _temp_dir=_ray_temp_dir, runtime_env={"env_vars": dict(RAY_ENV)})
+
+
+_ray_temp_dir: Optional[str] = None  # the session directory of a Ray that init_ray started
+
+
+def shutdown_ray() -> None:
+    """Stop the Ray that :func:`init_ray` started here and remove its session directory."""
+    import ray
+
+    global _ray_temp_dir
+    ray.shutdown()
+    if _ray_temp_dir is not None:
+        shutil.rmtree(_ray_temp_dir, ignore_errors=True)
+        _ray_temp_dir = None
 
 
 class LocalCluster:
@@ -247,9 +263,7 @@ class LocalCluster:
                 ray.kill(a, no_restart=True)
             self.actors = []
         if self._started_ray:
-            import ray
-
-            ray.shutdown()
+            shutdown_ray()
             self._started_ray = False
         if self.redis is not None:
             self.redis.stop()

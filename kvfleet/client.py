@@ -70,7 +70,8 @@ def build_request(prompt: Optional[str] = None, *, messages: Optional[Sequence[d
     presence_penalty, frequency_penalty, repetition_penalty, logprobs (None = server default).
 
     Raises:
-        ValueError: zero or several prompt forms, or an unknown sampling key.
+        ValueError: zero or several prompt forms, an unknown sampling key, or a value its
+            field cannot hold (the message names the field).
     """
     forms = [x is not None for x in (prompt, messages, token_ids)]
     if sum(forms) != 1:
@@ -88,9 +89,15 @@ def build_request(prompt: Optional[str] = None, *, messages: Optional[Sequence[d
         req.token_ids.ids.extend(token_ids)
     for k, v in sampling.items():
         if v is not None:
-            setattr(req.sampling, k, v)
+            try:
+                setattr(req.sampling, k, v)
+            except (ValueError, TypeError) as exc:  # e.g. a negative seed for a uint64 field
+                raise ValueError(f"sampling.{k}: {v!r} does not fit the field ({exc})") from None
     req.sampling.stop.extend(stop)
-    req.sampling.stop_token_ids.extend(stop_token_ids)
+    try:
+        req.sampling.stop_token_ids.extend(stop_token_ids)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"sampling.stop_token_ids: {exc}") from None
     return req
 
 

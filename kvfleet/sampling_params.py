@@ -77,6 +77,17 @@ class SamplingParams:
             raise bad("stop_token_ids", "must be non-negative token ids")
         return self
 
+    def check_vocab(self, vocab_size: int) -> "SamplingParams":
+        """Check token ids against the served model's vocabulary; returns self.
+
+        Raises:
+            InvalidArgument: a ``stop_token_ids`` entry outside ``[0, vocab_size)``.
+        """
+        bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidArgument(f"sampling.stop_token_ids: {bad[0]} is outside [0, {vocab_size})")
+        return self
+
     @classmethod
     def from_proto(cls, msg) -> "SamplingParams":
         """Build from a ``kvfleet.v1.SamplingParams`` message, defaulting unset fields.

@@ -114,7 +114,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             model = self._model(request.model)
             if request.adapter:
                 raise NotFound(f"adapter {request.adapter!r} is not loaded")
-            params = SamplingParams.from_proto(request.sampling)
+            params = SamplingParams.from_proto(request.sampling).check_vocab(model.vocab_size)
             trace.on_request(model.name, params, tenant)
             with trace.tokenize() as tokenized:
                 tokens = self._prompt_tokens(request, model)

@@ -97,6 +97,7 @@ class Engine:
                 f"prompt ({len(req.prompt_token_ids)} tokens) + sampling.max_tokens "
                 f"({req.params.max_tokens}) = {total} exceeds the model context of "
                 f"{self.max_model_len} tokens")
+        req.params.check_vocab(self.vocab_size)
         if req.request_id in self._seqs:
             raise InvalidArgument(f"request_id {req.request_id!r} is already running")
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 import select
 import signal
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,21 +32,24 @@ def _wait_ready(proc: subprocess.Popen, timeout_s: float) -> str:
 
 @pytest.fixture(scope="module")
 def cli_cluster(smollm2_dir, redis_server):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # Its own TMPDIR (short: Ray's socket paths live under it) shows what the run leaves behind.
+    tmp = tempfile.mkdtemp(prefix="kvfup", dir="/tmp")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": tmp}
     proc = subprocess.Popen(
         [*KVFLEET, "up", "--model", str(smollm2_dir), "--port", "0", "--replicas", "2",
          "--redis-url", redis_server.url, "--kv-memory", "64MiB"],
         stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
     try:
-        yield proc, _wait_ready(proc, 240)
+        yield proc, _wait_ready(proc, 240), Path(tmp)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_generate_streams_a_coherent_answer(cli_cluster):
-    _, address = cli_cluster
+    _, address, _ = cli_cluster
     out = subprocess.run([*KVFLEET, "generate", "--prompt", "What is the capital of France?",
                           "--router", address, "--max-tokens", "24"],
                          capture_output=True, text=True, timeout=120)
@@ -54,7 +59,7 @@ def test_generate_streams_a_coherent_answer(cli_cluster):
 
 
 def test_generate_reports_bad_input_with_its_status(cli_cluster):
-    _, address = cli_cluster
+    _, address, _ = cli_cluster
     out = subprocess.run([*KVFLEET, "generate", "--prompt", "hi", "--router", address,
                           "--temperature", "-1"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 1
@@ -62,7 +67,7 @@ def test_generate_reports_bad_input_with_its_status(cli_cluster):
 
 
 def test_taken_port_is_a_clear_error(cli_cluster, smollm2_dir):
-    _, address = cli_cluster
+    _, address, _ = cli_cluster
     port = address.rsplit(":", 1)[1]
     out = subprocess.run([*KVFLEET, "up", "--model", str(smollm2_dir), "--port", port],
                          capture_output=True, text=True, timeout=60)
@@ -79,13 +84,15 @@ def test_unprepared_model_says_how_to_prepare(tmp_path):
 
 
 def test_sigterm_stops_everything(cli_cluster):
-    proc, _ = cli_cluster
+    proc, _, tmp = cli_cluster
+    assert list(tmp.glob("kvf-ray-*")), "the local Ray should keep its session under TMPDIR"
     children = _descendants(proc.pid)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 0
     time.sleep(1.0)
     alive = [pid for pid in children if _alive(pid)]
     assert not alive, f"orphan processes left: {alive}"
+    assert not list(tmp.glob("kvf-ray-*")), "Ray's session directory was left behind"
 
 
 def _descendants(pid: int) -> list[int]:

@@ -11,7 +11,7 @@ import time
 import grpc
 import pytest
 
-from kvfleet.client import Client
+from kvfleet.client import Client, build_request
 from kvfleet.v1 import router_pb2, worker_pb2, worker_pb2_grpc
 
 # Two system prompts that share their first block (like a chat template's default system
@@ -130,6 +130,7 @@ def test_other_tenant_salt_never_hits(client):
     (dict(prompt="hi", model="no-such-model"), grpc.StatusCode.NOT_FOUND, "no-such-model"),
     (dict(token_ids=[1, 10**9]), grpc.StatusCode.INVALID_ARGUMENT, "token_ids"),
     (dict(messages=[{"role": "wizard", "content": "hi"}]), grpc.StatusCode.INVALID_ARGUMENT, "role"),
+    (dict(prompt="hi", stop_token_ids=[10**9]), grpc.StatusCode.INVALID_ARGUMENT, "stop_token_ids"),
 ])
 def test_bad_input_gets_a_clear_status_and_leaks_nothing(client, tiny_cluster, kwargs, code, field):
     before = {a: idle_free_blocks(a).num_free_blocks for a in tiny_cluster.replica_addresses}
@@ -139,6 +140,25 @@ def test_bad_input_gets_a_clear_status_and_leaks_nothing(client, tiny_cluster, k
     assert field in err.value.details()
     after = {a: idle_free_blocks(a).num_free_blocks for a in tiny_cluster.replica_addresses}
     assert after == before
+
+
+def test_client_names_a_field_its_value_cannot_fit():
+    """A negative seed cannot be encoded (uint64): a clear error before anything is sent."""
+    with pytest.raises(ValueError, match="sampling.seed"):
+        build_request("hi", seed=-5)
+    with pytest.raises(ValueError, match="sampling.stop_token_ids"):
+        build_request("hi", stop_token_ids=[2**40])  # beyond int32
+
+
+def test_worker_rejects_out_of_vocabulary_stop_token_directly(tiny_cluster):
+    stub = worker_stub(tiny_cluster.replica_addresses[0])
+    req = worker_pb2.WorkerGenerateRequest(request_id="bad-stop", prompt_token_ids=[5, 6, 7])
+    req.sampling.max_tokens = 4
+    req.sampling.stop_token_ids.append(10**6)
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(req))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "stop_token_ids" in err.value.details()
 
 
 def test_worker_rejects_out_of_context_prompt_directly(tiny_cluster):
