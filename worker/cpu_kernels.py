@@ -13,7 +13,7 @@ under that soname) and its thread count.
 The library is compiled once per machine with the system C compiler (``$CC``, default ``cc``)
 into ``$KVFLEET_CACHE_DIR/kernels/`` (default ``~/.cache/kvfleet``), keyed by a hash of sources,
 flags and CPU; no torch headers, so a build takes about a second. Where there is no compiler,
-the build fails, the tensors are not fp32 on CPU, or ``KVFLEET_DECODE_KERNEL=torch`` is set,
+the build fails, the tensors are not fp32 on CPU, or ``KVFLEET_C_KERNELS=torch`` is set,
 the torch paths run instead (logged once): both are tested against the same references.
 """
 
@@ -39,7 +39,7 @@ SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_decode.c", "g
 # switches the whole process (torch included) to flush-denormals-to-zero.
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
          "-fno-signed-zeros", "-freciprocal-math", "-fopenmp", "-shared", "-fPIC", "-std=c11")
-ENV_SWITCH = "KVFLEET_DECODE_KERNEL"  # "torch" disables the kernel
+ENV_SWITCH = "KVFLEET_C_KERNELS"  # "torch": both kernels off, the torch paths run
 
 
 def _cache_dir() -> Path:
@@ -88,11 +88,12 @@ def load() -> ctypes.CDLL | None:
     try:
         lib = ctypes.CDLL(str(_build(compiler)))
     except subprocess.CalledProcessError as exc:
-        log.warning("decode attention kernel: %s failed (%s); using the torch path",
-                    compiler, (exc.stderr or "").strip()[:500])
+        log.warning("C kernels (decode attention, one-row GEMV): %s failed (%s); using the "
+                    "torch path", compiler, (exc.stderr or "").strip()[:500])
         return None
     except (OSError, subprocess.SubprocessError) as exc:
-        log.warning("decode attention kernel unavailable (%s); using the torch path", exc)
+        log.warning("C kernels (decode attention, one-row GEMV) unavailable (%s); using the "
+                    "torch path", exc)
         return None
     fn = lib.paged_decode_attention
     i64, ptr = ctypes.c_int64, ctypes.c_void_p

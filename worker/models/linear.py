@@ -65,7 +65,7 @@ class Linear:
         self.packed = packed is not None
         self.rows = None
         self._lib = cpu_kernels.load() if one_row_copy and self.packed else None
-        if self._lib is not None:  # chosen once: a later KVFLEET_DECODE_KERNEL change does not apply
+        if self._lib is not None:  # chosen once: a later KVFLEET_C_KERNELS change does not apply
             self.rows = weight.t().contiguous()
         self.weight = packed if packed is not None else weight
         self.bias = bias
