@@ -18,7 +18,6 @@ import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Optional
 
 from kvfleet.deploy.redis_server import RedisServer, start_redis

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 from kvfleet.errors import InvalidArgument

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
@@ -22,7 +21,7 @@ from kvfleet.router.replica_set import ReplicaSet
 from kvfleet.router.served_model import ServedModel
 from kvfleet.sampling_params import SamplingParams
 from kvfleet.telemetry.router_spans import RouterTelemetry
-from kvfleet.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
+from kvfleet.v1 import router_pb2, router_pb2_grpc, worker_pb2
 
 log = logging.getLogger(__name__)
 

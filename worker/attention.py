@@ -118,7 +118,8 @@ def build_attention_metadata(
 ) -> AttentionMetadata:
     """Turn a step's chunks into the tensors every layer needs (``windows``: distinct per
     layer; ``dtype``: the model's, for the additive masks; ``use_kernel``: decode through the
-    C kernel — by default wherever it applies, see :mod:`.cpu_kernels`)."""
+    C kernel — by default wherever it applies (fp32 on CPU, library loaded), never elsewhere;
+    see :mod:`.cpu_kernels`)."""
     positions: list[int] = []
     slots: list[int] = []
     starts = [0]
@@ -133,9 +134,9 @@ def build_attention_metadata(
 
     ctx = [chunks[i].num_computed_tokens + 1 for i in decode]
     used = [chunks[i].block_table[: -(-n // block_size)] for i, n in zip(decode, ctx)]
-    if use_kernel is None:
-        use_kernel = (torch.device(device).type == "cpu" and dtype == torch.float32
-                      and cpu_kernels.load() is not None)
+    applies = (torch.device(device).type == "cpu" and dtype == torch.float32
+               and cpu_kernels.load() is not None)
+    use_kernel = applies if use_kernel is None else use_kernel and applies  # never on GPU memory
 
     def tensor(values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)

@@ -20,7 +20,7 @@ from kvfleet.errors import InvalidArgument, OutOfRange
 from kvfleet.sampling_params import SamplingParams
 from kvfleet.worker.detokenizer import IncrementalDetokenizer
 from kvfleet.worker.outputs import Milestones, SeqOutput, Timing, TokenLogprobs, Usage
-from kvfleet.worker.request import FinishReason, Sequence, SeqStatus
+from kvfleet.worker.request import FinishReason, Sequence
 from kvfleet.worker.sampling import SampleState, Sampler, make_generator
 from kvfleet.worker.scheduler import Fork, Scheduler, SchedulerConfig, SchedulerOutput
 from kvfleet.worker.stop_checker import StopChecker

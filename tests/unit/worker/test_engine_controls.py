@@ -4,13 +4,9 @@ exactness test means something."""
 
 from __future__ import annotations
 
-import dataclasses
-
-import torch
-
-from kvfleet.worker import attention
 from kvfleet.worker.scheduler import Scheduler
 from tests.unit.worker.engine_harness import make_engine, prompt, reference_error, request, run, seq_tokens
+from tests.unit.worker.faults import install_positions_reset, install_top_left_mask
 
 WIDTHS = [5, 11, 3, 7]
 
@@ -24,24 +20,12 @@ def _chunked_error(model_dir) -> float:
 
 def test_top_left_mask_on_a_chunk_fails(tiny_llama_dir, monkeypatch) -> None:
     assert _chunked_error(tiny_llama_dir) <= 1
-
-    def top_left(num_computed: int, q_len: int, window):
-        return torch.arange(num_computed + q_len)[None, :] <= torch.arange(q_len)[:, None]
-
-    monkeypatch.setattr(attention, "causal_mask", top_left)
+    install_top_left_mask(monkeypatch)
     assert _chunked_error(tiny_llama_dir) > 1
 
 
 def test_positions_reset_to_zero_fails(tiny_llama_dir, monkeypatch) -> None:
-    real = attention.build_attention_metadata
-
-    def reset_positions(chunks, *args, **kwargs):
-        meta = real(chunks, *args, **kwargs)
-        starts = torch.tensor(meta.query_start)
-        owner = torch.repeat_interleave(torch.arange(len(chunks)), starts.diff())
-        return dataclasses.replace(meta, positions=torch.arange(len(owner)) - starts[owner])
-
-    monkeypatch.setattr(attention, "build_attention_metadata", reset_positions)
+    install_positions_reset(monkeypatch)
     assert _chunked_error(tiny_llama_dir) > 1
 
 

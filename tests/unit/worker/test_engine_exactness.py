@@ -7,8 +7,6 @@ Block size 4, so chunk widths and prefix lengths below are deliberately not mult
 
 from __future__ import annotations
 
-import pytest
-
 from tests.unit.worker.engine_harness import (
     BLOCK_SIZE,
     by_position,
@@ -21,14 +19,6 @@ from tests.unit.worker.engine_harness import (
     seq_tokens,
 )
 from tests.unit.worker.paged_driver import scaled_error
-
-FAMILIES = ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_mistral_dir"]
-
-
-@pytest.fixture(params=FAMILIES)
-def model_dir(request: pytest.FixtureRequest):
-    return request.getfixturevalue(request.param)
-
 
 def _check(model_dir, rec, req, res, index: int = 0) -> None:
     err = reference_error(model_dir, rec, f"{req.request_id}#{index}", seq_tokens(req, res))

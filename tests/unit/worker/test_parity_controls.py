@@ -3,14 +3,12 @@ so a passing parity test means something. Also: the context limit is a clear err
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
 from kvfleet.errors import OutOfRange
-from kvfleet.worker import attention
 from kvfleet.worker.step_plan import SeqChunk, StepPlan
+from tests.unit.worker.faults import install_positions_reset, install_top_left_mask
 from tests.unit.worker.paged_driver import (
     BlockPool,
     Seq,
@@ -36,27 +34,15 @@ def _chunked_run(model_dir, seed: int) -> Seq:
 
 def test_positions_reset_to_zero_fails(tiny_llama_dir, monkeypatch) -> None:
     """RoPE positions restarting at 0 in every chunk (a 'reset at capacity' bug) is caught."""
-    real = attention.build_attention_metadata
-
-    def reset_positions(chunks, *args, **kwargs):
-        meta = real(chunks, *args, **kwargs)
-        starts = torch.tensor(meta.query_start)
-        seq = torch.repeat_interleave(torch.arange(len(chunks)), starts.diff())
-        return dataclasses.replace(meta, positions=torch.arange(len(seq)) - starts[seq])
-
     assert reference_error(tiny_llama_dir, _chunked_run(tiny_llama_dir, seed=20)) <= 1
-    monkeypatch.setattr(attention, "build_attention_metadata", reset_positions)
+    install_positions_reset(monkeypatch)
     assert reference_error(tiny_llama_dir, _chunked_run(tiny_llama_dir, seed=20)) > 1
 
 
 def test_top_left_causal_mask_on_a_chunk_fails(tiny_llama_dir, monkeypatch) -> None:
     """A causal mask not shifted by the cached count is caught — and only chunks after the
     first are affected (for the first, top-left and shifted coincide)."""
-
-    def top_left(num_computed: int, q_len: int, window):
-        return torch.arange(num_computed + q_len)[None, :] <= torch.arange(q_len)[:, None]
-
-    monkeypatch.setattr(attention, "causal_mask", top_left)
+    install_top_left_mask(monkeypatch)
     runner = runner_for(tiny_llama_dir)
     seq = Seq("a", random_prompt(19, 21), BlockPool(runner.num_blocks, 21).take(8))
     prefill(runner, seq, [5, 11, 3])

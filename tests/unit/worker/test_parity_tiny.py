@@ -24,14 +24,6 @@ from tests.unit.worker.paged_driver import (
     step,
 )
 
-FAMILIES = ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_mistral_dir"]
-
-
-@pytest.fixture(params=FAMILIES)
-def model_dir(request: pytest.FixtureRequest):
-    return request.getfixturevalue(request.param)
-
-
 def new_seq(pool: BlockPool, rid: str, prompt_len: int, seed: int, max_len: int = 64) -> Seq:
     return Seq(rid, random_prompt(prompt_len, seed), pool.take(-(-max_len // 4)))
 
