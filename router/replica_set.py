@@ -18,7 +18,7 @@ import grpc
 from kvfleet.grpc_util import CHANNEL_OPTIONS
 from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
 from kvfleet.router.prefix_index import IndexUnavailable, PrefixIndex
-from kvfleet.v1 import worker_pb2_grpc
+from kvfleet.router.worker_link import WorkerLink
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ class ReplicaSet:
         self.replicas: dict[str, tuple[ReplicaInfo, Optional[ReplicaLoad]]] = {}
         self.inflight: dict[str, int] = defaultdict(int)
         self.index_available = True
-        self._channels: dict[str, tuple[str, grpc.aio.Channel, worker_pb2_grpc.WorkerStub]] = {}
+        self._channels: dict[str, tuple[str, grpc.aio.Channel, WorkerLink]] = {}
         self._task: Optional[asyncio.Task] = None
 
     async def start(self) -> None:
@@ -82,21 +82,27 @@ class ReplicaSet:
     def for_model(self, model: str) -> list[tuple[ReplicaInfo, Optional[ReplicaLoad]]]:
         return [r for r in self.replicas.values() if r[0].model == model]
 
-    def stub(self, info: ReplicaInfo) -> worker_pb2_grpc.WorkerStub:
-        """A cached stub for the replica's current address (a new address gets a new channel)."""
+    def link(self, info: ReplicaInfo) -> WorkerLink:
+        """The replica's multiplexed call stream at its current address (a new address gets a
+        new channel; calls still open on the old one fail with UNAVAILABLE)."""
         cached = self._channels.get(info.replica_id)
         if cached is None or cached[0] != info.address:
             if cached is not None:
-                asyncio.create_task(cached[1].close())
+                asyncio.create_task(_close(*cached[1:]))
             channel = grpc.aio.insecure_channel(info.address, options=CHANNEL_OPTIONS)
-            cached = (info.address, channel, worker_pb2_grpc.WorkerStub(channel))
+            cached = (info.address, channel, WorkerLink(channel, info.address))
             self._channels[info.replica_id] = cached
         return cached[2]
 
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
-        for _, channel, _ in self._channels.values():
-            await channel.close()
+        for _, channel, link in self._channels.values():
+            await _close(channel, link)
         self._channels.clear()
         await self.index.close()
+
+
+async def _close(channel: grpc.aio.Channel, link: WorkerLink) -> None:
+    await link.close()
+    await channel.close()

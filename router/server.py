@@ -9,7 +9,6 @@ import uuid
 from dataclasses import dataclass
 from typing import Optional
 
-import grpc
 
 from kvfleet.allocator.hashing import block_hash_chain, root_hash
 from kvfleet.errors import (InvalidArgument, KvfleetError, NotFound, OutOfRange, Unavailable,
@@ -19,6 +18,7 @@ from kvfleet.router.policy import Candidate, RoutingPolicy
 from kvfleet.router.prefix_index import IndexUnavailable
 from kvfleet.router.replica_set import ReplicaSet
 from kvfleet.router.served_model import ServedModel
+from kvfleet.router.worker_link import WorkerCallError
 from kvfleet.sampling_params import SamplingParams
 from kvfleet.telemetry.router_spans import RouterTelemetry
 from kvfleet.v1 import router_pb2, router_pb2_grpc, worker_pb2
@@ -145,22 +145,23 @@ class RouterService(router_pb2_grpc.RouterServicer):
         log.debug("request %s: %d tokens, %d blocks matched on %s (%s)", request_id, len(tokens),
                   decision.candidate.matched_blocks, info.replica_id, self.policy.name)
         self.replicas.inflight[info.replica_id] += 1
-        call = self.replicas.stub(info).Generate(
-            worker_req, timeout=remaining,
-            metadata=trace.start_dispatch(request_id, info.replica_id, info.address))
+        # The client's deadline travels as worker_req.deadline_unix_s (the worker enforces it);
+        # gRPC cancels this handler at the same deadline, which cancels the call below.
+        call = self.replicas.link(info).call(
+            worker_req, trace.start_dispatch(request_id, info.replica_id, info.address))
         try:
             async for msg in call:
                 if msg.finish_reason:
                     trace.on_final(msg)
                 yield msg
-            trace.dispatched(await call.trailing_metadata())
+            trace.dispatched(call.trailing_metadata())
             context.set_trailing_metadata(trace.trailers())
-        except grpc.aio.AioRpcError as exc:
-            trace.fail(exc.code(), exc.details() or "worker stream failed")
-            await context.abort(exc.code(), exc.details() or "worker stream failed")
+        except WorkerCallError as exc:
+            trace.fail(exc.code, exc.details or "worker stream failed")
+            await context.abort(exc.code, exc.details or "worker stream failed")
         finally:
             self.replicas.inflight[info.replica_id] -= 1
-            call.cancel()  # no-op when finished; cancels the worker stream if the client left
+            call.cancel()  # no-op when finished; aborts the worker's call if the client left
 
     async def Tokenize(self, request, context):
         try:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -49,6 +51,19 @@ _ABNORMAL = {
 }
 
 
+class CallFailed(Exception):
+    """A Generate call ends with a non-OK gRPC status (``code``, ``details``)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+def _done(call_id: int, code: grpc.StatusCode, details: str) -> worker_pb2.GenerateStreamResponse:
+    return worker_pb2.GenerateStreamResponse(call_id=call_id, done=True,
+                                             status_code=code.value[0], status_message=details)
+
+
 class WorkerService(worker_pb2_grpc.WorkerServicer):
     """Serves one replica's engine over gRPC."""
 
@@ -64,29 +79,110 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.telemetry = telemetry or WorkerTelemetry(replica_id=replica_id, model=model)
 
     async def Generate(self, request: worker_pb2.WorkerGenerateRequest, context):
-        if not request.request_id:
-            request.request_id = uuid.uuid4().hex  # one id for the engine and the trace
+        _ensure_id(request)
         with self.telemetry.start(request, context.invocation_metadata()) as trace:
             try:
-                if self.draining:
-                    raise Unavailable(f"replica {self.replica_id} is draining")
-                stream = self.loop.generate(_engine_request(request))
-                try:
-                    async for out in stream:
-                        if out.finish_reason in _ABNORMAL or out.finish_reason is FinishReason.ERROR:
-                            # A failure after tokens were sent ends the stream with a non-OK status.
-                            code, msg = _ABNORMAL.get(out.finish_reason) or status_of(
-                                out.error or RuntimeError())
-                            await context.abort(code, msg)
-                        yield output_to_proto(out, self.replica_id)
-                    # The router subtracts this from its dispatch time: network time.
-                    context.set_trailing_metadata(
-                        ((MD_WORKER_DURATION_S, f"{trace.handler_done():.6f}"),))
-                finally:
-                    await stream.aclose()  # client gone at a bare yield: abort the request now
-            except KvfleetError as exc:
-                trace.refused(*status_of(exc))
-                await context.abort(*status_of(exc))
+                async with contextlib.aclosing(self._serve(request, trace)) as messages:
+                    async for msg in messages:
+                        yield msg
+            except CallFailed as exc:
+                await context.abort(exc.code, exc.details)
+            # The router subtracts this from its dispatch time: network time.
+            context.set_trailing_metadata(((MD_WORKER_DURATION_S, f"{trace.handler_done():.6f}"),))
+
+    async def GenerateStream(self, frames, context):
+        """Calls multiplexed on one stream (see worker.proto); each runs as its own task and
+        their frames are written by this handler alone (gRPC allows one write at a time)."""
+        out: asyncio.Queue = asyncio.Queue()  # frames to write; None = re-check for the end
+        calls: dict[int, asyncio.Task] = {}
+        reading = True
+
+        def ended(call_id: int) -> None:
+            calls.pop(call_id, None)
+            out.put_nowait(None)
+
+        async def read() -> None:
+            nonlocal reading
+            try:
+                async for frame in frames:
+                    if frame.WhichOneof("action") == "cancel":
+                        task = calls.get(frame.call_id)
+                        if task is not None:
+                            task.cancel()
+                    elif frame.call_id in calls:
+                        out.put_nowait(_done(frame.call_id, grpc.StatusCode.INVALID_ARGUMENT,
+                                             f"call_id {frame.call_id} is already open"))
+                    else:
+                        task = asyncio.create_task(self._stream_call(frame, out))
+                        calls[frame.call_id] = task
+                        task.add_done_callback(lambda _t, cid=frame.call_id: ended(cid))
+            finally:
+                reading = False  # the caller half-closed: open calls finish, then the stream ends
+                out.put_nowait(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while True:
+                frame = await out.get()
+                if frame is not None:
+                    await context.write(frame)
+                elif not reading and not calls and out.empty():
+                    break
+        finally:
+            reader.cancel()
+            for task in list(calls.values()):
+                task.cancel()  # the stream is gone: abort its calls (frees their blocks)
+
+    async def _stream_call(self, frame: worker_pb2.GenerateStreamRequest, out: asyncio.Queue) -> None:
+        """One call of a GenerateStream: its messages, then a done frame, into ``out``."""
+        request, call_id = frame.generate, frame.call_id
+        _ensure_id(request)
+        finals_left = request.sampling.n if request.sampling.n > 0 else 1
+        with self.telemetry.start(request, tuple(frame.trace_context.items())) as trace:
+            last = None  # the call's last message rides on its done frame (one frame fewer)
+            try:
+                async with contextlib.aclosing(self._serve(request, trace)) as messages:
+                    async for msg in messages:
+                        finals_left -= bool(msg.finish_reason)
+                        if finals_left <= 0 and last is None:
+                            last = msg  # nothing follows the last sample's final message
+                        else:
+                            out.put_nowait(worker_pb2.GenerateStreamResponse(call_id=call_id,
+                                                                             message=msg))
+            except CallFailed as exc:
+                if last is not None:
+                    out.put_nowait(worker_pb2.GenerateStreamResponse(call_id=call_id, message=last))
+                out.put_nowait(_done(call_id, exc.code, exc.details))
+                return
+            done = _done(call_id, grpc.StatusCode.OK, "")
+            done.worker_duration_s = trace.handler_done()
+            if last is not None:
+                done.message.CopyFrom(last)
+            out.put_nowait(done)
+
+    async def _serve(self, request: worker_pb2.WorkerGenerateRequest, trace):
+        """One Generate call's messages, for both transports.
+
+        Raises:
+            CallFailed: refused before reaching the engine, or ended abnormally (deadline,
+                abort, engine error) — with the gRPC status the call ends with.
+        """
+        try:
+            if self.draining:
+                raise Unavailable(f"replica {self.replica_id} is draining")
+            stream = self.loop.generate(_engine_request(request))
+            try:
+                async for out in stream:
+                    if out.finish_reason in _ABNORMAL or out.finish_reason is FinishReason.ERROR:
+                        # A failure after tokens were sent ends the stream with a non-OK status.
+                        raise CallFailed(*(_ABNORMAL.get(out.finish_reason)
+                                           or status_of(out.error or RuntimeError())))
+                    yield output_to_proto(out, self.replica_id)
+            finally:
+                await stream.aclose()  # caller gone at a bare yield: abort the request now
+        except KvfleetError as exc:
+            trace.refused(*status_of(exc))
+            raise CallFailed(*status_of(exc)) from exc
 
     async def Abort(self, request, context):
         found = self.loop.engine.is_active(request.request_id)
@@ -103,6 +199,11 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     async def Drain(self, request, context):
         self.draining = True
         return worker_pb2.DrainResponse(running=self.loop.stats["running"])
+
+
+def _ensure_id(request: worker_pb2.WorkerGenerateRequest) -> None:
+    if not request.request_id:
+        request.request_id = uuid.uuid4().hex  # one id for the engine and the trace
 
 
 def _engine_request(request: worker_pb2.WorkerGenerateRequest) -> EngineRequest:

@@ -25,6 +25,41 @@ class WorkerGenerateRequest(_message.Message):
     deadline_unix_s: float
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., tenant: _Optional[str] = ..., cache_salt: _Optional[str] = ..., adapter: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., deadline_unix_s: _Optional[float] = ...) -> None: ...
 
+class GenerateStreamRequest(_message.Message):
+    __slots__ = ("call_id", "generate", "cancel", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATE_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    generate: WorkerGenerateRequest
+    cancel: bool
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, call_id: _Optional[int] = ..., generate: _Optional[_Union[WorkerGenerateRequest, _Mapping]] = ..., cancel: _Optional[bool] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class GenerateStreamResponse(_message.Message):
+    __slots__ = ("call_id", "message", "done", "status_code", "status_message", "worker_duration_s")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_CODE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    WORKER_DURATION_S_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    message: _common_pb2.GenerateResponse
+    done: bool
+    status_code: int
+    status_message: str
+    worker_duration_s: float
+    def __init__(self, call_id: _Optional[int] = ..., message: _Optional[_Union[_common_pb2.GenerateResponse, _Mapping]] = ..., done: _Optional[bool] = ..., status_code: _Optional[int] = ..., status_message: _Optional[str] = ..., worker_duration_s: _Optional[float] = ...) -> None: ...
+
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -40,6 +40,11 @@ class WorkerStub:
                 request_serializer=kvfleet_dot_v1_dot_worker__pb2.WorkerGenerateRequest.SerializeToString,
                 response_deserializer=kvfleet_dot_v1_dot_common__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateStream = channel.stream_stream(
+                '/kvfleet.v1.Worker/GenerateStream',
+                request_serializer=kvfleet_dot_v1_dot_worker__pb2.GenerateStreamRequest.SerializeToString,
+                response_deserializer=kvfleet_dot_v1_dot_worker__pb2.GenerateStreamResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/kvfleet.v1.Worker/Abort',
                 request_serializer=kvfleet_dot_v1_dot_worker__pb2.AbortRequest.SerializeToString,
@@ -62,6 +67,15 @@ class WorkerServicer:
 
     def Generate(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateStream(self, request_iterator, context):
+        """The router's path: many Generate calls multiplexed on one long-lived stream per router
+        and replica, so a routed request costs a frame each way instead of a new gRPC call
+        (HTTP/2 stream, metadata, status). Closing the stream aborts every call still open on it.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -92,6 +106,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=kvfleet_dot_v1_dot_worker__pb2.WorkerGenerateRequest.FromString,
                     response_serializer=kvfleet_dot_v1_dot_common__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateStream,
+                    request_deserializer=kvfleet_dot_v1_dot_worker__pb2.GenerateStreamRequest.FromString,
+                    response_serializer=kvfleet_dot_v1_dot_worker__pb2.GenerateStreamResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -136,6 +155,33 @@ class Worker:
             '/kvfleet.v1.Worker/Generate',
             kvfleet_dot_v1_dot_worker__pb2.WorkerGenerateRequest.SerializeToString,
             kvfleet_dot_v1_dot_common__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvfleet.v1.Worker/GenerateStream',
+            kvfleet_dot_v1_dot_worker__pb2.GenerateStreamRequest.SerializeToString,
+            kvfleet_dot_v1_dot_worker__pb2.GenerateStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

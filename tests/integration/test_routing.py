@@ -6,21 +6,11 @@ from __future__ import annotations
 import json
 import shutil
 
-import pytest
 from safetensors.torch import load_file, save_file
 
 from kvfleet.router.policy import rendezvous_score
 from kvfleet.router.served_model import ServedModel
 from tests.integration.routing_fleet import BLOCK, Fleet, prompt
-
-
-@pytest.fixture
-async def fleet(redis_server, redis_namespace, tiny_llama_dir):
-    f = Fleet(redis_server.url, redis_namespace, str(tiny_llama_dir))
-    try:
-        yield f
-    finally:
-        await f.stop()
 
 
 async def two_replicas(fleet: Fleet, **router_kw) -> None:

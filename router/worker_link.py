@@ -1,0 +1,178 @@
+"""The router's path to one replica: every routed call multiplexed on one ``Worker.GenerateStream``.
+
+A new gRPC call per request costs the router (and the worker) a new HTTP/2 stream, metadata
+and a status on top of the messages; on one long-lived stream a routed call is one frame each
+way. Measured with ``bench.router_cost`` (zero-cost replica, 100 req/s, 2 cores): see README.
+
+One :class:`WorkerLink` per replica channel. The stream opens on first use and again after it
+ends; when it ends (worker gone, channel closed) every call still open on it fails with the
+stream's status, and the worker aborts them (their KV blocks are freed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from typing import AsyncIterator, Optional, Sequence
+
+import grpc
+
+from kvfleet.telemetry.names import MD_WORKER_DURATION_S
+from kvfleet.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class WorkerCallError(Exception):
+    """A routed call ended with a non-OK status (``code``: :class:`grpc.StatusCode`)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code, self.details = code, details
+
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+class _Stream:
+    """One open GenerateStream: its call, reader task and the queues of its open calls."""
+
+    def __init__(self, call) -> None:
+        self.call = call
+        self.queues: dict[int, asyncio.Queue] = {}
+        self.write_lock = asyncio.Lock()  # gRPC allows one outstanding write per call
+        self.ended: Optional[WorkerCallError] = None
+        self.reader: Optional[asyncio.Task] = None
+
+
+class WorkerLink:
+    """Routed calls to one replica over one multiplexed stream; see the module docstring."""
+
+    def __init__(self, channel: grpc.aio.Channel, address: str = "") -> None:
+        self.address = address
+        self._stub = worker_pb2_grpc.WorkerStub(channel)
+        self._stream: Optional[_Stream] = None
+        self._ids = itertools.count(1)
+
+    def call(self, request: worker_pb2.WorkerGenerateRequest,
+             trace_context: Sequence[tuple[str, str]] = ()) -> "LinkCall":
+        """A call that starts when iterated: ``async for msg in link.call(req): ...``."""
+        return LinkCall(self, request, trace_context)
+
+    def _open(self) -> _Stream:
+        if self._stream is None or self._stream.ended is not None:
+            stream = _Stream(self._stub.GenerateStream())
+            stream.reader = asyncio.create_task(self._read(stream))
+            self._stream = stream
+        return self._stream
+
+    async def _read(self, stream: _Stream) -> None:
+        err = WorkerCallError(grpc.StatusCode.UNAVAILABLE, f"worker {self.address} closed the stream")
+        try:
+            while True:
+                frame = await stream.call.read()
+                if frame is grpc.aio.EOF:
+                    break
+                queue = stream.queues.get(frame.call_id)
+                if queue is not None:
+                    queue.put_nowait(frame)
+        except grpc.aio.AioRpcError as exc:  # the replica, not the call, failed: retryable
+            err = WorkerCallError(grpc.StatusCode.UNAVAILABLE, f"stream to worker {self.address} "
+                                  f"ended: {exc.code().name}: {exc.details()}")
+        except asyncio.CancelledError:
+            err = WorkerCallError(grpc.StatusCode.CANCELLED, "the router closed the stream")
+            raise
+        finally:
+            stream.ended = err
+            for queue in stream.queues.values():
+                queue.put_nowait(err)
+            stream.queues.clear()
+            stream.call.cancel()  # no-op when it already ended
+
+    async def _send(self, stream: _Stream, frame: worker_pb2.GenerateStreamRequest) -> None:
+        async with stream.write_lock:
+            if stream.ended is not None:
+                raise WorkerCallError(stream.ended.code, stream.ended.details)
+            try:
+                await stream.call.write(frame)
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
+                raise WorkerCallError(grpc.StatusCode.UNAVAILABLE,
+                                      f"cannot send to worker {self.address}: {exc}") from exc
+
+    async def close(self) -> None:
+        """End the stream (the worker aborts every call still open on it)."""
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.call.cancel()
+            if stream.reader is not None:
+                stream.reader.cancel()
+                await asyncio.gather(stream.reader, return_exceptions=True)
+
+
+class LinkCall:
+    """One routed call: iterate for the worker's messages; :meth:`trailing_metadata` after.
+
+    Raises :class:`WorkerCallError` from the iteration when the call ends with a non-OK status.
+    """
+
+    def __init__(self, link: WorkerLink, request, trace_context) -> None:
+        self._link = link
+        self._frame = worker_pb2.GenerateStreamRequest(call_id=next(link._ids), generate=request)
+        for key, value in trace_context:
+            self._frame.trace_context[key] = value
+        self._stream: Optional[_Stream] = None
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._sent = False  # the generate frame went (or may have gone) to the worker
+        self._done = False
+        self._worker_duration_s: Optional[float] = None
+
+    async def __aiter__(self) -> AsyncIterator[common_pb2.GenerateResponse]:
+        stream = self._stream = self._link._open()
+        call_id = self._frame.call_id
+        stream.queues[call_id] = self._queue
+        try:
+            self._sent = True
+            await self._link._send(stream, self._frame)
+            while True:
+                frame = await self._queue.get()
+                if isinstance(frame, WorkerCallError):
+                    self._done = True
+                    raise frame
+                if frame.HasField("message"):
+                    yield frame.message
+                if frame.done:
+                    self._done = True
+                    if frame.status_code:
+                        raise WorkerCallError(_CODES.get(frame.status_code, grpc.StatusCode.UNKNOWN),
+                                              frame.status_message)
+                    self._worker_duration_s = frame.worker_duration_s
+                    return
+        finally:
+            stream.queues.pop(call_id, None)
+            self.cancel()  # the caller left early: abort it on the worker
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        """What ``Worker.Generate`` would send as trailers: the worker's handler time."""
+        if self._worker_duration_s is None:
+            return ()
+        return ((MD_WORKER_DURATION_S, f"{self._worker_duration_s:.6f}"),)
+
+    def cancel(self) -> None:
+        """Abort the call on the worker if it is still open (no-op once it ended)."""
+        if self._done:
+            return
+        self._done = True
+        stream = self._stream
+        if stream is None or not self._sent:
+            return
+        stream.queues.pop(self._frame.call_id, None)
+        if stream.ended is None:
+            frame = worker_pb2.GenerateStreamRequest(call_id=self._frame.call_id, cancel=True)
+            task = asyncio.get_running_loop().create_task(self._link._send(stream, frame))
+            task.add_done_callback(_ignore_result)
+
+
+def _ignore_result(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("cancel frame not sent: %s", task.exception())
