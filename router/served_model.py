@@ -7,14 +7,14 @@ the tokens the router hashes are the tokens the worker caches.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
 import tokenizers
 
 from kvfleet.allocator.fingerprint import fingerprint_model_dir, read_chat_template
-from kvfleet.allocator.hashing import CacheIdentity
+from kvfleet.allocator.hashing import CacheIdentity, root_hash
 from kvfleet.errors import InvalidArgument
 from kvfleet.router.chat_template import ChatTemplate
 
@@ -33,6 +33,7 @@ class ServedModel:
     max_context: int
     vocab_size: int
     block_size: int
+    _roots: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def load(cls, name: str, model_dir: str | Path, block_size: int, kv_dtype: str = "float32") -> "ServedModel":
@@ -55,6 +56,17 @@ class ServedModel:
                    chat_template=ChatTemplate(source, special) if source else None,
                    identity=identity, max_context=int(config["max_position_embeddings"]),
                    vocab_size=int(config["vocab_size"]), block_size=block_size)
+
+    def root_hash(self, scope: str, cache_salt: str) -> bytes:
+        """The chain root for (tenant scope, salt) under this model's identity; remembers the
+        last 4,096 pairs (each costs a few hashes, and most requests repeat one)."""
+        key = (scope, cache_salt)
+        root = self._roots.get(key)
+        if root is None:
+            if len(self._roots) >= 4096:
+                self._roots.clear()
+            root = self._roots[key] = root_hash(self.identity.digest(), scope, cache_salt)
+        return root
 
     def encode_text(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=True).ids

@@ -7,10 +7,10 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 
-from kvfleet.allocator.hashing import block_hash_chain, root_hash
+from kvfleet.allocator.hashing import block_hash_chain
 from kvfleet.errors import (InvalidArgument, KvfleetError, NotFound, OutOfRange, Unavailable,
                             status_of)
 from kvfleet.router.auth import Authenticator
@@ -21,7 +21,7 @@ from kvfleet.router.served_model import ServedModel
 from kvfleet.router.worker_link import WorkerCallError
 from kvfleet.sampling_params import SamplingParams
 from kvfleet.telemetry.router_spans import RouterTelemetry
-from kvfleet.v1 import router_pb2, router_pb2_grpc, worker_pb2
+from kvfleet.v1 import router_pb2, router_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             raise NotFound(f"model {name!r} is not served; served: {sorted(self.models)}")
         return model
 
-    def _prompt_tokens(self, request, model: ServedModel) -> list[int]:
+    def _prompt_tokens(self, request, model: ServedModel) -> Sequence[int]:
         kind = request.WhichOneof("prompt")
         if kind is None:
             raise InvalidArgument("prompt: one of text, token_ids or messages is required")
@@ -65,12 +65,12 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 raise InvalidArgument(f"text exceeds {MAX_PROMPT_BYTES} bytes")
             return model.encode_text(request.text)
         if kind == "token_ids":
-            ids = list(request.token_ids.ids)
+            ids = request.token_ids.ids  # no copy: min/max run in C
             if not ids:
                 raise InvalidArgument("token_ids must not be empty")
-            bad = [t for t in ids if not 0 <= t < model.vocab_size]
-            if bad:
-                raise InvalidArgument(f"token_ids: {bad[0]} is outside [0, {model.vocab_size})")
+            if min(ids) < 0 or max(ids) >= model.vocab_size:
+                bad = next(t for t in ids if not 0 <= t < model.vocab_size)
+                raise InvalidArgument(f"token_ids: {bad} is outside [0, {model.vocab_size})")
             return ids
         msgs = [{"role": m.role, "content": m.content} for m in request.messages.messages]
         if sum(len(m["content"].encode()) for m in msgs) > MAX_PROMPT_BYTES:
@@ -125,8 +125,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
                     f"= {total} exceeds the context of {model.max_context} tokens")
             route_start = time.monotonic()
             scope = self.auth.cache_scope(tenant)  # the tenant, or its shared namespace
-            root = root_hash(model.identity.digest(), scope, request.cache_salt)
-            chain = block_hash_chain(root, tokens, model.block_size)
+            chain = block_hash_chain(model.root_hash(scope, request.cache_salt), tokens,
+                                     model.block_size)
             decision = await self.route(model, chain)
             trace.routed(route_start, decision, self.policy.name)
         except KvfleetError as exc:
@@ -134,21 +134,22 @@ class RouterService(router_pb2_grpc.RouterServicer):
             await context.abort(*status_of(exc))
             return
         request_id = request.request_id or uuid.uuid4().hex
-        worker_req = worker_pb2.WorkerGenerateRequest(
-            request_id=request_id, prompt_token_ids=tokens, tenant=scope,
-            cache_salt=request.cache_salt, adapter=request.adapter)
+        info = decision.candidate.info
+        call = self.replicas.link(info).call(
+            trace.start_dispatch(request_id, info.replica_id, info.address))
+        worker_req = call.request  # filled in place: no copy of the prompt into the frame
+        worker_req.request_id, worker_req.tenant = request_id, scope
+        worker_req.cache_salt, worker_req.adapter = request.cache_salt, request.adapter
+        worker_req.prompt_token_ids.extend(tokens)
         params.to_proto(worker_req.sampling)
         remaining = context.time_remaining()
         if remaining is not None:
             worker_req.deadline_unix_s = time.time() + remaining
-        info = decision.candidate.info
         log.debug("request %s: %d tokens, %d blocks matched on %s (%s)", request_id, len(tokens),
                   decision.candidate.matched_blocks, info.replica_id, self.policy.name)
         self.replicas.inflight[info.replica_id] += 1
         # The client's deadline travels as worker_req.deadline_unix_s (the worker enforces it);
         # gRPC cancels this handler at the same deadline, which cancels the call below.
-        call = self.replicas.link(info).call(
-            worker_req, trace.start_dispatch(request_id, info.replica_id, info.address))
         try:
             async for msg in call:
                 if msg.finish_reason:

@@ -55,10 +55,10 @@ class WorkerLink:
         self._stream: Optional[_Stream] = None
         self._ids = itertools.count(1)
 
-    def call(self, request: worker_pb2.WorkerGenerateRequest,
-             trace_context: Sequence[tuple[str, str]] = ()) -> "LinkCall":
-        """A call that starts when iterated: ``async for msg in link.call(req): ...``."""
-        return LinkCall(self, request, trace_context)
+    def call(self, trace_context: Sequence[tuple[str, str]] = ()) -> "LinkCall":
+        """A new call: fill ``call.request`` (a ``WorkerGenerateRequest``), then iterate it for
+        the worker's messages (``async for msg in call``); it is sent on the first iteration."""
+        return LinkCall(self, trace_context)
 
     def _open(self) -> _Stream:
         if self._stream is None or self._stream.ended is not None:
@@ -116,9 +116,10 @@ class LinkCall:
     Raises :class:`WorkerCallError` from the iteration when the call ends with a non-OK status.
     """
 
-    def __init__(self, link: WorkerLink, request, trace_context) -> None:
+    def __init__(self, link: WorkerLink, trace_context) -> None:
         self._link = link
-        self._frame = worker_pb2.GenerateStreamRequest(call_id=next(link._ids), generate=request)
+        self._frame = worker_pb2.GenerateStreamRequest(call_id=next(link._ids))
+        self.request: worker_pb2.WorkerGenerateRequest = self._frame.generate
         for key, value in trace_context:
             self._frame.trace_context[key] = value
         self._stream: Optional[_Stream] = None
