@@ -3,8 +3,10 @@
     .venv/bin/python -m bench.router_cost
 
 1. Added TTFT: the same Poisson stream (``--rates`` req/s, 1,024-token shared prefix + 64
-   unique tokens, one output token) sent straight to the worker and through the router, in
-   alternating segments; added TTFT = routed quantile − direct quantile.
+   unique tokens, one output token) sent straight to the worker, through the router and
+   through :mod:`bench.null_relay` (a do-nothing Python gRPC relay: the floor of any hop
+   written like the router, on this machine), in rotating segments; added TTFT = relayed
+   quantile − direct quantile.
 2. Prefix lookup: ``RedisPrefixIndex.match`` latency for 256-, 1,024- and 4,096-token chains
    that four replicas hold in full, and Redis commands per lookup (``INFO commandstats``).
 3. Index writes off the TTFT path: direct TTFT with Redis answering vs Redis frozen (SIGSTOP):
@@ -20,6 +22,8 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -41,21 +45,25 @@ def q_ms(xs, q: float) -> float:
     return quantile(xs, q) * 1e3
 
 
-async def added_ttft(worker: Target, router: Target, rate: float, segment: int, rounds: int) -> dict:
+async def added_ttft(worker: Target, relays: dict[str, Target], rate: float, segment: int,
+                     rounds: int) -> dict:
+    """Added TTFT of each relay over ``worker``: segments rotate so that drift hits all alike."""
     w = Workload(groups=1, prefix_tokens=1024, suffix_tokens=64)
-    direct, routed = [], []
+    order = [("direct", worker), *relays.items()]
+    ttft: dict[str, list[float]] = {name: [] for name, _ in order}
     for r in range(rounds):
         reqs = requests(w, rate, segment, seed=50 + r)
-        for target, out in ((worker, direct), (router, routed)) if r % 2 == 0 else \
-                ((router, routed), (worker, direct)):
+        for name, target in order[r % len(order):] + order[:r % len(order)]:
             res = await open_loop(target, reqs)
-            out += [x.ttft_s for x in res if x.ok]
+            ttft[name] += [x.ttft_s for x in res if x.ok]
             await asyncio.sleep(0.5)
-    got = {"rate_per_s": rate, "requests_each": len(direct)}
+    got = {"rate_per_s": rate, "requests_each": len(ttft["direct"])}
     for q in (0.5, 0.9, 0.99):
-        got[f"direct_p{int(q * 100)}_ms"] = q_ms(direct, q)
-        got[f"routed_p{int(q * 100)}_ms"] = q_ms(routed, q)
-        got[f"added_p{int(q * 100)}_ms"] = q_ms(routed, q) - q_ms(direct, q)
+        p = f"p{int(q * 100)}"
+        got[f"direct_{p}_ms"] = q_ms(ttft["direct"], q)
+        for name in relays:
+            got[f"{name}_{p}_ms"] = q_ms(ttft[name], q)
+            got[f"{name}_added_{p}_ms"] = got[f"{name}_{p}_ms"] - got[f"direct_{p}_ms"]
     return got
 
 
@@ -151,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rates", default="30,100", help="requests/s for the TTFT test")
     p.add_argument("--segment", type=int, default=400)
-    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=6, help="segments per target and rate")
     a = p.parse_args(argv)
 
     from kvfleet.deploy.launcher import ClusterConfig, LocalCluster, init_ray, shutdown_ray
@@ -166,8 +174,13 @@ def main(argv: list[str] | None = None) -> int:
         redis_url=redis.url, namespace="bench-cost:", replica_num_cpus=0,
         executor="cost-model", cost_model=ZERO))
     load_before = os.getloadavg()
+    relay_proc = None
     try:
         cluster.start()
+        relay_proc = subprocess.Popen(
+            [sys.executable, "-m", "bench.null_relay", cluster.replica_addresses[0]],
+            stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parent.parent)
+        null_relay_address = relay_proc.stdout.readline().split()[-1]
 
         async def run() -> dict:
             from bench.router_bench import wait_registered
@@ -175,9 +188,12 @@ def main(argv: list[str] | None = None) -> int:
             await wait_registered(cluster.router_address, 1)
             worker = Target(cluster.replica_addresses[0], kind="worker", max_tokens=1)
             router = Target(cluster.router_address, max_tokens=1)
+            null = Target(null_relay_address, max_tokens=1)
             cpu0 = cpu_seconds(cluster.router_proc.pid)
-            out = {"added_ttft": [await added_ttft(worker, router, float(rate), a.segment, a.rounds)
-                                  for rate in a.rates.split(",")]}
+            out = {"added_ttft": [
+                await added_ttft(worker, {"routed": router, "null_relay": null}, float(rate),
+                                 a.segment, a.rounds)
+                for rate in a.rates.split(",")]}
             routed = sum(x["requests_each"] for x in out["added_ttft"])
             out["router_cpu_ms_per_request"] = (cpu_seconds(cluster.router_proc.pid) - cpu0) / routed * 1e3
             print(json.dumps(out), flush=True)
@@ -189,12 +205,15 @@ def main(argv: list[str] | None = None) -> int:
             long_r = Target(cluster.router_address, max_tokens=2000)
             out["relay"] = await relay(long_w, long_r, cluster.router_proc.pid, 8, 6.0, 3)
             print(json.dumps(out["relay"]), flush=True)
-            for t in (worker, router, long_w, long_r):
+            for t in (worker, router, null, long_w, long_r):
                 await t.close()
             return out
 
         out = asyncio.run(run())
     finally:
+        if relay_proc is not None:
+            relay_proc.kill()
+            relay_proc.wait()
         cluster.stop()
         redis.stop()
         shutdown_ray()

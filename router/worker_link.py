@@ -71,12 +71,13 @@ class WorkerLink:
         err = WorkerCallError(grpc.StatusCode.UNAVAILABLE, f"worker {self.address} closed the stream")
         try:
             while True:
-                frame = await stream.call.read()
-                if frame is grpc.aio.EOF:
+                batch = await stream.call.read()
+                if batch is grpc.aio.EOF:
                     break
-                queue = stream.queues.get(frame.call_id)
-                if queue is not None:
-                    queue.put_nowait(frame)
+                for frame in batch.frames:
+                    queue = stream.queues.get(frame.call_id)
+                    if queue is not None:
+                        queue.put_nowait(frame)
         except grpc.aio.AioRpcError as exc:  # the replica, not the call, failed: retryable
             err = WorkerCallError(grpc.StatusCode.UNAVAILABLE, f"stream to worker {self.address} "
                                   f"ended: {exc.code().name}: {exc.details()}")
@@ -137,9 +138,9 @@ class LinkCall:
             await self._link._send(stream, self._frame)
             while True:
                 frame = await self._queue.get()
-                if isinstance(frame, WorkerCallError):
+                if isinstance(frame, WorkerCallError):  # the stream ended: shared by its calls
                     self._done = True
-                    raise frame
+                    raise WorkerCallError(frame.code, frame.details)
                 if frame.HasField("message"):
                     yield frame.message
                 if frame.done:

@@ -123,10 +123,17 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         reader = asyncio.create_task(read())
         try:
             while True:
+                batch = worker_pb2.GenerateStreamBatch()
                 frame = await out.get()
-                if frame is not None:
-                    await context.write(frame)
-                elif not reading and not calls and out.empty():
+                while True:  # every frame ready now (often one engine step's) in one message
+                    if frame is not None:
+                        batch.frames.append(frame)
+                    if out.empty():
+                        break
+                    frame = out.get_nowait()
+                if batch.frames:
+                    await context.write(batch)
+                elif not reading and not calls:
                     break
         finally:
             reader.cancel()

@@ -60,6 +60,12 @@ class GenerateStreamResponse(_message.Message):
     worker_duration_s: float
     def __init__(self, call_id: _Optional[int] = ..., message: _Optional[_Union[_common_pb2.GenerateResponse, _Mapping]] = ..., done: _Optional[bool] = ..., status_code: _Optional[int] = ..., status_message: _Optional[str] = ..., worker_duration_s: _Optional[float] = ...) -> None: ...
 
+class GenerateStreamBatch(_message.Message):
+    __slots__ = ("frames",)
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    frames: _containers.RepeatedCompositeFieldContainer[GenerateStreamResponse]
+    def __init__(self, frames: _Optional[_Iterable[_Union[GenerateStreamResponse, _Mapping]]] = ...) -> None: ...
+
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

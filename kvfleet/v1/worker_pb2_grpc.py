@@ -43,7 +43,7 @@ class WorkerStub:
         self.GenerateStream = channel.stream_stream(
                 '/kvfleet.v1.Worker/GenerateStream',
                 request_serializer=kvfleet_dot_v1_dot_worker__pb2.GenerateStreamRequest.SerializeToString,
-                response_deserializer=kvfleet_dot_v1_dot_worker__pb2.GenerateStreamResponse.FromString,
+                response_deserializer=kvfleet_dot_v1_dot_worker__pb2.GenerateStreamBatch.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/kvfleet.v1.Worker/Abort',
@@ -75,6 +75,7 @@ class WorkerServicer:
         """The router's path: many Generate calls multiplexed on one long-lived stream per router
         and replica, so a routed request costs a frame each way instead of a new gRPC call
         (HTTP/2 stream, metadata, status). Closing the stream aborts every call still open on it.
+        Frames ready at the same time (one engine step's outputs) travel as one batch message.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -110,7 +111,7 @@ def add_WorkerServicer_to_server(servicer, server):
             'GenerateStream': grpc.stream_stream_rpc_method_handler(
                     servicer.GenerateStream,
                     request_deserializer=kvfleet_dot_v1_dot_worker__pb2.GenerateStreamRequest.FromString,
-                    response_serializer=kvfleet_dot_v1_dot_worker__pb2.GenerateStreamResponse.SerializeToString,
+                    response_serializer=kvfleet_dot_v1_dot_worker__pb2.GenerateStreamBatch.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -181,7 +182,7 @@ class Worker:
             target,
             '/kvfleet.v1.Worker/GenerateStream',
             kvfleet_dot_v1_dot_worker__pb2.GenerateStreamRequest.SerializeToString,
-            kvfleet_dot_v1_dot_worker__pb2.GenerateStreamResponse.FromString,
+            kvfleet_dot_v1_dot_worker__pb2.GenerateStreamBatch.FromString,
             options,
             channel_credentials,
             insecure,

@@ -35,11 +35,17 @@ async def collect(call, calls) -> dict[int, list]:
     left = dict(calls) if isinstance(calls, dict) else {c: 1 for c in calls}
     got: dict[int, list] = {c: [] for c in left}
     while any(left.values()):
-        frame = await asyncio.wait_for(call.read(), 10)
-        assert frame is not grpc.aio.EOF
-        got[frame.call_id].append(frame)
-        left[frame.call_id] -= frame.done
+        for frame in await next_frames(call):
+            got[frame.call_id].append(frame)
+            left[frame.call_id] -= frame.done
     return got
+
+
+async def next_frames(call) -> list:
+    """The frames of the stream's next batch message."""
+    batch = await asyncio.wait_for(call.read(), 10)
+    assert batch is not grpc.aio.EOF and batch.frames
+    return list(batch.frames)
 
 
 async def idle(server, timeout_s: float = 10.0) -> dict:
@@ -115,14 +121,14 @@ async def test_cancel_frames_and_a_closed_stream_abort_calls_and_free_blocks(fle
         call = worker_pb2_grpc.WorkerStub(channel).GenerateStream()
         for c in (1, 2):
             await call.write(generate_frame(c, prompt(c, 3 * BLOCK), max_tokens=150))
-        first = await asyncio.wait_for(call.read(), 10)
+        first = (await next_frames(call))[0]
         assert not first.done and first.message.token_ids
         await call.write(worker_pb2.GenerateStreamRequest(call_id=first.call_id, cancel=True))
         other = 3 - first.call_id
         while True:  # the other call keeps streaming; the cancelled one ends without more frames
-            frame = await asyncio.wait_for(call.read(), 10)
-            assert not frame.done
-            if frame.call_id == other:
+            frames = await next_frames(call)
+            assert not any(f.done for f in frames)
+            if any(f.call_id == other for f in frames):
                 break
         await asyncio.sleep(0.1)
         assert server._loop.stats["running"] == 1
