@@ -105,10 +105,14 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             nonlocal reading
             try:
                 async for frame in frames:
-                    if frame.WhichOneof("action") == "cancel":
+                    action = frame.WhichOneof("action")
+                    if action == "cancel":
                         task = calls.get(frame.call_id)
                         if task is not None:
                             task.cancel()
+                    elif action is None:
+                        out.put_nowait(_done(frame.call_id, grpc.StatusCode.INVALID_ARGUMENT,
+                                             "action: one of generate or cancel is required"))
                     elif frame.call_id in calls:
                         out.put_nowait(_done(frame.call_id, grpc.StatusCode.INVALID_ARGUMENT,
                                              f"call_id {frame.call_id} is already open"))

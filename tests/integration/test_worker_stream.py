@@ -106,6 +106,11 @@ async def test_a_refused_call_ends_with_its_status_and_the_stream_lives_on(fleet
         assert "already open" in [f for f in got[2] if f.done][0].status_message
         assert statuses[-1] == 0 and got[2][-1].message.usage.completion_tokens == 30
         assert got[3][-1].status_code == grpc.StatusCode.OUT_OF_RANGE.value[0]
+        await call.write(worker_pb2.GenerateStreamRequest(call_id=5))  # no action
+        await call.write(worker_pb2.GenerateStreamRequest(call_id=99, cancel=True))  # unknown
+        empty = (await collect(call, {5}))[5][-1]
+        assert empty.status_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert "action" in empty.status_message
         await call.write(generate_frame(4, prompt(4, 20)))  # the stream still serves
         assert (await collect(call, {4}))[4][-1].status_code == 0
         call.cancel()
