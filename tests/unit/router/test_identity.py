@@ -58,3 +58,13 @@ def test_a_fine_tuned_revision_with_the_same_shapes_gets_another_fingerprint(tin
     assert a.weights != b.weights
     assert (a.tokenizer, a.chat_template) == (b.tokenizer, b.chat_template)
     assert fingerprint_model_dir(tiny_llama_dir) == a  # deterministic
+
+
+def test_the_router_s_memoised_root_is_the_allocator_s_root(tiny_llama_dir):
+    from kvfleet.router.served_model import ServedModel
+
+    model = ServedModel.load("tiny", tiny_llama_dir, block_size=16)
+    for scope, salt in [("default", ""), ("acme", ""), ("acme", "s1"), ("default", "")]:
+        assert model.root_hash(scope, salt) == root_hash(model.identity.digest(), scope, salt)
+    assert len({model.root_hash("acme", ""), model.root_hash("acme", "s1"),
+                model.root_hash("default", "")}) == 3
