@@ -26,10 +26,13 @@ log = logging.getLogger(__name__)
 class ReplicaSet:
     """``empty_grace_s``: when the registry suddenly lists no replica at all (Redis restarted
     empty or was flushed), keep routing to the last-known ones for this long while they
-    re-register (an empty registry is far likelier a lost index than a fleet gone at once)."""
+    re-register (an empty registry is far likelier a lost index than a fleet gone at once).
+    ``unreachable_s``: a replica whose stream failed is left out of routing for this long
+    (seconds), or until the registry lists it at another address or epoch, unless every
+    replica of the model is left out (its registry entry lives until the heartbeat TTL)."""
 
     def __init__(self, index: PrefixIndex, refresh_interval_s: float = 0.5,
-                 empty_grace_s: float = 10.0) -> None:
+                 empty_grace_s: float = 10.0, unreachable_s: float = 10.0) -> None:
         self.index = index
         self.refresh_interval_s = refresh_interval_s
         self.empty_grace_s = empty_grace_s
@@ -37,6 +40,8 @@ class ReplicaSet:
         self.replicas: dict[str, tuple[ReplicaInfo, Optional[ReplicaLoad]]] = {}
         self.inflight: dict[str, int] = defaultdict(int)
         self.index_available = True
+        self.unreachable_s = unreachable_s
+        self._unreachable: dict[str, tuple[str, int, float]] = {}  # id → (address, epoch, until)
         self._channels: dict[str, tuple[str, grpc.aio.Channel, WorkerLink]] = {}
         self._task: Optional[asyncio.Task] = None
 
@@ -80,7 +85,30 @@ class ReplicaSet:
                 log.exception("replica refresh failed")
 
     def for_model(self, model: str) -> list[tuple[ReplicaInfo, Optional[ReplicaLoad]]]:
-        return [r for r in self.replicas.values() if r[0].model == model]
+        """Replicas serving ``model``, without those marked unreachable (unless that is all)."""
+        live = [r for r in self.replicas.values() if r[0].model == model]
+        if not self._unreachable:
+            return live
+        reachable = [r for r in live if not self._is_unreachable(r[0])]
+        return reachable or live
+
+    def mark_unreachable(self, info: ReplicaInfo) -> None:
+        """The stream to ``info`` failed: route elsewhere until it re-registers or the mark ends."""
+        if info.replica_id not in self._unreachable:
+            log.warning("replica %s at %s unreachable; routing around it", info.replica_id,
+                        info.address)
+        self._unreachable[info.replica_id] = (info.address, info.epoch,
+                                              time.monotonic() + self.unreachable_s)
+
+    def _is_unreachable(self, info: ReplicaInfo) -> bool:
+        mark = self._unreachable.get(info.replica_id)
+        if mark is None:
+            return False
+        address, epoch, until = mark
+        if time.monotonic() < until and (address, epoch) == (info.address, info.epoch):
+            return True
+        del self._unreachable[info.replica_id]  # expired, or a new process registered
+        return False
 
     def link(self, info: ReplicaInfo) -> WorkerLink:
         """The replica's multiplexed call stream at its current address (a new address gets a

@@ -18,7 +18,7 @@ from kvfleet.router.policy import Candidate, RoutingPolicy
 from kvfleet.router.prefix_index import IndexUnavailable
 from kvfleet.router.replica_set import ReplicaSet
 from kvfleet.router.served_model import ServedModel
-from kvfleet.router.worker_link import WorkerCallError
+from kvfleet.router.worker_link import LinkCall, WorkerCallError
 from kvfleet.sampling_params import SamplingParams
 from kvfleet.telemetry.router_spans import RouterTelemetry
 from kvfleet.v1 import router_pb2, router_pb2_grpc
@@ -134,7 +134,49 @@ class RouterService(router_pb2_grpc.RouterServicer):
             await context.abort(*status_of(exc))
             return
         request_id = request.request_id or uuid.uuid4().hex
-        info = decision.candidate.info
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else time.time() + remaining
+        for attempt in (1, 2):
+            info = decision.candidate.info
+            call = self._worker_call(request, request_id, params, tokens, scope, info, trace,
+                                     deadline)
+            log.debug("request %s: %d tokens, %d blocks matched on %s (%s)", request_id,
+                      len(tokens), decision.candidate.matched_blocks, info.replica_id,
+                      self.policy.name)
+            relayed = False
+            self.replicas.inflight[info.replica_id] += 1
+            # The client's deadline travels as deadline_unix_s (the worker enforces it); gRPC
+            # cancels this handler at the same deadline, which cancels the call below.
+            try:
+                async for msg in call:
+                    relayed = True
+                    if msg.finish_reason:
+                        trace.on_final(msg)
+                    yield msg
+                trace.dispatched(call.trailing_metadata())
+                context.set_trailing_metadata(trace.trailers())
+                return
+            except WorkerCallError as exc:
+                if exc.link_failed:
+                    self.replicas.mark_unreachable(info)
+                    retry = None
+                    if not relayed and attempt == 1:  # nothing reached the client: safe to move
+                        with contextlib.suppress(KvfleetError):
+                            retry = await self.route(model, chain)
+                        if retry is not None and retry.candidate.info.replica_id != info.replica_id:
+                            trace.dispatch_failed(exc.code, exc.details)
+                            decision = retry
+                            continue
+                trace.fail(exc.code, exc.details or "worker stream failed")
+                await context.abort(exc.code, exc.details or "worker stream failed")
+            finally:
+                self.replicas.inflight[info.replica_id] -= 1
+                call.cancel()  # no-op when finished; aborts the worker's call if the client left
+
+    def _worker_call(self, request, request_id: str, params: SamplingParams,
+                     tokens: Sequence[int], scope: str, info, trace,
+                     deadline_unix_s: Optional[float]) -> LinkCall:
+        """The worker request for one dispatch to ``info``, ready to iterate."""
         call = self.replicas.link(info).call(
             trace.start_dispatch(request_id, info.replica_id, info.address))
         worker_req = call.request  # filled in place: no copy of the prompt into the frame
@@ -142,27 +184,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
         worker_req.cache_salt, worker_req.adapter = request.cache_salt, request.adapter
         worker_req.prompt_token_ids.extend(tokens)
         params.to_proto(worker_req.sampling)
-        remaining = context.time_remaining()
-        if remaining is not None:
-            worker_req.deadline_unix_s = time.time() + remaining
-        log.debug("request %s: %d tokens, %d blocks matched on %s (%s)", request_id, len(tokens),
-                  decision.candidate.matched_blocks, info.replica_id, self.policy.name)
-        self.replicas.inflight[info.replica_id] += 1
-        # The client's deadline travels as worker_req.deadline_unix_s (the worker enforces it);
-        # gRPC cancels this handler at the same deadline, which cancels the call below.
-        try:
-            async for msg in call:
-                if msg.finish_reason:
-                    trace.on_final(msg)
-                yield msg
-            trace.dispatched(call.trailing_metadata())
-            context.set_trailing_metadata(trace.trailers())
-        except WorkerCallError as exc:
-            trace.fail(exc.code, exc.details or "worker stream failed")
-            await context.abort(exc.code, exc.details or "worker stream failed")
-        finally:
-            self.replicas.inflight[info.replica_id] -= 1
-            call.cancel()  # no-op when finished; aborts the worker's call if the client left
+        if deadline_unix_s is not None:
+            worker_req.deadline_unix_s = deadline_unix_s
+        return call
 
     async def Tokenize(self, request, context):
         try:

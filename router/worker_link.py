@@ -25,11 +25,21 @@ log = logging.getLogger(__name__)
 
 
 class WorkerCallError(Exception):
-    """A routed call ended with a non-OK status (``code``: :class:`grpc.StatusCode`)."""
+    """A routed call ended with a non-OK status (``code``: :class:`grpc.StatusCode`).
 
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+    ``link_failed``: the stream to the replica failed (replica gone or unreachable), as
+    opposed to the replica ending this call with a status of its own.
+    """
+
+    def __init__(self, code: grpc.StatusCode, details: str, link_failed: bool = False) -> None:
         super().__init__(f"{code.name}: {details}")
-        self.code, self.details = code, details
+        self.code, self.details, self.link_failed = code, details, link_failed
+
+
+def _rpc_error_text(exc: BaseException) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return str(exc) or type(exc).__name__
 
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
@@ -68,7 +78,8 @@ class WorkerLink:
         return self._stream
 
     async def _read(self, stream: _Stream) -> None:
-        err = WorkerCallError(grpc.StatusCode.UNAVAILABLE, f"worker {self.address} closed the stream")
+        err = WorkerCallError(grpc.StatusCode.UNAVAILABLE, f"worker {self.address} closed the stream",
+                              link_failed=True)
         try:
             while True:
                 batch = await stream.call.read()
@@ -80,9 +91,11 @@ class WorkerLink:
                         queue.put_nowait(frame)
         except grpc.aio.AioRpcError as exc:  # the replica, not the call, failed: retryable
             err = WorkerCallError(grpc.StatusCode.UNAVAILABLE, f"stream to worker {self.address} "
-                                  f"ended: {exc.code().name}: {exc.details()}")
+                                  f"ended: {_rpc_error_text(exc)}", link_failed=True)
         except asyncio.CancelledError:
-            err = WorkerCallError(grpc.StatusCode.CANCELLED, "the router closed the stream")
+            err = WorkerCallError(grpc.StatusCode.UNAVAILABLE,
+                                  f"the router closed its stream to worker {self.address}",
+                                  link_failed=True)
             raise
         finally:
             stream.ended = err
@@ -94,12 +107,13 @@ class WorkerLink:
     async def _send(self, stream: _Stream, frame: worker_pb2.GenerateStreamRequest) -> None:
         async with stream.write_lock:
             if stream.ended is not None:
-                raise WorkerCallError(stream.ended.code, stream.ended.details)
+                raise WorkerCallError(stream.ended.code, stream.ended.details, link_failed=True)
             try:
                 await stream.call.write(frame)
             except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
-                raise WorkerCallError(grpc.StatusCode.UNAVAILABLE,
-                                      f"cannot send to worker {self.address}: {exc}") from exc
+                raise WorkerCallError(grpc.StatusCode.UNAVAILABLE, f"cannot send to worker "
+                                      f"{self.address}: {_rpc_error_text(exc)}",
+                                      link_failed=True) from exc
 
     async def close(self) -> None:
         """End the stream (the worker aborts every call still open on it)."""
@@ -140,7 +154,7 @@ class LinkCall:
                 frame = await self._queue.get()
                 if isinstance(frame, WorkerCallError):  # the stream ended: shared by its calls
                     self._done = True
-                    raise WorkerCallError(frame.code, frame.details)
+                    raise WorkerCallError(frame.code, frame.details, link_failed=True)
                 if frame.HasField("message"):
                     yield frame.message
                 if frame.done:

@@ -177,6 +177,15 @@ class RouterRequestTrace:
             out.append((n.MD_TRACE_ID, trace.format_trace_id(ctx.trace_id)))
         return tuple(out)
 
+    def dispatch_failed(self, code: grpc.StatusCode, message: str) -> None:
+        """The open ``router.dispatch`` failed before relaying anything and the request goes to
+        another replica: end that span with the status (the next dispatch opens a new one)."""
+        span, self._dispatch = self._dispatch, None
+        if span is not None:
+            if self.recording:
+                set_failure(span, code, message, finish_reason_of_code(code))
+            span.end(end_time=self.clock.wall_ns(self.clock.now()))
+
     def fail(self, code: grpc.StatusCode, message: str) -> None:
         """Record the status the handler is about to abort with."""
         self._failure = (code, message)

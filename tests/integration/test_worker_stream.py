@@ -171,3 +171,20 @@ async def test_the_router_fails_open_calls_when_a_worker_goes_and_reconnects(fle
         await asyncio.sleep(0.05)
     out = await fleet.generate(prompt(3, 40))
     assert out.replica_id == "rep-a" and out.usage.completion_tokens == 2
+
+
+async def test_requests_move_off_a_replica_that_died_before_its_heartbeat_expired(fleet):
+    dead = await fleet.add_replica("rep-a")
+    await fleet.add_replica("rep-b")
+    router = await fleet.add_router()
+    await fleet.wait_replicas(2)
+    served = {(await fleet.generate(prompt(10 + i, 40))).replica_id for i in range(6)}
+    assert served == {"rep-a", "rep-b"}  # both streams are open
+    # rep-a crashes: nothing deregisters it, so the registry lists it until its heartbeat TTL.
+    publisher, dead.publisher = dead.publisher, None
+    await publisher.close()
+    await dead.stop(grace_s=0.1)
+    outs = await asyncio.gather(*(fleet.generate(prompt(20 + i, 40)) for i in range(10)))
+    assert [o.replica_id for o in outs] == ["rep-b"] * 10  # none failed, none went to rep-a
+    await router.replicas.refresh()
+    assert "rep-a" in router.replicas.replicas  # still registered: routing went around it
