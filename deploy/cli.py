@@ -117,12 +117,25 @@ def cmd_generate(args: argparse.Namespace) -> int:
         kwargs["prompt"] = args.prompt
     else:
         kwargs["messages"] = [{"role": "user", "content": args.prompt}]
-    with Client(args.router, api_key=args.api_key) as client:
-        last = None
-        for chunk in client.stream(timeout=args.timeout, **kwargs):
+    client = Client(args.router, api_key=args.api_key)
+    stream = client.stream(timeout=args.timeout, **kwargs)
+    last = None
+    try:
+        for chunk in stream:
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
             last = chunk
+    except KeyboardInterrupt:
+        stream.close()  # cancels the call: the router aborts it on the worker
+        sys.stdout.write("\n")
+        print("kvfleet: interrupted", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Not client.close(): gRPC's channel close can block after a wait that a signal
+        # interrupted (seen in a fresh-user run); the process is ending anyway.
+        os._exit(130)
+    finally:
+        client.close()  # not reached after os._exit
     sys.stdout.write("\n")
     if last is not None and last.finish_reason:
         print(f"[{last.finish_reason}: {last.completion_tokens} tokens from {last.replica_id}, "

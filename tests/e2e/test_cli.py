@@ -66,6 +66,25 @@ def test_generate_reports_bad_input_with_its_status(cli_cluster):
     assert "INVALID_ARGUMENT" in out.stderr and "temperature" in out.stderr
 
 
+def test_ctrl_c_during_generate_exits_130_and_frees_the_request(cli_cluster):
+    from kvfleet.client import Client
+
+    _, address, _ = cli_cluster
+    proc = subprocess.Popen([*KVFLEET, "generate", "--prompt", "Tell me a very long story.",
+                             "--router", address, "--max-tokens", "400", "--temperature", "0.8"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = proc.stdout.read(8)  # tokens are streaming
+    assert first
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130 and "interrupted" in err and "Traceback" not in err
+    with Client(address) as client:  # the router aborted the call on its replica
+        deadline = time.monotonic() + 20
+        while any(r.running or r.waiting for r in client.cluster_status().replicas):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+
+
 def test_taken_port_is_a_clear_error(cli_cluster, smollm2_dir):
     _, address, _ = cli_cluster
     port = address.rsplit(":", 1)[1]
