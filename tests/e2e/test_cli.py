@@ -70,8 +70,10 @@ def test_ctrl_c_during_generate_exits_130_and_frees_the_request(cli_cluster):
     from kvfleet.client import Client
 
     _, address, _ = cli_cluster
-    proc = subprocess.Popen([*KVFLEET, "generate", "--prompt", "Tell me a very long story.",
-                             "--router", address, "--max-tokens", "400", "--temperature", "0.8"],
+    # A raw-text story continuation (seeded) runs to max_tokens: ~15 s, no early EOS.
+    proc = subprocess.Popen([*KVFLEET, "generate", "--raw", "--prompt", "Once upon a time",
+                             "--router", address, "--max-tokens", "400", "--temperature", "0.8",
+                             "--seed", "1"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     first = proc.stdout.read(8)  # tokens are streaming
     assert first
