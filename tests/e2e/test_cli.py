@@ -70,10 +70,16 @@ def test_ctrl_c_during_generate_exits_130_and_frees_the_request(cli_cluster):
     from kvfleet.client import Client
 
     _, address, _ = cli_cluster
-    # A raw-text story continuation (seeded) runs to max_tokens: ~15 s, no early EOS.
-    proc = subprocess.Popen([*KVFLEET, "generate", "--raw", "--prompt", "Once upon a time",
-                             "--router", address, "--max-tokens", "400", "--temperature", "0.8",
-                             "--seed", "1"],
+    # A raw-text story continuation (seeded) runs to max_tokens: ~15 s, no early EOS. CI may
+    # start the suite with SIGINT ignored (a background job), which Python children inherit:
+    # give the CLI the handler a terminal user's process has.
+    args = ["generate", "--raw", "--prompt", "Once upon a time", "--router", address,
+            "--max-tokens", "400", "--temperature", "0.8", "--seed", "1"]
+    as_in_a_terminal = ("import runpy, signal, sys; "
+                        "signal.signal(signal.SIGINT, signal.default_int_handler); "
+                        f"sys.argv = ['kvfleet', *{args!r}]; "
+                        "runpy.run_module('kvfleet.deploy.cli', run_name='__main__')")
+    proc = subprocess.Popen([sys.executable, "-c", as_in_a_terminal],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     first = proc.stdout.read(8)  # tokens are streaming
     assert first
