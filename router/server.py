@@ -9,7 +9,6 @@ import uuid
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-
 from kvfleet.allocator.hashing import block_hash_chain
 from kvfleet.errors import (InvalidArgument, KvfleetError, NotFound, OutOfRange, Unavailable,
                             status_of)
