@@ -52,6 +52,15 @@ class DeadlineExceeded(KvfleetError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+class StatusError(KvfleetError):
+    """A status known only at run time, e.g. one a worker ended a call with and the router
+    relays: ``code`` (:class:`grpc.StatusCode`) and ``details`` (the message)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The gRPC status code and message a server answers for ``exc``.
 

@@ -6,8 +6,9 @@ the tokens the router hashes are the tokens the worker caches.
 
 from __future__ import annotations
 
+import functools
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -19,6 +20,7 @@ from kvfleet.errors import InvalidArgument
 from kvfleet.router.chat_template import ChatTemplate
 
 VALID_ROLES = ("system", "user", "assistant", "tool")
+_cached_root_hash = functools.lru_cache(maxsize=4096)(root_hash)
 
 
 @dataclass
@@ -33,7 +35,6 @@ class ServedModel:
     max_context: int
     vocab_size: int
     block_size: int
-    _roots: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def load(cls, name: str, model_dir: str | Path, block_size: int, kv_dtype: str = "float32") -> "ServedModel":
@@ -58,15 +59,9 @@ class ServedModel:
                    vocab_size=int(config["vocab_size"]), block_size=block_size)
 
     def root_hash(self, scope: str, cache_salt: str) -> bytes:
-        """The chain root for (tenant scope, salt) under this model's identity; remembers the
-        last 4,096 pairs (each costs a few hashes, and most requests repeat one)."""
-        key = (scope, cache_salt)
-        root = self._roots.get(key)
-        if root is None:
-            if len(self._roots) >= 4096:
-                self._roots.clear()
-            root = self._roots[key] = root_hash(self.identity.digest(), scope, cache_salt)
-        return root
+        """The chain root for (tenant scope, salt) under this model's identity; the last 4,096
+        are remembered (each costs a few hashes, and most requests repeat one)."""
+        return _cached_root_hash(self.identity.digest(), scope, cache_salt)
 
     def encode_text(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=True).ids

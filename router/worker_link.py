@@ -19,13 +19,14 @@ from typing import AsyncIterator, Optional, Sequence
 
 import grpc
 
+from kvfleet.errors import StatusError
 from kvfleet.telemetry.names import MD_WORKER_DURATION_S
 from kvfleet.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 
-class WorkerCallError(Exception):
+class WorkerCallError(StatusError):
     """A routed call ended with a non-OK status (``code``: :class:`grpc.StatusCode`).
 
     ``link_failed``: the stream to the replica failed (replica gone or unreachable), as
@@ -33,8 +34,8 @@ class WorkerCallError(Exception):
     """
 
     def __init__(self, code: grpc.StatusCode, details: str, link_failed: bool = False) -> None:
-        super().__init__(f"{code.name}: {details}")
-        self.code, self.details, self.link_failed = code, details, link_failed
+        super().__init__(code, details)
+        self.link_failed = link_failed
 
 
 def _rpc_error_text(exc: BaseException) -> str:

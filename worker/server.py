@@ -11,7 +11,7 @@ from typing import Optional
 
 import grpc
 
-from kvfleet.errors import KvfleetError, NotFound, Unavailable, status_of
+from kvfleet.errors import KvfleetError, NotFound, StatusError, Unavailable, status_of
 from kvfleet.sampling_params import SamplingParams
 from kvfleet.telemetry.names import MD_WORKER_DURATION_S
 from kvfleet.telemetry.worker_spans import WorkerTelemetry
@@ -51,14 +51,6 @@ _ABNORMAL = {
 }
 
 
-class CallFailed(Exception):
-    """A Generate call ends with a non-OK gRPC status (``code``, ``details``)."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self.code, self.details = code, details
-
-
 def _done(call_id: int, code: grpc.StatusCode, details: str) -> worker_pb2.GenerateStreamResponse:
     return worker_pb2.GenerateStreamResponse(call_id=call_id, done=True,
                                              status_code=code.value[0], status_message=details)
@@ -85,8 +77,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 async with contextlib.aclosing(self._serve(request, trace)) as messages:
                     async for msg in messages:
                         yield msg
-            except CallFailed as exc:
-                await context.abort(exc.code, exc.details)
+            except KvfleetError as exc:
+                await context.abort(*status_of(exc))
             # The router subtracts this from its dispatch time: network time.
             context.set_trailing_metadata(((MD_WORKER_DURATION_S, f"{trace.handler_done():.6f}"),))
 
@@ -160,10 +152,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                         else:
                             out.put_nowait(worker_pb2.GenerateStreamResponse(call_id=call_id,
                                                                              message=msg))
-            except CallFailed as exc:
+            except KvfleetError as exc:
                 if last is not None:
                     out.put_nowait(worker_pb2.GenerateStreamResponse(call_id=call_id, message=last))
-                out.put_nowait(_done(call_id, exc.code, exc.details))
+                out.put_nowait(_done(call_id, *status_of(exc)))
                 return
             done = _done(call_id, grpc.StatusCode.OK, "")
             done.worker_duration_s = trace.handler_done()
@@ -175,8 +167,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         """One Generate call's messages, for both transports.
 
         Raises:
-            CallFailed: refused before reaching the engine, or ended abnormally (deadline,
-                abort, engine error) — with the gRPC status the call ends with.
+            KvfleetError: refused before reaching the engine, or (:class:`StatusError`) ended
+                abnormally (deadline, abort, engine error); ``status_of`` gives the status.
         """
         try:
             if self.draining:
@@ -186,14 +178,15 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 async for out in stream:
                     if out.finish_reason in _ABNORMAL or out.finish_reason is FinishReason.ERROR:
                         # A failure after tokens were sent ends the stream with a non-OK status.
-                        raise CallFailed(*(_ABNORMAL.get(out.finish_reason)
+                        raise StatusError(*(_ABNORMAL.get(out.finish_reason)
                                            or status_of(out.error or RuntimeError())))
                     yield output_to_proto(out, self.replica_id)
             finally:
                 await stream.aclose()  # caller gone at a bare yield: abort the request now
         except KvfleetError as exc:
-            trace.refused(*status_of(exc))
-            raise CallFailed(*status_of(exc)) from exc
+            if not isinstance(exc, StatusError):  # an abnormal end is not a refusal
+                trace.refused(*status_of(exc))
+            raise
 
     async def Abort(self, request, context):
         found = self.loop.engine.is_active(request.request_id)
