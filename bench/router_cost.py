@@ -3,12 +3,14 @@
     .venv/bin/python -m bench.router_cost
 
 1. Added TTFT: the same Poisson stream (``--rates`` req/s, 1,024-token shared prefix + 64
-   unique tokens, one output token) sent straight to the worker, through the router and
-   through :mod:`bench.null_relay` (a do-nothing Python gRPC relay: the floor of any hop
-   written like the router, on this machine), in rotating segments; added TTFT = relayed
-   quantile − direct quantile.
+   unique tokens, one output token) sent straight to the worker, through the router (which
+   looks prefixes up in its in-memory mirror of the index), through a second router run with
+   ``--no-index-mirror`` (one Redis round trip per request) and through :mod:`bench.null_relay`
+   (a do-nothing Python gRPC relay: the floor of any hop written like the router, on this
+   machine), in rotating segments; added TTFT = relayed quantile − direct quantile.
 2. Prefix lookup: ``RedisPrefixIndex.match`` latency for 256-, 1,024- and 4,096-token chains
-   that four replicas hold in full, and Redis commands per lookup (``INFO commandstats``).
+   that four replicas hold in full, Redis commands per lookup (``INFO commandstats``), and the
+   same lookups answered by ``MirroredPrefixIndex`` from memory.
 3. Index writes off the TTFT path: direct TTFT with Redis answering vs Redis frozen (SIGSTOP):
    if a KV-event write sat on the path, every TTFT would grow by the write timeout.
 4. Relay: streamed messages/s of long generations straight from the worker vs through the
@@ -72,6 +74,7 @@ async def lookup_latency(redis_url: str, calls: int = 400) -> dict:
 
     from kvfleet.allocator.hashing import block_hash_chain
     from kvfleet.index_keys import ReplicaInfo
+    from kvfleet.router.index_mirror import MirroredPrefixIndex
     from kvfleet.router.prefix_index import RedisPrefixIndex
     from kvfleet.worker.kv_publisher import KvPublisher
 
@@ -83,24 +86,38 @@ async def lookup_latency(redis_url: str, calls: int = 400) -> dict:
         await p.register()
         await p.publish(chain, [])
     index = RedisPrefixIndex(redis_url, namespace=ns)
+    mirror = MirroredPrefixIndex(RedisPrefixIndex(redis_url, namespace=ns), redis_url, ns)
+    mirror.start()
+    await mirror.sync()
+    await mirror.replicas()
     raw = aioredis.Redis.from_url(redis_url)
     out = {}
-    for tokens in (256, 1024, 4096):
-        sub = chain[: tokens // 16]
-        assert await index.match(sub) == {f"r{i}": len(sub) for i in range(4)}
-        await raw.config_resetstat()
+
+    async def timed(ix, sub) -> list[float]:
         lat = []
         for _ in range(calls):
             t0 = time.perf_counter()
-            await index.match(sub)
+            await ix.match(sub)
             lat.append(time.perf_counter() - t0)
+        return lat
+
+    for tokens in (256, 1024, 4096):
+        sub = chain[: tokens // 16]
+        want = {f"r{i}": len(sub) for i in range(4)}
+        assert await index.match(sub) == want and await mirror.match(sub) == want
+        await raw.config_resetstat()
+        lat = await timed(index, sub)
         stats = await raw.info("commandstats")
         evalsha = stats.get("cmdstat_evalsha", {})
+        assert mirror.local
+        mirrored = await timed(mirror, sub)
         out[f"{tokens}_tokens"] = {
             "p50_ms": q_ms(lat, 0.5), "p99_ms": q_ms(lat, 0.99),
             "redis_commands_per_lookup": sum(v["calls"] for v in stats.values()) / calls,
             "script_calls_per_lookup": evalsha.get("calls", 0) / calls,
-            "redis_side_us_per_lookup": evalsha.get("usec_per_call", 0.0)}
+            "redis_side_us_per_lookup": evalsha.get("usec_per_call", 0.0),
+            "mirror_p50_ms": q_ms(mirrored, 0.5), "mirror_p99_ms": q_ms(mirrored, 0.99)}
+    await mirror.close()
     for p in pubs:
         await p.deregister()
         await p.close()
@@ -174,28 +191,39 @@ def main(argv: list[str] | None = None) -> int:
         redis_url=redis.url, namespace="bench-cost:", replica_num_cpus=0,
         executor="cost-model", cost_model=ZERO))
     load_before = os.getloadavg()
-    relay_proc = None
+    relay_proc = redis_router = None
     try:
         cluster.start()
         relay_proc = subprocess.Popen(
             [sys.executable, "-m", "bench.null_relay", cluster.replica_addresses[0]],
             stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parent.parent)
         null_relay_address = relay_proc.stdout.readline().split()[-1]
+        # The same router looking every prompt up in Redis: the mirror's A/B in the same run.
+        redis_router = subprocess.Popen(
+            [sys.executable, "-m", "kvfleet.router.main", "--redis-url", redis.url,
+             "--model-name", name, "--model-dir", str(model_dir), "--port", "0",
+             "--namespace", "bench-cost:", "--no-index-mirror"], stdout=subprocess.PIPE, text=True)
+        redis_router_address = redis_router.stdout.readline().split()[-1]
 
         async def run() -> dict:
             from bench.router_bench import wait_registered
 
             await wait_registered(cluster.router_address, 1)
+            await wait_registered(redis_router_address, 1)
             worker = Target(cluster.replica_addresses[0], kind="worker", max_tokens=1)
             router = Target(cluster.router_address, max_tokens=1)
+            via_redis = Target(redis_router_address, max_tokens=1)
             null = Target(null_relay_address, max_tokens=1)
-            cpu0 = cpu_seconds(cluster.router_proc.pid)
-            out = {"added_ttft": [
-                await added_ttft(worker, {"routed": router, "null_relay": null}, float(rate),
-                                 a.segment, a.rounds)
-                for rate in a.rates.split(",")]}
+            pids = {"routed": cluster.router_proc.pid, "routed_redis_lookup": redis_router.pid}
+            cpu0 = {k: cpu_seconds(pid) for k, pid in pids.items()}
+            relays = {"routed": router, "routed_redis_lookup": via_redis, "null_relay": null}
+            out = {"added_ttft": [await added_ttft(worker, relays, float(rate), a.segment,
+                                                   a.rounds) for rate in a.rates.split(",")]}
             routed = sum(x["requests_each"] for x in out["added_ttft"])
-            out["router_cpu_ms_per_request"] = (cpu_seconds(cluster.router_proc.pid) - cpu0) / routed * 1e3
+            for k, pid in pids.items():  # each router served as many requests as "direct"
+                suffix = "" if k == "routed" else "_redis_lookup"
+                out[f"router_cpu_ms_per_request{suffix}"] = \
+                    (cpu_seconds(pid) - cpu0[k]) / routed * 1e3
             print(json.dumps(out), flush=True)
             out["prefix_lookup"] = await lookup_latency(redis.url)
             print(json.dumps(out["prefix_lookup"]), flush=True)
@@ -205,15 +233,16 @@ def main(argv: list[str] | None = None) -> int:
             long_r = Target(cluster.router_address, max_tokens=2000)
             out["relay"] = await relay(long_w, long_r, cluster.router_proc.pid, 8, 6.0, 3)
             print(json.dumps(out["relay"]), flush=True)
-            for t in (worker, router, null, long_w, long_r):
+            for t in (worker, router, via_redis, null, long_w, long_r):
                 await t.close()
             return out
 
         out = asyncio.run(run())
     finally:
-        if relay_proc is not None:
-            relay_proc.kill()
-            relay_proc.wait()
+        for proc in (relay_proc, redis_router):
+            if proc is not None:
+                proc.kill()
+                proc.wait()
         cluster.stop()
         redis.stop()
         shutdown_ray()

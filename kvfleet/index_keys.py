@@ -12,6 +12,12 @@ Every key starts with a configurable namespace (default ``kvfleet:``)::
     {ns}load:{replica_id} HASH   running, waiting, num_free_blocks, num_total_blocks, updated_at
                                  (PEXPIRE = the publisher's replica TTL)
     {ns}sweep_cursor      STRING SCAN cursor of the incremental garbage sweep, shared by all routers
+    {ns}kv_events         STREAM the KV event log: one entry per index write of a replica, id
+                                 ``{seq}-0``; fields k (reg | blk | dereg), r (replica_id), e (epoch),
+                                 rm / st (removed / stored hashes, concatenated); MAXLEN ~ 10,000
+    {ns}kv_events_seq     STRING seq of the last entry (INCR); 1 starts a new log (stream reset)
+    {ns}kv_events_origin  STRING Redis TIME when the current log started: a reader that sees it
+                                 change knows the log restarted (Redis restarted or was flushed)
 
 **Epochs.** ``register()`` does ``HINCRBY {ns}epochs replica_id 1``: a restarted replica with the same
 id gets a strictly higher epoch, and block entries tagged with an older epoch stop counting at once.
@@ -29,6 +35,11 @@ call): the lookup reads the first block's key to find the replicas holding the c
 then one ``HMGET`` of the whole chain per such replica — ``1 + holders`` commands inside one
 script call, whatever the prompt length. ``register()`` deletes the replica's ``held`` hash
 (the new epoch republishes it), ``deregister()`` and the sweep of silent replicas too.
+
+**Event log.** The same script call that changes a replica's entries appends one entry to
+``{ns}kv_events``, so the log and the hashes never disagree. Routers keep an in-memory mirror of
+the held sets (:mod:`kvfleet.router.index_mirror`): snapshot the ``held`` hashes, then follow the
+log; a gap in ``seq`` (trimmed) or a new origin means: snapshot again.
 
 Block keys hold the raw hash bytes (no hex): scripts receive a chain as ONE argument (hashes
 concatenated) and build the keys themselves, which keeps a 64-block lookup's packing cheap. The
@@ -53,6 +64,7 @@ from kvfleet.allocator.hashing import HASH_BYTES
 DEFAULT_NAMESPACE = "kvfleet:"
 DEFAULT_REPLICA_TTL_S = 10.0
 DEFAULT_TIMEOUT_S = 0.5
+EVENT_LOG_MAXLEN = 10_000  # entries kept in {ns}kv_events (~); a reader further behind resnapshots
 LOAD_FIELDS = ("running", "waiting", "num_free_blocks", "num_total_blocks", "updated_at")
 
 
@@ -130,6 +142,18 @@ class IndexKeys:
         return f"{self.namespace}sweep_cursor"
 
     @property
+    def events(self) -> str:
+        return f"{self.namespace}kv_events"
+
+    @property
+    def events_seq(self) -> str:
+        return f"{self.namespace}kv_events_seq"
+
+    @property
+    def events_origin(self) -> str:
+        return f"{self.namespace}kv_events_origin"
+
+    @property
     def epochs(self) -> str:
         return f"{self.namespace}epochs"
 
@@ -165,9 +189,12 @@ def seconds_to_ms(seconds: float) -> int:
 REDIS_DOWN_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError, asyncio.TimeoutError)
 
 
-def redis_client(url: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> aioredis.Redis:
-    """An asyncio client that fails fast: socket timeouts ``timeout_s`` seconds, one immediate retry."""
+def redis_client(url: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, binary: bool = False,
+                 read_timeout_s: float | None = None) -> aioredis.Redis:
+    """An asyncio client that fails fast: socket timeouts ``timeout_s`` seconds (reads:
+    ``read_timeout_s`` when given, for blocking reads), one immediate retry. Replies are ``str``,
+    or raw ``bytes`` with ``binary``."""
     return aioredis.Redis.from_url(
-        url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-        retry=Retry(NoBackoff(), 1), decode_responses=True,
+        url, socket_timeout=read_timeout_s or timeout_s, socket_connect_timeout=timeout_s,
+        retry=Retry(NoBackoff(), 1), decode_responses=not binary,
     )

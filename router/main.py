@@ -20,6 +20,7 @@ import grpc
 from kvfleet.grpc_util import SERVER_OPTIONS, add_health_and_reflection, bind_port, mark_serving
 from kvfleet.index_keys import DEFAULT_NAMESPACE
 from kvfleet.router.auth import Authenticator
+from kvfleet.router.index_mirror import MirroredPrefixIndex
 from kvfleet.router.policy import make_policy
 from kvfleet.router.prefix_index import RedisPrefixIndex
 from kvfleet.router.replica_set import ReplicaSet
@@ -45,6 +46,9 @@ class RouterConfig:
     namespace: str = DEFAULT_NAMESPACE
     api_keys_file: Optional[str] = None
     replica_ttl_s: float = 10.0
+    # Answer prefix lookups from an in-memory mirror that follows the workers' KV event log
+    # (kvfleet.router.index_mirror); False = one Redis round trip per request.
+    index_mirror: bool = True
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)  # OTLP / Prometheus
     # prefix_aware knobs (kvfleet.router.policy): load_penalty_blocks, max_imbalance,
     # popularity_window, kv_saturation; empty = the documented defaults.
@@ -71,6 +75,9 @@ class RouterServer:
         model = ServedModel.load(cfg.model_name, cfg.model_dir, cfg.block_size, cfg.kv_dtype)
         index = RedisPrefixIndex(cfg.redis_url, namespace=cfg.namespace,
                                  replica_ttl_s=cfg.replica_ttl_s)
+        if cfg.index_mirror:
+            index = MirroredPrefixIndex(index, cfg.redis_url, namespace=cfg.namespace)
+            index.start()
         self._server = grpc.aio.server(options=SERVER_OPTIONS)
         port = bind_port(self._server, cfg.host, cfg.port)
         self.address = f"{cfg.host}:{port}"
@@ -119,6 +126,9 @@ def parse_args(argv: list[str]) -> RouterConfig:
                         "before the prefix gets another holder")
     p.add_argument("--popularity-window", type=int, default=None,
                    help="prefix_aware: routing decisions the prefix popularity averages over")
+    p.add_argument("--no-index-mirror", dest="index_mirror", action="store_false",
+                   help="look every prompt up in Redis (one round trip per request) instead of "
+                        "an in-memory mirror of the index fed by the workers' KV event log")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on this port (0 = a free one); OTLP export "
                         "follows the standard OTEL_* environment variables")
@@ -130,7 +140,7 @@ def parse_args(argv: list[str]) -> RouterConfig:
     return RouterConfig(redis_url=a.redis_url, model_name=a.model_name, model_dir=a.model_dir,
                         block_size=a.block_size, kv_dtype=a.kv_dtype, host=a.host, port=a.port,
                         policy=a.policy, namespace=a.namespace, api_keys_file=a.api_keys,
-                        telemetry=telemetry, policy_options={
+                        index_mirror=a.index_mirror, telemetry=telemetry, policy_options={
                             k: v for k in ("load_penalty_blocks", "max_imbalance",
                                            "popularity_window")
                             if (v := getattr(a, k)) is not None})

@@ -40,6 +40,11 @@ class PrefixIndex(Protocol):
 
     async def close(self) -> None: ...
 
+    @property
+    def local(self) -> bool:
+        """``match`` answers from this process's memory now (no round trip)."""
+        ...
+
 
 _NOW_MS = """
 local t = redis.call('TIME')
@@ -147,12 +152,15 @@ class RedisPrefixIndex:
                  replica_ttl_s: float = DEFAULT_REPLICA_TTL_S, timeout_s: float = DEFAULT_TIMEOUT_S,
                  sweep_count: int = 64):
         self._keys = IndexKeys(namespace)
+        self.replica_ttl_s = replica_ttl_s
         self._ttl_ms = seconds_to_ms(replica_ttl_s)
         self._timeout_s = timeout_s
         self._sweep_count = sweep_count
         self._redis = redis_client(url, timeout_s)
         self._match = self._redis.register_script(_MATCH_LUA)
         self._replicas = self._redis.register_script(_REPLICAS_LUA)
+
+    local = False  # every match is a Redis round trip
 
     async def _run(self, script, keys: list[str], args: list) -> list:
         try:
@@ -199,6 +207,8 @@ class InMemoryPrefixIndex:
         self.registry: dict[str, ReplicaInfo] = {}
         self.beats: dict[str, float] = {}
         self.loads: dict[str, tuple[ReplicaLoad, float]] = {}  # load, expiry (clock seconds)
+
+    local = True
 
     def publisher(self, replica: ReplicaInfo,
                   replica_ttl_s: float = DEFAULT_REPLICA_TTL_S) -> "InMemoryKvPublisher":

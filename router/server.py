@@ -31,8 +31,9 @@ MAX_PROMPT_BYTES = 1 << 20  # 1 MiB of prompt text per request
 class RouteDecision:
     candidate: Candidate
     num_blocks: int
-    redis_s: float
+    redis_s: float      # seconds in the index lookup
     index_used: bool
+    index_source: str = ""  # "mirror" (in memory), "redis" (a round trip), "" (not consulted)
 
 
 class RouterService(router_pb2_grpc.RouterServicer):
@@ -83,10 +84,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
             raise Unavailable(f"no live replica serves model {model.name!r}")
         matched: dict[str, int] = {}
         t0 = time.perf_counter()
-        index_used = False
+        index_used, source = False, ""
         # During an outage skip the lookup (each would wait for a timeout): route by load until
         # the background refresh sees Redis answer again.
         if chain and self.policy.name == "prefix_aware" and self.replicas.index_available:
+            source = "mirror" if self.replicas.index.local else "redis"
             try:
                 matched = await self.replicas.index.match(chain)
                 index_used = True
@@ -96,7 +98,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
         redis_s = time.perf_counter() - t0
         candidates = [Candidate(info, load, matched.get(info.replica_id, 0),
                                 self.replicas.inflight[info.replica_id]) for info, load in live]
-        return RouteDecision(self.policy.choose(candidates, chain), len(chain), redis_s, index_used)
+        return RouteDecision(self.policy.choose(candidates, chain), len(chain), redis_s,
+                             index_used, source if index_used else "")
 
     # ---- RPCs ------------------------------------------------------------------------------
     async def Generate(self, request: router_pb2.GenerateRequest, context):

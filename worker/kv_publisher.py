@@ -9,6 +9,9 @@ trip) that first checks the replica's epoch in ``{ns}epochs``:
 - higher → a newer process with the same ``replica_id`` registered: this one is superseded and stops
   writing for good (logged once), so a lingering old process cannot touch the new one's entries.
 
+Register, publish and deregister also append their change to the KV event log in the same call
+(``{ns}kv_events``), which routers follow to mirror the index in memory.
+
 Redis outages never raise into the engine: errors are logged once per outage, writes are dropped
 (at most one attempt per ``retry_interval_s`` seconds, each bounded by ``timeout_s``), and the first
 call after Redis answers again re-registers (new epoch) and republishes the held set.
@@ -25,8 +28,9 @@ from redis.exceptions import RedisError
 
 from kvfleet.allocator.hashing import HASH_BYTES
 from kvfleet.index_keys import (
-    DEFAULT_NAMESPACE, DEFAULT_REPLICA_TTL_S, DEFAULT_TIMEOUT_S, LOAD_FIELDS, REDIS_DOWN_ERRORS,
-    IndexKeys, ReplicaInfo, ReplicaLoad, pack_chain, redis_client, seconds_to_ms,
+    DEFAULT_NAMESPACE, DEFAULT_REPLICA_TTL_S, DEFAULT_TIMEOUT_S, EVENT_LOG_MAXLEN, LOAD_FIELDS,
+    REDIS_DOWN_ERRORS, IndexKeys, ReplicaInfo, ReplicaLoad, pack_chain, redis_client,
+    seconds_to_ms,
 )
 
 log = logging.getLogger(__name__)
@@ -39,14 +43,30 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
-_REGISTER_LUA = _NOW_MS + """
--- KEYS: epochs, heartbeats, registry, load key, held key; ARGV: replica_id, registry JSON
--- (epoch filled here)
+# Every script gets the keys of ``KvPublisher._replica_keys``: epochs, heartbeats, registry, load
+# key, held key, event log, event seq, event log origin. ``emit`` appends one event-log entry
+# (index_keys: "Event log") in the same call as the change it describes.
+_EMIT = """
+local function emit(kind, rid, epoch, removed, stored)
+  local seq = redis.call('INCR', KEYS[7])
+  if seq == 1 then  -- a new log (first write, or Redis lost the counter): readers resnapshot
+    redis.call('DEL', KEYS[6])
+    local t = redis.call('TIME')
+    redis.call('SET', KEYS[8], t[1] .. '.' .. t[2])
+  end
+  redis.call('XADD', KEYS[6], 'MAXLEN', '~', %(maxlen)d, seq .. '-0', 'k', kind, 'r', rid,
+             'e', epoch, 'rm', removed, 'st', stored)
+end
+""" % {"maxlen": EVENT_LOG_MAXLEN}
+
+_REGISTER_LUA = _NOW_MS + _EMIT + """
+-- ARGV: replica_id, registry JSON (epoch filled here)
 local epoch = redis.call('HINCRBY', KEYS[1], ARGV[1], 1)
 local info = cjson.decode(ARGV[2]); info['epoch'] = epoch
 redis.call('HSET', KEYS[3], ARGV[1], cjson.encode(info))
 redis.call('ZADD', KEYS[2], now, ARGV[1])
 redis.call('DEL', KEYS[4], KEYS[5])  -- the old epoch's per-replica entries: republished next
+emit('reg', ARGV[1], epoch, '', '')
 return epoch
 """
 
@@ -56,9 +76,9 @@ if not cur then return -1 end
 if cur ~= ARGV[2] then return -2 end
 """
 
-_PUBLISH_LUA = _GUARD + """
--- KEYS[1] epochs, KEYS[2] this replica's held key; ARGV: replica_id, epoch, block key prefix,
--- removed hashes, stored hashes (each concatenated, %(w)d bytes per hash), block TTL ms (0 = none)
+_PUBLISH_LUA = _GUARD + _EMIT + """
+-- ARGV: replica_id, epoch, block key prefix, removed hashes, stored hashes (each concatenated,
+-- %(w)d bytes per hash), block TTL ms (0 = none)
 local rid, epoch, pfx, ttl = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[6])
 local removed, stored = ARGV[4], ARGV[5]
 local gone, kept = {}, {}
@@ -73,19 +93,19 @@ for i = 1, #stored, %(w)d do
   if ttl > 0 then redis.call('PEXPIRE', key, ttl) end
   kept[#kept + 1] = h; kept[#kept + 1] = epoch
 end
-if #gone > 0 then redis.call('HDEL', KEYS[2], unpack(gone)) end
+if #gone > 0 then redis.call('HDEL', KEYS[5], unpack(gone)) end
 if #kept > 0 then
   -- a value longer than hash-max-listpack-value (64 B by default) keeps the hash in hashtable
   -- encoding: the lookup's HMGET of a whole chain is then O(chain), not O(chain × entries)
-  redis.call('HSETNX', KEYS[2], '~', string.rep('~', 96))
-  redis.call('HSET', KEYS[2], unpack(kept))
-  if ttl > 0 then redis.call('PEXPIRE', KEYS[2], ttl) end
+  redis.call('HSETNX', KEYS[5], '~', string.rep('~', 96))
+  redis.call('HSET', KEYS[5], unpack(kept))
+  if ttl > 0 then redis.call('PEXPIRE', KEYS[5], ttl) end
 end
+emit('blk', rid, epoch, removed, stored)
 return 1
 """ % {"w": HASH_BYTES}
 
 _HEARTBEAT_LUA = _NOW_MS + _GUARD + """
--- KEYS: epochs, heartbeats, registry, load key (, held key: unused here)
 -- ARGV: replica_id, epoch, registry JSON, load TTL ms, load values...
 redis.call('ZADD', KEYS[2], now, ARGV[1])
 redis.call('HSET', KEYS[3], ARGV[1], ARGV[3])
@@ -94,10 +114,11 @@ redis.call('PEXPIRE', KEYS[4], ARGV[4])
 return 1
 """ % ", ".join(f"'{f}', ARGV[{5 + i}]" for i, f in enumerate(LOAD_FIELDS))
 
-_DEREGISTER_LUA = _GUARD + """
--- KEYS: epochs, heartbeats, registry, load key, held key; ARGV: replica_id, epoch
+_DEREGISTER_LUA = _GUARD + _EMIT + """
+-- ARGV: replica_id, epoch
 redis.call('ZREM', KEYS[2], ARGV[1]); redis.call('HDEL', KEYS[3], ARGV[1])
 redis.call('DEL', KEYS[4], KEYS[5])
+emit('dereg', ARGV[1], ARGV[2], '', '')
 return 1
 """
 
@@ -185,15 +206,15 @@ class KvPublisher:
 
     def _replica_keys(self) -> list[str]:
         k, rid = self._keys, self.replica.replica_id
-        return [k.epochs, k.heartbeats, k.registry, k.load(rid), k.held(rid)]
+        return [k.epochs, k.heartbeats, k.registry, k.load(rid), k.held(rid), k.events,
+                k.events_seq, k.events_origin]
 
     async def _call(self, script, keys: list[str], args: list) -> int:
         return int(await script(keys=keys, args=[self.replica.replica_id, self.epoch, *args]))
 
     async def _write_blocks(self, stored: Sequence[bytes], removed: Sequence[bytes]) -> int:
         args = [self._keys.block_prefix, pack_chain(removed), pack_chain(stored), self._block_ttl_ms]
-        keys = [self._keys.epochs, self._keys.held(self.replica.replica_id)]
-        return await self._call(self._publish, keys, args)
+        return await self._call(self._publish, self._replica_keys(), args)
 
     async def _sync(self) -> None:
         """Register under a new epoch, then republish the whole held set under it."""

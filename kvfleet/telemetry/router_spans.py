@@ -119,7 +119,8 @@ class RouterRequestTrace:
                 n.KVFLEET_ROUTE_PROMPT_BLOCKS: decision.num_blocks,
                 n.KVFLEET_ROUTE_MATCHED_BLOCKS: decision.candidate.matched_blocks,
                 n.KVFLEET_ROUTE_REDIS_S: decision.redis_s,
-                n.KVFLEET_ROUTE_INDEX_USED: decision.index_used})
+                n.KVFLEET_ROUTE_INDEX_USED: decision.index_used,
+                n.KVFLEET_ROUTE_INDEX_SOURCE: decision.index_source})
 
     def start_dispatch(self, request_id: str, replica_id: str, address: str) -> tuple:
         """Open ``router.dispatch``; returns the gRPC metadata that carries its context."""

@@ -12,7 +12,8 @@ import grpc
 
 from kvfleet.allocator.hashing import block_hash_chain, root_hash
 from kvfleet.router.main import RouterConfig, RouterServer
-from kvfleet.router.prefix_index import RedisPrefixIndex
+from kvfleet.router.index_mirror import MirroredPrefixIndex
+from kvfleet.router.prefix_index import PrefixIndex
 from kvfleet.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from kvfleet.worker.cost_model import ZERO
 from kvfleet.worker.replica import ReplicaConfig, ReplicaServer
@@ -58,8 +59,16 @@ class Fleet:
         model = self.routers[0].service.models[self.model_name]
         return block_hash_chain(root_hash(model.identity.digest(), scope, salt), tokens, BLOCK)
 
-    def index(self) -> RedisPrefixIndex:
-        return self.routers[0].replicas.index
+    def index(self, router: int = 0) -> PrefixIndex:
+        return self.routers[router].replicas.index
+
+    async def match(self, chain: list[bytes], router: int = 0) -> dict[str, int]:
+        """The router's index lookup once it has read every KV event written so far (the
+        mirror follows the event log a few ms behind the Redis write)."""
+        index = self.index(router)
+        if isinstance(index, MirroredPrefixIndex):
+            await index.sync()
+        return await index.match(chain)
 
     async def wait_replicas(self, n: int, timeout_s: float = 10.0) -> None:
         """Until every router's replica set lists ``n`` live replicas."""
@@ -74,15 +83,18 @@ class Fleet:
 
     async def wait_match(self, chain: list[bytes], expected: dict[str, int],
                          timeout_s: float = 5.0) -> None:
-        """Until the index reports ``expected`` (KV events are published after the step)."""
+        """Until every router's index reports ``expected`` (KV events are published after the
+        step, and each router's mirror reads them from the event log)."""
         deadline = time.monotonic() + timeout_s
         got = None
-        while time.monotonic() < deadline:
-            got = await self.index().match(chain)
-            if got == expected:
-                return
-            await asyncio.sleep(0.02)
-        raise AssertionError(f"index match {got}, expected {expected}")
+        for router in range(len(self.routers)):
+            while time.monotonic() < deadline:
+                got = await self.match(chain, router)
+                if got == expected:
+                    break
+                await asyncio.sleep(0.02)
+            else:
+                raise AssertionError(f"router {router}: index match {got}, expected {expected}")
 
     async def generate(self, tokens: Sequence[int], router: int = 0, api_key: Optional[str] = None,
                        salt: str = "", max_tokens: int = 2) -> common_pb2.GenerateResponse:

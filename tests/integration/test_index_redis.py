@@ -1,7 +1,8 @@
 """The prefix index and replica registry against a real private redis-server.
 
-Scenarios marked ``backend`` run twice: on Redis (RedisPrefixIndex + KvPublisher) and on
-InMemoryPrefixIndex + its publisher, proving the two implementations agree.
+Scenarios taking ``backend`` run three times: on Redis (RedisPrefixIndex + KvPublisher), on the
+router's in-memory mirror of it (MirroredPrefixIndex following the KV event log) and on
+InMemoryPrefixIndex + its publisher, proving the implementations agree.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import redis
 
 from kvfleet.deploy.redis_server import start_redis
 from kvfleet.index_keys import IndexKeys, ReplicaInfo, ReplicaLoad
+from kvfleet.router.index_mirror import MirroredPrefixIndex
 from kvfleet.router.prefix_index import IndexUnavailable, InMemoryPrefixIndex, RedisPrefixIndex
 from kvfleet.worker.kv_publisher import KvPublisher
 
@@ -32,6 +34,26 @@ def info(rid: str) -> ReplicaInfo:
     return ReplicaInfo(rid, f"127.0.0.1:{6000 + len(rid)}", "tiny", 0, 16)
 
 
+class SyncedMirror:
+    """The router's mirror read as a router reads it: after a registry refresh, once it has
+    applied the event log up to now — and always from memory, never the Redis fallback."""
+
+    def __init__(self, mirror: MirroredPrefixIndex):
+        self.mirror = mirror
+
+    async def match(self, chain):
+        await self.mirror.sync()
+        await self.mirror.replicas()
+        assert self.mirror.local
+        return await self.mirror.match(chain)
+
+    async def replicas(self):
+        return await self.mirror.replicas()
+
+    async def close(self):
+        await self.mirror.close()
+
+
 class Backend:
     """Readers and writers over one index; ``expire`` lets ``ttl_s`` seconds pass for liveness."""
 
@@ -46,6 +68,10 @@ class Backend:
             self.memory.replica_ttl_s = ttl_s
             return self.memory
         ix = RedisPrefixIndex(self.url, namespace=self.namespace, replica_ttl_s=ttl_s)
+        if self.kind == "mirror":
+            mirror = MirroredPrefixIndex(ix, self.url, namespace=self.namespace)
+            mirror.start()
+            ix = SyncedMirror(mirror)
         self.closers.append(ix)
         return ix
 
@@ -69,9 +95,9 @@ class Backend:
             await asyncio.sleep(ttl_s * 1.5)
 
 
-@pytest.fixture(params=["redis", "memory"])
+@pytest.fixture(params=["redis", "mirror", "memory"])
 async def backend(request, redis_namespace):
-    url = request.getfixturevalue("redis_server").url if request.param == "redis" else ""
+    url = request.getfixturevalue("redis_server").url if request.param != "memory" else ""
     b = Backend(request.param, url, redis_namespace)
     yield b
     for c in b.closers:

@@ -67,8 +67,10 @@ async def test_two_routers_make_the_same_choice_for_the_same_state(fleet):
         await r.replicas.refresh()
     for tokens in prompts:  # warmed (longest holder) and new (rendezvous) families
         chain = fleet.chain(tokens)
-        picks = [(await r.service.route(r.service.models[fleet.model_name], chain)).candidate
-                 for r in fleet.routers]
+        decisions = [await r.service.route(r.service.models[fleet.model_name], chain)
+                     for r in fleet.routers]
+        assert [d.index_source for d in decisions] == ["mirror", "mirror"]  # no Redis round trip
+        picks = [d.candidate for d in decisions]
         assert picks[0].info.replica_id == picks[1].info.replica_id
         assert picks[0].matched_blocks == picks[1].matched_blocks
 
@@ -92,8 +94,8 @@ async def test_other_tenants_and_salts_never_hit_shared_namespaces_do(fleet, tmp
     assert await cached("ka", salt="s1") == 0    # another salt: never
     assert await cached("ka", salt="s1") == 4 * BLOCK
     assert await cached("kc") == 4 * BLOCK       # same shared namespace as globex: hit
-    assert await fleet.index().match(fleet.chain(tokens, scope="acme")) == {"rep-a": 4}
-    assert await fleet.index().match(fleet.chain(tokens, scope="@team")) == {"rep-a": 4}
+    assert await fleet.match(fleet.chain(tokens, scope="acme")) == {"rep-a": 4}
+    assert await fleet.match(fleet.chain(tokens, scope="@team")) == {"rep-a": 4}
 
 
 async def test_another_model_revision_never_matches(fleet, tiny_llama_dir, tmp_path):
@@ -114,7 +116,7 @@ async def test_another_model_revision_never_matches(fleet, tiny_llama_dir, tmp_p
     assert other.identity != fleet.routers[0].service.models[fleet.model_name].identity
     from kvfleet.allocator.hashing import block_hash_chain, root_hash
     chain = block_hash_chain(root_hash(other.identity.digest(), "default", ""), tokens, BLOCK)
-    assert await fleet.index().match(chain) == {}
+    assert await fleet.match(chain) == {}
 
 
 async def test_a_restarted_replica_s_old_entries_are_ignored(fleet):
@@ -130,7 +132,7 @@ async def test_a_restarted_replica_s_old_entries_are_ignored(fleet):
     await old.stop(grace_s=0.1)
     new = await fleet.add_replica("rep-a")
     assert new.publisher.epoch == 2
-    assert await fleet.index().match(fleet.chain(tokens)) == {}  # at once, not after a TTL
+    assert await fleet.match(fleet.chain(tokens)) == {}  # at once, not after a TTL
     await fleet.wait_replicas(1)
     out = await fleet.generate(tokens)
     assert out.replica_id == "rep-a" and out.usage.cached_prompt_tokens == 0

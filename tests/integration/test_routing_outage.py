@@ -45,7 +45,7 @@ async def test_redis_killed_mid_run_requests_still_served_then_recover(tiny_llam
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
             if router.replicas.index_available and len(await fleet.index().replicas()) == 2 \
-                    and await fleet.index().match(fleet.chain(tokens)) == {first.replica_id: 4}:
+                    and await fleet.match(fleet.chain(tokens)) == {first.replica_id: 4}:
                 break
             await asyncio.sleep(0.1)
         else:

@@ -17,7 +17,7 @@ from kvfleet.v1 import common_pb2
 
 DECISION = SimpleNamespace(candidate=SimpleNamespace(
     info=SimpleNamespace(replica_id="replica-b", address="127.0.0.1:9"), matched_blocks=3),
-    num_blocks=5, redis_s=0.0002, index_used=True)
+    num_blocks=5, redis_s=0.0002, index_used=True, index_source="mirror")
 
 
 def last_message(prompt=40, cached=32, out=4):
@@ -59,8 +59,8 @@ def test_a_request_makes_the_tree_and_network_time(router_capture):
     assert g.attributes[n.GEN_AI_RESPONSE_FINISH_REASONS] == ("length",)
     r = spans[n.ROUTER_ROUTE].attributes
     assert (r[n.KVFLEET_ROUTE_POLICY], r[n.KVFLEET_REPLICA_ID], r[n.KVFLEET_ROUTE_MATCHED_BLOCKS],
-            r[n.KVFLEET_ROUTE_PROMPT_BLOCKS], r[n.KVFLEET_ROUTE_INDEX_USED]) == (
-        "prefix_aware", "replica-b", 3, 5, True)
+            r[n.KVFLEET_ROUTE_PROMPT_BLOCKS], r[n.KVFLEET_ROUTE_INDEX_USED],
+            r[n.KVFLEET_ROUTE_INDEX_SOURCE]) == ("prefix_aware", "replica-b", 3, 5, True, "mirror")
     assert spans[n.ROUTER_TOKENIZE].attributes[n.GEN_AI_USAGE_INPUT_TOKENS] == 40
     assert router_capture.count(n.METRIC_NETWORK_DURATION) == 1
     assert router_capture.count(n.GEN_AI_SERVER_REQUEST_DURATION) == 1
