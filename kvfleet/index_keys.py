@@ -13,8 +13,9 @@ Every key starts with a configurable namespace (default ``kvfleet:``)::
                                  (PEXPIRE = the publisher's replica TTL)
     {ns}sweep_cursor      STRING SCAN cursor of the incremental garbage sweep, shared by all routers
     {ns}kv_events         STREAM the KV event log: one entry per index write of a replica, id
-                                 ``{seq}-0``; fields k (reg | blk | dereg), r (replica_id), e (epoch),
-                                 rm / st (removed / stored hashes, concatenated); MAXLEN ~ 10,000
+                                 ``{seq}-0``; fields o (the log's origin), k (reg | blk | dereg),
+                                 r (replica_id), e (epoch), rm / st (removed / stored hashes,
+                                 concatenated); MAXLEN ~ 10,000
     {ns}kv_events_seq     STRING seq of the last entry (INCR); 1 starts a new log (stream reset)
     {ns}kv_events_origin  STRING Redis TIME when the current log started: a reader that sees it
                                  change knows the log restarted (Redis restarted or was flushed)

@@ -11,7 +11,8 @@ epoch), then replays the log from the sequence number read before the snapshot. 
 the snapshot already reflects is harmless: every event sets membership absolutely and events are
 applied in log order, so each (replica, hash) ends at its last event. A gap in the sequence
 (the reader fell more than ``EVENT_LOG_MAXLEN`` entries behind) or a new log origin (Redis
-restarted or was flushed) means: snapshot again. Until the mirror has read up to the log's tail,
+restarted or was flushed; every entry carries the origin, and an idle read checks it) means:
+snapshot again. Until the mirror has read up to the log's tail,
 and whenever a read fails, ``match`` asks Redis (:class:`RedisPrefixIndex`) instead — whose own
 outage handling (``IndexUnavailable``, route by load) then applies unchanged.
 """
@@ -184,16 +185,19 @@ class MirroredPrefixIndex:
         # Wait for new entries only once caught up: a read that returns at once tells whether
         # the (re)snapshot has reached the tail.
         block = self._block_ms if self._at_tail else None
-        async with self._redis.pipeline(transaction=False) as pipe:
-            origin, got = await pipe.get(k.events_origin).xread(
-                {k.events: f"{self._seq}-0"}, count=self._batch, block=block).execute()
+        got = await self._redis.xread({k.events: f"{self._seq}-0"}, count=self._batch,
+                                      block=block)
         self._last_read = time.monotonic()
-        if origin != self._origin:
+        entries = got[0][1] if got else []
+        if not entries and await self._redis.get(k.events_origin) != self._origin:
+            # A restarted log whose entries are all below our position shows up only here.
             self._lose("the event log restarted")
             return
-        entries = got[0][1] if got else []
         for entry_id, fields in entries:
             seq = int(entry_id.split(b"-", 1)[0])
+            if fields[b"o"] != self._origin:
+                self._lose("the event log restarted")
+                return
             if seq != self._seq + 1:
                 self._lose(f"event log gap: expected entry {self._seq + 1}, got {seq}")
                 return

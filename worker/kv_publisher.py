@@ -48,14 +48,17 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 # (index_keys: "Event log") in the same call as the change it describes.
 _EMIT = """
 local function emit(kind, rid, epoch, removed, stored)
-  local seq = redis.call('INCR', KEYS[7])
-  if seq == 1 then  -- a new log (first write, or Redis lost the counter): readers resnapshot
+  local seq, origin = redis.call('INCR', KEYS[7]), redis.call('GET', KEYS[8])
+  if seq == 1 or not origin then  -- a new log (first write, or Redis lost it): readers resnapshot
     redis.call('DEL', KEYS[6])
+    redis.call('SET', KEYS[7], 1)
+    seq = 1
     local t = redis.call('TIME')
-    redis.call('SET', KEYS[8], t[1] .. '.' .. t[2])
+    origin = t[1] .. '.' .. t[2]
+    redis.call('SET', KEYS[8], origin)
   end
-  redis.call('XADD', KEYS[6], 'MAXLEN', '~', %(maxlen)d, seq .. '-0', 'k', kind, 'r', rid,
-             'e', epoch, 'rm', removed, 'st', stored)
+  redis.call('XADD', KEYS[6], 'MAXLEN', '~', %(maxlen)d, seq .. '-0', 'o', origin, 'k', kind,
+             'r', rid, 'e', epoch, 'rm', removed, 'st', stored)
 end
 """ % {"maxlen": EVENT_LOG_MAXLEN}
 
