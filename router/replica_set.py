@@ -44,6 +44,7 @@ class ReplicaSet:
         self._unreachable: dict[str, tuple[str, int, float]] = {}  # id → (address, epoch, until)
         self._channels: dict[str, tuple[str, grpc.aio.Channel, WorkerLink]] = {}
         self._task: Optional[asyncio.Task] = None
+        self._closed = False
 
     async def start(self) -> None:
         await self.refresh()
@@ -77,7 +78,7 @@ class ReplicaSet:
         self.index_available = True
 
     async def _refresh_forever(self) -> None:
-        while True:
+        while not self._closed:  # a flag too: a Redis client may swallow the task's cancellation
             await asyncio.sleep(self.refresh_interval_s)
             try:
                 await self.refresh()
@@ -123,6 +124,7 @@ class ReplicaSet:
         return cached[2]
 
     async def close(self) -> None:
+        self._closed = True
         if self._task is not None:
             self._task.cancel()
         for _, channel, link in self._channels.values():
