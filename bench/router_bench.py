@@ -50,6 +50,7 @@ class Run:
     max_num_seqs: int = 16
     policies: tuple[str, ...] = POLICIES
     tag: str = ""
+    router_args: tuple[str, ...] = ()  # extra router flags, e.g. ("--no-index-mirror",)
 
     @property
     def name(self) -> str:
@@ -71,7 +72,7 @@ def start_fleets(run: Run, redis_url: str) -> dict:
             num_blocks=run.num_blocks, policy=policy, port=0, redis_url=redis_url,
             namespace=f"bench-{run.name}-{policy}:", replica_num_cpus=0,
             scheduler=SchedulerConfig(max_num_seqs=run.max_num_seqs, max_num_batched_tokens=512),
-            executor=run.executor, cost_model=cost)
+            executor=run.executor, cost_model=cost, router_args=run.router_args)
         cluster = LocalCluster(cfg)
         cluster.start()
         fleets[policy] = cluster
@@ -154,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         q.add_argument("--saturation-s", type=float)
         q.add_argument("--tag", default="")
         q.add_argument("--policies", help="comma-separated (default: all three)")
+        q.add_argument("--router-arg", action="append", default=[], dest="router_args",
+                       help="extra router flag, repeatable (e.g. --router-arg=--no-index-mirror)")
     pol.add_argument("--replicas", type=int, default=4)
     pol.add_argument("--scale", type=float, default=0.05)
     a = p.parse_args(argv)
@@ -169,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
                                    ("saturation_s", a.saturation_s)) if v is not None}
     if a.policies:
         overrides["policies"] = tuple(a.policies.split(","))
+    if a.router_args:
+        overrides["router_args"] = tuple(a.router_args)
     run = Run(**{**asdict(run), "workload": run.workload, **overrides})
     return bench(run)
 
