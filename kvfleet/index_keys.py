@@ -181,6 +181,11 @@ def pack_chain(hashes: Sequence[bytes]) -> bytes:
     return packed
 
 
+def unpack_chain(packed: bytes) -> list[bytes]:
+    """Inverse of :func:`pack_chain` (how KV event-log entries carry their hashes)."""
+    return [packed[i:i + HASH_BYTES] for i in range(0, len(packed), HASH_BYTES)]
+
+
 def seconds_to_ms(seconds: float) -> int:
     """A TTL in seconds as whole milliseconds (at least 1)."""
     return max(1, int(round(seconds * 1000)))

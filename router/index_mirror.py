@@ -29,17 +29,13 @@ from redis.exceptions import RedisError
 from kvfleet.allocator.hashing import HASH_BYTES
 from kvfleet.index_keys import (
     DEFAULT_NAMESPACE, DEFAULT_TIMEOUT_S, REDIS_DOWN_ERRORS, IndexKeys, ReplicaInfo, ReplicaLoad,
-    redis_client,
+    redis_client, unpack_chain,
 )
 from kvfleet.router.prefix_index import PRUNE_AFTER_TTLS, RedisPrefixIndex
 
 log = logging.getLogger(__name__)
 
 _UNSET = object()  # no snapshot taken yet (or the last one is void)
-
-
-def _split(packed: bytes) -> list[bytes]:
-    return [packed[i:i + HASH_BYTES] for i in range(0, len(packed), HASH_BYTES)]
 
 
 class MirroredPrefixIndex:
@@ -157,11 +153,9 @@ class MirroredPrefixIndex:
                     await asyncio.sleep(self._min_interval_s)  # let entries gather: fewer reads
             except asyncio.CancelledError:
                 raise
-            except (*REDIS_DOWN_ERRORS, RedisError) as exc:
-                self._lose(f"{type(exc).__name__}: {exc}")
-                await asyncio.sleep(self._retry_s)
-            except Exception as exc:  # a malformed entry must not stop the follower for good
-                log.exception("prefix index mirror failed; resnapshotting")
+            except Exception as exc:  # Redis down, or a malformed entry: resnapshot, never stop
+                if not isinstance(exc, (*REDIS_DOWN_ERRORS, RedisError)):
+                    log.exception("prefix index mirror failed; resnapshotting")
                 self._lose(f"{type(exc).__name__}: {exc}")
                 await asyncio.sleep(self._retry_s)
 
@@ -231,7 +225,7 @@ class MirroredPrefixIndex:
             entry = self._held[rid] = (epoch, set())
         held = entry[1]
         if kind == b"blk":
-            held.difference_update(_split(fields[b"rm"]))
-            held.update(_split(fields[b"st"]))
+            held.difference_update(unpack_chain(fields[b"rm"]))
+            held.update(unpack_chain(fields[b"st"]))
         elif kind == b"dereg":
             held.clear()
