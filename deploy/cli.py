@@ -99,6 +99,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             signal.signal(sig, on_signal)
         print(f"kvfleet ready: router at {address} ({args.replicas} replica{'s' if args.replicas != 1 else ''} of {args.model}); "
               "Ctrl-C to stop", flush=True)
+        print(f"kvfleet: prefix index in Redis at {cluster.redis_url} (keys {cluster.cfg.namespace}*)",
+              file=sys.stderr, flush=True)
         for name, metrics in cluster.metrics_addresses.items():
             print(f"kvfleet: {name} metrics at http://{metrics}/metrics", file=sys.stderr, flush=True)
         stop.wait()

@@ -52,7 +52,7 @@ class RouterConfig:
     index_mirror: bool = True
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)  # OTLP / Prometheus
     # prefix_aware knobs (kvfleet.router.policy): load_penalty_blocks, max_imbalance,
-    # popularity_window, kv_saturation; empty = the documented defaults.
+    # popularity_window, kv_saturation, min_excess_load; empty = the documented defaults.
     policy_options: dict = field(default_factory=dict)
 
 
@@ -127,6 +127,9 @@ def parse_args(argv: list[str]) -> RouterConfig:
                         "before the prefix gets another holder")
     p.add_argument("--popularity-window", type=int, default=None,
                    help="prefix_aware: routing decisions the prefix popularity averages over")
+    p.add_argument("--min-excess-load", type=float, default=None,
+                   help="prefix_aware: requests over the fleet's mean load a holder must carry, "
+                        "besides --max-imbalance times the mean, before its prefixes get copies")
     p.add_argument("--no-index-mirror", dest="index_mirror", action="store_false",
                    help="look every prompt up in Redis (one round trip per request) instead of "
                         "an in-memory mirror of the index fed by the workers' KV event log")
@@ -143,7 +146,7 @@ def parse_args(argv: list[str]) -> RouterConfig:
                         policy=a.policy, namespace=a.namespace, api_keys_file=a.api_keys,
                         index_mirror=a.index_mirror, telemetry=telemetry, policy_options={
                             k: v for k in ("load_penalty_blocks", "max_imbalance",
-                                           "popularity_window")
+                                           "popularity_window", "min_excess_load")
                             if (v := getattr(a, k)) is not None})
 
 

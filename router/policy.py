@@ -17,7 +17,12 @@ in-flight count, so a burst counts before the next heartbeat):
    * its own traffic would give each holder more than ``max_imbalance`` fair shares
      (``popularity × replicas > max_imbalance × holders``: a hot prefix, seen at once), or
    * every holder's *smoothed* load (averaged over ~``load_window`` decisions per replica, after
-     a warm-up of ``WARM_UP_SAMPLES``) exceeds ``max_imbalance ×`` the fleet's mean.
+     a warm-up of ``WARM_UP_SAMPLES``) exceeds ``max_imbalance ×`` the fleet's mean, and that
+     mean by at least ``min_excess_load`` requests. The absolute floor keeps an idle fleet's
+     prefixes in place: near zero load the ratio is noise (a load report is up to one heartbeat
+     old, so the replica that served the last request looks busy), and a copy would cost a full
+     prefill to save nothing. SGLang's router pairs its relative balance threshold with an
+     absolute one for the same reason.
    A copy sent but not yet visible in the index counts as a holder for a while, so a burst does
    not start one copy per request. A prefix on a replica within the bound is never copied: under
    uniform popularity each family stays on one replica and the fleet's KV holds as many distinct
@@ -44,6 +49,7 @@ DEFAULT_MAX_IMBALANCE = 1.25
 DEFAULT_POPULARITY_WINDOW = 256  # routing decisions
 DEFAULT_LOAD_WINDOW = 64  # routing decisions per replica the smoothed load averages over
 DEFAULT_KV_SATURATION = 0.98
+DEFAULT_MIN_EXCESS_LOAD = 1.0  # requests over the fleet's mean before a holder counts as overloaded
 WARM_UP_SAMPLES = 16  # decisions per replica before smoothed loads may trigger a copy
 RECENT_WINDOW = 4     # decisions per replica of the fast load average (holder tie-breaks)
 
@@ -124,12 +130,14 @@ class PrefixAware:
                  max_imbalance: float = DEFAULT_MAX_IMBALANCE,
                  popularity_window: int = DEFAULT_POPULARITY_WINDOW,
                  load_window: int = DEFAULT_LOAD_WINDOW,
-                 kv_saturation: float = DEFAULT_KV_SATURATION) -> None:
+                 kv_saturation: float = DEFAULT_KV_SATURATION,
+                 min_excess_load: float = DEFAULT_MIN_EXCESS_LOAD) -> None:
         if load_penalty_blocks < 0 or max_imbalance < 1 or load_window < 1 \
-                or not 0 < kv_saturation <= 1:
+                or not 0 < kv_saturation <= 1 or min_excess_load < 0:
             raise ValueError("need load_penalty_blocks >= 0, max_imbalance >= 1, "
-                             "load_window >= 1, 0 < kv_saturation <= 1")
+                             "load_window >= 1, 0 < kv_saturation <= 1, min_excess_load >= 0")
         self.load_window = load_window
+        self.min_excess_load = min_excess_load
         self.load_penalty_blocks = load_penalty_blocks
         self.max_imbalance = max_imbalance
         self.kv_saturation = kv_saturation
@@ -165,12 +173,14 @@ class PrefixAware:
     def _needs_holder(self, fair_shares: float, holders: set[str], avg: dict[str, float]) -> bool:
         """Another holder is needed when the prefix's own traffic gives each holder more than
         ``max_imbalance`` fair shares (a hot prefix, seen at once), or when every holder's
-        smoothed load is above ``max_imbalance ×`` the mean (any prefix: the bound)."""
+        smoothed load is above ``max_imbalance ×`` the mean and above the mean by
+        ``min_excess_load`` requests (any prefix: the bound)."""
         if fair_shares > self.max_imbalance * len(holders):
             return True
         if self._decisions < WARM_UP_SAMPLES * len(avg):
             return False  # too few samples: the smoothed loads are still noise
-        bound = self.max_imbalance * sum(avg.values()) / len(avg)
+        mean = sum(avg.values()) / len(avg)
+        bound = max(self.max_imbalance * mean, mean + self.min_excess_load)
         return all(avg.get(h, 0.0) > bound for h in holders)
 
     def _best_score(self, candidates: Sequence[Candidate], chain: Sequence[bytes]) -> Candidate:

@@ -84,6 +84,25 @@ def test_a_prefix_on_a_persistently_overloaded_holder_gets_a_copy_after_warm_up(
         assert got.info.replica_id == "a"
 
 
+def test_an_idle_fleet_keeps_a_prefix_on_its_holder():
+    # A load report is up to one heartbeat old: on an idle fleet the replica that served the
+    # last request still shows it running. 1 request against 0 is a large ratio but no load;
+    # copying the prefix would cost a full prefill for nothing (the bound needs an absolute floor).
+    policy = PrefixAware(max_imbalance=1.25, load_window=4, popularity_window=10**6)
+    conv = chain(b"chat")
+    for _ in range(200):
+        got = policy.choose([cand("a", matched=8, running=1), cand("b"), cand("c"), cand("d")],
+                            conv)
+        assert got.info.replica_id == "a"
+    # The same holder two requests over the mean is overloaded: it gets a copy after warm-up.
+    policy = PrefixAware(max_imbalance=1.25, load_window=4, popularity_window=10**6)
+    picks = [policy.choose([cand("a", matched=8, running=3), cand("b"), cand("c"), cand("d")],
+                           conv).info.replica_id for _ in range(200)]
+    assert set(picks) > {"a"}
+    with pytest.raises(ValueError, match="min_excess_load"):
+        PrefixAware(min_excess_load=-1)
+
+
 def test_a_copy_in_flight_counts_as_a_holder():
     policy = PrefixAware(max_imbalance=1.0, popularity_window=8)
     hot = chain(b"hot")
