@@ -214,16 +214,15 @@ def main(argv: list[str] | None = None) -> int:
             router = Target(cluster.router_address, max_tokens=1)
             via_redis = Target(redis_router_address, max_tokens=1)
             null = Target(null_relay_address, max_tokens=1)
-            pids = {"routed": cluster.router_proc.pid, "routed_redis_lookup": redis_router.pid}
+            pids = {"routed": cluster.router_proc.pid, "routed_redis_lookup": redis_router.pid,
+                    "null_relay": relay_proc.pid}
             cpu0 = {k: cpu_seconds(pid) for k, pid in pids.items()}
             relays = {"routed": router, "routed_redis_lookup": via_redis, "null_relay": null}
             out = {"added_ttft": [await added_ttft(worker, relays, float(rate), a.segment,
                                                    a.rounds) for rate in a.rates.split(",")]}
             routed = sum(x["requests_each"] for x in out["added_ttft"])
-            for k, pid in pids.items():  # each router served as many requests as "direct"
-                suffix = "" if k == "routed" else "_redis_lookup"
-                out[f"router_cpu_ms_per_request{suffix}"] = \
-                    (cpu_seconds(pid) - cpu0[k]) / routed * 1e3
+            for k, pid in pids.items():  # each relay served as many requests as "direct"
+                out[f"cpu_ms_per_request_{k}"] = (cpu_seconds(pid) - cpu0[k]) / routed * 1e3
             print(json.dumps(out), flush=True)
             out["prefix_lookup"] = await lookup_latency(redis.url)
             print(json.dumps(out["prefix_lookup"]), flush=True)

@@ -52,13 +52,15 @@ class MirroredPrefixIndex:
     ``batch``: log entries per read. ``min_interval_s``: once caught up, the shortest time
     between two reads that returned entries — one read per event would cost the router ~0.2–0.6 ms
     of CPU each here; batching bounds that at ``1 / min_interval_s`` reads per second whatever the
-    fleet's event rate, for at most that much more lag. Call :meth:`start` on the event loop that
-    will use it.
+    fleet's event rate, for at most that much more lag. 20 ms: 0.3–0.4 ms less router CPU per
+    request than 5 ms at 100 req/s here (and ~0.2 ms less added TTFT p50), while the lag stays
+    below one engine step (a KV event leaves a worker only after the step that filled the blocks).
+    Call :meth:`start` on the event loop that will use it.
     """
 
     def __init__(self, fallback: RedisPrefixIndex, url: str, namespace: str = DEFAULT_NAMESPACE,
                  block_s: float = 1.0, timeout_s: float = DEFAULT_TIMEOUT_S, batch: int = 512,
-                 min_interval_s: float = 0.005, retry_s: float = 0.5) -> None:
+                 min_interval_s: float = 0.02, retry_s: float = 0.5) -> None:
         self.fallback = fallback
         self._keys = IndexKeys(namespace)
         self._block_ms = max(1, int(block_s * 1000))
