@@ -96,11 +96,15 @@ def micro_cost_us(n: int, sink_endpoint: str) -> dict:
     from kvfleet.worker.outputs import Milestones, SeqOutput, Usage
     from kvfleet.worker.request import FinishReason
     from kvfleet.sampling_params import SamplingParams
-    from types import SimpleNamespace
+    from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
+    from kvfleet.router.policy import Candidate
+    from kvfleet.router.server import RouteDecision
 
-    decision = SimpleNamespace(candidate=SimpleNamespace(
-        info=SimpleNamespace(replica_id="r", address="a"), matched_blocks=3),
-        num_blocks=5, redis_s=0.0002, index_used=True)
+    candidates = tuple(Candidate(ReplicaInfo(f"r{i}", "a", "m", 1, 16),
+                                 ReplicaLoad(1, 0, 10, 10, 0.0), 3 if i == 0 else 0, 0)
+                       for i in range(4))  # a 4-replica fleet: 4 candidate strings per route
+    decision = RouteDecision(candidates[0], num_blocks=5, redis_s=0.0002, index_used=True,
+                             index_source="mirror", candidates=candidates)
     last = common_pb2.GenerateResponse(finish_reason=common_pb2.LENGTH, usage=common_pb2.Usage(
         prompt_tokens=80, cached_prompt_tokens=32, completion_tokens=32))
     req = worker_pb2.WorkerGenerateRequest(request_id="x", prompt_token_ids=[7] * 80)

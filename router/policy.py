@@ -1,8 +1,9 @@
 """Routing policies: pick a replica from candidates with their prefix match and load.
 
 ``prefix_aware`` (default). Per request, with ``m`` = a replica's matched leading blocks and
-``load`` = its requests (running + waiting: the larger of its last report and this router's own
-in-flight count, so a burst counts before the next heartbeat):
+``load`` = its requests (running + waiting: the larger of its last report, less this router's
+requests that report counts but that have finished since, and this router's own in-flight
+count, so a burst counts before the next heartbeat and a finished one stops counting at once):
 
 1. **Score** ``m − load_penalty_blocks × load``; the highest wins. Ties go to the least loaded;
    among holders of equally long prefixes, to the one with the lowest *recent* load (an
@@ -62,12 +63,15 @@ class Candidate:
     load_report: Optional[ReplicaLoad]
     matched_blocks: int
     inflight: int  # this router's own open streams to the replica
+    settled: int = 0  # this router's requests the report still counts that have finished
 
     @property
     def load(self) -> int:
-        """Requests on the replica: its report, or this router's count when larger/fresher."""
-        reported = (self.load_report.running + self.load_report.waiting) if self.load_report else 0
-        return max(reported, self.inflight)
+        """Requests on the replica: its report less those known finished since, or this
+        router's own open streams when that is more (see ``router.inflight``)."""
+        r = self.load_report
+        reported = r.running + r.waiting - self.settled if r is not None else 0
+        return max(reported, self.inflight, 0)
 
     @property
     def kv_usage(self) -> float:

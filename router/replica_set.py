@@ -10,13 +10,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import defaultdict
 from typing import Optional
 
 import grpc
 
 from kvfleet.grpc_util import CHANNEL_OPTIONS
 from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
+from kvfleet.router.inflight import InflightLedger
 from kvfleet.router.prefix_index import IndexUnavailable, PrefixIndex
 from kvfleet.router.worker_link import WorkerLink
 
@@ -38,7 +38,7 @@ class ReplicaSet:
         self.empty_grace_s = empty_grace_s
         self._last_listed = time.monotonic()  # when the registry last listed a replica
         self.replicas: dict[str, tuple[ReplicaInfo, Optional[ReplicaLoad]]] = {}
-        self.inflight: dict[str, int] = defaultdict(int)
+        self.ledger = InflightLedger()  # this router's streams; how stale each report is
         self.index_available = True
         self.unreachable_s = unreachable_s
         self._unreachable: dict[str, tuple[str, int, float]] = {}  # id → (address, epoch, until)
@@ -62,6 +62,7 @@ class ReplicaSet:
             return  # keep the last-known list (loads already dropped or stale) for a while
         self._last_listed = now
         self.replicas = {info.replica_id: (info, load) for info, load in live}
+        self.ledger.on_reports((rid, load) for rid, (_, load) in self.replicas.items())
 
     def mark_index_down(self, exc: BaseException) -> None:
         """Keep the known replicas, forget their load reports (they would freeze): from now on
@@ -70,6 +71,7 @@ class ReplicaSet:
             log.warning("prefix index unreachable (%s); routing by load over %d known replicas",
                         exc, len(self.replicas))
             self.replicas = {rid: (info, None) for rid, (info, _) in self.replicas.items()}
+            self.ledger.on_reports((rid, None) for rid in self.replicas)
         self.index_available = False
 
     def mark_index_up(self) -> None:

@@ -34,6 +34,7 @@ class RouteDecision:
     redis_s: float      # seconds in the index lookup
     index_used: bool
     index_source: str = ""  # "mirror" (in memory), "redis" (a round trip), "" (not consulted)
+    candidates: tuple[Candidate, ...] = ()  # every replica considered (span attribute)
 
 
 class RouterService(router_pb2_grpc.RouterServicer):
@@ -96,10 +97,12 @@ class RouterService(router_pb2_grpc.RouterServicer):
             except IndexUnavailable as exc:
                 self.replicas.mark_index_down(exc)
         redis_s = time.perf_counter() - t0
+        ledger = self.replicas.ledger
         candidates = [Candidate(info, load, matched.get(info.replica_id, 0),
-                                self.replicas.inflight[info.replica_id]) for info, load in live]
+                                ledger.inflight[info.replica_id], ledger.settled(info.replica_id))
+                      for info, load in live]
         return RouteDecision(self.policy.choose(candidates, chain), len(chain), redis_s,
-                             index_used, source if index_used else "")
+                             index_used, source if index_used else "", tuple(candidates))
 
     # ---- RPCs ------------------------------------------------------------------------------
     async def Generate(self, request: router_pb2.GenerateRequest, context):
@@ -146,7 +149,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                       len(tokens), decision.candidate.matched_blocks, info.replica_id,
                       self.policy.name)
             relayed = False
-            self.replicas.inflight[info.replica_id] += 1
+            dispatched_at = self.replicas.ledger.dispatched(info.replica_id)
             # The client's deadline travels as deadline_unix_s (the worker enforces it); gRPC
             # cancels this handler at the same deadline, which cancels the call below.
             try:
@@ -172,7 +175,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 trace.fail(exc.code, exc.details or "worker stream failed")
                 await context.abort(exc.code, exc.details or "worker stream failed")
             finally:
-                self.replicas.inflight[info.replica_id] -= 1
+                self.replicas.ledger.finished(info.replica_id, dispatched_at)
                 call.cancel()  # no-op when finished; aborts the worker's call if the client left
 
     def _worker_call(self, request, request_id: str, params: SamplingParams,

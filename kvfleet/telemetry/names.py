@@ -60,6 +60,8 @@ KVFLEET_ROUTE_MATCHED_BLOCKS = "kvfleet.route.matched_blocks"  # index's match o
 KVFLEET_ROUTE_REDIS_S = "kvfleet.route.redis_s"          # the index lookup (≈0 from the mirror)
 KVFLEET_ROUTE_INDEX_USED = "kvfleet.route.index_used"  # false: Redis down or not consulted
 KVFLEET_ROUTE_INDEX_SOURCE = "kvfleet.route.index_source"  # mirror | redis | "" (not consulted)
+# one string per replica considered: "<id> matched=<blocks> load=<requests> (reported=R settled=S inflight=I)"
+KVFLEET_ROUTE_CANDIDATES = "kvfleet.route.candidates"
 KVFLEET_CACHED_PROMPT_TOKENS = "kvfleet.usage.cached_prompt_tokens"  # what the worker reused
 KVFLEET_PREFILL_CHUNKS = "kvfleet.prefill.chunks"
 KVFLEET_CHUNK_TOKENS = "kvfleet.prefill.chunk.tokens"

@@ -3,6 +3,7 @@ replicas whose scheduler, block pool and KV events are the real ones (the forwar
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 
@@ -10,6 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from kvfleet.router.policy import rendezvous_score
 from kvfleet.router.served_model import ServedModel
+from kvfleet.worker.cost_model import CostModel
 from tests.integration.routing_fleet import BLOCK, Fleet, prompt
 
 
@@ -137,3 +139,33 @@ async def test_a_restarted_replica_s_old_entries_are_ignored(fleet):
     out = await fleet.generate(tokens)
     assert out.replica_id == "rep-a" and out.usage.cached_prompt_tokens == 0
     await fleet.wait_match(fleet.chain(tokens), {"rep-a": 4})
+
+
+async def test_a_finished_turn_in_a_stale_load_report_keeps_the_chat_on_its_holder(fleet):
+    # Both replicas hold the chat template's block; a heartbeat taken while turn 1 runs says its
+    # replica is busy (running=1), and the router reads that report after turn 1 has finished.
+    slow = CostModel(0.05, 0.0, 0.0, "test: 50 ms per step")
+    for rid in ("rep-a", "rep-b"):
+        await fleet.add_replica(rid, cost_model=slow, heartbeat_interval_s=3600.0)
+    router = await fleet.add_router()
+    await fleet.wait_replicas(2)
+    template = prompt(40, BLOCK)
+    for rid in fleet.replicas:
+        await fleet.direct(rid, template + [5])
+    turn1 = template + prompt(41, BLOCK + 3)  # 2 full blocks + 3 generated: still 2 blocks
+    await fleet.wait_match(fleet.chain(turn1), {"rep-a": 1, "rep-b": 1})
+    first = asyncio.create_task(fleet.generate(turn1, max_tokens=3))
+    holder = None
+    while holder is None:
+        await asyncio.sleep(0.005)
+        holder = next((rid for rid, s in fleet.replicas.items() if s.load().running), None)
+    await fleet.replicas[holder].publisher.heartbeat(fleet.replicas[holder].load())
+    assert (await first).replica_id == holder
+    await router.replicas.refresh()
+    assert router.replicas.replicas[holder][1].running == 1  # the stale report is in use
+    turn2 = turn1 + [7, 7, 7] + prompt(42, BLOCK)
+    other = next(rid for rid in fleet.replicas if rid != holder)
+    await fleet.wait_match(fleet.chain(turn2), {holder: 2, other: 1})
+    # Scored on the report alone, 2 matched − 1 load ties 1 − 0 and the tie went to `other`.
+    out = await fleet.generate(turn2)
+    assert out.replica_id == holder and out.usage.cached_prompt_tokens == 2 * BLOCK

@@ -8,9 +8,10 @@ from kvfleet.router.policy import (Candidate, LeastLoaded, PrefixAware, PrefixPo
 
 
 def cand(rid: str, matched: int = 0, inflight: int = 0, running: int = 0, waiting: int = 0,
-         free: int = 10):
+         free: int = 10, settled: int = 0):
     load = ReplicaLoad(running, waiting, free, 10, 0.0)
-    return Candidate(ReplicaInfo(rid, f"127.0.0.1:{len(rid)}", "m", 1, 16), load, matched, inflight)
+    return Candidate(ReplicaInfo(rid, f"127.0.0.1:{len(rid)}", "m", 1, 16), load, matched, inflight,
+                     settled)
 
 
 def chain(name: bytes, n: int = 8) -> list[bytes]:
@@ -124,13 +125,27 @@ def test_popularity_share_converges_to_the_frequency():
     pop = PrefixPopularity(window=50)
     for i in range(2000):
         share = pop.observe(b"a") if i % 4 == 0 else pop.observe(b"b%d" % (i % 3))
-    assert share == pytest.approx(1 / 4 * 0 + share)  # last observation was not "a"
     assert pop.observe(b"a") == pytest.approx(0.25, abs=0.08)
 
 
 def test_load_uses_the_larger_of_report_and_own_inflight():
     assert cand("a", inflight=3, running=1).load == 3
     assert cand("a", inflight=0, running=2, waiting=2).load == 4
+    # The report counts 2 of this router's requests that have finished since: 4 - 2.
+    assert cand("a", inflight=1, running=2, waiting=2, settled=2).load == 2
+    assert cand("a", inflight=1, running=1, settled=1).load == 1
+    assert cand("a", running=1, settled=3).load == 0  # never negative
+
+
+def test_a_finished_request_in_a_stale_report_does_not_push_a_chat_off_its_holder():
+    # Turn 1 of a chat ran on "a"; a heartbeat taken while it ran still says running=1. Turn 2
+    # matches 2 blocks on "a" and 1 (the chat template) on "b". Scored on the stale report,
+    # 2 - 1 ties 1 - 0 and the tie goes to the less loaded "b", which holds nothing useful.
+    stale = cand("a", matched=2, running=1)
+    assert PrefixAware().choose([stale, cand("b", matched=1)], chain(b"c")).info.replica_id == "b"
+    # The router knows that request finished after the report: "a" keeps the conversation.
+    known = cand("a", matched=2, running=1, settled=1)
+    assert PrefixAware().choose([known, cand("b", matched=1)], chain(b"c")) is known
     assert cand("a", free=5).kv_usage == pytest.approx(0.5)
 
 

@@ -1,0 +1,86 @@
+"""This router's own dispatches per replica, and how stale each replica's load report is.
+
+A replica reports ``running + waiting`` on its heartbeat (about once a second) and the router
+reads the registry every ``refresh_interval_s``, so the report it routes on can count a request
+that has since finished: on an idle fleet the replica that served the last request still looks
+busy, and a score that weighs load against prefix depth sends the next request of the same
+conversation away from its holder. The ledger knows which of *its own* requests the report
+still counts: those dispatched before the report was taken (``updated_at``) and finished after
+it. ``Candidate.load`` subtracts them; requests of other routers stay as reported.
+
+Times are unix seconds: ``updated_at`` is the worker's clock, dispatch and finish times the
+router's. On one host they agree; across hosts a clock offset of δ only misjudges requests that
+started or finished within δ of a heartbeat, and the result is clamped to at least this
+router's own in-flight count.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import Callable, Iterable, Optional
+
+from kvfleet.index_keys import ReplicaLoad
+
+MAX_FINISHED = 4096  # finishes kept per replica while its report does not advance (a hung worker)
+
+
+class InflightLedger:
+    """Per replica: open streams (``inflight``) and ``settled(rid)``, the number of this
+    router's requests that the replica's current report counts but that have finished."""
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self.clock = clock
+        self.inflight: dict[str, int] = defaultdict(int)
+        self._report_at: dict[str, float] = {}  # replica → updated_at of the report in use
+        # replica → (dispatched, finished) unix s of requests finished after that report
+        self._finished: dict[str, list[tuple[float, float]]] = {}
+        self._settled: dict[str, int] = {}
+
+    def dispatched(self, replica_id: str) -> float:
+        """A stream to ``replica_id`` opened; returns its dispatch time for ``finished``."""
+        self.inflight[replica_id] += 1
+        return self.clock()
+
+    def finished(self, replica_id: str, dispatched_at: float) -> None:
+        """The stream opened at ``dispatched_at`` ended (done, failed or cancelled)."""
+        self.inflight[replica_id] -= 1
+        report_at = self._report_at.get(replica_id)
+        if report_at is None:
+            return  # no report to correct
+        now = self.clock()
+        if now < report_at:
+            return  # the report is newer than this finish (clock offset): it is not counted
+        done = self._finished.setdefault(replica_id, [])
+        done.append((dispatched_at, now))
+        if len(done) > MAX_FINISHED:
+            del done[:len(done) - MAX_FINISHED]  # oldest first; it only loses a correction
+        if dispatched_at < report_at:
+            self._settled[replica_id] = self._settled.get(replica_id, 0) + 1
+
+    def on_reports(self, reports: Iterable[tuple[str, Optional[ReplicaLoad]]]) -> None:
+        """The registry was read: recount against each replica's (possibly newer) report."""
+        seen = set()
+        for rid, load in reports:
+            seen.add(rid)
+            at = None if load is None else load.updated_at
+            if at == self._report_at.get(rid):
+                continue
+            if at is None:
+                self._forget(rid)
+                continue
+            self._report_at[rid] = at
+            kept = [d for d in self._finished.get(rid, ()) if d[1] >= at]
+            self._finished[rid] = kept
+            self._settled[rid] = sum(1 for started, _ in kept if started < at)
+        for rid in [r for r in self._report_at if r not in seen]:
+            self._forget(rid)
+
+    def settled(self, replica_id: str) -> int:
+        """This router's requests counted by the replica's report that have since finished."""
+        return self._settled.get(replica_id, 0)
+
+    def _forget(self, replica_id: str) -> None:
+        self._report_at.pop(replica_id, None)
+        self._finished.pop(replica_id, None)
+        self._settled.pop(replica_id, None)
