@@ -179,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=6, help="segments per target and rate")
     a = p.parse_args(argv)
 
-    from kvfleet.deploy.launcher import ClusterConfig, LocalCluster, init_ray, shutdown_ray
+    from kvfleet.deploy.launcher import (ClusterConfig, LocalCluster, init_ray, shutdown_ray,
+                                        wait_ready)
     from kvfleet.deploy.models import DEFAULT_MODEL, resolve_model
     from kvfleet.deploy.redis_server import start_redis
 
@@ -197,13 +198,13 @@ def main(argv: list[str] | None = None) -> int:
         relay_proc = subprocess.Popen(
             [sys.executable, "-m", "bench.null_relay", cluster.replica_addresses[0]],
             stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parent.parent)
-        null_relay_address = relay_proc.stdout.readline().split()[-1]
+        null_relay_address = wait_ready(relay_proc, "ready ", 60.0)
         # The same router looking every prompt up in Redis: the mirror's A/B in the same run.
         redis_router = subprocess.Popen(
             [sys.executable, "-m", "kvfleet.router.main", "--redis-url", redis.url,
              "--model-name", name, "--model-dir", str(model_dir), "--port", "0",
              "--namespace", "bench-cost:", "--no-index-mirror"], stdout=subprocess.PIPE, text=True)
-        redis_router_address = redis_router.stdout.readline().split()[-1]
+        redis_router_address = wait_ready(redis_router, "router ready ", 120.0)
 
         async def run() -> dict:
             from bench.router_bench import wait_registered

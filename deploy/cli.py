@@ -56,6 +56,15 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="multiply the cost model's step times (e.g. 0.05 = 20x faster)")
 
 
+def _non_empty(flag: str):
+    """argparse type: a string that is not empty or only whitespace (else a usage error)."""
+    def check(value: str) -> str:
+        if not value.strip():
+            raise argparse.ArgumentTypeError(f"{flag} must not be empty")
+        return value
+    return check
+
+
 def cluster_config(args: argparse.Namespace):
     """Build a ClusterConfig from parsed args. Raises ModelNotPrepared / ValueError."""
     from kvfleet.allocator.units import parse_size
@@ -80,7 +89,9 @@ def cluster_config(args: argparse.Namespace):
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   policy=args.admission),
         executor=args.executor, cost_model=cost if args.executor == "cost-model" else None,
-        telemetry=TelemetryConfig.from_env(os.environ), metrics_port=args.metrics_port)
+        telemetry=TelemetryConfig.from_env(os.environ), metrics_port=args.metrics_port,
+        # -vv: the router logs each routing decision (candidates' matches and loads) too
+        router_args=("--log-level", "DEBUG") if getattr(args, "verbose", 0) >= 2 else ())
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -154,7 +165,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvfleet", description="kvfleet LLM serving cluster")
-    p.add_argument("-v", "--verbose", action="store_true", help="INFO logs on stderr")
+    p.add_argument("-v", "--verbose", action="count", default=0,
+                   help="INFO logs on stderr; -vv: DEBUG, and the router logs every routing "
+                        "decision")
     sub = p.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="start a local cluster and serve until Ctrl-C")
@@ -171,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=cmd_demo, port=0)
 
     gen = sub.add_parser("generate", help="stream one completion from a running router")
-    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--prompt", required=True, type=_non_empty("--prompt"))
     gen.add_argument("--max-tokens", type=int)
     gen.add_argument("--temperature", type=float)
     gen.add_argument("--seed", type=int)
@@ -198,7 +211,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         from kvfleet.deploy.models import main as model_main
         return model_main(argv[1:])
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
+    level = {0: logging.WARNING, 1: logging.INFO}.get(args.verbose, logging.DEBUG)
+    logging.basicConfig(level=level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from kvfleet.deploy.models import ModelNotPrepared
 

@@ -7,18 +7,20 @@ store, every listener on 127.0.0.1.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-import select
+import queue
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field, replace
-from typing import Optional
+from typing import Optional, TextIO
 
 from kvfleet.deploy.redis_server import RedisServer, start_redis
 from kvfleet.index_keys import DEFAULT_NAMESPACE
@@ -225,17 +227,7 @@ class LocalCluster:
         env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
         env.update(cfg.telemetry.to_env())
         self.router_proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([self.router_proc.stdout], [], [], 0.2)
-            if ready:
-                line = self.router_proc.stdout.readline()
-                if line.startswith("router ready "):
-                    return line.split()[-1]
-            if self.router_proc.poll() is not None:
-                raise RuntimeError(f"router exited with code {self.router_proc.returncode} "
-                                   "before it was ready (see its error above)")
-        raise TimeoutError(f"router not ready within {timeout_s} s")
+        return wait_ready(self.router_proc, "router ready ", timeout_s)
 
     def _metrics_port(self, offset: int) -> Optional[int]:
         port = self.cfg.metrics_port
@@ -274,3 +266,42 @@ class LocalCluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def wait_ready(proc: subprocess.Popen, marker: str, timeout_s: float,
+               sink: Optional[TextIO] = None) -> str:
+    """Wait for the line starting with ``marker`` on ``proc``'s stdout (a text pipe) and return
+    its last word; every other line, before and after, is copied to ``sink`` (default: this
+    process's stdout) by a daemon thread. The pipe must be drained for the process's whole
+    life: a child that prints to it (e.g. ``OTEL_TRACES_EXPORTER=console``) would otherwise
+    block once the pipe's buffer (64 KiB) is full.
+
+    Raises RuntimeError if the process exits first, TimeoutError after ``timeout_s`` seconds.
+    """
+    found: queue.Queue[str] = queue.Queue()
+
+    def relay() -> None:
+        out = sink or sys.stdout
+        with contextlib.suppress(ValueError, OSError):  # pipe or sink closed at shutdown
+            for line in proc.stdout:
+                if found.empty() and line.startswith(marker):
+                    found.put(line.split()[-1])
+                    continue
+                out.write(line)
+                out.flush()
+        found.put("")  # EOF: the process closed its stdout
+
+    threading.Thread(target=relay, name=f"relay-{proc.pid}", daemon=True).start()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(queue.Empty):
+            address = found.get(timeout=0.2)
+            if address:
+                return address
+            proc.wait(5)
+            raise RuntimeError(f"{marker.strip()!r} never came: the process exited with code "
+                               f"{proc.returncode} (see its error above)")
+        if proc.poll() is not None:
+            raise RuntimeError(f"process exited with code {proc.returncode} before "
+                               f"{marker.strip()!r} (see its error above)")
+    raise TimeoutError(f"no {marker.strip()!r} within {timeout_s} s")

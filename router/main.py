@@ -51,6 +51,7 @@ class RouterConfig:
     # (kvfleet.router.index_mirror); False = one Redis round trip per request.
     index_mirror: bool = True
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)  # OTLP / Prometheus
+    log_level: str = "INFO"  # DEBUG adds a line per routing decision
     # prefix_aware knobs (kvfleet.router.policy): load_penalty_blocks, max_imbalance,
     # popularity_window, kv_saturation, min_excess_load; empty = the documented defaults.
     policy_options: dict = field(default_factory=dict)
@@ -133,6 +134,8 @@ def parse_args(argv: list[str]) -> RouterConfig:
     p.add_argument("--no-index-mirror", dest="index_mirror", action="store_false",
                    help="look every prompt up in Redis (one round trip per request) instead of "
                         "an in-memory mirror of the index fed by the workers' KV event log")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="stderr log level (DEBUG: one line per routing decision)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on this port (0 = a free one); OTLP export "
                         "follows the standard OTEL_* environment variables")
@@ -144,7 +147,8 @@ def parse_args(argv: list[str]) -> RouterConfig:
     return RouterConfig(redis_url=a.redis_url, model_name=a.model_name, model_dir=a.model_dir,
                         block_size=a.block_size, kv_dtype=a.kv_dtype, host=a.host, port=a.port,
                         policy=a.policy, namespace=a.namespace, api_keys_file=a.api_keys,
-                        index_mirror=a.index_mirror, telemetry=telemetry, policy_options={
+                        index_mirror=a.index_mirror, telemetry=telemetry,
+                        log_level=a.log_level, policy_options={
                             k: v for k in ("load_penalty_blocks", "max_imbalance",
                                            "popularity_window", "min_excess_load")
                             if (v := getattr(a, k)) is not None})
@@ -174,9 +178,10 @@ async def _serve(cfg: RouterConfig) -> int:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+    cfg = parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=cfg.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s router %(name)s: %(message)s")
-    return asyncio.run(_serve(parse_args(sys.argv[1:] if argv is None else argv)))
+    return asyncio.run(_serve(cfg))
 
 
 if __name__ == "__main__":

@@ -73,6 +73,14 @@ class Candidate:
         reported = r.running + r.waiting - self.settled if r is not None else 0
         return max(reported, self.inflight, 0)
 
+    def describe(self) -> str:
+        """``"<id> matched=<blocks> load=<requests> (reported=R settled=S inflight=I)"``: the
+        decision's inputs, for the ``kvfleet.route.candidates`` span attribute and debug logs."""
+        r = self.load_report
+        reported = "none" if r is None else r.running + r.waiting
+        return (f"{self.info.replica_id} matched={self.matched_blocks} load={self.load} "
+                f"(reported={reported} settled={self.settled} inflight={self.inflight})")
+
     @property
     def kv_usage(self) -> float:
         """Fraction of KV blocks referenced by live requests, from the last report (0 if none)."""

@@ -145,9 +145,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
             info = decision.candidate.info
             call = self._worker_call(request, request_id, params, tokens, scope, info, trace,
                                      deadline)
-            log.debug("request %s: %d tokens, %d blocks matched on %s (%s)", request_id,
-                      len(tokens), decision.candidate.matched_blocks, info.replica_id,
-                      self.policy.name)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("request %s: %d tokens → %s (%s); candidates: %s", request_id,
+                          len(tokens), info.replica_id, self.policy.name,
+                          "; ".join(c.describe() for c in decision.candidates))
             relayed = False
             dispatched_at = self.replicas.ledger.dispatched(info.replica_id)
             # The client's deadline travels as deadline_unix_s (the worker enforces it); gRPC

@@ -121,7 +121,7 @@ class RouterRequestTrace:
                 n.KVFLEET_ROUTE_REDIS_S: decision.redis_s,
                 n.KVFLEET_ROUTE_INDEX_USED: decision.index_used,
                 n.KVFLEET_ROUTE_INDEX_SOURCE: decision.index_source,
-                n.KVFLEET_ROUTE_CANDIDATES: [_describe(c) for c in decision.candidates]})
+                n.KVFLEET_ROUTE_CANDIDATES: [c.describe() for c in decision.candidates]})
 
     def start_dispatch(self, request_id: str, replica_id: str, address: str) -> tuple:
         """Open ``router.dispatch``; returns the gRPC metadata that carries its context."""
@@ -225,10 +225,3 @@ class RouterRequestTrace:
                                           attributes=attributes)
         span.end(end_time=self.clock.wall_ns(end))
 
-
-def _describe(c) -> str:
-    """One routing candidate as the ``kvfleet.route.candidates`` span attribute shows it."""
-    r = c.load_report
-    reported = "none" if r is None else r.running + r.waiting
-    return (f"{c.info.replica_id} matched={c.matched_blocks} load={c.load} "
-            f"(reported={reported} settled={c.settled} inflight={c.inflight})")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import shutil
 
 from safetensors.torch import load_file, save_file
@@ -141,7 +142,7 @@ async def test_a_restarted_replica_s_old_entries_are_ignored(fleet):
     await fleet.wait_match(fleet.chain(tokens), {"rep-a": 4})
 
 
-async def test_a_finished_turn_in_a_stale_load_report_keeps_the_chat_on_its_holder(fleet):
+async def test_a_finished_turn_in_a_stale_load_report_keeps_the_chat_on_its_holder(fleet, caplog):
     # Both replicas hold the chat template's block; a heartbeat taken while turn 1 runs says its
     # replica is busy (running=1), and the router reads that report after turn 1 has finished.
     slow = CostModel(0.05, 0.0, 0.0, "test: 50 ms per step")
@@ -167,5 +168,10 @@ async def test_a_finished_turn_in_a_stale_load_report_keeps_the_chat_on_its_hold
     other = next(rid for rid in fleet.replicas if rid != holder)
     await fleet.wait_match(fleet.chain(turn2), {holder: 2, other: 1})
     # Scored on the report alone, 2 matched − 1 load ties 1 − 0 and the tie went to `other`.
-    out = await fleet.generate(turn2)
+    with caplog.at_level(logging.DEBUG, logger="kvfleet.router.server"):
+        out = await fleet.generate(turn2)
     assert out.replica_id == holder and out.usage.cached_prompt_tokens == 2 * BLOCK
+    # The debug log shows why: the report's request is known finished (-vv on `kvfleet up`).
+    decision = next(r.getMessage() for r in caplog.records if "candidates:" in r.getMessage())
+    assert f"{holder} matched=2 load=0 (reported=1 settled=1 inflight=0)" in decision
+    assert f"{other} matched=1 load=0" in decision

@@ -1,0 +1,31 @@
+"""`kvfleet` command-line checks that need no cluster: empty prompts, log verbosity."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from kvfleet.deploy import cli
+from kvfleet.router.main import parse_args as router_args
+
+
+@pytest.mark.parametrize("prompt", ["", "   "])
+def test_an_empty_prompt_is_a_usage_error_naming_the_flag(prompt, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["generate", "--prompt", prompt])
+    assert exit_.value.code == 2
+    assert "--prompt must not be empty" in capsys.readouterr().err
+
+
+def test_vv_makes_the_router_log_every_routing_decision(tiny_llama_dir):
+    one = cli.cluster_config(cli.build_parser().parse_args(
+        ["-v", "up", "--model", str(tiny_llama_dir)]))
+    two = cli.cluster_config(cli.build_parser().parse_args(
+        ["-vv", "up", "--model", str(tiny_llama_dir)]))
+    assert one.router_args == ()
+    assert two.router_args == ("--log-level", "DEBUG")
+    cfg = router_args(["--redis-url", "redis://127.0.0.1:1", "--model-name", "m",
+                       "--model-dir", "/x", *two.router_args])
+    assert logging.getLevelName(cfg.log_level) == logging.DEBUG
+    assert router_args(["--redis-url", "r", "--model-name", "m", "--model-dir", "/x"]).log_level == "INFO"
