@@ -100,20 +100,23 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def init_ray(address: Optional[str] = None, num_cpus: Optional[int] = None) -> None:
-    """Start a local Ray head with small caps, or join ``address``. Idempotent."""
+def init_ray(address: Optional[str] = None, num_cpus: Optional[int] = None,
+             log_to_driver: bool = False) -> None:
+    """Start a local Ray head with small caps, or join ``address``. Idempotent (a Ray already
+    initialised keeps its settings). ``log_to_driver``: print the actors' stdout and stderr
+    here too (else they stay in Ray's session logs, deleted with a Ray started here)."""
     import ray
 
     os.environ.update(RAY_ENV)
     if ray.is_initialized():
         return
     if address:
-        ray.init(address=address, log_to_driver=False)
+        ray.init(address=address, log_to_driver=log_to_driver)
         return
     global _ray_temp_dir
     _ray_temp_dir = tempfile.mkdtemp(prefix="kvf-ray-")
     ray.init(num_cpus=num_cpus or os.cpu_count() or 2, include_dashboard=False,
-             object_store_memory=RAY_OBJECT_STORE_BYTES, log_to_driver=False,
+             object_store_memory=RAY_OBJECT_STORE_BYTES, log_to_driver=log_to_driver,
              _temp_dir=_ray_temp_dir, runtime_env={"env_vars": dict(RAY_ENV)})
 
 
@@ -162,7 +165,8 @@ class LocalCluster:
             self.redis = start_redis()
             self.redis_url = self.redis.url
         self._started_ray = not ray.is_initialized() and not cfg.ray_address
-        init_ray(cfg.ray_address, cfg.ray_num_cpus)
+        # A console exporter prints the replicas' spans on their stdout: show them here.
+        init_ray(cfg.ray_address, cfg.ray_num_cpus, log_to_driver=cfg.telemetry.exports_to_stdout)
         cpus = float(ray.available_resources().get("CPU", 1.0))
         per_replica = max(0.1, min(1.0, cpus / cfg.replicas))
         if cfg.replica_num_cpus is not None:

@@ -66,7 +66,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 raise InvalidArgument(f"text exceeds {MAX_PROMPT_BYTES} bytes")
             return model.encode_text(request.text)
         if kind == "token_ids":
-            ids = request.token_ids.ids  # no copy: min/max run in C
+            # One copy to a list: reading a protobuf repeated field creates every int again
+            # on each pass, and min, max and the block hashing each make a pass.
+            ids = list(request.token_ids.ids)
             if not ids:
                 raise InvalidArgument("token_ids must not be empty")
             if min(ids) < 0 or max(ids) >= model.vocab_size:

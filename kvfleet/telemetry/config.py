@@ -194,6 +194,13 @@ class TelemetryConfig:
         return self.traces_exporter == "console" or self.traces_endpoint() is not None
 
     @property
+    def exports_to_stdout(self) -> bool:
+        """Spans or metrics are printed on each process's stdout (a ``console`` exporter): a
+        launcher must forward its children's stdout or they are lost."""
+        return not self.sdk_disabled and "console" in (self.traces_exporter,
+                                                       self.metrics_exporter)
+
+    @property
     def otlp_metrics_enabled(self) -> bool:
         if self.sdk_disabled or self.metrics_exporter == "none":
             return False

@@ -78,3 +78,16 @@ def test_metrics_port_alone_enables_metrics_only():
     assert cfg.metrics_enabled and not cfg.tracing_enabled and not cfg.otlp_metrics_enabled
     with pytest.raises(ValueError, match="metrics port"):
         TelemetryConfig(metrics_port=70000)
+
+
+@pytest.mark.parametrize("env, printed", [
+    ({}, False),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317"}, False),
+    ({"OTEL_TRACES_EXPORTER": "console"}, True),
+    ({"OTEL_METRICS_EXPORTER": "console"}, True),
+    ({"OTEL_TRACES_EXPORTER": "console", "OTEL_SDK_DISABLED": "true"}, False),
+])
+def test_console_export_is_known_so_launchers_forward_stdout(env, printed):
+    # kvfleet up starts Ray with log_to_driver exactly when this holds (replicas' spans on
+    # their stdout would otherwise stay in Ray's session logs, deleted at shutdown).
+    assert TelemetryConfig.from_env(env).exports_to_stdout is printed
