@@ -65,6 +65,17 @@ def _non_empty(flag: str):
     return check
 
 
+def _positive_seconds(value: str) -> float:
+    """argparse type: a finite number of seconds > 0 (a deadline already past is a usage error)."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number of seconds: {value!r}") from None
+    if not 0 < seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"--timeout must be > 0 seconds, got {value}")
+    return seconds
+
+
 def cluster_config(args: argparse.Namespace):
     """Build a ClusterConfig from parsed args. Raises ModelNotPrepared / ValueError."""
     from kvfleet.allocator.units import parse_size
@@ -191,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", default="")
     gen.add_argument("--router", default=DEFAULT_ROUTER)
     gen.add_argument("--api-key")
-    gen.add_argument("--timeout", type=float, help="deadline in seconds")
+    gen.add_argument("--timeout", type=_positive_seconds, help="deadline in seconds (> 0)")
     gen.add_argument("--raw", action="store_true", help="send the prompt as plain text, no chat template")
     gen.set_defaults(func=cmd_generate)
 

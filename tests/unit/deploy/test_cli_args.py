@@ -18,6 +18,15 @@ def test_an_empty_prompt_is_a_usage_error_naming_the_flag(prompt, capsys):
     assert "--prompt must not be empty" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("timeout", ["0", "-5", "nan", "inf", "soon"])
+def test_a_deadline_that_cannot_be_met_is_a_usage_error(timeout, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["generate", "--prompt", "hi", "--timeout", timeout])
+    assert exit_.value.code == 2 and "--timeout" in capsys.readouterr().err
+    assert cli.build_parser().parse_args(["generate", "--prompt", "hi",
+                                          "--timeout", "2.5"]).timeout == 2.5
+
+
 def test_vv_makes_the_router_log_every_routing_decision(tiny_llama_dir):
     one = cli.cluster_config(cli.build_parser().parse_args(
         ["-v", "up", "--model", str(tiny_llama_dir)]))
