@@ -5,7 +5,10 @@
 requests that report counts but that have finished since, and this router's own in-flight
 count, so a burst counts before the next heartbeat and a finished one stops counting at once):
 
-1. **Score** ``m − load_penalty_blocks × load``; the highest wins. Ties go to the least loaded;
+1. **Score** ``m − load_penalty_blocks × load``; the highest wins. Ties go to the deeper match
+   (a report one heartbeat old can still count another router's finished request: a holder
+   that looks one request busier than a replica with one block less keeps the conversation),
+   then to the least loaded;
    among holders of equally long prefixes, to the one with the lowest *recent* load (an
    exponential average over ~``RECENT_WINDOW`` decisions per replica), so a shared family's
    traffic fills the holder with the least other work; then to rendezvous hashing on the first
@@ -196,11 +199,13 @@ class PrefixAware:
         return all(avg.get(h, 0.0) > bound for h in holders)
 
     def _best_score(self, candidates: Sequence[Candidate], chain: Sequence[bytes]) -> Candidate:
-        """Highest score; then least loaded; holders then by recent load (the one with less
-        other work takes the shared family's traffic); then rendezvous on the first block."""
+        """Highest score; then the deeper match (the score says the extra load is worth the
+        extra cached blocks, and sending the request elsewhere would copy the prefix); then
+        least loaded; holders then by recent load (the one with less other work takes the
+        shared family's traffic); then rendezvous on the first block."""
         first = chain[0] if chain else b""
         return max(candidates, key=lambda c: (
-            c.matched_blocks - self.load_penalty_blocks * c.load, -c.load,
+            c.matched_blocks - self.load_penalty_blocks * c.load, c.matched_blocks, -c.load,
             -self.recent_load.get(c.info.replica_id, 0.0) if c.matched_blocks else 0.0,
             rendezvous_score(first, c.info.replica_id)))
 

@@ -167,7 +167,8 @@ async def test_a_finished_turn_in_a_stale_load_report_keeps_the_chat_on_its_hold
     turn2 = turn1 + [7, 7, 7] + prompt(42, BLOCK)
     other = next(rid for rid in fleet.replicas if rid != holder)
     await fleet.wait_match(fleet.chain(turn2), {holder: 2, other: 1})
-    # Scored on the report alone, 2 matched − 1 load ties 1 − 0 and the tie went to `other`.
+    # Scored on the report alone, 2 matched − 1 load ties 1 − 0 (this tie went to `other`
+    # before ties went to the deeper match); the ledger makes the holder's load 0.
     with caplog.at_level(logging.DEBUG, logger="kvfleet.router.server"):
         out = await fleet.generate(turn2)
     assert out.replica_id == holder and out.usage.cached_prompt_tokens == 2 * BLOCK

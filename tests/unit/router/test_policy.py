@@ -138,14 +138,26 @@ def test_load_uses_the_larger_of_report_and_own_inflight():
 
 
 def test_a_finished_request_in_a_stale_report_does_not_push_a_chat_off_its_holder():
-    # Turn 1 of a chat ran on "a"; a heartbeat taken while it ran still says running=1. Turn 2
-    # matches 2 blocks on "a" and 1 (the chat template) on "b". Scored on the stale report,
-    # 2 - 1 ties 1 - 0 and the tie goes to the less loaded "b", which holds nothing useful.
-    stale = cand("a", matched=2, running=1)
+    # Turn 1 of a chat ran on "a"; a heartbeat taken while it ran still says running=1, and
+    # one more request of this router that finished since (running=2 in the report). Turn 2
+    # matches 2 blocks on "a" and 1 (the chat template) on "b": scored on the stale report,
+    # "b" wins (2 - 2 < 1 - 0) though it holds nothing useful.
+    stale = cand("a", matched=2, running=2)
     assert PrefixAware().choose([stale, cand("b", matched=1)], chain(b"c")).info.replica_id == "b"
     # The router knows that request finished after the report: "a" keeps the conversation.
-    known = cand("a", matched=2, running=1, settled=1)
+    known = cand("a", matched=2, running=2, settled=2)
     assert PrefixAware().choose([known, cand("b", matched=1)], chain(b"c")) is known
+
+
+def test_equal_scores_go_to_the_deeper_match():
+    # Turn 1 went through another router: this one cannot know it finished (settled=0). The
+    # score ties (2 - 1 = 1 - 0) and the deeper match keeps the conversation on its holder.
+    stale = cand("a", matched=2, running=1)
+    assert PrefixAware().choose([stale, cand("b", matched=1)], chain(b"c")) is stale
+    assert PrefixAware().choose([cand("b", matched=1), stale], chain(b"c")) is stale
+    # A higher score still wins over depth: one request busier is worth only one block.
+    busier = cand("a", matched=2, running=2)
+    assert PrefixAware().choose([busier, cand("b", matched=1)], chain(b"c")).info.replica_id == "b"
     assert cand("a", free=5).kv_usage == pytest.approx(0.5)
 
 
