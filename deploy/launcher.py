@@ -302,9 +302,12 @@ def wait_ready(proc: subprocess.Popen, marker: str, timeout_s: float,
             address = found.get(timeout=0.2)
             if address:
                 return address
-            proc.wait(5)
-            raise RuntimeError(f"{marker.strip()!r} never came: the process exited with code "
-                               f"{proc.returncode} (see its error above)")
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(5)
+            how = ("still runs" if proc.returncode is None
+                   else f"exited with code {proc.returncode}")
+            raise RuntimeError(f"{marker.strip()!r} never came: the process closed its stdout "
+                               f"and {how} (see its error above)")
         if proc.poll() is not None:
             raise RuntimeError(f"process exited with code {proc.returncode} before "
                                f"{marker.strip()!r} (see its error above)")

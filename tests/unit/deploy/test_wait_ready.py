@@ -56,6 +56,16 @@ def test_a_child_that_exits_before_ready_is_an_error_with_its_code():
         wait_ready(proc, "router ready ", 30.0, Sink())
 
 
+def test_a_child_that_closes_its_stdout_without_ready_is_an_error():
+    proc = child("import os, time; os.close(1); time.sleep(30)")
+    try:
+        with pytest.raises(RuntimeError, match="closed its stdout and still runs"):
+            wait_ready(proc, "router ready ", 30.0, Sink())
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_a_child_that_never_gets_ready_times_out():
     proc = child("import time; time.sleep(30)")
     try:
