@@ -22,11 +22,23 @@ class Sink(io.StringIO):
             return super().write(s)
 
 
-def child(code: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+@pytest.fixture
+def child():
+    """Start ``python -c CODE`` with its stdout on a pipe; every child is killed afterwards."""
+    procs: list[subprocess.Popen] = []
+
+    def start(code: str) -> subprocess.Popen:
+        procs.append(subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                                      text=True))
+        return procs[-1]
+
+    yield start
+    for proc in procs:
+        proc.kill()
+        proc.wait()
 
 
-def test_lines_after_ready_are_relayed_and_never_block_the_child():
+def test_lines_after_ready_are_relayed_and_never_block_the_child(child):
     # 2 MiB after the ready line: far more than a pipe holds (64 KiB). Were the pipe left
     # unread, the child would block in print() and never exit (what a console span exporter
     # did to the router).
@@ -35,11 +47,8 @@ def test_lines_after_ready_are_relayed_and_never_block_the_child():
                  "print('router ready 127.0.0.1:5555', flush=True)\n"
                  "for i in range(20000): print(f'span {i:05d} ' + 'x' * 100)\n")
     sink = Sink()
-    try:
-        assert wait_ready(proc, "router ready ", 30.0, sink) == "127.0.0.1:5555"
-        assert proc.wait(30) == 0
-    finally:
-        proc.kill()
+    assert wait_ready(proc, "router ready ", 30.0, sink) == "127.0.0.1:5555"
+    assert proc.wait(30) == 0
     for _ in range(100):  # the relay thread finishes copying after the child exits
         if sink.getvalue().count("\n") == 20001:
             break
@@ -50,27 +59,19 @@ def test_lines_after_ready_are_relayed_and_never_block_the_child():
     assert not any("ready" in line for line in lines)
 
 
-def test_a_child_that_exits_before_ready_is_an_error_with_its_code():
+def test_a_child_that_exits_before_ready_is_an_error_with_its_code(child):
     proc = child("print('no marker here'); raise SystemExit(3)")
     with pytest.raises(RuntimeError, match="code 3"):
         wait_ready(proc, "router ready ", 30.0, Sink())
 
 
-def test_a_child_that_closes_its_stdout_without_ready_is_an_error():
+def test_a_child_that_closes_its_stdout_without_ready_is_an_error(child):
     proc = child("import os, time; os.close(1); time.sleep(30)")
-    try:
-        with pytest.raises(RuntimeError, match="closed its stdout and still runs"):
-            wait_ready(proc, "router ready ", 30.0, Sink())
-    finally:
-        proc.kill()
-        proc.wait()
+    with pytest.raises(RuntimeError, match="closed its stdout and still runs"):
+        wait_ready(proc, "router ready ", 30.0, Sink())
 
 
-def test_a_child_that_never_gets_ready_times_out():
+def test_a_child_that_never_gets_ready_times_out(child):
     proc = child("import time; time.sleep(30)")
-    try:
-        with pytest.raises(TimeoutError, match="router ready"):
-            wait_ready(proc, "router ready ", 0.5, Sink())
-    finally:
-        proc.kill()
-        proc.wait()
+    with pytest.raises(TimeoutError, match="router ready"):
+        wait_ready(proc, "router ready ", 0.5, Sink())
