@@ -69,18 +69,22 @@ class Candidate:
     settled: int = 0  # this router's requests the report still counts that have finished
 
     @property
+    def reported(self) -> Optional[int]:
+        """Running + waiting requests in the last report; ``None`` without one."""
+        r = self.load_report
+        return None if r is None else r.running + r.waiting
+
+    @property
     def load(self) -> int:
         """Requests on the replica: its report less those known finished since, or this
         router's own open streams when that is more (see ``router.inflight``)."""
-        r = self.load_report
-        reported = r.running + r.waiting - self.settled if r is not None else 0
-        return max(reported, self.inflight, 0)
+        reported = self.reported
+        return max(0 if reported is None else reported - self.settled, self.inflight, 0)
 
     def describe(self) -> str:
         """``"<id> matched=<blocks> load=<requests> (reported=R settled=S inflight=I)"``: the
         decision's inputs, for the ``kvfleet.route.candidates`` span attribute and debug logs."""
-        r = self.load_report
-        reported = "none" if r is None else r.running + r.waiting
+        reported = "none" if self.reported is None else self.reported
         return (f"{self.info.replica_id} matched={self.matched_blocks} load={self.load} "
                 f"(reported={reported} settled={self.settled} inflight={self.inflight})")
 
