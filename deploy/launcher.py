@@ -26,6 +26,7 @@ from kvfleet.deploy.redis_server import RedisServer, start_redis
 from kvfleet.index_keys import DEFAULT_NAMESPACE
 from kvfleet.telemetry import TelemetryConfig
 from kvfleet.worker.cost_model import CostModel
+from kvfleet.worker.parallel.group import TPSettings
 from kvfleet.worker.replica import EXECUTORS, ReplicaConfig
 from kvfleet.worker.scheduler import SchedulerConfig
 
@@ -73,10 +74,19 @@ class ClusterConfig:
     cost_model: Optional[CostModel] = None
     replicas_per_host: int = 64
     router_args: tuple[str, ...] = ()  # extra router command-line arguments (policy knobs)
+    # Ranks per replica: rank 0 is the replica actor, ranks 1..T-1 Ray actors in its
+    # placement group (one bundle per rank, STRICT_PACK).
+    tensor_parallel_size: int = 1
+    tp: TPSettings = field(default_factory=TPSettings)
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ValueError(f"--replicas must be >= 1, got {self.replicas}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"--tp must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.executor != "model":
+            raise ValueError("--tp > 1 needs --executor model")
         if self.executor not in EXECUTORS:
             raise ValueError(f"--executor must be one of {EXECUTORS}, got {self.executor!r}")
 
@@ -142,6 +152,7 @@ class LocalCluster:
         self.redis: Optional[RedisServer] = None
         self.redis_url: Optional[str] = cfg.redis_url
         self.actors: list = []
+        self.placement_groups: list = []  # one per tensor-parallel replica
         self.replica_addresses: list[str] = []
         self.router_proc: Optional[subprocess.Popen] = None
         self.router_address: Optional[str] = None
@@ -172,9 +183,6 @@ class LocalCluster:
         if cfg.replica_num_cpus is not None:
             per_replica = cfg.replica_num_cpus
         threads = max(1, (os.cpu_count() or 1) // cfg.replicas)
-        from kvfleet.worker.ray_actor import ReplicaActor
-
-        actor_cls = ray.remote(num_cpus=per_replica, max_restarts=0)(ReplicaActor)
         run_id = uuid.uuid4().hex[:6]
         rcfgs = [ReplicaConfig(
             replica_id=f"replica-{i}-{run_id}", model_name=cfg.model_name,
@@ -183,11 +191,13 @@ class LocalCluster:
             one_row_weights=cfg.one_row_weights, scheduler=cfg.scheduler,
             redis_url=self.redis_url, namespace=cfg.namespace, num_threads=threads,
             telemetry=replace(cfg.telemetry, metrics_port=self._metrics_port(1 + i)),
-            executor=cfg.executor, cost_model=cfg.cost_model) for i in range(cfg.replicas)]
+            executor=cfg.executor, cost_model=cfg.cost_model,
+            tensor_parallel_size=cfg.tensor_parallel_size, tp=cfg.tp, device=cfg.device)
+            for i in range(cfg.replicas)]
         if cfg.executor == "cost-model":
             self._start_hosts(rcfgs, per_replica, timeout_s)
         else:
-            self.actors = [actor_cls.remote(rcfg) for rcfg in rcfgs]
+            self.actors = [self._replica_actor(rcfg, per_replica, timeout_s) for rcfg in rcfgs]
             self.replica_addresses = ray.get([a.start.remote() for a in self.actors],
                                              timeout=timeout_s)
         if cfg.metrics_port is not None:
@@ -200,6 +210,31 @@ class LocalCluster:
                 self.metrics_addresses[f"replica-{i}"] = address
         self.router_address = self._start_router(timeout_s)
         return self.router_address
+
+    def _replica_actor(self, rcfg: ReplicaConfig, num_cpus: float, timeout_s: float):
+        """Rank 0 of one replica as a Ray actor; with tp > 1 in bundle 0 of a new STRICT_PACK
+        placement group holding one bundle per rank (ranks 1..T-1 take the others)."""
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from kvfleet.worker.ray_actor import ReplicaActor
+
+        tp = rcfg.tensor_parallel_size
+        if tp == 1:
+            return ray.remote(num_cpus=num_cpus, max_restarts=0)(ReplicaActor).remote(rcfg)
+        cuda = rcfg.device.startswith("cuda")
+        gpu = {"GPU": 1} if cuda else {}
+        rest = gpu or {"CPU": rcfg.tp.rank_num_cpus}
+        # The replica's CPU share covers all its ranks (tp=4 must still place on 2 cores).
+        first = {"CPU": max(num_cpus - (tp - 1) * rest.get("CPU", 0), 0.01), **gpu}
+        pg = placement_group([first] + [rest] * (tp - 1), strategy="STRICT_PACK")
+        self.placement_groups.append(pg)
+        ray.get(pg.ready(), timeout=timeout_s)
+        return ray.remote(ReplicaActor).options(
+            num_cpus=first["CPU"], num_gpus=1 if cuda else 0, max_restarts=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
+            runtime_env={"env_vars": {"OMP_WAIT_POLICY": "passive"}}).remote(rcfg)
 
     def _start_hosts(self, rcfgs: list[ReplicaConfig], num_cpus: float, timeout_s: float) -> None:
         """Cost-model replicas, ``replicas_per_host`` to a process (one Ray actor each)."""
@@ -257,6 +292,13 @@ class LocalCluster:
             for a in self.actors:
                 ray.kill(a, no_restart=True)
             self.actors = []
+        if self.placement_groups:
+            from ray.util.placement_group import remove_placement_group
+
+            for pg in self.placement_groups:
+                with contextlib.suppress(Exception):
+                    remove_placement_group(pg)
+            self.placement_groups = []
         if self._started_ray:
             shutdown_ray()
             self._started_ray = False

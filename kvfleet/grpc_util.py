@@ -22,9 +22,12 @@ def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str])
     return servicer
 
 
-async def mark_serving(servicer, service_names: list[str]) -> None:
+async def mark_serving(servicer, service_names: list[str], serving: bool = True) -> None:
+    """Set the health status of the server and each service (``serving=False``: NOT_SERVING)."""
+    status = (health_pb2.HealthCheckResponse.SERVING if serving
+              else health_pb2.HealthCheckResponse.NOT_SERVING)
     for name in ["", *service_names]:
-        await servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await servicer.set(name, status)
 
 
 def bind_port(server: grpc.aio.Server, host: str, port: int) -> int:

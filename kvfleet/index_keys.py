@@ -78,12 +78,16 @@ class ReplicaInfo:
     model: str
     epoch: int
     block_size: int
+    tensor_parallel_size: int = 1
+    # One dict per rank, rank 0 first: the fields of kvfleet.v1.RankStatus.
+    ranks: tuple[dict, ...] = ()
 
     def to_json(self, started_at: float) -> str:
         """Registry value; ``started_at`` is unix seconds."""
         return json.dumps(
             {"address": self.address, "model": self.model, "epoch": self.epoch,
-             "block_size": self.block_size, "started_at": started_at},
+             "block_size": self.block_size, "started_at": started_at,
+             "tensor_parallel_size": self.tensor_parallel_size, "ranks": list(self.ranks)},
             separators=(",", ":"),
         )
 
@@ -91,7 +95,9 @@ class ReplicaInfo:
     def from_json(cls, replica_id: str, raw: str | bytes) -> "ReplicaInfo":
         d = json.loads(raw)
         return cls(replica_id=replica_id, address=str(d["address"]), model=str(d["model"]),
-                   epoch=int(d["epoch"]), block_size=int(d["block_size"]))
+                   epoch=int(d["epoch"]), block_size=int(d["block_size"]),
+                   tensor_parallel_size=int(d.get("tensor_parallel_size", 1)),
+                   ranks=tuple(dict(r) for r in d.get("ranks", ())))
 
 
 @dataclass(frozen=True)

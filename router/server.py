@@ -20,7 +20,7 @@ from kvfleet.router.served_model import ServedModel
 from kvfleet.router.worker_link import LinkCall, WorkerCallError
 from kvfleet.sampling_params import SamplingParams
 from kvfleet.telemetry.router_spans import RouterTelemetry
-from kvfleet.v1 import router_pb2, router_pb2_grpc
+from kvfleet.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -225,7 +225,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
                                                index_available=self.replicas.index_available)
         for info, load in self.replicas.replicas.values():
             r = out.replicas.add(replica_id=info.replica_id, address=info.address,
-                                 model=info.model, epoch=info.epoch)
+                                 model=info.model, epoch=info.epoch,
+                                 tensor_parallel_size=info.tensor_parallel_size,
+                                 ranks=[common_pb2.RankStatus(**rank) for rank in info.ranks])
             if load is not None:
                 r.running, r.waiting = load.running, load.waiting
                 r.num_free_blocks, r.num_total_blocks = load.num_free_blocks, load.num_total_blocks

@@ -39,6 +39,11 @@ class _Abort:
     reason: FinishReason
 
 
+@dataclass
+class _FailAll:
+    error: BaseException
+
+
 class EngineLoop:
     """Thread-safe, asyncio-facing wrapper of one :class:`Engine`."""
 
@@ -55,6 +60,8 @@ class EngineLoop:
         self._streams: dict[str, asyncio.Queue] = {}
         self._stop = threading.Event()
         self._stats: dict = engine.stats()
+        # Set by fail(): every request then ends, and every new one is refused, with it.
+        self.failure: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._run, name="kvfleet-engine", daemon=True)
 
     def start(self) -> None:
@@ -76,6 +83,8 @@ class EngineLoop:
         Raises a :class:`~kvfleet.errors.KvfleetError` before the first output if refused.
         If the consumer stops iterating (client cancelled), the request is aborted.
         """
+        if self.failure is not None:
+            raise self.failure
         out: asyncio.Queue = asyncio.Queue()
         admitted = self.loop.create_future()
         self._inbox.put(_Add(req, out, admitted))
@@ -100,6 +109,12 @@ class EngineLoop:
     def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> None:
         """Ask the engine thread to end a request at its next step boundary."""
         self._inbox.put(_Abort(request_id, reason))
+
+    def fail(self, error: BaseException) -> None:
+        """The replica can no longer compute (a tensor-parallel rank died): end every request
+        with ``error`` at the next step boundary and refuse new ones (any thread)."""
+        self.failure = error
+        self._inbox.put(_FailAll(error))
 
     # ---- engine thread ---------------------------------------------------------------------
     def _run(self) -> None:
@@ -127,6 +142,9 @@ class EngineLoop:
                 self._add(item)
             elif isinstance(item, _Abort):
                 self._deliver(self.engine.abort(item.request_id, item.reason))
+            elif isinstance(item, _FailAll):
+                for rid in list(self._streams):
+                    self._deliver(self.engine.abort(rid, FinishReason.ERROR, item.error))
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
@@ -134,6 +152,8 @@ class EngineLoop:
 
     def _add(self, item: _Add) -> None:
         try:
+            if self.failure is not None:
+                raise self.failure
             self.engine.add_request(item.req)
         except Exception as exc:
             self.loop.call_soon_threadsafe(_set_exception, item.admitted, exc)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvfleet.allocator.kv_bytes import bytes_per_token
+from kvfleet.allocator.kv_bytes import bytes_per_token, rank_spec
 from kvfleet.allocator.model_spec import AttentionLayer, ModelKVSpec
 from kvfleet.worker.model_config import ModelConfig
 
@@ -20,25 +20,29 @@ def cache_spec(config: ModelConfig) -> ModelKVSpec:
                        config.max_position_embeddings)
 
 
-def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block occupies: ``block_size`` tokens × the allocator's per-token formula
-    (:func:`kvfleet.allocator.kv_bytes.bytes_per_token`; K + V, every layer).
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, tp: int = 1) -> int:
+    """Bytes one block occupies on each of ``tp`` ranks: ``block_size`` tokens × the
+    allocator's per-token formula for one rank's KV heads
+    (:func:`kvfleet.allocator.kv_bytes.bytes_per_token` of ``rank_spec``; K + V, every layer) —
+    the per-rank figure ``kvfleet budget --tp`` prints.
 
     Raises:
         KeyError: a dtype the cache does not support.
+        ShardingError: heads that do not split over ``tp``.
     """
-    return block_size * bytes_per_token(cache_spec(config), _KV_DTYPE_NAMES[dtype])
+    return block_size * bytes_per_token(rank_spec(cache_spec(config), tp), _KV_DTYPE_NAMES[dtype])
 
 
 def num_blocks_for_memory(
-    config: ModelConfig, block_size: int, dtype: torch.dtype, kv_memory_bytes: int
+    config: ModelConfig, block_size: int, dtype: torch.dtype, kv_memory_bytes: int, tp: int = 1
 ) -> int:
-    """How many whole blocks fit in ``kv_memory_bytes`` (bytes, integer; ``--kv-memory``).
+    """How many whole blocks fit in ``kv_memory_bytes`` (bytes, integer; ``--kv-memory``: per
+    rank, so every one of the ``tp`` ranks gets the same number of blocks).
 
     Raises:
         ValueError: not even one block fits.
     """
-    per_block = kv_bytes_per_block(config, block_size, dtype)
+    per_block = kv_bytes_per_block(config, block_size, dtype, tp)
     blocks = kv_memory_bytes // per_block
     if blocks < 1:
         raise ValueError(

@@ -7,7 +7,9 @@ keeps no per-request state between steps (everything it needs arrives in the pla
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 
@@ -20,8 +22,21 @@ from kvfleet.worker.step_plan import SeqChunk, StepPlan
 from kvfleet.worker.weights import load_weights
 
 
+@dataclass(frozen=True)
+class Shard:
+    """Which tensor-parallel rank a runner is, and how it sums row-parallel outputs.
+
+    ``reduce`` takes a tensor and returns it summed over every rank (in place).
+    """
+
+    tp: int
+    rank: int
+    reduce: Callable[[torch.Tensor], torch.Tensor]
+
+
 class ModelRunner:
-    """One rank's model + KV cache (tp=1).
+    """One rank's model + KV cache: the whole model, or with ``shard`` one rank's share of
+    the weights and KV heads (:mod:`kvfleet.worker.parallel`).
 
     Args:
         model_dir: HF-format directory (``config.json``, ``*.safetensors``).
@@ -29,20 +44,45 @@ class ModelRunner:
         dtype: weights, activations and KV cache dtype; logits are returned as float32.
         one_row_weights: hold every projection weight a second time for batch-1 decode steps
             (fp32 CPU with the C kernels): see :class:`~kvfleet.worker.models.linear.Linear`.
+        shard: this rank of a tensor-parallel group; only rank 0 holds an LM head.
+
+    Raises:
+        ShardingError: heads or MLP width that do not split over ``shard.tp``.
     """
 
     def __init__(self, model_dir: str | Path, num_blocks: int, block_size: int,
                  dtype: torch.dtype = torch.float32, device: str = "cpu",
-                 one_row_weights: bool = True) -> None:
-        self.config: ModelConfig = load_model_config(model_dir)
+                 one_row_weights: bool = True, shard: Optional[Shard] = None) -> None:
+        self.config: ModelConfig = load_model_config(model_dir)  # the whole model's
         self.device = torch.device(device)
         self.dtype = dtype
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.model = build_model(self.config, load_weights(model_dir, dtype), dtype, self.device,
-                                 one_row_weights)
-        self.kv_cache = KVCache(self.config, num_blocks, block_size, dtype, self.device)
+        self.rank = shard.rank if shard else 0
+        if shard is None or shard.tp == 1:
+            local, weights = self.config, load_weights(model_dir, dtype)
+        else:
+            from kvfleet.worker.parallel.layout import shard_layout
+            from kvfleet.worker.parallel.shard_weights import load_shard_weights
+
+            layout = shard_layout(self.config, shard.tp, shard.rank)
+            local, weights = layout.local_config(self.config), load_shard_weights(model_dir, layout, dtype)
+        self.local_config = local
+        self.model = build_model(local, weights, dtype, self.device, one_row_weights,
+                                 lm_head=self.rank == 0)
+        del weights
+        if shard is not None and shard.tp > 1:
+            self.model.set_reduce(shard.reduce)
+        self.kv_cache = KVCache(local, num_blocks, block_size, dtype, self.device)
         self._windows = tuple(dict.fromkeys(self.config.sliding_windows))
+
+    def weight_nbytes(self) -> int:
+        """Bytes of every weight this rank holds, each copy counted: norms, the embedding, each
+        projection (packed or plain) and its one-row copy, the LM head beside a tied embedding."""
+        total = sum(p.nbytes for p in self.model.parameters())
+        for lin in _linears(self.model):
+            total += lin.nbytes + (lin.rows.nbytes if lin.rows is not None else 0)
+        return total
 
     @staticmethod
     def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -79,20 +119,27 @@ class ModelRunner:
                 f"[0, {self.num_blocks}) for position {last}, got {len(chunk.block_table)}"
             )
 
+    def validate(self, plan: StepPlan) -> None:
+        """Check every chunk of ``plan`` (see :meth:`_check`); a tensor-parallel rank 0 calls
+        this before sending the plan, so that no rank starts a forward another refuses."""
+        for chunk in plan.chunks:
+            self._check(chunk)
+
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> torch.Tensor:
-        """Run every chunk of ``plan`` in one forward.
+    def execute(self, plan: StepPlan, validated: bool = False) -> torch.Tensor:
+        """Run every chunk of ``plan`` in one forward (``validated``: :meth:`validate` ran).
 
         Performs ``plan.block_copies`` first, then writes the new tokens' K/V.
 
         Returns:
-            float32 ``(len(plan.chunks), vocab_size)``: each chunk's last-token logits.
+            float32 ``(len(plan.chunks), vocab_size)``: each chunk's last-token logits; on a
+            tensor-parallel rank other than 0, ``(0, vocab_size)`` (it computes no logits).
 
         Raises:
             OutOfRange, InvalidArgument, ValueError: see :meth:`_check` (nothing is written then).
         """
-        for chunk in plan.chunks:
-            self._check(chunk)
+        if not validated:
+            self.validate(plan)
         self.kv_cache.copy_blocks(plan.block_copies)
         if not plan.chunks:
             return torch.empty(0, self.config.vocab_size, dtype=torch.float32)
@@ -103,5 +150,14 @@ class ModelRunner:
             dtype=torch.long, device=self.device,
         )
         hidden = self.model.forward(input_ids, meta.positions, meta, self.kv_cache)
+        if self.rank != 0:
+            return torch.empty(0, self.config.vocab_size, dtype=torch.float32)
         logits = self.model.compute_logits(hidden[meta.last_token_indices])
         return logits.float().cpu()
+
+
+def _linears(model) -> list:
+    """Every :class:`~kvfleet.worker.models.linear.Linear` the model holds."""
+    from kvfleet.worker.models.linear import Linear
+
+    return [v for m in model.modules() for v in vars(m).values() if isinstance(v, Linear)]

@@ -8,11 +8,12 @@ hosts it inside a Ray actor.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import grpc
 import tokenizers
@@ -22,6 +23,7 @@ from kvfleet.allocator.fingerprint import fingerprint_model_dir
 from kvfleet.allocator.hashing import CacheIdentity
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
 from kvfleet.grpc_util import SERVER_OPTIONS, add_health_and_reflection, bind_port, mark_serving
+from kvfleet.errors import Unavailable
 from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
 from kvfleet.v1 import worker_pb2, worker_pb2_grpc
 from kvfleet.worker.cost_model import CostModel, cost_model_runner
@@ -31,6 +33,9 @@ from kvfleet.worker.kv_publisher import KvPublisher
 from kvfleet.worker.kv_cache import num_blocks_for_memory
 from kvfleet.worker.model_config import load_model_config
 from kvfleet.worker.model_runner import ModelRunner
+from kvfleet.worker.parallel.group import RankGroup, TPSettings
+from kvfleet.worker.parallel.rank_worker import RankInfo, RankSpec, rank_info
+from kvfleet.worker.parallel.tp_runner import TPRunner
 from kvfleet.worker.scheduler import SchedulerConfig
 from kvfleet.worker.server import WorkerService
 from kvfleet.telemetry import Telemetry, TelemetryConfig
@@ -45,10 +50,11 @@ EXECUTORS = ("model", "cost-model")
 
 @dataclass(frozen=True)
 class ReplicaConfig:
-    """How to build and serve one replica (tensor_parallel_size 1 for now).
+    """How to build and serve one replica of ``tensor_parallel_size`` ranks.
 
     Exactly one of ``num_blocks`` / ``kv_memory_bytes`` sizes the KV pool; with neither,
-    ``DEFAULT_KV_MEMORY_BYTES`` is used.
+    ``DEFAULT_KV_MEMORY_BYTES`` is used. Both are per rank: every rank holds ``num_blocks``
+    blocks of its own KV heads (``kvfleet budget --tp`` gives the per-rank bytes).
     """
 
     replica_id: str
@@ -75,8 +81,16 @@ class ReplicaConfig:
     # stand-in (kvfleet.worker.cost_model) — scheduler, block pool, KV events stay real.
     executor: str = "model"
     cost_model: Optional[CostModel] = None  # constants for "cost-model" (default: measured ones)
+    # Ranks 1..T-1 are Ray actors (kvfleet.worker.parallel); one thread per rank when T > 1.
+    tensor_parallel_size: int = 1
+    tp: TPSettings = field(default_factory=TPSettings)
+    device: str = "cpu"  # "cuda": one GPU per rank (NCCL), as Ray assigns them
 
     def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.executor != "model":
+            raise ValueError("tensor_parallel_size > 1 needs the model executor")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.executor not in EXECUTORS:
@@ -94,23 +108,36 @@ def cache_identity(model_name: str, model_dir: str | Path, kv_dtype: str, block_
                          kv_dtype=kv_dtype, block_size=block_size)
 
 
-def build_engine(cfg: ReplicaConfig) -> Engine:
-    """Load the model and size the KV pool. Raises FileNotFoundError for a bad model dir."""
-    torch.set_num_threads(cfg.num_threads)
+def build_engine(cfg: ReplicaConfig, on_rank_failure: Callable[[str], None] = lambda msg: None
+                 ) -> Engine:
+    """Load the model (with tp > 1: start ranks 1..T-1 and take rank 0's shard) and size the
+    KV pool. ``on_rank_failure`` is called once, from any thread, when a rank dies or hangs.
+
+    Raises:
+        FileNotFoundError: a bad model dir.
+        ShardingError: the model's heads do not split over ``tensor_parallel_size``.
+    """
+    tp = cfg.tensor_parallel_size
+    torch.set_num_threads(cfg.num_threads if tp == 1 else 1)
     dtype = DTYPES[cfg.dtype]
     model_dir = Path(cfg.model_dir)
     num_blocks = cfg.num_blocks
     if num_blocks is None:
         mc = load_model_config(model_dir)
         num_blocks = num_blocks_for_memory(mc, cfg.block_size, dtype,
-                                           cfg.kv_memory_bytes or DEFAULT_KV_MEMORY_BYTES)
+                                           cfg.kv_memory_bytes or DEFAULT_KV_MEMORY_BYTES, tp)
     tokenizer = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     if cfg.executor == "cost-model":
         runner = cost_model_runner(load_model_config(model_dir), tokenizer, num_blocks,
                                    cfg.block_size, cfg.cost_model)
+    elif tp > 1:
+        spec = RankSpec(str(model_dir), tp, num_blocks, cfg.block_size, dtype,
+                        cfg.one_row_weights, cfg.device)
+        group = RankGroup(spec, cfg.tp, cfg.replica_id, on_rank_failure)
+        runner = TPRunner(group.start(), group)
     else:
         runner = ModelRunner(model_dir, num_blocks=num_blocks, block_size=cfg.block_size, dtype=dtype,
-                             one_row_weights=cfg.one_row_weights)
+                             device=cfg.device, one_row_weights=cfg.one_row_weights)
     kv = KVCacheManager(num_blocks, cfg.block_size)
     identity = cache_identity(cfg.model_name, model_dir, cfg.dtype, cfg.block_size)
     mc = runner.config
@@ -123,7 +150,10 @@ class ReplicaServer:
 
     def __init__(self, cfg: ReplicaConfig, telemetry: Optional[Telemetry] = None) -> None:
         self.cfg = cfg
-        self.engine = build_engine(cfg)
+        self.failure: Optional[str] = None  # set once when a tensor-parallel rank fails
+        self._aio_loop: Optional[asyncio.AbstractEventLoop] = None
+        self._health = None
+        self.engine = build_engine(cfg, self._on_rank_failure)
         self.address: Optional[str] = None
         self.metrics_address: Optional[str] = None  # Prometheus endpoint, when one is served
         self.telemetry = telemetry  # built from cfg.telemetry at start unless given
@@ -135,13 +165,14 @@ class ReplicaServer:
 
     async def start(self) -> str:
         """Start serving; returns ``host:port``. Raises OSError if the port is taken."""
-        aio_loop = asyncio.get_running_loop()
+        aio_loop = self._aio_loop = asyncio.get_running_loop()
         self._server = grpc.aio.server(options=SERVER_OPTIONS)
         port = bind_port(self._server, self.cfg.host, self.cfg.port)
         self.address = f"{self.cfg.host}:{port}"
         if self.cfg.redis_url:
             info = ReplicaInfo(self.cfg.replica_id, self.address, self.cfg.model_name, 0,
-                               self.cfg.block_size)
+                               self.cfg.block_size, self.cfg.tensor_parallel_size,
+                               tuple(dataclasses.asdict(r) for r in self.ranks()))
             self.publisher = KvPublisher(self.cfg.redis_url, info, namespace=self.cfg.namespace,
                                          replica_ttl_s=self.cfg.replica_ttl_s,
                                          block_ttl_s=self.cfg.block_ttl_s)
@@ -153,10 +184,11 @@ class ReplicaServer:
         self._loop = EngineLoop(self.engine, aio_loop, on_step=self._on_step(aio_loop),
                                 on_finish=wt.on_finished)
         service = WorkerService(self._loop, self.cfg.replica_id, self.cfg.model_name,
-                                self.cfg.block_size, epoch_fn=self._epoch, telemetry=wt)
+                                self.cfg.block_size, epoch_fn=self._epoch, telemetry=wt,
+                                ranks_fn=self.ranks)
         worker_pb2_grpc.add_WorkerServicer_to_server(service, self._server)
         name = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
-        health = add_health_and_reflection(self._server, [name])
+        health = self._health = add_health_and_reflection(self._server, [name])
         self._loop.start()
         await self._server.start()
         await mark_serving(health, [name])
@@ -166,12 +198,43 @@ class ReplicaServer:
         log.info("replica %s serving %s on %s", self.cfg.replica_id, self.cfg.model_name, self.address)
         return self.address
 
+    def ranks(self) -> list[RankInfo]:
+        """Every rank of this replica (rank 0 first; one entry at tp=1)."""
+        runner = self.engine.runner
+        if isinstance(runner, TPRunner):
+            return runner.ranks()
+        if isinstance(runner, ModelRunner):
+            return [rank_info(runner, 0)]
+        return []  # the cost model holds no weights or KV tensors
+
+    def _on_rank_failure(self, message: str) -> None:
+        """A rank died or hung (any thread): refuse and end every stream with UNAVAILABLE
+        naming it, health NOT_SERVING, deregister at once. The group has released the ranks."""
+        self.failure = message
+        if self._loop is not None:
+            self._loop.fail(Unavailable(message))
+        if self._aio_loop is not None and not self._aio_loop.is_closed():
+            asyncio.run_coroutine_threadsafe(self._failed(), self._aio_loop)
+
+    async def _failed(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        self._tasks.clear()
+        if self._health is not None:
+            name = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+            await mark_serving(self._health, [name], serving=False)
+        if self.publisher is not None:
+            try:
+                await self.publisher.deregister()
+            except Exception:
+                log.exception("deregister after a rank failure failed")
+
     def _epoch(self) -> int:
         return getattr(self.publisher, "epoch", 0) if self.publisher else 0
 
     def _on_step(self, aio_loop: asyncio.AbstractEventLoop):
         def hook(stored: list[bytes], removed: list[bytes], stats: dict) -> None:
-            if self.publisher is not None:
+            if self.publisher is not None and self.failure is None:  # failed: deregistered
                 # Off the engine thread and off the TTFT path: one pipeline per step.
                 asyncio.run_coroutine_threadsafe(self.publisher.publish(stored, removed), aio_loop)
         return hook
@@ -207,6 +270,9 @@ class ReplicaServer:
         if self._loop is not None:
             self._loop.stop()
             self._loop = None
+        close = getattr(self.engine.runner, "close", None)
+        if close is not None:
+            close()  # releases ranks 1..T-1
         if self.telemetry is not None and self._owns_telemetry:
             self.telemetry.shutdown()  # flushes the last spans
             self.telemetry = None

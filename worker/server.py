@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -60,8 +61,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     """Serves one replica's engine over gRPC."""
 
     def __init__(self, loop: EngineLoop, replica_id: str, model: str, block_size: int,
-                 epoch_fn=lambda: 0, telemetry: Optional[WorkerTelemetry] = None) -> None:
+                 epoch_fn=lambda: 0, telemetry: Optional[WorkerTelemetry] = None,
+                 ranks_fn=lambda: []) -> None:
         self.loop = loop
+        self.ranks_fn = ranks_fn  # -> [RankInfo], rank 0 first
         self.replica_id = replica_id
         self.model = model
         self.block_size = block_size
@@ -198,7 +201,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.StatsResponse(
             replica_id=self.replica_id, running=s["running"], waiting=s["waiting"],
             num_free_blocks=s["num_free_blocks"], num_total_blocks=s["num_total_blocks"],
-            block_size=self.block_size, epoch=self.epoch_fn(), model=self.model)
+            block_size=self.block_size, epoch=self.epoch_fn(), model=self.model,
+            tensor_parallel_size=max(1, len(ranks := self.ranks_fn())),
+            ranks=[common_pb2.RankStatus(**dataclasses.asdict(r)) for r in ranks])
 
     async def Drain(self, request, context):
         self.draining = True

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 from safetensors import safe_open
@@ -32,8 +33,13 @@ def weight_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
-def load_weights(model_dir: str | Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+def load_weights(model_dir: str | Path, dtype: torch.dtype | None = None,
+                 read: Callable[[Any, str], torch.Tensor | None] | None = None
+                 ) -> dict[str, torch.Tensor]:
     """All tensors of the checkpoint by HF name, cast to ``dtype`` when given (CPU tensors).
+
+    ``read(f, name)``, when given, reads tensor ``name`` from the open safetensors file ``f``
+    instead of the whole tensor (a slice, say), or returns None to leave it out.
 
     Raises:
         FileNotFoundError: see :func:`weight_files`.
@@ -45,6 +51,7 @@ def load_weights(model_dir: str | Path, dtype: torch.dtype | None = None) -> dic
             for name in f.keys():
                 if name in out:
                     raise ValueError(f"tensor {name} appears in more than one shard ({path.name})")
-                t = f.get_tensor(name)
-                out[name] = t if dtype is None or t.dtype == dtype else t.to(dtype)
+                t = f.get_tensor(name) if read is None else read(f, name)
+                if t is not None:
+                    out[name] = t if dtype is None or t.dtype == dtype else t.to(dtype)
     return out

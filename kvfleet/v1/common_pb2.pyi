@@ -127,3 +127,21 @@ class GenerateResponse(_message.Message):
     replica_id: str
     timing: Timing
     def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., replica_id: _Optional[str] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ...) -> None: ...
+
+class RankStatus(_message.Message):
+    __slots__ = ("rank", "node_id", "device", "pid", "kv_bytes", "num_blocks", "weight_bytes")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    node_id: str
+    device: str
+    pid: int
+    kv_bytes: int
+    num_blocks: int
+    weight_bytes: int
+    def __init__(self, rank: _Optional[int] = ..., node_id: _Optional[str] = ..., device: _Optional[str] = ..., pid: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., weight_bytes: _Optional[int] = ...) -> None: ...

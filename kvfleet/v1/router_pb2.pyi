@@ -74,7 +74,7 @@ class ClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaStatus(_message.Message):
-    __slots__ = ("replica_id", "address", "model", "epoch", "running", "waiting", "num_free_blocks", "num_total_blocks", "heartbeat_age_s")
+    __slots__ = ("replica_id", "address", "model", "epoch", "running", "waiting", "num_free_blocks", "num_total_blocks", "heartbeat_age_s", "tensor_parallel_size", "ranks")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +84,8 @@ class ReplicaStatus(_message.Message):
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     address: str
     model: str
@@ -93,7 +95,9 @@ class ReplicaStatus(_message.Message):
     num_free_blocks: int
     num_total_blocks: int
     heartbeat_age_s: float
-    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., epoch: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ...) -> None: ...
+    tensor_parallel_size: int
+    ranks: _containers.RepeatedCompositeFieldContainer[_common_pb2.RankStatus]
+    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., epoch: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ..., tensor_parallel_size: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[_common_pb2.RankStatus, _Mapping]]] = ...) -> None: ...
 
 class ClusterStatusResponse(_message.Message):
     __slots__ = ("replicas", "policy", "index_available")

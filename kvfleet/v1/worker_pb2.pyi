@@ -83,7 +83,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("replica_id", "running", "waiting", "num_free_blocks", "num_total_blocks", "block_size", "epoch", "model")
+    __slots__ = ("replica_id", "running", "waiting", "num_free_blocks", "num_total_blocks", "block_size", "epoch", "model", "tensor_parallel_size", "ranks")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,8 @@ class StatsResponse(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     running: int
     waiting: int
@@ -100,7 +102,9 @@ class StatsResponse(_message.Message):
     block_size: int
     epoch: int
     model: str
-    def __init__(self, replica_id: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., epoch: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+    tensor_parallel_size: int
+    ranks: _containers.RepeatedCompositeFieldContainer[_common_pb2.RankStatus]
+    def __init__(self, replica_id: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., epoch: _Optional[int] = ..., model: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[_common_pb2.RankStatus, _Mapping]]] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ()

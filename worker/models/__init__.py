@@ -38,6 +38,10 @@ class CausalLM(Protocol):
         """Hidden states ``(N, hidden_size)`` → logits ``(N, vocab_size)`` (final norm included)."""
         ...
 
+    def set_reduce(self, reduce) -> None:
+        """Tensor parallelism: the in-place sum over ranks after each row-parallel projection."""
+        ...
+
     def weight_bytes_per_decode(self) -> int:
         """Bytes of weights one decode step reads (the embedding table counts one row)."""
         ...
@@ -45,10 +49,11 @@ class CausalLM(Protocol):
 
 def build_model(config: ModelConfig, weights: Mapping[str, torch.Tensor],
                 dtype: torch.dtype, device: torch.device | str,
-                one_row_copy: bool = False) -> CausalLM:
+                one_row_copy: bool = False, lm_head: bool = True) -> CausalLM:
     """Instantiate the family that implements ``config.architecture`` from HF-named weights
     (``one_row_copy``: keep a second copy of each weight for batch-1 decode steps, see
-    :class:`~kvfleet.worker.models.linear.Linear`).
+    :class:`~kvfleet.worker.models.linear.Linear`; ``lm_head=False``: no LM head, for a
+    tensor-parallel rank that never computes logits).
 
     Raises:
         UnsupportedModel: no registered family for the architecture.
@@ -59,4 +64,4 @@ def build_model(config: ModelConfig, weights: Mapping[str, torch.Tensor],
             f"architecture {config.architecture!r} is not supported ({', '.join(sorted(REGISTRY))})"
         )
     return importlib.import_module(module_name).build_model(config, weights, dtype, device,
-                                                            one_row_copy)
+                                                            one_row_copy, lm_head)

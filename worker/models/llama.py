@@ -93,6 +93,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_norm = _weight(h)
         self.gate_up_weight = _weight(h, 2 * ffn)
         self.down_weight = _weight(ffn, h)
+        # Tensor parallelism: sums the row-parallel partial outputs over the ranks (in place).
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def pack(self, one_row_copy: bool = False) -> None:
         """Replace the loaded matrices by :class:`Linear` projections (``one_row_copy``: see
@@ -121,9 +123,11 @@ class LlamaDecoderLayer(nn.Module):
         v = qkv[:, heads * self.head_dim :].view(t, self.num_kv_heads, self.head_dim)
         attn = paged_attention(qk[:, : self.num_heads], qk[:, self.num_heads :], v,
                                key_cache, value_cache, meta, self.window)
-        hidden = hidden + self.o_proj(attn)
+        attn = self.o_proj(attn)
+        hidden = hidden + (attn if self.reduce is None else self.reduce(attn))
         gate, up = self.gate_up(rms_norm(hidden, self.post_norm, self.eps)).chunk(2, dim=-1)
-        return hidden + self.down(F.silu(gate).mul_(up))
+        mlp = self.down(F.silu(gate).mul_(up))
+        return hidden + (mlp if self.reduce is None else self.reduce(mlp))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -154,14 +158,22 @@ class LlamaForCausalLM(nn.Module):
         ``one_row_copy``: also a copy for batch-1 decode, see :class:`Linear`)."""
         for layer in self.layers:
             layer.pack(one_row_copy)
-        self.lm_head = Linear(self.lm_head_weight, None, one_row_copy)
-        del self.lm_head_weight
+        if hasattr(self, "lm_head_weight"):  # absent on TP ranks that never compute logits
+            self.lm_head = Linear(self.lm_head_weight, None, one_row_copy)
+            del self.lm_head_weight
 
     def weight_bytes_per_decode(self) -> int:
         """Bytes of weights one decode step reads: everything but the embedding table, of
         which it reads one row per token (a tied LM head counts through its own copy)."""
         norm = self.norm.numel() * self.norm.element_size()
-        return norm + self.lm_head.nbytes + sum(layer.weight_bytes() for layer in self.layers)
+        head = self.lm_head.nbytes if hasattr(self, "lm_head") else 0
+        return norm + head + sum(layer.weight_bytes() for layer in self.layers)
+
+    def set_reduce(self, reduce: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+        """Tensor parallelism: ``reduce`` sums each row-parallel output (O, down) over the
+        ranks, in place, once per layer each; None at tp=1."""
+        for layer in self.layers:
+            layer.reduce = reduce
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``(N, hidden_size)`` → ``(N, vocab_size)`` in the model dtype."""
@@ -172,8 +184,10 @@ class LlamaForCausalLM(nn.Module):
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def fuse_hf_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """HF tensor names → this module's state dict: q|k|v and gate|up fused, matrices ``[in, out]``.
+def fuse_hf_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor],
+                    lm_head: bool = True) -> dict[str, torch.Tensor]:
+    """HF tensor names → this module's state dict: q|k|v and gate|up fused, matrices ``[in, out]``
+    (``lm_head=False``: no LM head, for a tensor-parallel rank that never computes logits).
 
     Raises:
         KeyError: a tensor the config requires is missing.
@@ -193,8 +207,10 @@ def fuse_hf_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor]) ->
         return take(*names).t().contiguous()
 
     embed = take("model.embed_tokens.weight")
-    out = {"embed_tokens": embed, "norm": take("model.norm.weight"),
-           "lm_head_weight": embed.t().contiguous() if config.tie_word_embeddings else take_t("lm_head.weight")}
+    out = {"embed_tokens": embed, "norm": take("model.norm.weight")}
+    if lm_head:
+        out["lm_head_weight"] = (embed.t().contiguous() if config.tie_word_embeddings
+                                 else take_t("lm_head.weight"))
     for i in range(config.num_layers):
         p, o = f"model.layers.{i}.", f"layers.{i}."
         attn, mlp = p + "self_attn.", p + "mlp."
@@ -216,12 +232,15 @@ def fuse_hf_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor]) ->
 
 def build_model(config: ModelConfig, weights: Mapping[str, torch.Tensor],
                 dtype: torch.dtype, device: torch.device | str,
-                one_row_copy: bool = False) -> LlamaForCausalLM:
+                one_row_copy: bool = False, lm_head: bool = True) -> LlamaForCausalLM:
     """Build on the meta device (no throwaway init), then take the fused checkpoint tensors
-    (``one_row_copy``: see :class:`Linear`)."""
+    (``one_row_copy``: see :class:`Linear`; ``lm_head``: see :func:`fuse_hf_weights`)."""
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    state = {k: v.to(device=device, dtype=dtype) for k, v in fuse_hf_weights(config, weights).items()}
+    if not lm_head:
+        del model.lm_head_weight
+    state = {k: v.to(device=device, dtype=dtype)
+             for k, v in fuse_hf_weights(config, weights, lm_head).items()}
     model.load_state_dict(state, strict=True, assign=True)
     for param in model.parameters():
         param.requires_grad_(False)

@@ -1,0 +1,111 @@
+"""One rank's process group: the all-reduce of the forward and the step-plan broadcast.
+
+Groups are built directly on a ``TCPStore`` (``ProcessGroupGloo`` / ``ProcessGroupNCCL``),
+not through ``torch.distributed.init_process_group``: a process then may belong to several
+groups at once (tests run many rank groups from one pytest process) and no global state is
+touched. Gloo on CPU; on CUDA the forward's all-reduce runs on NCCL and the plan still travels
+over a gloo (CPU) group, so rank 0 never stages it on a device.
+
+Every collective has a finite timeout (``timeout_s``). A rank waiting for the next plan waits
+in a timed collective too, so an idle rank 0 sends keep-alive plans (see
+:mod:`.tp_runner`) more often than the timeout.
+
+The plan travels as pickled bytes in one fixed-size broadcast (``PLAN_BUFFER_BYTES``, an
+8-byte length first); a plan larger than the buffer sends its remainder in a second one.
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+PLAN_BUFFER_BYTES = 64 << 10
+_LEN = struct.Struct("<q")
+
+
+@dataclass(frozen=True)
+class GroupAddress:
+    """Where a group's ranks meet: rank 0's ``TCPStore`` at ``host:port``; ``backend`` is
+    ``"gloo"`` or ``"nccl"``; ``timeout_s`` bounds every collective (seconds)."""
+
+    host: str
+    port: int
+    world_size: int
+    backend: str = "gloo"
+    timeout_s: float = 30.0
+
+
+def host_store(host: str, world_size: int, timeout_s: float) -> dist.TCPStore:
+    """Rank 0's store on a free port of ``host`` (``store.port`` tells which)."""
+    return dist.TCPStore(host, 0, world_size, True, timeout=datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
+class RankComm:
+    """Rank ``rank``'s membership of the group at ``addr`` (blocks until every rank joined).
+
+    Args:
+        store: rank 0 passes the store it hosts; other ranks connect to ``addr``.
+        device: the rank's torch device; ``cuda`` needs ``addr.backend == "nccl"``.
+
+    Raises:
+        RuntimeError: a rank did not join within ``addr.timeout_s``.
+    """
+
+    def __init__(self, addr: GroupAddress, rank: int, store: dist.TCPStore | None = None,
+                 device: torch.device | str = "cpu") -> None:
+        timeout = datetime.timedelta(seconds=addr.timeout_s)
+        self.rank, self.world_size, self.device = rank, addr.world_size, torch.device(device)
+        self.store = store or dist.TCPStore(addr.host, addr.port, addr.world_size, False,
+                                            timeout=timeout)
+        self.cpu = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", self.store), rank,
+                                         addr.world_size, timeout)
+        self.dev = self.cpu
+        if addr.backend == "nccl":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            self.dev = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", self.store), rank,
+                                             addr.world_size, opts)
+        self._buf = torch.zeros(PLAN_BUFFER_BYTES, dtype=torch.uint8)
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum ``t`` over every rank, in place; returns ``t``."""
+        self.dev.allreduce([t]).wait()
+        return t
+
+    def barrier(self) -> None:
+        """Every rank reached this point (an all-reduce of one int on the CPU group)."""
+        self.cpu.allreduce([torch.zeros(1, dtype=torch.int32)]).wait()
+
+    def send(self, obj: Any) -> None:
+        """Rank 0: broadcast ``obj`` (picklable) to every other rank."""
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        head = PLAN_BUFFER_BYTES - _LEN.size
+        self._buf[: _LEN.size] = torch.frombuffer(bytearray(_LEN.pack(len(data))), dtype=torch.uint8)
+        first = data[:head]
+        if first:
+            self._buf[_LEN.size: _LEN.size + len(first)] = torch.frombuffer(bytearray(first),
+                                                                            dtype=torch.uint8)
+        self.cpu.broadcast(self._buf, 0).wait()
+        if len(data) > head:
+            rest = torch.frombuffer(bytearray(data[head:]), dtype=torch.uint8)
+            self.cpu.broadcast(rest, 0).wait()
+
+    def recv(self) -> Any:
+        """Ranks 1..T-1: the next object rank 0 sent."""
+        self.cpu.broadcast(self._buf, 0).wait()
+        raw = self._buf.numpy().tobytes()
+        (n,) = _LEN.unpack_from(raw)
+        head = PLAN_BUFFER_BYTES - _LEN.size
+        data = raw[_LEN.size: _LEN.size + min(n, head)]
+        if n > head:
+            rest = torch.empty(n - head, dtype=torch.uint8)
+            self.cpu.broadcast(rest, 0).wait()
+            data += rest.numpy().tobytes()
+        return pickle.loads(data)
