@@ -24,18 +24,18 @@ on CUDA; ``tiny`` on CPU, seconds), saves it with safetensors to a temporary dir
 On CUDA the engine runs the torch attention path over the block tables (the C kernels are CPU
 fp32 only); on CPU the script switches them off too (``--c-kernels`` keeps them), so the CPU run
 exercises the code the GPU runs. Prints a table, writes JSON (``--out``); exit status 1 when a
-parity check fails.
+parity check fails or a phase raises (its record then holds the error).
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a file: make the checkout's `bench` importable
@@ -88,6 +88,18 @@ def build_model(shape: str, device: torch.device, out: Path):
     return model
 
 
+def load_hf(model_dir: Path, dtype: torch.dtype, device: torch.device):
+    """transformers' model loaded as its users load it in ``dtype`` (not ``.to(dtype)`` of the
+    fp32 one, which would also round the fp32 RoPE frequencies to bf16)."""
+    import transformers
+
+    for key in ("dtype", "torch_dtype"):  # transformers >= 4.56 / older
+        model = transformers.LlamaForCausalLM.from_pretrained(model_dir, **{key: dtype})
+        if next(model.parameters()).dtype == dtype:
+            return model.to(device).eval()
+    raise RuntimeError(f"transformers {transformers.__version__} did not load {dtype}")
+
+
 def check_parity(dtype_name: str, runner, tokenizer, hf: dict, device: torch.device) -> dict:
     """Parity of one engine dtype; ``hf`` maps "fp32" (and "bf16" for a bf16 check) to
     transformers models. Returns the JSON record, ``passed`` included."""
@@ -131,6 +143,9 @@ def report(r: dict) -> None:
     print(f"{'dtype':6} {'rows':>5} {'cached':>7} {'max|Δ| vs HF fp32':>18} {'tolerance':>10} "
           f"{'scale':>7} {'top-1':>6}  result  rule")
     for p in r["parity"]:
+        if "error" in p:
+            print(f"{p['dtype']:6} ERROR {p['error']}")
+            continue
         print(f"{p['dtype']:6} {p['rows']:5d} {p['cached_prompt_tokens']:7d} {p['max_abs_vs_hf_fp32']:18.3e} {p['tolerance']:10.3e} "
               f"{p['scale']:7.3f} {p['top1_vs_hf_fp32']:6.3f}  {'PASS' if p['passed'] else 'FAIL':6}  "
               f"{p['rule']}" + (f" (HF bf16 error {p['hf_bf16_vs_hf_fp32']:.3e})" if 'hf_bf16_vs_hf_fp32' in p else ""))
@@ -140,11 +155,52 @@ def report(r: dict) -> None:
     print(f"{'batch':>5} {'HF generate':>12} {'kvfleet':>10} {'kvfleet ÷ HF':>13} "
           f"{'HF step ms':>11} {'kvfleet step ms':>16}")
     for row in d["rows"]:
+        if "error" in row:
+            print(f"{row['batch']:5d} ERROR {row['error']}")
+            continue
         print(f"{row['batch']:5d} {row['hf_tokens_per_s']:12.1f} {row['kvfleet_tokens_per_s']:10.1f} "
               f"{row['ratio']:12.2f}× {row['hf_step_ms']:11.2f} {row['kvfleet_step_ms']:16.2f}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def _guarded(what: str, fn, *args) -> dict:
+    """``fn(*args)``, or a failed record naming the error (one broken phase on a lent machine
+    must not cost the others' numbers)."""
+    try:
+        return fn(*args)
+    except Exception as exc:  # noqa: BLE001 — recorded, printed, and the exit status says so
+        traceback.print_exc()
+        return {"what": what, "error": f"{type(exc).__name__}: {exc}", "passed": False}
+
+
+def run_parity(model_dir: Path, tokenizer, hf32, device, num_blocks: int) -> tuple[list, dict, dict]:
+    """Both parity checks; returns (records, runners by dtype, transformers models by dtype)."""
+    parity, runners, hf = [], {}, {"fp32": hf32}
+    for name in ("fp32", "bf16"):
+        if name == "bf16":
+            hf["bf16"] = load_hf(model_dir, torch.bfloat16, device)
+        runners[name] = runner = make_runner(model_dir, DTYPES[name], device, num_blocks)
+        rec = _guarded(f"parity {name}", check_parity, name, runner, tokenizer, hf, device)
+        parity.append({"dtype": name} | rec)
+        print(f"parity {name}: " + (rec.get("error") or f"max|Δ| {rec['max_abs_vs_hf_fp32']:.3e} "
+              f"(tolerance {rec['tolerance']:.3e}) {'PASS' if rec['passed'] else 'FAIL'}"), flush=True)
+    return parity, runners, hf  # all kept: ~15 GiB in all for the 1b shape
+
+
+def decode_row(runner, hf, tokenizer, device, batch: int, prompt_len: int, new_tokens: int,
+               repeats: int) -> dict:
+    """Decode tokens/s of kvfleet and of transformers at one batch size (the JSON row)."""
+    prompts = gpu_runs.random_prompts(batch, prompt_len, runner.config.vocab_size, seed=batch)
+    ours = gpu_runs.engine_decode_rate(runner, tokenizer, prompts, new_tokens, repeats)
+    theirs = gpu_runs.hf_decode_rate(hf, prompts, new_tokens, device, repeats)
+    print(f"decode batch {batch}: kvfleet {ours.tokens_per_s:.1f} tok/s, "
+          f"HF {theirs.tokens_per_s:.1f} tok/s", flush=True)
+    return {"batch": batch, "kvfleet_tokens_per_s": ours.tokens_per_s,
+            "hf_tokens_per_s": theirs.tokens_per_s, "ratio": ours.tokens_per_s / theirs.tokens_per_s,
+            "kvfleet_step_ms": ours.step_ms, "hf_step_ms": theirs.step_ms,
+            "kvfleet_tokens": ours.tokens, "hf_tokens": theirs.tokens}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench/gpu_check.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
@@ -157,16 +213,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--c-kernels", action="store_true", help="CPU: keep kvfleet's C kernels on")
     p.add_argument("--out", type=Path, default=source_tree.ROOT / "bench" / "results" / "gpu_check.json")
     a = p.parse_args(argv)
-    device = torch.device(a.device)
-    cuda = device.type == "cuda"
+    a.device = torch.device(a.device)
+    cuda = a.device.type == "cuda"
     if cuda and not torch.cuda.is_available():
         p.error("CUDA is not available here (use --device cpu)")
-    shape = a.shape or ("1b" if cuda else "tiny")
-    prompt_len, new_tokens = a.prompt_len or (128 if cuda else 16), a.new_tokens or (128 if cuda else 8)
-    bench_dtype = a.bench_dtype or ("bf16" if cuda else "fp32")
-    batches = [int(b) for b in a.batches.split(",")]
-    cfg = SHAPES[shape]
-    if device.type == "cpu" and not a.c_kernels:
+    a.shape = a.shape or ("1b" if cuda else "tiny")
+    a.prompt_len = a.prompt_len or (128 if cuda else 16)
+    a.new_tokens = a.new_tokens or (128 if cuda else 8)
+    a.bench_dtype = a.bench_dtype or ("bf16" if cuda else "fp32")
+    a.batches = [int(b) for b in a.batches.split(",")]
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    device, cuda, cfg = a.device, a.device.type == "cuda", SHAPES[a.shape]
+    if not cuda and not a.c_kernels:
         from kvfleet.worker import cpu_kernels
 
         os.environ[cpu_kernels.ENV_SWITCH] = "torch"  # the attention code CUDA runs
@@ -180,53 +242,35 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="kvfleet-gpu-check-") as tmp:
         model_dir = Path(tmp)
-        hf32 = build_model(shape, device, model_dir)
+        hf32 = build_model(a.shape, device, model_dir)
         tokenizer = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         # KV for the largest batch (or the parity workload), with room for a block per request.
-        per_req = -(-(prompt_len + new_tokens) // BLOCK_SIZE) + 1
-        num_blocks = max(max(batches) * per_req, 64) + 16
-        parity, runners = [], {}
-        hf = {"fp32": hf32}
-        for name in ("fp32", "bf16"):
-            if name == "bf16":
-                hf["bf16"] = copy.deepcopy(hf32).to(torch.bfloat16)
-            runner = make_runner(model_dir, DTYPES[name], device, num_blocks)
-            parity.append(check_parity(name, runner, tokenizer, hf, device))
-            print(f"parity {name}: max|Δ| {parity[-1]['max_abs_vs_hf_fp32']:.3e} "
-                  f"(tolerance {parity[-1]['tolerance']:.3e}) "
-                  f"{'PASS' if parity[-1]['passed'] else 'FAIL'}", flush=True)
-            runners[name] = runner  # both stay: ~15 GiB in all for the 1b shape
-        runner, hf_bench = runners[bench_dtype], hf[bench_dtype]
+        per_req = -(-(a.prompt_len + a.new_tokens) // BLOCK_SIZE) + 1
+        num_blocks = max(max(a.batches) * per_req, 64) + 16
+        parity, runners, hf = run_parity(model_dir, tokenizer, hf32, device, num_blocks)
+        runner, hf_bench = runners[a.bench_dtype], hf[a.bench_dtype]
         # Warm-up (CUDA context, cuBLAS handles, allocator): neither side is timed cold.
-        warm = gpu_runs.random_prompts(2, prompt_len, cfg["vocab_size"], seed=99)
+        warm = gpu_runs.random_prompts(2, a.prompt_len, cfg["vocab_size"], seed=99)
         gpu_runs.engine_decode_rate(runner, tokenizer, warm, 4, 1)
         gpu_runs.hf_decode_rate(hf_bench, warm, 4, device, 1)
-        rows = []
-        for batch in batches:
-            prompts = gpu_runs.random_prompts(batch, prompt_len, cfg["vocab_size"], seed=batch)
-            ours = gpu_runs.engine_decode_rate(runner, tokenizer, prompts, new_tokens, a.repeats)
-            theirs = gpu_runs.hf_decode_rate(hf_bench, prompts, new_tokens, device, a.repeats)
-            rows.append({"batch": batch, "kvfleet_tokens_per_s": ours.tokens_per_s,
-                         "hf_tokens_per_s": theirs.tokens_per_s,
-                         "ratio": ours.tokens_per_s / theirs.tokens_per_s,
-                         "kvfleet_step_ms": ours.step_ms, "hf_step_ms": theirs.step_ms,
-                         "kvfleet_tokens": ours.tokens, "hf_tokens": theirs.tokens})
-            print(f"decode batch {batch}: kvfleet {ours.tokens_per_s:.1f} tok/s, "
-                  f"HF {theirs.tokens_per_s:.1f} tok/s", flush=True)
+        rows = [{"batch": b} | _guarded(f"decode batch {b}", decode_row, runner, hf_bench, tokenizer,
+                                        device, b, a.prompt_len, a.new_tokens, a.repeats)
+                for b in a.batches]
         result = {
             "device": str(device),
             "device_name": torch.cuda.get_device_name(device) if cuda else "CPU",
             "torch": torch.__version__, "transformers": transformers.__version__,
-            "model": {"shape": shape, "hidden_size": cfg["hidden_size"],
+            "model": {"shape": a.shape, "hidden_size": cfg["hidden_size"],
                       "layers": cfg["num_hidden_layers"], "heads": cfg["num_attention_heads"],
                       "kv_heads": cfg["num_key_value_heads"], "vocab_size": cfg["vocab_size"],
-                      "parameters": sum(t.numel() for t in hf_bench.parameters())},
+                      "parameters": sum(t.numel() for t in hf32.parameters())},
             "imports": {"kvfleet": str(Path(kvfleet.__file__).resolve().parent.parent),
                         "blocked_loaded": sorted(m for m in _BLOCKED if m in sys.modules)},
             "parity": parity,
             "parity_passed": all(x["passed"] for x in parity),
-            "decode": {"dtype": bench_dtype, "prompt_len": prompt_len, "new_tokens": new_tokens,
-                       "repeats": a.repeats, "block_size": BLOCK_SIZE, "rows": rows},
+            "decode": {"dtype": a.bench_dtype, "prompt_len": a.prompt_len,
+                       "new_tokens": a.new_tokens, "repeats": a.repeats, "block_size": BLOCK_SIZE,
+                       "rows": rows, "passed": not any("error" in r for r in rows)},
             "max_memory_allocated_GiB": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
             "seconds": time.time() - t0,
         }
@@ -234,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nJSON in {a.out}")
-    return 0 if result["parity_passed"] else 1
+    return 0 if result["parity_passed"] and result["decode"]["passed"] else 1
 
 
 if __name__ == "__main__":

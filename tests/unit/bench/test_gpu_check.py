@@ -76,9 +76,9 @@ def test_parity_check_fails_on_a_top_left_causal_mask(tmp_path: Path, monkeypatc
     from bench import gpu_check
     from kvfleet.worker import attention
 
-    hf = gpu_check.build_model("tiny", torch.device("cpu"), tmp_path)
     import tokenizers
 
+    hf = gpu_check.build_model("tiny", torch.device("cpu"), tmp_path)
     tok = tokenizers.Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
     runner = gpu_check.make_runner(tmp_path, torch.float32, torch.device("cpu"), 96)
     assert gpu_check.check_parity("fp32", runner, tok, {"fp32": hf}, torch.device("cpu"))["passed"]
@@ -89,6 +89,11 @@ def test_parity_check_fails_on_a_top_left_causal_mask(tmp_path: Path, monkeypatc
     monkeypatch.setattr(attention, "causal_mask", top_left)
     rec = gpu_check.check_parity("fp32", runner, tok, {"fp32": hf}, torch.device("cpu"))
     assert not rec["passed"] and rec["max_abs_vs_hf_fp32"] > 100 * rec["tolerance"], rec
+    # bf16's looser tolerance still catches it.
+    models = {"fp32": hf, "bf16": gpu_check.load_hf(tmp_path, torch.bfloat16, torch.device("cpu"))}
+    runner16 = gpu_check.make_runner(tmp_path, torch.bfloat16, torch.device("cpu"), 96)
+    rec = gpu_check.check_parity("bf16", runner16, tok, models, torch.device("cpu"))
+    assert not rec["passed"] and rec["max_abs_vs_hf_fp32"] > 3 * rec["tolerance"], rec
 
 
 def test_package_dirs_without_tomllib(monkeypatch) -> None:
