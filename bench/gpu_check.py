@@ -124,6 +124,7 @@ def check_parity(dtype_name: str, runner, tokenizer, hf: dict, device: torch.dev
 
 
 def make_runner(model_dir: Path, dtype: torch.dtype, device: torch.device, num_blocks: int):
+    """kvfleet's runner for ``model_dir``: weights and ``num_blocks`` KV blocks on ``device``."""
     from kvfleet.worker.model_runner import ModelRunner
 
     return ModelRunner(model_dir, num_blocks=num_blocks, block_size=BLOCK_SIZE, dtype=dtype,
@@ -131,6 +132,7 @@ def make_runner(model_dir: Path, dtype: torch.dtype, device: torch.device, num_b
 
 
 def report(r: dict) -> None:
+    """Print ``r`` (the JSON result) as the summary and the two tables."""
     m = r["model"]
     print(f"\nkvfleet gpu_check: {r['device_name']} · torch {r['torch']} · transformers "
           f"{r['transformers']} · {r['seconds']:.0f} s")
@@ -146,9 +148,10 @@ def report(r: dict) -> None:
         if "error" in p:
             print(f"{p['dtype']:6} ERROR {p['error']}")
             continue
-        print(f"{p['dtype']:6} {p['rows']:5d} {p['cached_prompt_tokens']:7d} {p['max_abs_vs_hf_fp32']:18.3e} {p['tolerance']:10.3e} "
-              f"{p['scale']:7.3f} {p['top1_vs_hf_fp32']:6.3f}  {'PASS' if p['passed'] else 'FAIL':6}  "
-              f"{p['rule']}" + (f" (HF bf16 error {p['hf_bf16_vs_hf_fp32']:.3e})" if 'hf_bf16_vs_hf_fp32' in p else ""))
+        print(f"{p['dtype']:6} {p['rows']:5d} {p['cached_prompt_tokens']:7d} "
+              f"{p['max_abs_vs_hf_fp32']:18.3e} {p['tolerance']:10.3e} {p['scale']:7.3f} "
+              f"{p['top1_vs_hf_fp32']:6.3f}  {'PASS' if p['passed'] else 'FAIL':6}  {p['rule']}"
+              + (f" (HF bf16 error {p['hf_bf16_vs_hf_fp32']:.3e})" if "hf_bf16_vs_hf_fp32" in p else ""))
     d = r["decode"]
     print(f"\ndecode tokens/s ({d['dtype']}, prompt {d['prompt_len']} tokens, {d['new_tokens']} new "
           f"tokens per request; prefill excluded)")
@@ -201,6 +204,7 @@ def decode_row(runner, hf, tokenizer, device, batch: int, prompt_len: int, new_t
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The options, with the per-device defaults filled in (``device`` a torch.device)."""
     p = argparse.ArgumentParser(prog="bench/gpu_check.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
@@ -226,6 +230,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run both checks, print the tables, write the JSON; 0 when everything passed."""
     a = parse_args(argv)
     device, cuda, cfg = a.device, a.device.type == "cuda", SHAPES[a.shape]
     if not cuda and not a.c_kernels:

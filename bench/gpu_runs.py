@@ -48,10 +48,12 @@ class RecordingRunner:
         self.rows: dict[str, dict[int, torch.Tensor]] = {}
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
+        """:meth:`ModelRunner.execute`, keeping the rows it returns."""
         logits = self.runner.execute(plan)
         for chunk, row in zip(plan.chunks, logits, strict=True):
             request_id = chunk.request_id.rsplit("#", 1)[0]  # seq id "<request>#<sample>"
-            self.rows.setdefault(request_id, {})[chunk.num_computed_tokens + len(chunk.token_ids) - 1] = row
+            last = chunk.num_computed_tokens + len(chunk.token_ids) - 1
+            self.rows.setdefault(request_id, {})[last] = row
         return logits
 
 
@@ -134,7 +136,8 @@ def compare(traces: dict[str, Trace], models: dict[str, object], device: torch.d
         positions = sorted(trace.rows)
         ours.append(torch.stack([trace.rows[p] for p in positions]))
         for name, model in models.items():
-            stacked[name].append(reference_logits(model, trace.tokens[: positions[-1] + 1], device)[positions])
+            full = reference_logits(model, trace.tokens[: positions[-1] + 1], device)
+            stacked[name].append(full[positions])
     engine = torch.cat(ours)
     refs = {name: torch.cat(rows) for name, rows in stacked.items()}
     out = {}
@@ -168,6 +171,7 @@ class DecodeRate:
 
 
 def random_prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """``batch`` seeded prompts of ``length`` token ids in ``[3, vocab)`` (no special ids)."""
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(batch)]
 
