@@ -9,7 +9,7 @@ Workloads: a seeded tiny Llama (hidden 256, 4 layers, 8 heads, 4 KV heads, FFN 1
 32000) with 64 requests, prompts uniform in 16-512 tokens and outputs in 8-256; SmolLM2-135M
 with 32 requests, prompts 16-512, outputs 8-128. Also: this machine's read bandwidth and
 SmolLM2's batch-1 decode step against its roofline, TTFT with a cached 1,024-token prefix ÷
-cold, decode step latency against context (PNG), and KV-pool waste under ``watermark``.
+cold, decode step latency against context (PNG, matplotlib), and KV-pool waste under ``watermark``.
 Results (JSON + PNG) go to ``--out`` (default ``bench/results/engine``).
 """
 
@@ -27,7 +27,7 @@ import torch
 
 from bench import engine_runs as er
 from bench.engine_baselines import RunResult, load_hf, run_single, run_static_batches
-from bench.png_plot import line_plot
+from bench.plots import line_plot
 from kvfleet.deploy.models import default_cache_dir, prepare_model
 from kvfleet.worker.scheduler import SchedulerConfig
 

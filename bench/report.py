@@ -1,4 +1,4 @@
-"""Statistics, policy ratios and TTFT CDF plots for the router benchmark."""
+"""Statistics and policy ratios for the router benchmark (its plots: :mod:`bench.plots`)."""
 
 from __future__ import annotations
 
@@ -87,32 +87,6 @@ def markdown(paths: Sequence[Path]) -> str:
             f"({rr['busiest_load_over_mean']:.2f}) | {r['saturation_throughput']:.2f}× "
             f"| {load[0]:.1f}→{load[1]:.1f} |")
     return "\n".join(rows)
-
-
-def plot_ttft_cdfs(ttfts: dict[str, Sequence[float]], path: Path, title: str) -> Path:
-    """One CDF line per policy (log-scaled TTFT axis); writes a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
-    for name, xs in ttfts.items():
-        s = sorted(xs)
-        if s:
-            ax.step([x * 1e3 for x in s], [(i + 1) / len(s) for i in range(len(s))],
-                    where="post", label=f"{name} (n={len(s)})")
-    ax.set_xscale("log")
-    ax.set_xlabel("time to first token (ms, client side)")
-    ax.set_ylabel("fraction of requests")
-    ax.set_title(title, fontsize=9)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(loc="lower right")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
 
 
 if __name__ == "__main__":  # python -m bench.report bench/results/*.json → the README table

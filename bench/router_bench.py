@@ -26,7 +26,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.load import Target, closed_loop, open_loop
-from bench.report import plot_ttft_cdfs, ratio_spread, summarize, throughput
+from bench.plots import plot_ttft_cdfs
+from bench.report import ratio_spread, summarize, throughput
 from bench.workload import Workload, requests, stream
 from kvfleet.worker.cost_model import CostModel
 
