@@ -64,14 +64,19 @@ class RankComm:
         self.rank, self.world_size, self.device = rank, addr.world_size, torch.device(device)
         self.store = store or dist.TCPStore(addr.host, addr.port, addr.world_size, False,
                                             timeout=timeout)
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        # Gloo's pairs listen on the group's own address (loopback for one host), not on
+        # whatever interface the hostname resolves to.
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=addr.host)]
         self.cpu = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", self.store), rank,
-                                         addr.world_size, timeout)
+                                         addr.world_size, opts)
         self.dev = self.cpu
         if addr.backend == "nccl":
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
+            nccl = dist.ProcessGroupNCCL.Options()
+            nccl._timeout = timeout
             self.dev = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", self.store), rank,
-                                             addr.world_size, opts)
+                                             addr.world_size, nccl)
         self._buf = torch.zeros(PLAN_BUFFER_BYTES, dtype=torch.uint8)
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,123 @@
+"""The real engine over real tensor-parallel rank groups (Ray rank actors, gloo) against
+transformers' full-prefix forward: the engine-exactness scenarios of
+``tests/unit/worker/test_engine_exactness.py`` rerun with rank 0's runner a
+:class:`TPRunner`, plus every sharding layout and SmolLM2 at tp=3.
+
+Each rank group starts once per test session (at most two alive at a time).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+
+import tests.unit.worker.test_engine_exactness as exact
+from kvfleet.worker.parallel.group import RankGroup, TPSettings
+from kvfleet.worker.parallel.rank_worker import RankSpec
+from kvfleet.worker.parallel.tp_runner import TPRunner
+from tests.unit.worker import engine_harness
+from tests.unit.worker.engine_harness import make_engine, prompt, run
+from tests.unit.worker.engine_harness import request as engine_request
+
+pytestmark = pytest.mark.slow
+
+
+class Groups:
+    """Started rank groups by (model dir, tp); the oldest is closed past ``keep``."""
+
+    def __init__(self, keep: int = 2) -> None:
+        self.keep = keep
+        self.runners: OrderedDict[tuple[Path, int], TPRunner] = OrderedDict()
+
+    def get(self, model_dir: Path, tp: int) -> TPRunner:
+        key = (Path(model_dir), tp)
+        if key not in self.runners:
+            while len(self.runners) >= self.keep:
+                self.runners.popitem(last=False)[1].close()
+            spec = RankSpec(str(model_dir), tp, num_blocks=160, block_size=exact.BLOCK_SIZE,
+                            one_row_weights=False)
+            group = RankGroup(spec, TPSettings(), f"test-tp{tp}-{key[0].name}")
+            self.runners[key] = TPRunner(group.start(), group)
+        self.runners.move_to_end(key)
+        return self.runners[key]
+
+    def close(self) -> None:
+        while self.runners:
+            self.runners.popitem()[1].close()
+
+
+@pytest.fixture(scope="session")
+def tp_groups(ray_session):
+    groups = Groups()
+    yield groups
+    groups.close()
+
+
+@pytest.fixture
+def tp2(tp_groups, monkeypatch):
+    """The engine harness's runners become tp=2 rank groups."""
+    monkeypatch.setattr(engine_harness, "runner_for",
+                        lambda model_dir, block_size=4: tp_groups.get(model_dir, 2))
+
+
+FAMILIES = ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_mistral_dir"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tp2_uneven_chunks(tp2, request, family) -> None:
+    exact.test_uneven_chunks(request.getfixturevalue(family))
+
+
+def test_tp2_token_by_token(tp2, tiny_llama_dir) -> None:
+    exact.test_token_by_token(tiny_llama_dir)
+
+
+def test_tp2_prefix_hits_full_and_mid_block(tp2, tiny_llama_dir) -> None:
+    exact.test_prefix_hits_full_and_mid_block(tiny_llama_dir)
+
+
+def test_tp2_mixed_batch_of_eight(tp2, tiny_llama_dir) -> None:
+    exact.test_mixed_batch_of_eight_joining_and_leaving_equals_each_alone(tiny_llama_dir)
+
+
+def test_tp2_preempted_then_resumed(tp2, tiny_llama_dir) -> None:
+    exact.test_preempted_then_resumed(tiny_llama_dir)
+
+
+def test_tp2_n2_after_copy_on_write(tp2, tiny_llama_dir) -> None:
+    exact.test_n2_siblings_after_copy_on_write(tiny_llama_dir)
+
+
+def test_tp2_sliding_window(tp2, tiny_mistral_dir) -> None:
+    exact.test_sliding_window_beyond_the_window(tiny_mistral_dir)
+
+
+@pytest.mark.parametrize("fixture, tp", [("llama_8q4kv_dir", 2), ("llama_8q4kv_dir", 4),
+                                         ("llama_8q2kv_dir", 4)])
+def test_layouts_through_the_engine(tp_groups, request, fixture, tp) -> None:
+    model_dir = request.getfixturevalue(fixture)
+    runner = tp_groups.get(model_dir, tp)
+    ranks = runner.ranks()
+    assert [r.rank for r in ranks] == list(range(tp))
+    assert len({r.pid for r in ranks}) == tp, "one process per rank"
+    assert {r.num_blocks for r in ranks} == {160} and len({r.kv_bytes for r in ranks}) == 1
+    engine, rec = make_engine(model_dir, runner=runner, max_num_batched_tokens=9)
+    reqs = [engine_request(prompt(21, seed=50 + i), max_tokens=5) for i in range(3)]
+    results = run(engine, {0: reqs[:2], 2: reqs[2:]})
+    for req in reqs:
+        exact._check(model_dir, rec, req, results[(req.request_id, 0)])
+
+
+def test_smollm2_tp3(tp_groups, smollm2_dir) -> None:
+    """9 query / 3 KV heads: one KV head per rank. Chunked prefill, a prefix hit, decodes."""
+    runner = tp_groups.get(smollm2_dir, 3)
+    engine, rec = make_engine(smollm2_dir, runner=runner, max_num_batched_tokens=16)
+    base = prompt(30, seed=60)
+    first = engine_request(base, max_tokens=4)
+    second = engine_request(base[:20] + prompt(6, seed=61), max_tokens=4)
+    results = run(engine, {0: [first], 6: [second]})
+    assert results[(second.request_id, 0)].last.usage.cached_prompt_tokens == 20
+    for req in (first, second):
+        exact._check(smollm2_dir, rec, req, results[(req.request_id, 0)])
