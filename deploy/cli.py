@@ -25,10 +25,15 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"served model name or HF-format directory (default {DEFAULT_MODEL})")
     p.add_argument("--replicas", type=int, default=2, help="worker replicas (default 2)")
+    p.add_argument("--tp", dest="tensor_parallel_size", type=int, default=1,
+                   help="tensor-parallel ranks per replica (default 1): each rank holds 1/T of "
+                        "the projections and of the KV heads; --num-blocks/--kv-memory are per rank")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="cuda: one GPU per rank, NCCL between ranks (default cpu, gloo)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     size = p.add_mutually_exclusive_group()
-    size.add_argument("--num-blocks", type=int, help="KV blocks per replica")
-    size.add_argument("--kv-memory", help="KV memory per replica, e.g. 256MiB (default 256MiB)")
+    size.add_argument("--num-blocks", type=int, help="KV blocks per replica (on every rank)")
+    size.add_argument("--kv-memory", help="KV memory per replica rank, e.g. 256MiB (default 256MiB)")
     p.add_argument("--policy", default="prefix_aware",
                    choices=["prefix_aware", "least_loaded", "round_robin"], help="routing policy")
     p.add_argument("--admission", default="watermark", choices=["watermark", "reserve"],
@@ -87,6 +92,11 @@ def cluster_config(args: argparse.Namespace):
     from kvfleet.worker.cost_model import MEASURED, CostModel
 
     name, model_dir = resolve_model(args.model)
+    if args.tensor_parallel_size != 1:  # refuse a split the model cannot take before starting
+        from kvfleet.worker.model_config import load_model_config
+        from kvfleet.worker.parallel.layout import check_tp
+
+        check_tp(load_model_config(model_dir), args.tensor_parallel_size)
     cost = CostModel.load(args.cost_model) if args.cost_model else MEASURED
     if args.cost_model_scale != 1.0:
         cost = cost.scaled(args.cost_model_scale)
@@ -100,6 +110,7 @@ def cluster_config(args: argparse.Namespace):
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   policy=args.admission),
         executor=args.executor, cost_model=cost if args.executor == "cost-model" else None,
+        tensor_parallel_size=args.tensor_parallel_size, device=args.device,
         telemetry=TelemetryConfig.from_env(os.environ), metrics_port=args.metrics_port,
         # -vv: the router logs each routing decision (candidates' matches and loads) too
         router_args=("--log-level", "DEBUG") if getattr(args, "verbose", 0) >= 2 else ())

@@ -1,4 +1,5 @@
-"""The Ray actor that hosts one replica (rank 0; tensor_parallel_size 1 for now).
+"""The Ray actor that hosts one replica: rank 0 of its tensor-parallel group (with tp > 1 it
+starts ranks 1..T-1 itself, see :mod:`kvfleet.worker.parallel.group`).
 
 The actor runs :class:`ReplicaServer` on its own asyncio loop in a background thread, so the
 actor's methods stay plain synchronous calls for the launcher.

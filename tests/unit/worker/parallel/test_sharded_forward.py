@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvfleet.allocator.kv_bytes import ShardingError
+from kvfleet.deploy.budget import build_parser, compute_budget
 from kvfleet.worker.model_config import load_model_config
 from kvfleet.worker.model_runner import ModelRunner
 from kvfleet.worker.kv_cache import kv_bytes_per_block
@@ -34,7 +35,12 @@ def test_sharded_logits_match_transformers(request, fixture, tp) -> None:
     assert _error(model_dir, logits) <= 1
     config = load_model_config(model_dir)
     per_block = kv_bytes_per_block(config, BLOCK_SIZE, torch.float32, tp)
-    assert {r.kv_cache.nbytes for r in runners} == {16 * per_block}  # `kvfleet budget --tp`'s figure
+    assert {r.kv_cache.nbytes for r in runners} == {16 * per_block}
+    # ... `kvfleet budget --tp`'s per-rank bytes per token, for 16 blocks of 4 tokens (the
+    # paged cache keeps a sliding layer's old blocks, so per token, not the windowed total)
+    budget = compute_budget(build_parser().parse_args(
+        [str(model_dir), "--tp", str(tp), "--kv-dtype", "fp32", "--block-size", str(BLOCK_SIZE)]))
+    assert budget["bytes_per_token_per_rank"] * BLOCK_SIZE * 16 == 16 * per_block
     assert {r.num_blocks for r in runners} == {16}
     assert all(r.model.layers[0].num_kv_heads == shard_layout(config, tp, 0).local_kv_heads
                for r in runners)
