@@ -26,7 +26,7 @@ from kvfleet.deploy.redis_server import RedisServer, start_redis
 from kvfleet.index_keys import DEFAULT_NAMESPACE
 from kvfleet.telemetry import TelemetryConfig
 from kvfleet.worker.cost_model import CostModel
-from kvfleet.worker.parallel.group import TPSettings
+from kvfleet.worker.parallel.group import TPSettings, wait_placed
 from kvfleet.worker.replica import EXECUTORS, ReplicaConfig
 from kvfleet.worker.scheduler import SchedulerConfig
 
@@ -230,7 +230,7 @@ class LocalCluster:
         first = {"CPU": max(num_cpus - (tp - 1) * rest.get("CPU", 0), 0.01), **gpu}
         pg = placement_group([first] + [rest] * (tp - 1), strategy="STRICT_PACK")
         self.placement_groups.append(pg)
-        ray.get(pg.ready(), timeout=timeout_s)
+        wait_placed(pg, f"replica {rcfg.replica_id}: bundles {[first] + [rest] * (tp - 1)}", timeout_s)
         return ray.remote(ReplicaActor).options(
             num_cpus=first["CPU"], num_gpus=1 if cuda else 0, max_restarts=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),

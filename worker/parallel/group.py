@@ -52,6 +52,22 @@ class TPSettings:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
+def wait_placed(pg, what: str, timeout_s: float) -> None:
+    """Wait for placement group ``pg`` to be placed.
+
+    Raises:
+        RuntimeError: not placed within ``timeout_s`` seconds; names ``what`` and the free
+            resources (a group that can never place otherwise waits silently).
+    """
+    import ray
+
+    try:
+        ray.get(pg.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise RuntimeError(f"{what} on one node were not placed within {timeout_s:g} s "
+                           f"(free now: {ray.available_resources()})") from None
+
+
 class RankGroup:
     """Ranks 0..T-1 of one replica; rank 0 is this process.
 
@@ -143,7 +159,8 @@ class RankGroup:
             bundle = {"GPU": 1} if cuda else {"CPU": self.settings.rank_num_cpus}
             pg = self._own_pg = placement_group([bundle] * (tp - 1), strategy="STRICT_PACK")
             first = 0
-            ray.get(pg.ready(), timeout=self.settings.start_timeout_s)
+            wait_placed(pg, f"replica {self.name}: {tp - 1} rank bundles of {bundle}",
+                        self.settings.start_timeout_s)
         return [PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first + i)
                 for i in range(tp - 1)]
 
