@@ -9,6 +9,7 @@ a forward.
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import queue
 import threading
@@ -84,7 +85,7 @@ class EngineLoop:
         If the consumer stops iterating (client cancelled), the request is aborted.
         """
         if self.failure is not None:
-            raise self.failure
+            raise copy.copy(self.failure)  # a fresh traceback per refusal, not one growing
         out: asyncio.Queue = asyncio.Queue()
         admitted = self.loop.create_future()
         self._inbox.put(_Add(req, out, admitted))
@@ -153,7 +154,7 @@ class EngineLoop:
     def _add(self, item: _Add) -> None:
         try:
             if self.failure is not None:
-                raise self.failure
+                raise copy.copy(self.failure)
             self.engine.add_request(item.req)
         except Exception as exc:
             self.loop.call_soon_threadsafe(_set_exception, item.admitted, exc)

@@ -130,7 +130,12 @@ class RankGroup:
                                    runtime_env={"env_vars": env}).remote(rank)
                        for rank in range(1, spec.tp)]
         loads = [a.load.remote(spec) for a in self.actors]
-        local = replace(spec, device="cuda:0") if cuda else spec
+        local = spec
+        if cuda:  # Ray gave rank 0 its own GPU too: cuda:0 in this process
+            import torch
+
+            torch.cuda.set_device(0)
+            local = replace(spec, device="cuda:0")
         runner = build_rank_runner(local, 0, lambda t: self.comm.all_reduce(t))
         self.infos = [rank_info(runner, 0)] + ray.get(loads, timeout=timeout)
         host = self.settings.store_host
