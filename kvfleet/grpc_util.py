@@ -41,5 +41,15 @@ def bind_port(server: grpc.aio.Server, host: str, port: int) -> int:
         raise OSError(f"cannot listen on {host}:{port}: address in use or not permitted")
     return bound
 
-# Without this, two servers can silently share one port (grpc enables SO_REUSEPORT).
-SERVER_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
+# RPCs that reached gRPC core but that the Python server has not picked up yet. Core's defaults
+# (soft 1,000, hard 3,000, random early rejection in between) end the excess with status
+# CANCELLED, details "CANCELLED", before any handler runs: a 1,500-request burst on one router
+# lost 10-59 requests that way (bench.overload burst). Up to this many wait instead, so the
+# server's own admission answers each one (RESOURCE_EXHAUSTED, in milliseconds); past it core
+# still rejects. A pending call holds its headers and at most one flow-control window of body.
+MAX_PENDING_RPCS = 20_000
+
+# Without so_reuseport 0, two servers can silently share one port (grpc enables SO_REUSEPORT).
+SERVER_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0),
+                  ("grpc.server.max_pending_requests", MAX_PENDING_RPCS),
+                  ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_RPCS)]

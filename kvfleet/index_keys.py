@@ -71,19 +71,25 @@ LOAD_FIELDS = ("running", "waiting", "num_free_blocks", "num_total_blocks", "upd
 
 @dataclass(frozen=True)
 class ReplicaInfo:
-    """A worker replica as the registry knows it; ``epoch`` is assigned by ``register()``."""
+    """A worker replica as the registry knows it; ``epoch`` is assigned by ``register()``.
+
+    ``max_requests``: sequences the replica holds at most (running + waiting), past which it
+    refuses, so routers refuse before dispatching; 0 = not advertised.
+    """
 
     replica_id: str
     address: str
     model: str
     epoch: int
     block_size: int
+    max_requests: int = 0
 
     def to_json(self, started_at: float) -> str:
         """Registry value; ``started_at`` is unix seconds."""
         return json.dumps(
             {"address": self.address, "model": self.model, "epoch": self.epoch,
-             "block_size": self.block_size, "started_at": started_at},
+             "block_size": self.block_size, "max_requests": self.max_requests,
+             "started_at": started_at},
             separators=(",", ":"),
         )
 
@@ -91,7 +97,8 @@ class ReplicaInfo:
     def from_json(cls, replica_id: str, raw: str | bytes) -> "ReplicaInfo":
         d = json.loads(raw)
         return cls(replica_id=replica_id, address=str(d["address"]), model=str(d["model"]),
-                   epoch=int(d["epoch"]), block_size=int(d["block_size"]))
+                   epoch=int(d["epoch"]), block_size=int(d["block_size"]),
+                   max_requests=int(d.get("max_requests", 0)))
 
 
 @dataclass(frozen=True)

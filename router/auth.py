@@ -11,7 +11,8 @@ Tenants never share KV blocks (prefix reuse across tenants is a timing side chan
 operator lists them in one shared namespace. The *cache scope* is what the block-hash root is
 keyed by (``root = H(identity, scope, cache_salt)``) and what the router sends the worker as
 ``tenant``: the tenant's own name, or ``@<name>`` for a member of shared namespace ``<name>``.
-Tenant names may not start with ``@``, so no tenant can collide with a shared scope.
+Tenant names may not start with ``@``, so no tenant can collide with a shared scope, nor hold a
+``/`` (request ids reach workers as ``<tenant>/<request_id>``).
 """
 
 from __future__ import annotations
@@ -96,6 +97,9 @@ class Authenticator:
 
 
 def _check_name(name: str, kind: str) -> None:
-    if not isinstance(name, str) or not name or name.startswith(SHARED_SCOPE_PREFIX):
-        raise ValueError(f"{kind} name must be non-empty and not start with "
-                         f"{SHARED_SCOPE_PREFIX!r}, got {name!r}")
+    # No "/" in a tenant: the router namespaces request ids as "<tenant>/<request_id>".
+    if (not isinstance(name, str) or not name or name.startswith(SHARED_SCOPE_PREFIX)
+            or (kind == "tenant" and "/" in name)):
+        raise ValueError(f"{kind} name must be non-empty, not start with "
+                         f"{SHARED_SCOPE_PREFIX!r}{' and hold no /' if kind == 'tenant' else ''}"
+                         f", got {name!r}")

@@ -21,6 +21,7 @@ import grpc
 from kvfleet.grpc_util import SERVER_OPTIONS, add_health_and_reflection, bind_port, mark_serving
 from kvfleet.index_keys import DEFAULT_NAMESPACE
 from kvfleet.router.auth import Authenticator
+from kvfleet.router.capacity import DEFAULT_RETRY_PUSHBACK_MS
 from kvfleet.router.index_mirror import MirroredPrefixIndex
 from kvfleet.router.policy import make_policy
 from kvfleet.router.prefix_index import RedisPrefixIndex
@@ -55,6 +56,7 @@ class RouterConfig:
     # prefix_aware knobs (kvfleet.router.policy): load_penalty_blocks, max_imbalance,
     # popularity_window, kv_saturation, min_excess_load; empty = the documented defaults.
     policy_options: dict = field(default_factory=dict)
+    retry_pushback_ms: int = DEFAULT_RETRY_PUSHBACK_MS  # RESOURCE_EXHAUSTED's retry hint
 
 
 class RouterServer:
@@ -88,7 +90,8 @@ class RouterServer:
         self.telemetry = Telemetry(cfg.telemetry, "router")
         self.metrics_address = self.telemetry.metrics_address
         service = RouterService({model.name: model}, model.name, self.replicas, policy, auth,
-                                telemetry=RouterTelemetry(self.telemetry))
+                                telemetry=RouterTelemetry(self.telemetry),
+                                retry_pushback_ms=cfg.retry_pushback_ms)
         self.service = service
         router_pb2_grpc.add_RouterServicer_to_server(service, self._server)
         name = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
@@ -134,6 +137,8 @@ def parse_args(argv: list[str]) -> RouterConfig:
     p.add_argument("--no-index-mirror", dest="index_mirror", action="store_false",
                    help="look every prompt up in Redis (one round trip per request) instead of "
                         "an in-memory mirror of the index fed by the workers' KV event log")
+    p.add_argument("--retry-pushback-ms", type=int, default=DEFAULT_RETRY_PUSHBACK_MS,
+                   help="retry hint (grpc-retry-pushback-ms trailer) sent with RESOURCE_EXHAUSTED")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="stderr log level (DEBUG: one line per routing decision)")
     p.add_argument("--metrics-port", type=int, default=None,
@@ -148,7 +153,8 @@ def parse_args(argv: list[str]) -> RouterConfig:
                         block_size=a.block_size, kv_dtype=a.kv_dtype, host=a.host, port=a.port,
                         policy=a.policy, namespace=a.namespace, api_keys_file=a.api_keys,
                         index_mirror=a.index_mirror, telemetry=telemetry,
-                        log_level=a.log_level, policy_options={
+                        log_level=a.log_level, retry_pushback_ms=a.retry_pushback_ms,
+                        policy_options={
                             k: v for k in ("load_penalty_blocks", "max_imbalance",
                                            "popularity_window", "min_excess_load")
                             if (v := getattr(a, k)) is not None})

@@ -9,6 +9,7 @@ API). Redis is an index, not truth: a stale answer only costs a cache miss.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from typing import Callable, Protocol, Sequence
 
@@ -268,8 +269,7 @@ class InMemoryKvPublisher:
     async def register(self) -> None:
         ix, rid = self._index, self.replica.replica_id
         self.epoch = ix.epochs[rid] = ix.epochs.get(rid, 0) + 1
-        self.replica = ReplicaInfo(rid, self.replica.address, self.replica.model, self.epoch,
-                                   self.replica.block_size)
+        self.replica = dataclasses.replace(self.replica, epoch=self.epoch)
         ix.registry[rid], ix.beats[rid] = self.replica, ix.clock()
         ix.loads.pop(rid, None)
         await self.publish(list(self._held), ())  # like KvPublisher: republish what it holds

@@ -20,6 +20,7 @@ call after Redis answers again re-registers (new epoch) and republishes the held
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from typing import Iterable, Sequence
@@ -222,11 +223,11 @@ class KvPublisher:
     async def _sync(self) -> None:
         """Register under a new epoch, then republish the whole held set under it."""
         r = self.replica
-        info = ReplicaInfo(r.replica_id, r.address, r.model, 0, r.block_size)
+        info = dataclasses.replace(r, epoch=0)
         epoch = int(await self._register(keys=self._replica_keys(),
                                          args=[r.replica_id, info.to_json(self._started_at)]))
         self.epoch = epoch
-        self.replica = ReplicaInfo(r.replica_id, r.address, r.model, epoch, r.block_size)
+        self.replica = dataclasses.replace(r, epoch=epoch)
         for batch in _batches(self._held):
             await self._write_blocks(batch, ())
         self._needs_sync = False

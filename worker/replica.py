@@ -131,6 +131,7 @@ class ReplicaServer:
         self.publisher: Optional[KvPublisher] = None
         self._server: Optional[grpc.aio.Server] = None
         self._loop: Optional[EngineLoop] = None
+        self.service: Optional[WorkerService] = None
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> str:
@@ -141,7 +142,7 @@ class ReplicaServer:
         self.address = f"{self.cfg.host}:{port}"
         if self.cfg.redis_url:
             info = ReplicaInfo(self.cfg.replica_id, self.address, self.cfg.model_name, 0,
-                               self.cfg.block_size)
+                               self.cfg.block_size, self.cfg.scheduler.max_sequences)
             self.publisher = KvPublisher(self.cfg.redis_url, info, namespace=self.cfg.namespace,
                                          replica_ttl_s=self.cfg.replica_ttl_s,
                                          block_ttl_s=self.cfg.block_ttl_s)
@@ -154,6 +155,7 @@ class ReplicaServer:
                                 on_finish=wt.on_finished)
         service = WorkerService(self._loop, self.cfg.replica_id, self.cfg.model_name,
                                 self.cfg.block_size, epoch_fn=self._epoch, telemetry=wt)
+        self.service = service
         worker_pb2_grpc.add_WorkerServicer_to_server(service, self._server)
         name = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
         health = add_health_and_reflection(self._server, [name])

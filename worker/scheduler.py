@@ -40,6 +40,9 @@ class SchedulerConfig:
 
     ``watermark`` is the fraction of all blocks kept free when admitting new work under the
     ``watermark`` policy (so running sequences can grow without immediate preemption).
+    ``max_waiting``: sequences that may wait beside a full running set; the replica holds at
+    most ``max_sequences`` = ``max_num_seqs + max_waiting`` unfinished sequences in all (the
+    same bound the worker's arrival count applies, so the engine never refuses one it let in).
     """
 
     max_num_seqs: int = 16
@@ -53,6 +56,11 @@ class SchedulerConfig:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0 or self.max_waiting < 0:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be > 0, max_waiting >= 0")
+
+    @property
+    def max_sequences(self) -> int:
+        """Sequences the replica holds at most (running + waiting): its admission limit."""
+        return self.max_num_seqs + self.max_waiting
 
 
 @dataclass(frozen=True)
@@ -129,7 +137,7 @@ class Scheduler:
         the first of them leading (queued; the others fork from it).
 
         Raises:
-            ResourceExhausted: the waiting queue is full (``max_waiting``), or a request can
+            ResourceExhausted: the replica is full (``max_sequences``), or a request can
                 never fit (:meth:`check_can_ever_fit`); then nothing was queued.
         """
         groups: dict[str, list[Sequence]] = {}
@@ -138,10 +146,10 @@ class Scheduler:
         for g in groups.values():
             self.check_can_ever_fit(g[0].num_prompt_tokens, g[0].params.max_tokens, len(g))
         num_new = sum(len(g) for g in groups.values())
-        if self.num_queued + num_new > self.config.max_waiting:
+        if self.num_unfinished + num_new > self.config.max_sequences:
             raise ResourceExhausted(
-                f"worker waiting queue is full ({self.num_queued}/{self.config.max_waiting})"
-            )
+                f"worker queue is full ({self.num_unfinished} running + waiting sequences of "
+                f"{self.config.max_sequences})")
         for leader, *siblings in groups.values():
             if siblings:
                 self.pending_forks[leader.seq_id] = siblings

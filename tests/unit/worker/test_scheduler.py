@@ -122,10 +122,10 @@ def test_reserve_never_preempts_and_holds_back_admission():
 
 
 def test_never_fitting_request_is_refused_at_once_and_queue_is_bounded():
-    s = make(n_blocks=4, max_waiting=2)
+    s = make(n_blocks=4, max_waiting=2, max_num_seqs=1)
     with pytest.raises(ResourceExhausted, match="4 in total"):
         s.add([seq(10, max_tokens=10)])
-    s.add([seq(2), seq(2)])
+    s.add([seq(2), seq(2), seq(2)])  # max_num_seqs + max_waiting = 3, whether running or not
     with pytest.raises(ResourceExhausted, match="queue is full"):
         s.add([seq(2)])
 
