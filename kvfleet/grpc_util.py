@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -27,14 +29,18 @@ async def mark_serving(servicer, service_names: list[str]) -> None:
         await servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
 
-def bind_port(server: grpc.aio.Server, host: str, port: int) -> int:
-    """Bind an insecure port; returns the bound port.
+def bind_port(server: grpc.aio.Server, host: str, port: int,
+              credentials: Optional[grpc.ServerCredentials] = None) -> int:
+    """Bind a port (TLS with ``credentials``, else plaintext); returns the bound port.
 
     Raises:
         OSError: the port is taken (the message names it).
     """
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        if credentials is not None:
+            bound = server.add_secure_port(f"{host}:{port}", credentials)
+        else:
+            bound = server.add_insecure_port(f"{host}:{port}")
     except RuntimeError as exc:  # grpc raises RuntimeError on a failed bind
         raise OSError(f"cannot listen on {host}:{port}: {exc}") from exc
     if bound == 0:

@@ -6,11 +6,13 @@ in its registration; a candidate's load is the router's best count of what it ho
 candidate is at its limit the request is refused with RESOURCE_EXHAUSTED and gRPC's retry
 hint, the ``grpc-retry-pushback-ms`` trailer, instead of waiting for a worker to refuse it.
 A replica with no advertised limit always counts as having room (its worker decides).
+A tenant's own limit (``Authenticator.tenant_limit``: the key file's, per router) is checked
+first, so a tenant that floods is refused before it fills the fleet.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 from kvfleet.errors import ResourceExhausted
 from kvfleet.router.policy import Candidate
@@ -29,6 +31,19 @@ def with_room(candidates: Sequence[Candidate]) -> list[Candidate]:
     """The candidates below their limits; all of them when none is (the worker then decides)."""
     roomy = [c for c in candidates if has_room(c)]
     return roomy or list(candidates)
+
+
+def fleet_capacity(candidates: Sequence[Candidate]) -> int:
+    """Sum of the candidates' advertised limits; 0 when any advertises none (unknown)."""
+    limits = [c.info.max_requests for c in candidates]
+    return 0 if not limits or min(limits) <= 0 else sum(limits)
+
+
+def check_tenant(tenant: str, inflight: int, limit: Optional[int]) -> None:
+    """Raises ResourceExhausted when ``tenant`` holds ``limit`` in-flight requests already."""
+    if limit is not None and inflight >= limit:
+        raise ResourceExhausted(f"tenant {tenant!r} is at its limit of {limit} in-flight "
+                                f"requests on this router")
 
 
 def check_room(candidates: Sequence[Candidate], model: str) -> None:

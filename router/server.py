@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import time
@@ -16,7 +17,7 @@ from kvfleet.errors import (AlreadyExists, InvalidArgument, KvfleetError, NotFou
                             Unavailable, status_of)
 from kvfleet.router.auth import Authenticator
 from kvfleet.router.capacity import (DEFAULT_RETRY_PUSHBACK_MS, RETRY_PUSHBACK_KEY, check_room,
-                                     with_room)
+                                     check_tenant, fleet_capacity, with_room)
 from kvfleet.router.policy import Candidate, RoutingPolicy
 from kvfleet.router.prefix_index import IndexUnavailable
 from kvfleet.router.replica_set import ReplicaSet
@@ -54,6 +55,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self.telemetry = telemetry or RouterTelemetry()  # spans + metrics (no-op by default)
         self.retry_pushback_ms = retry_pushback_ms  # RESOURCE_EXHAUSTED's retry hint
         self._live_ids: set[tuple[str, str]] = set()  # (tenant, client request_id) in flight
+        self.tenant_inflight: collections.Counter[str] = collections.Counter()
 
     # ---- helpers -------------------------------------------------------------------------
     def _model(self, name: str) -> ServedModel:
@@ -150,7 +152,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
         try:
             tenant = self.auth.tenant(metadata)
             model = self._model(request.model)
-            check_room(self._candidates(model.name), model.name)  # before tokenizing: cheap
+            candidates = self._candidates(model.name)
+            limit = self.auth.tenant_limit(tenant, fleet_capacity(candidates))
+            check_tenant(tenant, self.tenant_inflight[tenant], limit)  # before tokenizing: cheap
+            check_room(candidates, model.name)
             if request.adapter:
                 raise NotFound(f"adapter {request.adapter!r} is not loaded")
             params = SamplingParams.from_proto(request.sampling).check_vocab(model.vocab_size)
@@ -173,12 +178,14 @@ class RouterService(router_pb2_grpc.RouterServicer):
         except KvfleetError as exc:
             await self._abort(context, trace, *status_of(exc))
             return
+        self.tenant_inflight[tenant] += 1
         try:
             async for msg in self._dispatch(request, context, trace, model, chain, decision,
                                             (client_id, request_id), params, tokens, scope):
                 yield msg
         finally:
             self._live_ids.discard((tenant, request.request_id))
+            self.tenant_inflight[tenant] -= 1
 
     async def _dispatch(self, request, context, trace, model, chain, decision, ids,
                         params, tokens, scope):

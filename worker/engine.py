@@ -115,7 +115,7 @@ class Engine:
             Sequence(seq_id=f"{req.request_id}#{i}", request_id=req.request_id, index=i,
                      prompt_token_ids=list(req.prompt_token_ids), params=req.params,
                      root_hash=root, block_size=self.kv.block_size, arrival_seq=arrival,
-                     deadline=req.deadline)
+                     deadline=req.deadline, tenant=req.tenant)
             for i in range(req.params.n)
         ]
         self.scheduler.add(seqs)

@@ -35,6 +35,7 @@ from kvfleet.worker.scheduler import SchedulerConfig
 from kvfleet.worker.server import WorkerService
 from kvfleet.telemetry import Telemetry, TelemetryConfig
 from kvfleet.telemetry.worker_spans import WorkerTelemetry
+from kvfleet.tls import InternalTLS
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,9 @@ class ReplicaConfig:
     # stand-in (kvfleet.worker.cost_model) — scheduler, block pool, KV events stay real.
     executor: str = "model"
     cost_model: Optional[CostModel] = None  # constants for "cost-model" (default: measured ones)
+    # Mutual TLS: serve with the cluster's worker certificate and require a client certificate
+    # signed by its CA (kvfleet.tls); None = plaintext.
+    internal_tls_dir: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -138,7 +142,9 @@ class ReplicaServer:
         """Start serving; returns ``host:port``. Raises OSError if the port is taken."""
         aio_loop = asyncio.get_running_loop()
         self._server = grpc.aio.server(options=SERVER_OPTIONS)
-        port = bind_port(self._server, self.cfg.host, self.cfg.port)
+        creds = (InternalTLS.load(self.cfg.internal_tls_dir).worker_credentials()
+                 if self.cfg.internal_tls_dir else None)
+        port = bind_port(self._server, self.cfg.host, self.cfg.port, creds)
         self.address = f"{self.cfg.host}:{port}"
         if self.cfg.redis_url:
             info = ReplicaInfo(self.cfg.replica_id, self.address, self.cfg.model_name, 0,

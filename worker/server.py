@@ -69,7 +69,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.block_size = block_size
         self.epoch_fn = epoch_fn
         self.draining = False
-        self.reservations = Reservations(loop.engine.scheduler.config.max_sequences)
+        sched = loop.engine.scheduler.config
+        self.reservations = Reservations(sched.max_sequences, sched.tenant_share)
         # Spans and metrics; the engine loop's on_finish hook must call telemetry.on_finished.
         self.telemetry = telemetry or WorkerTelemetry(replica_id=replica_id, model=model)
 
@@ -178,7 +179,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 raise Unavailable(f"replica {self.replica_id} is draining")
             engine_request = _engine_request(request)
             # Refuse here, before the engine inbox (whose counts are a step stale).
-            self.reservations.take(request.request_id, engine_request.params.n)
+            self.reservations.take(request.request_id, engine_request.params.n,
+                                   engine_request.tenant)
             try:
                 stream = self.loop.generate(engine_request)
                 try:

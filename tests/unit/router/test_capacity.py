@@ -6,7 +6,7 @@ import pytest
 
 from kvfleet.errors import ResourceExhausted
 from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
-from kvfleet.router.capacity import check_room, has_room, with_room
+from kvfleet.router.capacity import check_room, check_tenant, fleet_capacity, has_room, with_room
 from kvfleet.router.policy import Candidate
 
 
@@ -32,3 +32,12 @@ def test_every_candidate_full_is_refused_naming_the_limits():
     check_room([cand("a", 2, running=2), cand("b", 3)], "m")  # b has room
     with pytest.raises(ResourceExhausted, match="'m' is at its limit of 2/3 running"):
         check_room([cand("a", 2, running=2), cand("b", 3, waiting=3)], "m")
+
+
+def test_a_tenant_at_its_limit_is_refused_and_the_fleet_capacity_is_the_sum_of_limits():
+    assert fleet_capacity([cand("a", 6), cand("b", 4)]) == 10
+    assert fleet_capacity([cand("a", 6), cand("b", 0)]) == 0  # one unknown: unknown
+    check_tenant("acme", 4, 5)
+    check_tenant("acme", 400, None)  # no limit
+    with pytest.raises(ResourceExhausted, match="tenant 'acme' is at its limit of 5 in-flight"):
+        check_tenant("acme", 5, 5)

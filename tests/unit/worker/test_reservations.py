@@ -36,3 +36,17 @@ def test_a_live_id_is_refused_and_free_again_after_release():
 def test_limit_must_be_positive():
     with pytest.raises(ValueError, match="limit"):
         Reservations(0)
+
+
+def test_a_tenant_share_refuses_the_flooding_tenant_and_keeps_room_for_others():
+    r = Reservations(limit=6, tenant_share=0.5)
+    for i in range(3):
+        r.take(f"a{i}", tenant="acme")
+    with pytest.raises(ResourceExhausted, match="tenant 'acme' holds its share"):
+        r.take("a3", tenant="acme")
+    for i in range(3):
+        r.take(f"g{i}", tenant="globex")  # the other half stays open to another tenant
+    assert r.count == 6 and r.held_by("acme") == r.held_by("globex") == 3
+    r.release("a0")
+    r.take("a3", tenant="acme")
+    assert r.held_by("acme") == 3
