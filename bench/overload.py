@@ -1,12 +1,19 @@
 """Overload: how fast is a request the fleet cannot take refused, and what else ends how?
 
     .venv/bin/python -m bench.overload burst --requests 1500      # one simultaneous burst
+    .venv/bin/python -m bench.overload burst --fill               # the same into a full fleet
     .venv/bin/python -m bench.overload open --factor 10 --duration-s 30   # open loop, 10x capacity
+    .venv/bin/python -m bench.overload fair --tenant-share 0.5    # tenant flood vs a steady one
 
 A local cluster of cost-model replicas (real router process, real scheduler, block pool,
 Redis, gRPC; only the forward is a modelled sleep) is started once. ``burst`` sends every
 request at the same instant; ``open`` first measures the fleet's capacity in a closed loop
 (``replicas × max_num_seqs`` clients), then sends Poisson arrivals at ``factor ×`` that rate.
+``burst --fill`` first fills every replica to its limit with long requests, so every request
+of the burst is refused: the router's CPU per refused request. ``fair``: tenant ``steady``
+alone at ``--steady-share`` of capacity (its unloaded TTFT), then the same stream while
+tenant ``flood`` sends ``factor ×`` capacity (key file with ``default_tenant_share`` =
+``--tenant-share``, replicas with the same ``tenant_share``).
 Reported: requests by final status, refusal (RESOURCE_EXHAUSTED) latency p50/p99 from the
 client's send, TTFT p50/p99 of the admitted, the router's CPU per request over the phase, and
 the peak RSS (VmHWM) of the router and replica processes. JSON goes to ``bench/results/``.
@@ -58,6 +65,7 @@ class Run:
     max_tokens: int = 16
     router_args: tuple[str, ...] = ()
     api_keys: dict = field(default_factory=dict)  # key -> tenant (empty: open router)
+    tenant_share: float = 1.0  # replicas' SchedulerConfig.tenant_share and the key file's default
 
 
 def _prompt(rng: random.Random, n: int) -> list[int]:
@@ -65,11 +73,12 @@ def _prompt(rng: random.Random, n: int) -> list[int]:
 
 
 async def send(stub, run: Run, rng: random.Random, tenant: str = "",
-               key: Optional[str] = None, timeout_s: float = 120.0) -> Outcome:
+               key: Optional[str] = None, timeout_s: float = 120.0,
+               max_tokens: Optional[int] = None) -> Outcome:
     """One ``Router.Generate`` of a fresh random prompt; never raises."""
     req = router_pb2.GenerateRequest()
     req.token_ids.ids.extend(_prompt(rng, run.prompt_tokens))
-    req.sampling.max_tokens = run.max_tokens
+    req.sampling.max_tokens = max_tokens or run.max_tokens
     req.sampling.ignore_eos = True
     md = (("authorization", f"Bearer {key}"),) if key else None
     out = Outcome(tenant, time.monotonic())
@@ -119,16 +128,28 @@ class ProcStats:
         return 0
 
 
-async def burst(stub, run: Run, n: int, router: ProcStats) -> dict:
+async def burst(stub, run: Run, n: int, router: ProcStats, fill: bool = False) -> dict:
+    """``n`` requests at once (into a fleet filled to its limits first, with ``fill``)."""
     rng = random.Random(1)
+    fillers: list[asyncio.Task] = []
+    if fill:  # long requests until the fleet refuses: every replica at its limit
+        while True:
+            fillers.append(asyncio.create_task(send(stub, run, rng, max_tokens=400)))
+            await asyncio.sleep(0.002)
+            if fillers[-1].done() and fillers[-1].result().code == "RESOURCE_EXHAUSTED":
+                break
+        await asyncio.sleep(1.0)
     cpu0 = router.cpu_s()
     outs = await asyncio.gather(*(send(stub, run, rng) for _ in range(n)))
     s = summarize(list(outs))
     s["router_cpu_per_request_ms"] = (router.cpu_s() - cpu0) / n * 1e3
+    for t in fillers:
+        t.cancel()
+    await asyncio.gather(*fillers, return_exceptions=True)
     return s
 
 
-async def capacity(stub, run: Run, seconds: float) -> float:
+async def capacity(stub, run: Run, seconds: float, key: Optional[str] = None) -> float:
     """Completions per second with ``replicas × max_num_seqs`` closed-loop clients."""
     rng = random.Random(2)
     stop_at = time.monotonic() + seconds
@@ -136,7 +157,7 @@ async def capacity(stub, run: Run, seconds: float) -> float:
 
     async def client() -> None:
         while time.monotonic() < stop_at:
-            done.append(await send(stub, run, rng))
+            done.append(await send(stub, run, rng, key=key))
 
     await asyncio.gather(*(client() for _ in range(run.replicas * run.max_num_seqs)))
     ok = [o for o in done if o.code == "OK" and o.end >= stop_at - seconds / 2]
@@ -182,7 +203,8 @@ def start_cluster(run: Run, redis_url: str, api_keys_file: Optional[str]):
         model_name=name, model_dir=str(model_dir), replicas=run.replicas, block_size=16,
         num_blocks=run.num_blocks, port=0, redis_url=redis_url, namespace="bench-overload:",
         replica_num_cpus=0, api_keys_file=api_keys_file,
-        scheduler=SchedulerConfig(max_num_seqs=run.max_num_seqs, max_num_batched_tokens=512),
+        scheduler=SchedulerConfig(max_num_seqs=run.max_num_seqs, max_num_batched_tokens=512,
+                                  tenant_share=run.tenant_share),
         executor="cost-model", cost_model=MEASURED.scaled(run.scale), router_args=run.router_args)
     cluster = LocalCluster(cfg)
     cluster.start()
@@ -204,16 +226,21 @@ async def drive(a: argparse.Namespace, run: Run, cluster) -> dict:
         stub = router_pb2_grpc.RouterStub(ch)
         await send(stub, run, random.Random(0))  # warm-up
         if a.cmd == "burst":
-            return await burst(stub, run, a.requests, router)
-        cap = await capacity(stub, run, a.capacity_s)
+            return await burst(stub, run, a.requests, router, a.fill)
+        key = "key-flood" if a.cmd == "fair" else None
+        cap = await capacity(stub, run, a.capacity_s, key)
         print(f"capacity {cap:.1f} req/s", flush=True)
-        tenants = None
-        if a.cmd == "fair":
-            tenants = {"flood": (a.factor * cap, "key-flood"),
-                       "steady": (a.steady_share * cap, "key-steady")}
-        s = await open_loop(stub, run, a.factor * cap, a.duration_s, router, tenants)
-        s["capacity_per_s"] = cap
-        return s
+        if a.cmd == "open":
+            s = await open_loop(stub, run, a.factor * cap, a.duration_s, router)
+            s["capacity_per_s"] = cap
+            return s
+        steady = {"steady": (a.steady_share * cap, "key-steady")}
+        alone = await open_loop(stub, run, 0, a.duration_s, router, steady)
+        await asyncio.sleep(2.0)  # the fleet drains
+        both = await open_loop(stub, run, 0, a.duration_s, router,
+                               {"flood": (a.factor * cap, "key-flood"), **steady})
+        return {"capacity_per_s": cap, "steady_alone": alone["per_tenant"]["steady"],
+                "with_flood": both}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -222,10 +249,14 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("burst", help="N requests at the same instant")
     b.add_argument("--requests", type=int, default=1500)
+    b.add_argument("--fill", action="store_true",
+                   help="fill every replica to its limit first: every burst request is refused")
     o = sub.add_parser("open", help="open-loop Poisson arrivals at factor × capacity")
     f = sub.add_parser("fair", help="tenant 'flood' at factor × capacity, 'steady' within its share")
     f.add_argument("--steady-share", type=float, default=0.2,
                    help="tenant steady's rate as a fraction of capacity")
+    f.add_argument("--tenant-share", type=float, default=0.5,
+                   help="replicas' tenant_share and the key file's default_tenant_share")
     for q in (o, f):
         q.add_argument("--factor", type=float, default=10.0)
         q.add_argument("--duration-s", type=float, default=30.0)
@@ -237,7 +268,9 @@ def main(argv: list[str] | None = None) -> int:
         q.add_argument("--router-arg", action="append", default=[], dest="router_args")
     a = p.parse_args(argv)
     keys = {"key-flood": "flood", "key-steady": "steady"} if a.cmd == "fair" else {}
-    run = Run(replicas=a.replicas, scale=a.scale, router_args=tuple(a.router_args), api_keys=keys)
+    share = a.tenant_share if a.cmd == "fair" else 1.0
+    run = Run(replicas=a.replicas, scale=a.scale, router_args=tuple(a.router_args), api_keys=keys,
+              tenant_share=share)
     from kvfleet.deploy.launcher import init_ray, shutdown_ray
     from kvfleet.deploy.redis_server import start_redis
 
@@ -245,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     keys_file = None
     if keys:
         keys_file = RESULTS / "overload-keys.json"
-        keys_file.write_text(json.dumps(keys))
+        keys_file.write_text(json.dumps({"keys": keys, "default_tenant_share": share}))
     redis = start_redis()
     init_ray(num_cpus=2)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
