@@ -204,7 +204,9 @@ def start_cluster(run: Run, redis_url: str, api_keys_file: Optional[str]):
         num_blocks=run.num_blocks, port=0, redis_url=redis_url, namespace="bench-overload:",
         replica_num_cpus=0, api_keys_file=api_keys_file,
         scheduler=SchedulerConfig(max_num_seqs=run.max_num_seqs, max_num_batched_tokens=512,
-                                  tenant_share=run.tenant_share),
+                                  # only when set: a checkout before tenant shares runs too (A/B)
+                                  **({"tenant_share": run.tenant_share}
+                                     if run.tenant_share != 1.0 else {})),
         executor="cost-model", cost_model=MEASURED.scaled(run.scale), router_args=run.router_args)
     cluster = LocalCluster(cfg)
     cluster.start()
