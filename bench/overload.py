@@ -133,11 +133,9 @@ async def burst(stub, run: Run, n: int, router: ProcStats, fill: bool = False) -
     rng = random.Random(1)
     fillers: list[asyncio.Task] = []
     if fill:  # long requests until the fleet refuses: every replica at its limit
-        while True:
+        while not any(t.done() and t.result().code == "RESOURCE_EXHAUSTED" for t in fillers):
             fillers.append(asyncio.create_task(send(stub, run, rng, max_tokens=400)))
             await asyncio.sleep(0.002)
-            if fillers[-1].done() and fillers[-1].result().code == "RESOURCE_EXHAUSTED":
-                break
         await asyncio.sleep(1.0)
     cpu0 = router.cpu_s()
     outs = await asyncio.gather(*(send(stub, run, rng) for _ in range(n)))
