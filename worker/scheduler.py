@@ -13,7 +13,9 @@ sequences (FCFS, fair among tenants: see below) with chunked prefill filling the
 
 Among tenants the waiting queue is fair: the next sequence admitted is the oldest waiting one
 of the tenant with the fewest running sequences (FCFS within a tenant and among equals), so a
-tenant that floods the queue does not hold another tenant's requests behind its own.
+tenant that floods the queue does not hold another tenant's requests behind its own. With
+``tenant_share`` below 1 a tenant also runs at most that share of ``max_num_seqs`` sequences
+(one with nothing running may always start one request).
 
 Parallel sampling (``n > 1``): only sample 0 (the *leader*) is queued; its siblings wait
 beside it. When the leader's prompt is fully computed they fork its block table (one more
@@ -54,8 +56,8 @@ class SchedulerConfig:
     max_waiting: int = 256
     policy: str = "watermark"
     watermark: float = 0.01
-    # Fraction of max_sequences one tenant may hold on this replica (1.0: no per-tenant cap);
-    # below 1.0 a flooding tenant is refused on arrival while others still find room.
+    # Fraction of max_sequences (waiting + running, refused on arrival past it) and of
+    # max_num_seqs (running) one tenant may hold on this replica (1.0: no per-tenant cap).
     tenant_share: float = 1.0
 
     def __post_init__(self) -> None:
@@ -109,6 +111,9 @@ class Scheduler:
         # leader seq_id -> siblings waiting for its prompt to be computed (n > 1)
         self.pending_forks: dict[str, list[Sequence]] = {}
         self._watermark_blocks = int(config.watermark * kv.num_total_blocks)
+        # Running slots one tenant may hold (tenant_share < 1 keeps the rest for the others,
+        # so a newly arrived tenant starts at the next step, not when a flood's requests end).
+        self._tenant_seats = max(1, int(config.max_num_seqs * config.tenant_share))
 
     # ---- admission -------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
@@ -215,6 +220,9 @@ class Scheduler:
             group = 1 + len(self.pending_forks.get(seq.seq_id, ()))
             if seats + group > self.config.max_num_seqs:
                 break
+            held = running_by_tenant[seq.tenant]  # the fewest of any waiting tenant
+            if held and held + group > self._tenant_seats:
+                break  # every waiting tenant holds its share of the running slots
             computed = self.kv.get_computed_blocks(seq.block_hashes, seq.num_tokens)
             num_cached = len(computed) * self.kv.block_size
             n = min(seq.num_tokens - num_cached, budget)

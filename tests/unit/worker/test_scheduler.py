@@ -149,6 +149,18 @@ def test_waiting_is_fair_among_tenants_and_fcfs_within_one():
     assert list(s.waiting) == flood[2:]
 
 
+def test_a_tenant_share_keeps_running_slots_for_other_tenants():
+    s = make(n_blocks=64, max_num_seqs=4, tenant_share=0.5)
+    flood = [tenant_seq("acme") for _ in range(6)]
+    s.add(flood)
+    run_step(s)
+    assert [x.seq_id for x in s.running] == [f.seq_id for f in flood[:2]]  # 2 of 4 slots
+    late = tenant_seq("globex")
+    s.add([late])
+    run_step(s)
+    assert late in s.running and len(s.running) == 3  # admitted at the next step
+
+
 def test_finish_returns_every_block():
     s = make(n_blocks=8)
     seqs = [seq(5) for _ in range(3)]
