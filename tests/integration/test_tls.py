@@ -116,3 +116,32 @@ async def test_api_keys_are_reloaded_without_a_restart(fleet, tmp_path):
     finally:
         await old.close()
         await new.close()
+
+
+def test_kvfleet_up_serves_tls_outside_and_mutual_tls_inside(ray_session, redis_server,
+                                                            tiny_llama_dir, client_port_cert,
+                                                            tmp_path):
+    from dataclasses import replace
+
+    from kvfleet.client import Client
+    from kvfleet.deploy.cli import build_parser, cluster_config
+    from kvfleet.deploy.launcher import LocalCluster
+
+    ca, cert, key = client_port_cert
+    internal = tmp_path / "internal"  # empty: kvfleet up generates the cluster CA there
+    args = build_parser().parse_args(
+        ["up", "--model", str(tiny_llama_dir), "--executor", "cost-model", "--replicas", "1",
+         "--cost-model-scale", "0.001", "--num-blocks", "64", "--port", "0",
+         "--redis-url", redis_server.url, "--tls-cert", cert, "--tls-key", key,
+         "--internal-tls-dir", str(internal)])
+    cluster = LocalCluster(replace(cluster_config(args), namespace="kvtest-tls:",
+                                   replica_num_cpus=0))
+    try:
+        cluster.start()
+        assert sorted(p.name for p in internal.iterdir()) == sorted(
+            ["ca.pem", "worker.pem", "worker.key", "router.pem", "router.key"])
+        with Client(cluster.router_address, tls_ca=ca) as client:
+            chunks = list(client.stream("Once upon a time", max_tokens=3, ignore_eos=True))
+        assert chunks[-1].completion_tokens == 3
+    finally:
+        cluster.stop()
