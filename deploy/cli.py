@@ -59,6 +59,14 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
                         "measured on SmolLM2 by bench/calibrate.py)")
     p.add_argument("--cost-model-scale", type=float, default=1.0,
                    help="multiply the cost model's step times (e.g. 0.05 = 20x faster)")
+    p.add_argument("--tls-cert", help="PEM certificate: serve the router's client port over TLS")
+    p.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    p.add_argument("--internal-tls-dir",
+                   help="mutual TLS between router and workers with this directory's cluster "
+                        "CA (generated there when empty)")
+    p.add_argument("--tenant-share", type=float, default=1.0,
+                   help="fraction of a replica's running + waiting slots one tenant may hold "
+                        "(default 1: no per-tenant cap)")
 
 
 def _non_empty(flag: str):
@@ -108,7 +116,8 @@ def cluster_config(args: argparse.Namespace):
         ray_address=args.ray_address, api_keys_file=args.api_keys,
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
-                                  policy=args.admission),
+                                  policy=args.admission, tenant_share=args.tenant_share),
+        tls_cert=args.tls_cert, tls_key=args.tls_key, internal_tls_dir=args.internal_tls_dir,
         executor=args.executor, cost_model=cost if args.executor == "cost-model" else None,
         tensor_parallel_size=args.tensor_parallel_size, device=args.device,
         telemetry=TelemetryConfig.from_env(os.environ), metrics_port=args.metrics_port,
@@ -152,7 +161,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         kwargs["prompt"] = args.prompt
     else:
         kwargs["messages"] = [{"role": "user", "content": args.prompt}]
-    client = Client(args.router, api_key=args.api_key)
+    client = Client(args.router, api_key=args.api_key, tls_ca=args.tls_ca)
     stream = client.stream(timeout=args.timeout, **kwargs)
     last = None
     try:
@@ -213,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", default="")
     gen.add_argument("--router", default=DEFAULT_ROUTER)
     gen.add_argument("--api-key")
+    gen.add_argument("--tls-ca", help="PEM CA certificate: connect over TLS, trusting it")
     gen.add_argument("--timeout", type=_positive_seconds, help="deadline in seconds (> 0)")
     gen.add_argument("--raw", action="store_true", help="send the prompt as plain text, no chat template")
     gen.set_defaults(func=cmd_generate)

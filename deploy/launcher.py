@@ -25,6 +25,8 @@ from typing import Optional, TextIO
 from kvfleet.deploy.redis_server import RedisServer, start_redis
 from kvfleet.index_keys import DEFAULT_NAMESPACE
 from kvfleet.telemetry import TelemetryConfig
+from kvfleet.tls import FILES as TLS_FILES
+from kvfleet.tls import generate_internal_tls
 from kvfleet.worker.cost_model import CostModel
 from kvfleet.worker.parallel.group import TPSettings, wait_placed
 from kvfleet.worker.replica import EXECUTORS, ReplicaConfig
@@ -79,6 +81,11 @@ class ClusterConfig:
     tensor_parallel_size: int = 1
     tp: TPSettings = field(default_factory=TPSettings)
     device: str = "cpu"
+    tls_cert: Optional[str] = None  # PEM files: the router's client port over TLS
+    tls_key: Optional[str] = None
+    # Mutual TLS router <-> workers with this directory's cluster CA (kvfleet.tls); generated
+    # there when it holds no certificates yet.
+    internal_tls_dir: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -89,6 +96,8 @@ class ClusterConfig:
             raise ValueError("--tp > 1 needs --executor model")
         if self.executor not in EXECUTORS:
             raise ValueError(f"--executor must be one of {EXECUTORS}, got {self.executor!r}")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("--tls-cert and --tls-key go together")
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -178,6 +187,9 @@ class LocalCluster:
         self._started_ray = not ray.is_initialized() and not cfg.ray_address
         # A console exporter prints the replicas' spans on their stdout: show them here.
         init_ray(cfg.ray_address, cfg.ray_num_cpus, log_to_driver=cfg.telemetry.exports_to_stdout)
+        if cfg.internal_tls_dir and not all(
+                os.path.exists(os.path.join(cfg.internal_tls_dir, f)) for f in TLS_FILES):
+            generate_internal_tls(cfg.internal_tls_dir)
         cpus = float(ray.available_resources().get("CPU", 1.0))
         per_replica = max(0.1, min(1.0, cpus / cfg.replicas))
         if cfg.replica_num_cpus is not None:
@@ -192,8 +204,8 @@ class LocalCluster:
             redis_url=self.redis_url, namespace=cfg.namespace, num_threads=threads,
             telemetry=replace(cfg.telemetry, metrics_port=self._metrics_port(1 + i)),
             executor=cfg.executor, cost_model=cfg.cost_model,
-            tensor_parallel_size=cfg.tensor_parallel_size, tp=cfg.tp, device=cfg.device)
-            for i in range(cfg.replicas)]
+            tensor_parallel_size=cfg.tensor_parallel_size, tp=cfg.tp, device=cfg.device,
+            internal_tls_dir=cfg.internal_tls_dir) for i in range(cfg.replicas)]
         if cfg.executor == "cost-model":
             self._start_hosts(rcfgs, per_replica, timeout_s)
         else:
@@ -257,6 +269,10 @@ class LocalCluster:
                "--namespace", cfg.namespace]
         if cfg.api_keys_file:
             cmd += ["--api-keys", cfg.api_keys_file]
+        if cfg.tls_cert:
+            cmd += ["--tls-cert", cfg.tls_cert, "--tls-key", cfg.tls_key or ""]
+        if cfg.internal_tls_dir:
+            cmd += ["--internal-tls-dir", cfg.internal_tls_dir]
         cmd += list(cfg.router_args)
         if cfg.metrics_port is not None:
             port = self._metrics_port(0) or free_port(cfg.host)

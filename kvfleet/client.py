@@ -23,6 +23,7 @@ import grpc
 
 from kvfleet.telemetry.client_spans import ClientTelemetry, RequestStats
 from kvfleet.telemetry.provider import Telemetry
+from kvfleet.tls import client_credentials
 from kvfleet.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 _FINISH = {common_pb2.STOP: "stop", common_pb2.LENGTH: "length"}
@@ -105,12 +106,25 @@ def _metadata(api_key: Optional[str]):
     return (("authorization", f"Bearer {api_key}"),) if api_key else None
 
 
+def _credentials(tls_ca: Optional[str], credentials: Optional[grpc.ChannelCredentials]):
+    """The channel's TLS credentials: given ones, else trust ``tls_ca`` (PEM file); None =
+    plaintext."""
+    return credentials or (client_credentials(tls_ca) if tls_ca else None)
+
+
 class Client:
-    """Blocking client. ``timeout`` (seconds) becomes the request's gRPC deadline."""
+    """Blocking client. ``timeout`` (seconds) becomes the request's gRPC deadline.
+
+    TLS: ``tls_ca`` (a PEM file with the CA that signed the router's certificate) or
+    ``credentials`` (any :class:`grpc.ChannelCredentials`); neither = plaintext.
+    """
 
     def __init__(self, address: str = "127.0.0.1:50051", api_key: Optional[str] = None,
-                 telemetry: Optional[Telemetry] = None) -> None:
-        self._channel = grpc.insecure_channel(address)
+                 telemetry: Optional[Telemetry] = None, tls_ca: Optional[str] = None,
+                 credentials: Optional[grpc.ChannelCredentials] = None) -> None:
+        creds = _credentials(tls_ca, credentials)
+        self._channel = (grpc.secure_channel(address, creds) if creds
+                         else grpc.insecure_channel(address))
         self._stub = router_pb2_grpc.RouterStub(self._channel)
         self._metadata = _metadata(api_key)
         self._telemetry = ClientTelemetry(telemetry)  # client.Generate spans, client TTFT
@@ -163,8 +177,11 @@ class AsyncClient:
     """asyncio client with the same arguments as :class:`Client`."""
 
     def __init__(self, address: str = "127.0.0.1:50051", api_key: Optional[str] = None,
-                 telemetry: Optional[Telemetry] = None) -> None:
-        self._channel = grpc.aio.insecure_channel(address)
+                 telemetry: Optional[Telemetry] = None, tls_ca: Optional[str] = None,
+                 credentials: Optional[grpc.ChannelCredentials] = None) -> None:
+        creds = _credentials(tls_ca, credentials)
+        self._channel = (grpc.aio.secure_channel(address, creds) if creds
+                         else grpc.aio.insecure_channel(address))
         self._stub = router_pb2_grpc.RouterStub(self._channel)
         self._metadata = _metadata(api_key)
         self._telemetry = ClientTelemetry(telemetry)

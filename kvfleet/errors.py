@@ -42,6 +42,12 @@ class ResourceExhausted(KvfleetError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+class AlreadyExists(KvfleetError):
+    """A request with this ``request_id`` is still live (for the same tenant)."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
 class Unavailable(KvfleetError):
     """No live replica can serve the request."""
 

@@ -71,13 +71,18 @@ LOAD_FIELDS = ("running", "waiting", "num_free_blocks", "num_total_blocks", "upd
 
 @dataclass(frozen=True)
 class ReplicaInfo:
-    """A worker replica as the registry knows it; ``epoch`` is assigned by ``register()``."""
+    """A worker replica as the registry knows it; ``epoch`` is assigned by ``register()``.
+
+    ``max_requests``: sequences the replica holds at most (running + waiting), past which it
+    refuses, so routers refuse before dispatching; 0 = not advertised.
+    """
 
     replica_id: str
     address: str
     model: str
     epoch: int
     block_size: int
+    max_requests: int = 0
     tensor_parallel_size: int = 1
     # One dict per rank, rank 0 first: the fields of kvfleet.v1.RankStatus.
     ranks: tuple[dict, ...] = ()
@@ -86,7 +91,8 @@ class ReplicaInfo:
         """Registry value; ``started_at`` is unix seconds."""
         return json.dumps(
             {"address": self.address, "model": self.model, "epoch": self.epoch,
-             "block_size": self.block_size, "started_at": started_at,
+             "block_size": self.block_size, "max_requests": self.max_requests,
+             "started_at": started_at,
              "tensor_parallel_size": self.tensor_parallel_size, "ranks": list(self.ranks)},
             separators=(",", ":"),
         )
@@ -96,6 +102,7 @@ class ReplicaInfo:
         d = json.loads(raw)
         return cls(replica_id=replica_id, address=str(d["address"]), model=str(d["model"]),
                    epoch=int(d["epoch"]), block_size=int(d["block_size"]),
+                   max_requests=int(d.get("max_requests", 0)),
                    tensor_parallel_size=int(d.get("tensor_parallel_size", 1)),
                    ranks=tuple(dict(r) for r in d.get("ranks", ())))
 

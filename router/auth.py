@@ -7,11 +7,16 @@ field. The key file is JSON, either a flat ``{"<api key>": "<tenant>", ...}`` or
     {"keys": {"<api key>": "<tenant>", ...},
      "shared_namespaces": {"<name>": ["<tenant>", "<tenant>", ...], ...}}
 
+The object form may also hold per-tenant limits on in-flight requests (per router):
+``"tenant_limits": {"<tenant>": <requests>, ...}`` and ``"default_tenant_share": <fraction>``,
+the fraction of the fleet's advertised capacity any other tenant may hold (default 1.0).
+
 Tenants never share KV blocks (prefix reuse across tenants is a timing side channel) unless the
 operator lists them in one shared namespace. The *cache scope* is what the block-hash root is
 keyed by (``root = H(identity, scope, cache_salt)``) and what the router sends the worker as
 ``tenant``: the tenant's own name, or ``@<name>`` for a member of shared namespace ``<name>``.
-Tenant names may not start with ``@``, so no tenant can collide with a shared scope.
+Tenant names may not start with ``@``, so no tenant can collide with a shared scope, nor hold a
+``/`` (request ids reach workers as ``<tenant>/<request_id>``).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Optional, Sequence
 from kvfleet.errors import Unauthenticated
 
 DEFAULT_TENANT = "default"
+_OBJECT_FIELDS = {"keys", "shared_namespaces", "tenant_limits", "default_tenant_share"}
 SHARED_SCOPE_PREFIX = "@"
 
 
@@ -35,9 +41,17 @@ class Authenticator:
     """
 
     def __init__(self, keys: Optional[dict[str, str]] = None,
-                 shared_namespaces: Optional[dict[str, Sequence[str]]] = None) -> None:
+                 shared_namespaces: Optional[dict[str, Sequence[str]]] = None,
+                 tenant_limits: Optional[dict[str, int]] = None,
+                 default_tenant_share: float = 1.0) -> None:
         self._keys = dict(keys or {})
         self._scope: dict[str, str] = {}
+        self.tenant_limits = dict(tenant_limits or {})
+        self.default_tenant_share = default_tenant_share
+        if not all(isinstance(v, int) and v > 0 for v in self.tenant_limits.values()):
+            raise ValueError("tenant_limits must map tenants to request counts > 0")
+        if not (isinstance(default_tenant_share, (int, float)) and 0 < default_tenant_share <= 1):
+            raise ValueError(f"default_tenant_share must be in (0, 1], got {default_tenant_share!r}")
         for tenant in self._keys.values():
             _check_name(tenant, "tenant")
         for name, members in (shared_namespaces or {}).items():
@@ -56,10 +70,14 @@ class Authenticator:
             return cls()
         data = json.loads(Path(path).read_text())
         shared: dict = {}
+        limits: dict = {}
+        share = 1.0
         if isinstance(data, dict) and isinstance(data.get("keys"), dict):
             keys, shared = data["keys"], data.get("shared_namespaces") or {}
-            if set(data) - {"keys", "shared_namespaces"}:
-                raise ValueError(f"{path}: unknown fields {sorted(set(data) - {'keys', 'shared_namespaces'})}")
+            limits = data.get("tenant_limits") or {}
+            share = data.get("default_tenant_share", 1.0)
+            if set(data) - _OBJECT_FIELDS:
+                raise ValueError(f"{path}: unknown fields {sorted(set(data) - _OBJECT_FIELDS)}")
         else:
             keys = data
         if not isinstance(keys, dict) or not all(isinstance(k, str) and isinstance(v, str)
@@ -69,7 +87,7 @@ class Authenticator:
                 isinstance(v, list) and all(isinstance(t, str) for t in v) for v in shared.values()):
             raise ValueError(f"{path}: shared_namespaces must map names to lists of tenants")
         try:
-            return cls(keys, shared)
+            return cls(keys, shared, limits, share)
         except ValueError as exc:
             raise ValueError(f"{path}: {exc}") from None
 
@@ -90,12 +108,24 @@ class Authenticator:
                 return tenant
         raise Unauthenticated("unknown API key")
 
+    def tenant_limit(self, tenant: str, fleet_capacity: int) -> Optional[int]:
+        """In-flight requests ``tenant`` may hold on this router: its own limit, else the
+        default share of ``fleet_capacity`` (0 = unknown: no limit)."""
+        if tenant in self.tenant_limits:
+            return self.tenant_limits[tenant]
+        if self.default_tenant_share >= 1 or fleet_capacity <= 0:
+            return None
+        return max(1, int(self.default_tenant_share * fleet_capacity))
+
     def cache_scope(self, tenant: str) -> str:
         """The scope a tenant's KV blocks are keyed by: itself, or ``@<shared namespace>``."""
         return self._scope.get(tenant, tenant)
 
 
 def _check_name(name: str, kind: str) -> None:
-    if not isinstance(name, str) or not name or name.startswith(SHARED_SCOPE_PREFIX):
-        raise ValueError(f"{kind} name must be non-empty and not start with "
-                         f"{SHARED_SCOPE_PREFIX!r}, got {name!r}")
+    # No "/" in a tenant: the router namespaces request ids as "<tenant>/<request_id>".
+    if (not isinstance(name, str) or not name or name.startswith(SHARED_SCOPE_PREFIX)
+            or (kind == "tenant" and "/" in name)):
+        raise ValueError(f"{kind} name must be non-empty, not start with "
+                         f"{SHARED_SCOPE_PREFIX!r}{' and hold no /' if kind == 'tenant' else ''}"
+                         f", got {name!r}")

@@ -1,7 +1,7 @@
 """Router process entry point: ``python -m kvfleet.router.main --redis-url … --model …``.
 
 Prints one line ``router ready <host:port>`` on stdout once it accepts requests; stops
-cleanly on SIGINT/SIGTERM.
+cleanly on SIGINT/SIGTERM; SIGHUP re-reads the API-key file (key rotation without a restart).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import grpc
 from kvfleet.grpc_util import SERVER_OPTIONS, add_health_and_reflection, bind_port, mark_serving
 from kvfleet.index_keys import DEFAULT_NAMESPACE
 from kvfleet.router.auth import Authenticator
+from kvfleet.router.capacity import DEFAULT_RETRY_PUSHBACK_MS
 from kvfleet.router.index_mirror import MirroredPrefixIndex
 from kvfleet.router.policy import make_policy
 from kvfleet.router.prefix_index import RedisPrefixIndex
@@ -29,6 +30,7 @@ from kvfleet.router.served_model import ServedModel
 from kvfleet.router.server import RouterService
 from kvfleet.telemetry import Telemetry, TelemetryConfig
 from kvfleet.telemetry.router_spans import RouterTelemetry
+from kvfleet.tls import InternalTLS, server_credentials
 from kvfleet.v1 import router_pb2, router_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -55,6 +57,10 @@ class RouterConfig:
     # prefix_aware knobs (kvfleet.router.policy): load_penalty_blocks, max_imbalance,
     # popularity_window, kv_saturation, min_excess_load; empty = the documented defaults.
     policy_options: dict = field(default_factory=dict)
+    retry_pushback_ms: int = DEFAULT_RETRY_PUSHBACK_MS  # RESOURCE_EXHAUSTED's retry hint
+    tls_cert: Optional[str] = None  # PEM files: serve the client port over TLS
+    tls_key: Optional[str] = None
+    internal_tls_dir: Optional[str] = None  # mutual TLS to the workers (kvfleet.tls)
 
 
 class RouterServer:
@@ -81,14 +87,17 @@ class RouterServer:
             index = MirroredPrefixIndex(index, cfg.redis_url, namespace=cfg.namespace)
             index.start()
         self._server = grpc.aio.server(options=SERVER_OPTIONS)
-        port = bind_port(self._server, cfg.host, cfg.port)
+        creds = server_credentials(cfg.tls_cert, cfg.tls_key) if cfg.tls_cert else None
+        port = bind_port(self._server, cfg.host, cfg.port, creds)
         self.address = f"{cfg.host}:{port}"
-        self.replicas = ReplicaSet(index)
+        internal = InternalTLS.load(cfg.internal_tls_dir) if cfg.internal_tls_dir else None
+        self.replicas = ReplicaSet(index, credentials=internal and internal.router_credentials())
         await self.replicas.start()
         self.telemetry = Telemetry(cfg.telemetry, "router")
         self.metrics_address = self.telemetry.metrics_address
         service = RouterService({model.name: model}, model.name, self.replicas, policy, auth,
-                                telemetry=RouterTelemetry(self.telemetry))
+                                telemetry=RouterTelemetry(self.telemetry),
+                                retry_pushback_ms=cfg.retry_pushback_ms)
         self.service = service
         router_pb2_grpc.add_RouterServicer_to_server(service, self._server)
         name = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
@@ -96,6 +105,19 @@ class RouterServer:
         await self._server.start()
         await mark_serving(health, [name])
         return self.address
+
+    def reload_api_keys(self) -> bool:
+        """Re-read the API-key file (key rotation; SIGHUP): new requests use it at once. A
+        file that does not parse is logged and the previous keys stay. Returns success."""
+        if not self.cfg.api_keys_file or self.service is None:
+            return False
+        try:
+            self.service.auth = Authenticator.from_file(self.cfg.api_keys_file)
+        except (OSError, ValueError) as exc:
+            log.error("API keys not reloaded, keeping the previous ones: %s", exc)
+            return False
+        log.info("API keys reloaded from %s", self.cfg.api_keys_file)
+        return True
 
     async def stop(self, grace_s: float = 2.0) -> None:
         if self._server is not None:
@@ -134,12 +156,20 @@ def parse_args(argv: list[str]) -> RouterConfig:
     p.add_argument("--no-index-mirror", dest="index_mirror", action="store_false",
                    help="look every prompt up in Redis (one round trip per request) instead of "
                         "an in-memory mirror of the index fed by the workers' KV event log")
+    p.add_argument("--tls-cert", help="PEM certificate (chain): serve the client port over TLS")
+    p.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    p.add_argument("--internal-tls-dir",
+                   help="cluster CA + router certificate (kvfleet.tls): mutual TLS to workers")
+    p.add_argument("--retry-pushback-ms", type=int, default=DEFAULT_RETRY_PUSHBACK_MS,
+                   help="retry hint (grpc-retry-pushback-ms trailer) sent with RESOURCE_EXHAUSTED")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="stderr log level (DEBUG: one line per routing decision)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on this port (0 = a free one); OTLP export "
                         "follows the standard OTEL_* environment variables")
     a = p.parse_args(argv)
+    if bool(a.tls_cert) != bool(a.tls_key):
+        p.error("--tls-cert and --tls-key go together")
     try:
         telemetry = TelemetryConfig.from_env(os.environ, metrics_port=a.metrics_port)
     except ValueError as exc:
@@ -148,7 +178,10 @@ def parse_args(argv: list[str]) -> RouterConfig:
                         block_size=a.block_size, kv_dtype=a.kv_dtype, host=a.host, port=a.port,
                         policy=a.policy, namespace=a.namespace, api_keys_file=a.api_keys,
                         index_mirror=a.index_mirror, telemetry=telemetry,
-                        log_level=a.log_level, policy_options={
+                        log_level=a.log_level, retry_pushback_ms=a.retry_pushback_ms,
+                        tls_cert=a.tls_cert, tls_key=a.tls_key,
+                        internal_tls_dir=a.internal_tls_dir,
+                        policy_options={
                             k: v for k in ("load_penalty_blocks", "max_imbalance",
                                            "popularity_window", "min_excess_load")
                             if (v := getattr(a, k)) is not None})
@@ -172,6 +205,7 @@ async def _serve(cfg: RouterConfig) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, server.reload_api_keys)
     await stop.wait()
     await server.stop()
     return 0

@@ -19,6 +19,7 @@ from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
 from kvfleet.router.inflight import InflightLedger
 from kvfleet.router.prefix_index import IndexUnavailable, PrefixIndex
 from kvfleet.router.worker_link import WorkerLink
+from kvfleet.tls import WORKER_CHANNEL_OPTIONS
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +33,10 @@ class ReplicaSet:
     replica of the model is left out (its registry entry lives until the heartbeat TTL)."""
 
     def __init__(self, index: PrefixIndex, refresh_interval_s: float = 0.5,
-                 empty_grace_s: float = 10.0, unreachable_s: float = 10.0) -> None:
+                 empty_grace_s: float = 10.0, unreachable_s: float = 10.0,
+                 credentials: Optional[grpc.ChannelCredentials] = None) -> None:
         self.index = index
+        self.credentials = credentials  # mutual TLS to the workers (kvfleet.tls); None: plaintext
         self.refresh_interval_s = refresh_interval_s
         self.empty_grace_s = empty_grace_s
         self._last_listed = time.monotonic()  # when the registry last listed a replica
@@ -120,7 +123,11 @@ class ReplicaSet:
         if cached is None or cached[0] != info.address:
             if cached is not None:
                 asyncio.create_task(_close(*cached[1:]))
-            channel = grpc.aio.insecure_channel(info.address, options=CHANNEL_OPTIONS)
+            if self.credentials is None:
+                channel = grpc.aio.insecure_channel(info.address, options=CHANNEL_OPTIONS)
+            else:
+                channel = grpc.aio.secure_channel(info.address, self.credentials,
+                                                  options=CHANNEL_OPTIONS + WORKER_CHANNEL_OPTIONS)
             cached = (info.address, channel, WorkerLink(channel, info.address))
             self._channels[info.replica_id] = cached
         return cached[2]

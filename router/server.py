@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import time
@@ -9,10 +10,14 @@ import uuid
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import grpc
+
 from kvfleet.allocator.hashing import block_hash_chain
-from kvfleet.errors import (InvalidArgument, KvfleetError, NotFound, OutOfRange, Unavailable,
-                            status_of)
+from kvfleet.errors import (AlreadyExists, InvalidArgument, KvfleetError, NotFound, OutOfRange,
+                            Unavailable, status_of)
 from kvfleet.router.auth import Authenticator
+from kvfleet.router.capacity import (DEFAULT_RETRY_PUSHBACK_MS, RETRY_PUSHBACK_KEY, check_room,
+                                     check_tenant, fleet_capacity, with_room)
 from kvfleet.router.policy import Candidate, RoutingPolicy
 from kvfleet.router.prefix_index import IndexUnavailable
 from kvfleet.router.replica_set import ReplicaSet
@@ -40,13 +45,17 @@ class RouteDecision:
 class RouterService(router_pb2_grpc.RouterServicer):
     def __init__(self, models: dict[str, ServedModel], default_model: str, replicas: ReplicaSet,
                  policy: RoutingPolicy, auth: Authenticator,
-                 telemetry: Optional[RouterTelemetry] = None) -> None:
+                 telemetry: Optional[RouterTelemetry] = None,
+                 retry_pushback_ms: int = DEFAULT_RETRY_PUSHBACK_MS) -> None:
         self.models = models
         self.default_model = default_model
         self.replicas = replicas
         self.policy = policy
         self.auth = auth
         self.telemetry = telemetry or RouterTelemetry()  # spans + metrics (no-op by default)
+        self.retry_pushback_ms = retry_pushback_ms  # RESOURCE_EXHAUSTED's retry hint
+        self._live_ids: set[tuple[str, str]] = set()  # (tenant, client request_id) in flight
+        self.tenant_inflight: collections.Counter[str] = collections.Counter()
 
     # ---- helpers -------------------------------------------------------------------------
     def _model(self, name: str) -> ServedModel:
@@ -80,11 +89,39 @@ class RouterService(router_pb2_grpc.RouterServicer):
             raise InvalidArgument(f"messages exceed {MAX_PROMPT_BYTES} bytes of content")
         return model.encode_messages(msgs)
 
+    def _candidates(self, model: str, matched: Optional[dict[str, int]] = None) -> list[Candidate]:
+        """Every live replica of ``model`` with its load. Raises Unavailable if none is live."""
+        live = self.replicas.for_model(model)
+        if not live:
+            raise Unavailable(f"no live replica serves model {model!r}")
+        ledger, matched = self.replicas.ledger, matched or {}
+        return [Candidate(info, load, matched.get(info.replica_id, 0),
+                          ledger.inflight[info.replica_id], ledger.settled(info.replica_id))
+                for info, load in live]
+
+    def _claim_id(self, tenant: str, client_id: str) -> tuple[str, str]:
+        """(the client's id or a new one, the id the worker sees: that one namespaced by
+        tenant, so two tenants may both use "req-1"). Raises AlreadyExists for an id live for
+        the same tenant on this router; a claimed id is released by :meth:`_generate`."""
+        if not client_id:
+            client_id = uuid.uuid4().hex
+        elif (tenant, client_id) in self._live_ids:
+            raise AlreadyExists(f"request_id {client_id!r} is already live for this tenant")
+        else:
+            self._live_ids.add((tenant, client_id))
+        return client_id, f"{tenant}/{client_id}"
+
+    async def _abort(self, context, trace, code, details: str) -> None:
+        """End the call with ``code``; a refusal carries gRPC's retry hint."""
+        trace.fail(code, details)
+        trailers = ()
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            trailers = ((RETRY_PUSHBACK_KEY, str(self.retry_pushback_ms)),)
+        await context.abort(code, details, trailers)
+
     async def route(self, model: ServedModel, chain: list[bytes]) -> RouteDecision:
         """Pick a replica for a chain of block hashes. Raises Unavailable if none is live."""
-        live = self.replicas.for_model(model.name)
-        if not live:
-            raise Unavailable(f"no live replica serves model {model.name!r}")
+        self._candidates(model.name)  # Unavailable before any lookup
         matched: dict[str, int] = {}
         t0 = time.perf_counter()
         index_used, source = False, ""
@@ -99,11 +136,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
             except IndexUnavailable as exc:
                 self.replicas.mark_index_down(exc)
         redis_s = time.perf_counter() - t0
-        ledger = self.replicas.ledger
-        candidates = [Candidate(info, load, matched.get(info.replica_id, 0),
-                                ledger.inflight[info.replica_id], ledger.settled(info.replica_id))
-                      for info, load in live]
-        return RouteDecision(self.policy.choose(candidates, chain), len(chain), redis_s,
+        candidates = self._candidates(model.name, matched)
+        return RouteDecision(self.policy.choose(with_room(candidates), chain), len(chain), redis_s,
                              index_used, source if index_used else "", tuple(candidates))
 
     # ---- RPCs ------------------------------------------------------------------------------
@@ -118,6 +152,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
         try:
             tenant = self.auth.tenant(metadata)
             model = self._model(request.model)
+            candidates = self._candidates(model.name)
+            limit = self.auth.tenant_limit(tenant, fleet_capacity(candidates))
+            check_tenant(tenant, self.tenant_inflight[tenant], limit)  # before tokenizing: cheap
+            check_room(candidates, model.name)
             if request.adapter:
                 raise NotFound(f"adapter {request.adapter!r} is not loaded")
             params = SamplingParams.from_proto(request.sampling).check_vocab(model.vocab_size)
@@ -136,11 +174,24 @@ class RouterService(router_pb2_grpc.RouterServicer):
                                      model.block_size)
             decision = await self.route(model, chain)
             trace.routed(route_start, decision, self.policy.name)
+            client_id, request_id = self._claim_id(tenant, request.request_id)  # last: released below
         except KvfleetError as exc:
-            trace.fail(*status_of(exc))
-            await context.abort(*status_of(exc))
+            await self._abort(context, trace, *status_of(exc))
             return
-        request_id = request.request_id or uuid.uuid4().hex
+        self.tenant_inflight[tenant] += 1
+        try:
+            async for msg in self._dispatch(request, context, trace, model, chain, decision,
+                                            (client_id, request_id), params, tokens, scope):
+                yield msg
+        finally:
+            self._live_ids.discard((tenant, request.request_id))
+            self.tenant_inflight[tenant] -= 1
+
+    async def _dispatch(self, request, context, trace, model, chain, decision, ids,
+                        params, tokens, scope):
+        """Relay the chosen replica's stream (once more elsewhere if the link failed first).
+        ``ids``: (the client's request id, the worker's)."""
+        client_id, request_id = ids
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.time() + remaining
         for attempt in (1, 2):
@@ -158,6 +209,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             try:
                 async for msg in call:
                     relayed = True
+                    msg.request_id = client_id  # the worker's carries the tenant
                     if msg.finish_reason:
                         trace.on_final(msg)
                     yield msg
@@ -175,8 +227,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                             trace.dispatch_failed(exc.code, exc.details)
                             decision = retry
                             continue
-                trace.fail(exc.code, exc.details or "worker stream failed")
-                await context.abort(exc.code, exc.details or "worker stream failed")
+                await self._abort(context, trace, exc.code, exc.details or "worker stream failed")
             finally:
                 self.replicas.ledger.finished(info.replica_id, dispatched_at)
                 call.cancel()  # no-op when finished; aborts the worker's call if the client left

@@ -16,7 +16,7 @@ import tokenizers
 
 from kvfleet.allocator.hashing import root_hash
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
-from kvfleet.errors import InvalidArgument, OutOfRange
+from kvfleet.errors import AlreadyExists, InvalidArgument, OutOfRange
 from kvfleet.sampling_params import SamplingParams
 from kvfleet.worker.detokenizer import IncrementalDetokenizer
 from kvfleet.worker.outputs import Milestones, SeqOutput, Timing, TokenLogprobs, Usage
@@ -84,7 +84,12 @@ class Engine:
 
     # ---- requests in ---------------------------------------------------------------------
     def validate(self, req: EngineRequest) -> None:
-        """Check what the worker alone can check. Raises InvalidArgument / OutOfRange."""
+        """Check what the worker alone can check.
+
+        Raises:
+            InvalidArgument / OutOfRange: a malformed request.
+            AlreadyExists: a request with this id is still live on this replica.
+        """
         if not req.prompt_token_ids:
             raise InvalidArgument("prompt_token_ids must not be empty")
         bad = [t for t in req.prompt_token_ids if not 0 <= t < self.vocab_size]
@@ -99,7 +104,7 @@ class Engine:
                 f"{self.max_model_len} tokens")
         req.params.check_vocab(self.vocab_size)
         if req.request_id in self._seqs:
-            raise InvalidArgument(f"request_id {req.request_id!r} is already running")
+            raise AlreadyExists(f"request_id {req.request_id!r} is already running")
 
     def add_request(self, req: EngineRequest) -> None:
         """Validate and queue all ``n`` samples. Raises a KvfleetError on refusal."""
@@ -110,7 +115,7 @@ class Engine:
             Sequence(seq_id=f"{req.request_id}#{i}", request_id=req.request_id, index=i,
                      prompt_token_ids=list(req.prompt_token_ids), params=req.params,
                      root_hash=root, block_size=self.kv.block_size, arrival_seq=arrival,
-                     deadline=req.deadline)
+                     deadline=req.deadline, tenant=req.tenant)
             for i in range(req.params.n)
         ]
         self.scheduler.add(seqs)

@@ -40,6 +40,7 @@ from kvfleet.worker.scheduler import SchedulerConfig
 from kvfleet.worker.server import WorkerService
 from kvfleet.telemetry import Telemetry, TelemetryConfig
 from kvfleet.telemetry.worker_spans import WorkerTelemetry
+from kvfleet.tls import InternalTLS
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,9 @@ class ReplicaConfig:
     tensor_parallel_size: int = 1
     tp: TPSettings = field(default_factory=TPSettings)
     device: str = "cpu"  # "cuda": one GPU per rank (NCCL), as Ray assigns them
+    # Mutual TLS: serve with the cluster's worker certificate and require a client certificate
+    # signed by its CA (kvfleet.tls); None = plaintext.
+    internal_tls_dir: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -161,18 +165,22 @@ class ReplicaServer:
         self.publisher: Optional[KvPublisher] = None
         self._server: Optional[grpc.aio.Server] = None
         self._loop: Optional[EngineLoop] = None
+        self.service: Optional[WorkerService] = None
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> str:
         """Start serving; returns ``host:port``. Raises OSError if the port is taken."""
         aio_loop = self._aio_loop = asyncio.get_running_loop()
         self._server = grpc.aio.server(options=SERVER_OPTIONS)
-        port = bind_port(self._server, self.cfg.host, self.cfg.port)
+        creds = (InternalTLS.load(self.cfg.internal_tls_dir).worker_credentials()
+                 if self.cfg.internal_tls_dir else None)
+        port = bind_port(self._server, self.cfg.host, self.cfg.port, creds)
         self.address = f"{self.cfg.host}:{port}"
         if self.cfg.redis_url:
             info = ReplicaInfo(self.cfg.replica_id, self.address, self.cfg.model_name, 0,
-                               self.cfg.block_size, self.cfg.tensor_parallel_size,
-                               tuple(dataclasses.asdict(r) for r in self.ranks()))
+                               self.cfg.block_size, max_requests=self.cfg.scheduler.max_sequences,
+                               tensor_parallel_size=self.cfg.tensor_parallel_size,
+                               ranks=tuple(dataclasses.asdict(r) for r in self.ranks()))
             self.publisher = KvPublisher(self.cfg.redis_url, info, namespace=self.cfg.namespace,
                                          replica_ttl_s=self.cfg.replica_ttl_s,
                                          block_ttl_s=self.cfg.block_ttl_s)
@@ -186,6 +194,7 @@ class ReplicaServer:
         service = WorkerService(self._loop, self.cfg.replica_id, self.cfg.model_name,
                                 self.cfg.block_size, epoch_fn=self._epoch, telemetry=wt,
                                 ranks_fn=self.ranks)
+        self.service = service
         worker_pb2_grpc.add_WorkerServicer_to_server(service, self._server)
         name = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
         health = self._health = add_health_and_reflection(self._server, [name])

@@ -1,7 +1,7 @@
 """Continuous-batching scheduler: decides each step's plan; the model runner executes it.
 
 Each step: running sequences first (decodes, and prefills still catching up), then waiting
-sequences in FCFS order with chunked prefill filling the remaining token budget
+sequences (FCFS, fair among tenants: see below) with chunked prefill filling the remaining token budget
 (``max_num_batched_tokens``) up to ``max_num_seqs``. Admission follows the replica's policy
 (DESIGN.md §3):
 
@@ -10,6 +10,12 @@ sequences in FCFS order with chunked prefill filling the remaining token budget
   recompute (its blocks are freed; it re-enters the waiting queue at its FCFS position and
   later recomputes prompt + output, reusing whatever prefix blocks are still cached).
 * ``reserve``: admit only when blocks for ``prompt + max_tokens`` are free; never preempts.
+
+Among tenants the waiting queue is fair: the next sequence admitted is the oldest waiting one
+of the tenant with the fewest running sequences (FCFS within a tenant and among equals), so a
+tenant that floods the queue does not hold another tenant's requests behind its own. With
+``tenant_share`` below 1 a tenant also runs at most that share of ``max_num_seqs`` sequences
+(one with nothing running may always start one request).
 
 Parallel sampling (``n > 1``): only sample 0 (the *leader*) is queued; its siblings wait
 beside it. When the leader's prompt is fully computed they fork its block table (one more
@@ -22,7 +28,7 @@ before a sequence writes into a shared block, the scheduler gives it a private c
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -40,6 +46,9 @@ class SchedulerConfig:
 
     ``watermark`` is the fraction of all blocks kept free when admitting new work under the
     ``watermark`` policy (so running sequences can grow without immediate preemption).
+    ``max_waiting``: sequences that may wait beside a full running set; the replica holds at
+    most ``max_sequences`` = ``max_num_seqs + max_waiting`` unfinished sequences in all (the
+    same bound the worker's arrival count applies, so the engine never refuses one it let in).
     """
 
     max_num_seqs: int = 16
@@ -47,12 +56,22 @@ class SchedulerConfig:
     max_waiting: int = 256
     policy: str = "watermark"
     watermark: float = 0.01
+    # Fraction of max_sequences (waiting + running, refused on arrival past it) and of
+    # max_num_seqs (running) one tenant may hold on this replica (1.0: no per-tenant cap).
+    tenant_share: float = 1.0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0 or self.max_waiting < 0:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be > 0, max_waiting >= 0")
+        if not 0 < self.tenant_share <= 1:
+            raise ValueError(f"tenant_share must be in (0, 1], got {self.tenant_share}")
+
+    @property
+    def max_sequences(self) -> int:
+        """Sequences the replica holds at most (running + waiting): its admission limit."""
+        return self.max_num_seqs + self.max_waiting
 
 
 @dataclass(frozen=True)
@@ -92,6 +111,9 @@ class Scheduler:
         # leader seq_id -> siblings waiting for its prompt to be computed (n > 1)
         self.pending_forks: dict[str, list[Sequence]] = {}
         self._watermark_blocks = int(config.watermark * kv.num_total_blocks)
+        # Running slots one tenant may hold (tenant_share < 1 keeps the rest for the others,
+        # so a newly arrived tenant starts at the next step, not when a flood's requests end).
+        self._tenant_seats = max(1, int(config.max_num_seqs * config.tenant_share))
 
     # ---- admission -------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
@@ -129,7 +151,7 @@ class Scheduler:
         the first of them leading (queued; the others fork from it).
 
         Raises:
-            ResourceExhausted: the waiting queue is full (``max_waiting``), or a request can
+            ResourceExhausted: the replica is full (``max_sequences``), or a request can
                 never fit (:meth:`check_can_ever_fit`); then nothing was queued.
         """
         groups: dict[str, list[Sequence]] = {}
@@ -138,10 +160,10 @@ class Scheduler:
         for g in groups.values():
             self.check_can_ever_fit(g[0].num_prompt_tokens, g[0].params.max_tokens, len(g))
         num_new = sum(len(g) for g in groups.values())
-        if self.num_queued + num_new > self.config.max_waiting:
+        if self.num_unfinished + num_new > self.config.max_sequences:
             raise ResourceExhausted(
-                f"worker waiting queue is full ({self.num_queued}/{self.config.max_waiting})"
-            )
+                f"worker queue is full ({self.num_unfinished} running + waiting sequences of "
+                f"{self.config.max_sequences})")
         for leader, *siblings in groups.values():
             if siblings:
                 self.pending_forks[leader.seq_id] = siblings
@@ -187,15 +209,20 @@ class Scheduler:
             budget -= n
             i += 1
 
-        # 2. Waiting sequences, FCFS; stop at the first that does not fit (no starvation).
+        # 2. Waiting sequences, fair among tenants (FCFS within one); stop at the first that
+        # does not fit (no starvation).
         # A running leader's unforked siblings hold their places in max_num_seqs.
         seats = len(self.running) + sum(len(self.pending_forks.get(s.seq_id, ()))
                                         for s in self.running)
+        running_by_tenant = Counter(s.tenant for s in self.running)
         while self.waiting and budget > 0:
-            seq = self.waiting[0]
+            seq = self._next_waiting(running_by_tenant)
             group = 1 + len(self.pending_forks.get(seq.seq_id, ()))
             if seats + group > self.config.max_num_seqs:
                 break
+            held = running_by_tenant[seq.tenant]  # the fewest of any waiting tenant
+            if held and held + group > self._tenant_seats:
+                break  # every waiting tenant holds its share of the running slots
             computed = self.kv.get_computed_blocks(seq.block_hashes, seq.num_tokens)
             num_cached = len(computed) * self.kv.block_size
             n = min(seq.num_tokens - num_cached, budget)
@@ -203,7 +230,8 @@ class Scheduler:
                 break
             if self.kv.allocate_slots(seq.seq_id, num_cached + n, computed) is None:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
+            running_by_tenant[seq.tenant] += group
             seq.status = SeqStatus.RUNNING
             seq.num_computed_tokens = num_cached
             if seq.num_cached_tokens is None:
@@ -224,6 +252,16 @@ class Scheduler:
             for s in scheduled
         )
         return SchedulerOutput(StepPlan(chunks, tuple(copies)), tuple(scheduled), tuple(preempted))
+
+    def _next_waiting(self, running_by_tenant: Counter) -> Sequence:
+        """The oldest waiting sequence of the tenant with the fewest running sequences."""
+        best, seen = self.waiting[0], {self.waiting[0].tenant}
+        for s in self.waiting:  # arrival order: each tenant's first is its oldest
+            if s.tenant not in seen:
+                seen.add(s.tenant)
+                if running_by_tenant[s.tenant] < running_by_tenant[best.tenant]:
+                    best = s
+        return best
 
     def _grow(self, seq: Sequence, num_tokens: int, copies: list[tuple[int, int]]) -> bool:
         """Make ``seq``'s table cover ``num_tokens`` positions; first, if the block its next

@@ -21,6 +21,7 @@ from kvfleet.worker.engine import EngineRequest
 from kvfleet.worker.engine_loop import EngineLoop
 from kvfleet.worker.outputs import SeqOutput
 from kvfleet.worker.request import FinishReason
+from kvfleet.worker.reservations import Reservations
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,8 @@ def _done(call_id: int, code: grpc.StatusCode, details: str) -> worker_pb2.Gener
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
-    """Serves one replica's engine over gRPC."""
+    """Serves one replica's engine over gRPC; admission is counted on arrival
+    (:class:`Reservations`, limit ``SchedulerConfig.max_sequences``)."""
 
     def __init__(self, loop: EngineLoop, replica_id: str, model: str, block_size: int,
                  epoch_fn=lambda: 0, telemetry: Optional[WorkerTelemetry] = None,
@@ -70,6 +72,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.block_size = block_size
         self.epoch_fn = epoch_fn
         self.draining = False
+        sched = loop.engine.scheduler.config
+        self.reservations = Reservations(sched.max_sequences, sched.tenant_share)
         # Spans and metrics; the engine loop's on_finish hook must call telemetry.on_finished.
         self.telemetry = telemetry or WorkerTelemetry(replica_id=replica_id, model=model)
 
@@ -176,16 +180,23 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         try:
             if self.draining:
                 raise Unavailable(f"replica {self.replica_id} is draining")
-            stream = self.loop.generate(_engine_request(request))
+            engine_request = _engine_request(request)
+            # Refuse here, before the engine inbox (whose counts are a step stale).
+            self.reservations.take(request.request_id, engine_request.params.n,
+                                   engine_request.tenant)
             try:
-                async for out in stream:
-                    if out.finish_reason in _ABNORMAL or out.finish_reason is FinishReason.ERROR:
-                        # A failure after tokens were sent ends the stream with a non-OK status.
-                        raise StatusError(*(_ABNORMAL.get(out.finish_reason)
-                                           or status_of(out.error or RuntimeError())))
-                    yield output_to_proto(out, self.replica_id)
+                stream = self.loop.generate(engine_request)
+                try:
+                    async for out in stream:
+                        if out.finish_reason in _ABNORMAL or out.finish_reason is FinishReason.ERROR:
+                            # A failure after tokens were sent ends the stream with a non-OK status.
+                            raise StatusError(*(_ABNORMAL.get(out.finish_reason)
+                                               or status_of(out.error or RuntimeError())))
+                        yield output_to_proto(out, self.replica_id)
+                finally:
+                    await stream.aclose()  # caller gone at a bare yield: abort the request now
             finally:
-                await stream.aclose()  # caller gone at a bare yield: abort the request now
+                self.reservations.release(request.request_id)
         except KvfleetError as exc:
             if not isinstance(exc, StatusError):  # an abnormal end is not a refusal
                 trace.refused(*status_of(exc))

@@ -48,6 +48,9 @@ def test_shared_namespace_gives_members_one_scope_and_outsiders_their_own(tmp_pa
     ({"keys": {"k": "a"}, "shared_namespaces": {"x": ["a"], "y": ["a"]}}, "two shared namespaces"),
     ({"keys": {"k": "a"}, "shared_namespaces": {"x": "a"}}, "lists of tenants"),
     ({"keys": {"k": "a"}, "extra": 1}, "unknown fields"),
+    ({"k": "a/b"}, "hold no /"),  # request ids reach workers as "<tenant>/<id>"
+    ({"keys": {"k": "a"}, "tenant_limits": {"a": 0}}, "tenant_limits"),
+    ({"keys": {"k": "a"}, "default_tenant_share": 1.5}, "default_tenant_share"),
     (["k", "a"], "JSON object"),
 ])
 def test_bad_key_files_are_refused_with_a_reason(tmp_path, data, message):
@@ -55,3 +58,15 @@ def test_bad_key_files_are_refused_with_a_reason(tmp_path, data, message):
     path.write_text(json.dumps(data))
     with pytest.raises(ValueError, match=message):
         Authenticator.from_file(str(path))
+
+
+def test_tenant_limits_and_the_default_share_of_the_fleet(tmp_path):
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"keys": {"k-a": "acme", "k-b": "globex"},
+                                "tenant_limits": {"acme": 7}, "default_tenant_share": 0.25}))
+    auth = Authenticator.from_file(str(path))
+    assert auth.tenant_limit("acme", 100) == 7  # its own limit
+    assert auth.tenant_limit("globex", 100) == 25  # a quarter of the fleet's capacity
+    assert auth.tenant_limit("globex", 2) == 1  # never below one request
+    assert auth.tenant_limit("globex", 0) is None  # capacity unknown: no limit
+    assert Authenticator().tenant_limit("default", 100) is None  # default share 1: none

@@ -114,7 +114,7 @@ def test_a_failed_forward_fails_its_requests_and_the_engine_goes_on(tiny_llama_d
 
 
 def test_refusals(tiny_llama_dir) -> None:
-    engine, _ = make_engine(tiny_llama_dir, num_blocks=8, max_waiting=3, max_num_seqs=4)
+    engine, _ = make_engine(tiny_llama_dir, num_blocks=8, max_waiting=0, max_num_seqs=3)
     with pytest.raises(InvalidArgument):
         engine.add_request(request([]))
     with pytest.raises(InvalidArgument):

@@ -29,6 +29,12 @@ def seq(prompt_len: int, max_tokens: int = 8, first: int = 1, sid: str | None = 
                     block_size=BS, arrival_seq=a)
 
 
+def tenant_seq(tenant: str, prompt_len: int = 4) -> Sequence:
+    x = seq(prompt_len)
+    x.tenant = tenant
+    return x
+
+
 def run_step(s: Scheduler, token: int = 7):
     """One step as the engine does it: schedule, 'compute', append a token where sampled."""
     out = s.schedule()
@@ -122,12 +128,37 @@ def test_reserve_never_preempts_and_holds_back_admission():
 
 
 def test_never_fitting_request_is_refused_at_once_and_queue_is_bounded():
-    s = make(n_blocks=4, max_waiting=2)
+    s = make(n_blocks=4, max_waiting=2, max_num_seqs=1)
     with pytest.raises(ResourceExhausted, match="4 in total"):
         s.add([seq(10, max_tokens=10)])
-    s.add([seq(2), seq(2)])
+    s.add([seq(2), seq(2), seq(2)])  # max_num_seqs + max_waiting = 3, whether running or not
     with pytest.raises(ResourceExhausted, match="queue is full"):
         s.add([seq(2)])
+
+
+def test_waiting_is_fair_among_tenants_and_fcfs_within_one():
+    s = make(n_blocks=64, max_num_seqs=4)
+    flood = [tenant_seq("acme") for _ in range(6)]
+    trickle = [tenant_seq("globex"), tenant_seq("globex")]
+    s.add(flood)
+    s.add(trickle)  # queued behind all of acme's
+    run_step(s)
+    running = [x.seq_id for x in s.running]
+    # acme gets one, then globex (0 running) its oldest, then they alternate: 2 each.
+    assert running == [flood[0].seq_id, trickle[0].seq_id, flood[1].seq_id, trickle[1].seq_id]
+    assert list(s.waiting) == flood[2:]
+
+
+def test_a_tenant_share_keeps_running_slots_for_other_tenants():
+    s = make(n_blocks=64, max_num_seqs=4, tenant_share=0.5)
+    flood = [tenant_seq("acme") for _ in range(6)]
+    s.add(flood)
+    run_step(s)
+    assert [x.seq_id for x in s.running] == [f.seq_id for f in flood[:2]]  # 2 of 4 slots
+    late = tenant_seq("globex")
+    s.add([late])
+    run_step(s)
+    assert late in s.running and len(s.running) == 3  # admitted at the next step
 
 
 def test_finish_returns_every_block():

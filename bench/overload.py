@@ -1,0 +1,309 @@
+"""Overload: how fast is a request the fleet cannot take refused, and what else ends how?
+
+    .venv/bin/python -m bench.overload burst --requests 1500      # one simultaneous burst
+    .venv/bin/python -m bench.overload burst --fill               # the same into a full fleet
+    .venv/bin/python -m bench.overload open --factor 10 --duration-s 30   # open loop, 10x capacity
+    .venv/bin/python -m bench.overload fair --tenant-share 0.5    # tenant flood vs a steady one
+
+A local cluster of cost-model replicas (real router process, real scheduler, block pool,
+Redis, gRPC; only the forward is a modelled sleep) is started once. ``burst`` sends every
+request at the same instant; ``open`` first measures the fleet's capacity in a closed loop
+(``replicas × max_num_seqs`` clients), then sends Poisson arrivals at ``factor ×`` that rate.
+``burst --fill`` first fills every replica to its limit with long requests, so every request
+of the burst is refused: the router's CPU per refused request. ``fair``: tenant ``steady``
+alone at ``--steady-share`` of capacity (its unloaded TTFT), then the same stream while
+tenant ``flood`` sends ``factor ×`` capacity (key file with ``default_tenant_share`` =
+``--tenant-share``, replicas with the same ``tenant_share``).
+Reported: requests by final status, refusal (RESOURCE_EXHAUSTED) latency p50/p99 from the
+client's send, TTFT p50/p99 of the admitted, the router's CPU per request over the phase, and
+the peak RSS (VmHWM) of the router and replica processes. JSON goes to ``bench/results/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import grpc
+
+from bench.report import quantile
+from kvfleet.grpc_util import CHANNEL_OPTIONS
+from kvfleet.v1 import router_pb2, router_pb2_grpc
+
+RESULTS = Path(__file__).parent / "results"
+
+
+@dataclass
+class Outcome:
+    """One request as the client saw it; times are ``time.monotonic()`` seconds."""
+
+    tenant: str
+    sent: float
+    end: float = 0.0
+    first: Optional[float] = None
+    code: str = "OK"
+    details: str = ""
+
+
+@dataclass(frozen=True)
+class Run:
+    replicas: int = 2
+    scale: float = 0.05          # cost-model step times × scale
+    num_blocks: int = 640
+    max_num_seqs: int = 16
+    prompt_tokens: int = 64
+    max_tokens: int = 16
+    router_args: tuple[str, ...] = ()
+    api_keys: dict = field(default_factory=dict)  # key -> tenant (empty: open router)
+    tenant_share: float = 1.0  # replicas' SchedulerConfig.tenant_share and the key file's default
+
+
+def _prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(1000, 40000) for _ in range(n)]
+
+
+async def send(stub, run: Run, rng: random.Random, tenant: str = "",
+               key: Optional[str] = None, timeout_s: float = 120.0,
+               max_tokens: Optional[int] = None) -> Outcome:
+    """One ``Router.Generate`` of a fresh random prompt; never raises."""
+    req = router_pb2.GenerateRequest()
+    req.token_ids.ids.extend(_prompt(rng, run.prompt_tokens))
+    req.sampling.max_tokens = max_tokens or run.max_tokens
+    req.sampling.ignore_eos = True
+    md = (("authorization", f"Bearer {key}"),) if key else None
+    out = Outcome(tenant, time.monotonic())
+    try:
+        async for m in stub.Generate(req, metadata=md, timeout=timeout_s):
+            if out.first is None and m.token_ids:
+                out.first = time.monotonic()
+    except grpc.aio.AioRpcError as exc:
+        out.code, out.details = exc.code().name, exc.details() or ""
+    out.end = time.monotonic()
+    return out
+
+
+def summarize(outs: list[Outcome]) -> dict:
+    """Counts by status, refusal latency and admitted TTFT quantiles (milliseconds)."""
+    codes = Counter(o.code for o in outs)
+    refused = [(o.end - o.sent) * 1e3 for o in outs if o.code == "RESOURCE_EXHAUSTED"]
+    ttft = [(o.first - o.sent) * 1e3 for o in outs if o.code == "OK" and o.first]
+    s: dict = {"requests": len(outs), "by_status": dict(codes)}
+    if refused:
+        s.update(refusal_p50_ms=quantile(refused, 0.5), refusal_p99_ms=quantile(refused, 0.99),
+                 refusal_max_ms=max(refused))
+    if ttft:
+        s.update(ttft_p50_ms=quantile(ttft, 0.5), ttft_p99_ms=quantile(ttft, 0.99))
+    other = sorted({f"{o.code}: {o.details}" for o in outs
+                    if o.code not in ("OK", "RESOURCE_EXHAUSTED")})
+    s["other_statuses"] = other[:5]
+    s["refusal_messages"] = sorted({o.details for o in outs
+                                    if o.code == "RESOURCE_EXHAUSTED"})[:3]
+    return s
+
+
+class ProcStats:
+    """CPU seconds and peak RSS of a process, from /proc (Linux)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def cpu_s(self) -> float:
+        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def peak_rss_bytes(self) -> int:
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+        return 0
+
+
+async def burst(stub, run: Run, n: int, router: ProcStats, fill: bool = False) -> dict:
+    """``n`` requests at once (into a fleet filled to its limits first, with ``fill``)."""
+    rng = random.Random(1)
+    fillers: list[asyncio.Task] = []
+    if fill:  # long requests until the fleet refuses: every replica at its limit
+        while not any(t.done() and t.result().code == "RESOURCE_EXHAUSTED" for t in fillers):
+            fillers.append(asyncio.create_task(send(stub, run, rng, max_tokens=400)))
+            await asyncio.sleep(0.002)
+        await asyncio.sleep(1.0)
+    cpu0 = router.cpu_s()
+    outs = await asyncio.gather(*(send(stub, run, rng) for _ in range(n)))
+    s = summarize(list(outs))
+    s["router_cpu_per_request_ms"] = (router.cpu_s() - cpu0) / n * 1e3
+    for t in fillers:
+        t.cancel()
+    await asyncio.gather(*fillers, return_exceptions=True)
+    return s
+
+
+async def capacity(stub, run: Run, seconds: float, key: Optional[str] = None) -> float:
+    """Completions per second with ``replicas × max_num_seqs`` closed-loop clients."""
+    rng = random.Random(2)
+    stop_at = time.monotonic() + seconds
+    done: list[Outcome] = []
+
+    async def client() -> None:
+        while time.monotonic() < stop_at:
+            done.append(await send(stub, run, rng, key=key))
+
+    await asyncio.gather(*(client() for _ in range(run.replicas * run.max_num_seqs)))
+    ok = [o for o in done if o.code == "OK" and o.end >= stop_at - seconds / 2]
+    return len(ok) / (seconds / 2)
+
+
+async def open_loop(stub, run: Run, rate: float, seconds: float, router: ProcStats,
+                    tenants: Optional[dict[str, tuple[float, Optional[str]]]] = None) -> dict:
+    """Poisson arrivals for ``seconds``; ``tenants``: name → (rate, api key) instead of one
+    anonymous stream at ``rate``."""
+    rng = random.Random(3)
+    streams = tenants or {"": (rate, None)}
+    arrivals = []
+    for name, (r, key) in streams.items():
+        t = 0.0
+        while (t := t + rng.expovariate(r)) < seconds:
+            arrivals.append((t, name, key))
+    arrivals.sort()
+    cpu0, start, tasks = router.cpu_s(), time.monotonic(), []
+    for t, name, key in arrivals:
+        delay = start + t - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(send(stub, run, rng, name, key)))
+    outs = list(await asyncio.gather(*tasks))
+    s = summarize(outs)
+    s["router_cpu_per_request_ms"] = (router.cpu_s() - cpu0) / max(1, len(outs)) * 1e3
+    s["offered_rate_per_s"] = len(arrivals) / seconds
+    if tenants:
+        s["per_tenant"] = {name: summarize([o for o in outs if o.tenant == name])
+                           for name in tenants}
+    return s
+
+
+def start_cluster(run: Run, redis_url: str, api_keys_file: Optional[str]):
+    from kvfleet.deploy.launcher import ClusterConfig, LocalCluster
+    from kvfleet.deploy.models import DEFAULT_MODEL, resolve_model
+    from kvfleet.worker.cost_model import MEASURED
+    from kvfleet.worker.scheduler import SchedulerConfig
+
+    name, model_dir = resolve_model(DEFAULT_MODEL)
+    cfg = ClusterConfig(
+        model_name=name, model_dir=str(model_dir), replicas=run.replicas, block_size=16,
+        num_blocks=run.num_blocks, port=0, redis_url=redis_url, namespace="bench-overload:",
+        replica_num_cpus=0, api_keys_file=api_keys_file,
+        scheduler=SchedulerConfig(max_num_seqs=run.max_num_seqs, max_num_batched_tokens=512,
+                                  # only when set: a checkout before tenant shares runs too (A/B)
+                                  **({"tenant_share": run.tenant_share}
+                                     if run.tenant_share != 1.0 else {})),
+        executor="cost-model", cost_model=MEASURED.scaled(run.scale), router_args=run.router_args)
+    cluster = LocalCluster(cfg)
+    cluster.start()
+    return cluster
+
+
+def actor_pids(cluster) -> list[int]:
+    import ray
+
+    return ray.get([a.__ray_call__.remote(lambda _self: os.getpid()) for a in cluster.actors])
+
+
+async def drive(a: argparse.Namespace, run: Run, cluster) -> dict:
+    from bench.router_bench import wait_registered
+
+    await wait_registered(cluster.router_address, run.replicas)
+    router = ProcStats(cluster.router_proc.pid)
+    async with grpc.aio.insecure_channel(cluster.router_address, options=CHANNEL_OPTIONS) as ch:
+        stub = router_pb2_grpc.RouterStub(ch)
+        await send(stub, run, random.Random(0))  # warm-up
+        if a.cmd == "burst":
+            return await burst(stub, run, a.requests, router, a.fill)
+        key = "key-flood" if a.cmd == "fair" else None
+        cap = await capacity(stub, run, a.capacity_s, key)
+        print(f"capacity {cap:.1f} req/s", flush=True)
+        if a.cmd == "open":
+            s = await open_loop(stub, run, a.factor * cap, a.duration_s, router)
+            s["capacity_per_s"] = cap
+            return s
+        steady = {"steady": (a.steady_share * cap, "key-steady")}
+        alone = await open_loop(stub, run, 0, a.duration_s, router, steady)
+        await asyncio.sleep(2.0)  # the fleet drains
+        both = await open_loop(stub, run, 0, a.duration_s, router,
+                               {"flood": (a.factor * cap, "key-flood"), **steady})
+        return {"capacity_per_s": cap, "steady_alone": alone["per_tenant"]["steady"],
+                "with_flood": both}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench.overload", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("burst", help="N requests at the same instant")
+    b.add_argument("--requests", type=int, default=1500)
+    b.add_argument("--fill", action="store_true",
+                   help="fill every replica to its limit first: every burst request is refused")
+    o = sub.add_parser("open", help="open-loop Poisson arrivals at factor × capacity")
+    f = sub.add_parser("fair", help="tenant 'flood' at factor × capacity, 'steady' within its share")
+    f.add_argument("--steady-share", type=float, default=0.2,
+                   help="tenant steady's rate as a fraction of capacity")
+    f.add_argument("--tenant-share", type=float, default=0.5,
+                   help="replicas' tenant_share and the key file's default_tenant_share")
+    for q in (o, f):
+        q.add_argument("--factor", type=float, default=10.0)
+        q.add_argument("--duration-s", type=float, default=30.0)
+        q.add_argument("--capacity-s", type=float, default=10.0)
+    for q in (b, o, f):
+        q.add_argument("--replicas", type=int, default=2)
+        q.add_argument("--scale", type=float, default=0.05)
+        q.add_argument("--tag", default="")
+        q.add_argument("--router-arg", action="append", default=[], dest="router_args")
+    a = p.parse_args(argv)
+    keys = {"key-flood": "flood", "key-steady": "steady"} if a.cmd == "fair" else {}
+    share = a.tenant_share if a.cmd == "fair" else 1.0
+    run = Run(replicas=a.replicas, scale=a.scale, router_args=tuple(a.router_args), api_keys=keys,
+              tenant_share=share)
+    from kvfleet.deploy.launcher import init_ray, shutdown_ray
+    from kvfleet.deploy.redis_server import start_redis
+
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    keys_file = None
+    if keys:
+        keys_file = RESULTS / "overload-keys.json"
+        keys_file.write_text(json.dumps({"keys": keys, "default_tenant_share": share}))
+    redis = start_redis()
+    init_ray(num_cpus=2)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    cluster = None
+    load_before = os.getloadavg()
+    try:
+        cluster = start_cluster(run, redis.url, str(keys_file) if keys_file else None)
+        result = asyncio.run(drive(a, run, cluster))
+        result["peak_rss_bytes"] = {
+            "router": ProcStats(cluster.router_proc.pid).peak_rss_bytes(),
+            "replica_hosts": [ProcStats(pid).peak_rss_bytes() for pid in actor_pids(cluster)]}
+    finally:
+        if cluster is not None:
+            cluster.stop()
+        redis.stop()
+        shutdown_ray()
+    record = {"cmd": a.cmd, "args": vars(a), "run": asdict(run), **result,
+              "machine": {"cpus": os.cpu_count(), "loadavg_before": load_before,
+                          "loadavg_after": os.getloadavg()}}
+    path = RESULTS / f"overload-{a.cmd}{'-' + a.tag if a.tag else ''}.json"
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    print(json.dumps(result, indent=1))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,72 @@
+"""Tenant fairness: one tenant floods at 10x the fleet's capacity through two routers sharing
+one Redis; another tenant sending within its share is admitted every time."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+from dataclasses import replace
+
+import grpc
+
+from kvfleet.v1 import router_pb2, router_pb2_grpc
+from tests.integration.routing_fleet import prompt
+from tests.integration.test_overload import SLOW, TIGHT, _outcome
+from tests.integration.test_worker_stream import idle
+
+SHARED = replace(TIGHT, tenant_share=0.5)  # 6 sequences per replica, 3 per tenant
+
+
+def _request(seed: int, max_tokens: int) -> router_pb2.GenerateRequest:
+    req = router_pb2.GenerateRequest()
+    req.token_ids.ids.extend(prompt(seed, 40))
+    req.sampling.max_tokens, req.sampling.ignore_eos = max_tokens, True
+    return req
+
+
+async def test_a_flooding_tenant_never_crowds_out_one_within_its_share(fleet, tmp_path):
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"keys": {"key-flood": "flood", "key-steady": "steady"},
+                                "default_tenant_share": 0.5}))
+    servers = [await fleet.add_replica(rid, cost_model=SLOW, scheduler=SHARED)
+               for rid in ("rep-a", "rep-b")]
+    routers = [await fleet.add_router(api_keys_file=str(keys)) for _ in range(2)]
+    await fleet.wait_replicas(2)
+    channels = [grpc.aio.insecure_channel(r.address) for r in routers]
+    stubs = [router_pb2_grpc.RouterStub(c) for c in channels]
+    flood_md, steady_md = ((("authorization", f"Bearer key-{t}"),) for t in ("flood", "steady"))
+    done = asyncio.Event()
+    flood: list[str] = []
+
+    async def flooder(i: int) -> None:  # 10x capacity of clients, retrying after a refusal
+        while not done.is_set():
+            code, *_ = await _outcome(stubs[i % 2].Generate(_request(i, 20), metadata=flood_md))
+            flood.append(code)
+            if code != "OK":
+                await asyncio.sleep(0.02)
+
+    async def steady(i: int) -> list[str]:  # one request at a time through each router
+        codes = []
+        for j in range(4):
+            code, *_ = await _outcome(stubs[i].Generate(_request(1000 + 10 * i + j, 5),
+                                                        metadata=steady_md))
+            codes.append(code)
+        return codes
+
+    try:
+        flooders = [asyncio.create_task(flooder(i)) for i in range(10 * 2 * SHARED.max_sequences)]
+        await asyncio.sleep(0.5)  # the flood has filled its share everywhere
+        steady_codes = await asyncio.gather(steady(0), steady(1))
+        done.set()
+        await asyncio.gather(*flooders)
+    finally:
+        for c in channels:
+            await c.close()
+    assert [c for codes in steady_codes for c in codes] == ["OK"] * 8
+    counts = collections.Counter(flood)
+    assert set(counts) == {"OK", "RESOURCE_EXHAUSTED"}, counts
+    for server in servers:
+        stats = await idle(server)
+        assert stats["num_free_blocks"] == stats["num_total_blocks"]
+        assert server.service.reservations.count == 0

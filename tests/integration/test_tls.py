@@ -1,0 +1,147 @@
+"""TLS on the router's client port, mutual TLS between router and workers, API-key rotation.
+Certificates are made at test time (trustme, kvfleet.tls); no key material is committed."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import pytest
+import trustme
+
+from kvfleet.client import AsyncClient
+from kvfleet.tls import InternalTLS, WORKER_CHANNEL_OPTIONS, generate_internal_tls
+from kvfleet.v1 import worker_pb2, worker_pb2_grpc
+from tests.integration.routing_fleet import prompt
+
+
+@pytest.fixture
+def client_port_cert(tmp_path):
+    """(CA file, cert file, key file) of a server certificate for 127.0.0.1."""
+    ca = trustme.CA()
+    leaf = ca.issue_cert("127.0.0.1", "localhost")
+    files = tmp_path / "ca.pem", tmp_path / "cert.pem", tmp_path / "key.pem"
+    ca.cert_pem.write_to_path(str(files[0]))
+    files[1].write_bytes(b"".join(b.bytes() for b in leaf.cert_chain_pems))
+    leaf.private_key_pem.write_to_path(str(files[2]))
+    return tuple(str(f) for f in files)
+
+
+async def _complete(client: AsyncClient, max_tokens: int = 3) -> int:
+    chunks = [c async for c in client.stream(token_ids=prompt(1, 20), max_tokens=max_tokens,
+                                             ignore_eos=True)]
+    return chunks[-1].completion_tokens
+
+
+async def test_the_client_port_serves_tls_and_refuses_plaintext(fleet, client_port_cert):
+    ca, cert, key = client_port_cert
+    await fleet.add_replica("rep-a")
+    router = await fleet.add_router(tls_cert=cert, tls_key=key)
+    await fleet.wait_replicas(1)
+    client = AsyncClient(router.address, tls_ca=ca)
+    try:
+        assert await _complete(client) == 3
+    finally:
+        await client.close()
+    plain = AsyncClient(router.address)
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await _complete(plain)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        await plain.close()
+
+
+async def _direct(address: str, credentials=None) -> int:
+    req = worker_pb2.WorkerGenerateRequest(request_id="direct-1", tenant="default",
+                                           prompt_token_ids=prompt(2, 20))
+    req.sampling.max_tokens = 2
+    if credentials is None:
+        channel = grpc.aio.insecure_channel(address)
+    else:
+        channel = grpc.aio.secure_channel(address, credentials, options=WORKER_CHANNEL_OPTIONS)
+    async with channel:
+        msgs = [m async for m in worker_pb2_grpc.WorkerStub(channel).Generate(req, timeout=10)]
+    return msgs[-1].usage.completion_tokens
+
+
+async def test_workers_require_the_cluster_certificate(fleet, tmp_path):
+    tls = generate_internal_tls(tmp_path / "internal")
+    assert oct((tmp_path / "internal" / "router.key").stat().st_mode & 0o777) == "0o600"
+    server = await fleet.add_replica("rep-a", internal_tls_dir=str(tmp_path / "internal"))
+    router = await fleet.add_router(internal_tls_dir=str(tmp_path / "internal"))
+    await fleet.wait_replicas(1)
+    client = AsyncClient(router.address)
+    try:
+        assert await _complete(client) == 3  # router -> worker over mutual TLS
+    finally:
+        await client.close()
+    assert await _direct(server.address, tls.router_credentials()) == 2
+    other = generate_internal_tls(tmp_path / "other")  # a certificate from another CA
+    refused = {
+        "plaintext": None,
+        "no client certificate": grpc.ssl_channel_credentials(root_certificates=tls.ca),
+        "another cluster's certificate": grpc.ssl_channel_credentials(
+            root_certificates=tls.ca, private_key=other.router_key,
+            certificate_chain=other.router_cert),
+    }
+    for what, creds in refused.items():
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await _direct(server.address, creds)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, what
+    assert InternalTLS.load(tmp_path / "internal") == tls
+    with pytest.raises(FileNotFoundError, match="ca.pem"):
+        InternalTLS.load(tmp_path / "missing")
+
+
+async def test_api_keys_are_reloaded_without_a_restart(fleet, tmp_path):
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"old-key": "acme"}))
+    await fleet.add_replica("rep-a")
+    router = await fleet.add_router(api_keys_file=str(keys))
+    await fleet.wait_replicas(1)
+    old, new = AsyncClient(router.address, api_key="old-key"), AsyncClient(router.address,
+                                                                         api_key="new-key")
+    try:
+        assert await _complete(old) == 3
+        keys.write_text("{not json")
+        assert not router.reload_api_keys()  # a broken file keeps the previous keys
+        assert await _complete(old) == 3
+        keys.write_text(json.dumps({"new-key": "acme"}))
+        assert router.reload_api_keys()  # what SIGHUP does
+        assert await _complete(new) == 3
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await _complete(old)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        await old.close()
+        await new.close()
+
+
+def test_kvfleet_up_serves_tls_outside_and_mutual_tls_inside(ray_session, redis_server,
+                                                            tiny_llama_dir, client_port_cert,
+                                                            tmp_path):
+    from dataclasses import replace
+
+    from kvfleet.client import Client
+    from kvfleet.deploy.cli import build_parser, cluster_config
+    from kvfleet.deploy.launcher import LocalCluster
+
+    ca, cert, key = client_port_cert
+    internal = tmp_path / "internal"  # empty: kvfleet up generates the cluster CA there
+    args = build_parser().parse_args(
+        ["up", "--model", str(tiny_llama_dir), "--executor", "cost-model", "--replicas", "1",
+         "--cost-model-scale", "0.001", "--num-blocks", "64", "--port", "0",
+         "--redis-url", redis_server.url, "--tls-cert", cert, "--tls-key", key,
+         "--internal-tls-dir", str(internal)])
+    cluster = LocalCluster(replace(cluster_config(args), namespace="kvtest-tls:",
+                                   replica_num_cpus=0))
+    try:
+        cluster.start()
+        assert sorted(p.name for p in internal.iterdir()) == sorted(
+            ["ca.pem", "worker.pem", "worker.key", "router.pem", "router.key"])
+        with Client(cluster.router_address, tls_ca=ca) as client:
+            chunks = list(client.stream("Once upon a time", max_tokens=3, ignore_eos=True))
+        assert chunks[-1].completion_tokens == 3
+    finally:
+        cluster.stop()

@@ -1,0 +1,43 @@
+"""Router-side refusal: a replica at its advertised limit has no room; all at it → refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvfleet.errors import ResourceExhausted
+from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
+from kvfleet.router.capacity import check_room, check_tenant, fleet_capacity, has_room, with_room
+from kvfleet.router.policy import Candidate
+
+
+def cand(rid: str, limit: int, running: int = 0, waiting: int = 0, inflight: int = 0) -> Candidate:
+    load = ReplicaLoad(running, waiting, 10, 10, 1.0)
+    return Candidate(ReplicaInfo(rid, "127.0.0.1:1", "m", 1, 16, limit), load, 0, inflight)
+
+
+def test_room_is_load_below_the_advertised_limit():
+    assert has_room(cand("a", 6, running=2, waiting=3))
+    assert not has_room(cand("a", 6, running=2, waiting=4))
+    assert not has_room(cand("a", 6, inflight=6))  # this router's own streams count at once
+    assert has_room(cand("a", 0, running=100))  # no advertised limit: the worker decides
+
+
+def test_only_candidates_with_room_are_routed_to_unless_none_has():
+    full, free = cand("a", 2, running=2), cand("b", 2, running=1)
+    assert with_room([full, free]) == [free]
+    assert with_room([full]) == [full]
+
+
+def test_every_candidate_full_is_refused_naming_the_limits():
+    check_room([cand("a", 2, running=2), cand("b", 3)], "m")  # b has room
+    with pytest.raises(ResourceExhausted, match="'m' is at its limit of 2/3 running"):
+        check_room([cand("a", 2, running=2), cand("b", 3, waiting=3)], "m")
+
+
+def test_a_tenant_at_its_limit_is_refused_and_the_fleet_capacity_is_the_sum_of_limits():
+    assert fleet_capacity([cand("a", 6), cand("b", 4)]) == 10
+    assert fleet_capacity([cand("a", 6), cand("b", 0)]) == 0  # one unknown: unknown
+    check_tenant("acme", 4, 5)
+    check_tenant("acme", 400, None)  # no limit
+    with pytest.raises(ResourceExhausted, match="tenant 'acme' is at its limit of 5 in-flight"):
+        check_tenant("acme", 5, 5)
