@@ -5,6 +5,8 @@ Internal invariants use ``assert``; anything caused by input raises one of these
 
 from __future__ import annotations
 
+from typing import Optional
+
 import grpc
 
 
@@ -13,11 +15,19 @@ class KvfleetError(Exception):
 
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
 
+    def __init__(self, message: str = "", *, field: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.field = field  # the request field at fault (e.g. "sampling.top_p"), when one is
+
 
 class InvalidArgument(KvfleetError):
     """A malformed field; the message names it."""
 
     code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class PromptTooLarge(InvalidArgument):
+    """The prompt exceeds the router's byte limit (HTTP: 413; gRPC: INVALID_ARGUMENT)."""
 
 
 class OutOfRange(KvfleetError):
@@ -30,6 +40,12 @@ class NotFound(KvfleetError):
     """Unknown model or adapter."""
 
     code = grpc.StatusCode.NOT_FOUND
+
+
+class AlreadyExists(KvfleetError):
+    """A request id that is already live on the replica."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
 
 
 class Unauthenticated(KvfleetError):

@@ -16,7 +16,7 @@ import tokenizers
 
 from kvfleet.allocator.hashing import root_hash
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
-from kvfleet.errors import InvalidArgument, OutOfRange
+from kvfleet.errors import AlreadyExists, InvalidArgument, OutOfRange
 from kvfleet.sampling_params import SamplingParams
 from kvfleet.worker.detokenizer import IncrementalDetokenizer
 from kvfleet.worker.outputs import Milestones, SeqOutput, Timing, TokenLogprobs, Usage
@@ -99,7 +99,7 @@ class Engine:
                 f"{self.max_model_len} tokens")
         req.params.check_vocab(self.vocab_size)
         if req.request_id in self._seqs:
-            raise InvalidArgument(f"request_id {req.request_id!r} is already running")
+            raise AlreadyExists(f"request_id {req.request_id!r} is already running")
 
     def add_request(self, req: EngineRequest) -> None:
         """Validate and queue all ``n`` samples. Raises a KvfleetError on refusal."""
