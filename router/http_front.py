@@ -77,9 +77,13 @@ class HttpFront:
     async def start(self) -> str:
         """Listen; returns ``host:port``. Raises OSError if the port is taken."""
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets whose proto says
+        # TCP (accepted ones inherit it); with proto 0, Nagle held an SSE stream's first chunk
+        # behind its headers for the client's delayed ACK (~40 ms).
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.bind((self.host, self.port))
         except OSError as exc:
             sock.close()
