@@ -211,7 +211,10 @@ class HttpFront:
             PromptTooLarge: the body exceeds ``MAX_MESSAGE_BYTES`` (HTTP 413).
             InvalidArgument: the body is not JSON.
         """
-        size = int(request.headers.get("content-length") or 0)
+        try:
+            size = int(request.headers.get("content-length") or 0)
+        except ValueError:
+            size = 0  # uvicorn refuses a malformed length first; count what arrives instead
         chunks, total = [], 0
         if size <= MAX_MESSAGE_BYTES:
             async for chunk in request.stream():
