@@ -132,3 +132,13 @@ async def test_an_error_after_the_stream_started_is_an_error_event_without_done(
     assert json.loads(events[0])["choices"][0]["text"]
     error = json.loads(events[-1])["error"]  # the last event, and no [DONE]
     assert error["code"] == "unavailable" and error["type"] == "service_unavailable_error"
+
+
+async def test_no_live_replica_is_a_503_and_health_says_so(fleet):
+    router = await fleet.add_router(http_port=0)
+    async with httpx.AsyncClient(base_url=f"http://{router.http_address}", timeout=30) as client:
+        health = await client.get("/health")
+        assert health.status_code == 503 and health.json()["replicas"] == 0
+        resp = await client.post("/v1/completions", json={"prompt": "hi"})
+        assert resp.status_code == 503 and resp.json()["error"]["code"] == "unavailable"
+        assert "no live replica" in resp.json()["error"]["message"]
