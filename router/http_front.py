@@ -171,14 +171,16 @@ class HttpFront:
                    oreq: OpenAIRequest) -> AsyncIterator[tuple]:
         """One prompt's messages as ``(prompt index, message)``, under its own server span."""
         with self.core.telemetry.http_request(headers, route, oreq.chat, oreq.user) as trace:
+            started = False  # after the first message the response status is 200 whatever follows
             try:
                 async with contextlib.aclosing(self.core.generate(inp, tenant, trace)) as out:
                     async for msg in out:
+                        started = True
                         yield prompt, msg
                 trace.http_status(200)
             except KvfleetError as exc:
                 trace.fail(*status_of(exc))
-                trace.http_status(error_response(*status_of(exc), None, exc)[0])
+                trace.http_status(200 if started else error_response(*status_of(exc), None, exc)[0])
                 raise
 
     @staticmethod

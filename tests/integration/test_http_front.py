@@ -168,7 +168,7 @@ def test_bad_requests_get_their_status_and_param_and_leak_nothing(tiny_cluster, 
 def test_unsupported_completion_fields_and_parts(base_url):
     resp = httpx.post(f"{base_url}/completions", json={"prompt": "hi", "echo": True}, timeout=30)
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "echo"
-    resp = httpx.post(f"{base_url}/completions", data=b"{not json", timeout=30)
+    resp = httpx.post(f"{base_url}/completions", content=b"{not json", timeout=30)
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "body"
     parts = [{"type": "text", "text": "Name a"}, {"type": "text", "text": "comet."}]
     resp = httpx.post(f"{base_url}/chat/completions", timeout=30, json={
