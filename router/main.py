@@ -182,12 +182,12 @@ async def _serve(cfg: RouterConfig) -> int:
         return 2
     if server.metrics_address:
         log.info("Prometheus metrics on http://%s/metrics", server.metrics_address)
+    if server.http_address:  # a log line: stdout carries only the ready line launchers wait for
+        log.info("OpenAI-compatible HTTP API on http://%s/v1", server.http_address)
     # What start-up built (modules, tokenizer, stubs) lives as long as the process: keep it out
     # of the cyclic GC, whose full collections otherwise stop the loop for ~30 ms here.
     gc.collect()
     gc.freeze()
-    if server.http_address:
-        print(f"router http {server.http_address}", flush=True)
     print(f"router ready {address}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
