@@ -1,4 +1,5 @@
-"""Drive a router (or a worker) with the workload over gRPC: open-loop Poisson or closed loop.
+"""Drive a router (or a worker) with the workload over gRPC, or a router's OpenAI-compatible
+HTTP front (:class:`HttpTarget`, a plain httpx client): open-loop Poisson or closed loop.
 
 Every request's client-side timings (monotonic seconds) and its final usage are kept; nothing
 is aggregated here (see :mod:`bench.report`).
@@ -7,6 +8,7 @@ is aggregated here (see :mod:`bench.report`).
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -83,6 +85,51 @@ class Target:
 
     async def close(self) -> None:
         await self.channel.close()
+
+
+class HttpTarget:
+    """A router's HTTP front: ``POST /v1/completions`` with the prompt's token ids, streamed
+    (SSE). The first token counts at the first chunk with text (completions have no role-only
+    chunk); the request's usage comes with ``stream_options.include_usage``."""
+
+    def __init__(self, address: str, max_tokens: int = 16) -> None:
+        import httpx
+
+        self.address, self.max_tokens = address, max_tokens
+        self.client = httpx.AsyncClient(base_url=f"http://{address}", timeout=600.0,
+                                        limits=httpx.Limits(max_connections=256,
+                                                            max_keepalive_connections=256))
+
+    async def send(self, req: Request, timeout_s: float = 600.0) -> Result:
+        body = {"prompt": list(req.token_ids), "max_tokens": self.max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        res = Result(req, time.monotonic())
+        try:
+            async with self.client.stream("POST", "/v1/completions", json=body,
+                                          timeout=timeout_s) as resp:
+                if resp.status_code != 200:
+                    res.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                    return res
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    res.messages += 1
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        res.error = chunk["error"]["message"]
+                        return res
+                    if res.first is None and chunk["choices"] and chunk["choices"][0]["text"]:
+                        res.first = time.monotonic()
+                    if chunk.get("usage"):
+                        res.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                        res.cached_tokens = chunk["usage"]["prompt_tokens_details"]["cached_tokens"]
+            res.done = time.monotonic()
+        except Exception as exc:  # noqa: BLE001 — any transport failure is this request's error
+            res.error = f"{type(exc).__name__}: {exc}"
+        return res
+
+    async def close(self) -> None:
+        await self.client.aclose()
 
 
 async def open_loop(target: Target, reqs: Sequence[Request]) -> list[Result]:

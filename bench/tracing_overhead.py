@@ -98,7 +98,7 @@ def micro_cost_us(n: int, sink_endpoint: str) -> dict:
     from kvfleet.sampling_params import SamplingParams
     from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
     from kvfleet.router.policy import Candidate
-    from kvfleet.router.server import RouteDecision
+    from kvfleet.router.core import RouteDecision
 
     candidates = tuple(Candidate(ReplicaInfo(f"r{i}", "a", "m", 1, 16),
                                  ReplicaLoad(1, 0, 10, 10, 0.0), 3 if i == 0 else 0, 0)

@@ -121,6 +121,7 @@ def cluster_config(args: argparse.Namespace):
         executor=args.executor, cost_model=cost if args.executor == "cost-model" else None,
         tensor_parallel_size=args.tensor_parallel_size, device=args.device,
         telemetry=TelemetryConfig.from_env(os.environ), metrics_port=args.metrics_port,
+        http_port=None if getattr(args, "http_port", -1) < 0 else args.http_port,
         # -vv: the router logs each routing decision (candidates' matches and loads) too
         router_args=("--log-level", "DEBUG") if getattr(args, "verbose", 0) >= 2 else ())
 
@@ -139,8 +140,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         # After start: ray.init installs its own SIGTERM handler (it aborts the process).
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, on_signal)
+        http = (f"OpenAI-compatible HTTP at http://{cluster.http_address}/v1; "
+                if cluster.http_address else "")
         print(f"kvfleet ready: router at {address} ({args.replicas} replica{'s' if args.replicas != 1 else ''} of {args.model}); "
-              "Ctrl-C to stop", flush=True)
+              f"{http}Ctrl-C to stop", flush=True)
         print(f"kvfleet: prefix index in Redis at {cluster.redis_url} (keys {cluster.cfg.namespace}*)",
               file=sys.stderr, flush=True)
         for name, metrics in cluster.metrics_addresses.items():
@@ -203,6 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="start a local cluster and serve until Ctrl-C")
     _add_cluster_args(up)
+    up.add_argument("--http-port", type=int, default=8000,
+                    help="the router's OpenAI-compatible HTTP API (default 8000; 0 = a free "
+                         "port, -1 = off)")
     up.set_defaults(func=cmd_up)
 
     demo = sub.add_parser("demo", help="start a local cluster, send a shared-prefix workload, stop")

@@ -59,6 +59,7 @@ class ClusterConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     host: str = "127.0.0.1"
     port: int = 50051
+    http_port: Optional[int] = None  # the router's OpenAI-compatible HTTP front (0: a free port)
     redis_url: Optional[str] = None
     ray_address: Optional[str] = None
     namespace: str = DEFAULT_NAMESPACE
@@ -166,6 +167,7 @@ class LocalCluster:
         self.router_proc: Optional[subprocess.Popen] = None
         self.router_address: Optional[str] = None
         self.metrics_addresses: dict[str, str] = {}  # "router" / "replica-<i>" → host:port
+        self.http_address: Optional[str] = None  # the router's HTTP front, when on
         self._started_ray = False
 
     def start(self, timeout_s: float = 300.0) -> str:
@@ -274,6 +276,10 @@ class LocalCluster:
         if cfg.internal_tls_dir:
             cmd += ["--internal-tls-dir", cfg.internal_tls_dir]
         cmd += list(cfg.router_args)
+        if cfg.http_port is not None:
+            port = cfg.http_port or free_port(cfg.host)
+            cmd += ["--http-port", str(port)]
+            self.http_address = f"{cfg.host}:{port}"
         if cfg.metrics_port is not None:
             port = self._metrics_port(0) or free_port(cfg.host)
             cmd += ["--metrics-port", str(port)]

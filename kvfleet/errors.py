@@ -5,6 +5,8 @@ Internal invariants use ``assert``; anything caused by input raises one of these
 
 from __future__ import annotations
 
+from typing import Optional
+
 import grpc
 
 
@@ -13,11 +15,19 @@ class KvfleetError(Exception):
 
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
 
+    def __init__(self, message: str = "", *, field: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.field = field  # the request field at fault (e.g. "sampling.top_p"), when one is
+
 
 class InvalidArgument(KvfleetError):
     """A malformed field; the message names it."""
 
     code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class PromptTooLarge(InvalidArgument):
+    """The prompt exceeds the router's byte limit (HTTP: 413; gRPC: INVALID_ARGUMENT)."""
 
 
 class OutOfRange(KvfleetError):
@@ -43,7 +53,7 @@ class ResourceExhausted(KvfleetError):
 
 
 class AlreadyExists(KvfleetError):
-    """A request with this ``request_id`` is still live (for the same tenant)."""
+    """A request with this ``request_id`` is still live (for the same tenant, or on the replica)."""
 
     code = grpc.StatusCode.ALREADY_EXISTS
 

@@ -45,7 +45,7 @@ class SamplingParams:
         """Check every bound; returns self. Raises InvalidArgument naming the field."""
 
         def bad(name: str, why: str) -> InvalidArgument:
-            return InvalidArgument(f"sampling.{name} {why}")
+            return InvalidArgument(f"sampling.{name} {why}", field=f"sampling.{name}")
 
         for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
@@ -85,7 +85,8 @@ class SamplingParams:
         """
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         if bad:
-            raise InvalidArgument(f"sampling.stop_token_ids: {bad[0]} is outside [0, {vocab_size})")
+            raise InvalidArgument(f"sampling.stop_token_ids: {bad[0]} is outside [0, {vocab_size})",
+                                  field="sampling.stop_token_ids")
         return self
 
     @classmethod

@@ -16,7 +16,7 @@ from kvfleet.errors import InvalidArgument
 
 
 def _raise(message: str):
-    raise InvalidArgument(f"messages: {message}")
+    raise InvalidArgument(f"messages: {message}", field="messages")
 
 
 class ChatTemplate:
@@ -49,4 +49,5 @@ class ChatTemplate:
         except InvalidArgument:
             raise
         except jinja2.TemplateError as exc:
-            raise InvalidArgument(f"messages: chat template failed: {exc}") from exc
+            raise InvalidArgument(f"messages: chat template failed: {exc}",
+                                  field="messages") from exc

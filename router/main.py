@@ -22,6 +22,8 @@ from kvfleet.grpc_util import SERVER_OPTIONS, add_health_and_reflection, bind_po
 from kvfleet.index_keys import DEFAULT_NAMESPACE
 from kvfleet.router.auth import Authenticator
 from kvfleet.router.capacity import DEFAULT_RETRY_PUSHBACK_MS
+from kvfleet.router.core import RouterCore
+from kvfleet.router.http_front import HttpFront
 from kvfleet.router.index_mirror import MirroredPrefixIndex
 from kvfleet.router.policy import make_policy
 from kvfleet.router.prefix_index import RedisPrefixIndex
@@ -45,6 +47,9 @@ class RouterConfig:
     kv_dtype: str = "float32"
     host: str = "127.0.0.1"
     port: int = 50051
+    # The OpenAI-compatible HTTP front (kvfleet.router.http_front) on this port, same host;
+    # None = off, 0 = a free port.
+    http_port: Optional[int] = None
     policy: str = "prefix_aware"
     namespace: str = DEFAULT_NAMESPACE
     api_keys_file: Optional[str] = None
@@ -71,9 +76,12 @@ class RouterServer:
         self.address: Optional[str] = None
         self._server: Optional[grpc.aio.Server] = None
         self.replicas: Optional[ReplicaSet] = None
+        self.core: Optional[RouterCore] = None  # the request path both edges call
         self.service: Optional[RouterService] = None
         self.telemetry: Optional[Telemetry] = None
         self.metrics_address: Optional[str] = None  # Prometheus endpoint, when one is served
+        self.http: Optional[HttpFront] = None
+        self.http_address: Optional[str] = None  # host:port of the HTTP front, when on
 
     async def start(self) -> str:
         """Start serving; returns ``host:port``. Raises OSError if the port is taken."""
@@ -95,13 +103,17 @@ class RouterServer:
         await self.replicas.start()
         self.telemetry = Telemetry(cfg.telemetry, "router")
         self.metrics_address = self.telemetry.metrics_address
-        service = RouterService({model.name: model}, model.name, self.replicas, policy, auth,
-                                telemetry=RouterTelemetry(self.telemetry),
-                                retry_pushback_ms=cfg.retry_pushback_ms)
+        self.core = RouterCore({model.name: model}, model.name, self.replicas, policy, auth,
+                               telemetry=RouterTelemetry(self.telemetry),
+                               retry_pushback_ms=cfg.retry_pushback_ms)
+        service = RouterService(self.core)
         self.service = service
         router_pb2_grpc.add_RouterServicer_to_server(service, self._server)
         name = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
         health = add_health_and_reflection(self._server, [name])
+        if cfg.http_port is not None:
+            self.http = HttpFront(self.core, cfg.host, cfg.http_port)
+            self.http_address = await self.http.start()
         await self._server.start()
         await mark_serving(health, [name])
         return self.address
@@ -109,10 +121,10 @@ class RouterServer:
     def reload_api_keys(self) -> bool:
         """Re-read the API-key file (key rotation; SIGHUP): new requests use it at once. A
         file that does not parse is logged and the previous keys stay. Returns success."""
-        if not self.cfg.api_keys_file or self.service is None:
+        if not self.cfg.api_keys_file or self.core is None:
             return False
         try:
-            self.service.auth = Authenticator.from_file(self.cfg.api_keys_file)
+            self.core.auth = Authenticator.from_file(self.cfg.api_keys_file)
         except (OSError, ValueError) as exc:
             log.error("API keys not reloaded, keeping the previous ones: %s", exc)
             return False
@@ -120,6 +132,9 @@ class RouterServer:
         return True
 
     async def stop(self, grace_s: float = 2.0) -> None:
+        if self.http is not None:
+            await self.http.stop()
+            self.http = None
         if self._server is not None:
             await self._server.stop(grace_s)
             self._server = None
@@ -140,6 +155,9 @@ def parse_args(argv: list[str]) -> RouterConfig:
     p.add_argument("--kv-dtype", default="float32")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--http-port", type=int, default=None,
+                   help="also serve the OpenAI-compatible HTTP API on this port (0 = a free "
+                        "one; default: off)")
     p.add_argument("--policy", default="prefix_aware")
     p.add_argument("--namespace", default=DEFAULT_NAMESPACE)
     p.add_argument("--api-keys", default=None, help="JSON file mapping API keys to tenants")
@@ -176,6 +194,7 @@ def parse_args(argv: list[str]) -> RouterConfig:
         p.error(str(exc))
     return RouterConfig(redis_url=a.redis_url, model_name=a.model_name, model_dir=a.model_dir,
                         block_size=a.block_size, kv_dtype=a.kv_dtype, host=a.host, port=a.port,
+                        http_port=a.http_port,
                         policy=a.policy, namespace=a.namespace, api_keys_file=a.api_keys,
                         index_mirror=a.index_mirror, telemetry=telemetry,
                         log_level=a.log_level, retry_pushback_ms=a.retry_pushback_ms,
@@ -196,6 +215,8 @@ async def _serve(cfg: RouterConfig) -> int:
         return 2
     if server.metrics_address:
         log.info("Prometheus metrics on http://%s/metrics", server.metrics_address)
+    if server.http_address:  # a log line: stdout carries only the ready line launchers wait for
+        log.info("OpenAI-compatible HTTP API on http://%s/v1", server.http_address)
     # What start-up built (modules, tokenizer, stubs) lives as long as the process: keep it out
     # of the cyclic GC, whose full collections otherwise stop the loop for ~30 ms here.
     gc.collect()

@@ -73,12 +73,14 @@ class ServedModel:
             InvalidArgument: no chat template, an unknown role, or an empty list.
         """
         if self.chat_template is None:
-            raise InvalidArgument(f"messages: model {self.name!r} has no chat template; send text")
+            raise InvalidArgument(f"messages: model {self.name!r} has no chat template; send text",
+                                  field="messages")
         if not messages:
-            raise InvalidArgument("messages must not be empty")
+            raise InvalidArgument("messages must not be empty", field="messages")
         for i, m in enumerate(messages):
             if m["role"] not in VALID_ROLES:
-                raise InvalidArgument(f"messages[{i}].role must be one of {VALID_ROLES}, got {m['role']!r}")
+                raise InvalidArgument(f"messages[{i}].role must be one of {VALID_ROLES}, "
+                                      f"got {m['role']!r}", field=f"messages[{i}].role")
         text = self.chat_template.render(messages)
         # The template already wrote any special tokens; do not add them twice.
         return self.tokenizer.encode(text, add_special_tokens=False).ids

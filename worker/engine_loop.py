@@ -163,6 +163,7 @@ class EngineLoop:
         self.loop.call_soon_threadsafe(_set_result, item.admitted, None)
 
     def _deliver(self, outputs: list[SeqOutput]) -> None:
+        ended = set()
         for o in outputs:
             if o.finished and self.on_finish is not None:
                 self.loop.call_soon_threadsafe(self.on_finish, o)
@@ -171,7 +172,10 @@ class EngineLoop:
                 continue
             self.loop.call_soon_threadsafe(q.put_nowait, o)
             if o.finished and not self.engine.is_active(o.request_id):
-                self._streams.pop(o.request_id, None)
+                ended.add(o.request_id)
+        # After the loop: n samples that finish in one step each still need their output.
+        for request_id in ended:
+            self._streams.pop(request_id, None)
 
     def _after_step(self) -> None:
         self._stats = self.engine.stats()

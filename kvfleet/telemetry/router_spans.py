@@ -49,7 +49,18 @@ class RouterTelemetry:
 
     def request(self, metadata: Optional[Iterable[tuple[str, str]]],
                 prompt_kind: Optional[str]) -> "RouterRequestTrace":
+        """Trace one ``Router.Generate`` call (span ``router.Generate``)."""
         return RouterRequestTrace(self, metadata, prompt_kind)
+
+    def http_request(self, headers: Iterable[tuple[str, str]], route: str, chat: bool,
+                     user: str = "") -> "RouterRequestTrace":
+        """Trace one HTTP ``POST route`` (span ``POST <route>``, HTTP semantic conventions; its
+        children are the gRPC call's). ``headers``: lower-case names (W3C trace context)."""
+        attrs = {n.HTTP_REQUEST_METHOD: "POST", n.HTTP_ROUTE: route}
+        if user:
+            attrs[n.USER_ID] = user
+        return RouterRequestTrace(self, headers, "messages" if chat else "text",
+                                  name=f"POST {route}", attributes=attrs)
 
 
 class RouterRequestTrace:
@@ -59,7 +70,8 @@ class RouterRequestTrace:
     status and ``finish_reason=cancelled``; by ``AbortError`` with what :meth:`fail` recorded.
     """
 
-    def __init__(self, rt: RouterTelemetry, metadata, prompt_kind: Optional[str]) -> None:
+    def __init__(self, rt: RouterTelemetry, metadata, prompt_kind: Optional[str],
+                 name: str = n.ROUTER_GENERATE, attributes: Optional[dict] = None) -> None:
         self.rt = rt
         self.tel = rt.telemetry
         self.clock = self.tel.clock
@@ -73,12 +85,13 @@ class RouterRequestTrace:
         self.network_s: Optional[float] = None
         self.worker_s: Optional[float] = None
         self.span = self.tel.tracer.start_span(
-            n.ROUTER_GENERATE, context=self.tel.extract(metadata), kind=SpanKind.SERVER,
+            name, context=self.tel.extract(metadata), kind=SpanKind.SERVER,
             start_time=self.clock.wall_ns(self.start))
         self.recording = self.span.is_recording()
         if self.recording:
             # Few attributes on purpose: encoding them dominates what tracing costs per request.
-            self.span.set_attributes({n.RPC_SYSTEM: "grpc", n.GEN_AI_OPERATION_NAME: self.operation,
+            self.span.set_attributes(attributes or {n.RPC_SYSTEM: "grpc"})
+            self.span.set_attributes({n.GEN_AI_OPERATION_NAME: self.operation,
                                       n.GEN_AI_PROVIDER_NAME: n.PROVIDER})
 
     # ---- phases -----------------------------------------------------------------------------
@@ -191,6 +204,11 @@ class RouterRequestTrace:
     def fail(self, code: grpc.StatusCode, message: str) -> None:
         """Record the status the handler is about to abort with."""
         self._failure = (code, message)
+
+    def http_status(self, status: int) -> None:
+        """The HTTP response status (HTTP edge only)."""
+        if self.recording:
+            self.span.set_attribute(n.HTTP_RESPONSE_STATUS_CODE, status)
 
     # ---- end ----------------------------------------------------------------------------------
     def __enter__(self) -> "RouterRequestTrace":

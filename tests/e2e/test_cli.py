@@ -18,6 +18,7 @@ KVFLEET = [sys.executable, "-m", "kvfleet.deploy.cli"]
 
 
 def _wait_ready(proc: subprocess.Popen, timeout_s: float) -> str:
+    """The router's gRPC address from the ready line (the line itself: ``proc.ready_line``)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -26,6 +27,7 @@ def _wait_ready(proc: subprocess.Popen, timeout_s: float) -> str:
         if ready:
             line = proc.stdout.readline()
             if "ready" in line:
+                proc.ready_line = line
                 return line.split("router at ")[1].split()[0]
     raise AssertionError("kvfleet up never printed ready")
 
@@ -37,7 +39,7 @@ def cli_cluster(smollm2_dir, redis_server):
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": tmp}
     proc = subprocess.Popen(
         [*KVFLEET, "up", "--model", str(smollm2_dir), "--port", "0", "--replicas", "2",
-         "--redis-url", redis_server.url, "--kv-memory", "64MiB"],
+         "--redis-url", redis_server.url, "--kv-memory", "64MiB", "--http-port", "0"],
         stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
     try:
         yield proc, _wait_ready(proc, 240), Path(tmp)
@@ -46,6 +48,22 @@ def cli_cluster(smollm2_dir, redis_server):
             proc.kill()
             proc.wait()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_the_readme_openai_snippet_works_against_kvfleet_up(cli_cluster):
+    """README's snippet: the openai client on the printed URL, greedy (OpenAI's default is
+    temperature 1); chat without max_tokens is bounded by the context and the replica's KV
+    capacity (64 MiB here: ~1,400 tokens)."""
+    from openai import OpenAI
+
+    proc, _, _ = cli_cluster
+    base_url = proc.ready_line.split("OpenAI-compatible HTTP at ")[1].split(";")[0]
+    client = OpenAI(base_url=base_url, api_key="unused")
+    stream = client.chat.completions.create(
+        model=client.models.list().data[0].id, stream=True, temperature=0,
+        messages=[{"role": "user", "content": "What is the capital of France?"}])
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream)
+    assert "Paris" in text
 
 
 def test_generate_streams_a_coherent_answer(cli_cluster):

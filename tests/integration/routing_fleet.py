@@ -56,7 +56,7 @@ class Fleet:
 
     def chain(self, tokens: Sequence[int], scope: str = "default", salt: str = "") -> list[bytes]:
         """The chain the router computes for these tokens (its own identity)."""
-        model = self.routers[0].service.models[self.model_name]
+        model = self.routers[0].core.models[self.model_name]
         return block_hash_chain(root_hash(model.identity.digest(), scope, salt), tokens, BLOCK)
 
     def index(self, router: int = 0) -> PrefixIndex:

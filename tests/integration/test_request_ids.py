@@ -54,7 +54,7 @@ async def test_a_live_id_is_refused_for_its_tenant_and_free_for_another(fleet, t
         assert rest.usage.completion_tokens == 100
         again = await _last(stub.Generate(_request("req-1", 4, 2), metadata=acme))
         assert again.usage.completion_tokens == 2  # finished ids are free again
-    assert router.service._live_ids == set()
+    assert router.core._live_ids == set()
 
 
 async def test_a_worker_refuses_a_duplicate_live_id_from_a_direct_client(fleet):

@@ -50,7 +50,7 @@ async def test_a_new_family_lands_on_the_rendezvous_owner_from_every_router(flee
         owner = max(["rep-a", "rep-b"], key=lambda r: rendezvous_score(chain[0], r))
         picks = set()
         for router in fleet.routers:
-            decision = await router.service.route(router.service.models[fleet.model_name], chain)
+            decision = await router.core.route(router.core.models[fleet.model_name], chain)
             picks.add(decision.candidate.info.replica_id)
         assert picks == {owner}
 
@@ -70,7 +70,7 @@ async def test_two_routers_make_the_same_choice_for_the_same_state(fleet):
         await r.replicas.refresh()
     for tokens in prompts:  # warmed (longest holder) and new (rendezvous) families
         chain = fleet.chain(tokens)
-        decisions = [await r.service.route(r.service.models[fleet.model_name], chain)
+        decisions = [await r.core.route(r.core.models[fleet.model_name], chain)
                      for r in fleet.routers]
         assert [d.index_source for d in decisions] == ["mirror", "mirror"]  # no Redis round trip
         picks = [d.candidate for d in decisions]
@@ -116,7 +116,7 @@ async def test_another_model_revision_never_matches(fleet, tiny_llama_dir, tmp_p
     await fleet.direct("rep-a", tokens)
     await fleet.wait_match(fleet.chain(tokens), {"rep-a": 4})
     other = ServedModel.load(fleet.model_name, revised, BLOCK)
-    assert other.identity != fleet.routers[0].service.models[fleet.model_name].identity
+    assert other.identity != fleet.routers[0].core.models[fleet.model_name].identity
     from kvfleet.allocator.hashing import block_hash_chain, root_hash
     chain = block_hash_chain(root_hash(other.identity.digest(), "default", ""), tokens, BLOCK)
     assert await fleet.match(chain) == {}
@@ -169,7 +169,7 @@ async def test_a_finished_turn_in_a_stale_load_report_keeps_the_chat_on_its_hold
     await fleet.wait_match(fleet.chain(turn2), {holder: 2, other: 1})
     # Scored on the report alone, 2 matched − 1 load ties 1 − 0 (this tie went to `other`
     # before ties went to the deeper match); the ledger makes the holder's load 0.
-    with caplog.at_level(logging.DEBUG, logger="kvfleet.router.server"):
+    with caplog.at_level(logging.DEBUG, logger="kvfleet.router.core"):
         out = await fleet.generate(turn2)
     assert out.replica_id == holder and out.usage.cached_prompt_tokens == 2 * BLOCK
     # The debug log shows why: the report's request is known finished (-vv on `kvfleet up`).

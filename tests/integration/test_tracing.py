@@ -7,6 +7,7 @@ is small (32) so that prompts take several prefill chunks.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import urllib.request
@@ -44,8 +45,8 @@ def telemetry_cfg(sink):
 @pytest.fixture(scope="module")
 def traced_cluster(ray_session, redis_server, tiny_llama_dir, telemetry_cfg):
     cfg = ClusterConfig(model_name="tiny-llama", model_dir=str(tiny_llama_dir), replicas=2,
-                        block_size=16, num_blocks=64, port=0, redis_url=redis_server.url,
-                        namespace=f"kvtest-trace-{uuid.uuid4().hex[:6]}:",
+                        block_size=16, num_blocks=64, port=0, http_port=0,
+                        redis_url=redis_server.url, namespace=f"kvtest-trace-{uuid.uuid4().hex[:6]}:",
                         telemetry=telemetry_cfg, metrics_port=0,
                         replica_num_cpus=0,  # the session's other cluster may hold every CPU
                         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32))
@@ -90,6 +91,31 @@ def ancestors(spans: dict, span) -> list[str]:
 
 ALL = {n.CLIENT_GENERATE, n.ROUTER_GENERATE, n.ROUTER_TOKENIZE, n.ROUTER_ROUTE,
        n.ROUTER_DISPATCH, n.WORKER_GENERATE, n.WORKER_QUEUE, n.WORKER_PREFILL, n.WORKER_DECODE}
+
+
+def test_an_http_request_is_one_trace_under_an_http_server_span(traced_cluster, sink):
+    trace_id = uuid.uuid4().hex
+    # Not chat(): the other tests count prefill chunks of SYSTEM's uncached prompt.
+    body = json.dumps({"messages": [{"role": "user", "content": "When did the paper start?"}],
+                       "max_tokens": 3,
+                       "user": "reader-7"}).encode()
+    req = urllib.request.Request(
+        f"http://{traced_cluster.http_address}/v1/chat/completions", data=body,
+        headers={"content-type": "application/json",
+                 "traceparent": f"00-{trace_id}-{'ab' * 8}-01"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        assert resp.status == 200 and json.load(resp)["usage"]["completion_tokens"] == 3
+    http_span = "POST /v1/chat/completions"
+    spans = trace_spans(sink, trace_id, ALL - {n.CLIENT_GENERATE, n.ROUTER_GENERATE} | {http_span})
+    assert n.ROUTER_GENERATE not in spans  # the HTTP span takes the gRPC one's place
+    for name in (n.ROUTER_TOKENIZE, n.ROUTER_ROUTE, n.ROUTER_DISPATCH):
+        assert ancestors(spans, spans[name]) == [http_span]
+    assert ancestors(spans, spans[n.WORKER_GENERATE])[:2] == [n.ROUTER_DISPATCH, http_span]
+    a = spans[http_span].attributes
+    assert spans[http_span].kind == SERVER and n.RPC_SYSTEM not in a
+    assert a[n.HTTP_REQUEST_METHOD] == "POST" and a[n.HTTP_ROUTE] == "/v1/chat/completions"
+    assert a[n.HTTP_RESPONSE_STATUS_CODE] == 200 and a[n.USER_ID] == "reader-7"
+    assert a[n.GEN_AI_OPERATION_NAME] == "chat" and a[n.GEN_AI_USAGE_OUTPUT_TOKENS] == 3
 
 
 def test_one_request_is_one_trace_with_the_span_tree(client, sink):

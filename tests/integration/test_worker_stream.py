@@ -188,3 +188,20 @@ async def test_requests_move_off_a_replica_that_died_before_its_heartbeat_expire
     assert [o.replica_id for o in outs] == ["rep-b"] * 10  # none failed, none went to rep-a
     await router.replicas.refresh()
     assert "rep-a" in router.replicas.replicas  # still registered: routing went around it
+
+
+async def test_n_samples_that_finish_in_one_step_each_deliver_their_last_message(fleet):
+    """n=2 siblings reach max_tokens in the same engine step: both final messages arrive
+    (the engine loop used to drop the request's stream after the first of them)."""
+    server = await fleet.add_replica("rep-a")
+    channel = grpc.aio.insecure_channel(server.address)
+    try:
+        call = worker_pb2_grpc.WorkerStub(channel).GenerateStream()
+        await call.write(generate_frame(1, prompt(4, 20), max_tokens=3, n=2))
+        frames = (await collect(call, [1]))[1]
+        finals = sorted(f.message.index for f in frames if f.message.finish_reason)
+        assert finals == [0, 1] and frames[-1].done and frames[-1].status_code == 0
+        assert all(f.message.usage.completion_tokens == 3 for f in frames if f.message.finish_reason)
+        call.cancel()
+    finally:
+        await channel.close()

@@ -1,0 +1,102 @@
+"""HTTP front vs gRPC on the same router and worker (issue 19): added TTFT and throughput.
+
+    .venv/bin/python -m bench.http_front
+
+One router process serving both its gRPC port and its HTTP front (``--http-port``), one
+cost-model replica that answers at once (so the router and the transports are what is
+measured). The same Poisson stream (1,024-token shared prefix + 64 unique tokens as token ids,
+one output token) goes through ``Router.Generate`` (gRPC, bench.load.Target) and through
+``POST /v1/completions`` streamed over SSE with a plain httpx client (bench.load.HttpTarget),
+in rotating segments; HTTP's added TTFT = its quantile − gRPC's. Then closed-loop throughput
+(``--concurrency`` clients, ``--tokens`` streamed tokens each) through each transport, and the
+router process's CPU per request in those phases (``/proc``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+
+from bench.load import HttpTarget, Target, closed_loop
+from bench.router_cost import RESULTS, added_ttft, cpu_seconds
+from bench.workload import Workload, requests
+from kvfleet.worker.cost_model import ZERO
+
+
+async def throughput(target, pid: int, concurrency: int, seconds: float) -> dict:
+    w = Workload(groups=1, prefix_tokens=1024, suffix_tokens=64)
+    cpu0, t0 = cpu_seconds(pid), time.monotonic()
+    res = await closed_loop(target, requests(w, float("inf"), 100_000, seed=7), concurrency,
+                            seconds)
+    wall, cpu = time.monotonic() - t0, cpu_seconds(pid) - cpu0
+    ok = [r for r in res if r.ok]
+    return {"requests_per_s": len(ok) / wall, "errors": len(res) - len(ok),
+            "tokens_per_s": len(ok) * target.max_tokens / wall,
+            "router_cpu_ms_per_request": cpu / max(1, len(ok)) * 1e3}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench.http_front", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rates", default="30", help="requests/s for the TTFT test")
+    p.add_argument("--segment", type=int, default=300)
+    p.add_argument("--rounds", type=int, default=6, help="segments per transport and rate")
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=256, help="output tokens per throughput request")
+    p.add_argument("--seconds", type=float, default=10.0, help="per throughput phase")
+    a = p.parse_args(argv)
+
+    from kvfleet.deploy.launcher import ClusterConfig, LocalCluster, init_ray, shutdown_ray
+    from kvfleet.deploy.models import DEFAULT_MODEL, resolve_model
+    from kvfleet.deploy.redis_server import start_redis
+
+    name, model_dir = resolve_model(DEFAULT_MODEL)
+    redis = start_redis()
+    init_ray(num_cpus=2)
+    cluster = LocalCluster(ClusterConfig(
+        model_name=name, model_dir=str(model_dir), replicas=1, num_blocks=4096, port=0,
+        http_port=0, redis_url=redis.url, namespace="bench-http:", replica_num_cpus=0,
+        executor="cost-model", cost_model=ZERO))
+    try:
+        cluster.start()
+
+        async def run() -> dict:
+            from bench.router_bench import wait_registered
+
+            await wait_registered(cluster.router_address, 1)
+            grpc_t = Target(cluster.router_address, max_tokens=1)
+            http_t = HttpTarget(cluster.http_address, max_tokens=1)
+            out: dict = {"added_ttft": []}
+            for rate in a.rates.split(","):  # "direct" = gRPC, "http" = the HTTP front
+                got = await added_ttft(grpc_t, {"http": http_t}, float(rate), a.segment, a.rounds)
+                out["added_ttft"].append(got)
+                print(json.dumps(got), flush=True)
+            pid = cluster.router_proc.pid
+            long_g = Target(cluster.router_address, max_tokens=a.tokens)
+            long_h = HttpTarget(cluster.http_address, max_tokens=a.tokens)
+            out["throughput"] = {}
+            for rnd in range(2):  # interleaved: gRPC, HTTP, gRPC, HTTP
+                for key, target in (("grpc", long_g), ("http", long_h)):
+                    got = await throughput(target, pid, a.concurrency, a.seconds)
+                    out["throughput"].setdefault(key, []).append(got)
+                    print(key, json.dumps(got), flush=True)
+            for t in (grpc_t, http_t, long_g, long_h):
+                await t.close()
+            return out
+
+        out = asyncio.run(run())
+    finally:
+        cluster.stop()
+        shutdown_ray()
+        redis.stop()
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / "http_front.json"
+    path.write_text(json.dumps(out, indent=1))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,297 @@
+"""The router's transport-neutral request path: validate → tokenize → hash → route → relay.
+
+Both edges call it — the gRPC ``Router.Generate`` handler (``router/server.py``) and the
+OpenAI-compatible HTTP front (``router/http_front.py``) — on the one event loop that owns the
+worker links and the index mirror. An edge authenticates (:meth:`RouterCore.authenticate`),
+turns its request into a :class:`GenerateInput`, iterates :meth:`RouterCore.generate` and maps a
+raised :class:`~kvfleet.errors.KvfleetError` to its own error shape.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import time
+import uuid
+from dataclasses import dataclass, replace
+from typing import AsyncIterator, Optional, Sequence
+
+from kvfleet.allocator.hashing import block_hash_chain
+from kvfleet.errors import (AlreadyExists, InvalidArgument, KvfleetError, NotFound, OutOfRange,
+                            PromptTooLarge, Unavailable)
+from kvfleet.router.auth import Authenticator
+from kvfleet.router.capacity import (DEFAULT_RETRY_PUSHBACK_MS, check_room, check_tenant,
+                                     fleet_capacity, with_room)
+from kvfleet.router.policy import Candidate, RoutingPolicy
+from kvfleet.router.prefix_index import IndexUnavailable
+from kvfleet.router.replica_set import ReplicaSet
+from kvfleet.router.served_model import ServedModel
+from kvfleet.router.worker_link import LinkCall, WorkerCallError
+from kvfleet.sampling_params import SamplingParams
+from kvfleet.telemetry.router_spans import RouterRequestTrace, RouterTelemetry
+from kvfleet.v1 import common_pb2
+
+log = logging.getLogger(__name__)
+
+MAX_PROMPT_BYTES = 1 << 20  # 1 MiB of prompt text per request
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """Exactly one of: ``text``, ``token_ids`` or chat ``messages`` (``{"role", "content"}``)."""
+
+    kind: str  # "text" | "token_ids" | "messages"
+    text: str = ""
+    token_ids: Sequence[int] = ()
+    messages: Sequence[dict] = ()
+
+
+@dataclass(frozen=True)
+class GenerateInput:
+    """One generation request as every edge describes it.
+
+    ``fill_context``: ``sampling.max_tokens`` is ignored and becomes the rest of the context
+    (bounded by the chosen replica's whole KV capacity): the OpenAI chat default.
+    ``deadline_unix_s``: wall-clock deadline the worker enforces (None = none).
+    """
+
+    prompt: Prompt
+    sampling: SamplingParams
+    model: str = ""
+    adapter: str = ""
+    cache_salt: str = ""
+    request_id: str = ""
+    deadline_unix_s: Optional[float] = None
+    fill_context: bool = False
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    candidate: Candidate
+    num_blocks: int
+    redis_s: float      # seconds in the index lookup
+    index_used: bool
+    index_source: str = ""  # "mirror" (in memory), "redis" (a round trip), "" (not consulted)
+    candidates: tuple[Candidate, ...] = ()  # every replica considered (span attribute)
+
+
+class RouterCore:
+    """Models, replicas, policy and auth of one router process, and the request path over them."""
+
+    def __init__(self, models: dict[str, ServedModel], default_model: str, replicas: ReplicaSet,
+                 policy: RoutingPolicy, auth: Authenticator,
+                 telemetry: Optional[RouterTelemetry] = None,
+                 retry_pushback_ms: int = DEFAULT_RETRY_PUSHBACK_MS) -> None:
+        self.models = models
+        self.default_model = default_model
+        self.replicas = replicas
+        self.policy = policy
+        self.auth = auth
+        self.telemetry = telemetry or RouterTelemetry()  # spans + metrics (no-op by default)
+        self.retry_pushback_ms = retry_pushback_ms  # RESOURCE_EXHAUSTED's retry hint (ms)
+        self._live_ids: set[tuple[str, str]] = set()  # (tenant, client request_id) in flight
+        self.tenant_inflight: collections.Counter[str] = collections.Counter()
+
+    def authenticate(self, metadata) -> str:
+        """The tenant for gRPC metadata or HTTP headers (lower-case keys). Raises Unauthenticated."""
+        return self.auth.tenant(metadata)
+
+    def model(self, name: str) -> ServedModel:
+        """The served model ``name`` (empty = the default). Raises NotFound."""
+        model = self.models.get(name or self.default_model)
+        if model is None:
+            raise NotFound(f"model {name!r} is not served; served: {sorted(self.models)}",
+                           field="model")
+        return model
+
+    def prompt_tokens(self, prompt: Prompt, model: ServedModel) -> list[int]:
+        """Tokenize (or check) a prompt once. Raises InvalidArgument naming the field."""
+        if prompt.kind == "text":
+            if not prompt.text:
+                raise InvalidArgument("text must not be empty", field="text")
+            if len(prompt.text.encode()) > MAX_PROMPT_BYTES:
+                raise PromptTooLarge(f"text exceeds {MAX_PROMPT_BYTES} bytes", field="text")
+            return model.encode_text(prompt.text)
+        if prompt.kind == "token_ids":
+            # One copy to a list: reading a protobuf repeated field creates every int again
+            # on each pass, and min, max and the block hashing each make a pass.
+            ids = list(prompt.token_ids)
+            if not ids:
+                raise InvalidArgument("token_ids must not be empty", field="token_ids")
+            if min(ids) < 0 or max(ids) >= model.vocab_size:
+                bad = next(t for t in ids if not 0 <= t < model.vocab_size)
+                raise InvalidArgument(f"token_ids: {bad} is outside [0, {model.vocab_size})",
+                                      field="token_ids")
+            return ids
+        if prompt.kind == "messages":
+            if sum(len(m["content"].encode()) for m in prompt.messages) > MAX_PROMPT_BYTES:
+                raise PromptTooLarge(f"messages exceed {MAX_PROMPT_BYTES} bytes of content",
+                                     field="messages")
+            return model.encode_messages(prompt.messages)
+        raise InvalidArgument("prompt: one of text, token_ids or messages is required",
+                              field="prompt")
+
+    def _candidates(self, model: str, matched: Optional[dict[str, int]] = None) -> list[Candidate]:
+        """Every live replica of ``model`` with its load. Raises Unavailable if none is live."""
+        live = self.replicas.for_model(model)
+        if not live:
+            raise Unavailable(f"no live replica serves model {model!r}")
+        ledger, matched = self.replicas.ledger, matched or {}
+        return [Candidate(info, load, matched.get(info.replica_id, 0),
+                          ledger.inflight[info.replica_id], ledger.settled(info.replica_id))
+                for info, load in live]
+
+    def _claim_id(self, tenant: str, client_id: str) -> tuple[str, str]:
+        """(the client's id or a new one, the id the worker sees: that one namespaced by
+        tenant, so two tenants may both use "req-1"). Raises AlreadyExists for an id live for
+        the same tenant on this router; a claimed id is released by :meth:`generate`."""
+        if not client_id:
+            client_id = uuid.uuid4().hex
+        elif (tenant, client_id) in self._live_ids:
+            raise AlreadyExists(f"request_id {client_id!r} is already live for this tenant",
+                                field="request_id")
+        else:
+            self._live_ids.add((tenant, client_id))
+        return client_id, f"{tenant}/{client_id}"
+
+    async def route(self, model: ServedModel, chain: list[bytes]) -> RouteDecision:
+        """Pick a replica with room for a chain of block hashes. Raises Unavailable if none
+        is live."""
+        self._candidates(model.name)  # Unavailable before any lookup
+        matched: dict[str, int] = {}
+        t0 = time.perf_counter()
+        index_used, source = False, ""
+        # During an outage skip the lookup (each would wait for a timeout): route by load until
+        # the background refresh sees Redis answer again.
+        if chain and self.policy.name == "prefix_aware" and self.replicas.index_available:
+            source = "mirror" if self.replicas.index.local else "redis"
+            try:
+                matched = await self.replicas.index.match(chain)
+                index_used = True
+                self.replicas.mark_index_up()
+            except IndexUnavailable as exc:
+                self.replicas.mark_index_down(exc)
+        redis_s = time.perf_counter() - t0
+        candidates = self._candidates(model.name, matched)
+        return RouteDecision(self.policy.choose(with_room(candidates), chain), len(chain), redis_s,
+                             index_used, source if index_used else "", tuple(candidates))
+
+    async def generate(self, req: GenerateInput, tenant: str, trace: RouterRequestTrace
+                       ) -> AsyncIterator[common_pb2.GenerateResponse]:
+        """Validate, tokenize, route and relay one request; yields the worker's messages.
+
+        Raises:
+            KvfleetError: before the first message (validation, NOT_FOUND, UNAVAILABLE, …) or
+                after it (:class:`~kvfleet.router.worker_link.WorkerCallError`: the worker's
+                status). The caller records it on ``trace`` and answers it in its own shape.
+        """
+        model = self.model(req.model)
+        candidates = self._candidates(model.name)
+        limit = self.auth.tenant_limit(tenant, fleet_capacity(candidates))
+        check_tenant(tenant, self.tenant_inflight[tenant], limit)  # before tokenizing: cheap
+        check_room(candidates, model.name)
+        if req.adapter:
+            raise NotFound(f"adapter {req.adapter!r} is not loaded", field="adapter")
+        params = req.sampling.check_vocab(model.vocab_size)
+        trace.on_request(model.name, params, tenant)
+        with trace.tokenize() as tokenized:
+            tokens = self.prompt_tokens(req.prompt, model)
+            tokenized["tokens"] = len(tokens)
+        if not req.fill_context:
+            self._check_context(model, len(tokens), params.max_tokens)
+        route_start = time.monotonic()
+        scope = self.auth.cache_scope(tenant)  # the tenant, or its shared namespace
+        chain = block_hash_chain(model.root_hash(scope, req.cache_salt), tokens, model.block_size)
+        decision = await self.route(model, chain)
+        trace.routed(route_start, decision, self.policy.name)
+        client_id, request_id = self._claim_id(tenant, req.request_id)  # last: released below
+        self.tenant_inflight[tenant] += 1
+        try:
+            async for msg in self._dispatch(req, trace, model, chain, decision,
+                                            (client_id, request_id), params, tokens, scope):
+                yield msg
+        finally:
+            self._live_ids.discard((tenant, req.request_id))
+            self.tenant_inflight[tenant] -= 1
+
+    async def _dispatch(self, req: GenerateInput, trace, model: ServedModel, chain, decision,
+                        ids: tuple[str, str], params: SamplingParams, tokens, scope: str
+                        ) -> AsyncIterator[common_pb2.GenerateResponse]:
+        """Relay the chosen replica's stream (once more elsewhere if the link failed before
+        anything was relayed). ``ids``: (the client's request id, the worker's)."""
+        client_id, request_id = ids
+        for attempt in (1, 2):
+            info = decision.candidate.info
+            if req.fill_context:
+                params = self._fill_context(model, len(tokens), params, decision.candidate)
+            call = self._worker_call(req, request_id, params, tokens, scope, info, trace)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("request %s: %d tokens → %s (%s); candidates: %s", request_id,
+                          len(tokens), info.replica_id, self.policy.name,
+                          "; ".join(c.describe() for c in decision.candidates))
+            relayed = False
+            dispatched_at = self.replicas.ledger.dispatched(info.replica_id)
+            # The deadline travels as deadline_unix_s (the worker enforces it); an edge that
+            # gives up cancels this generator, which cancels the call below.
+            try:
+                async for msg in call:
+                    relayed = True
+                    msg.request_id = client_id  # the worker's carries the tenant
+                    if msg.finish_reason:
+                        trace.on_final(msg)
+                    yield msg
+                trace.dispatched(call.trailing_metadata())
+                return
+            except WorkerCallError as exc:
+                if exc.link_failed:
+                    self.replicas.mark_unreachable(info)
+                    retry = None
+                    if not relayed and attempt == 1:  # nothing reached the client: safe to move
+                        with contextlib.suppress(KvfleetError):
+                            retry = await self.route(model, chain)
+                        if retry is not None and retry.candidate.info.replica_id != info.replica_id:
+                            trace.dispatch_failed(exc.code, exc.details)
+                            decision = retry
+                            continue
+                raise
+            finally:
+                self.replicas.ledger.finished(info.replica_id, dispatched_at)
+                call.cancel()  # no-op when finished; aborts the worker's call if the client left
+
+    @staticmethod
+    def _check_context(model: ServedModel, num_tokens: int, max_tokens: int) -> None:
+        total = num_tokens + max_tokens
+        if total > model.max_context:
+            raise OutOfRange(
+                f"prompt ({num_tokens} tokens) + sampling.max_tokens ({max_tokens}) "
+                f"= {total} exceeds the context of {model.max_context} tokens",
+                field="sampling.max_tokens")
+
+    @staticmethod
+    def _fill_context(model: ServedModel, num_tokens: int, params: SamplingParams,
+                      chosen: Candidate) -> SamplingParams:
+        """``params`` with max_tokens = what is left of the context after the prompt, and of
+        the chosen replica's whole KV capacity (its last report), so that it can ever fit."""
+        limit = model.max_context
+        report = chosen.load_report
+        if report is not None and report.num_total_blocks > 0:
+            limit = min(limit, report.num_total_blocks * model.block_size)
+        if num_tokens >= limit:
+            raise OutOfRange(f"prompt ({num_tokens} tokens) leaves no room to generate within "
+                             f"the context of {limit} tokens", field="messages")
+        return replace(params, max_tokens=limit - num_tokens)
+
+    def _worker_call(self, req: GenerateInput, request_id: str, params: SamplingParams,
+                     tokens: Sequence[int], scope: str, info, trace) -> LinkCall:
+        """The worker request for one dispatch to ``info``, ready to iterate."""
+        call = self.replicas.link(info).call(
+            trace.start_dispatch(request_id, info.replica_id, info.address))
+        worker_req = call.request  # filled in place: no copy of the prompt into the frame
+        worker_req.request_id, worker_req.tenant = request_id, scope
+        worker_req.cache_salt, worker_req.adapter = req.cache_salt, req.adapter
+        worker_req.prompt_token_ids.extend(tokens)
+        params.to_proto(worker_req.sampling)
+        if req.deadline_unix_s is not None:
+            worker_req.deadline_unix_s = req.deadline_unix_s
+        return call

@@ -1,0 +1,262 @@
+"""The router's OpenAI-compatible HTTP front: Starlette on uvicorn, in the router's event loop.
+
+``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming as server-sent events,
+ending ``data: [DONE]``), ``GET /v1/models``, ``GET /health``. Every generation goes through
+:meth:`RouterCore.generate`, the path the gRPC handler takes (same auth, validation, tokenizer,
+routing, worker links, traces): no second loop, no loopback gRPC hop. Errors are OpenAI error
+bodies with the HTTP status of their gRPC code (``router/openai_response.py``); once an SSE
+stream has started a failure is one ``data: {"error": …}`` event and no ``[DONE]``. A client
+that disconnects cancels its request on the worker (its KV blocks are freed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import time
+import uuid
+from dataclasses import replace
+from typing import AsyncIterator, Optional
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from kvfleet.errors import InvalidArgument, KvfleetError, PromptTooLarge, status_of
+from kvfleet.grpc_util import MAX_MESSAGE_BYTES
+from kvfleet.router.core import RouterCore
+from kvfleet.router.http_streams import ClientDisconnected, merge, until_disconnected
+from kvfleet.router.openai_request import (OpenAIRequest, openai_param, parse_chat,
+                                           parse_completion)
+from kvfleet.router.openai_response import ResponseBuilder, error_response
+
+CHAT_ROUTE = "/v1/chat/completions"
+COMPLETIONS_ROUTE = "/v1/completions"
+REQUEST_ID_HEADER = "x-request-id"       # optional; the router assigns one when absent
+TIMEOUT_HEADER = "x-request-timeout"     # optional deadline, seconds (gRPC: the call's timeout)
+CLIENT_CLOSED = 499                       # nginx's status for a request its client abandoned
+
+
+def _sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+class _SSEResponse(StreamingResponse):
+    """A StreamingResponse that closes its body iterator however it ends (a client gone
+    mid-send included), so the request's worker call is cancelled at once, not at GC."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+class HttpFront:
+    """The HTTP listener of one router process, over the router's :class:`RouterCore`."""
+
+    def __init__(self, core: RouterCore, host: str = "127.0.0.1", port: int = 8000) -> None:
+        self.core = core
+        self.host, self.port = host, port
+        self.address: Optional[str] = None
+        self.app = Starlette(routes=[
+            Route(CHAT_ROUTE, self.chat, methods=["POST"]),
+            Route(COMPLETIONS_ROUTE, self.completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+        ])
+        self._server: Optional[uvicorn.Server] = None
+        self._sock: Optional[socket.socket] = None
+        self._ticker: Optional[asyncio.Task] = None
+
+    # ---- lifecycle (on the caller's running loop) -----------------------------------------
+    async def start(self) -> str:
+        """Listen; returns ``host:port``. Raises OSError if the port is taken."""
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets whose proto says
+        # TCP (accepted ones inherit it); with proto 0, Nagle held an SSE stream's first chunk
+        # behind its headers for the client's delayed ACK (~40 ms).
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.bind((self.host, self.port))
+        except OSError as exc:
+            sock.close()
+            raise OSError(f"cannot listen on {self.host}:{self.port} (HTTP): {exc}") from exc
+        self._sock = sock
+        # lifespan off, no logging config, no signal handlers: the router process owns those.
+        config = uvicorn.Config(self.app, lifespan="off", log_config=None, access_log=False,
+                                timeout_graceful_shutdown=2)
+        config.load()
+        server = uvicorn.Server(config)
+        server.lifespan = config.lifespan_class(config)
+        await server.startup(sockets=[sock])
+        self._server = server
+        self._ticker = asyncio.create_task(server.main_loop())  # Date header, exit flag
+        port = sock.getsockname()[1]
+        self.address = f"{self.host}:{port}"
+        return self.address
+
+    async def stop(self) -> None:
+        if self._server is None:
+            return
+        self._server.should_exit = True
+        await self._ticker
+        await self._server.shutdown(sockets=[self._sock])
+        self._sock.close()
+        self._server = self._ticker = self._sock = None
+
+    # ---- endpoints ------------------------------------------------------------------------
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, CHAT_ROUTE, parse_chat)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, COMPLETIONS_ROUTE, parse_completion)
+
+    async def models(self, request: Request) -> Response:
+        try:
+            self.core.authenticate(request.headers.items())
+        except KvfleetError as exc:
+            return self._error(exc)
+        return JSONResponse({"object": "list", "data": [
+            {"id": m.name, "object": "model", "created": 0, "owned_by": "kvfleet",
+             "max_model_len": m.max_context} for m in self.core.models.values()]})
+
+    async def health(self, request: Request) -> Response:
+        """200 while some replica is live (a load balancer's readiness), else 503."""
+        live = sum(len(self.core.replicas.for_model(name)) for name in self.core.models)
+        return JSONResponse({"status": "ok" if live else "no live replica", "replicas": live},
+                            status_code=200 if live else 503)
+
+    # ---- the generation path ----------------------------------------------------------------
+    async def _generate(self, request: Request, route: str, parse) -> Response:
+        headers = request.headers.items()
+        try:
+            tenant = self.core.authenticate(headers)
+            rid, oreq = self._with_ids(parse(await self._json(request)), request)
+            model = self.core.model(oreq.inputs[0].model).name
+        except KvfleetError as exc:
+            with self.core.telemetry.http_request(headers, route, parse is parse_chat) as trace:
+                trace.fail(*status_of(exc))
+            return self._error(exc)
+        tokenizer = self.core.models[model].tokenizer
+        builder = ResponseBuilder(oreq.chat, rid, model, oreq.n, oreq.logprobs,
+                                  lambda t: tokenizer.decode([t], skip_special_tokens=False))
+        events = merge([self._one(p, inp, tenant, headers, route, oreq)
+                        for p, inp in enumerate(oreq.inputs)])
+        try:
+            # Errors until the first token are plain HTTP errors; a client gone meanwhile
+            # cancels the request.
+            first = await until_disconnected(request.receive, events.__anext__())
+            if oreq.stream:
+                return _SSEResponse(self._sse(builder, first, events, oreq),
+                                    media_type="text/event-stream",
+                                    headers={REQUEST_ID_HEADER: rid})
+            builder.add(*first)
+            await until_disconnected(request.receive, self._fold(builder, events))
+            return JSONResponse(builder.body(), headers={REQUEST_ID_HEADER: rid})
+        except KvfleetError as exc:
+            await events.aclose()
+            return self._error(exc, oreq)
+        except ClientDisconnected:
+            await events.aclose()
+            return Response(status_code=CLIENT_CLOSED)
+
+    async def _one(self, prompt: int, inp, tenant: str, headers, route: str,
+                   oreq: OpenAIRequest) -> AsyncIterator[tuple]:
+        """One prompt's messages as ``(prompt index, message)``, under its own server span."""
+        with self.core.telemetry.http_request(headers, route, oreq.chat, oreq.user) as trace:
+            started = False  # after the first message the response status is 200 whatever follows
+            try:
+                async with contextlib.aclosing(self.core.generate(inp, tenant, trace)) as out:
+                    async for msg in out:
+                        started = True
+                        yield prompt, msg
+                trace.http_status(200)
+            except KvfleetError as exc:
+                trace.fail(*status_of(exc))
+                trace.http_status(200 if started else error_response(*status_of(exc), None, exc)[0])
+                raise
+
+    @staticmethod
+    async def _fold(builder: ResponseBuilder, events) -> None:
+        async for prompt, msg in events:
+            builder.add(prompt, msg)
+
+    async def _sse(self, builder: ResponseBuilder, first: tuple, events,
+                   oreq: OpenAIRequest) -> AsyncIterator[bytes]:
+        try:
+            for chunk in builder.role_chunks(len(oreq.inputs)):
+                yield _sse(chunk)
+            yield _sse(builder.chunk(*first, oreq.include_usage))
+            async for prompt, msg in events:
+                yield _sse(builder.chunk(prompt, msg, oreq.include_usage))
+            if oreq.include_usage:
+                yield _sse(builder.usage_chunk())
+            yield b"data: [DONE]\n\n"
+        except KvfleetError as exc:  # the stream has started: an error event, no [DONE]
+            yield _sse(error_response(*status_of(exc), oreq.param(exc.field), exc)[1])
+        finally:
+            await events.aclose()  # a client gone: Starlette cancels us, which lands here
+
+    # ---- helpers ------------------------------------------------------------------------
+    @staticmethod
+    async def _json(request: Request):
+        """The body as JSON, read up to the gRPC port's message limit.
+
+        Raises:
+            PromptTooLarge: the body exceeds ``MAX_MESSAGE_BYTES`` (HTTP 413).
+            InvalidArgument: the body is not JSON.
+        """
+        try:
+            size = int(request.headers.get("content-length") or 0)
+        except ValueError:
+            size = 0  # uvicorn refuses a malformed length first; count what arrives instead
+        chunks, total = [], 0
+        if size <= MAX_MESSAGE_BYTES:
+            async for chunk in request.stream():
+                total += len(chunk)
+                if total > MAX_MESSAGE_BYTES:
+                    break
+                chunks.append(chunk)
+        if max(size, total) > MAX_MESSAGE_BYTES:
+            raise PromptTooLarge(f"request body exceeds {MAX_MESSAGE_BYTES} bytes", field="body")
+        try:
+            return json.loads(b"".join(chunks))
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise InvalidArgument(f"the request body is not valid JSON: {exc}",
+                                  field="body") from None
+
+    @staticmethod
+    def _with_ids(oreq: OpenAIRequest, request: Request) -> tuple[str, OpenAIRequest]:
+        """``(request id, oreq with ids and deadline)``: the id is ``x-request-id`` or a new
+        one (``<id>-<p>`` per prompt of an array), the deadline ``x-request-timeout`` seconds
+        from now. Raises InvalidArgument for a bad timeout."""
+        rid = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+        deadline = None
+        timeout = request.headers.get(TIMEOUT_HEADER)
+        if timeout is not None:
+            try:
+                seconds = float(timeout)
+            except ValueError:
+                seconds = float("nan")
+            if not 0 < seconds < float("inf"):
+                raise InvalidArgument(f"{TIMEOUT_HEADER} must be a number of seconds > 0, "
+                                      f"got {timeout!r}", field=TIMEOUT_HEADER)
+            deadline = time.time() + seconds
+        many = len(oreq.inputs) > 1
+        return rid, replace(oreq, inputs=tuple(
+            replace(inp, request_id=f"{rid}-{p}" if many else rid, deadline_unix_s=deadline)
+            for p, inp in enumerate(oreq.inputs)))
+
+    @staticmethod
+    def _error(exc: KvfleetError, oreq: Optional[OpenAIRequest] = None) -> Response:
+        code, message = status_of(exc)
+        param = oreq.param(exc.field) if oreq is not None else openai_param(exc.field)
+        status, body, headers = error_response(code, message or code.name, param, exc)
+        return JSONResponse(body, status_code=status, headers=headers)
