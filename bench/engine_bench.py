@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import random
-import shutil
 import time
 from pathlib import Path
 
@@ -28,7 +27,8 @@ import torch
 from bench import engine_runs as er
 from bench.engine_baselines import RunResult, load_hf, run_single, run_static_batches
 from bench.plots import line_plot
-from kvfleet.deploy.models import default_cache_dir, prepare_model
+from bench.seeded import seeded_llama_dir
+from kvfleet.deploy.models import prepare_model
 from kvfleet.worker.scheduler import SchedulerConfig
 
 NEAR_TIE = 1e-4
@@ -40,19 +40,7 @@ TARGETS = {"tiny": (2.5, 10.0), "smollm2": (1.8, 6.0)}  # × baseline B, × base
 
 def tiny_llama_dir() -> Path:
     """The seeded tiny Llama, built once into the kvfleet cache (SmolLM2's tokenizer)."""
-    out = default_cache_dir() / "bench" / "tiny-llama-h256-l4-v32000"
-    if (out / "model.safetensors").is_file():
-        return out
-    import transformers
-
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).float().eval()
-    tmp = out.with_name(out.name + ".tmp")
-    model.save_pretrained(tmp)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(prepare_model(progress=False) / name, tmp / name)
-    tmp.rename(out)
-    return out
+    return seeded_llama_dir("tiny-llama-h256-l4-v32000", TINY)
 
 
 def workload(n: int, prompt: tuple[int, int], output: tuple[int, int], seed: int) -> list[tuple[list[int], int]]:

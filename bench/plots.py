@@ -52,3 +52,18 @@ def line_plot(path: Path, xs: Sequence[float], ys: Sequence[float], title: str, 
     ax.set_title(title, fontsize=10)
     ax.grid(True, alpha=0.3)
     return _save(fig, path)
+
+
+def lines_plot(path: Path, series: dict[str, tuple[Sequence[float], Sequence[float]]], title: str,
+               xlabel: str, ylabel: str) -> Path:
+    """One line with point markers per ``name → (xs, ys)``, y axis from 0; writes a PNG."""
+    fig, ax = _pyplot().subplots(figsize=(6.4, 4), dpi=120)
+    for name, (xs, ys) in series.items():
+        ax.plot(xs, ys, marker="o", label=name)
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)

@@ -36,7 +36,9 @@ class TPSettings:
 
     ``collective_timeout_s`` bounds every collective (idle ranks are kept inside it by
     keep-alive plans every quarter of it); ``step_timeout_s``: a step that has not completed by
-    then means a hung rank; ``rank_num_cpus``: Ray CPUs per rank bundle on a CPU-only host.
+    then means a hung rank; ``rank_num_cpus``: Ray CPUs per rank bundle on a CPU-only host;
+    ``shm_all_reduce``: on CPU, the forward's all-reduces go through shared memory
+    (:mod:`.shm_reduce`; the ranks share a host under ``STRICT_PACK``), gloo otherwise.
     """
 
     collective_timeout_s: float = 30.0
@@ -45,6 +47,7 @@ class TPSettings:
     start_timeout_s: float = 600.0
     # STRICT_PACK puts every rank of a replica on rank 0's node: the group meets on loopback.
     store_host: str = "127.0.0.1"
+    shm_all_reduce: bool = False  # CPU: the forward's all-reduces through shared memory
 
     def __post_init__(self) -> None:
         for name in ("collective_timeout_s", "step_timeout_s", "start_timeout_s"):
@@ -140,8 +143,10 @@ class RankGroup:
         self.infos = [rank_info(runner, 0)] + ray.get(loads, timeout=timeout)
         host = self.settings.store_host
         store = host_store(host, spec.tp, timeout)
+        shm = (f"kvf-tp-{os.getpid()}-{store.port}"
+               if self.settings.shm_all_reduce and not cuda else None)
         addr = GroupAddress(host, store.port, spec.tp, "nccl" if cuda else "gloo",
-                            self.settings.collective_timeout_s)
+                            self.settings.collective_timeout_s, shm_name=shm)
         joins = [a.connect.remote(addr) for a in self.actors]
         self.comm = RankComm(addr, 0, store=store, device=runner.device)
         ray.get(joins, timeout=timeout)

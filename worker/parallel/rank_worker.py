@@ -107,6 +107,10 @@ class RankWorker:
             elif kind == STOP:
                 return "stopped"
 
+    def comm_times(self):
+        """This rank's :class:`~.comm.CommTimes` so far (answers while :meth:`serve` runs)."""
+        return self.comm.times.snapshot()
+
     def ping(self) -> int:
         """Answers while :meth:`serve` runs (a hung process does not): its pid."""
         return os.getpid()

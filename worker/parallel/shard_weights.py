@@ -9,10 +9,13 @@ row-parallel bias is kept whole by rank 0 and zero elsewhere, so the sum adds it
 Replicated: norms and the embedding table (every rank needs the whole hidden state). The LM head
 is **not sharded but held by rank 0 alone**: only rank 0 samples, so the other ranks never
 compute logits and need no head at all. A vocab-parallel head would split that matmul over
-the ranks but add a gather of ``(N, vocab)`` logits to rank 0 every step; on the CPU machines
-this project runs on, one extra collective costs about as much as the head's share saved at
-decode batch sizes (``bench/tp_bench.py`` reports the head's share of rank 0's step), and the
-replicated head keeps the logits bit-identical in layout to tp=1.
+the ranks but add a gather of ``(N, vocab)`` logits to rank 0 every step. Measured by
+``bench/tp_bench.py`` on the 2-core CI machine (docs/tp_benchmark.md): the head is 7–18 % of
+rank 0's tp=2 decode step on a 32k-vocab Llama (hidden 1024) and 4–11 % of SmolLM2's at tp=3,
+so splitting it would save at most (T-1)/T of that, while one more collective per step costs
+~0.15–0.25 ms on gloo plus the wait for the slowest rank — which is most of what collectives
+cost there. Holding it on rank 0 keeps the logits bit-identical in layout to tp=1; revisit it
+where collectives are cheap (the shared-memory all-reduce, NCCL).
 
 Each tensor comes from ``safe_open(...).get_slice``, which reads only the requested rows or
 columns from the file.

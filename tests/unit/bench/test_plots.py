@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.plots import line_plot, plot_ttft_cdfs
+from bench.plots import line_plot, lines_plot, plot_ttft_cdfs
 
 
 def _png_size(path: Path) -> tuple[int, int]:
@@ -27,3 +27,10 @@ def test_ttft_cdfs_write_a_png(tmp_path: Path) -> None:
     out = plot_ttft_cdfs({"prefix_aware": [0.05, 0.1, 0.2], "round_robin": [0.3, 0.9], "empty": []},
                          tmp_path / "cdf.png", "uniform, 4 replicas")
     assert _png_size(out) == (840, 504)
+
+
+def test_lines_plot_writes_a_png(tmp_path: Path) -> None:
+    out = lines_plot(tmp_path / "step.png", {"tp=1": ([1, 4, 16], [30.0, 33.0, 52.0]),
+                                             "tp=2": ([1, 4, 16], [24.0, 26.0, 40.0])},
+                     "decode step (ms) vs batch", "batch", "ms")
+    assert _png_size(out) == (768, 480)

@@ -6,15 +6,15 @@ integration tests run the same code in Ray rank actors through the real engine.
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
 from kvfleet.worker.model_runner import ModelRunner, Shard
-from kvfleet.worker.parallel.comm import GroupAddress, RankComm, host_store
+from kvfleet.worker.parallel.comm import RankComm
 from kvfleet.worker.step_plan import SeqChunk, StepPlan
+from tests.unit.worker.parallel.rank_threads import on_ranks
 
 BLOCK_SIZE = 4
 
@@ -33,30 +33,11 @@ def run_group(model_dir: Path, tp: int, plans: list[StepPlan],
 
     ``reduce(comm)`` replaces the all-reduce a rank's model uses (negative controls).
     """
-    store = host_store("127.0.0.1", tp, 30)
-    addr = GroupAddress("127.0.0.1", store.port, tp, timeout_s=30)
-    runners: list[Optional[ModelRunner]] = [None] * tp
-    logits: list[torch.Tensor] = []
-    errors: list[BaseException] = []
+    def rank(comm: RankComm) -> tuple[ModelRunner, list[torch.Tensor]]:
+        fn = reduce(comm) if reduce else comm.all_reduce
+        runner = ModelRunner(model_dir, 16, BLOCK_SIZE, one_row_weights=False,
+                             shard=Shard(tp, comm.rank, fn))
+        return runner, [runner.execute(plan) for plan in plans]
 
-    def rank(r: int) -> None:
-        try:
-            comm = RankComm(addr, r, store=store if r == 0 else None)
-            fn = reduce(comm) if reduce else comm.all_reduce
-            runner = runners[r] = ModelRunner(model_dir, 16, BLOCK_SIZE, one_row_weights=False,
-                                              shard=Shard(tp, r, fn))
-            for plan in plans:
-                out = runner.execute(plan)
-                if r == 0:
-                    logits.append(out)
-        except BaseException as exc:  # surfaced in the test's thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(tp)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    if errors:
-        raise errors[0]
-    return logits, runners
+    results, _ = on_ranks(tp, rank)
+    return results[0][1], [runner for runner, _ in results]
