@@ -8,6 +8,7 @@ Each rank group starts once per test session (at most two alive at a time).
 
 from __future__ import annotations
 
+import platform
 from collections import OrderedDict
 from pathlib import Path
 
@@ -103,6 +104,8 @@ def test_layouts_through_the_engine(tp_groups, request, fixture, tp) -> None:
     assert [r.rank for r in ranks] == list(range(tp))
     assert len({r.pid for r in ranks}) == tp, "one process per rank"
     assert {r.num_blocks for r in ranks} == {160} and len({r.kv_bytes for r in ranks}) == 1
+    if platform.machine() in ("x86_64", "AMD64"):  # same-host ranks sum through shared memory
+        assert runner.group.comm.shm is not None
     engine, rec = make_engine(model_dir, runner=runner, max_num_batched_tokens=9)
     reqs = [engine_request(prompt(21, seed=50 + i), max_tokens=5) for i in range(3)]
     results = run(engine, {0: reqs[:2], 2: reqs[2:]})
