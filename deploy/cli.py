@@ -25,7 +25,7 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"served model name or HF-format directory (default {DEFAULT_MODEL})")
     p.add_argument("--replicas", type=int, default=2, help="worker replicas (default 2)")
-    p.add_argument("--tp", dest="tensor_parallel_size", type=int, default=1,
+    p.add_argument("--tp", dest="tensor_parallel_size", type=_positive_int("--tp"), default=1,
                    help="tensor-parallel ranks per replica (default 1): each rank holds 1/T of "
                         "the projections and of the KV heads; --num-blocks/--kv-memory are per rank")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
@@ -78,6 +78,19 @@ def _non_empty(flag: str):
     return check
 
 
+def _positive_int(flag: str):
+    """argparse type: an integer >= 1 (else a usage error naming ``flag``)."""
+    def check(value: str) -> int:
+        try:
+            n = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} must be an integer, got {value!r}") from None
+        if n < 1:
+            raise argparse.ArgumentTypeError(f"{flag} must be >= 1, got {n}")
+        return n
+    return check
+
+
 def _positive_seconds(value: str) -> float:
     """argparse type: a finite number of seconds > 0 (a deadline already past is a usage error)."""
     try:
@@ -100,6 +113,12 @@ def cluster_config(args: argparse.Namespace):
     from kvfleet.worker.cost_model import MEASURED, CostModel
 
     name, model_dir = resolve_model(args.model)
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda: this torch sees no CUDA device "
+                             f"(torch {torch.__version__}, built with CUDA {torch.version.cuda})")
     if args.tensor_parallel_size != 1:  # refuse a split the model cannot take before starting
         from kvfleet.worker.model_config import load_model_config
         from kvfleet.worker.parallel.layout import check_tp
@@ -256,6 +275,9 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     try:
         return args.func(args)
+    except KeyboardInterrupt:  # Ctrl-C before the cluster was up: it cleaned up already
+        print("kvfleet: interrupted", file=sys.stderr)
+        return 130
     except grpc.RpcError as exc:
         print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1

@@ -238,6 +238,9 @@ class LocalCluster:
         if tp == 1:
             return ray.remote(num_cpus=num_cpus, max_restarts=0)(ReplicaActor).remote(rcfg)
         cuda = rcfg.device.startswith("cuda")
+        if cuda and ray.cluster_resources().get("GPU", 0) < tp:
+            raise ValueError(f"--tp {tp} --device cuda: a replica needs {tp} GPUs on one node, "
+                             f"the Ray cluster has {ray.cluster_resources().get('GPU', 0):g}")
         gpu = {"GPU": 1} if cuda else {}
         rest = gpu or {"CPU": rcfg.tp.rank_num_cpus}
         # The replica's CPU share covers all its ranks (tp=4 must still place on 2 cores).

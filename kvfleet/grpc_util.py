@@ -59,7 +59,23 @@ def bind_port(server: grpc.aio.Server, host: str, port: int,
 # still rejects. A pending call holds its headers and at most one flow-control window of body.
 MAX_PENDING_RPCS = 20_000
 
+# Router → worker channels ping their replica every 10 s and drop the connection when a ping
+# is not answered within 5 s: a replica process that hangs (SIGSTOP, a deadlock) then fails
+# its open streams UNAVAILABLE instead of leaving them open forever (TCP alone still ACKs).
+KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS = 10_000, 5_000
+WORKER_KEEPALIVE_OPTIONS = [("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+                            ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+                            # gRPC core's own ping timeout (60 s by default) bounds it too
+                            ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+                            ("grpc.keepalive_permit_without_calls", 1),
+                            ("grpc.http2.max_pings_without_data", 0)]
+# ... and servers accept those pings (by default a ping more often than every 5 min is abuse).
+_ACCEPT_PINGS = [("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
+                 ("grpc.keepalive_permit_without_calls", 1),
+                 ("grpc.http2.max_ping_strikes", 0)]
+
 # Without so_reuseport 0, two servers can silently share one port (grpc enables SO_REUSEPORT).
 SERVER_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0),
                   ("grpc.server.max_pending_requests", MAX_PENDING_RPCS),
-                  ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_RPCS)]
+                  ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_RPCS),
+                  *_ACCEPT_PINGS]

@@ -14,7 +14,7 @@ from typing import Optional
 
 import grpc
 
-from kvfleet.grpc_util import CHANNEL_OPTIONS
+from kvfleet.grpc_util import CHANNEL_OPTIONS, WORKER_KEEPALIVE_OPTIONS
 from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
 from kvfleet.router.inflight import InflightLedger
 from kvfleet.router.prefix_index import IndexUnavailable, PrefixIndex
@@ -124,10 +124,12 @@ class ReplicaSet:
             if cached is not None:
                 asyncio.create_task(_close(*cached[1:]))
             if self.credentials is None:
-                channel = grpc.aio.insecure_channel(info.address, options=CHANNEL_OPTIONS)
+                channel = grpc.aio.insecure_channel(info.address,
+                                                    options=CHANNEL_OPTIONS + WORKER_KEEPALIVE_OPTIONS)
             else:
                 channel = grpc.aio.secure_channel(info.address, self.credentials,
-                                                  options=CHANNEL_OPTIONS + WORKER_CHANNEL_OPTIONS)
+                                                  options=CHANNEL_OPTIONS + WORKER_CHANNEL_OPTIONS
+                                                  + WORKER_KEEPALIVE_OPTIONS)
             cached = (info.address, channel, WorkerLink(channel, info.address))
             self._channels[info.replica_id] = cached
         return cached[2]

@@ -147,3 +147,26 @@ def test_a_killed_rank_fails_its_replica_within_seconds(tp_cluster) -> None:
 
 def test_a_hung_rank_fails_its_replica_within_seconds(tp_cluster) -> None:
     _fail_one_rank(tp_cluster, signal.SIGSTOP, "stopped answering")
+
+
+def test_a_hung_rank_0_ends_the_routers_streams_and_its_ranks_exit(tp_cluster) -> None:
+    """The replica process itself hangs (no watchdog of its own can act): the router's
+    keep-alive pings go unanswered, its streams there end UNAVAILABLE; the other ranks, cut off,
+    leave within the collective timeout."""
+    _, client = tp_cluster
+    (last,) = replicas(client).values()  # the kill and hang tests took the other two
+    rank0, rank1 = (k.pid for k in last.ranks)
+    stream = client.stream("Count to a thousand:", max_tokens=220, ignore_eos=True)
+    try:
+        next(stream)
+        os.kill(rank0, signal.SIGSTOP)
+        hit = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            for _ in stream:
+                pass
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
+        assert time.monotonic() - hit < 30
+        assert gone(rank1, 3 * COLLECTIVE_TIMEOUT_S + 5), "rank 1 outlived its rank 0"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(rank0, signal.SIGKILL)

@@ -190,7 +190,7 @@ class RankGroup:
             started = self.step_started
             if started is not None and time.monotonic() - started > self.settings.step_timeout_s:
                 hung = self._unresponsive()
-                who = f"rank {', '.join(map(str, hung))} stopped answering" if hung else "a rank"
+                who = f"{self._names(hung)} stopped answering" if hung else "a rank"
                 self.fail(f"{who}: a step did not complete within "
                           f"{self.settings.step_timeout_s:g} s (hung)")
                 return
@@ -210,6 +210,11 @@ class RankGroup:
         except Exception as exc:
             return f"rank {rank}{where} failed: {type(exc).__name__}: {str(exc)[:200]}"
 
+    def _names(self, ranks: list[int]) -> str:
+        """``rank 2 (pid 4242)``, for each of ``ranks``."""
+        return ", ".join(f"rank {r} (pid {self.infos[r].pid})" if r < len(self.infos)
+                         else f"rank {r}" for r in ranks)
+
     def _unresponsive(self, timeout_s: float = 1.0) -> list[int]:
         """Ranks that do not answer a ping within ``timeout_s`` seconds."""
         import ray
@@ -228,7 +233,7 @@ class RankGroup:
             return self._ended(ready[0])
         hung = self._unresponsive()
         if hung:
-            return f"rank {', '.join(map(str, hung))} stopped answering"
+            return f"{self._names(hung)} stopped answering"
         return f"a collective failed: {type(exc).__name__}: {str(exc)[:200]}"
 
     def fail(self, message: str) -> None:

@@ -73,14 +73,26 @@ def check_tp(config: ModelConfig, tp: int) -> None:
 
     Raises:
         ShardingError: query heads, KV heads or MLP width do not split over ``tp``; the message
-            names both head counts and the TP sizes that would work.
+            names the rule broken, both head counts and every TP size that would work.
     """
-    kv_heads_per_rank(config.num_kv_heads, config.num_heads, tp)
-    if config.intermediate_size % tp:
-        works = [t for t in valid_tp_sizes(config.num_kv_heads, config.num_heads)
-                 if config.intermediate_size % t == 0]
-        raise ShardingError("intermediate_size", f"{config.intermediate_size} MLP columns do not "
-                            f"split over tp={tp} (tp sizes that work: {', '.join(map(str, works))})")
+    works = [t for t in valid_tp_sizes(config.num_kv_heads, config.num_heads)
+             if config.intermediate_size % t == 0]
+    if tp in works:
+        return
+    sizes = (f"{config.num_heads} query / {config.num_kv_heads} KV heads, "
+             f"{config.intermediate_size} MLP columns; tp sizes that work: "
+             f"{', '.join(map(str, works))}")
+    heads, kv, ffn = config.num_heads, config.num_kv_heads, config.intermediate_size
+    if tp < 1:
+        field, reason = "--tp", f"must be a positive integer, got {tp}"
+    elif heads % tp:
+        field, reason = "num_attention_heads", f"{heads} query heads do not split over tp={tp}"
+    elif kv % tp and tp % kv:
+        field, reason = ("num_key_value_heads",
+                         f"{kv} KV heads neither split over nor replicate to tp={tp}")
+    else:
+        field, reason = "intermediate_size", f"{ffn} MLP columns do not split over tp={tp}"
+    raise ShardingError(field, f"{reason} ({sizes})")
 
 
 def shard_layout(config: ModelConfig, tp: int, rank: int) -> ShardLayout:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -96,16 +97,23 @@ class RankWorker:
         return True
 
     def serve(self) -> str:
-        """Run rank 0's plans until STOP; returns why it ended. A failed forward raises,
-        which rank 0's watchdog sees as this call's error."""
-        while True:
-            kind, payload = self.comm.recv()
-            if kind == STEP:
-                self.runner.execute(payload, validated=True)
-            elif kind == PING:
-                self.comm.barrier()
-            elif kind == STOP:
-                return "stopped"
+        """Run rank 0's plans until STOP; returns why it ended. A failed forward or
+        collective raises, which rank 0's watchdog sees as this call's error; the process
+        then exits a second later (a rank cut off from its group, e.g. by a hung rank 0, has
+        nothing left to do and must not linger)."""
+        try:
+            while True:
+                kind, payload = self.comm.recv()
+                if kind == STEP:
+                    self.runner.execute(payload, validated=True)
+                elif kind == PING:
+                    self.comm.barrier()
+                elif kind == STOP:
+                    return "stopped"
+        except Exception:
+            log.exception("rank %d left its group; exiting", self.rank)
+            threading.Timer(1.0, os._exit, (1,)).start()  # after Ray has the error
+            raise
 
     def comm_times(self):
         """This rank's :class:`~.comm.CommTimes` so far (answers while :meth:`serve` runs)."""

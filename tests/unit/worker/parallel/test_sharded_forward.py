@@ -95,7 +95,9 @@ def test_smollm2_refuses_tp2_naming_both_head_counts(smollm2_dir) -> None:
     with pytest.raises(ShardingError) as err:
         shard_layout(load_model_config(smollm2_dir), 2, 0)
     assert "9 query heads" in str(err.value) and "3 KV heads" in str(err.value)
-    assert "tp sizes that work: 1, 3, 9" in str(err.value)
+    assert "tp sizes that work: 1, 3)" in str(err.value)  # 9 splits the heads, not the MLP
+    with pytest.raises(ShardingError, match="^intermediate_size: 1536 MLP columns"):
+        shard_layout(load_model_config(smollm2_dir), 9, 0)
 
 
 def test_layout_ranges() -> None:
