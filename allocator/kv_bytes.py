@@ -66,27 +66,34 @@ def kv_heads_per_rank(num_kv_heads: int, num_attention_heads: int, tp: int) -> i
             (field ``num_attention_heads``), or KV heads neither split nor replicate evenly
             (field ``num_key_value_heads``).
     """
+    refusal = head_split_refusal(num_kv_heads, num_attention_heads, tp)
+    if refusal is not None:
+        field, reason = refusal
+        works = ", ".join(map(str, valid_tp_sizes(num_kv_heads, num_attention_heads)))
+        raise ShardingError(field, f"{reason} ({num_attention_heads} query / {num_kv_heads} KV "
+                                   f"heads; tp sizes that work: {works})")
+    return num_kv_heads // tp if num_kv_heads % tp == 0 else 1
+
+
+def head_split_refusal(num_kv_heads: int, num_attention_heads: int,
+                       tp: int) -> tuple[str, str] | None:
+    """Why the heads cannot split over ``tp`` — ``(field, reason)`` — or None when they can
+    (the rules of :func:`kv_heads_per_rank`)."""
     if tp < 1:
-        raise ShardingError("--tp", f"must be a positive integer, got {tp}")
-    works = ", ".join(map(str, valid_tp_sizes(num_kv_heads, num_attention_heads)))
+        return "--tp", f"must be a positive integer, got {tp}"
     if num_attention_heads % tp:
-        raise ShardingError("num_attention_heads",
-                            f"{num_attention_heads} query heads do not split over tp={tp} "
-                            f"({num_kv_heads} KV heads; tp sizes that work: {works})")
-    if num_kv_heads % tp == 0:
-        return num_kv_heads // tp
-    if tp % num_kv_heads == 0:
-        return 1
-    raise ShardingError("num_key_value_heads",
-                        f"{num_kv_heads} KV heads neither split over nor replicate to tp={tp} "
-                        f"({num_attention_heads} query heads; tp sizes that work: {works})")
+        return "num_attention_heads", f"{num_attention_heads} query heads do not split over tp={tp}"
+    if num_kv_heads % tp and tp % num_kv_heads:
+        return ("num_key_value_heads",
+                f"{num_kv_heads} KV heads neither split over nor replicate to tp={tp}")
+    return None
 
 
 def valid_tp_sizes(num_kv_heads: int, num_attention_heads: int) -> list[int]:
     """Every ``tp`` that :func:`kv_heads_per_rank` accepts: it divides the query heads, and
     the KV heads split over it or replicate to it."""
     return [tp for tp in range(1, num_attention_heads + 1)
-            if num_attention_heads % tp == 0 and (num_kv_heads % tp == 0 or tp % num_kv_heads == 0)]
+            if head_split_refusal(num_kv_heads, num_attention_heads, tp) is None]
 
 
 def _rank_layer(layer: AttentionLayer, num_attention_heads: int, tp: int) -> AttentionLayer:

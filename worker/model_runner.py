@@ -18,6 +18,9 @@ from kvfleet.worker import attention
 from kvfleet.worker.kv_cache import KVCache, kv_bytes_per_block
 from kvfleet.worker.model_config import ModelConfig, load_model_config
 from kvfleet.worker.models import build_model
+from kvfleet.worker.models.linear import Linear
+from kvfleet.worker.parallel.layout import shard_layout
+from kvfleet.worker.parallel.shard_weights import load_shard_weights
 from kvfleet.worker.step_plan import SeqChunk, StepPlan
 from kvfleet.worker.weights import load_weights
 
@@ -62,9 +65,6 @@ class ModelRunner:
         if shard is None or shard.tp == 1:
             local, weights = self.config, load_weights(model_dir, dtype)
         else:
-            from kvfleet.worker.parallel.layout import shard_layout
-            from kvfleet.worker.parallel.shard_weights import load_shard_weights
-
             layout = shard_layout(self.config, shard.tp, shard.rank)
             local, weights = layout.local_config(self.config), load_shard_weights(model_dir, layout, dtype)
         self.local_config = local
@@ -156,8 +156,6 @@ class ModelRunner:
         return logits.float().cpu()
 
 
-def _linears(model) -> list:
+def _linears(model) -> list[Linear]:
     """Every :class:`~kvfleet.worker.models.linear.Linear` the model holds."""
-    from kvfleet.worker.models.linear import Linear
-
     return [v for m in model.modules() for v in vars(m).values() if isinstance(v, Linear)]

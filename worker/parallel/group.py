@@ -199,16 +199,14 @@ class RankGroup:
         """The failure message for a rank whose serve call ended."""
         import ray
 
-        rank = self._serving.index(ref) + 1
-        info = self.infos[rank] if rank < len(self.infos) else None
-        where = f" (pid {info.pid})" if info else ""
+        who = self._names([self._serving.index(ref) + 1])
         try:
             ray.get(ref, timeout=1)
-            return f"rank {rank}{where} left the group"
+            return f"{who} left the group"
         except ray.exceptions.RayActorError:
-            return f"rank {rank}{where} died"
+            return f"{who} died"
         except Exception as exc:
-            return f"rank {rank}{where} failed: {type(exc).__name__}: {str(exc)[:200]}"
+            return f"{who} failed: {type(exc).__name__}: {str(exc)[:200]}"
 
     def _names(self, ranks: list[int]) -> str:
         """``rank 2 (pid 4242)``, for each of ``ranks``."""

@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from kvfleet.allocator.kv_bytes import ShardingError, kv_heads_per_rank, valid_tp_sizes
+from kvfleet.allocator.kv_bytes import (ShardingError, head_split_refusal, kv_heads_per_rank,
+                                        valid_tp_sizes)
 from kvfleet.worker.model_config import ModelConfig
 
 
@@ -82,16 +83,8 @@ def check_tp(config: ModelConfig, tp: int) -> None:
     sizes = (f"{config.num_heads} query / {config.num_kv_heads} KV heads, "
              f"{config.intermediate_size} MLP columns; tp sizes that work: "
              f"{', '.join(map(str, works))}")
-    heads, kv, ffn = config.num_heads, config.num_kv_heads, config.intermediate_size
-    if tp < 1:
-        field, reason = "--tp", f"must be a positive integer, got {tp}"
-    elif heads % tp:
-        field, reason = "num_attention_heads", f"{heads} query heads do not split over tp={tp}"
-    elif kv % tp and tp % kv:
-        field, reason = ("num_key_value_heads",
-                         f"{kv} KV heads neither split over nor replicate to tp={tp}")
-    else:
-        field, reason = "intermediate_size", f"{ffn} MLP columns do not split over tp={tp}"
+    field, reason = head_split_refusal(config.num_kv_heads, config.num_heads, tp) or (
+        "intermediate_size", f"{config.intermediate_size} MLP columns do not split over tp={tp}")
     raise ShardingError(field, f"{reason} ({sizes})")
 
 
