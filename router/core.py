@@ -29,6 +29,7 @@ from kvfleet.router.replica_set import ReplicaSet
 from kvfleet.router.served_model import ServedModel
 from kvfleet.router.worker_link import LinkCall, WorkerCallError
 from kvfleet.sampling_params import SamplingParams
+from kvfleet.stream_limits import StreamLimits
 from kvfleet.telemetry.router_spans import RouterRequestTrace, RouterTelemetry
 from kvfleet.v1 import common_pb2
 
@@ -82,7 +83,8 @@ class RouterCore:
     def __init__(self, models: dict[str, ServedModel], default_model: str, replicas: ReplicaSet,
                  policy: RoutingPolicy, auth: Authenticator,
                  telemetry: Optional[RouterTelemetry] = None,
-                 retry_pushback_ms: int = DEFAULT_RETRY_PUSHBACK_MS) -> None:
+                 retry_pushback_ms: int = DEFAULT_RETRY_PUSHBACK_MS,
+                 stream_limits: StreamLimits = StreamLimits()) -> None:
         self.models = models
         self.default_model = default_model
         self.replicas = replicas
@@ -90,6 +92,7 @@ class RouterCore:
         self.auth = auth
         self.telemetry = telemetry or RouterTelemetry()  # spans + metrics (no-op by default)
         self.retry_pushback_ms = retry_pushback_ms  # RESOURCE_EXHAUSTED's retry hint (ms)
+        self.stream_limits = stream_limits  # slow readers: the relay's bounds (both edges)
         self._live_ids: set[tuple[str, str]] = set()  # (tenant, client request_id) in flight
         self.tenant_inflight: collections.Counter[str] = collections.Counter()
 
@@ -208,9 +211,13 @@ class RouterCore:
         client_id, request_id = self._claim_id(tenant, req.request_id)  # last: released below
         self.tenant_inflight[tenant] += 1
         try:
-            async for msg in self._dispatch(req, trace, model, chain, decision,
-                                            (client_id, request_id), params, tokens, scope):
-                yield msg
+            # aclosing: an edge that closes this generator closes the relay at once (ledger,
+            # worker call), not whenever the garbage collector finalizes it.
+            async with contextlib.aclosing(self._dispatch(
+                    req, trace, model, chain, decision, (client_id, request_id), params,
+                    tokens, scope)) as relay:
+                async for msg in relay:
+                    yield msg
         finally:
             self._live_ids.discard((tenant, req.request_id))
             self.tenant_inflight[tenant] -= 1
@@ -286,7 +293,8 @@ class RouterCore:
                      tokens: Sequence[int], scope: str, info, trace) -> LinkCall:
         """The worker request for one dispatch to ``info``, ready to iterate."""
         call = self.replicas.link(info).call(
-            trace.start_dispatch(request_id, info.replica_id, info.address))
+            trace.start_dispatch(request_id, info.replica_id, info.address),
+            max_unread=self.stream_limits.max_unread)
         worker_req = call.request  # filled in place: no copy of the prompt into the frame
         worker_req.request_id, worker_req.tenant = request_id, scope
         worker_req.cache_salt, worker_req.adapter = req.cache_salt, req.adapter

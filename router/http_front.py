@@ -6,7 +6,9 @@ ending ``data: [DONE]``), ``GET /v1/models``, ``GET /health``. Every generation 
 routing, worker links, traces): no second loop, no loopback gRPC hop. Errors are OpenAI error
 bodies with the HTTP status of their gRPC code (``router/openai_response.py``); once an SSE
 stream has started a failure is one ``data: {"error": …}`` event and no ``[DONE]``. A client
-that disconnects cancels its request on the worker (its KV blocks are freed).
+that disconnects cancels its request on the worker (its KV blocks are freed); so does one
+that stops reading (``RouterCore.stream_limits``: a write held ``stall_s`` by TCP flow
+control closes the connection, a backlog past ``max_unread`` cancels the worker call).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import socket
 import time
 import uuid
@@ -33,6 +36,9 @@ from kvfleet.router.http_streams import ClientDisconnected, merge, until_disconn
 from kvfleet.router.openai_request import (OpenAIRequest, openai_param, parse_chat,
                                            parse_completion)
 from kvfleet.router.openai_response import ResponseBuilder, error_response
+from kvfleet.stream_limits import SlowReader, StreamLimits, write_within
+
+log = logging.getLogger(__name__)
 
 CHAT_ROUTE = "/v1/chat/completions"
 COMPLETIONS_ROUTE = "/v1/completions"
@@ -47,7 +53,22 @@ def _sse(obj: dict) -> bytes:
 
 class _SSEResponse(StreamingResponse):
     """A StreamingResponse that closes its body iterator however it ends (a client gone
-    mid-send included), so the request's worker call is cancelled at once, not at GC."""
+    mid-send included), so the request's worker call is cancelled at once, not at GC; a
+    send the client's flow control holds past ``limits.stall_s`` ends the response (uvicorn
+    then closes the connection: the response is incomplete)."""
+
+    def __init__(self, content, limits: StreamLimits, **kw) -> None:
+        super().__init__(content, **kw)
+        self.limits = limits
+
+    async def stream_response(self, send) -> None:
+        async def bounded(message) -> None:
+            await write_within(send(message), self.limits, "SSE stream")
+
+        try:
+            await super().stream_response(bounded)
+        except SlowReader as exc:
+            log.info("%s", exc)
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -155,7 +176,7 @@ class HttpFront:
             first = await until_disconnected(request.receive, events.__anext__())
             if oreq.stream:
                 return _SSEResponse(self._sse(builder, first, events, oreq),
-                                    media_type="text/event-stream",
+                                    self.core.stream_limits, media_type="text/event-stream",
                                     headers={REQUEST_ID_HEADER: rid})
             builder.add(*first)
             await until_disconnected(request.receive, self._fold(builder, events))

@@ -8,6 +8,10 @@ from typing import AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 
 T = TypeVar("T")
 _END = object()
+# Items merge() holds for its consumer: past it the pumps wait, so a consumer that stops
+# leaves the backlog in each stream's own bounded buffer (router/worker_link.py), which
+# cancels that stream past its bound.
+MERGE_BUFFER = 64
 
 
 class ClientDisconnected(Exception):
@@ -17,23 +21,24 @@ class ClientDisconnected(Exception):
 async def merge(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[T]:
     """Items of every stream as they come; the first exception from any stream is raised
     (the others are closed). Closing the merged stream closes every stream. One stream is
-    iterated in place (no task, no queue: the common case costs nothing extra)."""
+    iterated in place (no task, no queue: the common case costs nothing extra); several hold
+    at most ``MERGE_BUFFER`` items between them."""
     if len(streams) == 1:
         async with contextlib.aclosing(streams[0]) as only:
             async for item in only:
                 yield item
         return
-    queue: asyncio.Queue = asyncio.Queue()
+    queue: asyncio.Queue = asyncio.Queue(MERGE_BUFFER)
 
     async def pump(stream: AsyncIterator[T]) -> None:
         try:
             async with contextlib.aclosing(stream):
                 async for item in stream:
-                    queue.put_nowait((item, None))
+                    await queue.put((item, None))
         except Exception as exc:  # noqa: BLE001 — relayed to the consumer, which raises it
-            queue.put_nowait((None, exc))
+            await queue.put((None, exc))
         finally:
-            queue.put_nowait((_END, None))
+            await queue.put((_END, None))
 
     tasks = [asyncio.create_task(pump(s)) for s in streams]
     try:

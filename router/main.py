@@ -30,6 +30,7 @@ from kvfleet.router.prefix_index import RedisPrefixIndex
 from kvfleet.router.replica_set import ReplicaSet
 from kvfleet.router.served_model import ServedModel
 from kvfleet.router.server import RouterService
+from kvfleet.stream_limits import DEFAULT_MAX_UNREAD, DEFAULT_STALL_S, StreamLimits
 from kvfleet.telemetry import Telemetry, TelemetryConfig
 from kvfleet.telemetry.router_spans import RouterTelemetry
 from kvfleet.tls import InternalTLS, server_credentials
@@ -66,6 +67,8 @@ class RouterConfig:
     tls_cert: Optional[str] = None  # PEM files: serve the client port over TLS
     tls_key: Optional[str] = None
     internal_tls_dir: Optional[str] = None  # mutual TLS to the workers (kvfleet.tls)
+    # Slow or vanished readers: messages buffered per stream, seconds a write may wait.
+    stream_limits: StreamLimits = field(default_factory=StreamLimits)
 
 
 class RouterServer:
@@ -105,7 +108,8 @@ class RouterServer:
         self.metrics_address = self.telemetry.metrics_address
         self.core = RouterCore({model.name: model}, model.name, self.replicas, policy, auth,
                                telemetry=RouterTelemetry(self.telemetry),
-                               retry_pushback_ms=cfg.retry_pushback_ms)
+                               retry_pushback_ms=cfg.retry_pushback_ms,
+                               stream_limits=cfg.stream_limits)
         service = RouterService(self.core)
         self.service = service
         router_pb2_grpc.add_RouterServicer_to_server(service, self._server)
@@ -180,6 +184,12 @@ def parse_args(argv: list[str]) -> RouterConfig:
                    help="cluster CA + router certificate (kvfleet.tls): mutual TLS to workers")
     p.add_argument("--retry-pushback-ms", type=int, default=DEFAULT_RETRY_PUSHBACK_MS,
                    help="retry hint (grpc-retry-pushback-ms trailer) sent with RESOURCE_EXHAUSTED")
+    p.add_argument("--stream-max-unread", type=int, default=DEFAULT_MAX_UNREAD,
+                   help="messages one response stream may buffer for a client that does not "
+                        "read before it is cancelled")
+    p.add_argument("--stream-stall-s", type=float, default=DEFAULT_STALL_S,
+                   help="seconds one write may wait for a client that does not read before "
+                        "its stream is cancelled")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="stderr log level (DEBUG: one line per routing decision)")
     p.add_argument("--metrics-port", type=int, default=None,
@@ -190,6 +200,7 @@ def parse_args(argv: list[str]) -> RouterConfig:
         p.error("--tls-cert and --tls-key go together")
     try:
         telemetry = TelemetryConfig.from_env(os.environ, metrics_port=a.metrics_port)
+        stream_limits = StreamLimits(a.stream_max_unread, a.stream_stall_s)
     except ValueError as exc:
         p.error(str(exc))
     return RouterConfig(redis_url=a.redis_url, model_name=a.model_name, model_dir=a.model_dir,
@@ -199,7 +210,7 @@ def parse_args(argv: list[str]) -> RouterConfig:
                         index_mirror=a.index_mirror, telemetry=telemetry,
                         log_level=a.log_level, retry_pushback_ms=a.retry_pushback_ms,
                         tls_cert=a.tls_cert, tls_key=a.tls_key,
-                        internal_tls_dir=a.internal_tls_dir,
+                        internal_tls_dir=a.internal_tls_dir, stream_limits=stream_limits,
                         policy_options={
                             k: v for k in ("load_penalty_blocks", "max_imbalance",
                                            "popularity_window", "min_excess_load")

@@ -12,6 +12,7 @@ from kvfleet.errors import InvalidArgument, KvfleetError, status_of
 from kvfleet.router.capacity import RETRY_PUSHBACK_KEY
 from kvfleet.router.core import GenerateInput, Prompt, RouterCore
 from kvfleet.sampling_params import SamplingParams
+from kvfleet.stream_limits import SlowReader, write_within
 from kvfleet.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -31,7 +32,8 @@ def prompt_from_proto(request: router_pb2.GenerateRequest) -> Prompt:
 
 
 class RouterService(router_pb2_grpc.RouterServicer):
-    """The gRPC edge of :class:`~kvfleet.router.core.RouterCore`: proto in, proto out."""
+    """The gRPC edge of :class:`~kvfleet.router.core.RouterCore`: proto in, proto out. A
+    client that does not read its stream for ``core.stream_limits.stall_s`` is cancelled."""
 
     def __init__(self, core: RouterCore) -> None:
         self.core = core
@@ -51,13 +53,15 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 # gRPC cancels this handler at the client's deadline, which cancels the relay.
                 async with contextlib.aclosing(self.core.generate(req, tenant, trace)) as out:
                     async for msg in out:
-                        yield msg
+                        await write_within(context.write(msg), self.core.stream_limits,
+                                           "Generate")
             except KvfleetError as exc:
                 code, details = status_of(exc)
                 details = details or "worker stream failed"
                 trace.fail(code, details)
                 trailers = ()
-                if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # a refusal carries the retry hint
+                if code == grpc.StatusCode.RESOURCE_EXHAUSTED and not isinstance(exc, SlowReader):
+                    # a refusal carries the retry hint
                     trailers = ((RETRY_PUSHBACK_KEY, str(self.core.retry_pushback_ms)),)
                 await context.abort(code, details, trailers)
                 return

@@ -8,6 +8,10 @@ way, and the frames of one engine step arrive as one batch message. Measured wit
 One :class:`WorkerLink` per replica channel. The stream opens on first use and again after it
 ends; when it ends (worker gone, channel closed) every call still open on it fails with
 UNAVAILABLE (``link_failed``), and the worker aborts them (their KV blocks are freed).
+
+The reader never waits for a call's consumer: a call whose consumer (the client's stream at
+the router's edge) leaves more than ``max_unread`` frames untaken is cancelled on the worker
+and raises :class:`~kvfleet.stream_limits.SlowReader`; the other calls go on.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import AsyncIterator, Optional, Sequence
 import grpc
 
 from kvfleet.errors import StatusError
+from kvfleet.stream_limits import DEFAULT_MAX_UNREAD, Outbox
 from kvfleet.telemetry.names import MD_WORKER_DURATION_S
 from kvfleet.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
@@ -52,7 +57,7 @@ class _Stream:
 
     def __init__(self, call) -> None:
         self.call = call
-        self.queues: dict[int, asyncio.Queue] = {}
+        self.queues: dict[int, Outbox] = {}
         self.write_lock = asyncio.Lock()  # gRPC allows one outstanding write per call
         self.ended: Optional[WorkerCallError] = None
         self.reader: Optional[asyncio.Task] = None
@@ -67,10 +72,12 @@ class WorkerLink:
         self._stream: Optional[_Stream] = None
         self._ids = itertools.count(1)
 
-    def call(self, trace_context: Sequence[tuple[str, str]] = ()) -> "LinkCall":
+    def call(self, trace_context: Sequence[tuple[str, str]] = (),
+             max_unread: int = DEFAULT_MAX_UNREAD) -> "LinkCall":
         """A new call: fill ``call.request`` (a ``WorkerGenerateRequest``), then iterate it for
-        the worker's messages (``async for msg in call``); it is sent on the first iteration."""
-        return LinkCall(self, trace_context)
+        the worker's messages (``async for msg in call``); it is sent on the first iteration.
+        ``max_unread``: frames it may buffer for a consumer that does not take them."""
+        return LinkCall(self, trace_context, max_unread)
 
     def _open(self) -> _Stream:
         if self._stream is None or self._stream.ended is not None:
@@ -90,7 +97,7 @@ class WorkerLink:
                 for frame in batch.frames:
                     queue = stream.queues.get(frame.call_id)
                     if queue is not None:
-                        queue.put_nowait(frame)
+                        queue.put(frame)
         except grpc.aio.AioRpcError as exc:  # the replica, not the call, failed: retryable
             err = WorkerCallError(grpc.StatusCode.UNAVAILABLE, f"stream to worker {self.address} "
                                   f"ended: {_rpc_error_text(exc)}", link_failed=True)
@@ -101,8 +108,8 @@ class WorkerLink:
             raise
         finally:
             stream.ended = err
-            for queue in stream.queues.values():
-                queue.put_nowait(err)
+            for queue in list(stream.queues.values()):
+                queue.put(err)
             stream.queues.clear()
             stream.call.cancel()  # no-op when it already ended
 
@@ -130,17 +137,21 @@ class WorkerLink:
 class LinkCall:
     """One routed call: iterate for the worker's messages; :meth:`trailing_metadata` after.
 
-    Raises :class:`WorkerCallError` from the iteration when the call ends with a non-OK status.
+    Raises :class:`WorkerCallError` from the iteration when the call ends with a non-OK status,
+    :class:`~kvfleet.stream_limits.SlowReader` when its consumer fell ``max_unread`` frames
+    behind (the call is cancelled on the worker then).
     """
 
-    def __init__(self, link: WorkerLink, trace_context) -> None:
+    def __init__(self, link: WorkerLink, trace_context, max_unread: int = DEFAULT_MAX_UNREAD
+                 ) -> None:
         self._link = link
         self._frame = worker_pb2.GenerateStreamRequest(call_id=next(link._ids))
         self.request: worker_pb2.WorkerGenerateRequest = self._frame.generate
         for key, value in trace_context:
             self._frame.trace_context[key] = value
         self._stream: Optional[_Stream] = None
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self._queue: Outbox = Outbox(max_unread, self.cancel,
+                                     f"call to worker {link.address or '?'}")
         self._sent = False  # the generate frame went (or may have gone) to the worker
         self._done = False
         self._worker_duration_s: Optional[float] = None

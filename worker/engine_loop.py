@@ -2,8 +2,9 @@
 
 The gRPC handlers (on the event loop) submit requests and aborts through an inbox; the engine
 thread applies them between steps, runs steps while there is work, and hands each output to
-the request's ``asyncio.Queue`` with ``call_soon_threadsafe``. The event loop never blocks on
-a forward.
+the request's :class:`~kvfleet.stream_limits.Outbox` with ``call_soon_threadsafe``. The event
+loop never blocks on a forward, and the engine thread never waits for a reader: a request
+whose reader leaves more than ``max_unread`` outputs untaken is aborted (its blocks freed).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import threading
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Optional
 
+from kvfleet.stream_limits import DEFAULT_MAX_UNREAD, Outbox
 from kvfleet.worker.engine import Engine, EngineRequest
 from kvfleet.worker.outputs import SeqOutput
 from kvfleet.worker.request import FinishReason
@@ -30,7 +32,7 @@ StepHook = Callable[[list[bytes], list[bytes], dict], None]
 @dataclass
 class _Add:
     req: EngineRequest
-    out: asyncio.Queue
+    out: Outbox
     admitted: asyncio.Future
 
 
@@ -50,15 +52,17 @@ class EngineLoop:
 
     def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop,
                  on_step: Optional[StepHook] = None,
-                 on_finish: Optional[Callable[[SeqOutput], None]] = None) -> None:
+                 on_finish: Optional[Callable[[SeqOutput], None]] = None,
+                 max_unread: int = DEFAULT_MAX_UNREAD) -> None:
         self.engine = engine
+        self.max_unread = max_unread  # outputs of one request its reader may leave untaken
         self.loop = loop
         self.on_step = on_step
         # Called on the event loop with every sample's last output, read by a stream or not
         # (telemetry: a cancelled request's finish still reaches it).
         self.on_finish = on_finish
         self._inbox: queue.Queue = queue.Queue()
-        self._streams: dict[str, asyncio.Queue] = {}
+        self._streams: dict[str, Outbox] = {}
         self._stop = threading.Event()
         self._stats: dict = engine.stats()
         # Set by fail(): every request then ends, and every new one is refused, with it.
@@ -81,12 +85,15 @@ class EngineLoop:
     async def generate(self, req: EngineRequest) -> AsyncIterator[SeqOutput]:
         """Submit a request and yield its outputs until every sample has finished.
 
-        Raises a :class:`~kvfleet.errors.KvfleetError` before the first output if refused.
-        If the consumer stops iterating (client cancelled), the request is aborted.
+        Raises a :class:`~kvfleet.errors.KvfleetError` before the first output if refused,
+        and :class:`~kvfleet.stream_limits.SlowReader` once the consumer left more than
+        ``max_unread`` outputs untaken (the request is aborted then). If the consumer stops
+        iterating (client cancelled), the request is aborted.
         """
         if self.failure is not None:
             raise copy.copy(self.failure)  # a fresh traceback per refusal, not one growing
-        out: asyncio.Queue = asyncio.Queue()
+        out: Outbox = Outbox(self.max_unread, lambda: self.abort(req.request_id),
+                             f"request {req.request_id}")
         admitted = self.loop.create_future()
         self._inbox.put(_Add(req, out, admitted))
         try:
@@ -170,7 +177,7 @@ class EngineLoop:
             q = self._streams.get(o.request_id)
             if q is None:
                 continue
-            self.loop.call_soon_threadsafe(q.put_nowait, o)
+            self.loop.call_soon_threadsafe(q.put, o)
             if o.finished and not self.engine.is_active(o.request_id):
                 ended.add(o.request_id)
         # After the loop: n samples that finish in one step each still need their output.

@@ -24,6 +24,7 @@ from kvfleet.allocator.hashing import CacheIdentity
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
 from kvfleet.grpc_util import SERVER_OPTIONS, add_health_and_reflection, bind_port, mark_serving
 from kvfleet.errors import Unavailable
+from kvfleet.stream_limits import StreamLimits
 from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
 from kvfleet.v1 import worker_pb2, worker_pb2_grpc
 from kvfleet.worker.cost_model import CostModel, cost_model_runner
@@ -89,6 +90,8 @@ class ReplicaConfig:
     # Mutual TLS: serve with the cluster's worker certificate and require a client certificate
     # signed by its CA (kvfleet.tls); None = plaintext.
     internal_tls_dir: Optional[str] = None
+    # Slow or vanished readers: outputs buffered per stream, seconds a write may wait.
+    stream_limits: StreamLimits = field(default_factory=StreamLimits)
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -190,10 +193,11 @@ class ReplicaServer:
         wt = WorkerTelemetry(self.telemetry, self.cfg.replica_id, self.cfg.model_name,
                              stats_fn=lambda: self._loop.stats if self._loop else {})
         self._loop = EngineLoop(self.engine, aio_loop, on_step=self._on_step(aio_loop),
-                                on_finish=wt.on_finished)
+                                on_finish=wt.on_finished,
+                                max_unread=self.cfg.stream_limits.max_unread)
         service = WorkerService(self._loop, self.cfg.replica_id, self.cfg.model_name,
                                 self.cfg.block_size, epoch_fn=self._epoch, telemetry=wt,
-                                ranks_fn=self.ranks)
+                                ranks_fn=self.ranks, limits=self.cfg.stream_limits)
         self.service = service
         worker_pb2_grpc.add_WorkerServicer_to_server(service, self._server)
         name = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name

@@ -14,6 +14,7 @@ import grpc
 
 from kvfleet.errors import KvfleetError, NotFound, StatusError, Unavailable, status_of
 from kvfleet.sampling_params import SamplingParams
+from kvfleet.stream_limits import SlowReader, StreamLimits, write_within
 from kvfleet.telemetry.names import MD_WORKER_DURATION_S
 from kvfleet.telemetry.worker_spans import WorkerTelemetry
 from kvfleet.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -60,12 +61,15 @@ def _done(call_id: int, code: grpc.StatusCode, details: str) -> worker_pb2.Gener
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
     """Serves one replica's engine over gRPC; admission is counted on arrival
-    (:class:`Reservations`, limit ``SchedulerConfig.max_sequences``)."""
+    (:class:`Reservations`, limit ``SchedulerConfig.max_sequences``). A write that waits
+    more than ``limits.stall_s`` for its reader cancels the stream (``Generate``: that call;
+    ``GenerateStream``: the whole stream, every call on it)."""
 
     def __init__(self, loop: EngineLoop, replica_id: str, model: str, block_size: int,
                  epoch_fn=lambda: 0, telemetry: Optional[WorkerTelemetry] = None,
-                 ranks_fn=lambda: []) -> None:
+                 ranks_fn=lambda: [], limits: StreamLimits = StreamLimits()) -> None:
         self.loop = loop
+        self.limits = limits
         self.ranks_fn = ranks_fn  # -> [RankInfo], rank 0 first
         self.replica_id = replica_id
         self.model = model
@@ -83,7 +87,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             try:
                 async with contextlib.aclosing(self._serve(request, trace)) as messages:
                     async for msg in messages:
-                        yield msg
+                        await write_within(context.write(msg), self.limits,
+                                           f"request {request.request_id}")
             except KvfleetError as exc:
                 await context.abort(*status_of(exc))
             # The router subtracts this from its dispatch time: network time.
@@ -135,7 +140,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                         break
                     frame = out.get_nowait()
                 if batch.frames:
-                    await context.write(batch)
+                    await write_within(context.write(batch), self.limits, "GenerateStream")
                 elif not reading and not calls:
                     break
         finally:
@@ -198,7 +203,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             finally:
                 self.reservations.release(request.request_id)
         except KvfleetError as exc:
-            if not isinstance(exc, StatusError):  # an abnormal end is not a refusal
+            if not isinstance(exc, (StatusError, SlowReader)):  # an abnormal end is no refusal
                 trace.refused(*status_of(exc))
             raise
 

@@ -4,6 +4,7 @@ prefix cache, KV events, gRPC servers) and routers (real gRPC, real Redis), on o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
@@ -132,6 +133,16 @@ class Fleet:
         for s in self.replicas.values():
             await s.stop(grace_s=0.1)
         self.routers, self.replicas, self._channels = [], {}, []
+
+
+@contextlib.asynccontextmanager
+async def running_fleet(redis_url: str, namespace: str, model_dir: str):
+    """An empty :class:`Fleet` serving ``model_dir``, stopped on exit."""
+    f = Fleet(redis_url, namespace, model_dir)
+    try:
+        yield f
+    finally:
+        await f.stop()
 
 
 def prompt(seed: int, n_tokens: int) -> list[int]:
