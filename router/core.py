@@ -109,7 +109,8 @@ class RouterCore:
         return model
 
     def prompt_tokens(self, prompt: Prompt, model: ServedModel) -> list[int]:
-        """Tokenize (or check) a prompt once. Raises InvalidArgument naming the field."""
+        """Tokenize (or check) a prompt once. Raises InvalidArgument (OutOfRange for more
+        token ids than the context holds) naming the field."""
         if prompt.kind == "text":
             if not prompt.text:
                 raise InvalidArgument("text must not be empty", field="text")
@@ -117,6 +118,9 @@ class RouterCore:
                 raise PromptTooLarge(f"text exceeds {MAX_PROMPT_BYTES} bytes", field="text")
             return model.encode_text(prompt.text)
         if prompt.kind == "token_ids":
+            if len(prompt.token_ids) > model.max_context:  # before any pass over them
+                raise OutOfRange(f"token_ids: {len(prompt.token_ids)} tokens exceed the context "
+                                 f"of {model.max_context} tokens", field="token_ids")
             # One copy to a list: reading a protobuf repeated field creates every int again
             # on each pass, and min, max and the block hashing each make a pass.
             ids = list(prompt.token_ids)

@@ -129,6 +129,7 @@ def test_other_tenant_salt_never_hits(client):
     (dict(prompt="hi", max_tokens=10_000), grpc.StatusCode.OUT_OF_RANGE, "max_tokens"),
     (dict(prompt="hi", model="no-such-model"), grpc.StatusCode.NOT_FOUND, "no-such-model"),
     (dict(token_ids=[1, 10**9]), grpc.StatusCode.INVALID_ARGUMENT, "token_ids"),
+    (dict(token_ids=[5] * 300), grpc.StatusCode.OUT_OF_RANGE, "token_ids"),  # context 256
     (dict(messages=[{"role": "wizard", "content": "hi"}]), grpc.StatusCode.INVALID_ARGUMENT, "role"),
     (dict(prompt="hi", stop_token_ids=[10**9]), grpc.StatusCode.INVALID_ARGUMENT, "stop_token_ids"),
 ])
