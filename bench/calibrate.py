@@ -8,7 +8,8 @@ shapes the router benchmark produces (512-token prefill chunks from an empty and
 context, the 64-token suffix after a 1,024-token cached prefix, decode batches at ~1,088 tokens
 of context) and fits ``seconds ≈ a + b·prefill tokens + c·decode tokens`` by least squares.
 The samples, the fit, and the machine's load are written to one JSON file, which the benchmark
-reads and records; the constants are never edited by hand.
+reads and records; the constants are never edited by hand. Benchmarks that need the file
+call :func:`ensure_calibration`, which measures it on first use.
 """
 
 from __future__ import annotations
@@ -21,13 +22,17 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-import torch
-
-from kvfleet.deploy.models import prepare_model
-from kvfleet.worker.cost_model import calibration_plans, fit, measure
-from kvfleet.worker.model_runner import ModelRunner
-
 DEFAULT_OUT = Path(__file__).parent / "results" / "calibration.json"
+
+
+def ensure_calibration(path: Path = DEFAULT_OUT) -> Path:
+    """``path``, measured now (as ``python -m bench.calibrate --out path``; about a minute)
+    when it does not exist yet — a fresh clone has no ``bench/results/``."""
+    path = Path(path)
+    if not path.exists():
+        print(f"{path} not found: calibrating the cost model first (bench.calibrate)", flush=True)
+        main(["--out", str(path)])
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,6 +41,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--repeats", type=int, default=3)
     a = p.parse_args(argv)
+    import torch  # here: ensure_calibration's callers need no torch until they calibrate
+
+    from kvfleet.deploy.models import prepare_model
+    from kvfleet.worker.cost_model import calibration_plans, fit, measure
+    from kvfleet.worker.model_runner import ModelRunner
+
     torch.set_num_threads(a.threads)
     model_dir = prepare_model(progress=False)
     block_size = 16

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
+from bench.calibrate import DEFAULT_OUT as CALIBRATION, ensure_calibration
 from bench.workload import Request, Workload, requests
 from kvfleet.allocator.hashing import block_hash_chain, root_hash
 from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
@@ -180,10 +181,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--count", type=int, default=2000)
     p.add_argument("--concurrency", type=int, default=0, help="closed loop with this many clients")
     p.add_argument("--policies", default="prefix_aware,least_loaded,round_robin")
-    p.add_argument("--calibration", default=str(Path(__file__).parent / "results" / "calibration.json"))
+    p.add_argument("--calibration", default=str(CALIBRATION),
+                   help="cost-model constants (default: measured by bench.calibrate on first use)")
     p.add_argument("--options", default="{}", help="JSON options for prefix_aware")
     a = p.parse_args(argv)
-    cost = CostModel.load(a.calibration)
+    cost = CostModel.load(ensure_calibration(Path(a.calibration)))
     w = Workload(zipf_s=a.zipf)
     reqs = requests(w, a.rate, a.count)
     for name in a.policies.split(","):

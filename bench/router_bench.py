@@ -25,6 +25,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from bench.calibrate import DEFAULT_OUT as CALIBRATION, ensure_calibration
 from bench.load import Target, closed_loop, open_loop
 from bench.plots import plot_ttft_cdfs
 from bench.report import ratio_spread, summarize, throughput
@@ -32,7 +33,6 @@ from bench.workload import Workload, requests, stream
 from kvfleet.worker.cost_model import CostModel
 
 RESULTS = Path(__file__).parent / "results"
-CALIBRATION = RESULTS / "calibration.json"
 POLICIES = ("prefix_aware", "least_loaded", "round_robin")
 
 
@@ -65,7 +65,8 @@ def start_fleets(run: Run, redis_url: str) -> dict:
     from kvfleet.worker.scheduler import SchedulerConfig
 
     name, model_dir = resolve_model(DEFAULT_MODEL)
-    cost = CostModel.load(CALIBRATION).scaled(run.scale) if run.executor == "cost-model" else None
+    cost = (CostModel.load(ensure_calibration()).scaled(run.scale)
+            if run.executor == "cost-model" else None)
     fleets = {}
     for policy in run.policies:
         cfg = ClusterConfig(
