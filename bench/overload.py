@@ -15,7 +15,8 @@ alone at ``--steady-share`` of capacity (its unloaded TTFT), then the same strea
 tenant ``flood`` sends ``factor ×`` capacity (key file with ``default_tenant_share`` =
 ``--tenant-share``, replicas with the same ``tenant_share``).
 Reported: requests by final status, refusal (RESOURCE_EXHAUSTED) latency p50/p99 from the
-client's send, TTFT p50/p99 of the admitted, the router's CPU per request over the phase, and
+client's send, TTFT p50/p99 of the admitted (and the worker's own queue and TTFT quantiles:
+the rest of the client's TTFT is router, client and network), the router's CPU per request over the phase, and
 the peak RSS (VmHWM) of the router and replica processes. JSON goes to ``bench/results/``.
 """
 
@@ -53,6 +54,8 @@ class Outcome:
     first: Optional[float] = None
     code: str = "OK"
     details: str = ""
+    worker_queue_s: Optional[float] = None  # the worker's own timing (final message)
+    worker_ttft_s: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,8 @@ async def send(stub, run: Run, rng: random.Random, tenant: str = "",
         async for m in stub.Generate(req, metadata=md, timeout=timeout_s):
             if out.first is None and m.token_ids:
                 out.first = time.monotonic()
+            if m.finish_reason:
+                out.worker_queue_s, out.worker_ttft_s = m.timing.queue_s, m.timing.ttft_s
     except grpc.aio.AioRpcError as exc:
         out.code, out.details = exc.code().name, exc.details() or ""
     out.end = time.monotonic()
@@ -103,6 +108,11 @@ def summarize(outs: list[Outcome]) -> dict:
                  refusal_max_ms=max(refused))
     if ttft:
         s.update(ttft_p50_ms=quantile(ttft, 0.5), ttft_p99_ms=quantile(ttft, 0.99))
+    # Where TTFT goes: the worker's share (queue, then queue + prefill) of it.
+    for name in ("worker_queue_s", "worker_ttft_s"):
+        xs = [getattr(o, name) * 1e3 for o in outs if o.code == "OK" and getattr(o, name) is not None]
+        if xs:
+            s[f"{name[:-2]}_p50_ms"], s[f"{name[:-2]}_p99_ms"] = quantile(xs, 0.5), quantile(xs, 0.99)
     other = sorted({f"{o.code}: {o.details}" for o in outs
                     if o.code not in ("OK", "RESOURCE_EXHAUSTED")})
     s["other_statuses"] = other[:5]
