@@ -45,6 +45,9 @@ COMPLETIONS_ROUTE = "/v1/completions"
 REQUEST_ID_HEADER = "x-request-id"       # optional; the router assigns one when absent
 TIMEOUT_HEADER = "x-request-timeout"     # optional deadline, seconds (gRPC: the call's timeout)
 CLIENT_CLOSED = 499                       # nginx's status for a request its client abandoned
+# Open connections (and their requests) the front serves at once; past it uvicorn answers
+# 503 at once instead of holding a connection, a task and its buffers for each.
+DEFAULT_MAX_CONNECTIONS = 4096
 
 
 def _sse(obj: dict) -> bytes:
@@ -80,9 +83,13 @@ class _SSEResponse(StreamingResponse):
 class HttpFront:
     """The HTTP listener of one router process, over the router's :class:`RouterCore`."""
 
-    def __init__(self, core: RouterCore, host: str = "127.0.0.1", port: int = 8000) -> None:
+    def __init__(self, core: RouterCore, host: str = "127.0.0.1", port: int = 8000,
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {max_connections}")
         self.core = core
         self.host, self.port = host, port
+        self.max_connections = max_connections
         self.address: Optional[str] = None
         self.app = Starlette(routes=[
             Route(CHAT_ROUTE, self.chat, methods=["POST"]),
@@ -112,7 +119,8 @@ class HttpFront:
         self._sock = sock
         # lifespan off, no logging config, no signal handlers: the router process owns those.
         config = uvicorn.Config(self.app, lifespan="off", log_config=None, access_log=False,
-                                timeout_graceful_shutdown=2)
+                                timeout_graceful_shutdown=2,
+                                limit_concurrency=self.max_connections)
         config.load()
         server = uvicorn.Server(config)
         server.lifespan = config.lifespan_class(config)

@@ -23,7 +23,7 @@ from kvfleet.index_keys import DEFAULT_NAMESPACE
 from kvfleet.router.auth import Authenticator
 from kvfleet.router.capacity import DEFAULT_RETRY_PUSHBACK_MS
 from kvfleet.router.core import RouterCore
-from kvfleet.router.http_front import HttpFront
+from kvfleet.router.http_front import DEFAULT_MAX_CONNECTIONS, HttpFront
 from kvfleet.router.index_mirror import MirroredPrefixIndex
 from kvfleet.router.policy import make_policy
 from kvfleet.router.prefix_index import RedisPrefixIndex
@@ -51,6 +51,7 @@ class RouterConfig:
     # The OpenAI-compatible HTTP front (kvfleet.router.http_front) on this port, same host;
     # None = off, 0 = a free port.
     http_port: Optional[int] = None
+    http_max_connections: int = DEFAULT_MAX_CONNECTIONS  # past it the HTTP front answers 503
     policy: str = "prefix_aware"
     namespace: str = DEFAULT_NAMESPACE
     api_keys_file: Optional[str] = None
@@ -116,7 +117,7 @@ class RouterServer:
         name = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
         health = add_health_and_reflection(self._server, [name])
         if cfg.http_port is not None:
-            self.http = HttpFront(self.core, cfg.host, cfg.http_port)
+            self.http = HttpFront(self.core, cfg.host, cfg.http_port, cfg.http_max_connections)
             self.http_address = await self.http.start()
         await self._server.start()
         await mark_serving(health, [name])
@@ -162,6 +163,8 @@ def parse_args(argv: list[str]) -> RouterConfig:
     p.add_argument("--http-port", type=int, default=None,
                    help="also serve the OpenAI-compatible HTTP API on this port (0 = a free "
                         "one; default: off)")
+    p.add_argument("--http-max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                   help="open HTTP connections served at once; past it: 503")
     p.add_argument("--policy", default="prefix_aware")
     p.add_argument("--namespace", default=DEFAULT_NAMESPACE)
     p.add_argument("--api-keys", default=None, help="JSON file mapping API keys to tenants")
@@ -196,6 +199,8 @@ def parse_args(argv: list[str]) -> RouterConfig:
                    help="serve Prometheus metrics on this port (0 = a free one); OTLP export "
                         "follows the standard OTEL_* environment variables")
     a = p.parse_args(argv)
+    if a.http_max_connections < 1:
+        p.error("--http-max-connections must be >= 1")
     if bool(a.tls_cert) != bool(a.tls_key):
         p.error("--tls-cert and --tls-key go together")
     try:
@@ -205,7 +210,7 @@ def parse_args(argv: list[str]) -> RouterConfig:
         p.error(str(exc))
     return RouterConfig(redis_url=a.redis_url, model_name=a.model_name, model_dir=a.model_dir,
                         block_size=a.block_size, kv_dtype=a.kv_dtype, host=a.host, port=a.port,
-                        http_port=a.http_port,
+                        http_port=a.http_port, http_max_connections=a.http_max_connections,
                         policy=a.policy, namespace=a.namespace, api_keys_file=a.api_keys,
                         index_mirror=a.index_mirror, telemetry=telemetry,
                         log_level=a.log_level, retry_pushback_ms=a.retry_pushback_ms,

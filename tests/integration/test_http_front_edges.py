@@ -142,3 +142,20 @@ async def test_no_live_replica_is_a_503_and_health_says_so(fleet):
         resp = await client.post("/v1/completions", json={"prompt": "hi"})
         assert resp.status_code == 503 and resp.json()["error"]["code"] == "unavailable"
         assert "no live replica" in resp.json()["error"]["message"]
+
+
+async def test_connections_past_the_limit_get_503_at_once(fleet):
+    await fleet.add_replica("rep-a")
+    router = await fleet.add_router(http_port=0, http_max_connections=2)
+    await fleet.wait_replicas(1)
+    host, port = router.http_address.rsplit(":", 1)
+    idle = await asyncio.open_connection(host, int(port))  # holds one of the two
+    try:
+        async with httpx.AsyncClient(base_url=f"http://{router.http_address}") as client:
+            assert (await client.get("/health")).status_code == 503
+    finally:
+        idle[1].close()
+        await idle[1].wait_closed()
+    await until(lambda: len(router.http._server.server_state.connections) == 0, "idle closed")
+    async with httpx.AsyncClient(base_url=f"http://{router.http_address}") as client:
+        assert (await client.get("/health")).status_code == 200

@@ -50,3 +50,10 @@ def test_router_flags_set_the_stream_limits():
     assert cfg.stream_limits == StreamLimits(8, 2.5)
     with pytest.raises(SystemExit):
         parse_args([*base, "--stream-stall-s", "0"])
+
+
+def test_router_flag_bounds_http_connections():
+    base = ["--redis-url", "redis://x", "--model-name", "m", "--model-dir", "d"]
+    assert parse_args([*base, "--http-max-connections", "10"]).http_max_connections == 10
+    with pytest.raises(SystemExit):
+        parse_args([*base, "--http-max-connections", "0"])
