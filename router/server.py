@@ -9,6 +9,7 @@ import time
 import grpc
 
 from kvfleet.errors import InvalidArgument, KvfleetError, status_of
+from kvfleet.router.adapter_routing import served_adapters
 from kvfleet.router.capacity import RETRY_PUSHBACK_KEY
 from kvfleet.router.core import GenerateInput, Prompt, RouterCore
 from kvfleet.sampling_params import SamplingParams
@@ -83,7 +84,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
     async def ListModels(self, request, context):
         return router_pb2.ListModelsResponse(models=[
             router_pb2.ModelInfo(name=m.name, max_context=m.max_context, block_size=m.block_size,
-                                 identity=m.identity.digest().hex())
+                                 identity=m.identity.digest().hex(),
+                                 adapters=[router_pb2.AdapterInfo(**a) for a in served_adapters(
+                                     [info for info, _ in self.core.replicas.for_model(m.name)])])
             for m in self.core.models.values()])
 
     async def ClusterStatus(self, request, context):

@@ -12,7 +12,7 @@ from typing import Optional
 
 import grpc
 
-from kvfleet.errors import KvfleetError, NotFound, StatusError, Unavailable, status_of
+from kvfleet.errors import KvfleetError, StatusError, Unavailable, status_of
 from kvfleet.sampling_params import SamplingParams
 from kvfleet.telemetry.names import MD_WORKER_DURATION_S
 from kvfleet.telemetry.worker_spans import WorkerTelemetry
@@ -227,8 +227,6 @@ def _ensure_id(request: worker_pb2.WorkerGenerateRequest) -> None:
 
 
 def _engine_request(request: worker_pb2.WorkerGenerateRequest) -> EngineRequest:
-    if request.adapter:
-        raise NotFound(f"adapter {request.adapter!r} is not loaded on this replica")
     params = SamplingParams.from_proto(request.sampling)
     deadline = None
     if request.deadline_unix_s > 0:

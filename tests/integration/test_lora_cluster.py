@@ -1,0 +1,70 @@
+"""LoRA adapters through the whole path: router (revision from the registrations, NOT_FOUND
+naming an unknown adapter, ListModels) → Redis index → replicas serving ``qv`` and ``all``
+(tests/fixtures/cluster.py). Greedy tokens equal transformers + peft's; cached prompt tokens
+are reused only under the same adapter revision."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+import torch
+
+from kvfleet.client import Client
+from tests.fixtures.adapters import peft_model
+from tests.unit.worker.paged_driver import random_prompt
+
+
+@pytest.fixture
+def client(tiny_cluster):
+    with Client(tiny_cluster.router_address) as c:
+        yield c
+
+
+def _adapters(client: Client) -> dict:
+    """ListModels' adapters once both replicas report them."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        (model,) = client.list_models().models
+        found = {a.name: a for a in model.adapters}
+        if set(found) == {"qv", "all"} and all(a.replicas == 2 for a in found.values()):
+            return found
+        time.sleep(0.2)
+    raise AssertionError(f"adapters not listed: {client.list_models()}")
+
+
+def _run(client: Client, tokens: list[int], adapter: str = "", max_tokens: int = 4):
+    chunks = list(client.stream(token_ids=tokens, adapter=adapter, max_tokens=max_tokens,
+                                temperature=0, ignore_eos=True))
+    return [t for c in chunks for t in c.token_ids], chunks[-1]
+
+
+def test_list_models_lists_the_adapters_with_revisions(client) -> None:
+    found = _adapters(client)
+    assert len(found["qv"].revision) == 32 and found["qv"].revision != found["all"].revision
+
+
+def test_unknown_adapter_is_not_found_naming_it(client) -> None:
+    _adapters(client)
+    with pytest.raises(grpc.RpcError) as err:
+        _run(client, random_prompt(8, seed=1), adapter="no-such-lora")
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "no-such-lora" in err.value.details()
+
+
+def test_adapter_request_matches_peft_and_reuses_cache_only_under_it(client, tiny_llama_dir,
+                                                                     tiny_adapters) -> None:
+    _adapters(client)
+    prompt = random_prompt(40, seed=123)
+    got, first = _run(client, prompt, adapter="qv")
+    ref = peft_model(tiny_llama_dir, tiny_adapters["qv"])
+    with torch.no_grad():
+        want = ref.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)[0, 40:]
+    assert got == want.tolist()
+    assert first.cached_prompt_tokens == 0
+    again_tokens, again = _run(client, prompt, adapter="qv")
+    assert again_tokens == got and again.cached_prompt_tokens == 32  # 2 full blocks of 16
+    _, other = _run(client, prompt, adapter="all")
+    _, base = _run(client, prompt)
+    assert other.cached_prompt_tokens == 0 and base.cached_prompt_tokens == 0
