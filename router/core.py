@@ -208,7 +208,7 @@ class RouterCore:
             candidates = serving(candidates, adapter)
         check_room(candidates, model.name)
         params = req.sampling.check_vocab(model.vocab_size)
-        trace.on_request(model.name, params, tenant)
+        trace.on_request(model.name, params, tenant, req.adapter)
         with trace.tokenize() as tokenized:
             tokens = self.prompt_tokens(req.prompt, model)
             tokenized["tokens"] = len(tokens)

@@ -203,7 +203,8 @@ class ReplicaServer:
             self.telemetry = Telemetry(self.cfg.telemetry, "worker", self.cfg.replica_id)
         self.metrics_address = self.telemetry.metrics_address
         wt = WorkerTelemetry(self.telemetry, self.cfg.replica_id, self.cfg.model_name,
-                             stats_fn=lambda: self._loop.stats if self._loop else {})
+                             stats_fn=lambda: self._loop.stats if self._loop else {},
+                             adapters_fn=lambda: self.engine.adapters.catalog if self.engine.adapters else ())
         self._loop = EngineLoop(self.engine, aio_loop, on_step=self._on_step(aio_loop),
                                 on_finish=wt.on_finished)
         service = WorkerService(self._loop, self.cfg.replica_id, self.cfg.model_name,
