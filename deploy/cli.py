@@ -278,6 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("budget", help="KV-cache byte budget from a config.json (see `kvfleet budget -h`)",
                    add_help=False)
     sub.add_parser("model", help="prepare or locate models (see `kvfleet model -h`)", add_help=False)
+    sub.add_parser("adapter", help="load, unload or list LoRA adapters of a running cluster "
+                                   "(see `kvfleet adapter -h`)", add_help=False)
     return p
 
 
@@ -287,6 +289,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if argv and argv[0] == "budget":
         from kvfleet.deploy.budget import main as budget_main
         return budget_main(argv[1:])
+    if argv and argv[0] == "adapter":
+        from kvfleet.deploy.adapter_cli import main as adapter_main
+        return adapter_main(argv[1:])
     if argv and argv[0] == "model":
         from kvfleet.deploy.models import main as model_main
         return model_main(argv[1:])

@@ -166,6 +166,17 @@ class Client:
     def cluster_status(self) -> router_pb2.ClusterStatusResponse:
         return self._stub.ClusterStatus(router_pb2.ClusterStatusRequest(), metadata=self._metadata)
 
+    def load_adapter(self, name: str, path: str, model: str = "") -> common_pb2.AdapterReply:
+        """Serve the PEFT adapter directory ``path`` (as the replicas' hosts see it) as
+        ``name`` on every live replica; one result per replica. Raises grpc.RpcError."""
+        return self._stub.LoadAdapter(common_pb2.LoadAdapterRequest(model=model, name=name, path=path),
+                                      metadata=self._metadata)
+
+    def unload_adapter(self, name: str, model: str = "") -> common_pb2.AdapterReply:
+        """Stop serving adapter ``name`` on every live replica. Raises grpc.RpcError."""
+        return self._stub.UnloadAdapter(common_pb2.UnloadAdapterRequest(model=model, name=name),
+                                        metadata=self._metadata)
+
     def close(self) -> None:
         self._channel.close()
 

@@ -203,6 +203,7 @@ class RouterCore:
         check_tenant(tenant, self.tenant_inflight[tenant], limit)  # before tokenizing: cheap
         adapter = None
         if req.adapter:
+            self.auth.check_adapter(tenant, req.adapter)
             adapter = (req.adapter, adapter_revision([c.info for c in candidates], req.adapter,
                                                      model.name))
             candidates = serving(candidates, adapter)

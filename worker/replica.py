@@ -31,6 +31,7 @@ from kvfleet.worker.engine import Engine
 from kvfleet.worker.engine_loop import EngineLoop
 from kvfleet.worker.kv_publisher import KvPublisher
 from kvfleet.worker.kv_cache import num_blocks_for_memory
+from kvfleet.worker.lora.admin import AdapterAdmin
 from kvfleet.worker.lora.catalog import check_catalog
 from kvfleet.worker.lora.residency import AdapterResidency
 from kvfleet.worker.model_config import load_model_config
@@ -209,7 +210,7 @@ class ReplicaServer:
                                 on_finish=wt.on_finished)
         service = WorkerService(self._loop, self.cfg.replica_id, self.cfg.model_name,
                                 self.cfg.block_size, epoch_fn=self._epoch, telemetry=wt,
-                                ranks_fn=self.ranks)
+                                ranks_fn=self.ranks, adapter_admin=self._adapter_admin())
         self.service = service
         worker_pb2_grpc.add_WorkerServicer_to_server(service, self._server)
         name = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
@@ -269,6 +270,11 @@ class ReplicaServer:
         return ReplicaLoad(running=s["running"], waiting=s["waiting"],
                            num_free_blocks=s["num_free_blocks"],
                            num_total_blocks=s["num_total_blocks"], updated_at=time.time())
+
+    def _adapter_admin(self) -> Optional[AdapterAdmin]:
+        res = self.engine.adapters
+        return None if res is None else AdapterAdmin(res, self.engine.runner.config,
+                                                     self.cfg.max_lora_rank)
 
     def adapter_fields(self) -> dict:
         """The registry's adapter fields: servable (name, revision) and resident names."""

@@ -12,13 +12,14 @@ from typing import Optional
 
 import grpc
 
-from kvfleet.errors import KvfleetError, StatusError, Unavailable, status_of
+from kvfleet.errors import FailedPrecondition, KvfleetError, StatusError, Unavailable, status_of
 from kvfleet.sampling_params import SamplingParams
 from kvfleet.telemetry.names import MD_WORKER_DURATION_S
 from kvfleet.telemetry.worker_spans import WorkerTelemetry
 from kvfleet.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from kvfleet.worker.engine import EngineRequest
 from kvfleet.worker.engine_loop import EngineLoop
+from kvfleet.worker.lora.admin import AdapterAdmin
 from kvfleet.worker.outputs import SeqOutput
 from kvfleet.worker.request import FinishReason
 from kvfleet.worker.reservations import Reservations
@@ -64,8 +65,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
     def __init__(self, loop: EngineLoop, replica_id: str, model: str, block_size: int,
                  epoch_fn=lambda: 0, telemetry: Optional[WorkerTelemetry] = None,
-                 ranks_fn=lambda: []) -> None:
+                 ranks_fn=lambda: [], adapter_admin: Optional[AdapterAdmin] = None) -> None:
         self.loop = loop
+        self.adapter_admin = adapter_admin  # None: this replica serves no adapters
         self.ranks_fn = ranks_fn  # -> [RankInfo], rank 0 first
         self.replica_id = replica_id
         self.model = model
@@ -206,6 +208,25 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         found = self.loop.engine.is_active(request.request_id)
         self.loop.abort(request.request_id)
         return worker_pb2.AbortResponse(found=found)
+
+    async def LoadAdapter(self, request, context):
+        return await self._adapter_call(context, lambda a: a.load(request.name, request.path))
+
+    async def UnloadAdapter(self, request, context):
+        async def unload(admin):
+            admin.unload(request.name)
+            return ""
+        return await self._adapter_call(context, unload)
+
+    async def _adapter_call(self, context, op):
+        try:
+            if self.adapter_admin is None:
+                raise FailedPrecondition("this replica serves no adapters (max_loras = 0)")
+            revision = await op(self.adapter_admin)
+        except KvfleetError as exc:
+            await context.abort(*status_of(exc))
+        return common_pb2.AdapterReply(results=[
+            common_pb2.ReplicaAdapterResult(replica_id=self.replica_id, revision=revision)])
 
     async def Stats(self, request, context):
         s = self.loop.stats

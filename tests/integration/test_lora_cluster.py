@@ -68,3 +68,63 @@ def test_adapter_request_matches_peft_and_reuses_cache_only_under_it(client, tin
     _, other = _run(client, prompt, adapter="all")
     _, base = _run(client, prompt)
     assert other.cached_prompt_tokens == 0 and base.cached_prompt_tokens == 0
+
+
+def _wait_revision(client: Client, name: str, want) -> str:
+    """The revision ListModels lists for ``name`` once ``want(revision)`` holds (None: absent)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        (model,) = client.list_models().models
+        found = {a.name: a for a in model.adapters}
+        rev = found[name].revision if name in found and found[name].replicas == 2 else None
+        if want(rev):
+            return rev
+        time.sleep(0.2)
+    raise AssertionError(f"adapter {name} never reached the wanted state")
+
+
+def _greedy(model_dir, adapter_dir, prompt, n=4) -> list[int]:
+    with torch.no_grad():
+        out = peft_model(model_dir, adapter_dir).generate(torch.tensor([prompt]), max_new_tokens=n,
+                                                          do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def test_runtime_load_reload_and_unload(client, tiny_llama_dir, tiny_adapters) -> None:
+    """Load ``rs`` at run time, serve it, unload it; reloading ``qv`` with new weights gives a
+    new revision whose requests never reuse the old revision's KV."""
+    original = _adapters(client)["qv"].revision
+    reply = client.load_adapter("rs", str(tiny_adapters["rs"]))
+    assert len(reply.results) == 2 and all(r.revision and not r.error for r in reply.results)
+    _wait_revision(client, "rs", lambda r: r is not None)
+    prompt = random_prompt(20, seed=321)
+    assert _run(client, prompt, adapter="rs")[0] == _greedy(tiny_llama_dir, tiny_adapters["rs"], prompt)
+    client.unload_adapter("rs")
+    _wait_revision(client, "rs", lambda r: r is None)
+    with pytest.raises(grpc.RpcError) as err:
+        _run(client, prompt, adapter="rs")
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+    shared = random_prompt(40, seed=322)
+    _run(client, shared, adapter="qv")
+    assert _run(client, shared, adapter="qv")[1].cached_prompt_tokens == 32
+    client.load_adapter("qv", str(tiny_adapters["qv2"]))
+    try:
+        _wait_revision(client, "qv", lambda r: r not in (None, original))
+        tokens, last = _run(client, shared, adapter="qv")
+        assert last.cached_prompt_tokens == 0
+        assert tokens == _greedy(tiny_llama_dir, tiny_adapters["qv2"], shared)
+    finally:
+        client.load_adapter("qv", str(tiny_adapters["qv"]))
+        _wait_revision(client, "qv", lambda r: r == original)
+
+
+def test_runtime_load_of_a_bad_adapter_is_refused_naming_it(client, tmp_path) -> None:
+    _adapters(client)
+    with pytest.raises(grpc.RpcError) as err:
+        client.load_adapter("broken", str(tmp_path))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "adapter_config.json" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        client.unload_adapter("never-loaded")
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND and "never-loaded" in err.value.details()
