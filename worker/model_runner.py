@@ -168,14 +168,25 @@ class ModelRunner:
         self.kv_cache.copy_blocks(plan.block_copies)
         if not plan.chunks:
             return torch.empty(0, self.config.vocab_size, dtype=torch.float32)
-        meta = attention.build_attention_metadata(plan.chunks, self.block_size, self._windows,
+        slots = [c.adapter_slot for c in plan.chunks]
+        if any(slots) and slots != sorted(slots):
+            # Chunks grouped by adapter: each adapter's rows become one contiguous slice (no
+            # gather/scatter in the LoRA update); every rank sorts the same plan alike.
+            order = sorted(range(len(slots)), key=slots.__getitem__)
+            logits = self._forward(tuple(plan.chunks[i] for i in order))
+            return logits if logits.shape[0] == 0 else logits[torch.tensor(order).argsort()]
+        return self._forward(plan.chunks)
+
+    def _forward(self, chunks: tuple[SeqChunk, ...]) -> torch.Tensor:
+        """One forward over ``chunks`` (copies done, validated): their last-token logits."""
+        meta = attention.build_attention_metadata(chunks, self.block_size, self._windows,
                                                   self.device, self.dtype)
         input_ids = torch.tensor(
-            list(itertools.chain.from_iterable(c.token_ids for c in plan.chunks)),
+            list(itertools.chain.from_iterable(c.token_ids for c in chunks)),
             dtype=torch.long, device=self.device,
         )
-        lora = LoraBatch.build(self.lora_slots, [c.adapter_slot for c in plan.chunks],
-                               [len(c.token_ids) for c in plan.chunks], self.device)
+        lora = LoraBatch.build(self.lora_slots, [c.adapter_slot for c in chunks],
+                               [len(c.token_ids) for c in chunks], self.device)
         hidden = self.model.forward(input_ids, meta.positions, meta, self.kv_cache, lora)
         if self.rank != 0:
             return torch.empty(0, self.config.vocab_size, dtype=torch.float32)

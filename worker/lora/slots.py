@@ -98,7 +98,7 @@ class LoraBatch:
             if ab is None:
                 continue
             a, b = ab
-            if isinstance(rows, slice):
-                y[rows] += (x[rows] @ a) @ b
+            if isinstance(rows, slice):  # two ops: shrink, then expand-and-add in place
+                y[rows].addmm_(x[rows] @ a, b)
             else:
                 y.index_add_(0, rows, (x.index_select(0, rows) @ a) @ b)
