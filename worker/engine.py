@@ -16,7 +16,8 @@ import tokenizers
 
 from kvfleet.allocator.hashing import CacheIdentity, root_hash
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
-from kvfleet.errors import AlreadyExists, InvalidArgument, KvfleetError, NotFound, OutOfRange
+from kvfleet.errors import AlreadyExists, InvalidArgument, OutOfRange
+from kvfleet.worker.lora.queue import AdapterQueue
 from kvfleet.worker.lora.residency import AdapterResidency
 from kvfleet.sampling_params import SamplingParams
 from kvfleet.worker.detokenizer import IncrementalDetokenizer
@@ -75,13 +76,8 @@ class Engine:
                  vocab_size: int, config: SchedulerConfig = SchedulerConfig(),
                  adapters: AdapterResidency | None = None,
                  identity: CacheIdentity | None = None) -> None:
-        if adapters is not None and identity is None:
-            raise ValueError("an engine serving adapters needs the model's CacheIdentity")
         self.runner = runner
-        self.adapters, self.identity = adapters, identity
-        self._adapter_digests: dict[tuple[str, str], bytes] = {}
-        self._awaiting_adapter: list[tuple[str, list[Sequence]]] = []  # FCFS
-        self._slot_of: dict[str, int] = {}  # request_id -> adapter slot it holds
+        self.adapters = adapters
         self.kv = kv
         self.tokenizer = tokenizer
         self.identity_digest = identity_digest
@@ -89,6 +85,7 @@ class Engine:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.scheduler = Scheduler(config, kv)
+        self.lora = AdapterQueue(adapters, identity, identity_digest, self.scheduler)
         self.sampler = Sampler()
         self._arrivals = itertools.count()
         self._seqs: dict[str, list[Sequence]] = {}  # request_id -> its n samples
@@ -121,7 +118,7 @@ class Engine:
     def add_request(self, req: EngineRequest) -> None:
         """Validate and queue all ``n`` samples. Raises a KvfleetError on refusal."""
         self.validate(req)
-        root = root_hash(self._digest_for(req.adapter), req.tenant, req.cache_salt)
+        root = root_hash(self.lora.digest_for(req.adapter), req.tenant, req.cache_salt)
         arrival = next(self._arrivals)
         seqs = [
             Sequence(seq_id=f"{req.request_id}#{i}", request_id=req.request_id, index=i,
@@ -131,55 +128,12 @@ class Engine:
             for i in range(req.params.n)
         ]
         if req.adapter:
-            self.scheduler.check_can_ever_fit(len(req.prompt_token_ids), req.params.max_tokens,
-                                              len(seqs))
-            if not self._start(req.adapter, seqs):
-                self._awaiting_adapter.append((req.adapter, seqs))
+            self.lora.add(req.adapter, seqs)
         else:
             self.scheduler.add(seqs)
         self._seqs[req.request_id] = seqs
         for s in seqs:
             self._io[s.seq_id] = _SeqIO(s, self.tokenizer)
-
-    def _digest_for(self, adapter: str) -> bytes:
-        """The identity digest of the chain root: the model's, or the model's with the
-        adapter's name and content revision (a reloaded adapter gets new block hashes)."""
-        if not adapter:
-            return self.identity_digest
-        if self.adapters is None:
-            raise NotFound(f"adapter {adapter!r} is not served by this replica", field="adapter")
-        key = (adapter, self.adapters.spec(adapter).revision)
-        if key not in self._adapter_digests:
-            self._adapter_digests[key] = self.identity.with_adapter(*key).digest()
-        return self._adapter_digests[key]
-
-    def _start(self, adapter: str, seqs: list[Sequence]) -> bool:
-        """Queue ``seqs`` if their adapter is resident (taking a slot reference); False while
-        it loads. Raises what :meth:`Scheduler.add` raises (the reference is dropped then)."""
-        slot = self.adapters.acquire(adapter)
-        if slot is None:
-            return False
-        for s in seqs:
-            s.adapter_slot = slot
-        try:
-            self.scheduler.add(seqs)
-        except BaseException:
-            self.adapters.release(slot)
-            raise
-        self._slot_of[seqs[0].request_id] = slot
-        return True
-
-    def _admit_awaiting(self) -> list[SeqOutput]:
-        """Queue the requests whose adapter has become resident, in arrival order."""
-        outputs, still = [], []
-        for adapter, seqs in self._awaiting_adapter:
-            try:
-                if not self._start(adapter, seqs):
-                    still.append((adapter, seqs))
-            except (KvfleetError, RuntimeError) as exc:  # failed load, or the queue is full
-                outputs += [self._finish(s, FinishReason.ERROR, exc) for s in seqs]
-        self._awaiting_adapter = still
-        return outputs
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED,
               error: BaseException | None = None) -> list[SeqOutput]:
@@ -193,18 +147,18 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.num_unfinished > 0 or bool(self._awaiting_adapter)
+        return self.scheduler.num_unfinished > 0 or self.lora.has_waiting
 
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[SeqOutput]:
         """Run one engine step; returns the outputs it produced (possibly none)."""
         outputs = self._expire_deadlines()
-        if self._awaiting_adapter:
-            outputs += self._admit_awaiting()
+        if self.lora.has_waiting:
+            outputs += self.lora.admit(lambda seq, exc: self._finish(seq, FinishReason.ERROR, exc))
         out = self.scheduler.schedule()
         if not out.scheduled:
-            if self._awaiting_adapter and not outputs:
-                self.adapters.wait(0.01)  # nothing to run but a load: do not spin
+            if self.lora.has_waiting and not outputs:
+                self.lora.wait(0.01)  # nothing to run but a load: do not spin
             return outputs
         now = time.monotonic()
         for s in out.scheduled:
@@ -286,10 +240,7 @@ class Engine:
         siblings = self._seqs.get(seq.request_id, [])
         if all(s.is_finished for s in siblings):
             self._seqs.pop(seq.request_id, None)
-            self._awaiting_adapter = [(a, g) for a, g in self._awaiting_adapter
-                                      if g[0].request_id != seq.request_id]
-            if seq.request_id in self._slot_of:
-                self.adapters.release(self._slot_of.pop(seq.request_id))
+            self.lora.request_done(seq.request_id)
         t = seq.timing
         first = t.first_token or time.monotonic()
         scheduled = t.first_scheduled or first

@@ -39,9 +39,7 @@ def make_lora_engine(model_dir: Path, adapters: dict[str, Path], max_loras: int 
     catalog = {n: check_adapter(n, d, runner.config, MAX_LORA_RANK) for n, d in adapters.items()}
     residency = AdapterResidency(runner, catalog, max_loras)
     engine, rec = engine_harness.make_engine(model_dir, runner=wrap(runner) if wrap else runner,
-                                             **scheduler)
-    engine.adapters, engine.identity = residency, IDENTITY
-    engine.identity_digest = IDENTITY.digest()
+                                             adapters=residency, identity=IDENTITY, **scheduler)
     return engine, rec, residency
 
 
