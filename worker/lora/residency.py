@@ -140,10 +140,12 @@ class AdapterResidency:
         self._loaded.clear()
 
     def resident(self) -> dict[str, str]:
-        """Loaded adapters, name → revision (loads in flight excluded)."""
+        """Loaded adapters still served at the loaded revision, name → revision (loads in
+        flight, and slots left by an unloaded or replaced revision, excluded)."""
         with self._lock:
             return {s.name: s.revision for s in self._slots.values()
-                    if s.name and s.loading is None and s.error is None}
+                    if s.name and s.loading is None and s.error is None
+                    and s.name in self.catalog and self.catalog[s.name].revision == s.revision}
 
     def servable(self) -> dict[str, str]:
         """Every adapter this replica may serve, name → revision."""

@@ -9,6 +9,7 @@ import threading
 import pytest
 
 from kvfleet.allocator.hashing import block_hash_chain
+from kvfleet.errors import NotFound
 from kvfleet.router.served_model import ServedModel
 from kvfleet.worker.lora.residency import AdapterResidency
 from kvfleet.worker.request import FinishReason
@@ -63,6 +64,10 @@ def test_lru_eviction_never_takes_a_slot_in_use() -> None:
     res.release(a)
     res.release(c)
     assert _resident(res, "a") == a and len(runner.loads) == 4  # resident: no reload
+    res.unregister("a")  # its slot stays until reused, but it is no longer reported
+    assert res.resident() == {"d": "r"}
+    with pytest.raises(NotFound, match="adapter 'a' is not served"):
+        res.acquire("a")
     res.close()
 
 
