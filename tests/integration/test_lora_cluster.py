@@ -8,8 +8,10 @@ from __future__ import annotations
 import time
 
 import grpc
+import httpx
 import pytest
 import torch
+from tokenizers import Tokenizer
 
 from kvfleet.client import Client
 from tests.fixtures.adapters import peft_model
@@ -128,3 +130,22 @@ def test_runtime_load_of_a_bad_adapter_is_refused_naming_it(client, tmp_path) ->
     with pytest.raises(grpc.RpcError) as err:
         client.unload_adapter("never-loaded")
     assert err.value.code() == grpc.StatusCode.NOT_FOUND and "never-loaded" in err.value.details()
+
+
+def test_openai_http_names_an_adapter_as_the_model(tiny_cluster, client, tiny_llama_dir,
+                                                    tiny_adapters) -> None:
+    _adapters(client)
+    base = f"http://{tiny_cluster.http_address}/v1"
+    models = httpx.get(f"{base}/models").json()["data"]
+    assert {m["id"]: m.get("parent") for m in models} == {"tiny-llama": None, "qv": "tiny-llama",
+                                                          "all": "tiny-llama"}
+    prompt = random_prompt(12, seed=55)
+    body = {"model": "all", "prompt": prompt, "max_tokens": 4, "temperature": 0,
+            "ignore_eos": True}
+    reply = httpx.post(f"{base}/completions", json=body, timeout=60).json()
+    assert reply["model"] == "all"
+    want = _greedy(tiny_llama_dir, tiny_adapters["all"], prompt)
+    tokenizer = Tokenizer.from_file(str(tiny_llama_dir / "tokenizer.json"))
+    assert reply["choices"][0]["text"] == tokenizer.decode(want, skip_special_tokens=False)
+    missing = httpx.post(f"{base}/completions", json={**body, "model": "nope"}, timeout=60)
+    assert missing.status_code == 404
