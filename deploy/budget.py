@@ -18,6 +18,7 @@ from kvfleet.allocator.kv_bytes import (
     KV_DTYPE_BYTES, bytes_per_token, dtype_bytes, kv_bytes, rank_spec, recurrent_state_bytes,
     request_scale_bytes, scale_bytes_per_token,
 )
+from kvfleet.allocator.lora_bytes import lora_slot_bytes
 from kvfleet.allocator.model_spec import ModelKVSpec, spec_from_config
 from kvfleet.allocator.units import describe_bytes, format_bytes, parse_count, parse_size
 
@@ -58,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weight storage dtype (default bf16)")
     p.add_argument("--num-kv-heads", type=int, metavar="N",
                    help="override the config's KV head count")
+    p.add_argument("--max-loras", type=int, default=0, metavar="N",
+                   help="LoRA adapter slots per replica, counted at --max-lora-rank with every "
+                        "projection targeted, in --weight-dtype (default 0)")
+    p.add_argument("--max-lora-rank", type=int, default=64, metavar="R",
+                   help="largest adapter rank a slot holds (default 64)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -131,12 +137,24 @@ def compute_budget(args: argparse.Namespace) -> dict[str, Any]:
         "reserved_tokens_per_request": reservation.reserved_tokens,
         "tail_waste_tokens": reservation.tail_waste_tokens,
     }
+    lora_bytes = lora_bytes_per_rank = 0
+    if args.max_loras:
+        _check_positive(args.max_loras, "--max-loras")
+        _check_positive(args.max_lora_rank, "--max-lora-rank")
+        slot, slot_per_rank = lora_slot_bytes(args.config, args.max_lora_rank,
+                                              dtype_bytes(args.weight_dtype, "--weight-dtype"),
+                                              args.tp)
+        lora_bytes, lora_bytes_per_rank = args.max_loras * slot, args.max_loras * slot_per_rank
+        report.update(max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                      lora_slot_bytes=slot, lora_bytes=lora_bytes,
+                      lora_bytes_per_rank=lora_bytes_per_rank)
     if args.memory is not None:
         plan = plan_capacity(
             spec, memory_bytes=parse_size(args.memory, "--memory"), tokens_per_request=t,
             tp=args.tp, num_params=parse_count(args.params, "--params") if args.params else None,
             weight_dtype=args.weight_dtype, kv_dtype=dtype,
-            reserve_bytes=parse_size(args.reserve, "--reserve"), margin=args.margin,
+            reserve_bytes=parse_size(args.reserve, "--reserve") + lora_bytes_per_rank,
+            margin=args.margin,
             block_size=args.block_size)
         report.update(
             memory_bytes=plan.memory_bytes, weights_bytes=plan.weights_bytes,
@@ -172,6 +190,10 @@ def format_table(r: dict[str, Any]) -> str:
         rows.append(("recurrent state", _pair(r["recurrent_state_bytes_per_request"],
                                               r["recurrent_state_bytes_per_request_per_rank"],
                                               r["tp"]) + " per request"))
+    if r.get("max_loras"):
+        rows.append((f"LoRA {r['max_loras']} x rank {r['max_lora_rank']}",
+                     _pair(r["lora_bytes"], r["lora_bytes_per_rank"], r["tp"])
+                     + " (in the reserve below)" * ("memory_bytes" in r)))
     rows.append(("reserved/request", f"{r['reserved_tokens_per_request']} tokens "
                                      f"({r['tail_waste_tokens']} tokens tail waste)"))
     if "memory_bytes" in r:

@@ -41,6 +41,14 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-one-row-weights", dest="one_row_weights", action="store_false",
                    help="hold each weight once: halves weight memory, batch-1 decode ~20%% slower "
                         "(default: a second copy streams faster for one-row decode steps)")
+    p.add_argument("--adapter", action="append", default=[], metavar="NAME=DIR",
+                   help="serve the PEFT LoRA adapter in DIR as NAME (repeatable)")
+    p.add_argument("--adapter-dir", action="append", default=[], metavar="DIR",
+                   help="serve every adapter subdirectory of DIR, named by it (repeatable)")
+    p.add_argument("--max-loras", type=_positive_int("--max-loras"), default=4,
+                   help="LoRA adapter slots per replica, LRU (default 4)")
+    p.add_argument("--max-lora-rank", type=_positive_int("--max-lora-rank"), default=64,
+                   help="largest adapter rank accepted (default 64)")
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--port", type=int, default=50051, help="router port (0 = a free port)")
@@ -124,6 +132,7 @@ def cluster_config(args: argparse.Namespace):
         from kvfleet.worker.parallel.layout import check_tp
 
         check_tp(load_model_config(model_dir), args.tensor_parallel_size)
+    adapters = _checked_adapters(args, model_dir)
     cost = CostModel.load(args.cost_model) if args.cost_model else MEASURED
     if args.cost_model_scale != 1.0:
         cost = cost.scaled(args.cost_model_scale)
@@ -139,10 +148,23 @@ def cluster_config(args: argparse.Namespace):
         tls_cert=args.tls_cert, tls_key=args.tls_key, internal_tls_dir=args.internal_tls_dir,
         executor=args.executor, cost_model=cost if args.executor == "cost-model" else None,
         tensor_parallel_size=args.tensor_parallel_size, device=args.device,
+        adapters=adapters, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
         telemetry=TelemetryConfig.from_env(os.environ), metrics_port=args.metrics_port,
         http_port=None if getattr(args, "http_port", -1) < 0 else args.http_port,
         # -vv: the router logs each routing decision (candidates' matches and loads) too
         router_args=("--log-level", "DEBUG") if getattr(args, "verbose", 0) >= 2 else ())
+
+
+def _checked_adapters(args: argparse.Namespace, model_dir) -> tuple[tuple[str, str], ...]:
+    """``--adapter`` / ``--adapter-dir`` as (name, dir) pairs, each checked against the model
+    before anything starts. Raises ValueError (AdapterError) naming the adapter, file and field."""
+    from kvfleet.worker.lora.catalog import check_catalog, expand_adapter_dirs, parse_adapter_arg
+    from kvfleet.worker.model_config import load_model_config
+
+    pairs = expand_adapter_dirs([parse_adapter_arg(a) for a in args.adapter], args.adapter_dir)
+    if pairs:
+        check_catalog(pairs, load_model_config(model_dir), args.max_lora_rank)
+    return pairs
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -177,7 +199,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from kvfleet.client import Client
 
-    kwargs = dict(model=args.model or "", max_tokens=args.max_tokens,
+    kwargs = dict(model=args.model or "", adapter=args.adapter, max_tokens=args.max_tokens,
                   temperature=args.temperature, seed=args.seed)
     if args.raw:
         kwargs["prompt"] = args.prompt
@@ -245,6 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float)
     gen.add_argument("--seed", type=int)
     gen.add_argument("--model", default="")
+    gen.add_argument("--adapter", default="", help="a LoRA adapter the replicas serve, by name")
     gen.add_argument("--router", default=DEFAULT_ROUTER)
     gen.add_argument("--api-key")
     gen.add_argument("--tls-ca", help="PEM CA certificate: connect over TLS, trusting it")
@@ -255,6 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("budget", help="KV-cache byte budget from a config.json (see `kvfleet budget -h`)",
                    add_help=False)
     sub.add_parser("model", help="prepare or locate models (see `kvfleet model -h`)", add_help=False)
+    sub.add_parser("adapter", help="load, unload or list LoRA adapters of a running cluster "
+                                   "(see `kvfleet adapter -h`)", add_help=False)
     return p
 
 
@@ -264,6 +289,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if argv and argv[0] == "budget":
         from kvfleet.deploy.budget import main as budget_main
         return budget_main(argv[1:])
+    if argv and argv[0] == "adapter":
+        from kvfleet.deploy.adapter_cli import main as adapter_main
+        return adapter_main(argv[1:])
     if argv and argv[0] == "model":
         from kvfleet.deploy.models import main as model_main
         return model_main(argv[1:])

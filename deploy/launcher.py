@@ -87,6 +87,10 @@ class ClusterConfig:
     # Mutual TLS router <-> workers with this directory's cluster CA (kvfleet.tls); generated
     # there when it holds no certificates yet.
     internal_tls_dir: Optional[str] = None
+    # LoRA (see ReplicaConfig): (name, directory) pairs every replica serves, slots, top rank.
+    adapters: tuple[tuple[str, str], ...] = ()
+    max_loras: int = 4
+    max_lora_rank: int = 64
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -207,7 +211,8 @@ class LocalCluster:
             telemetry=replace(cfg.telemetry, metrics_port=self._metrics_port(1 + i)),
             executor=cfg.executor, cost_model=cfg.cost_model,
             tensor_parallel_size=cfg.tensor_parallel_size, tp=cfg.tp, device=cfg.device,
-            internal_tls_dir=cfg.internal_tls_dir) for i in range(cfg.replicas)]
+            internal_tls_dir=cfg.internal_tls_dir, adapters=cfg.adapters,
+            max_loras=cfg.max_loras, max_lora_rank=cfg.max_lora_rank) for i in range(cfg.replicas)]
         if cfg.executor == "cost-model":
             self._start_hosts(rcfgs, per_replica, timeout_s)
         else:

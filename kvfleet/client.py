@@ -63,9 +63,11 @@ class Chunk:
 
 def build_request(prompt: Optional[str] = None, *, messages: Optional[Sequence[dict]] = None,
                   token_ids: Optional[Sequence[int]] = None, model: str = "",
-                  cache_salt: str = "", request_id: str = "", stop: Sequence[str] = (),
+                  adapter: str = "", cache_salt: str = "", request_id: str = "",
+                  stop: Sequence[str] = (),
                   stop_token_ids: Sequence[int] = (), **sampling) -> router_pb2.GenerateRequest:
-    """Build a GenerateRequest; exactly one of ``prompt``, ``messages``, ``token_ids``.
+    """Build a GenerateRequest; exactly one of ``prompt``, ``messages``, ``token_ids``
+    (``adapter``: a LoRA adapter the replicas serve, by name; empty = the base model).
 
     ``sampling`` keys: max_tokens, temperature, top_p, top_k, seed, n, ignore_eos,
     presence_penalty, frequency_penalty, repetition_penalty, logprobs (None = server default).
@@ -80,7 +82,8 @@ def build_request(prompt: Optional[str] = None, *, messages: Optional[Sequence[d
     unknown = set(sampling) - set(_SAMPLING_FIELDS)
     if unknown:
         raise ValueError(f"unknown sampling parameters: {sorted(unknown)}")
-    req = router_pb2.GenerateRequest(model=model, cache_salt=cache_salt, request_id=request_id)
+    req = router_pb2.GenerateRequest(model=model, adapter=adapter, cache_salt=cache_salt,
+                                     request_id=request_id)
     if prompt is not None:
         req.text = prompt
     elif messages is not None:
@@ -162,6 +165,17 @@ class Client:
 
     def cluster_status(self) -> router_pb2.ClusterStatusResponse:
         return self._stub.ClusterStatus(router_pb2.ClusterStatusRequest(), metadata=self._metadata)
+
+    def load_adapter(self, name: str, path: str, model: str = "") -> common_pb2.AdapterReply:
+        """Serve the PEFT adapter directory ``path`` (as the replicas' hosts see it) as
+        ``name`` on every live replica; one result per replica. Raises grpc.RpcError."""
+        return self._stub.LoadAdapter(common_pb2.LoadAdapterRequest(model=model, name=name, path=path),
+                                      metadata=self._metadata)
+
+    def unload_adapter(self, name: str, model: str = "") -> common_pb2.AdapterReply:
+        """Stop serving adapter ``name`` on every live replica. Raises grpc.RpcError."""
+        return self._stub.UnloadAdapter(common_pb2.UnloadAdapterRequest(model=model, name=name),
+                                        metadata=self._metadata)
 
     def close(self) -> None:
         self._channel.close()

@@ -64,6 +64,18 @@ class Unavailable(KvfleetError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class PermissionDenied(KvfleetError):
+    """An authenticated tenant asked for an operation its key does not allow."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class FailedPrecondition(KvfleetError):
+    """The operation does not apply in the component's configuration."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
 class DeadlineExceeded(KvfleetError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 

@@ -7,7 +7,8 @@ Every key starts with a configurable namespace (default ``kvfleet:``)::
                                  field "~" with a 96-byte value: keeps the hash out of listpack
                                  encoding, whose HMGET is O(fields × entries))
     {ns}epochs            HASH   replica_id -> epoch        current epoch per replica id (never deleted)
-    {ns}registry          HASH   replica_id -> JSON         address, model, epoch, block_size, started_at
+    {ns}registry          HASH   replica_id -> JSON         address, model, epoch, block_size, started_at,
+                                 adapters (name, revision), resident_adapters
     {ns}heartbeats        ZSET   replica_id @ last beat     score = Redis server time, milliseconds
     {ns}load:{replica_id} HASH   running, waiting, num_free_blocks, num_total_blocks, updated_at
                                  (PEXPIRE = the publisher's replica TTL)
@@ -86,6 +87,14 @@ class ReplicaInfo:
     tensor_parallel_size: int = 1
     # One dict per rank, rank 0 first: the fields of kvfleet.v1.RankStatus.
     ranks: tuple[dict, ...] = ()
+    # LoRA: the adapters it may serve, (name, revision) sorted, and those in its slots now
+    # (refreshed with every heartbeat).
+    adapters: tuple[tuple[str, str], ...] = ()
+    resident_adapters: tuple[str, ...] = ()
+
+    def adapter_revision(self, name: str) -> str | None:
+        """The revision it serves adapter ``name`` at, or None."""
+        return next((rev for n, rev in self.adapters if n == name), None)
 
     def to_json(self, started_at: float) -> str:
         """Registry value; ``started_at`` is unix seconds."""
@@ -93,7 +102,9 @@ class ReplicaInfo:
             {"address": self.address, "model": self.model, "epoch": self.epoch,
              "block_size": self.block_size, "max_requests": self.max_requests,
              "started_at": started_at,
-             "tensor_parallel_size": self.tensor_parallel_size, "ranks": list(self.ranks)},
+             "tensor_parallel_size": self.tensor_parallel_size, "ranks": list(self.ranks),
+             "adapters": [list(a) for a in self.adapters],
+             "resident_adapters": list(self.resident_adapters)},
             separators=(",", ":"),
         )
 
@@ -104,7 +115,9 @@ class ReplicaInfo:
                    epoch=int(d["epoch"]), block_size=int(d["block_size"]),
                    max_requests=int(d.get("max_requests", 0)),
                    tensor_parallel_size=int(d.get("tensor_parallel_size", 1)),
-                   ranks=tuple(dict(r) for r in d.get("ranks", ())))
+                   ranks=tuple(dict(r) for r in d.get("ranks", ())),
+                   adapters=tuple((str(n), str(r)) for n, r in d.get("adapters", ())),
+                   resident_adapters=tuple(str(n) for n in d.get("resident_adapters", ())))
 
 
 @dataclass(frozen=True)

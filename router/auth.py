@@ -11,6 +11,12 @@ The object form may also hold per-tenant limits on in-flight requests (per route
 ``"tenant_limits": {"<tenant>": <requests>, ...}`` and ``"default_tenant_share": <fraction>``,
 the fraction of the fleet's advertised capacity any other tenant may hold (default 1.0).
 
+LoRA adapters: ``"adapter_tenants": {"<adapter>": ["<tenant>", ...], ...}`` limits an adapter
+to the tenants listed (any other tenant gets NOT_FOUND for it, as for an adapter not served;
+adapters not listed are open to every tenant), and ``"adapter_admins": ["<tenant>", ...]``
+names the tenants that may load and unload adapters at run time (with a key file, nobody else
+may; an open router lets anyone).
+
 Tenants never share KV blocks (prefix reuse across tenants is a timing side channel) unless the
 operator lists them in one shared namespace. The *cache scope* is what the block-hash root is
 keyed by (``root = H(identity, scope, cache_salt)``) and what the router sends the worker as
@@ -26,10 +32,11 @@ import json
 from pathlib import Path
 from typing import Optional, Sequence
 
-from kvfleet.errors import Unauthenticated
+from kvfleet.errors import NotFound, PermissionDenied, Unauthenticated
 
 DEFAULT_TENANT = "default"
-_OBJECT_FIELDS = {"keys", "shared_namespaces", "tenant_limits", "default_tenant_share"}
+_OBJECT_FIELDS = {"keys", "shared_namespaces", "tenant_limits", "default_tenant_share",
+                  "adapter_tenants", "adapter_admins"}
 SHARED_SCOPE_PREFIX = "@"
 
 
@@ -43,8 +50,14 @@ class Authenticator:
     def __init__(self, keys: Optional[dict[str, str]] = None,
                  shared_namespaces: Optional[dict[str, Sequence[str]]] = None,
                  tenant_limits: Optional[dict[str, int]] = None,
-                 default_tenant_share: float = 1.0) -> None:
+                 default_tenant_share: float = 1.0,
+                 adapter_tenants: Optional[dict[str, Sequence[str]]] = None,
+                 adapter_admins: Sequence[str] = ()) -> None:
         self._keys = dict(keys or {})
+        self.adapter_tenants = {a: frozenset(ts) for a, ts in (adapter_tenants or {}).items()}
+        self.adapter_admins = frozenset(adapter_admins)
+        for tenant in (*self.adapter_admins, *(t for ts in self.adapter_tenants.values() for t in ts)):
+            _check_name(tenant, "tenant")
         self._scope: dict[str, str] = {}
         self.tenant_limits = dict(tenant_limits or {})
         self.default_tenant_share = default_tenant_share
@@ -72,8 +85,11 @@ class Authenticator:
         shared: dict = {}
         limits: dict = {}
         share = 1.0
+        adapters: dict = {}
+        admins: list = []
         if isinstance(data, dict) and isinstance(data.get("keys"), dict):
             keys, shared = data["keys"], data.get("shared_namespaces") or {}
+            adapters, admins = data.get("adapter_tenants") or {}, data.get("adapter_admins") or []
             limits = data.get("tenant_limits") or {}
             share = data.get("default_tenant_share", 1.0)
             if set(data) - _OBJECT_FIELDS:
@@ -86,8 +102,13 @@ class Authenticator:
         if not isinstance(shared, dict) or not all(
                 isinstance(v, list) and all(isinstance(t, str) for t in v) for v in shared.values()):
             raise ValueError(f"{path}: shared_namespaces must map names to lists of tenants")
+        if not isinstance(adapters, dict) or not all(
+                isinstance(v, list) and all(isinstance(t, str) for t in v) for v in adapters.values()):
+            raise ValueError(f"{path}: adapter_tenants must map adapter names to lists of tenants")
+        if not isinstance(admins, list) or not all(isinstance(t, str) for t in admins):
+            raise ValueError(f"{path}: adapter_admins must be a list of tenants")
         try:
-            return cls(keys, shared, limits, share)
+            return cls(keys, shared, limits, share, adapters, admins)
         except ValueError as exc:
             raise ValueError(f"{path}: {exc}") from None
 
@@ -116,6 +137,19 @@ class Authenticator:
         if self.default_tenant_share >= 1 or fleet_capacity <= 0:
             return None
         return max(1, int(self.default_tenant_share * fleet_capacity))
+
+    def check_adapter(self, tenant: str, adapter: str) -> None:
+        """Raises NotFound (naming the adapter) when ``adapter`` is limited to other tenants."""
+        allowed = self.adapter_tenants.get(adapter)
+        if allowed is not None and tenant not in allowed:
+            raise NotFound(f"adapter {adapter!r} is not served for tenant {tenant!r}",
+                           field="adapter")
+
+    def check_adapter_admin(self, tenant: str) -> None:
+        """Raises PermissionDenied unless the router is open or ``tenant`` is an adapter admin."""
+        if not self.open and tenant not in self.adapter_admins:
+            raise PermissionDenied(f"tenant {tenant!r} may not load or unload adapters "
+                                   f"(the key file's adapter_admins)")
 
     def cache_scope(self, tenant: str) -> str:
         """The scope a tenant's KV blocks are keyed by: itself, or ``@<shared namespace>``."""

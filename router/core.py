@@ -20,6 +20,7 @@ from typing import AsyncIterator, Optional, Sequence
 from kvfleet.allocator.hashing import block_hash_chain
 from kvfleet.errors import (AlreadyExists, InvalidArgument, KvfleetError, NotFound, OutOfRange,
                             PromptTooLarge, Unavailable)
+from kvfleet.router.adapter_routing import adapter_revision, prefer_resident, serving
 from kvfleet.router.auth import Authenticator
 from kvfleet.router.capacity import (DEFAULT_RETRY_PUSHBACK_MS, check_room, check_tenant,
                                      fleet_capacity, with_room)
@@ -75,6 +76,7 @@ class RouteDecision:
     index_used: bool
     index_source: str = ""  # "mirror" (in memory), "redis" (a round trip), "" (not consulted)
     candidates: tuple[Candidate, ...] = ()  # every replica considered (span attribute)
+    adapter: Optional[tuple[str, str]] = None  # LoRA (name, revision) the chain is keyed by
 
 
 class RouterCore:
@@ -162,9 +164,11 @@ class RouterCore:
             self._live_ids.add((tenant, client_id))
         return client_id, f"{tenant}/{client_id}"
 
-    async def route(self, model: ServedModel, chain: list[bytes]) -> RouteDecision:
-        """Pick a replica with room for a chain of block hashes. Raises Unavailable if none
-        is live."""
+    async def route(self, model: ServedModel, chain: list[bytes],
+                    adapter: Optional[tuple[str, str]] = None) -> RouteDecision:
+        """Pick a replica with room for a chain of block hashes (``adapter``: (name,
+        revision), among the replicas serving it; ``prefix_aware`` prefers those where it is
+        resident). Raises Unavailable if none is live."""
         self._candidates(model.name)  # Unavailable before any lookup
         matched: dict[str, int] = {}
         t0 = time.perf_counter()
@@ -181,8 +185,15 @@ class RouterCore:
                 self.replicas.mark_index_down(exc)
         redis_s = time.perf_counter() - t0
         candidates = self._candidates(model.name, matched)
-        return RouteDecision(self.policy.choose(with_room(candidates), chain), len(chain), redis_s,
-                             index_used, source if index_used else "", tuple(candidates))
+        if adapter is not None:
+            candidates = serving(candidates, adapter)
+            if not candidates:
+                raise Unavailable(f"no live replica serves adapter {adapter[0]!r}")
+        roomy = with_room(candidates)
+        if adapter is not None and self.policy.name == "prefix_aware":
+            roomy = prefer_resident(roomy, adapter[0])
+        return RouteDecision(self.policy.choose(roomy, chain), len(chain), redis_s, index_used,
+                             source if index_used else "", tuple(candidates), adapter)
 
     async def generate(self, req: GenerateInput, tenant: str, trace: RouterRequestTrace
                        ) -> AsyncIterator[common_pb2.GenerateResponse]:
@@ -197,11 +208,15 @@ class RouterCore:
         candidates = self._candidates(model.name)
         limit = self.auth.tenant_limit(tenant, fleet_capacity(candidates))
         check_tenant(tenant, self.tenant_inflight[tenant], limit)  # before tokenizing: cheap
-        check_room(candidates, model.name)
+        adapter = None
         if req.adapter:
-            raise NotFound(f"adapter {req.adapter!r} is not loaded", field="adapter")
+            self.auth.check_adapter(tenant, req.adapter)
+            adapter = (req.adapter, adapter_revision([c.info for c in candidates], req.adapter,
+                                                     model.name))
+            candidates = serving(candidates, adapter)
+        check_room(candidates, model.name)
         params = req.sampling.check_vocab(model.vocab_size)
-        trace.on_request(model.name, params, tenant)
+        trace.on_request(model.name, params, tenant, req.adapter)
         with trace.tokenize() as tokenized:
             tokens = self.prompt_tokens(req.prompt, model)
             tokenized["tokens"] = len(tokens)
@@ -209,8 +224,9 @@ class RouterCore:
             self._check_context(model, len(tokens), params.max_tokens)
         route_start = time.monotonic()
         scope = self.auth.cache_scope(tenant)  # the tenant, or its shared namespace
-        chain = block_hash_chain(model.root_hash(scope, req.cache_salt), tokens, model.block_size)
-        decision = await self.route(model, chain)
+        chain = block_hash_chain(model.root_hash(scope, req.cache_salt, adapter), tokens,
+                                 model.block_size)
+        decision = await self.route(model, chain, adapter)
         trace.routed(route_start, decision, self.policy.name)
         client_id, request_id = self._claim_id(tenant, req.request_id)  # last: released below
         self.tenant_inflight[tenant] += 1
@@ -260,7 +276,7 @@ class RouterCore:
                     retry = None
                     if not relayed and attempt == 1:  # nothing reached the client: safe to move
                         with contextlib.suppress(KvfleetError):
-                            retry = await self.route(model, chain)
+                            retry = await self.route(model, chain, decision.adapter)
                         if retry is not None and retry.candidate.info.replica_id != info.replica_id:
                             trace.dispatch_failed(exc.code, exc.details)
                             decision = retry

@@ -31,6 +31,7 @@ from starlette.routing import Route
 
 from kvfleet.errors import InvalidArgument, KvfleetError, PromptTooLarge, status_of
 from kvfleet.grpc_util import MAX_MESSAGE_BYTES
+from kvfleet.router.adapter_routing import served_adapters
 from kvfleet.router.core import RouterCore
 from kvfleet.router.http_streams import ClientDisconnected, merge, until_disconnected
 from kvfleet.router.openai_request import (OpenAIRequest, openai_param, parse_chat,
@@ -152,9 +153,28 @@ class HttpFront:
             self.core.authenticate(request.headers.items())
         except KvfleetError as exc:
             return self._error(exc)
-        return JSONResponse({"object": "list", "data": [
-            {"id": m.name, "object": "model", "created": 0, "owned_by": "kvfleet",
-             "max_model_len": m.max_context} for m in self.core.models.values()]})
+        data = []
+        for m in self.core.models.values():
+            data.append({"id": m.name, "object": "model", "created": 0, "owned_by": "kvfleet",
+                         "max_model_len": m.max_context})
+            live = [info for info, _ in self.core.replicas.for_model(m.name)]
+            data += [{"id": a["name"], "object": "model", "created": 0, "owned_by": "kvfleet",
+                      "parent": m.name, "max_model_len": m.max_context}
+                     for a in served_adapters(live) if a["name"] not in self.core.models]
+        return JSONResponse({"object": "list", "data": data})
+
+    def _adapter_as_model(self, oreq: OpenAIRequest) -> tuple[OpenAIRequest, str]:
+        """OpenAI clients name a LoRA adapter as the ``model`` (as vLLM serves them): a name
+        that is no served model but an adapter of the default model's replicas becomes that
+        adapter. Returns the request and the name responses echo ("" = the model's)."""
+        name = oreq.inputs[0].model
+        if not name or name in self.core.models:
+            return oreq, ""
+        live = [info for info, _ in self.core.replicas.for_model(self.core.default_model)]
+        if not any(info.adapter_revision(name) is not None for info in live):
+            return oreq, ""  # core.model() answers NOT_FOUND for it
+        inputs = tuple(replace(i, model="", adapter=name) for i in oreq.inputs)
+        return replace(oreq, inputs=inputs), name
 
     async def health(self, request: Request) -> Response:
         """200 while some replica is live (a load balancer's readiness), else 503."""
@@ -168,13 +188,14 @@ class HttpFront:
         try:
             tenant = self.core.authenticate(headers)
             rid, oreq = self._with_ids(parse(await self._json(request)), request)
+            oreq, shown = self._adapter_as_model(oreq)
             model = self.core.model(oreq.inputs[0].model).name
         except KvfleetError as exc:
             with self.core.telemetry.http_request(headers, route, parse is parse_chat) as trace:
                 trace.fail(*status_of(exc))
             return self._error(exc)
         tokenizer = self.core.models[model].tokenizer
-        builder = ResponseBuilder(oreq.chat, rid, model, oreq.n, oreq.logprobs,
+        builder = ResponseBuilder(oreq.chat, rid, shown or model, oreq.n, oreq.logprobs,
                                   lambda t: tokenizer.decode([t], skip_special_tokens=False))
         events = merge([self._one(p, inp, tenant, headers, route, oreq)
                         for p, inp in enumerate(oreq.inputs)])

@@ -21,6 +21,7 @@ from kvfleet.router.chat_template import ChatTemplate
 
 VALID_ROLES = ("system", "user", "assistant", "tool")
 _cached_root_hash = functools.lru_cache(maxsize=4096)(root_hash)
+_with_adapter = functools.lru_cache(maxsize=1024)(CacheIdentity.with_adapter)
 
 
 @dataclass
@@ -58,10 +59,13 @@ class ServedModel:
                    identity=identity, max_context=int(config["max_position_embeddings"]),
                    vocab_size=int(config["vocab_size"]), block_size=block_size)
 
-    def root_hash(self, scope: str, cache_salt: str) -> bytes:
-        """The chain root for (tenant scope, salt) under this model's identity; the last 4,096
-        are remembered (each costs a few hashes, and most requests repeat one)."""
-        return _cached_root_hash(self.identity.digest(), scope, cache_salt)
+    def root_hash(self, scope: str, cache_salt: str,
+                  adapter: Optional[tuple[str, str]] = None) -> bytes:
+        """The chain root for (tenant scope, salt) under this model's identity, or with
+        ``adapter`` (name, revision) under the identity with that adapter; the last 4,096 are
+        remembered (each costs a few hashes, and most requests repeat one)."""
+        identity = self.identity if adapter is None else _with_adapter(self.identity, *adapter)
+        return _cached_root_hash(identity.digest(), scope, cache_salt)
 
     def encode_text(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=True).ids

@@ -9,6 +9,8 @@ import time
 import grpc
 
 from kvfleet.errors import InvalidArgument, KvfleetError, status_of
+from kvfleet.router.adapter_admin import on_every_replica
+from kvfleet.router.adapter_routing import served_adapters
 from kvfleet.router.capacity import RETRY_PUSHBACK_KEY
 from kvfleet.router.core import GenerateInput, Prompt, RouterCore
 from kvfleet.sampling_params import SamplingParams
@@ -87,8 +89,25 @@ class RouterService(router_pb2_grpc.RouterServicer):
     async def ListModels(self, request, context):
         return router_pb2.ListModelsResponse(models=[
             router_pb2.ModelInfo(name=m.name, max_context=m.max_context, block_size=m.block_size,
-                                 identity=m.identity.digest().hex())
+                                 identity=m.identity.digest().hex(),
+                                 adapters=[router_pb2.AdapterInfo(**a) for a in served_adapters(
+                                     [info for info, _ in self.core.replicas.for_model(m.name)])])
             for m in self.core.models.values()])
+
+    async def LoadAdapter(self, request, context):
+        return await self._adapter_op(context, request.model, lambda stub, timeout: stub.LoadAdapter(
+            common_pb2.LoadAdapterRequest(name=request.name, path=request.path), timeout=timeout))
+
+    async def UnloadAdapter(self, request, context):
+        return await self._adapter_op(context, request.model, lambda stub, timeout: stub.UnloadAdapter(
+            common_pb2.UnloadAdapterRequest(name=request.name), timeout=timeout))
+
+    async def _adapter_op(self, context, model: str, call):
+        try:
+            tenant = self.core.authenticate(context.invocation_metadata())
+            return await on_every_replica(self.core, tenant, model, call)
+        except KvfleetError as exc:
+            await context.abort(*status_of(exc))
 
     async def ClusterStatus(self, request, context):
         now = time.time()

@@ -72,6 +72,11 @@ class WorkerLink:
         self._stream: Optional[_Stream] = None
         self._ids = itertools.count(1)
 
+    @property
+    def stub(self) -> worker_pb2_grpc.WorkerStub:
+        """The channel's stub, for the worker's unary RPCs (LoRA load/unload)."""
+        return self._stub
+
     def call(self, trace_context: Sequence[tuple[str, str]] = (),
              max_unread: int = DEFAULT_MAX_UNREAD) -> "LinkCall":
         """A new call: fill ``call.request`` (a ``WorkerGenerateRequest``), then iterate it for

@@ -14,9 +14,11 @@ from typing import Optional, Sequence as Seq
 
 import tokenizers
 
-from kvfleet.allocator.hashing import root_hash
+from kvfleet.allocator.hashing import CacheIdentity, root_hash
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
 from kvfleet.errors import AlreadyExists, InvalidArgument, OutOfRange
+from kvfleet.worker.lora.queue import AdapterQueue
+from kvfleet.worker.lora.residency import AdapterResidency
 from kvfleet.sampling_params import SamplingParams
 from kvfleet.worker.detokenizer import IncrementalDetokenizer
 from kvfleet.worker.outputs import Milestones, SeqOutput, Timing, TokenLogprobs, Usage
@@ -64,12 +66,18 @@ class Engine:
         identity_digest: :meth:`CacheIdentity.digest` of the served model (DESIGN §2).
         eos_token_ids: tokens that end a sample unless ``ignore_eos``.
         max_model_len: context length; prompt + max_tokens beyond it is OUT_OF_RANGE.
+        adapters: the replica's LoRA slots (None: no adapter is served); ``identity`` (the
+            served model's, whose digest is ``identity_digest``) is then required: a request's
+            chain root is keyed by its adapter's name and revision.
     """
 
     def __init__(self, runner, kv: KVCacheManager, tokenizer: tokenizers.Tokenizer,
                  identity_digest: bytes, eos_token_ids: Seq[int], max_model_len: int,
-                 vocab_size: int, config: SchedulerConfig = SchedulerConfig()) -> None:
+                 vocab_size: int, config: SchedulerConfig = SchedulerConfig(),
+                 adapters: AdapterResidency | None = None,
+                 identity: CacheIdentity | None = None) -> None:
         self.runner = runner
+        self.adapters = adapters
         self.kv = kv
         self.tokenizer = tokenizer
         self.identity_digest = identity_digest
@@ -77,6 +85,7 @@ class Engine:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.scheduler = Scheduler(config, kv)
+        self.lora = AdapterQueue(adapters, identity, identity_digest, self.scheduler)
         self.sampler = Sampler()
         self._arrivals = itertools.count()
         self._seqs: dict[str, list[Sequence]] = {}  # request_id -> its n samples
@@ -109,7 +118,7 @@ class Engine:
     def add_request(self, req: EngineRequest) -> None:
         """Validate and queue all ``n`` samples. Raises a KvfleetError on refusal."""
         self.validate(req)
-        root = root_hash(self.identity_digest, req.tenant, req.cache_salt)
+        root = root_hash(self.lora.digest_for(req.adapter), req.tenant, req.cache_salt)
         arrival = next(self._arrivals)
         seqs = [
             Sequence(seq_id=f"{req.request_id}#{i}", request_id=req.request_id, index=i,
@@ -118,7 +127,10 @@ class Engine:
                      deadline=req.deadline, tenant=req.tenant)
             for i in range(req.params.n)
         ]
-        self.scheduler.add(seqs)
+        if req.adapter:
+            self.lora.add(req.adapter, seqs)
+        else:
+            self.scheduler.add(seqs)
         self._seqs[req.request_id] = seqs
         for s in seqs:
             self._io[s.seq_id] = _SeqIO(s, self.tokenizer)
@@ -135,14 +147,18 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.num_unfinished > 0 or self.lora.has_waiting
 
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[SeqOutput]:
         """Run one engine step; returns the outputs it produced (possibly none)."""
         outputs = self._expire_deadlines()
+        if self.lora.has_waiting:
+            outputs += self.lora.admit(lambda seq, exc: self._finish(seq, FinishReason.ERROR, exc))
         out = self.scheduler.schedule()
         if not out.scheduled:
+            if self.lora.has_waiting and not outputs:
+                self.lora.wait(0.01)  # nothing to run but a load: do not spin
             return outputs
         now = time.monotonic()
         for s in out.scheduled:
@@ -224,6 +240,7 @@ class Engine:
         siblings = self._seqs.get(seq.request_id, [])
         if all(s.is_finished for s in siblings):
             self._seqs.pop(seq.request_id, None)
+            self.lora.request_done(seq.request_id)
         t = seq.timing
         first = t.first_token or time.monotonic()
         scheduled = t.first_scheduled or first

@@ -16,6 +16,8 @@ import torch
 from kvfleet.errors import InvalidArgument, OutOfRange
 from kvfleet.worker import attention
 from kvfleet.worker.kv_cache import KVCache, kv_bytes_per_block
+from kvfleet.worker.lora.adapter import AdapterSpec, read_adapter
+from kvfleet.worker.lora.slots import LoraBatch, LoraSlots
 from kvfleet.worker.model_config import ModelConfig, load_model_config
 from kvfleet.worker.models import build_model
 from kvfleet.worker.models.linear import Linear
@@ -48,6 +50,7 @@ class ModelRunner:
         one_row_weights: hold every projection weight a second time for batch-1 decode steps
             (fp32 CPU with the C kernels): see :class:`~kvfleet.worker.models.linear.Linear`.
         shard: this rank of a tensor-parallel group; only rank 0 holds an LM head.
+        max_loras: LoRA adapter slots (1..max_loras; see :meth:`load_adapter`).
 
     Raises:
         ShardingError: heads or MLP width that do not split over ``shard.tp``.
@@ -55,17 +58,19 @@ class ModelRunner:
 
     def __init__(self, model_dir: str | Path, num_blocks: int, block_size: int,
                  dtype: torch.dtype = torch.float32, device: str = "cpu",
-                 one_row_weights: bool = True, shard: Optional[Shard] = None) -> None:
+                 one_row_weights: bool = True, shard: Optional[Shard] = None,
+                 max_loras: int = 0) -> None:
         self.config: ModelConfig = load_model_config(model_dir)  # the whole model's
         self.device = torch.device(device)
         self.dtype = dtype
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.rank = shard.rank if shard else 0
+        self.layout = None
         if shard is None or shard.tp == 1:
             local, weights = self.config, load_weights(model_dir, dtype)
         else:
-            layout = shard_layout(self.config, shard.tp, shard.rank)
+            self.layout = layout = shard_layout(self.config, shard.tp, shard.rank)
             local, weights = layout.local_config(self.config), load_shard_weights(model_dir, layout, dtype)
         self.local_config = local
         self.model = build_model(local, weights, dtype, self.device, one_row_weights,
@@ -75,6 +80,23 @@ class ModelRunner:
             self.model.set_reduce(shard.reduce)
         self.kv_cache = KVCache(local, num_blocks, block_size, dtype, self.device)
         self._windows = tuple(dict.fromkeys(self.config.sliding_windows))
+        self.lora_slots = LoraSlots(max_loras)
+
+    def load_adapter(self, slot: int, spec: AdapterSpec) -> None:
+        """Read this rank's share of a checked adapter (:func:`~.lora.adapter.check_adapter`)
+        into ``slot`` (1..max_loras). Safe while a forward that does not use ``slot`` runs.
+
+        Raises:
+            ValueError: ``slot`` out of range.
+        """
+        if not 1 <= slot <= self.lora_slots.max_loras:
+            raise ValueError(f"adapter slot must lie in [1, {self.lora_slots.max_loras}], got {slot}")
+        self.lora_slots.install(slot, read_adapter(spec, self.config, self.layout, self.dtype,
+                                                   self.device))
+
+    def unload_adapter(self, slot: int) -> None:
+        """Empty ``slot`` (no running request may use it)."""
+        self.lora_slots.clear(slot)
 
     def weight_nbytes(self) -> int:
         """Bytes of every weight this rank holds, each copy counted: norms, the embedding, each
@@ -118,6 +140,9 @@ class ModelRunner:
                 f"request {chunk.request_id}: block_table must hold {needed} blocks in "
                 f"[0, {self.num_blocks}) for position {last}, got {len(chunk.block_table)}"
             )
+        if not self.lora_slots.is_loaded(chunk.adapter_slot):
+            raise ValueError(f"request {chunk.request_id}: adapter slot {chunk.adapter_slot} "
+                             f"holds no adapter")
 
     def validate(self, plan: StepPlan) -> None:
         """Check every chunk of ``plan`` (see :meth:`_check`); a tensor-parallel rank 0 calls
@@ -143,13 +168,26 @@ class ModelRunner:
         self.kv_cache.copy_blocks(plan.block_copies)
         if not plan.chunks:
             return torch.empty(0, self.config.vocab_size, dtype=torch.float32)
-        meta = attention.build_attention_metadata(plan.chunks, self.block_size, self._windows,
+        slots = [c.adapter_slot for c in plan.chunks]
+        if any(slots) and slots != sorted(slots):
+            # Chunks grouped by adapter: each adapter's rows become one contiguous slice (no
+            # gather/scatter in the LoRA update); every rank sorts the same plan alike.
+            order = sorted(range(len(slots)), key=slots.__getitem__)
+            logits = self._forward(tuple(plan.chunks[i] for i in order))
+            return logits if logits.shape[0] == 0 else logits[torch.tensor(order).argsort()]
+        return self._forward(plan.chunks)
+
+    def _forward(self, chunks: tuple[SeqChunk, ...]) -> torch.Tensor:
+        """One forward over ``chunks`` (copies done, validated): their last-token logits."""
+        meta = attention.build_attention_metadata(chunks, self.block_size, self._windows,
                                                   self.device, self.dtype)
         input_ids = torch.tensor(
-            list(itertools.chain.from_iterable(c.token_ids for c in plan.chunks)),
+            list(itertools.chain.from_iterable(c.token_ids for c in chunks)),
             dtype=torch.long, device=self.device,
         )
-        hidden = self.model.forward(input_ids, meta.positions, meta, self.kv_cache)
+        lora = LoraBatch.build(self.lora_slots, [c.adapter_slot for c in chunks],
+                               [len(c.token_ids) for c in chunks], self.device)
+        hidden = self.model.forward(input_ids, meta.positions, meta, self.kv_cache, lora)
         if self.rank != 0:
             return torch.empty(0, self.config.vocab_size, dtype=torch.float32)
         logits = self.model.compute_logits(hidden[meta.last_token_indices])

@@ -32,6 +32,9 @@ from kvfleet.worker.engine import Engine
 from kvfleet.worker.engine_loop import EngineLoop
 from kvfleet.worker.kv_publisher import KvPublisher
 from kvfleet.worker.kv_cache import num_blocks_for_memory
+from kvfleet.worker.lora.admin import AdapterAdmin
+from kvfleet.worker.lora.catalog import check_catalog
+from kvfleet.worker.lora.residency import AdapterResidency
 from kvfleet.worker.model_config import load_model_config
 from kvfleet.worker.model_runner import ModelRunner
 from kvfleet.worker.parallel.group import RankGroup, TPSettings
@@ -92,6 +95,11 @@ class ReplicaConfig:
     internal_tls_dir: Optional[str] = None
     # Slow or vanished readers: outputs buffered per stream, seconds a write may wait.
     stream_limits: StreamLimits = field(default_factory=StreamLimits)
+    # LoRA: servable adapters as (name, directory), checked at start; max_loras slots per
+    # replica (LRU, loaded on first use), max_lora_rank the largest rank accepted.
+    adapters: tuple[tuple[str, str], ...] = ()
+    max_loras: int = 4
+    max_lora_rank: int = 64
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -125,6 +133,8 @@ def build_engine(cfg: ReplicaConfig, on_rank_failure: Callable[[str], None] = la
         ShardingError: the model's heads do not split over ``tensor_parallel_size``.
     """
     tp = cfg.tensor_parallel_size
+    catalog = check_catalog(cfg.adapters, load_model_config(cfg.model_dir), cfg.max_lora_rank)
+    max_loras = cfg.max_loras if cfg.executor == "model" else 0
     torch.set_num_threads(cfg.num_threads if tp == 1 else 1)
     dtype = DTYPES[cfg.dtype]
     model_dir = Path(cfg.model_dir)
@@ -139,17 +149,22 @@ def build_engine(cfg: ReplicaConfig, on_rank_failure: Callable[[str], None] = la
                                    cfg.block_size, cfg.cost_model)
     elif tp > 1:
         spec = RankSpec(str(model_dir), tp, num_blocks, cfg.block_size, dtype,
-                        cfg.one_row_weights, cfg.device)
+                        cfg.one_row_weights, cfg.device, max_loras=max_loras)
         group = RankGroup(spec, cfg.tp, cfg.replica_id, on_rank_failure)
         runner = TPRunner(group.start(), group)
     else:
         runner = ModelRunner(model_dir, num_blocks=num_blocks, block_size=cfg.block_size, dtype=dtype,
-                             device=cfg.device, one_row_weights=cfg.one_row_weights)
+                             device=cfg.device, one_row_weights=cfg.one_row_weights,
+                             max_loras=max_loras)
     kv = KVCacheManager(num_blocks, cfg.block_size)
     identity = cache_identity(cfg.model_name, model_dir, cfg.dtype, cfg.block_size)
     mc = runner.config
+    if catalog and not max_loras:
+        raise ValueError("serving adapters needs the model executor and max_loras >= 1")
+    residency = AdapterResidency(runner, catalog, max_loras) if max_loras else None
     return Engine(runner, kv, tokenizer, identity.digest(), mc.eos_token_ids,
-                  mc.max_position_embeddings, mc.vocab_size, cfg.scheduler)
+                  mc.max_position_embeddings, mc.vocab_size, cfg.scheduler,
+                  adapters=residency, identity=identity)
 
 
 class ReplicaServer:
@@ -183,7 +198,8 @@ class ReplicaServer:
             info = ReplicaInfo(self.cfg.replica_id, self.address, self.cfg.model_name, 0,
                                self.cfg.block_size, max_requests=self.cfg.scheduler.max_sequences,
                                tensor_parallel_size=self.cfg.tensor_parallel_size,
-                               ranks=tuple(dataclasses.asdict(r) for r in self.ranks()))
+                               ranks=tuple(dataclasses.asdict(r) for r in self.ranks()),
+                               **self.adapter_fields())
             self.publisher = KvPublisher(self.cfg.redis_url, info, namespace=self.cfg.namespace,
                                          replica_ttl_s=self.cfg.replica_ttl_s,
                                          block_ttl_s=self.cfg.block_ttl_s)
@@ -191,13 +207,15 @@ class ReplicaServer:
             self.telemetry = Telemetry(self.cfg.telemetry, "worker", self.cfg.replica_id)
         self.metrics_address = self.telemetry.metrics_address
         wt = WorkerTelemetry(self.telemetry, self.cfg.replica_id, self.cfg.model_name,
-                             stats_fn=lambda: self._loop.stats if self._loop else {})
+                             stats_fn=lambda: self._loop.stats if self._loop else {},
+                             adapters_fn=lambda: self.engine.adapters.catalog if self.engine.adapters else ())
         self._loop = EngineLoop(self.engine, aio_loop, on_step=self._on_step(aio_loop),
                                 on_finish=wt.on_finished,
                                 max_unread=self.cfg.stream_limits.max_unread)
         service = WorkerService(self._loop, self.cfg.replica_id, self.cfg.model_name,
                                 self.cfg.block_size, epoch_fn=self._epoch, telemetry=wt,
-                                ranks_fn=self.ranks, limits=self.cfg.stream_limits)
+                                ranks_fn=self.ranks, limits=self.cfg.stream_limits,
+                                adapter_admin=self._adapter_admin())
         self.service = service
         worker_pb2_grpc.add_WorkerServicer_to_server(service, self._server)
         name = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
@@ -258,9 +276,25 @@ class ReplicaServer:
                            num_free_blocks=s["num_free_blocks"],
                            num_total_blocks=s["num_total_blocks"], updated_at=time.time())
 
+    def _adapter_admin(self) -> Optional[AdapterAdmin]:
+        res = self.engine.adapters
+        return None if res is None else AdapterAdmin(res, self.engine.runner.config,
+                                                     self.cfg.max_lora_rank)
+
+    def adapter_fields(self) -> dict:
+        """The registry's adapter fields: servable (name, revision) and resident names."""
+        res = self.engine.adapters
+        if res is None:
+            return {}
+        return {"adapters": tuple(sorted(res.servable().items())),
+                "resident_adapters": tuple(sorted(res.resident()))}
+
     async def _heartbeat(self) -> None:
         while True:
             try:
+                if self.engine.adapters is not None:  # slots change: re-published every beat
+                    self.publisher.replica = dataclasses.replace(self.publisher.replica,
+                                                                 **self.adapter_fields())
                 await self.publisher.heartbeat(self.load())
             except Exception:
                 log.exception("heartbeat failed")
@@ -283,6 +317,8 @@ class ReplicaServer:
         if self._loop is not None:
             self._loop.stop()
             self._loop = None
+        if self.engine.adapters is not None:
+            self.engine.adapters.close()
         close = getattr(self.engine.runner, "close", None)
         if close is not None:
             close()  # releases ranks 1..T-1

@@ -248,6 +248,7 @@ class Scheduler:
                                             s.seq.num_computed_tokens + s.num_new_tokens),
                 num_computed_tokens=s.seq.num_computed_tokens,
                 block_table=tuple(self.kv.block_table(s.seq.seq_id)),
+                adapter_slot=s.seq.adapter_slot,
             )
             for s in scheduled
         )

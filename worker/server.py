@@ -12,7 +12,7 @@ from typing import Optional
 
 import grpc
 
-from kvfleet.errors import KvfleetError, NotFound, StatusError, Unavailable, status_of
+from kvfleet.errors import FailedPrecondition, KvfleetError, StatusError, Unavailable, status_of
 from kvfleet.sampling_params import SamplingParams
 from kvfleet.stream_limits import SlowReader, StreamLimits, write_within
 from kvfleet.telemetry.names import MD_WORKER_DURATION_S
@@ -20,6 +20,7 @@ from kvfleet.telemetry.worker_spans import WorkerTelemetry
 from kvfleet.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from kvfleet.worker.engine import EngineRequest
 from kvfleet.worker.engine_loop import EngineLoop
+from kvfleet.worker.lora.admin import AdapterAdmin
 from kvfleet.worker.outputs import SeqOutput
 from kvfleet.worker.request import FinishReason
 from kvfleet.worker.reservations import Reservations
@@ -67,9 +68,11 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
     def __init__(self, loop: EngineLoop, replica_id: str, model: str, block_size: int,
                  epoch_fn=lambda: 0, telemetry: Optional[WorkerTelemetry] = None,
-                 ranks_fn=lambda: [], limits: StreamLimits = StreamLimits()) -> None:
+                 ranks_fn=lambda: [], limits: StreamLimits = StreamLimits(),
+                 adapter_admin: Optional[AdapterAdmin] = None) -> None:
         self.loop = loop
         self.limits = limits
+        self.adapter_admin = adapter_admin  # None: this replica serves no adapters
         self.ranks_fn = ranks_fn  # -> [RankInfo], rank 0 first
         self.replica_id = replica_id
         self.model = model
@@ -212,6 +215,25 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.loop.abort(request.request_id)
         return worker_pb2.AbortResponse(found=found)
 
+    async def LoadAdapter(self, request, context):
+        return await self._adapter_call(context, lambda a: a.load(request.name, request.path))
+
+    async def UnloadAdapter(self, request, context):
+        async def unload(admin):
+            admin.unload(request.name)
+            return ""
+        return await self._adapter_call(context, unload)
+
+    async def _adapter_call(self, context, op):
+        try:
+            if self.adapter_admin is None:
+                raise FailedPrecondition("this replica serves no adapters (max_loras = 0)")
+            revision = await op(self.adapter_admin)
+        except KvfleetError as exc:
+            await context.abort(*status_of(exc))
+        return common_pb2.AdapterReply(results=[
+            common_pb2.ReplicaAdapterResult(replica_id=self.replica_id, revision=revision)])
+
     async def Stats(self, request, context):
         s = self.loop.stats
         return worker_pb2.StatsResponse(
@@ -232,8 +254,6 @@ def _ensure_id(request: worker_pb2.WorkerGenerateRequest) -> None:
 
 
 def _engine_request(request: worker_pb2.WorkerGenerateRequest) -> EngineRequest:
-    if request.adapter:
-        raise NotFound(f"adapter {request.adapter!r} is not loaded on this replica")
     params = SamplingParams.from_proto(request.sampling)
     deadline = None
     if request.deadline_unix_s > 0:

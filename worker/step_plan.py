@@ -16,12 +16,14 @@ class SeqChunk:
     ``token_ids[j]`` sits at absolute position ``num_computed_tokens + j``; its query attends
     to keys ``0 .. num_computed_tokens + j`` of this request only. ``block_table`` lists the
     request's KV blocks in order and covers every position up to the chunk's last token.
+    ``adapter_slot`` is the runner's LoRA slot its tokens use (0 = the base model).
     """
 
     request_id: str
     token_ids: tuple[int, ...]
     num_computed_tokens: int
     block_table: tuple[int, ...]
+    adapter_slot: int = 0
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,9 @@ KVFLEET_COMPONENT = "kvfleet.component"            # router | worker | client (r
 KVFLEET_REQUEST_ID = "kvfleet.request.id"
 KVFLEET_TENANT = "kvfleet.tenant"
 KVFLEET_REPLICA_ID = "kvfleet.replica.id"
+# The request's LoRA adapter (gen_ai.request.model stays the base model). As a metric label
+# only for adapters the process was configured with: the label's values stay bounded.
+KVFLEET_ADAPTER = "kvfleet.lora.adapter"
 KVFLEET_ROUTE_POLICY = "kvfleet.route.policy"
 KVFLEET_ROUTE_PROMPT_BLOCKS = "kvfleet.route.prompt_blocks"    # full blocks hashed
 KVFLEET_ROUTE_MATCHED_BLOCKS = "kvfleet.route.matched_blocks"  # index's match on the choice

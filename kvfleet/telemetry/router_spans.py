@@ -76,7 +76,7 @@ class RouterRequestTrace:
         self.tel = rt.telemetry
         self.clock = self.tel.clock
         self.start = self.clock.now()
-        self.model = ""
+        self.model, self.adapter = "", ""
         self.operation = n.OPERATION_CHAT if prompt_kind == "messages" else n.OPERATION_TEXT
         self._failure: Optional[tuple[grpc.StatusCode, str]] = None
         self._finish_reasons: list[str] = []
@@ -95,12 +95,15 @@ class RouterRequestTrace:
                                       n.GEN_AI_PROVIDER_NAME: n.PROVIDER})
 
     # ---- phases -----------------------------------------------------------------------------
-    def on_request(self, model: str, params, tenant: str) -> None:
-        """The validated request: model, sampling and tenant."""
-        self.model = model
+    def on_request(self, model: str, params, tenant: str, adapter: str = "") -> None:
+        """The validated request: model, sampling, tenant and LoRA adapter (one the replicas
+        serve: the router checked it, so it may label metrics)."""
+        self.model, self.adapter = model, adapter
         if self.recording:
             attrs = {n.GEN_AI_REQUEST_MODEL: model, n.GEN_AI_REQUEST_MAX_TOKENS: params.max_tokens,
                      n.GEN_AI_REQUEST_TEMPERATURE: params.temperature, n.KVFLEET_TENANT: tenant}
+            if adapter:
+                attrs[n.KVFLEET_ADAPTER] = adapter
             if params.top_p != 1.0:  # sampling controls only when they differ from the default
                 attrs[n.GEN_AI_REQUEST_TOP_P] = params.top_p
             if params.top_k:
@@ -223,6 +226,8 @@ class RouterRequestTrace:
             elif not issubclass(exc_type, grpc.aio.AbortError):
                 failure = (grpc.StatusCode.INTERNAL, f"{exc_type.__name__}")
         attrs = {n.GEN_AI_REQUEST_MODEL: self.model, n.GEN_AI_OPERATION_NAME: self.operation}
+        if self.adapter:
+            attrs[n.KVFLEET_ADAPTER] = self.adapter
         if failure is not None:
             attrs[n.ERROR_TYPE] = failure[0].name
             reason = finish_reason_of_code(failure[0])

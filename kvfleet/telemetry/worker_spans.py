@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable, Optional
+from typing import Callable, Collection, Optional
 
 import grpc
 from opentelemetry import metrics, trace
@@ -39,10 +39,12 @@ class WorkerTelemetry:
     engine loop's hook for every sample's last output (called on the event loop)."""
 
     def __init__(self, telemetry: Optional[Telemetry] = None, replica_id: str = "",
-                 model: str = "", stats_fn: Optional[Callable[[], dict]] = None) -> None:
+                 model: str = "", stats_fn: Optional[Callable[[], dict]] = None,
+                 adapters_fn: Callable[[], Collection[str]] = tuple) -> None:
         self.telemetry = telemetry or Telemetry.disabled("worker")
         self.replica_id = replica_id
         self.model = model
+        self.adapters_fn = adapters_fn  # the configured adapters: the only adapter label values
         self._stats_fn = stats_fn
         self._open: dict[str, WorkerRequestTrace] = {}
         m = self.telemetry.meter
@@ -118,6 +120,7 @@ class WorkerRequestTrace:
         self.start = self.clock.now()
         self.request_id = request.request_id
         self.n = request.sampling.n if request.sampling.HasField("n") and request.sampling.n > 0 else 1
+        self.adapter = request.adapter
         self.finals: list = []
         self.handler_end: Optional[float] = None
         self._failure: Optional[tuple[grpc.StatusCode, str]] = None
@@ -134,6 +137,8 @@ class WorkerRequestTrace:
                      n.GEN_AI_USAGE_INPUT_TOKENS: len(request.prompt_token_ids)}
             if self.n != 1:
                 attrs[n.GEN_AI_REQUEST_CHOICE_COUNT] = self.n
+            if request.adapter:
+                attrs[n.KVFLEET_ADAPTER] = request.adapter
             if request.sampling.HasField("max_tokens"):
                 attrs[n.GEN_AI_REQUEST_MAX_TOKENS] = request.sampling.max_tokens
             self.span.set_attributes(attrs)
@@ -189,6 +194,8 @@ class WorkerRequestTrace:
         reasons = self._reasons()
         abnormal = next((r for r in reasons if r in _ABNORMAL), None)
         attrs = {n.GEN_AI_REQUEST_MODEL: wt.model}
+        if self.adapter and self.adapter in wt.adapters_fn():
+            attrs[n.KVFLEET_ADAPTER] = self.adapter
         if abnormal is not None:
             attrs = {**attrs, n.ERROR_TYPE: _ABNORMAL[abnormal].name}
         wt.duration.record(finished - self.start, attrs)

@@ -145,3 +145,37 @@ class RankStatus(_message.Message):
     num_blocks: int
     weight_bytes: int
     def __init__(self, rank: _Optional[int] = ..., node_id: _Optional[str] = ..., device: _Optional[str] = ..., pid: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., weight_bytes: _Optional[int] = ...) -> None: ...
+
+class LoadAdapterRequest(_message.Message):
+    __slots__ = ("model", "name", "path")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    name: str
+    path: str
+    def __init__(self, model: _Optional[str] = ..., name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class UnloadAdapterRequest(_message.Message):
+    __slots__ = ("model", "name")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    name: str
+    def __init__(self, model: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+
+class ReplicaAdapterResult(_message.Message):
+    __slots__ = ("replica_id", "revision", "error")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    revision: str
+    error: str
+    def __init__(self, replica_id: _Optional[str] = ..., revision: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+
+class AdapterReply(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[ReplicaAdapterResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[ReplicaAdapterResult, _Mapping]]] = ...) -> None: ...

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvfleet.v1 import common_pb2 as kvfleet_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvfleet/v1/router.proto\x12\nkvfleet.v1\x1a\x17kvfleet/v1/common.proto\"\xfa\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x03 \x01(\t\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x0e\n\x04text\x18\x05 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x06 \x01(\x0b\x32\x14.kvfleet.v1.TokenIdsH\x00\x12,\n\x08messages\x18\x07 \x01(\x0b\x32\x18.kvfleet.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x08 \x01(\x0b\x32\x1a.kvfleet.v1.SamplingParamsB\x08\n\x06prompt\"h\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\x08messages\x18\x03 \x01(\x0b\x32\x18.kvfleet.v1.ChatMessagesH\x00\x42\x08\n\x06prompt\"R\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x12\n\nblock_size\x18\x02 \x01(\x05\x12\x17\n\x0fnum_full_blocks\x18\x03 \x01(\x05\"\x13\n\x11ListModelsRequest\"T\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0bmax_context\x18\x02 \x01(\x05\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x10\n\x08identity\x18\x04 \x01(\t\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.kvfleet.v1.ModelInfo\"\x16\n\x14\x43lusterStatusRequest\"\x85\x02\n\rReplicaStatus\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x03\x12\x0f\n\x07running\x18\x05 \x01(\x05\x12\x0f\n\x07waiting\x18\x06 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x07 \x01(\x05\x12\x18\n\x10num_total_blocks\x18\x08 \x01(\x05\x12\x17\n\x0fheartbeat_age_s\x18\t \x01(\x01\x12\x1c\n\x14tensor_parallel_size\x18\n \x01(\x05\x12%\n\x05ranks\x18\x0b \x03(\x0b\x32\x16.kvfleet.v1.RankStatus\"m\n\x15\x43lusterStatusResponse\x12+\n\x08replicas\x18\x01 \x03(\x0b\x32\x19.kvfleet.v1.ReplicaStatus\x12\x0e\n\x06policy\x18\x02 \x01(\t\x12\x17\n\x0findex_available\x18\x03 \x01(\x08\x32\xbb\x02\n\x06Router\x12G\n\x08Generate\x12\x1b.kvfleet.v1.GenerateRequest\x1a\x1c.kvfleet.v1.GenerateResponse0\x01\x12\x45\n\x08Tokenize\x12\x1b.kvfleet.v1.TokenizeRequest\x1a\x1c.kvfleet.v1.TokenizeResponse\x12K\n\nListModels\x12\x1d.kvfleet.v1.ListModelsRequest\x1a\x1e.kvfleet.v1.ListModelsResponse\x12T\n\rClusterStatus\x12 .kvfleet.v1.ClusterStatusRequest\x1a!.kvfleet.v1.ClusterStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvfleet/v1/router.proto\x12\nkvfleet.v1\x1a\x17kvfleet/v1/common.proto\"\xfa\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x03 \x01(\t\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x0e\n\x04text\x18\x05 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x06 \x01(\x0b\x32\x14.kvfleet.v1.TokenIdsH\x00\x12,\n\x08messages\x18\x07 \x01(\x0b\x32\x18.kvfleet.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x08 \x01(\x0b\x32\x1a.kvfleet.v1.SamplingParamsB\x08\n\x06prompt\"h\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\x08messages\x18\x03 \x01(\x0b\x32\x18.kvfleet.v1.ChatMessagesH\x00\x42\x08\n\x06prompt\"R\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x12\n\nblock_size\x18\x02 \x01(\x05\x12\x17\n\x0fnum_full_blocks\x18\x03 \x01(\x05\"\x13\n\x11ListModelsRequest\"\x7f\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0bmax_context\x18\x02 \x01(\x05\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x10\n\x08identity\x18\x04 \x01(\t\x12)\n\x08\x61\x64\x61pters\x18\x05 \x03(\x0b\x32\x17.kvfleet.v1.AdapterInfo\"Z\n\x0b\x41\x64\x61pterInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\t\x12\x10\n\x08replicas\x18\x03 \x01(\x05\x12\x19\n\x11resident_replicas\x18\x04 \x01(\x05\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.kvfleet.v1.ModelInfo\"\x16\n\x14\x43lusterStatusRequest\"\x85\x02\n\rReplicaStatus\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x03\x12\x0f\n\x07running\x18\x05 \x01(\x05\x12\x0f\n\x07waiting\x18\x06 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x07 \x01(\x05\x12\x18\n\x10num_total_blocks\x18\x08 \x01(\x05\x12\x17\n\x0fheartbeat_age_s\x18\t \x01(\x01\x12\x1c\n\x14tensor_parallel_size\x18\n \x01(\x05\x12%\n\x05ranks\x18\x0b \x03(\x0b\x32\x16.kvfleet.v1.RankStatus\"m\n\x15\x43lusterStatusResponse\x12+\n\x08replicas\x18\x01 \x03(\x0b\x32\x19.kvfleet.v1.ReplicaStatus\x12\x0e\n\x06policy\x18\x02 \x01(\t\x12\x17\n\x0findex_available\x18\x03 \x01(\x08\x32\xd1\x03\n\x06Router\x12G\n\x08Generate\x12\x1b.kvfleet.v1.GenerateRequest\x1a\x1c.kvfleet.v1.GenerateResponse0\x01\x12\x45\n\x08Tokenize\x12\x1b.kvfleet.v1.TokenizeRequest\x1a\x1c.kvfleet.v1.TokenizeResponse\x12K\n\nListModels\x12\x1d.kvfleet.v1.ListModelsRequest\x1a\x1e.kvfleet.v1.ListModelsResponse\x12T\n\rClusterStatus\x12 .kvfleet.v1.ClusterStatusRequest\x1a!.kvfleet.v1.ClusterStatusResponse\x12G\n\x0bLoadAdapter\x12\x1e.kvfleet.v1.LoadAdapterRequest\x1a\x18.kvfleet.v1.AdapterReply\x12K\n\rUnloadAdapter\x12 .kvfleet.v1.UnloadAdapterRequest\x1a\x18.kvfleet.v1.AdapterReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,15 +41,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTMODELSREQUEST']._serialized_start=507
   _globals['_LISTMODELSREQUEST']._serialized_end=526
   _globals['_MODELINFO']._serialized_start=528
-  _globals['_MODELINFO']._serialized_end=612
-  _globals['_LISTMODELSRESPONSE']._serialized_start=614
-  _globals['_LISTMODELSRESPONSE']._serialized_end=673
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=675
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=697
-  _globals['_REPLICASTATUS']._serialized_start=700
-  _globals['_REPLICASTATUS']._serialized_end=961
-  _globals['_CLUSTERSTATUSRESPONSE']._serialized_start=963
-  _globals['_CLUSTERSTATUSRESPONSE']._serialized_end=1072
-  _globals['_ROUTER']._serialized_start=1075
-  _globals['_ROUTER']._serialized_end=1390
+  _globals['_MODELINFO']._serialized_end=655
+  _globals['_ADAPTERINFO']._serialized_start=657
+  _globals['_ADAPTERINFO']._serialized_end=747
+  _globals['_LISTMODELSRESPONSE']._serialized_start=749
+  _globals['_LISTMODELSRESPONSE']._serialized_end=808
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=810
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=832
+  _globals['_REPLICASTATUS']._serialized_start=835
+  _globals['_REPLICASTATUS']._serialized_end=1096
+  _globals['_CLUSTERSTATUSRESPONSE']._serialized_start=1098
+  _globals['_CLUSTERSTATUSRESPONSE']._serialized_end=1207
+  _globals['_ROUTER']._serialized_start=1210
+  _globals['_ROUTER']._serialized_end=1675
 # @@protoc_insertion_point(module_scope)

@@ -52,16 +52,30 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "max_context", "block_size", "identity")
+    __slots__ = ("name", "max_context", "block_size", "identity", "adapters")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     name: str
     max_context: int
     block_size: int
     identity: str
-    def __init__(self, name: _Optional[str] = ..., max_context: _Optional[int] = ..., block_size: _Optional[int] = ..., identity: _Optional[str] = ...) -> None: ...
+    adapters: _containers.RepeatedCompositeFieldContainer[AdapterInfo]
+    def __init__(self, name: _Optional[str] = ..., max_context: _Optional[int] = ..., block_size: _Optional[int] = ..., identity: _Optional[str] = ..., adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ...) -> None: ...
+
+class AdapterInfo(_message.Message):
+    __slots__ = ("name", "revision", "replicas", "resident_replicas")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    revision: str
+    replicas: int
+    resident_replicas: int
+    def __init__(self, name: _Optional[str] = ..., revision: _Optional[str] = ..., replicas: _Optional[int] = ..., resident_replicas: _Optional[int] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)

@@ -55,6 +55,16 @@ class RouterStub:
                 request_serializer=kvfleet_dot_v1_dot_router__pb2.ClusterStatusRequest.SerializeToString,
                 response_deserializer=kvfleet_dot_v1_dot_router__pb2.ClusterStatusResponse.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/kvfleet.v1.Router/LoadAdapter',
+                request_serializer=kvfleet_dot_v1_dot_common__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=kvfleet_dot_v1_dot_common__pb2.AdapterReply.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/kvfleet.v1.Router/UnloadAdapter',
+                request_serializer=kvfleet_dot_v1_dot_common__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=kvfleet_dot_v1_dot_common__pb2.AdapterReply.FromString,
+                _registered_method=True)
 
 
 class RouterServicer:
@@ -87,6 +97,20 @@ class RouterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """LoRA at run time, on every live replica of the model (an admin tenant's call when the
+        router has a key file): one result per replica. ListModels lists what is served.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -109,6 +133,16 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.ClusterStatus,
                     request_deserializer=kvfleet_dot_v1_dot_router__pb2.ClusterStatusRequest.FromString,
                     response_serializer=kvfleet_dot_v1_dot_router__pb2.ClusterStatusResponse.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=kvfleet_dot_v1_dot_common__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=kvfleet_dot_v1_dot_common__pb2.AdapterReply.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=kvfleet_dot_v1_dot_common__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=kvfleet_dot_v1_dot_common__pb2.AdapterReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -219,6 +253,60 @@ class Router:
             '/kvfleet.v1.Router/ClusterStatus',
             kvfleet_dot_v1_dot_router__pb2.ClusterStatusRequest.SerializeToString,
             kvfleet_dot_v1_dot_router__pb2.ClusterStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvfleet.v1.Router/LoadAdapter',
+            kvfleet_dot_v1_dot_common__pb2.LoadAdapterRequest.SerializeToString,
+            kvfleet_dot_v1_dot_common__pb2.AdapterReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvfleet.v1.Router/UnloadAdapter',
+            kvfleet_dot_v1_dot_common__pb2.UnloadAdapterRequest.SerializeToString,
+            kvfleet_dot_v1_dot_common__pb2.AdapterReply.FromString,
             options,
             channel_credentials,
             insecure,

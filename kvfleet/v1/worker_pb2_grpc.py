@@ -60,6 +60,16 @@ class WorkerStub:
                 request_serializer=kvfleet_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
                 response_deserializer=kvfleet_dot_v1_dot_worker__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/kvfleet.v1.Worker/LoadAdapter',
+                request_serializer=kvfleet_dot_v1_dot_common__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=kvfleet_dot_v1_dot_common__pb2.AdapterReply.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/kvfleet.v1.Worker/UnloadAdapter',
+                request_serializer=kvfleet_dot_v1_dot_common__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=kvfleet_dot_v1_dot_common__pb2.AdapterReply.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -100,6 +110,21 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """LoRA at run time: check an adapter directory (on the replica's host) and serve it under
+        its name (a new revision replaces the old one; requests on the old one finish on it), or
+        stop serving one. NOT_FOUND: not served (unload); INVALID_ARGUMENT: a bad adapter.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -127,6 +152,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=kvfleet_dot_v1_dot_worker__pb2.DrainRequest.FromString,
                     response_serializer=kvfleet_dot_v1_dot_worker__pb2.DrainResponse.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=kvfleet_dot_v1_dot_common__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=kvfleet_dot_v1_dot_common__pb2.AdapterReply.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=kvfleet_dot_v1_dot_common__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=kvfleet_dot_v1_dot_common__pb2.AdapterReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -264,6 +299,60 @@ class Worker:
             '/kvfleet.v1.Worker/Drain',
             kvfleet_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
             kvfleet_dot_v1_dot_worker__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvfleet.v1.Worker/LoadAdapter',
+            kvfleet_dot_v1_dot_common__pb2.LoadAdapterRequest.SerializeToString,
+            kvfleet_dot_v1_dot_common__pb2.AdapterReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvfleet.v1.Worker/UnloadAdapter',
+            kvfleet_dot_v1_dot_common__pb2.UnloadAdapterRequest.SerializeToString,
+            kvfleet_dot_v1_dot_common__pb2.AdapterReply.FromString,
             options,
             channel_credentials,
             insecure,

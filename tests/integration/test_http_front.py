@@ -194,6 +194,7 @@ def test_a_repeated_chat_prompt_reports_cached_tokens(oai):
 
 
 def test_models_and_health(oai, base_url):
-    assert [m.id for m in oai.models.list().data] == ["tiny-llama"]
+    # The model, then the LoRA adapters its replicas serve (tests/fixtures/cluster.py).
+    assert [m.id for m in oai.models.list().data] == ["tiny-llama", "all", "qv"]
     resp = httpx.get(base_url.removesuffix("/v1") + "/health", timeout=30)
     assert resp.status_code == 200 and resp.json()["replicas"] == 2

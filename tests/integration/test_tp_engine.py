@@ -18,7 +18,7 @@ import tests.unit.worker.test_engine_exactness as exact
 from kvfleet.worker.parallel.group import RankGroup, TPSettings
 from kvfleet.worker.parallel.rank_worker import RankSpec
 from kvfleet.worker.parallel.tp_runner import TPRunner
-from tests.unit.worker import engine_harness
+from tests.unit.worker import engine_harness, lora_harness
 from tests.unit.worker.engine_harness import make_engine, prompt, run
 from tests.unit.worker.engine_harness import request as engine_request
 
@@ -38,7 +38,7 @@ class Groups:
             while len(self.runners) >= self.keep:
                 self.runners.popitem(last=False)[1].close()
             spec = RankSpec(str(model_dir), tp, num_blocks=160, block_size=exact.BLOCK_SIZE,
-                            one_row_weights=False)
+                            one_row_weights=False, max_loras=lora_harness.MAX_LORAS)
             group = RankGroup(spec, TPSettings(), f"test-tp{tp}-{key[0].name}")
             self.runners[key] = TPRunner(group.start(), group)
         self.runners.move_to_end(key)
@@ -61,6 +61,7 @@ def tp2(tp_groups, monkeypatch):
     """The engine harness's runners become tp=2 rank groups."""
     monkeypatch.setattr(engine_harness, "runner_for",
                         lambda model_dir, block_size=4: tp_groups.get(model_dir, 2))
+    monkeypatch.setattr(lora_harness, "lora_runner_for", lambda model_dir: tp_groups.get(model_dir, 2))
 
 
 FAMILIES = ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_mistral_dir"]
@@ -154,3 +155,11 @@ def test_smollm2_tp3_greedy_equals_tp1(tp_groups, smollm2_dir) -> None:
         gap = float(top2[0] - top2[1])
         print(f"{rid}: first difference at output token {i}, tp=1 top-2 gap {gap:.2e}")
         assert gap < 1e-4, f"{rid}: tp=3 differs at token {i} where tp=1's top-2 gap is {gap:.2e}"
+
+
+def test_tp2_mixed_lora_adapters_and_base(tp2, tiny_llama_dir, tiny_adapters) -> None:
+    """Three adapters + base in one batch at tp=2: LoRA B split with column-parallel Q/K/V and
+    gate/up, A split with row-parallel O and down (see worker/lora/adapter.py)."""
+    import tests.unit.worker.test_lora_exactness as lora
+
+    lora.test_mixed_batch_of_three_adapters_and_base_equals_each_alone(tiny_llama_dir, tiny_adapters)

@@ -20,6 +20,7 @@ from torch import nn
 
 from kvfleet.worker.attention import AttentionMetadata, paged_attention
 from kvfleet.worker.kv_cache import KVCache
+from kvfleet.worker.lora.slots import LoraBatch
 from kvfleet.worker.model_config import ModelConfig, RopeScaling
 from kvfleet.worker.models.linear import Linear
 
@@ -84,6 +85,7 @@ class LlamaDecoderLayer(nn.Module):
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
         self.eps = config.rms_norm_eps
+        self.layer_idx = layer_idx
         self.window = config.sliding_windows[layer_idx]
         self.input_norm = _weight(h)
         self.qkv_weight = _weight(h, q + 2 * kv)
@@ -112,21 +114,35 @@ class LlamaDecoderLayer(nn.Module):
         return norms + sum(p.nbytes for p in (self.qkv, self.o_proj, self.gate_up, self.down))
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata, key_cache: torch.Tensor, value_cache: torch.Tensor
-                ) -> torch.Tensor:
-        """``hidden`` ``(T, hidden_size)`` → ``(T, hidden_size)``; writes this layer's K/V."""
+                meta: AttentionMetadata, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                lora: LoraBatch | None = None) -> torch.Tensor:
+        """``hidden`` ``(T, hidden_size)`` → ``(T, hidden_size)``; writes this layer's K/V.
+        ``lora``: the step's adapter rows, whose low-rank updates join each projection's
+        output (before the all-reduce of a row-parallel one)."""
         t = hidden.shape[0]
-        qkv = self.qkv(rms_norm(hidden, self.input_norm, self.eps))
+        x = rms_norm(hidden, self.input_norm, self.eps)
+        qkv = self.qkv(x)
+        if lora is not None:
+            lora.apply(self.layer_idx, "qkv", x, qkv)
         heads = self.num_heads + self.num_kv_heads
         # RoPE on Q and K together: one kernel for both.
         qk = apply_rope(qkv[:, : heads * self.head_dim].view(t, heads, self.head_dim), cos, sin)
         v = qkv[:, heads * self.head_dim :].view(t, self.num_kv_heads, self.head_dim)
         attn = paged_attention(qk[:, : self.num_heads], qk[:, self.num_heads :], v,
                                key_cache, value_cache, meta, self.window)
-        attn = self.o_proj(attn)
-        hidden = hidden + (attn if self.reduce is None else self.reduce(attn))
-        gate, up = self.gate_up(rms_norm(hidden, self.post_norm, self.eps)).chunk(2, dim=-1)
-        mlp = self.down(F.silu(gate).mul_(up))
+        out = self.o_proj(attn)
+        if lora is not None:
+            lora.apply(self.layer_idx, "o", attn, out)
+        hidden = hidden + (out if self.reduce is None else self.reduce(out))
+        x = rms_norm(hidden, self.post_norm, self.eps)
+        gate_up = self.gate_up(x)
+        if lora is not None:
+            lora.apply(self.layer_idx, "gate_up", x, gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = F.silu(gate).mul_(up)
+        mlp = self.down(act)
+        if lora is not None:
+            lora.apply(self.layer_idx, "down", act, mlp)
         return hidden + (mlp if self.reduce is None else self.reduce(mlp))
 
 
@@ -143,14 +159,16 @@ class LlamaForCausalLM(nn.Module):
         self.rope_cos = self.rope_sin = torch.empty(0)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
-        """``input_ids``/``positions`` ``(T,)`` → hidden states ``(T, hidden_size)`` (pre final norm)."""
+                meta: AttentionMetadata, kv_cache: KVCache, lora: LoraBatch | None = None
+                ) -> torch.Tensor:
+        """``input_ids``/``positions`` ``(T,)`` → hidden states ``(T, hidden_size)`` (pre final
+        norm); ``lora``: the step's adapters by token row (None: base model only)."""
         hidden = F.embedding(input_ids, self.embed_tokens)
         cos = self.rope_cos[positions].unsqueeze(1)  # (T, 1, head_dim)
         sin = self.rope_sin[positions].unsqueeze(1)
         for i, layer in enumerate(self.layers):
             key_cache, value_cache = kv_cache.layer(i)
-            hidden = layer.forward(hidden, cos, sin, meta, key_cache, value_cache)
+            hidden = layer.forward(hidden, cos, sin, meta, key_cache, value_cache, lora)
         return hidden
 
     def pack(self, one_row_copy: bool = False) -> None:

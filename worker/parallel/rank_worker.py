@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 
 # Messages rank 0 sends (the first item of each tuple).
 STEP, PING, STOP = "step", "ping", "stop"
+LOAD_ADAPTER, UNLOAD_ADAPTER = "load_adapter", "unload_adapter"  # payload (slot, spec) / slot
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class RankSpec:
     one_row_weights: bool = True
     device: str = "cpu"
     num_threads: int = 1
+    max_loras: int = 0  # LoRA adapter slots (see ModelRunner.load_adapter)
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,8 @@ def build_rank_runner(spec: RankSpec, rank: int, reduce) -> ModelRunner:
     """This rank's :class:`ModelRunner` (``reduce``: the group's in-place all-reduce)."""
     torch.set_num_threads(spec.num_threads)
     return ModelRunner(spec.model_dir, spec.num_blocks, spec.block_size, spec.dtype, spec.device,
-                       spec.one_row_weights, shard=Shard(spec.tp, rank, reduce))
+                       spec.one_row_weights, shard=Shard(spec.tp, rank, reduce),
+                       max_loras=spec.max_loras)
 
 
 def rank_info(runner: ModelRunner, rank: int) -> RankInfo:
@@ -108,6 +111,10 @@ class RankWorker:
                     self.runner.execute(payload, validated=True)
                 elif kind == PING:
                     self.comm.barrier()
+                elif kind == LOAD_ADAPTER:  # rank 0 read the same files first: they load
+                    self.runner.load_adapter(*payload)
+                elif kind == UNLOAD_ADAPTER:
+                    self.runner.unload_adapter(payload)
                 elif kind == STOP:
                     return "stopped"
         except Exception:

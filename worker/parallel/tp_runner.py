@@ -21,7 +21,9 @@ import torch
 from kvfleet.errors import Unavailable
 from kvfleet.worker.model_runner import ModelRunner
 from kvfleet.worker.parallel.group import RankGroup
-from kvfleet.worker.parallel.rank_worker import PING, STEP, RankInfo
+from kvfleet.worker.lora.adapter import AdapterSpec
+from kvfleet.worker.parallel.rank_worker import (LOAD_ADAPTER, PING, STEP, UNLOAD_ADAPTER,
+                                                 RankInfo)
 from kvfleet.worker.step_plan import StepPlan
 
 log = logging.getLogger(__name__)
@@ -53,6 +55,26 @@ class TPRunner:
         """
         self.local.validate(plan)
         return self._on_all((STEP, plan), lambda: self.local.execute(plan, validated=True))
+
+    def load_adapter(self, slot: int, spec: AdapterSpec) -> None:
+        """Every rank reads its share of ``spec`` into ``slot``: rank 0 first, outside the
+        group (a bad file fails here, before any rank is told), then the others, in the
+        order of the step plans (a later step that uses the slot finds it loaded).
+
+        Raises:
+            AdapterError, OSError: rank 0 could not read it (no rank changed).
+            Unavailable: the group has failed.
+        """
+        self.local.load_adapter(slot, spec)
+        self._on_all((LOAD_ADAPTER, (slot, spec)), lambda: None)
+
+    def unload_adapter(self, slot: int) -> None:
+        """Empty ``slot`` on every rank."""
+        self._on_all((UNLOAD_ADAPTER, slot), lambda: self.local.unload_adapter(slot))
+
+    @property
+    def lora_slots(self):
+        return self.local.lora_slots
 
     def _on_all(self, message: tuple, run_local):
         with self._lock:

@@ -162,3 +162,21 @@ def test_config_errors_name_the_field(capsys, tmp_path, write_config):
 def test_help_exits_zero(capsys):
     assert main(["--help"]) == 0
     assert "usage: kvfleet budget" in capsys.readouterr().out
+
+
+def test_lora_slots_are_counted_and_taken_from_the_kv_memory(capsys):
+    # Llama-2-7B: 32 layers, hidden 4096, 32 heads of 128 (q = kv = 4096), MLP 11008.
+    per_layer = 3 * (4096 + 4096) + 2 * (4096 + 11008) + (4096 + 4096) + (11008 + 4096)
+    r = budget(capsys, "llama-2-7b", "--max-loras", "4", "--max-lora-rank", "16")
+    assert r["lora_slot_bytes"] == per_layer * 32 * 16 * 2  # bf16 weights
+    assert r["lora_bytes"] == 4 * r["lora_slot_bytes"]
+    # tp=2: B of q/k/v/gate/up and A of o/down split, the other factor replicated.
+    split = 3 * (4096 + 2048) + 2 * (4096 + 5504) + (2048 + 4096) + (5504 + 4096)
+    r2 = budget(capsys, "llama-2-7b", "--max-loras", "4", "--max-lora-rank", "16", "--tp", "2")
+    assert r2["lora_bytes_per_rank"] == 4 * split * 32 * 16 * 2
+    plain = budget(capsys, "llama-2-7b", "--memory", "24GiB", "--params", "7B")
+    with_lora = budget(capsys, "llama-2-7b", "--memory", "24GiB", "--params", "7B",
+                       "--max-loras", "4", "--max-lora-rank", "16")
+    assert plain["available_kv_bytes"] - with_lora["available_kv_bytes"] == with_lora["lora_bytes"]
+    fails(capsys, [str(config_path("llama-2-7b")), "--max-loras", "2", "--max-lora-rank", "0"],
+          "--max-lora-rank")

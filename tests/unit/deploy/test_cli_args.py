@@ -38,3 +38,20 @@ def test_vv_makes_the_router_log_every_routing_decision(tiny_llama_dir):
                        "--model-dir", "/x", *two.router_args])
     assert logging.getLevelName(cfg.log_level) == logging.DEBUG
     assert router_args(["--redis-url", "r", "--model-name", "m", "--model-dir", "/x"]).log_level == "INFO"
+
+
+def test_up_adapters_are_parsed_expanded_and_checked_before_anything_starts(
+        tiny_llama_dir, tiny_adapters, tmp_path, capsys):
+    args = cli.build_parser().parse_args(
+        ["up", "--model", str(tiny_llama_dir), "--adapter", f"sql={tiny_adapters['qv']}",
+         "--adapter-dir", str(tiny_adapters["qv"].parent), "--max-loras", "3",
+         "--max-lora-rank", "8"])
+    cfg = cli.cluster_config(args)
+    assert [n for n, _ in cfg.adapters] == ["sql", "all", "qv", "qv2", "rs"]
+    assert cfg.max_loras == 3 and cfg.max_lora_rank == 8
+    (tmp_path / "adapter_config.json").write_text('{"r": 4, "target_modules": ["q_proj"], "use_dora": true}')
+    assert cli.main(["up", "--model", str(tiny_llama_dir), "--adapter", f"bad={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert "adapter 'bad'" in err and "adapter_config.json: field 'use_dora'" in err
+    assert cli.main(["up", "--model", str(tiny_llama_dir), "--adapter", "no-equals-sign"]) == 2
+    assert "--adapter takes NAME=DIR" in capsys.readouterr().err

@@ -70,3 +70,24 @@ def test_tenant_limits_and_the_default_share_of_the_fleet(tmp_path):
     assert auth.tenant_limit("globex", 2) == 1  # never below one request
     assert auth.tenant_limit("globex", 0) is None  # capacity unknown: no limit
     assert Authenticator().tenant_limit("default", 100) is None  # default share 1: none
+
+
+def test_adapter_tenants_and_admins_from_the_key_file(tmp_path):
+    from kvfleet.errors import NotFound, PermissionDenied
+
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"keys": {"k-a": "acme", "k-b": "globex"},
+                                "adapter_tenants": {"acme-sql": ["acme"]},
+                                "adapter_admins": ["acme"]}))
+    auth = Authenticator.from_file(str(path))
+    auth.check_adapter("acme", "acme-sql")
+    auth.check_adapter("globex", "open-chat")  # not listed: every tenant may use it
+    with pytest.raises(NotFound, match="adapter 'acme-sql' is not served for tenant 'globex'"):
+        auth.check_adapter("globex", "acme-sql")
+    auth.check_adapter_admin("acme")
+    with pytest.raises(PermissionDenied, match="'globex' may not load or unload adapters"):
+        auth.check_adapter_admin("globex")
+    Authenticator.from_file(None).check_adapter_admin(DEFAULT_TENANT)  # open router: anyone
+    path.write_text(json.dumps({"keys": {"k": "t"}, "adapter_tenants": {"x": "t"}}))
+    with pytest.raises(ValueError, match="adapter_tenants must map adapter names to lists"):
+        Authenticator.from_file(str(path))

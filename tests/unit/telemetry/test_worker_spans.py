@@ -157,3 +157,19 @@ async def test_duplicate_request_id_does_not_steal_the_first(wt, worker_capture)
             second.refused(grpc.StatusCode.INVALID_ARGUMENT, "already running")
             raise RuntimeError
     assert wt._open["dup"] is first
+
+
+async def test_adapter_is_a_span_attribute_and_a_bounded_metric_label(worker_capture):
+    wt = WorkerTelemetry(worker_capture.telemetry, "replica-a", "tiny", adapters_fn=lambda: {"sql"})
+    for rid, adapter in (("r1", "sql"), ("r2", "made-up")):
+        req = request(rid)
+        req.adapter = adapter
+        rt = wt.start(req, [])
+        wt.on_finished(final(rid, rt.start))
+        rt.handler_done()
+    spans = [s for s in worker_capture.spans_out.get_finished_spans() if s.name == n.WORKER_GENERATE]
+    assert {s.attributes[n.KVFLEET_ADAPTER] for s in spans} == {"sql", "made-up"}
+    assert all(s.attributes[n.GEN_AI_REQUEST_MODEL] == "tiny" for s in spans)  # stays the base
+    labels = {p.attributes.get(n.KVFLEET_ADAPTER)
+              for p in worker_capture.points(n.METRIC_WORKER_REQUEST_DURATION)}
+    assert labels == {"sql", None}  # an adapter the replica was not configured with: no label

@@ -67,8 +67,9 @@ class Result:
 
 
 def make_engine(model_dir: Path, num_blocks: int = 150, runner: ModelRunner | None = None,
-                **scheduler) -> tuple[Engine, RecordingRunner]:
-    """A fresh engine (new KV cache manager) over the session's shared runner for ``model_dir``.
+                adapters=None, identity=None, **scheduler) -> tuple[Engine, RecordingRunner]:
+    """A fresh engine (new KV cache manager) over the session's shared runner for ``model_dir``
+    (``adapters``, ``identity``: see :class:`Engine`).
 
     Sharing the runner's KV tensor across tests is safe: a new manager has no cached blocks,
     so every slot a test reads was written by that test.
@@ -79,8 +80,10 @@ def make_engine(model_dir: Path, num_blocks: int = 150, runner: ModelRunner | No
     kv = KVCacheManager(num_blocks, runner.block_size)
     tok = tokenizers.Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
     cfg = runner.config
-    engine = Engine(rec, kv, tok, b"engine-test-identity", cfg.eos_token_ids,
-                    cfg.max_position_embeddings, cfg.vocab_size, SchedulerConfig(**scheduler))
+    digest = identity.digest() if identity is not None else b"engine-test-identity"
+    engine = Engine(rec, kv, tok, digest, cfg.eos_token_ids, cfg.max_position_embeddings,
+                    cfg.vocab_size, SchedulerConfig(**scheduler), adapters=adapters,
+                    identity=identity)
     return engine, rec
 
 
