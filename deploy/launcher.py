@@ -1,5 +1,6 @@
 """Local cluster launcher: a private redis-server (unless given), a local Ray (or an existing
-one), N worker replicas as Ray actors and the router as its own process.
+one), the model's worker replicas as a Ray Serve application (kvfleet.deploy.serve_app) and
+the router as its own process.
 
 Ray is started with the settings measured in ENVIRONMENT.md: no dashboard, a 512 MiB object
 store, every listener on 127.0.0.1.
@@ -18,17 +19,19 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 from dataclasses import dataclass, field, replace
 from typing import Optional, TextIO
 
+from kvfleet.deploy import serve_control
 from kvfleet.deploy.redis_server import RedisServer, start_redis
-from kvfleet.index_keys import DEFAULT_NAMESPACE
+from kvfleet.deploy.operate import AppRef
+from kvfleet.deploy.serve_app import Placement, app_config
+from kvfleet.index_keys import DEFAULT_NAMESPACE, ReplicaInfo
 from kvfleet.telemetry import TelemetryConfig
 from kvfleet.tls import FILES as TLS_FILES
 from kvfleet.tls import generate_internal_tls
 from kvfleet.worker.cost_model import CostModel
-from kvfleet.worker.parallel.group import TPSettings, wait_placed
+from kvfleet.worker.parallel.group import TPSettings
 from kvfleet.worker.replica import EXECUTORS, ReplicaConfig
 from kvfleet.worker.scheduler import SchedulerConfig
 
@@ -68,7 +71,7 @@ class ClusterConfig:
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)  # OTLP export settings
     # Prometheus: the router on metrics_port, replica i on metrics_port + 1 + i (0: free ports).
     metrics_port: Optional[int] = None
-    # CPUs each replica actor reserves in Ray (default: the free CPUs shared out, at most 1;
+    # CPUs each replica reserves in Ray (default: half the free CPUs shared out, at most 1;
     # 0 lets a second cluster share a Ray whose CPUs another one holds, as tests do).
     replica_num_cpus: Optional[float] = None
     # "cost-model": replicas whose forward is the cost model (kvfleet.worker.cost_model),
@@ -77,7 +80,7 @@ class ClusterConfig:
     cost_model: Optional[CostModel] = None
     replicas_per_host: int = 64
     router_args: tuple[str, ...] = ()  # extra router command-line arguments (policy knobs)
-    # Ranks per replica: rank 0 is the replica actor, ranks 1..T-1 Ray actors in its
+    # Ranks per replica: rank 0 is the Serve replica, ranks 1..T-1 Ray actors in its
     # placement group (one bundle per rank, STRICT_PACK).
     tensor_parallel_size: int = 1
     tp: TPSettings = field(default_factory=TPSettings)
@@ -91,6 +94,12 @@ class ClusterConfig:
     adapters: tuple[tuple[str, str], ...] = ()
     max_loras: int = 4
     max_lora_rank: int = 64
+    # Lifecycle (kvfleet.deploy.serve_app): a drain waits this long for in-flight streams;
+    # the revision labels a rollout (a new one replaces every replica, one at a time).
+    drain_timeout_s: float = 30.0
+    revision: str = ""
+    health_check_period_s: float = 1.0
+    health_check_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -165,8 +174,9 @@ class LocalCluster:
         self.cfg = cfg
         self.redis: Optional[RedisServer] = None
         self.redis_url: Optional[str] = cfg.redis_url
-        self.actors: list = []
-        self.placement_groups: list = []  # one per tensor-parallel replica
+        self.app: dict = {}  # the applied Serve application config
+        self.app_name: Optional[str] = None  # set once the application was applied
+        self.ref: Optional[AppRef] = None
         self.replica_addresses: list[str] = []
         self.router_proc: Optional[subprocess.Popen] = None
         self.router_address: Optional[str] = None
@@ -196,79 +206,97 @@ class LocalCluster:
         if cfg.internal_tls_dir and not all(
                 os.path.exists(os.path.join(cfg.internal_tls_dir, f)) for f in TLS_FILES):
             generate_internal_tls(cfg.internal_tls_dir)
-        cpus = float(ray.available_resources().get("CPU", 1.0))
-        per_replica = max(0.1, min(1.0, cpus / cfg.replicas))
-        if cfg.replica_num_cpus is not None:
-            per_replica = cfg.replica_num_cpus
-        threads = max(1, (os.cpu_count() or 1) // cfg.replicas)
-        run_id = uuid.uuid4().hex[:6]
-        rcfgs = [ReplicaConfig(
-            replica_id=f"replica-{i}-{run_id}", model_name=cfg.model_name,
-            model_dir=cfg.model_dir, block_size=cfg.block_size, num_blocks=cfg.num_blocks,
-            kv_memory_bytes=cfg.kv_memory_bytes, dtype=cfg.dtype,
-            one_row_weights=cfg.one_row_weights, scheduler=cfg.scheduler,
-            redis_url=self.redis_url, namespace=cfg.namespace, num_threads=threads,
-            telemetry=replace(cfg.telemetry, metrics_port=self._metrics_port(1 + i)),
-            executor=cfg.executor, cost_model=cfg.cost_model,
-            tensor_parallel_size=cfg.tensor_parallel_size, tp=cfg.tp, device=cfg.device,
-            internal_tls_dir=cfg.internal_tls_dir, adapters=cfg.adapters,
-            max_loras=cfg.max_loras, max_lora_rank=cfg.max_lora_rank) for i in range(cfg.replicas)]
-        if cfg.executor == "cost-model":
-            self._start_hosts(rcfgs, per_replica, timeout_s)
-        else:
-            self.actors = [self._replica_actor(rcfg, per_replica, timeout_s) for rcfg in rcfgs]
-            self.replica_addresses = ray.get([a.start.remote() for a in self.actors],
-                                             timeout=timeout_s)
-        if cfg.metrics_port is not None:
-            if cfg.executor == "cost-model":
-                found = [addr for host in ray.get([a.metrics_addresses.remote() for a in self.actors],
-                                                  timeout=timeout_s) for addr in host]
-            else:
-                found = ray.get([a.metrics_address.remote() for a in self.actors], timeout=timeout_s)
-            for i, address in enumerate(found):
-                self.metrics_addresses[f"replica-{i}"] = address
+        self.app = self._app_config()
+        self.app_name = self.app["name"]
+        self.ref = AppRef.from_config(self.app_name, self.app)
+        serve_control.apply(self.app)
+        self.wait_serving(cfg.replicas, timeout_s)
         self.router_address = self._start_router(timeout_s)
         return self.router_address
 
-    def _replica_actor(self, rcfg: ReplicaConfig, num_cpus: float, timeout_s: float):
-        """Rank 0 of one replica as a Ray actor; with tp > 1 in bundle 0 of a new STRICT_PACK
-        placement group holding one bundle per rank (ranks 1..T-1 take the others)."""
+    def _app_config(self) -> dict:
+        """The model's Serve application (kvfleet.deploy.serve_app) for this config."""
         import ray
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from kvfleet.worker.ray_actor import ReplicaActor
-
-        tp = rcfg.tensor_parallel_size
-        if tp == 1:
-            return ray.remote(num_cpus=num_cpus, max_restarts=0)(ReplicaActor).remote(rcfg)
-        cuda = rcfg.device.startswith("cuda")
+        cfg = self.cfg
+        cuda = cfg.device.startswith("cuda")
+        tp = cfg.tensor_parallel_size
         if cuda and ray.cluster_resources().get("GPU", 0) < tp:
             raise ValueError(f"--tp {tp} --device cuda: a replica needs {tp} GPUs on one node, "
                              f"the Ray cluster has {ray.cluster_resources().get('GPU', 0):g}")
-        gpu = {"GPU": 1} if cuda else {}
-        rest = gpu or {"CPU": rcfg.tp.rank_num_cpus}
-        # The replica's CPU share covers all its ranks (tp=4 must still place on 2 cores).
-        first = {"CPU": max(num_cpus - (tp - 1) * rest.get("CPU", 0), 0.01), **gpu}
-        pg = placement_group([first] + [rest] * (tp - 1), strategy="STRICT_PACK")
-        self.placement_groups.append(pg)
-        wait_placed(pg, f"replica {rcfg.replica_id}: bundles {[first] + [rest] * (tp - 1)}", timeout_s)
-        return ray.remote(ReplicaActor).options(
-            num_cpus=first["CPU"], num_gpus=1 if cuda else 0, max_restarts=0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
-            runtime_env={"env_vars": {"OMP_WAIT_POLICY": "passive"}}).remote(rcfg)
+        per_host = max(1, cfg.replicas_per_host) if cfg.executor == "cost-model" else 1
+        hosts = -(-cfg.replicas // per_host)
+        cpus = float(ray.available_resources().get("CPU", 1.0))
+        # Half the free CPUs shared out (at most 1 each): room to scale the fleet to twice
+        # its size in place.
+        per_replica = max(0.05, min(1.0, cpus / (2 * hosts)))
+        if cfg.replica_num_cpus is not None:
+            per_replica = cfg.replica_num_cpus
+        threads = max(1, (os.cpu_count() or 1) // cfg.replicas)
+        metrics = None if cfg.metrics_port is None else 0  # many replicas: free ports
+        base = ReplicaConfig(
+            replica_id=cfg.model_name, model_name=cfg.model_name, model_dir=cfg.model_dir,
+            block_size=cfg.block_size, num_blocks=cfg.num_blocks,
+            kv_memory_bytes=cfg.kv_memory_bytes, dtype=cfg.dtype,
+            one_row_weights=cfg.one_row_weights, scheduler=cfg.scheduler,
+            redis_url=self.redis_url, namespace=cfg.namespace, num_threads=threads,
+            telemetry=replace(cfg.telemetry, metrics_port=metrics),
+            executor=cfg.executor, cost_model=cfg.cost_model,
+            tensor_parallel_size=tp, tp=cfg.tp, device=cfg.device,
+            internal_tls_dir=cfg.internal_tls_dir, drain_timeout_s=cfg.drain_timeout_s,
+            adapters=cfg.adapters, max_loras=cfg.max_loras, max_lora_rank=cfg.max_lora_rank)
+        placement = Placement(per_replica, tp, cuda, cfg.tp.rank_num_cpus)
+        env = {**RAY_ENV, "OMP_WAIT_POLICY": "passive"}
+        return app_config(base, cfg.replicas, placement, per_host, cfg.revision, env,
+                          cfg.health_check_period_s, cfg.health_check_timeout_s)
 
-    def _start_hosts(self, rcfgs: list[ReplicaConfig], num_cpus: float, timeout_s: float) -> None:
-        """Cost-model replicas, ``replicas_per_host`` to a process (one Ray actor each)."""
-        import ray
+    def registered(self) -> list[ReplicaInfo]:
+        """This application's replicas in the registry (see ``AppRef.registered``)."""
+        return self.ref.registered()
 
-        from kvfleet.worker.replica_host import ReplicaHostActor
+    def wait_serving(self, replicas: int, timeout_s: float = 300.0) -> list[ReplicaInfo]:
+        """Wait until exactly ``replicas`` replicas serve (``AppRef.wait_serving``, which
+        says what it raises); fills ``replica_addresses`` and ``metrics_addresses``."""
+        serving = self.ref.wait_serving(replicas, timeout_s)
+        self.replica_addresses = [i.address for i in serving]
+        self.metrics_addresses = {k: v for k, v in self.metrics_addresses.items() if k == "router"}
+        if self.cfg.metrics_port is not None:
+            for n, info in enumerate(serving):
+                self.metrics_addresses[f"replica-{n}"] = info.metrics_address
+        return serving
 
-        host_cls = ray.remote(num_cpus=num_cpus, max_restarts=0)(ReplicaHostActor)
-        per = max(1, self.cfg.replicas_per_host)
-        self.actors = [host_cls.remote(rcfgs[i:i + per]) for i in range(0, len(rcfgs), per)]
-        hosts = ray.get([a.start.remote() for a in self.actors], timeout=timeout_s)
-        self.replica_addresses = [addr for host in hosts for addr in host]
+    def scale(self, replicas: int, timeout_s: float = 300.0) -> list[ReplicaInfo]:
+        """Change the replica count in place (new ones register; Serve picks the ones that
+        go, and each drains first); returns once exactly ``replicas`` serve."""
+        self.app = self.ref.scale(replicas)
+        return self.wait_serving(replicas, timeout_s)
+
+    def upgrade(self, revision: str, model_dir: Optional[str] = None,
+                timeout_s: float = 600.0) -> list[ReplicaInfo]:
+        """Rolling replacement of every replica under a new ``revision`` (and ``model_dir``):
+        returns once as many replicas as before serve, all new."""
+        old = {i.serve_replica for i in self.registered()}
+        self.app = serve_control.set_revision(self.app_name, revision, model_dir)
+        deadline = time.monotonic() + timeout_s
+        want = len(self.replica_addresses)
+        while True:
+            now = self.registered()
+            if (not old & {i.serve_replica for i in now}
+                    and sum(i.state == "serving" for i in now) == want):
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rollout to revision {revision!r} not done after "
+                                   f"{timeout_s:g} s")
+            time.sleep(0.1)
+        return self.wait_serving(want, timeout_s)
+
+    def serve_replicas(self) -> list[dict]:
+        """Serve's view of this application's replicas (see ``serve_control.serve_replicas``)."""
+        return serve_control.serve_replicas(self.app_name)
+
+    def replica_pids(self) -> list[int]:
+        """Process ids of the running Serve replicas (rank 0 of each)."""
+        return [r["pid"] for r in self.serve_replicas() if r["state"] == "RUNNING"]
 
     def _start_router(self, timeout_s: float) -> str:
         cfg = self.cfg
@@ -303,7 +331,16 @@ class LocalCluster:
         return None if port is None else (port + offset if port else 0)
 
     def stop(self) -> None:
-        """Stop router, replicas, Ray (if started here) and Redis (if started here). Idempotent."""
+        """Drain and stop the replicas (Serve stops each gracefully, which drains it, while the
+        router still relays their streams), then the router, Ray (if started here) and Redis
+        (if started here). Idempotent."""
+        if self.app_name is not None:
+            try:
+                serve_control.delete(self.app_name,
+                                     timeout_s=self.cfg.drain_timeout_s + 60.0)
+            except Exception as exc:
+                log.warning("stopping Serve application %s failed: %s", self.app_name, exc)
+            self.app_name = None
         if self.router_proc is not None:
             self.router_proc.terminate()
             try:
@@ -312,23 +349,6 @@ class LocalCluster:
                 self.router_proc.kill()
                 self.router_proc.wait()
             self.router_proc = None
-        if self.actors:
-            import ray
-
-            try:
-                ray.get([a.stop.remote() for a in self.actors], timeout=30)
-            except Exception as exc:
-                log.warning("replica stop failed: %s", exc)
-            for a in self.actors:
-                ray.kill(a, no_restart=True)
-            self.actors = []
-        if self.placement_groups:
-            from ray.util.placement_group import remove_placement_group
-
-            for pg in self.placement_groups:
-                with contextlib.suppress(Exception):
-                    remove_placement_group(pg)
-            self.placement_groups = []
         if self._started_ray:
             shutdown_ray()
             self._started_ray = False

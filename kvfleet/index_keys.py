@@ -12,6 +12,8 @@ Every key starts with a configurable namespace (default ``kvfleet:``)::
     {ns}heartbeats        ZSET   replica_id @ last beat     score = Redis server time, milliseconds
     {ns}load:{replica_id} HASH   running, waiting, num_free_blocks, num_total_blocks, updated_at
                                  (PEXPIRE = the publisher's replica TTL)
+    {ns}router:{id}       STRING JSON of one router: address, http_address, policy, pid, started_at
+                                 (PEXPIRE: rewritten every few seconds, gone ~10 s after it stops)
     {ns}sweep_cursor      STRING SCAN cursor of the incremental garbage sweep, shared by all routers
     {ns}kv_events         STREAM the KV event log: one entry per index write of a replica, id
                                  ``{seq}-0``; fields o (the log's origin), k (reg | blk | dereg),
@@ -87,6 +89,13 @@ class ReplicaInfo:
     tensor_parallel_size: int = 1
     # One dict per rank, rank 0 first: the fields of kvfleet.v1.RankStatus.
     ranks: tuple[dict, ...] = ()
+    # Lifecycle (rewritten by every heartbeat): "serving", or "draining" (routers stop
+    # sending it requests); its Serve replica, Prometheus endpoint, prefix-hit rate over the
+    # last minute (cached / prompt tokens of finished requests, 0..1).
+    state: str = "serving"
+    serve_replica: str = ""
+    metrics_address: str = ""
+    prefix_hit_rate: float = 0.0
     # LoRA: the adapters it may serve, (name, revision) sorted, and those in its slots now
     # (refreshed with every heartbeat).
     adapters: tuple[tuple[str, str], ...] = ()
@@ -104,7 +113,9 @@ class ReplicaInfo:
              "started_at": started_at,
              "tensor_parallel_size": self.tensor_parallel_size, "ranks": list(self.ranks),
              "adapters": [list(a) for a in self.adapters],
-             "resident_adapters": list(self.resident_adapters)},
+             "resident_adapters": list(self.resident_adapters),
+             "state": self.state, "serve_replica": self.serve_replica,
+             "metrics_address": self.metrics_address, "prefix_hit_rate": self.prefix_hit_rate},
             separators=(",", ":"),
         )
 
@@ -117,7 +128,11 @@ class ReplicaInfo:
                    tensor_parallel_size=int(d.get("tensor_parallel_size", 1)),
                    ranks=tuple(dict(r) for r in d.get("ranks", ())),
                    adapters=tuple((str(n), str(r)) for n, r in d.get("adapters", ())),
-                   resident_adapters=tuple(str(n) for n in d.get("resident_adapters", ())))
+                   resident_adapters=tuple(str(n) for n in d.get("resident_adapters", ())),
+                   state=str(d.get("state", "serving")),
+                   serve_replica=str(d.get("serve_replica", "")),
+                   metrics_address=str(d.get("metrics_address", "")),
+                   prefix_hit_rate=float(d.get("prefix_hit_rate", 0.0)))
 
 
 @dataclass(frozen=True)
@@ -199,6 +214,13 @@ class IndexKeys:
     def load(self, replica_id: str) -> str:
         return f"{self.load_prefix}{replica_id}"
 
+    @property
+    def router_prefix(self) -> str:
+        return f"{self.namespace}router:"
+
+    def router(self, router_id: str) -> str:
+        return f"{self.router_prefix}{router_id}"
+
 
 def pack_chain(hashes: Sequence[bytes]) -> bytes:
     """Block hashes concatenated into one script argument (each exactly ``HASH_BYTES`` long)."""
@@ -219,6 +241,14 @@ def seconds_to_ms(seconds: float) -> int:
 
 # What "Redis is unreachable" looks like from redis-py and asyncio (BusyLoadingError is a ConnectionError).
 REDIS_DOWN_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError, asyncio.TimeoutError)
+
+
+def redis_host(url: str) -> str:
+    """``host:port`` of a Redis URL (no credentials, no database): safe to show."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    return f"{parts.hostname or ''}:{parts.port or 6379}"
 
 
 def redis_client(url: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, binary: bool = False,
