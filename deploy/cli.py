@@ -251,6 +251,26 @@ def cmd_scale(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_upgrade(args: argparse.Namespace) -> int:
+    from kvfleet.deploy.operate import find_app
+
+    _, namespace = _operator_target(args)
+    ref = find_app(namespace, args.model)
+    model_dir = os.path.abspath(os.path.expanduser(args.model_dir)) if args.model_dir else None
+    if model_dir is not None and not os.path.isfile(os.path.join(model_dir, "config.json")):
+        raise ValueError(f"--model-dir {args.model_dir}: no config.json there")
+    print(f"kvfleet: {ref.model}: rolling every replica to revision {args.revision!r} "
+          f"(Serve application {ref.name})", file=sys.stderr, flush=True)
+    if args.no_wait:
+        from kvfleet.deploy import serve_control
+
+        serve_control.set_revision(ref.name, args.revision, model_dir)
+        return 0
+    for info in ref.upgrade(args.revision, model_dir, args.timeout):
+        print(f"{info.replica_id} epoch {info.epoch} serving at {info.address}")
+    return 0
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     import json
 
@@ -329,6 +349,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=cmd_demo, port=0)
 
     for name, helptext in (("scale", "change a running cluster's replica count in place"),
+                           ("upgrade", "roll a running cluster's replicas to a new revision, "
+                                       "new ones serving before old ones drain"),
                            ("status", "a running cluster's replicas, routers and Redis")):
         op = sub.add_parser(name, help=helptext)
         op.add_argument("--address", help="Ray address of the cluster (default: the one "
@@ -342,6 +364,16 @@ def build_parser() -> argparse.ArgumentParser:
             op.add_argument("--timeout", type=_positive_seconds, default=600.0,
                             help="seconds to wait for the new count to serve (default 600)")
             op.set_defaults(func=cmd_scale)
+        elif name == "upgrade":
+            op.add_argument("--revision", required=True, type=_non_empty("--revision"),
+                            help="label of the new revision (a new value replaces every replica)")
+            op.add_argument("--model-dir", help="the new revision's model directory "
+                                                "(default: the current one)")
+            op.add_argument("--no-wait", action="store_true",
+                            help="return once applied, not when the rollout is done")
+            op.add_argument("--timeout", type=_positive_seconds, default=600.0,
+                            help="seconds to wait for the rollout (default 600)")
+            op.set_defaults(func=cmd_upgrade)
         else:
             op.add_argument("--json", action="store_true", help="machine-readable output")
             op.set_defaults(func=cmd_status)

@@ -273,22 +273,11 @@ class LocalCluster:
 
     def upgrade(self, revision: str, model_dir: Optional[str] = None,
                 timeout_s: float = 600.0) -> list[ReplicaInfo]:
-        """Rolling replacement of every replica under a new ``revision`` (and ``model_dir``):
-        returns once as many replicas as before serve, all new."""
-        old = {i.serve_replica for i in self.registered()}
-        self.app = serve_control.set_revision(self.app_name, revision, model_dir)
-        deadline = time.monotonic() + timeout_s
-        want = len(self.replica_addresses)
-        while True:
-            now = self.registered()
-            if (not old & {i.serve_replica for i in now}
-                    and sum(i.state == "serving" for i in now) == want):
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"rollout to revision {revision!r} not done after "
-                                   f"{timeout_s:g} s")
-            time.sleep(0.1)
-        return self.wait_serving(want, timeout_s)
+        """Rolling replacement of every replica under a new ``revision`` (and ``model_dir``),
+        as ``kvfleet upgrade`` does (``AppRef.upgrade``, which says what it raises)."""
+        serving = self.ref.upgrade(revision, model_dir, timeout_s)
+        self.app = serve_control.app_configs()[self.app_name]
+        return self.wait_serving(len(serving), timeout_s)
 
     def serve_replicas(self) -> list[dict]:
         """Serve's view of this application's replicas (see ``serve_control.serve_replicas``)."""

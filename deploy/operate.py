@@ -1,4 +1,4 @@
-"""Operating a running cluster from any terminal: ``kvfleet scale`` and ``kvfleet status``.
+"""Operating a running cluster from any terminal: ``kvfleet scale``, ``upgrade`` and ``status``.
 
 A cluster is found through Ray: ``--address`` (the Ray GCS address ``kvfleet up`` prints),
 else the cluster file ``kvfleet up`` writes (:func:`cluster_file`). Serve's application configs
@@ -122,6 +122,31 @@ class AppRef:
         if replicas < 1:
             raise ValueError(f"--replicas must be >= 1, got {replicas}")
         return serve_control.set_replicas(self.name, math.ceil(replicas / self.per_host))
+
+
+    def upgrade(self, revision: str, model_dir: Optional[str] = None,
+                timeout_s: float = 600.0) -> list[ReplicaInfo]:
+        """Roll every replica to a new ``revision`` label (and ``model_dir``, if given) through
+        an in-place config update; each new replica serves before an old one drains. Returns
+        once the configured number of replicas serve, none of them an old one.
+
+        Raises:
+            ValueError: ``revision`` is empty.
+            KeyError: Serve holds no config for the application.
+            RuntimeError, TimeoutError: as :meth:`wait_serving`.
+        """
+        if not revision:
+            raise ValueError("--revision must not be empty")
+        old = {i.serve_replica for i in self.registered()}
+        app = serve_control.set_revision(self.name, revision, model_dir)
+        want = int(app["deployments"][0].get("num_replicas", 1)) * self.per_host
+        deadline = time.monotonic() + timeout_s
+        while old & {i.serve_replica for i in self.registered()}:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rollout of {self.model} to revision {revision!r} not done "
+                                   f"after {timeout_s:g} s: old replicas still registered")
+            time.sleep(0.1)
+        return self.wait_serving(want, max(1.0, deadline - time.monotonic()))
 
 
 def find_app(namespace: Optional[str], model: Optional[str]) -> AppRef:

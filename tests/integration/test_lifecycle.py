@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -244,15 +246,28 @@ def test_a_killed_replica_is_replaced_and_only_its_started_streams_fail(life) ->
 
 
 def test_a_rolling_upgrade_under_traffic_fails_no_request(life) -> None:
+    """``kvfleet upgrade`` from another process (as an operator runs it) rolls both replicas
+    while traffic flows: no request fails, every replica is new, the config says rev-2."""
+    import ray
+
     cluster, client = life
     old = {i.serve_replica for i in cluster.wait_serving(2)}
+    address = ray.get_runtime_context().gcs_address
+    upgrade = [sys.executable, "-m", "kvfleet.deploy.cli", "upgrade", "--address", address,
+               "--namespace", NAMESPACE, "--revision", "rev-2", "--timeout", "240"]
     with Traffic(client) as traffic:
         time.sleep(0.5)
         t0 = time.monotonic()
-        new = cluster.upgrade("rev-2")
+        out = subprocess.run(upgrade, capture_output=True, text=True, timeout=300)
         took = time.monotonic() - t0
         time.sleep(0.5)
-    print(f"\nrolling upgrade of 2 replicas: {took:.1f} s, {len(traffic.ok)} requests served")
+    print(f"\nrolling upgrade of 2 replicas (kvfleet upgrade): {took:.1f} s, "
+          f"{len(traffic.ok)} requests served")
+    assert out.returncode == 0, out.stderr[-3000:]
     assert traffic.failed == [] and len(traffic.ok) > 10
-    assert len(new) == 2 and not old & {i.serve_replica for i in new}
-    assert cluster.app["args"]["revision"] == "rev-2"
+    new = cluster.wait_serving(2)
+    assert len(out.stdout.splitlines()) == 2 and not old & {i.serve_replica for i in new}
+    assert serve_control.app_configs()[cluster.app_name]["args"]["revision"] == "rev-2"
+    bad = subprocess.run([*upgrade[:-2], "--model-dir", "/nonexistent"], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "--model-dir /nonexistent: no config.json" in bad.stderr
