@@ -141,12 +141,24 @@ class AppRef:
         app = serve_control.set_revision(self.name, revision, model_dir)
         want = int(app["deployments"][0].get("num_replicas", 1)) * self.per_host
         deadline = time.monotonic() + timeout_s
-        while old & {i.serve_replica for i in self.registered()}:
+        while True:
+            # Done when the configured count of new replicas serves and no old one is left
+            # (Serve's replica list can be briefly empty mid-rollout: not "done").
+            now = self.registered()
+            fresh = sorted((i for i in now if i.serve_replica not in old and i.state == "serving"),
+                           key=lambda i: i.replica_id)
+            if len(fresh) == want and not old & {i.serve_replica for i in now}:
+                return fresh
+            status = serve_control.app_statuses().get(self.name, "")
+            if status == "DEPLOY_FAILED":
+                raise RuntimeError(f"Serve application {self.name}: {status}: "
+                                   f"{serve_control.app_message(self.name)}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"rollout of {self.model} to revision {revision!r} not done "
-                                   f"after {timeout_s:g} s: old replicas still registered")
+                                   f"after {timeout_s:g} s: {len(fresh)} of {want} new replicas "
+                                   f"serving, {len(old & {i.serve_replica for i in now})} old "
+                                   f"ones still registered")
             time.sleep(0.1)
-        return self.wait_serving(want, max(1.0, deadline - time.monotonic()))
 
 
 def find_app(namespace: Optional[str], model: Optional[str]) -> AppRef:
