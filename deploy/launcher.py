@@ -274,26 +274,15 @@ class LocalCluster:
 
     def _start_router(self, timeout_s: float) -> str:
         cfg = self.cfg
-        cmd = [sys.executable, "-m", "kvfleet.router.main", "--redis-url", self.redis_url,
-               "--model-name", cfg.model_name, "--model-dir", cfg.model_dir,
-               "--block-size", str(cfg.block_size), "--kv-dtype", cfg.dtype,
-               "--host", cfg.host, "--port", str(cfg.port), "--policy", cfg.policy,
-               "--namespace", cfg.namespace]
-        if cfg.api_keys_file:
-            cmd += ["--api-keys", cfg.api_keys_file]
-        if cfg.tls_cert:
-            cmd += ["--tls-cert", cfg.tls_cert, "--tls-key", cfg.tls_key or ""]
-        if cfg.internal_tls_dir:
-            cmd += ["--internal-tls-dir", cfg.internal_tls_dir]
-        cmd += list(cfg.router_args)
+        http_port = metrics_port = None
         if cfg.http_port is not None:
-            port = cfg.http_port or free_port(cfg.host)
-            cmd += ["--http-port", str(port)]
-            self.http_address = f"{cfg.host}:{port}"
+            http_port = cfg.http_port or free_port(cfg.host)
+            self.http_address = f"{cfg.host}:{http_port}"
         if cfg.metrics_port is not None:
-            port = self._metrics_port(0) or free_port(cfg.host)
-            cmd += ["--metrics-port", str(port)]
-            self.metrics_addresses["router"] = f"{cfg.host}:{port}"
+            metrics_port = self._metrics_port(0) or free_port(cfg.host)
+            self.metrics_addresses["router"] = f"{cfg.host}:{metrics_port}"
+        cmd = [sys.executable, "-m", "kvfleet.router.main",
+               *router_args(cfg, self.redis_url, http_port, metrics_port)]
         # The router reads OTEL_* at start-up: give it exactly this cluster's settings.
         env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
         env.update(cfg.telemetry.to_env())
@@ -344,6 +333,29 @@ class LocalCluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def router_args(cfg: ClusterConfig, redis_url: str, http_port: Optional[int] = None,
+                metrics_port: Optional[int] = None) -> list[str]:
+    """The router's command-line arguments (``python -m kvfleet.router.main ARGS``) for
+    ``cfg``: what ``kvfleet up`` runs and what the Kubernetes router Deployment runs
+    (kvfleet.deploy.k8s). ``http_port`` / ``metrics_port``: None = that endpoint off."""
+    args = ["--redis-url", redis_url, "--model-name", cfg.model_name, "--model-dir", cfg.model_dir,
+            "--block-size", str(cfg.block_size), "--kv-dtype", cfg.dtype,
+            "--host", cfg.host, "--port", str(cfg.port), "--policy", cfg.policy,
+            "--namespace", cfg.namespace]
+    if cfg.api_keys_file:
+        args += ["--api-keys", cfg.api_keys_file]
+    if cfg.tls_cert:
+        args += ["--tls-cert", cfg.tls_cert, "--tls-key", cfg.tls_key or ""]
+    if cfg.internal_tls_dir:
+        args += ["--internal-tls-dir", cfg.internal_tls_dir]
+    args += list(cfg.router_args)
+    if http_port is not None:
+        args += ["--http-port", str(http_port)]
+    if metrics_port is not None:
+        args += ["--metrics-port", str(metrics_port)]
+    return args
 
 
 def wait_ready(proc: subprocess.Popen, marker: str, timeout_s: float,
