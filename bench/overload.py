@@ -212,9 +212,7 @@ def start_cluster(run: Run, redis_url: str, api_keys_file: Optional[str]):
 
 
 def actor_pids(cluster) -> list[int]:
-    import ray
-
-    return ray.get([a.__ray_call__.remote(lambda _self: os.getpid()) for a in cluster.actors])
+    return cluster.replica_pids()
 
 
 async def drive(a: argparse.Namespace, run: Run, cluster) -> dict:

@@ -82,10 +82,7 @@ def cpu_seconds(pids: list[int]) -> float:
 
 
 def server_pids(cluster: LocalCluster) -> list[int]:
-    import ray
-
-    workers = ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in cluster.actors])
-    return [cluster.router_proc.pid, *workers]
+    return [cluster.router_proc.pid, *cluster.replica_pids()]
 
 
 def micro_cost_us(n: int, sink_endpoint: str) -> dict:

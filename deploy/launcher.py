@@ -1,5 +1,6 @@
 """Local cluster launcher: a private redis-server (unless given), a local Ray (or an existing
-one), N worker replicas as Ray actors and the router as its own process.
+one), the model's worker replicas as a Ray Serve application (kvfleet.deploy.serve_app) and
+the router as its own process.
 
 Ray is started with the settings measured in ENVIRONMENT.md: no dashboard, a 512 MiB object
 store, every listener on 127.0.0.1.
@@ -18,17 +19,19 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 from dataclasses import dataclass, field, replace
 from typing import Optional, TextIO
 
+from kvfleet.deploy import serve_control
 from kvfleet.deploy.redis_server import RedisServer, start_redis
-from kvfleet.index_keys import DEFAULT_NAMESPACE
+from kvfleet.deploy.registry_view import registry_entries
+from kvfleet.deploy.serve_app import Placement, app_config
+from kvfleet.index_keys import DEFAULT_NAMESPACE, ReplicaInfo
 from kvfleet.telemetry import TelemetryConfig
 from kvfleet.tls import FILES as TLS_FILES
 from kvfleet.tls import generate_internal_tls
 from kvfleet.worker.cost_model import CostModel
-from kvfleet.worker.parallel.group import TPSettings, wait_placed
+from kvfleet.worker.parallel.group import TPSettings
 from kvfleet.worker.replica import EXECUTORS, ReplicaConfig
 from kvfleet.worker.scheduler import SchedulerConfig
 
@@ -41,11 +44,6 @@ RAY_ENV = {
     "RAY_DEDUP_LOGS": "0",
 }
 RAY_OBJECT_STORE_BYTES = 512 << 20
-# Replica actors over a multi-node Ray: one per node in turn. Ray's default packs small CPU
-# shares onto the driver's node (measured: 2 replicas of 0.1 CPU both on node 1 of 2).
-# Tensor-parallel replicas need nothing more: each STRICT_PACK placement group already went
-# to the least-used node (measured: 4 groups alternated over 2 nodes).
-SPREAD = "SPREAD"
 
 
 @dataclass(frozen=True)
@@ -62,8 +60,11 @@ class ClusterConfig:
     one_row_weights: bool = True  # see ReplicaConfig
     policy: str = "prefix_aware"
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # the router's
     port: int = 50051
+    # Where replicas serve gRPC: 0.0.0.0 on a multi-host cluster (each advertises its node's
+    # address in the registry), loopback on one host.
+    replica_host: str = "127.0.0.1"
     http_port: Optional[int] = None  # the router's OpenAI-compatible HTTP front (0: a free port)
     redis_url: Optional[str] = None
     ray_address: Optional[str] = None
@@ -82,7 +83,7 @@ class ClusterConfig:
     cost_model: Optional[CostModel] = None
     replicas_per_host: int = 64
     router_args: tuple[str, ...] = ()  # extra router command-line arguments (policy knobs)
-    # Ranks per replica: rank 0 is the replica actor, ranks 1..T-1 Ray actors in its
+    # Ranks per replica: rank 0 is the Serve replica, ranks 1..T-1 Ray actors in its
     # placement group (one bundle per rank, STRICT_PACK).
     tensor_parallel_size: int = 1
     tp: TPSettings = field(default_factory=TPSettings)
@@ -92,6 +93,12 @@ class ClusterConfig:
     # Mutual TLS router <-> workers with this directory's cluster CA (kvfleet.tls); generated
     # there when it holds no certificates yet.
     internal_tls_dir: Optional[str] = None
+    # Lifecycle (kvfleet.deploy.serve_app): a drain waits this long for in-flight streams;
+    # the revision labels a rollout (a new one replaces every replica, one at a time).
+    drain_timeout_s: float = 30.0
+    revision: str = ""
+    health_check_period_s: float = 1.0
+    health_check_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -166,8 +173,8 @@ class LocalCluster:
         self.cfg = cfg
         self.redis: Optional[RedisServer] = None
         self.redis_url: Optional[str] = cfg.redis_url
-        self.actors: list = []
-        self.placement_groups: list = []  # one per tensor-parallel replica
+        self.app: dict = {}  # the applied Serve application config
+        self.app_name: Optional[str] = None  # set once the application was applied
         self.replica_addresses: list[str] = []
         self.router_proc: Optional[subprocess.Popen] = None
         self.router_address: Optional[str] = None
@@ -197,80 +204,105 @@ class LocalCluster:
         if cfg.internal_tls_dir and not all(
                 os.path.exists(os.path.join(cfg.internal_tls_dir, f)) for f in TLS_FILES):
             generate_internal_tls(cfg.internal_tls_dir)
-        cpus = float(ray.available_resources().get("CPU", 1.0))
-        per_replica = max(0.1, min(1.0, cpus / cfg.replicas))
-        if cfg.replica_num_cpus is not None:
-            per_replica = cfg.replica_num_cpus
-        threads = max(1, (os.cpu_count() or 1) // cfg.replicas)
-        run_id = uuid.uuid4().hex[:6]
-        rcfgs = [ReplicaConfig(
-            replica_id=f"replica-{i}-{run_id}", model_name=cfg.model_name,
-            model_dir=cfg.model_dir, block_size=cfg.block_size, num_blocks=cfg.num_blocks,
-            kv_memory_bytes=cfg.kv_memory_bytes, dtype=cfg.dtype,
-            one_row_weights=cfg.one_row_weights, scheduler=cfg.scheduler,
-            redis_url=self.redis_url, namespace=cfg.namespace, num_threads=threads,
-            telemetry=replace(cfg.telemetry, metrics_port=self._metrics_port(1 + i)),
-            executor=cfg.executor, cost_model=cfg.cost_model,
-            tensor_parallel_size=cfg.tensor_parallel_size, tp=cfg.tp, device=cfg.device,
-            internal_tls_dir=cfg.internal_tls_dir) for i in range(cfg.replicas)]
-        if cfg.executor == "cost-model":
-            self._start_hosts(rcfgs, per_replica, timeout_s)
-        else:
-            self.actors = [self._replica_actor(rcfg, per_replica, timeout_s) for rcfg in rcfgs]
-            self.replica_addresses = ray.get([a.start.remote() for a in self.actors],
-                                             timeout=timeout_s)
-        if cfg.metrics_port is not None:
-            if cfg.executor == "cost-model":
-                found = [addr for host in ray.get([a.metrics_addresses.remote() for a in self.actors],
-                                                  timeout=timeout_s) for addr in host]
-            else:
-                found = ray.get([a.metrics_address.remote() for a in self.actors], timeout=timeout_s)
-            for i, address in enumerate(found):
-                self.metrics_addresses[f"replica-{i}"] = address
+        self.app = self._app_config()
+        self.app_name = self.app["name"]
+        serve_control.apply(self.app)
+        self.wait_serving(cfg.replicas, timeout_s)
         self.router_address = self._start_router(timeout_s)
         return self.router_address
 
-    def _replica_actor(self, rcfg: ReplicaConfig, num_cpus: float, timeout_s: float):
-        """Rank 0 of one replica as a Ray actor; with tp > 1 in bundle 0 of a new STRICT_PACK
-        placement group holding one bundle per rank (ranks 1..T-1 take the others)."""
+    def _app_config(self) -> dict:
+        """The model's Serve application (:func:`serve_application`), its CPU share and
+        threads sized to the Ray cluster it runs on and to this host."""
         import ray
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from kvfleet.worker.ray_actor import ReplicaActor
-
-        tp = rcfg.tensor_parallel_size
-        if tp == 1:
-            return ray.remote(num_cpus=num_cpus, max_restarts=0,
-                              scheduling_strategy=SPREAD)(ReplicaActor).remote(rcfg)
-        cuda = rcfg.device.startswith("cuda")
-        if cuda and ray.cluster_resources().get("GPU", 0) < tp:
+        cfg = self.cfg
+        tp = cfg.tensor_parallel_size
+        if cfg.device.startswith("cuda") and ray.cluster_resources().get("GPU", 0) < tp:
             raise ValueError(f"--tp {tp} --device cuda: a replica needs {tp} GPUs on one node, "
                              f"the Ray cluster has {ray.cluster_resources().get('GPU', 0):g}")
-        gpu = {"GPU": 1} if cuda else {}
-        rest = gpu or {"CPU": rcfg.tp.rank_num_cpus}
-        # The replica's CPU share covers all its ranks (tp=4 must still place on 2 cores).
-        first = {"CPU": max(num_cpus - (tp - 1) * rest.get("CPU", 0), 0.01), **gpu}
-        pg = placement_group([first] + [rest] * (tp - 1), strategy="STRICT_PACK")
-        self.placement_groups.append(pg)
-        wait_placed(pg, f"replica {rcfg.replica_id}: bundles {[first] + [rest] * (tp - 1)}", timeout_s)
-        return ray.remote(ReplicaActor).options(
-            num_cpus=first["CPU"], num_gpus=1 if cuda else 0, max_restarts=0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
-            runtime_env={"env_vars": {"OMP_WAIT_POLICY": "passive"}}).remote(rcfg)
+        hosts = -(-cfg.replicas // replicas_per_process(cfg))
+        cpus = float(ray.available_resources().get("CPU", 1.0))
+        per_replica = max(0.1, min(1.0, cpus / hosts))
+        if cfg.replica_num_cpus is not None:
+            per_replica = cfg.replica_num_cpus
+        threads = max(1, (os.cpu_count() or 1) // cfg.replicas)
+        return serve_application(cfg, self.redis_url, per_replica, threads)
 
-    def _start_hosts(self, rcfgs: list[ReplicaConfig], num_cpus: float, timeout_s: float) -> None:
-        """Cost-model replicas, ``replicas_per_host`` to a process (one Ray actor each)."""
-        import ray
+    def registered(self) -> list[ReplicaInfo]:
+        """This application's replicas in the registry, serving or draining, hosted by one of
+        Serve's current replicas (a crashed one's entry lingers until its heartbeat TTL)."""
+        hosts = {r["replica_id"] for r in serve_control.serve_replicas(self.app_name)}
+        return [info for info in registry_entries(self.redis_url, self.cfg.namespace)
+                if info.model == self.cfg.model_name and info.serve_replica in hosts]
 
-        from kvfleet.worker.replica_host import ReplicaHostActor
+    def wait_serving(self, replicas: int, timeout_s: float = 300.0) -> list[ReplicaInfo]:
+        """Wait until exactly ``replicas`` replicas of the model serve (registered, not
+        draining); fills ``replica_addresses`` and ``metrics_addresses``; returns them.
 
-        host_cls = ray.remote(num_cpus=num_cpus, max_restarts=0,
-                              scheduling_strategy=SPREAD)(ReplicaHostActor)
-        per = max(1, self.cfg.replicas_per_host)
-        self.actors = [host_cls.remote(rcfgs[i:i + per]) for i in range(0, len(rcfgs), per)]
-        hosts = ray.get([a.start.remote() for a in self.actors], timeout=timeout_s)
-        self.replica_addresses = [addr for host in hosts for addr in host]
+        Raises:
+            RuntimeError: Serve failed to deploy the application (its message included:
+                e.g. a bad model directory).
+            TimeoutError: not within ``timeout_s`` seconds.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            serving = sorted((i for i in self.registered() if i.state == "serving"),
+                             key=lambda i: i.replica_id)
+            if len(serving) == replicas:
+                break
+            status = serve_control.app_statuses().get(self.app_name, "")
+            # UNHEALTHY passes while Serve replaces a failed replica; a failed deploy does not.
+            if status == "DEPLOY_FAILED" or time.monotonic() > deadline:
+                message = serve_control.app_message(self.app_name)
+                if status == "DEPLOY_FAILED":
+                    raise RuntimeError(f"Serve application {self.app_name}: {status}: {message}")
+                raise TimeoutError(f"{len(serving)} of {replicas} replicas of "
+                                   f"{self.cfg.model_name} serving after {timeout_s:g} s "
+                                   f"(Serve: {status or 'no application'} {message})")
+            time.sleep(0.1)
+        self.replica_addresses = [i.address for i in serving]
+        self.metrics_addresses = {k: v for k, v in self.metrics_addresses.items() if k == "router"}
+        if self.cfg.metrics_port is not None:
+            for n, info in enumerate(serving):
+                self.metrics_addresses[f"replica-{n}"] = info.metrics_address
+        return serving
+
+    def scale(self, replicas: int, timeout_s: float = 300.0) -> list[ReplicaInfo]:
+        """Change the replica count in place (new ones register; Serve picks the ones that
+        go, and each drains first); returns once exactly ``replicas`` serve."""
+        self.app = serve_control.set_replicas(self.app_name, -(-replicas // self._per_host()))
+        return self.wait_serving(replicas, timeout_s)
+
+    def upgrade(self, revision: str, model_dir: Optional[str] = None,
+                timeout_s: float = 600.0) -> list[ReplicaInfo]:
+        """Rolling replacement of every replica under a new ``revision`` (and ``model_dir``):
+        returns once as many replicas as before serve, all new."""
+        old = {i.serve_replica for i in self.registered()}
+        self.app = serve_control.set_revision(self.app_name, revision, model_dir)
+        deadline = time.monotonic() + timeout_s
+        want = len(self.replica_addresses)
+        while True:
+            now = self.registered()
+            if (not old & {i.serve_replica for i in now}
+                    and sum(i.state == "serving" for i in now) == want):
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rollout to revision {revision!r} not done after "
+                                   f"{timeout_s:g} s")
+            time.sleep(0.1)
+        return self.wait_serving(want, timeout_s)
+
+    def _per_host(self) -> int:
+        return int(self.app["args"].get("count", 1))
+
+    def serve_replicas(self) -> list[dict]:
+        """Serve's view of this application's replicas (see ``serve_control.serve_replicas``)."""
+        return serve_control.serve_replicas(self.app_name)
+
+    def replica_pids(self) -> list[int]:
+        """Process ids of the running Serve replicas (rank 0 of each)."""
+        return [r["pid"] for r in self.serve_replicas() if r["state"] == "RUNNING"]
 
     def _start_router(self, timeout_s: float) -> str:
         cfg = self.cfg
@@ -294,7 +326,16 @@ class LocalCluster:
         return None if port is None else (port + offset if port else 0)
 
     def stop(self) -> None:
-        """Stop router, replicas, Ray (if started here) and Redis (if started here). Idempotent."""
+        """Drain and stop the replicas (Serve stops each gracefully, which drains it, while the
+        router still relays their streams), then the router, Ray (if started here) and Redis
+        (if started here). Idempotent."""
+        if self.app_name is not None:
+            try:
+                serve_control.delete(self.app_name,
+                                     timeout_s=self.cfg.drain_timeout_s + 60.0)
+            except Exception as exc:
+                log.warning("stopping Serve application %s failed: %s", self.app_name, exc)
+            self.app_name = None
         if self.router_proc is not None:
             self.router_proc.terminate()
             try:
@@ -303,23 +344,6 @@ class LocalCluster:
                 self.router_proc.kill()
                 self.router_proc.wait()
             self.router_proc = None
-        if self.actors:
-            import ray
-
-            try:
-                ray.get([a.stop.remote() for a in self.actors], timeout=30)
-            except Exception as exc:
-                log.warning("replica stop failed: %s", exc)
-            for a in self.actors:
-                ray.kill(a, no_restart=True)
-            self.actors = []
-        if self.placement_groups:
-            from ray.util.placement_group import remove_placement_group
-
-            for pg in self.placement_groups:
-                with contextlib.suppress(Exception):
-                    remove_placement_group(pg)
-            self.placement_groups = []
         if self._started_ray:
             shutdown_ray()
             self._started_ray = False
@@ -333,6 +357,37 @@ class LocalCluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def replicas_per_process(cfg: ClusterConfig) -> int:
+    """kvfleet replicas one Serve replica hosts: many cost-model ones, else 1."""
+    return max(1, cfg.replicas_per_host) if cfg.executor == "cost-model" else 1
+
+
+def serve_application(cfg: ClusterConfig, redis_url: str, num_cpus: float, threads: int) -> dict:
+    """The Serve application config (``ServeApplicationSchema`` fields,
+    kvfleet.deploy.serve_app) that runs ``cfg``'s replicas: what ``kvfleet up`` applies, and
+    what the Kubernetes RayService's ``serveConfigV2`` holds (kvfleet.deploy.k8s), so the two
+    cannot drift. ``num_cpus``: Ray CPUs per Serve replica (rank 0 and, at tp > 1, a share
+    for the other ranks); ``threads``: torch threads per rank.
+
+    Raises ValueError for a config a replica refuses (see ReplicaConfig)."""
+    tp = cfg.tensor_parallel_size
+    metrics = None if cfg.metrics_port is None else 0  # many replicas: free ports
+    base = ReplicaConfig(
+        replica_id=cfg.model_name, model_name=cfg.model_name, model_dir=cfg.model_dir,
+        block_size=cfg.block_size, num_blocks=cfg.num_blocks,
+        kv_memory_bytes=cfg.kv_memory_bytes, dtype=cfg.dtype,
+        one_row_weights=cfg.one_row_weights, scheduler=cfg.scheduler,
+        redis_url=redis_url, namespace=cfg.namespace, host=cfg.replica_host,
+        num_threads=threads, telemetry=replace(cfg.telemetry, metrics_port=metrics),
+        executor=cfg.executor, cost_model=cfg.cost_model,
+        tensor_parallel_size=tp, tp=cfg.tp, device=cfg.device,
+        internal_tls_dir=cfg.internal_tls_dir, drain_timeout_s=cfg.drain_timeout_s)
+    placement = Placement(num_cpus, tp, cfg.device.startswith("cuda"), cfg.tp.rank_num_cpus)
+    env = {**RAY_ENV, "OMP_WAIT_POLICY": "passive"}
+    return app_config(base, cfg.replicas, placement, replicas_per_process(cfg), cfg.revision,
+                      env, cfg.health_check_period_s, cfg.health_check_timeout_s)
 
 
 def router_args(cfg: ClusterConfig, redis_url: str, http_port: Optional[int] = None,

@@ -86,6 +86,13 @@ class ReplicaInfo:
     tensor_parallel_size: int = 1
     # One dict per rank, rank 0 first: the fields of kvfleet.v1.RankStatus.
     ranks: tuple[dict, ...] = ()
+    # Lifecycle (rewritten by every heartbeat): "serving", or "draining" (routers stop
+    # sending it requests); its Serve replica, Prometheus endpoint, prefix-hit rate over the
+    # last minute (cached / prompt tokens of finished requests, 0..1).
+    state: str = "serving"
+    serve_replica: str = ""
+    metrics_address: str = ""
+    prefix_hit_rate: float = 0.0
 
     def to_json(self, started_at: float) -> str:
         """Registry value; ``started_at`` is unix seconds."""
@@ -93,7 +100,9 @@ class ReplicaInfo:
             {"address": self.address, "model": self.model, "epoch": self.epoch,
              "block_size": self.block_size, "max_requests": self.max_requests,
              "started_at": started_at,
-             "tensor_parallel_size": self.tensor_parallel_size, "ranks": list(self.ranks)},
+             "tensor_parallel_size": self.tensor_parallel_size, "ranks": list(self.ranks),
+             "state": self.state, "serve_replica": self.serve_replica,
+             "metrics_address": self.metrics_address, "prefix_hit_rate": self.prefix_hit_rate},
             separators=(",", ":"),
         )
 
@@ -104,7 +113,11 @@ class ReplicaInfo:
                    epoch=int(d["epoch"]), block_size=int(d["block_size"]),
                    max_requests=int(d.get("max_requests", 0)),
                    tensor_parallel_size=int(d.get("tensor_parallel_size", 1)),
-                   ranks=tuple(dict(r) for r in d.get("ranks", ())))
+                   ranks=tuple(dict(r) for r in d.get("ranks", ())),
+                   state=str(d.get("state", "serving")),
+                   serve_replica=str(d.get("serve_replica", "")),
+                   metrics_address=str(d.get("metrics_address", "")),
+                   prefix_hit_rate=float(d.get("prefix_hit_rate", 0.0)))
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,8 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import AsyncIterator, Optional, Sequence
 
+import grpc
+
 from kvfleet.allocator.hashing import block_hash_chain
 from kvfleet.errors import (AlreadyExists, InvalidArgument, KvfleetError, NotFound, OutOfRange,
                             PromptTooLarge, Unavailable)
@@ -35,6 +37,9 @@ from kvfleet.v1 import common_pb2
 log = logging.getLogger(__name__)
 
 MAX_PROMPT_BYTES = 1 << 20  # 1 MiB of prompt text per request
+# Dispatches of one request: the first, then retries on other replicas (a scale-down may
+# drain two before this router's next registry read).
+MAX_DISPATCHES = 3
 
 
 @dataclass(frozen=True)
@@ -218,10 +223,12 @@ class RouterCore:
     async def _dispatch(self, req: GenerateInput, trace, model: ServedModel, chain, decision,
                         ids: tuple[str, str], params: SamplingParams, tokens, scope: str
                         ) -> AsyncIterator[common_pb2.GenerateResponse]:
-        """Relay the chosen replica's stream (once more elsewhere if the link failed before
-        anything was relayed). ``ids``: (the client's request id, the worker's)."""
+        """Relay the chosen replica's stream; moved to another replica (up to
+        ``MAX_DISPATCHES`` in all) when the link failed or the replica refused UNAVAILABLE
+        (draining, a failed rank) before anything was relayed. ``ids``: (the client's request
+        id, the worker's)."""
         client_id, request_id = ids
-        for attempt in (1, 2):
+        for attempt in range(1, MAX_DISPATCHES + 1):
             info = decision.candidate.info
             if req.fill_context:
                 params = self._fill_context(model, len(tokens), params, decision.candidate)
@@ -244,12 +251,18 @@ class RouterCore:
                 trace.dispatched(call.trailing_metadata())
                 return
             except WorkerCallError as exc:
-                if exc.link_failed:
+                if exc.link_failed or exc.code == grpc.StatusCode.UNAVAILABLE:
                     self.replicas.mark_unreachable(info)
                     retry = None
-                    if not relayed and attempt == 1:  # nothing reached the client: safe to move
+                    # Nothing reached the client: safe to move.
+                    if not relayed and attempt < MAX_DISPATCHES:
                         with contextlib.suppress(KvfleetError):
                             retry = await self.route(model, chain)
+                            if retry.candidate.info.replica_id == info.replica_id:
+                                # Nowhere else known: a replacement may have registered since
+                                # the last registry read (every 0.5 s); read it now.
+                                await self.replicas.refresh()
+                                retry = await self.route(model, chain)
                         if retry is not None and retry.candidate.info.replica_id != info.replica_id:
                             trace.dispatch_failed(exc.code, exc.details)
                             decision = retry

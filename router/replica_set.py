@@ -91,15 +91,18 @@ class ReplicaSet:
                 log.exception("replica refresh failed")
 
     def for_model(self, model: str) -> list[tuple[ReplicaInfo, Optional[ReplicaLoad]]]:
-        """Replicas serving ``model``, without those marked unreachable (unless that is all)."""
-        live = [r for r in self.replicas.values() if r[0].model == model]
+        """Replicas serving ``model``, without draining ones, nor those marked unreachable
+        (unless that is all)."""
+        live = [r for r in self.replicas.values()
+                if r[0].model == model and r[0].state != "draining"]
         if not self._unreachable:
             return live
         reachable = [r for r in live if not self._is_unreachable(r[0])]
         return reachable or live
 
     def mark_unreachable(self, info: ReplicaInfo) -> None:
-        """The stream to ``info`` failed: route elsewhere until it re-registers or the mark ends."""
+        """The stream to ``info`` failed, or it refused a request UNAVAILABLE (draining, a failed
+        rank): route elsewhere until it re-registers or the mark ends."""
         if info.replica_id not in self._unreachable:
             log.warning("replica %s at %s unreachable; routing around it", info.replica_id,
                         info.address)

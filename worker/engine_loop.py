@@ -74,6 +74,11 @@ class EngineLoop:
         self._thread.join(timeout_s)
 
     @property
+    def alive(self) -> bool:
+        """The engine thread runs (False before :meth:`start` and after it died or stopped)."""
+        return self._thread.is_alive()
+
+    @property
     def stats(self) -> dict:
         """Last stats snapshot taken by the engine thread (running, waiting, blocks)."""
         return dict(self._stats)

@@ -181,6 +181,12 @@ class KvPublisher:
         if stored or removed:
             await self._guarded(lambda: self._write_blocks(stored, removed))
 
+    def describe(self, **fields) -> None:
+        """Change fields of the registry entry (``state``, ``prefix_hit_rate``, …; not the
+        epoch): the next heartbeat writes them. Raises TypeError for an unknown field."""
+        fields.pop("epoch", None)
+        self.replica = dataclasses.replace(self.replica, **fields)
+
     async def heartbeat(self, load: ReplicaLoad) -> None:
         """Refresh liveness (Redis server clock) and the load record (TTL). Never raises."""
         def beat():  # built at call time: a re-registration just before changes the epoch

@@ -1,8 +1,8 @@
 """One model replica: builds the engine from a model directory, serves it over gRPC on a free
 loopback port, registers in Redis, publishes KV events and heartbeats with load.
 
-:class:`ReplicaServer` is plain asyncio (usable in-process in tests); :mod:`kvfleet.worker.ray_actor`
-hosts it inside a Ray actor.
+:class:`ReplicaServer` is plain asyncio (usable in-process in tests); :mod:`kvfleet.worker.serve_replica`
+hosts it as a Ray Serve replica.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from kvfleet.worker.engine_loop import EngineLoop
 from kvfleet.worker.kv_publisher import KvPublisher
 from kvfleet.worker.kv_cache import num_blocks_for_memory
 from kvfleet.worker.model_config import load_model_config
+from kvfleet.worker.hit_window import HitWindow
 from kvfleet.worker.model_runner import ModelRunner
 from kvfleet.worker.parallel.group import RankGroup, TPSettings
 from kvfleet.worker.parallel.rank_worker import RankInfo, RankSpec, rank_info
@@ -90,8 +91,15 @@ class ReplicaConfig:
     # Mutual TLS: serve with the cluster's worker certificate and require a client certificate
     # signed by its CA (kvfleet.tls); None = plaintext.
     internal_tls_dir: Optional[str] = None
+    # The Ray Serve replica hosting this one ("" outside Serve), written to the registry.
+    serve_replica: str = ""
+    # A drain (scale-down, Worker.Drain, SIGTERM) waits this long for in-flight streams, then
+    # ends the rest UNAVAILABLE naming the drain.
+    drain_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
+        if not self.drain_timeout_s > 0:
+            raise ValueError(f"drain_timeout_s must be > 0, got {self.drain_timeout_s}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.tensor_parallel_size > 1 and self.executor != "model":
@@ -168,6 +176,8 @@ class ReplicaServer:
         self._loop: Optional[EngineLoop] = None
         self.service: Optional[WorkerService] = None
         self._tasks: list[asyncio.Task] = []
+        self.hits = HitWindow()
+        self.drained = False  # a drain completed: deregistered, refusing every request
 
     async def start(self) -> str:
         """Start serving; returns ``host:port``. Raises OSError if the port is taken."""
@@ -177,24 +187,26 @@ class ReplicaServer:
                  if self.cfg.internal_tls_dir else None)
         port = bind_port(self._server, self.cfg.host, self.cfg.port, creds)
         self.address = f"{advertised_host(self.cfg.host)}:{port}"
+        if self.telemetry is None:
+            self.telemetry = Telemetry(self.cfg.telemetry, "worker", self.cfg.replica_id)
+        self.metrics_address = self.telemetry.metrics_address
         if self.cfg.redis_url:
             info = ReplicaInfo(self.cfg.replica_id, self.address, self.cfg.model_name, 0,
                                self.cfg.block_size, max_requests=self.cfg.scheduler.max_sequences,
                                tensor_parallel_size=self.cfg.tensor_parallel_size,
-                               ranks=tuple(dataclasses.asdict(r) for r in self.ranks()))
+                               ranks=tuple(dataclasses.asdict(r) for r in self.ranks()),
+                               serve_replica=self.cfg.serve_replica,
+                               metrics_address=self.metrics_address or "")
             self.publisher = KvPublisher(self.cfg.redis_url, info, namespace=self.cfg.namespace,
                                          replica_ttl_s=self.cfg.replica_ttl_s,
                                          block_ttl_s=self.cfg.block_ttl_s)
-        if self.telemetry is None:
-            self.telemetry = Telemetry(self.cfg.telemetry, "worker", self.cfg.replica_id)
-        self.metrics_address = self.telemetry.metrics_address
         wt = WorkerTelemetry(self.telemetry, self.cfg.replica_id, self.cfg.model_name,
                              stats_fn=lambda: self._loop.stats if self._loop else {})
         self._loop = EngineLoop(self.engine, aio_loop, on_step=self._on_step(aio_loop),
-                                on_finish=wt.on_finished)
+                                on_finish=lambda out: (wt.on_finished(out), self.hits.record(out)))
         service = WorkerService(self._loop, self.cfg.replica_id, self.cfg.model_name,
                                 self.cfg.block_size, epoch_fn=self._epoch, telemetry=wt,
-                                ranks_fn=self.ranks)
+                                ranks_fn=self.ranks, drain_fn=self.drain)
         self.service = service
         worker_pb2_grpc.add_WorkerServicer_to_server(service, self._server)
         name = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
@@ -255,9 +267,60 @@ class ReplicaServer:
                            num_free_blocks=s["num_free_blocks"],
                            num_total_blocks=s["num_total_blocks"], updated_at=time.time())
 
+    def healthy(self) -> Optional[str]:
+        """None while the replica can serve; else why not (a failed rank, a dead engine
+        thread, a completed drain). Ray Serve's ``check_health`` raises with it."""
+        if self.failure is not None:
+            return self.failure
+        if self._loop is not None and not self._loop.alive:
+            return f"replica {self.cfg.replica_id}: the engine thread died"
+        if self.drained:
+            return f"replica {self.cfg.replica_id} was drained"
+        return None
+
+    async def drain(self, timeout_s: Optional[float] = None) -> int:
+        """Stop admitting (the registry says ``draining``: routers stop sending, and a request
+        that still arrives is refused UNAVAILABLE, which routers retry elsewhere), wait up to
+        ``timeout_s`` seconds (default ``cfg.drain_timeout_s``) for the streams in flight,
+        end what is left with UNAVAILABLE naming the drain, then deregister (its index
+        entries go too). Returns the number of sequences the timeout ended. Idempotent."""
+        timeout_s = self.cfg.drain_timeout_s if timeout_s is None else timeout_s
+        if self.service is None or self.drained:
+            return 0
+        if not self.service.draining:
+            self.service.draining = True
+            log.info("replica %s draining (%d sequences in flight, timeout %g s)",
+                     self.cfg.replica_id, self.service.reservations.count, timeout_s)
+            if self.publisher is not None:
+                self.publisher.describe(state="draining")
+                await self.publisher.heartbeat(self.load())
+        held = self.service.reservations
+        deadline = time.monotonic() + timeout_s
+        while held.count and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        left = held.count
+        if left and self._loop is not None:
+            log.warning("replica %s: drain timeout of %g s passed, ending %d sequences",
+                        self.cfg.replica_id, timeout_s, left)
+            self._loop.fail(Unavailable(
+                f"replica {self.cfg.replica_id} was drained: the stream was still running "
+                f"after the drain timeout of {timeout_s:g} s; retry it"))
+            end = time.monotonic() + 5.0  # the ends reach their streams at the next step
+            while held.count and time.monotonic() < end:
+                await asyncio.sleep(0.02)
+        for t in self._tasks:
+            t.cancel()
+        self._tasks.clear()
+        if self.publisher is not None:
+            await self.publisher.deregister()
+        self.drained = True
+        log.info("replica %s drained", self.cfg.replica_id)
+        return left
+
     async def _heartbeat(self) -> None:
         while True:
             try:
+                self.publisher.describe(prefix_hit_rate=round(self.hits.rate(), 4))
                 await self.publisher.heartbeat(self.load())
             except Exception:
                 log.exception("heartbeat failed")

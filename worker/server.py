@@ -64,7 +64,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
     def __init__(self, loop: EngineLoop, replica_id: str, model: str, block_size: int,
                  epoch_fn=lambda: 0, telemetry: Optional[WorkerTelemetry] = None,
-                 ranks_fn=lambda: []) -> None:
+                 ranks_fn=lambda: [], drain_fn=None) -> None:
         self.loop = loop
         self.ranks_fn = ranks_fn  # -> [RankInfo], rank 0 first
         self.replica_id = replica_id
@@ -72,6 +72,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.block_size = block_size
         self.epoch_fn = epoch_fn
         self.draining = False
+        self.drain_fn = drain_fn  # async (timeout_s | None) -> sequences the timeout ended
         sched = loop.engine.scheduler.config
         self.reservations = Reservations(sched.max_sequences, sched.tenant_share)
         # Spans and metrics; the engine loop's on_finish hook must call telemetry.on_finished.
@@ -217,8 +218,16 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             ranks=[common_pb2.RankStatus(**dataclasses.asdict(r)) for r in ranks])
 
     async def Drain(self, request, context):
+        """Drain this replica (see ``ReplicaServer.drain``); answers when it is done."""
+        if request.timeout_s < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"timeout_s must be >= 0, got {request.timeout_s}")
+        running = self.reservations.count
         self.draining = True
-        return worker_pb2.DrainResponse(running=self.loop.stats["running"])
+        ended = 0
+        if self.drain_fn is not None:
+            ended = await self.drain_fn(request.timeout_s or None)
+        return worker_pb2.DrainResponse(running=running, ended_by_timeout=ended)
 
 
 def _ensure_id(request: worker_pb2.WorkerGenerateRequest) -> None:

@@ -107,11 +107,15 @@ class StatsResponse(_message.Message):
     def __init__(self, replica_id: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., epoch: _Optional[int] = ..., model: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[_common_pb2.RankStatus, _Mapping]]] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("timeout_s",)
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    timeout_s: float
+    def __init__(self, timeout_s: _Optional[float] = ...) -> None: ...
 
 class DrainResponse(_message.Message):
-    __slots__ = ("running",)
+    __slots__ = ("running", "ended_by_timeout")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
+    ENDED_BY_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     running: int
-    def __init__(self, running: _Optional[int] = ...) -> None: ...
+    ended_by_timeout: int
+    def __init__(self, running: _Optional[int] = ..., ended_by_timeout: _Optional[int] = ...) -> None: ...

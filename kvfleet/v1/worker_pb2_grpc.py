@@ -94,7 +94,11 @@ class WorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Drain(self, request, context):
-        """Stops admitting new requests; running ones finish.
+        """Drains the replica: it says "draining" in the registry and refuses new requests
+        (UNAVAILABLE, which routers retry on another replica), waits up to timeout_s for the
+        streams in flight, ends the rest UNAVAILABLE naming the drain, then deregisters (its index
+        entries go too). Answers when done. Under Ray Serve a drained replica then fails its
+        health check and Serve starts a replacement.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

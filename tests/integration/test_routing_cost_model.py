@@ -31,7 +31,7 @@ def test_cost_model_replicas_share_one_process_and_serve(ray_session, redis_serv
     cluster = LocalCluster(replace(cfg, namespace="kvtest-costmodel:", replica_num_cpus=0))
     try:
         cluster.start()
-        assert len(cluster.actors) == 1 and len(cluster.replica_addresses) == 3
+        assert len(cluster.serve_replicas()) == 1 and len(cluster.replica_addresses) == 3
         with Client(cluster.router_address) as client:
             deadline = time.monotonic() + 20
             while len(client.cluster_status().replicas) < 3 and time.monotonic() < deadline:

@@ -1,6 +1,7 @@
 """A tensor-parallel replica whose rank dies or hangs fails fast and alone: its streams end
 UNAVAILABLE naming the rank within seconds, it leaves the registry, its ranks are released,
-and the other replicas keep serving. Idle ranks outlive many collective timeouts.
+the other replicas keep serving, and Ray Serve replaces it (its health check fails). Idle
+ranks outlive many collective timeouts.
 
 One cluster for the module: three tp=2 replicas of the tiny Llama behind a router, collectives
 timed out after 3 s. The kill and hang tests each take one replica down.
@@ -18,10 +19,11 @@ import grpc
 import pytest
 
 from kvfleet.client import Client
-from kvfleet.deploy.launcher import ClusterConfig, LocalCluster
+from kvfleet.deploy.launcher import ClusterConfig
 from kvfleet.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from kvfleet.worker.parallel.group import TPSettings
 from kvfleet.worker.scheduler import SchedulerConfig
+from tests.fixtures.cluster import cluster_with_client
 
 pytestmark = pytest.mark.slow
 
@@ -35,12 +37,8 @@ def tp_cluster(ray_session, redis_server, tiny_llama_dir):
                         namespace="kvtest-tp:", replica_num_cpus=0, tensor_parallel_size=2,
                         tp=TPSettings(collective_timeout_s=COLLECTIVE_TIMEOUT_S, step_timeout_s=3.0),
                         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256))
-    cluster = LocalCluster(cfg)
-    cluster.start()
-    client = Client(cluster.router_address)
-    yield cluster, client
-    client.close()
-    cluster.stop()
+    with cluster_with_client(cfg) as running:
+        yield running
 
 
 def replicas(client: Client) -> dict:
@@ -91,6 +89,7 @@ def test_ranks_are_reported_and_serve_after_idling_three_collective_timeouts(tp_
 
 def _fail_one_rank(tp_cluster, sig: int, expect: str) -> None:
     _, client = tp_cluster
+    tp_cluster[0].wait_serving(3)
     victim, *others = sorted(replicas(client).values(), key=lambda r: r.replica_id)
     pid = victim.ranks[1].pid
     stub = worker_pb2_grpc.WorkerStub(grpc.insecure_channel(victim.address))
@@ -135,6 +134,11 @@ def _fail_one_rank(tp_cluster, sig: int, expect: str) -> None:
         for r in others:
             if r.replica_id in replicas(client):
                 assert generate_on(r.address, f"other-{sig}-{r.replica_id}") == 4
+        # Serve saw the failed health check and replaced the replica (new id, new ranks).
+        back = tp_cluster[0].wait_serving(3, timeout_s=120)
+        print(f"\nrank {sig} failure: 3 replicas serving again "
+              f"{time.monotonic() - hit:.1f} s after the signal")
+        assert victim.replica_id not in {r.replica_id for r in back}
     finally:
         if sig == signal.SIGSTOP:  # never leave a stopped process behind a failed assert
             with contextlib.suppress(ProcessLookupError):
@@ -153,9 +157,9 @@ def test_a_hung_rank_0_ends_the_routers_streams_and_its_ranks_exit(tp_cluster) -
     """The replica process itself hangs (no watchdog of its own can act): the router's
     keep-alive pings go unanswered, its streams there end UNAVAILABLE; the other ranks, cut off,
     leave within the collective timeout."""
-    _, client = tp_cluster
-    (last,) = replicas(client).values()  # the kill and hang tests took the other two
-    rank0, rank1 = (k.pid for k in last.ranks)
+    cluster, client = tp_cluster
+    (last,) = cluster.scale(1)  # one replica: the router's stream surely goes there
+    rank0, rank1 = (k["pid"] for k in last.ranks)
     stream = client.stream("Count to a thousand:", max_tokens=220, ignore_eos=True)
     try:
         next(stream)
