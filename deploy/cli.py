@@ -255,6 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("budget", help="KV-cache byte budget from a config.json (see `kvfleet budget -h`)",
                    add_help=False)
     sub.add_parser("model", help="prepare or locate models (see `kvfleet model -h`)", add_help=False)
+    sub.add_parser("k8s", help="render the Kubernetes (KubeRay) manifests (see `kvfleet k8s -h`)",
+                   add_help=False)
     return p
 
 
@@ -267,6 +269,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if argv and argv[0] == "model":
         from kvfleet.deploy.models import main as model_main
         return model_main(argv[1:])
+    if argv and argv[0] == "k8s":
+        from kvfleet.deploy.k8s_cli import main as k8s_main
+        return k8s_main(argv[1:])
     args = build_parser().parse_args(argv)
     level = {0: logging.WARNING, 1: logging.INFO}.get(args.verbose, logging.DEBUG)
     logging.basicConfig(level=level, stream=sys.stderr,

@@ -3,7 +3,7 @@
 
 One source: the pods run a :class:`~kvfleet.deploy.launcher.ClusterConfig` built by
 :func:`cluster_config`; the RayService's ``serveConfigV2`` is the Serve config
-:func:`kvfleet.deploy.launcher.serve_config` makes of it — the function ``kvfleet up`` applies
+:func:`kvfleet.deploy.launcher.serve_application` makes of it — the function ``kvfleet up`` applies
 locally — and the router Deployment runs :func:`kvfleet.deploy.launcher.router_args` of it,
 the command ``kvfleet up`` starts. Objects:
 
@@ -32,7 +32,6 @@ from kvfleet.telemetry import TelemetryConfig
 
 GRPC_PORT = 50051
 HTTP_PORT = 8000
-METRICS_PORT = 9464
 REDIS_PORT = 6379
 OTLP_GRPC_PORT = 4317
 OTLP_HTTP_PORT = 4318
@@ -88,14 +87,17 @@ class K8sConfig:
 def cluster_config(k: K8sConfig) -> ClusterConfig:
     """The ClusterConfig the pods run: the model on the models volume, Redis and the
     collector by Service name, every server bound to all interfaces (replicas advertise their
-    pod IP), OTLP to the collector."""
+    pod IP), traces and metrics over OTLP to the collector (no per-process Prometheus
+    port: those bind loopback; Prometheus scrapes the collector)."""
     otlp = f"http://{k.service('otel-collector')}:{OTLP_GRPC_PORT}"
     return ClusterConfig(
         model_name=k.model_name, model_dir=f"{k.models_mount}/{k.model_name}",
         replicas=k.replicas, kv_memory_bytes=k.kv_memory_bytes, dtype=k.dtype,
         host="0.0.0.0", replica_host="0.0.0.0", port=GRPC_PORT, http_port=HTTP_PORT,
-        metrics_port=METRICS_PORT, redis_url=redis_url(k), tensor_parallel_size=k.tp,
+        redis_url=redis_url(k), tensor_parallel_size=k.tp,
         device="cuda", drain_timeout_s=k.drain_timeout_s,
+        # A router pod told to stop lets its open streams finish as a draining replica does.
+        router_args=("--shutdown-grace-s", f"{k.drain_timeout_s:g}"),
         telemetry=TelemetryConfig(otlp_endpoint=otlp, otlp_insecure=True))
 
 
@@ -147,9 +149,25 @@ def write(k: K8sConfig, out_dir: str | Path) -> list[Path]:
     return written
 
 
+class _Dumper(yaml.SafeDumper):
+    """Block style for multi-line strings (the embedded Serve and collector configs stay
+    readable), no anchors for objects used twice (labels)."""
+
+    def ignore_aliases(self, data) -> bool:
+        return True
+
+
+_Dumper.add_representer(str, lambda d, s: d.represent_scalar(
+    "tag:yaml.org,2002:str", s, style="|" if "\n" in s else None))
+
+
 def dump(objects: list[dict], header: str = "") -> str:
     """YAML documents, keys in the order built (``kubectl apply -f`` takes the file)."""
-    return header + "---\n".join(yaml.safe_dump(o, sort_keys=False, width=100) for o in objects)
+    return header + "---\n".join(to_yaml(o) for o in objects)
+
+
+def to_yaml(obj: dict) -> str:
+    return yaml.dump(obj, Dumper=_Dumper, sort_keys=False, width=100)
 
 
 def ray_service(k: K8sConfig, cfg: ClusterConfig, serve: dict) -> dict:
@@ -180,7 +198,7 @@ def ray_service(k: K8sConfig, cfg: ClusterConfig, serve: dict) -> dict:
         "apiVersion": "ray.io/v1", "kind": "RayService",
         "metadata": {"name": k.name, "labels": {"app.kubernetes.io/name": k.name}},
         "spec": {
-            "serveConfigV2": yaml.safe_dump(serve, sort_keys=False, width=100),
+            "serveConfigV2": to_yaml(serve),
             "rayClusterConfig": {
                 "rayVersion": k.ray_version,
                 "enableInTreeAutoscaling": True,
@@ -210,16 +228,14 @@ def router(k: K8sConfig, cfg: ClusterConfig) -> list[dict]:
                     "command": ["python", "-m", "kvfleet.router.main"], "args": args,
                     "env": _env(cfg) + [{"name": "OTEL_SERVICE_NAME", "value": "kvfleet-router"}],
                     "ports": [{"containerPort": GRPC_PORT, "name": "grpc"},
-                              {"containerPort": HTTP_PORT, "name": "http"},
-                              {"containerPort": METRICS_PORT, "name": "metrics"}],
+                              {"containerPort": HTTP_PORT, "name": "http"}],
                     "readinessProbe": probe, "livenessProbe": {**probe, "failureThreshold": 6},
                     "resources": _resources(k.router_cpus, k.router_memory),
                     "volumeMounts": [_models_mount(k)]}],
                 "volumes": [_models_volume(k)]}},
         },
     }
-    return [deployment, _service(name, labels, {"grpc": GRPC_PORT, "http": HTTP_PORT,
-                                                "metrics": METRICS_PORT})]
+    return [deployment, _service(name, labels, {"grpc": GRPC_PORT, "http": HTTP_PORT})]
 
 
 def redis(k: K8sConfig) -> list[dict]:
@@ -266,7 +282,7 @@ def collector(k: K8sConfig) -> list[dict]:
     labels = {"app.kubernetes.io/name": k.name, "app.kubernetes.io/component": "otel-collector"}
     config_map = {"apiVersion": "v1", "kind": "ConfigMap",
                   "metadata": {"name": name, "labels": labels},
-                  "data": {"config.yaml": yaml.safe_dump(collector_config(k), sort_keys=False)}}
+                  "data": {"config.yaml": to_yaml(collector_config(k))}}
     deployment = {
         "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": {"name": name, "labels": labels},
