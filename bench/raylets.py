@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -34,6 +35,10 @@ HOST = "127.0.0.1"
 # Joining a cluster needs multi-node mode on; the loopback node IP keeps Ray's traffic local.
 NODE_ENV = {**RAY_ENV, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}
 NODE_OBJECT_STORE_BYTES = 128 << 20
+# `ray start` gives a raylet 30 s (fixed in Ray) to register with the GCS; on a 2-core machine
+# under heavy load that was missed once in a few runs: start it again.
+START_ATTEMPTS = 3
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -74,7 +79,8 @@ class RayletCluster:
 
     def add_node(self, name: str, num_cpus: float = 1) -> float:
         """``ray start --address`` a raylet holding ``num_cpus`` CPUs and resource ``name``;
-        returns its seconds (``ray start`` returns once the raylet has registered)."""
+        returns its seconds, retries included (``ray start`` returns once the raylet has
+        registered). Raises RuntimeError with ``ray start``'s last line after 3 failures."""
         if self.address is None:
             raise RuntimeError("start_head() first")
         return self._start(name, num_cpus, ["--address", self.address])
@@ -94,25 +100,34 @@ class RayletCluster:
                "--runtime-env-agent-port", str(free_port(HOST)),
                "--metrics-export-port", str(free_port(HOST))]
         t0 = time.monotonic()
+        for attempt in range(1, START_ATTEMPTS + 1):
+            try:
+                self.nodes[name] = self._launch(name, cmd, {**os.environ, **NODE_ENV, **(env or {})})
+                return time.monotonic() - t0
+            except RuntimeError as exc:
+                if attempt == START_ATTEMPTS:
+                    raise
+                log.warning("%s (attempt %d of %d); starting it again", exc, attempt, START_ATTEMPTS)
+
+    @staticmethod
+    def _launch(name: str, cmd: list[str], env: dict) -> Node:
         # start_new_session: ray start leads a new process group; its daemons stay in it.
-        proc = subprocess.Popen(cmd, env={**os.environ, **NODE_ENV, **(env or {})},
-                                stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
         try:
             out, _ = proc.communicate(timeout=120)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             raise RuntimeError(f"ray start for {name} did not return within 120 s") from None
-        seconds = time.monotonic() - t0
         pgid = proc.pid
         raylet = next((p.pid for p in _group(pgid) if p.name() == "raylet"), None)
         if proc.returncode != 0 or raylet is None:
             with _gone():
                 os.killpg(pgid, signal.SIGKILL)
+            tail = out.strip().splitlines()[-1] if out.strip() else ""
             raise RuntimeError(f"ray start for {name} failed (exit {proc.returncode}"
-                               f"{'' if raylet else ', no raylet'}): {out[-2000:]}")
-        self.nodes[name] = Node(name, pgid, raylet)
-        return seconds
+                               f"{'' if raylet else ', no raylet'}): {tail[-500:]}")
+        return Node(name, pgid, raylet)
 
     def node_names(self) -> dict[str, str]:
         """Ray node id (hex) → node name, for the nodes alive now (asks the GCS from a short
@@ -125,9 +140,12 @@ class RayletCluster:
         found = json.loads(out.stdout.strip().splitlines()[-1])
         return {node_id: names[0] for node_id, names in found.items() if names}
 
-    def rss_bytes(self, name: str) -> int:
-        """Resident memory of node ``name``'s daemons and workers, in bytes."""
-        return sum(_rss(p) for p in self._processes(self.nodes[name]))
+    def rss_bytes(self, name: str, workers: bool = True) -> int:
+        """Resident memory of node ``name``'s daemons and (``workers``) its worker processes,
+        in bytes."""
+        node = self.nodes[name]
+        procs = self._processes(node) if workers else _group(node.pgid)
+        return sum(_rss(p) for p in procs)
 
     def kill_node(self, name: str) -> None:
         """SIGKILL node ``name``'s daemons and workers at once (a host crash)."""

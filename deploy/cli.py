@@ -46,6 +46,9 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=50051, help="router port (0 = a free port)")
     p.add_argument("--redis-url", help="use this Redis instead of starting a private one")
     p.add_argument("--ray-address", help="join this Ray cluster instead of starting one")
+    p.add_argument("--replica-host", default="127.0.0.1",
+                   help="interface the replicas serve gRPC on (default 127.0.0.1; 0.0.0.0 on a "
+                        "cluster spanning hosts: each replica registers its node's address)")
     p.add_argument("--api-keys", help="JSON file mapping API keys to tenants (default: open)")
     p.add_argument("--metrics-port", type=int,
                    help="Prometheus metrics: the router on this port, replica i on port+1+i "
@@ -132,7 +135,8 @@ def cluster_config(args: argparse.Namespace):
         block_size=args.block_size, num_blocks=args.num_blocks, one_row_weights=args.one_row_weights,
         kv_memory_bytes=parse_size(args.kv_memory, "--kv-memory") if args.kv_memory else None,
         policy=args.policy, port=args.port, redis_url=args.redis_url,
-        ray_address=args.ray_address, api_keys_file=args.api_keys,
+        ray_address=args.ray_address, replica_host=args.replica_host,
+        api_keys_file=args.api_keys,
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   policy=args.admission, tenant_share=args.tenant_share),

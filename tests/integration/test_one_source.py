@@ -45,7 +45,7 @@ def test_the_rayservice_holds_serve_application_of_the_pods_config():
     assert embedded == expected
     # The same config stands alone for `serve run` / `serve deploy`, and Serve's own schema
     # (what both and KubeRay apply) accepts it.
-    assert _documents("serve-config.yaml") == [embedded]
+    assert _documents("serve/serve-config.yaml") == [embedded]
     ServeDeploySchema.model_validate(embedded)
     # What the pods' replicas are told matches the cluster around them.
     replica = embedded["applications"][0]["args"]["replica"]

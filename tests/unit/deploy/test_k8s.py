@@ -19,7 +19,7 @@ COMMITTED = Path(__file__).resolve().parents[3] / "deploy" / "k8s"
 
 def _objects(k: k8s.K8sConfig) -> list[dict]:
     rendered = k8s.render(k)
-    return [o for name, objs in rendered.items() if name != "serve-config.yaml" for o in objs]
+    return [o for name, objs in rendered.items() if not name.startswith("serve/") for o in objs]
 
 
 @pytest.mark.parametrize("k", [k8s.K8sConfig(), k8s.K8sConfig(tp=4, replicas=1, min_replicas=0,
@@ -36,8 +36,8 @@ def test_every_rendered_object_validates(k):
 
 def test_committed_manifests_are_the_rendered_ones(tmp_path):
     assert k8s_main(["render", "--out", str(tmp_path)]) == 0
-    written = sorted(p.name for p in tmp_path.iterdir())
-    assert written == sorted(p.name for p in COMMITTED.glob("*.yaml"))
+    written = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*.yaml"))
+    assert written == sorted(str(p.relative_to(COMMITTED)) for p in COMMITTED.rglob("*.yaml"))
     for name in written:
         assert (COMMITTED / name).read_text() == (tmp_path / name).read_text(), (
             f"deploy/k8s/{name} is stale: run `kvfleet k8s render`")
