@@ -1,4 +1,4 @@
-"""The ``kvfleet`` command: up, generate, demo, budget, model.
+"""The ``kvfleet`` command: up, scale, status, generate, demo, budget, model.
 
 Diagnostics go to stderr; generated text to stdout. Exit codes: 0 ok, 1 a gRPC/runtime
 failure (the status is printed), 2 a usage or configuration error.
@@ -67,6 +67,9 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--internal-tls-dir",
                    help="mutual TLS between router and workers with this directory's cluster "
                         "CA (generated there when empty)")
+    p.add_argument("--drain-timeout", type=_positive_seconds, default=30.0,
+                   help="seconds a stopping replica (scale-down, upgrade, Ctrl-C) waits for "
+                        "its streams before ending them UNAVAILABLE (default 30)")
     p.add_argument("--tenant-share", type=float, default=1.0,
                    help="fraction of a replica's running + waiting slots one tenant may hold "
                         "(default 1: no per-tenant cap)")
@@ -101,7 +104,7 @@ def _positive_seconds(value: str) -> float:
     except ValueError:
         raise argparse.ArgumentTypeError(f"invalid number of seconds: {value!r}") from None
     if not 0 < seconds < float("inf"):
-        raise argparse.ArgumentTypeError(f"--timeout must be > 0 seconds, got {value}")
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {value}")
     return seconds
 
 
@@ -144,6 +147,7 @@ def cluster_config(args: argparse.Namespace):
         executor=args.executor, cost_model=cost if args.executor == "cost-model" else None,
         tensor_parallel_size=args.tensor_parallel_size, device=args.device,
         telemetry=TelemetryConfig.from_env(os.environ), metrics_port=args.metrics_port,
+        drain_timeout_s=args.drain_timeout,
         http_port=None if getattr(args, "http_port", -1) < 0 else args.http_port,
         # -vv: the router logs each routing decision (candidates' matches and loads) too
         router_args=("--log-level", "DEBUG") if getattr(args, "verbose", 0) >= 2 else ())
@@ -169,12 +173,75 @@ def cmd_up(args: argparse.Namespace) -> int:
               f"{http}Ctrl-C to stop", flush=True)
         print(f"kvfleet: prefix index in Redis at {cluster.redis_url} (keys {cluster.cfg.namespace}*)",
               file=sys.stderr, flush=True)
+        _record_cluster(cluster)
         for name, metrics in cluster.metrics_addresses.items():
             print(f"kvfleet: {name} metrics at http://{metrics}/metrics", file=sys.stderr, flush=True)
         stop.wait()
     finally:
-        print("kvfleet: stopping…", file=sys.stderr, flush=True)
+        print(f"kvfleet: stopping (draining replicas, up to {args.drain_timeout:g} s)…",
+              file=sys.stderr, flush=True)
+        from kvfleet.deploy.operate import remove_cluster_file
+
+        remove_cluster_file(os.getpid())
         cluster.stop()
+    return 0
+
+
+def _record_cluster(cluster) -> None:
+    """Tell other terminals (``kvfleet scale`` / ``status``) where this cluster is."""
+    import ray
+
+    from kvfleet.deploy.operate import write_cluster_file
+
+    address = ray.get_runtime_context().gcs_address
+    path = write_cluster_file({"ray_address": address, "namespace": cluster.cfg.namespace,
+                               "router": cluster.router_address, "pid": os.getpid()})
+    print(f"kvfleet: Ray at {address} (recorded in {path}): `kvfleet status`, "
+          f"`kvfleet scale --replicas N` from another terminal", file=sys.stderr, flush=True)
+
+
+def _operator_target(args: argparse.Namespace) -> tuple[Optional[str], Optional[str]]:
+    """(Ray address, kvfleet namespace) of the cluster ``scale``/``status`` act on."""
+    import json
+
+    from kvfleet.deploy.operate import cluster_file, connect
+
+    connect(args.address)
+    namespace = args.namespace
+    if namespace is None and not args.address:
+        try:
+            namespace = json.loads(cluster_file().read_text()).get("namespace")
+        except (OSError, ValueError):
+            namespace = None
+    return args.address, namespace
+
+
+def cmd_scale(args: argparse.Namespace) -> int:
+    from kvfleet.deploy.operate import find_app
+
+    _, namespace = _operator_target(args)
+    ref = find_app(namespace, args.model)
+    before = len(ref.registered())
+    ref.scale(args.replicas)
+    print(f"kvfleet: {ref.model}: {before} → {args.replicas} replicas applied "
+          f"(Serve application {ref.name})", file=sys.stderr, flush=True)
+    if args.no_wait:
+        return 0
+    serving = ref.wait_serving(args.replicas, args.timeout)
+    for info in serving:
+        print(f"{info.replica_id} epoch {info.epoch} serving at {info.address}")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import json
+
+    from kvfleet.deploy.operate import cluster_status
+    from kvfleet.deploy.status import format_status
+
+    _, namespace = _operator_target(args)
+    status = cluster_status(namespace, args.model)
+    print(json.dumps(status, indent=1) if args.json else format_status(status))
     return 0
 
 
@@ -243,6 +310,24 @@ def build_parser() -> argparse.ArgumentParser:
                       help="Jaeger UI for trace links (default http://127.0.0.1:16686)")
     demo.set_defaults(func=cmd_demo, port=0)
 
+    for name, helptext in (("scale", "change a running cluster's replica count in place"),
+                           ("status", "a running cluster's replicas, routers and Redis")):
+        op = sub.add_parser(name, help=helptext)
+        op.add_argument("--address", help="Ray address of the cluster (default: the one "
+                                          "`kvfleet up` recorded on this machine)")
+        op.add_argument("--namespace", help="kvfleet namespace (default: the recorded one)")
+        op.add_argument("--model", help="served model name (default: the only one)")
+        if name == "scale":
+            op.add_argument("--replicas", type=_positive_int("--replicas"), required=True)
+            op.add_argument("--no-wait", action="store_true",
+                            help="return once applied, not when the replicas serve")
+            op.add_argument("--timeout", type=_positive_seconds, default=600.0,
+                            help="seconds to wait for the new count to serve (default 600)")
+            op.set_defaults(func=cmd_scale)
+        else:
+            op.add_argument("--json", action="store_true", help="machine-readable output")
+            op.set_defaults(func=cmd_status)
+
     gen = sub.add_parser("generate", help="stream one completion from a running router")
     gen.add_argument("--prompt", required=True, type=_non_empty("--prompt"))
     gen.add_argument("--max-tokens", type=int)
@@ -290,7 +375,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     except grpc.RpcError as exc:
         print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
-    except (ModelNotPrepared, FileNotFoundError, ValueError, OSError) as exc:
+    except (TimeoutError, RuntimeError) as exc:  # scale: the new count did not come up
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except (ModelNotPrepared, FileNotFoundError, ValueError, OSError, KeyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

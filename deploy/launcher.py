@@ -24,7 +24,7 @@ from typing import Optional, TextIO
 
 from kvfleet.deploy import serve_control
 from kvfleet.deploy.redis_server import RedisServer, start_redis
-from kvfleet.deploy.registry_view import registry_entries
+from kvfleet.deploy.operate import AppRef
 from kvfleet.deploy.serve_app import Placement, app_config
 from kvfleet.index_keys import DEFAULT_NAMESPACE, ReplicaInfo
 from kvfleet.telemetry import TelemetryConfig
@@ -74,7 +74,7 @@ class ClusterConfig:
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)  # OTLP export settings
     # Prometheus: the router on metrics_port, replica i on metrics_port + 1 + i (0: free ports).
     metrics_port: Optional[int] = None
-    # CPUs each replica actor reserves in Ray (default: the free CPUs shared out, at most 1;
+    # CPUs each replica reserves in Ray (default: half the free CPUs shared out, at most 1;
     # 0 lets a second cluster share a Ray whose CPUs another one holds, as tests do).
     replica_num_cpus: Optional[float] = None
     # "cost-model": replicas whose forward is the cost model (kvfleet.worker.cost_model),
@@ -175,6 +175,7 @@ class LocalCluster:
         self.redis_url: Optional[str] = cfg.redis_url
         self.app: dict = {}  # the applied Serve application config
         self.app_name: Optional[str] = None  # set once the application was applied
+        self.ref: Optional[AppRef] = None
         self.replica_addresses: list[str] = []
         self.router_proc: Optional[subprocess.Popen] = None
         self.router_address: Optional[str] = None
@@ -206,6 +207,7 @@ class LocalCluster:
             generate_internal_tls(cfg.internal_tls_dir)
         self.app = self._app_config()
         self.app_name = self.app["name"]
+        self.ref = AppRef.from_config(self.app_name, self.app)
         serve_control.apply(self.app)
         self.wait_serving(cfg.replicas, timeout_s)
         self.router_address = self._start_router(timeout_s)
@@ -223,44 +225,22 @@ class LocalCluster:
                              f"the Ray cluster has {ray.cluster_resources().get('GPU', 0):g}")
         hosts = -(-cfg.replicas // replicas_per_process(cfg))
         cpus = float(ray.available_resources().get("CPU", 1.0))
-        per_replica = max(0.1, min(1.0, cpus / hosts))
+        # Half the free CPUs shared out (at most 1 each): room to scale the fleet to twice
+        # its size in place.
+        per_replica = max(0.05, min(1.0, cpus / (2 * hosts)))
         if cfg.replica_num_cpus is not None:
             per_replica = cfg.replica_num_cpus
         threads = max(1, (os.cpu_count() or 1) // cfg.replicas)
         return serve_application(cfg, self.redis_url, per_replica, threads)
 
     def registered(self) -> list[ReplicaInfo]:
-        """This application's replicas in the registry, serving or draining, hosted by one of
-        Serve's current replicas (a crashed one's entry lingers until its heartbeat TTL)."""
-        hosts = {r["replica_id"] for r in serve_control.serve_replicas(self.app_name)}
-        return [info for info in registry_entries(self.redis_url, self.cfg.namespace)
-                if info.model == self.cfg.model_name and info.serve_replica in hosts]
+        """This application's replicas in the registry (see ``AppRef.registered``)."""
+        return self.ref.registered()
 
     def wait_serving(self, replicas: int, timeout_s: float = 300.0) -> list[ReplicaInfo]:
-        """Wait until exactly ``replicas`` replicas of the model serve (registered, not
-        draining); fills ``replica_addresses`` and ``metrics_addresses``; returns them.
-
-        Raises:
-            RuntimeError: Serve failed to deploy the application (its message included:
-                e.g. a bad model directory).
-            TimeoutError: not within ``timeout_s`` seconds.
-        """
-        deadline = time.monotonic() + timeout_s
-        while True:
-            serving = sorted((i for i in self.registered() if i.state == "serving"),
-                             key=lambda i: i.replica_id)
-            if len(serving) == replicas:
-                break
-            status = serve_control.app_statuses().get(self.app_name, "")
-            # UNHEALTHY passes while Serve replaces a failed replica; a failed deploy does not.
-            if status == "DEPLOY_FAILED" or time.monotonic() > deadline:
-                message = serve_control.app_message(self.app_name)
-                if status == "DEPLOY_FAILED":
-                    raise RuntimeError(f"Serve application {self.app_name}: {status}: {message}")
-                raise TimeoutError(f"{len(serving)} of {replicas} replicas of "
-                                   f"{self.cfg.model_name} serving after {timeout_s:g} s "
-                                   f"(Serve: {status or 'no application'} {message})")
-            time.sleep(0.1)
+        """Wait until exactly ``replicas`` replicas serve (``AppRef.wait_serving``, which
+        says what it raises); fills ``replica_addresses`` and ``metrics_addresses``."""
+        serving = self.ref.wait_serving(replicas, timeout_s)
         self.replica_addresses = [i.address for i in serving]
         self.metrics_addresses = {k: v for k, v in self.metrics_addresses.items() if k == "router"}
         if self.cfg.metrics_port is not None:
@@ -271,7 +251,7 @@ class LocalCluster:
     def scale(self, replicas: int, timeout_s: float = 300.0) -> list[ReplicaInfo]:
         """Change the replica count in place (new ones register; Serve picks the ones that
         go, and each drains first); returns once exactly ``replicas`` serve."""
-        self.app = serve_control.set_replicas(self.app_name, -(-replicas // self._per_host()))
+        self.app = self.ref.scale(replicas)
         return self.wait_serving(replicas, timeout_s)
 
     def upgrade(self, revision: str, model_dir: Optional[str] = None,
@@ -292,9 +272,6 @@ class LocalCluster:
                                    f"{timeout_s:g} s")
             time.sleep(0.1)
         return self.wait_serving(want, timeout_s)
-
-    def _per_host(self) -> int:
-        return int(self.app["args"].get("count", 1))
 
     def serve_replicas(self) -> list[dict]:
         """Serve's view of this application's replicas (see ``serve_control.serve_replicas``)."""

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -65,3 +66,15 @@ def wait_gone(redis_url: str, namespace: str, replica_ids, timeout_s: float = 30
             return True
         time.sleep(0.1)
     return False
+
+
+def read_routers(redis_url: str, namespace: str, timeout_s: float = 2.0) -> list[dict]:
+    """The routers present under ``namespace`` (``router/presence.py``), by id."""
+    prefix = IndexKeys(namespace).router_prefix
+    r = redis.Redis.from_url(redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+    try:
+        keys = list(r.scan_iter(match=prefix + "*"))
+        values = r.mget(keys) if keys else []
+    finally:
+        r.close()
+    return sorted((json.loads(v) for v in values if v), key=lambda x: x["router_id"])

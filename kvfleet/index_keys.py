@@ -11,6 +11,8 @@ Every key starts with a configurable namespace (default ``kvfleet:``)::
     {ns}heartbeats        ZSET   replica_id @ last beat     score = Redis server time, milliseconds
     {ns}load:{replica_id} HASH   running, waiting, num_free_blocks, num_total_blocks, updated_at
                                  (PEXPIRE = the publisher's replica TTL)
+    {ns}router:{id}       STRING JSON of one router: address, http_address, policy, pid, started_at
+                                 (PEXPIRE: rewritten every few seconds, gone ~10 s after it stops)
     {ns}sweep_cursor      STRING SCAN cursor of the incremental garbage sweep, shared by all routers
     {ns}kv_events         STREAM the KV event log: one entry per index write of a replica, id
                                  ``{seq}-0``; fields o (the log's origin), k (reg | blk | dereg),
@@ -199,6 +201,13 @@ class IndexKeys:
     def load(self, replica_id: str) -> str:
         return f"{self.load_prefix}{replica_id}"
 
+    @property
+    def router_prefix(self) -> str:
+        return f"{self.namespace}router:"
+
+    def router(self, router_id: str) -> str:
+        return f"{self.router_prefix}{router_id}"
+
 
 def pack_chain(hashes: Sequence[bytes]) -> bytes:
     """Block hashes concatenated into one script argument (each exactly ``HASH_BYTES`` long)."""
@@ -219,6 +228,14 @@ def seconds_to_ms(seconds: float) -> int:
 
 # What "Redis is unreachable" looks like from redis-py and asyncio (BusyLoadingError is a ConnectionError).
 REDIS_DOWN_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError, asyncio.TimeoutError)
+
+
+def redis_host(url: str) -> str:
+    """``host:port`` of a Redis URL (no credentials, no database): safe to show."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    return f"{parts.hostname or ''}:{parts.port or 6379}"
 
 
 def redis_client(url: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, binary: bool = False,

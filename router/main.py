@@ -27,6 +27,7 @@ from kvfleet.router.http_front import HttpFront
 from kvfleet.router.index_mirror import MirroredPrefixIndex
 from kvfleet.router.policy import make_policy
 from kvfleet.router.prefix_index import RedisPrefixIndex
+from kvfleet.router.presence import RouterPresence
 from kvfleet.router.replica_set import ReplicaSet
 from kvfleet.router.served_model import ServedModel
 from kvfleet.router.server import RouterService
@@ -84,6 +85,7 @@ class RouterServer:
         self.metrics_address: Optional[str] = None  # Prometheus endpoint, when one is served
         self.http: Optional[HttpFront] = None
         self.http_address: Optional[str] = None  # host:port of the HTTP front, when on
+        self.presence: Optional[RouterPresence] = None  # {ns}router:{id} in Redis
 
     async def start(self) -> str:
         """Start serving; returns ``host:port``. Raises OSError if the port is taken."""
@@ -118,6 +120,11 @@ class RouterServer:
             self.http_address = await self.http.start()
         await self._server.start()
         await mark_serving(health, [name])
+        self.presence = RouterPresence(cfg.redis_url, cfg.namespace, {
+            "address": self.address, "http_address": self.http_address or "",
+            "policy": cfg.policy, "model": cfg.model_name})
+        self.presence.start()
+        service.presence = self.presence
         return self.address
 
     def reload_api_keys(self) -> bool:
@@ -134,6 +141,9 @@ class RouterServer:
         return True
 
     async def stop(self, grace_s: float = 2.0) -> None:
+        if self.presence is not None:
+            await self.presence.close()
+            self.presence = None
         if self.http is not None:
             await self.http.stop()
             self.http = None

@@ -9,6 +9,7 @@ import time
 import grpc
 
 from kvfleet.errors import InvalidArgument, KvfleetError, status_of
+from kvfleet.index_keys import REDIS_DOWN_ERRORS, redis_host
 from kvfleet.router.capacity import RETRY_PUSHBACK_KEY
 from kvfleet.router.core import GenerateInput, Prompt, RouterCore
 from kvfleet.sampling_params import SamplingParams
@@ -35,6 +36,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
 
     def __init__(self, core: RouterCore) -> None:
         self.core = core
+        self.presence = None  # RouterPresence: the cluster's routers, for ClusterStatus
 
     async def Generate(self, request: router_pb2.GenerateRequest, context):
         metadata = context.invocation_metadata()
@@ -96,8 +98,19 @@ class RouterService(router_pb2_grpc.RouterServicer):
                                  model=info.model, epoch=info.epoch,
                                  tensor_parallel_size=info.tensor_parallel_size,
                                  ranks=[common_pb2.RankStatus(**rank) for rank in info.ranks])
+            r.lifecycle.CopyFrom(router_pb2.ReplicaLifecycle(
+                state=info.state, prefix_hit_rate=info.prefix_hit_rate,
+                serve_replica=info.serve_replica, metrics_address=info.metrics_address))
             if load is not None:
                 r.running, r.waiting = load.running, load.waiting
                 r.num_free_blocks, r.num_total_blocks = load.num_free_blocks, load.num_total_blocks
                 r.heartbeat_age_s = max(0.0, now - load.updated_at)
+        if self.presence is not None:
+            out.redis = redis_host(self.presence.redis_url)
+            with contextlib.suppress(*REDIS_DOWN_ERRORS):
+                for found in await self.presence.routers():
+                    out.routers.add(router_id=found["router_id"], address=found["address"],
+                                    http_address=found.get("http_address", ""),
+                                    policy=found.get("policy", ""), pid=int(found.get("pid", 0)),
+                                    started_at_unix_s=float(found.get("started_at", 0.0)))
         return out

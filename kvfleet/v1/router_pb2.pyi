@@ -74,7 +74,7 @@ class ClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaStatus(_message.Message):
-    __slots__ = ("replica_id", "address", "model", "epoch", "running", "waiting", "num_free_blocks", "num_total_blocks", "heartbeat_age_s", "tensor_parallel_size", "ranks")
+    __slots__ = ("replica_id", "address", "model", "epoch", "running", "waiting", "num_free_blocks", "num_total_blocks", "heartbeat_age_s", "tensor_parallel_size", "ranks", "lifecycle")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,7 @@ class ReplicaStatus(_message.Message):
     HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
+    LIFECYCLE_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     address: str
     model: str
@@ -97,14 +98,47 @@ class ReplicaStatus(_message.Message):
     heartbeat_age_s: float
     tensor_parallel_size: int
     ranks: _containers.RepeatedCompositeFieldContainer[_common_pb2.RankStatus]
-    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., epoch: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ..., tensor_parallel_size: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[_common_pb2.RankStatus, _Mapping]]] = ...) -> None: ...
+    lifecycle: ReplicaLifecycle
+    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., epoch: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ..., tensor_parallel_size: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[_common_pb2.RankStatus, _Mapping]]] = ..., lifecycle: _Optional[_Union[ReplicaLifecycle, _Mapping]] = ...) -> None: ...
+
+class ReplicaLifecycle(_message.Message):
+    __slots__ = ("state", "prefix_hit_rate", "serve_replica", "metrics_address")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    SERVE_REPLICA_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    state: str
+    prefix_hit_rate: float
+    serve_replica: str
+    metrics_address: str
+    def __init__(self, state: _Optional[str] = ..., prefix_hit_rate: _Optional[float] = ..., serve_replica: _Optional[str] = ..., metrics_address: _Optional[str] = ...) -> None: ...
+
+class RouterStatus(_message.Message):
+    __slots__ = ("router_id", "address", "http_address", "policy", "pid", "started_at_unix_s")
+    ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HTTP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    router_id: str
+    address: str
+    http_address: str
+    policy: str
+    pid: int
+    started_at_unix_s: float
+    def __init__(self, router_id: _Optional[str] = ..., address: _Optional[str] = ..., http_address: _Optional[str] = ..., policy: _Optional[str] = ..., pid: _Optional[int] = ..., started_at_unix_s: _Optional[float] = ...) -> None: ...
 
 class ClusterStatusResponse(_message.Message):
-    __slots__ = ("replicas", "policy", "index_available")
+    __slots__ = ("replicas", "policy", "index_available", "routers", "redis")
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     INDEX_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    ROUTERS_FIELD_NUMBER: _ClassVar[int]
+    REDIS_FIELD_NUMBER: _ClassVar[int]
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStatus]
     policy: str
     index_available: bool
-    def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., policy: _Optional[str] = ..., index_available: _Optional[bool] = ...) -> None: ...
+    routers: _containers.RepeatedCompositeFieldContainer[RouterStatus]
+    redis: str
+    def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., policy: _Optional[str] = ..., index_available: _Optional[bool] = ..., routers: _Optional[_Iterable[_Union[RouterStatus, _Mapping]]] = ..., redis: _Optional[str] = ...) -> None: ...

@@ -128,12 +128,83 @@ def test_unprepared_model_says_how_to_prepare(tmp_path):
     assert "kvfleet model prepare" in out.stderr
 
 
-def test_sigterm_stops_everything(cli_cluster):
-    proc, _, tmp = cli_cluster
+def _operate(tmp: Path, *args: str) -> subprocess.CompletedProcess:
+    """``kvfleet ARGS`` as a second terminal of the same user runs it (same TMPDIR: it finds
+    the cluster file ``kvfleet up`` wrote)."""
+    env = {**os.environ, "TMPDIR": str(tmp)}
+    return subprocess.run([*KVFLEET, *args], capture_output=True, text=True, timeout=300, env=env)
+
+
+def _status(tmp: Path) -> dict:
+    import json
+
+    out = _operate(tmp, "status", "--json")
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_status_and_scale_from_another_terminal(cli_cluster):
+    proc, address, tmp = cli_cluster
+    status = _status(tmp)
+    (app,) = status["applications"]
+    assert [r["state"] for r in app["replicas"]] == ["serving", "serving"]
+    assert all(r["kv_blocks_total"] > 0 and r["epoch"] >= 1 and r["ranks"] for r in app["replicas"])
+    assert [r["address"] for r in status["routers"]] == [address] and status["redis"]["up"]
+    table = _operate(tmp, "status")
+    assert table.returncode == 0 and "serving" in table.stdout and address in table.stdout
+
+    out = _operate(tmp, "scale", "--replicas", "3", "--timeout", "240")
+    assert out.returncode == 0, out.stderr
+    assert len(out.stdout.splitlines()) == 3
+    from kvfleet.client import Client
+
+    with Client(address) as client:
+        assert len(client.cluster_status().replicas) == 3
+        assert client.generate("Hi", max_tokens=2)
+    out = _operate(tmp, "scale", "--replicas", "2", "--timeout", "240")
+    assert out.returncode == 0, out.stderr
+    assert [r["state"] for r in _status(tmp)["applications"][0]["replicas"]] == ["serving"] * 2
+    bad = _operate(tmp, "scale", "--replicas", "2", "--model", "no-such-model")
+    assert bad.returncode == 2 and "no kvfleet application matches" in bad.stderr
+
+
+def test_sigterm_during_streams_drains_them_and_stops_everything(cli_cluster):
+    import threading
+
+    import grpc
+
+    from kvfleet.client import Client
+
+    proc, address, tmp = cli_cluster
     assert list(tmp.glob("kvf-ray-*")), "the local Ray should keep its session under TMPDIR"
     children = _descendants(proc.pid)
+    ends: list = []
+    started = threading.Barrier(3)
+
+    def stream(i: int) -> None:
+        with Client(address) as client:
+            it = client.stream(f"Story {i}: once upon a time", max_tokens=40, ignore_eos=True,
+                               timeout=120)
+            try:
+                next(it)
+                started.wait(60)
+                for _ in it:
+                    pass
+                ends.append(("OK", ""))
+            except grpc.RpcError as exc:
+                ends.append((exc.code().name, exc.details()))
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    started.wait(120)
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == 0
+    for t in threads:
+        t.join(60)
+    # Each stream finished (the drain waits up to 30 s) or ended UNAVAILABLE naming the drain.
+    assert len(ends) == 2
+    assert all(e[0] == "OK" or (e[0] == "UNAVAILABLE" and "drain" in e[1]) for e in ends), ends
+    assert proc.wait(timeout=90) == 0
     time.sleep(1.0)
     alive = [pid for pid in children if _alive(pid)]
     assert not alive, f"orphan processes left: {alive}"

@@ -195,3 +195,26 @@ def test_health_and_reflection_are_served(tiny_cluster):
         stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(addr))
         resp = stub.Check(health_pb2.HealthCheckRequest(service=""))
         assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_cluster_status_names_lifecycle_routers_and_redis(tiny_cluster, redis_server) -> None:
+    from kvfleet.index_keys import redis_host
+
+    with Client(tiny_cluster.router_address) as client:
+        replicas(client)
+        prompt = "Status check: " * 8
+        client.generate(prompt, max_tokens=2)
+        client.generate(prompt, max_tokens=2)  # the second hits the first's blocks
+        deadline = time.monotonic() + 10  # the hit rate rides on the next heartbeat (1 s)
+        while time.monotonic() < deadline:
+            status = client.cluster_status()
+            if any(r.lifecycle.prefix_hit_rate > 0 for r in status.replicas):
+                break
+            time.sleep(0.2)
+    hosts = {r["replica_id"] for r in tiny_cluster.serve_replicas()}
+    assert {r.lifecycle.state for r in status.replicas} == {"serving"}
+    assert {r.lifecycle.serve_replica for r in status.replicas} == hosts
+    assert any(0 < r.lifecycle.prefix_hit_rate <= 1 for r in status.replicas)
+    assert [r.address for r in status.routers] == [tiny_cluster.router_address]
+    assert status.routers[0].policy == "prefix_aware" and status.routers[0].pid > 0
+    assert status.redis == redis_host(redis_server.url)

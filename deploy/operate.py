@@ -1,0 +1,166 @@
+"""Operating a running cluster from any terminal: ``kvfleet scale`` and ``kvfleet status``.
+
+A cluster is found through Ray: ``--address`` (the Ray GCS address ``kvfleet up`` prints),
+else the cluster file ``kvfleet up`` writes (:func:`cluster_file`). Serve's application configs
+then name everything else (model, Redis URL, kvfleet namespace; :mod:`.serve_control`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from kvfleet.deploy import serve_control
+from kvfleet.deploy.registry_view import read_registry, read_routers
+from kvfleet.deploy.status import replica_rows
+from kvfleet.index_keys import ReplicaInfo, redis_host
+
+
+def cluster_file() -> Path:
+    """Where ``kvfleet up`` records its cluster for other terminals (per user, under TMPDIR)."""
+    return Path(tempfile.gettempdir()) / f"kvfleet-{os.getuid()}" / "cluster.json"
+
+
+def write_cluster_file(record: dict) -> Path:
+    path = cluster_file()
+    path.parent.mkdir(mode=0o700, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1))
+    return path
+
+
+def remove_cluster_file(pid: int) -> None:
+    """Remove the cluster file if it is the one process ``pid`` wrote."""
+    path = cluster_file()
+    try:
+        if json.loads(path.read_text()).get("pid") == pid:
+            path.unlink()
+    except (OSError, ValueError):
+        pass
+
+
+def ray_address(address: Optional[str]) -> str:
+    """``address``, else the one in the cluster file. Raises ValueError saying what to pass."""
+    if address:
+        return address
+    try:
+        return json.loads(cluster_file().read_text())["ray_address"]
+    except (OSError, ValueError, KeyError):
+        raise ValueError(f"no running kvfleet cluster found ({cluster_file()} is missing): "
+                         f"pass --address with the Ray address `kvfleet up` printed") from None
+
+
+def connect(address: Optional[str]) -> None:
+    """Attach this process to the cluster's Ray as a driver. Raises ValueError (see
+    :func:`ray_address`) or ConnectionError when Ray does not answer there."""
+    from kvfleet.deploy.launcher import init_ray
+
+    target = ray_address(address)
+    try:
+        init_ray(target)
+    except Exception as exc:  # Ray raises ConnectionError or RuntimeError, by version
+        raise ConnectionError(f"cannot reach Ray at {target}: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class AppRef:
+    """One model's Serve application and where its replicas register."""
+
+    name: str
+    model: str
+    namespace: str
+    redis_url: str
+    per_host: int = 1
+    tp: int = 1
+
+    @classmethod
+    def from_config(cls, name: str, app: dict) -> "AppRef":
+        replica = app["args"]["replica"]
+        return cls(name, replica["model_name"], replica["namespace"], replica["redis_url"],
+                   int(app["args"].get("count", 1)), int(replica.get("tensor_parallel_size", 1)))
+
+    def registered(self) -> list[ReplicaInfo]:
+        """This application's registry entries (serving or draining) hosted by one of Serve's
+        current replicas (a killed one's entry lingers until its heartbeat TTL)."""
+        hosts = {r["replica_id"] for r in serve_control.serve_replicas(self.name)}
+        return [e.info for e in read_registry(self.redis_url, self.namespace)
+                if e.info.model == self.model and e.info.serve_replica in hosts]
+
+    def wait_serving(self, replicas: int, timeout_s: float = 300.0) -> list[ReplicaInfo]:
+        """Wait until exactly ``replicas`` replicas serve (registered, not draining); returns
+        them by id.
+
+        Raises:
+            RuntimeError: Serve failed to deploy the application (its message included).
+            TimeoutError: not within ``timeout_s`` seconds.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            serving = sorted((i for i in self.registered() if i.state == "serving"),
+                             key=lambda i: i.replica_id)
+            if len(serving) == replicas:
+                return serving
+            status = serve_control.app_statuses().get(self.name, "")
+            # UNHEALTHY passes while Serve replaces a failed replica; a failed deploy does not.
+            if status == "DEPLOY_FAILED" or time.monotonic() > deadline:
+                message = serve_control.app_message(self.name)
+                if status == "DEPLOY_FAILED":
+                    raise RuntimeError(f"Serve application {self.name}: {status}: {message}")
+                raise TimeoutError(f"{len(serving)} of {replicas} replicas of {self.model} "
+                                   f"serving after {timeout_s:g} s "
+                                   f"(Serve: {status or 'no application'} {message})")
+            time.sleep(0.1)
+
+    def scale(self, replicas: int) -> dict:
+        """Apply ``replicas`` kvfleet replicas (Serve replicas: ``ceil(replicas / per_host)``);
+        returns the applied config. Raises ValueError for ``replicas`` < 1."""
+        if replicas < 1:
+            raise ValueError(f"--replicas must be >= 1, got {replicas}")
+        return serve_control.set_replicas(self.name, math.ceil(replicas / self.per_host))
+
+
+def find_app(namespace: Optional[str], model: Optional[str]) -> AppRef:
+    """The one application matching. Raises ValueError naming what was found instead."""
+    apps = serve_control.find_apps(namespace, model)
+    if len(apps) != 1:
+        found = sorted(apps) or sorted(serve_control.find_apps())
+        what = "no" if not apps else "more than one"
+        raise ValueError(f"{what} kvfleet application matches (namespace {namespace or 'any'}, "
+                         f"model {model or 'any'}); found: {found or 'none'}: pass --model or "
+                         f"--namespace")
+    ((name, app),) = apps.items()
+    return AppRef.from_config(name, app)
+
+
+def cluster_status(namespace: Optional[str], model: Optional[str] = None) -> dict:
+    """Every application of one kvfleet namespace with its replicas, routers and Redis (the
+    dict ``kvfleet status --json`` prints). Raises ValueError when nothing (or more than one
+    namespace) matches."""
+    apps = serve_control.find_apps(namespace, model)
+    refs = [AppRef.from_config(n, a) for n, a in sorted(apps.items())]
+    namespaces = sorted({r.namespace for r in refs})
+    if len(namespaces) != 1:
+        raise ValueError(f"kvfleet namespaces found: {namespaces or 'none'}: pass --namespace")
+    statuses = serve_control.app_statuses()
+    redis_url = refs[0].redis_url
+    out = {"namespace": namespaces[0], "applications": [], "routers": [],
+           "redis": {"address": redis_host(redis_url), "up": True}}
+    try:
+        entries = read_registry(redis_url, namespaces[0])
+        out["routers"] = read_routers(redis_url, namespaces[0])
+    except Exception:  # redis-py's ConnectionError / TimeoutError: shown, not raised
+        entries, out["redis"]["up"] = [], False
+    for ref in refs:
+        app = apps[ref.name]
+        mine = [e for e in entries if e.info.model == ref.model]
+        out["applications"].append({
+            "app": ref.name, "model": ref.model, "revision": app["args"].get("revision", ""),
+            "serve_status": statuses.get(ref.name, "NOT_STARTED"),
+            "target_replicas": app["deployments"][0].get("num_replicas", 1) * ref.per_host,
+            "replicas": replica_rows(serve_control.serve_replicas(ref.name), mine, ref.tp)})
+    return out

@@ -1,0 +1,94 @@
+"""``kvfleet status``: one cluster's replicas as Ray Serve and the Redis registry see them
+together, its routers and its Redis.
+
+Serve knows every replica process (starting, running, stopping, recovering); the registry
+knows what each kvfleet replica serves and its load. A replica's ``state``:
+
+- ``starting``: Serve is starting it (not registered yet);
+- ``serving`` / ``draining``: as its registry entry says;
+- ``failed``: Serve runs or recovers it but it is not registered (a failed rank, a completed
+  drain: Serve replaces it at its next health check), or it is registered but no Serve replica
+  hosts it any more (a killed process; its entry expires with its heartbeat).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+from kvfleet.deploy.registry_view import RegistryEntry
+
+_STARTING = {"STARTING", "PENDING_MIGRATION", "UPDATING"}
+
+
+def replica_rows(serve_replicas: Iterable[dict], entries: Iterable[RegistryEntry],
+                 tp: int) -> list[dict]:
+    """One row per kvfleet replica (and per unregistered Serve replica), sorted by id.
+
+    Args:
+        serve_replicas: ``serve_control.serve_replicas(app)`` of one application.
+        entries: the registry's entries of that application's model.
+        tp: the application's tensor-parallel size (for replicas not registered yet).
+    """
+    hosts = {r["replica_id"]: r for r in serve_replicas}
+    rows, hosted = [], set()
+    for e in entries:
+        host = hosts.get(e.info.serve_replica)
+        if host is not None:
+            hosted.add(host["replica_id"])
+        rows.append(_registered_row(e, host))
+    for sid, host in hosts.items():
+        if sid in hosted or host["state"] == "STOPPING":
+            continue  # a stopping replica with no entry has drained: nothing to show
+        rows.append({"replica_id": f"(serve {sid})", "serve_replica": sid, "epoch": 0,
+                     "state": "starting" if host["state"] in _STARTING else "failed",
+                     "serve_state": host["state"], "tp": tp, "ranks": [],
+                     "running": 0, "waiting": 0, "kv_blocks_used": 0, "kv_blocks_total": 0,
+                     "prefix_hit_rate_1m": 0.0, "heartbeat_age_s": None, "address": "",
+                     "pid": host.get("pid")})
+    return sorted(rows, key=lambda r: r["replica_id"])
+
+
+def _registered_row(e: RegistryEntry, host: Optional[dict]) -> dict:
+    info, load = e.info, e.load
+    return {
+        "replica_id": info.replica_id, "serve_replica": info.serve_replica, "epoch": info.epoch,
+        "state": info.state if host is not None else "failed",
+        "serve_state": host["state"] if host is not None else "GONE",
+        "tp": info.tensor_parallel_size,
+        "ranks": [{"rank": r.get("rank"), "node": r.get("node_id", ""),
+                   "device": r.get("device", ""), "pid": r.get("pid")} for r in info.ranks],
+        "running": load.running if load else 0, "waiting": load.waiting if load else 0,
+        "kv_blocks_used": (load.num_total_blocks - load.num_free_blocks) if load else 0,
+        "kv_blocks_total": load.num_total_blocks if load else 0,
+        "prefix_hit_rate_1m": info.prefix_hit_rate,
+        "heartbeat_age_s": None if e.heartbeat_age_s is None else round(e.heartbeat_age_s, 2),
+        "address": info.address, "pid": host.get("pid") if host else None,
+    }
+
+
+def format_status(status: dict) -> str:
+    """The human-readable table of :func:`kvfleet.deploy.cli`'s ``status`` dict."""
+    lines = []
+    for app in status["applications"]:
+        lines.append(f"{app['model']} (Serve application {app['app']}, revision "
+                     f"{app['revision'] or '-'}, {app['serve_status']}): "
+                     f"{app['target_replicas']} replicas wanted")
+        lines.append(f"  {'REPLICA':<28} {'EPOCH':>5} {'STATE':<9} {'TP':>2} {'RUN':>4} "
+                     f"{'WAIT':>4} {'KV USED':>11} {'HIT 1m':>6} {'BEAT':>6}  RANKS")
+        for r in app["replicas"]:
+            beat = "-" if r["heartbeat_age_s"] is None else f"{r['heartbeat_age_s']:.1f}s"
+            ranks = ", ".join(f"{k['rank']}:{(k['node'] or '?')[:8]}/{k['device']}"
+                              for k in r["ranks"]) or "-"
+            lines.append(f"  {r['replica_id']:<28} {r['epoch']:>5} {r['state']:<9} {r['tp']:>2} "
+                         f"{r['running']:>4} {r['waiting']:>4} "
+                         f"{r['kv_blocks_used']:>5}/{r['kv_blocks_total']:<5} "
+                         f"{r['prefix_hit_rate_1m']:>6.0%} {beat:>6}  {ranks}")
+    for r in status["routers"]:
+        http = f", HTTP {r['http_address']}" if r.get("http_address") else ""
+        lines.append(f"router {r['router_id']} at {r['address']}{http} (policy {r['policy']}, "
+                     f"pid {r['pid']})")
+    if not status["routers"]:
+        lines.append("router: none present")
+    redis = status["redis"]
+    lines.append(f"redis {redis['address']}: {'up' if redis['up'] else 'UNREACHABLE'}")
+    return "\n".join(lines)

@@ -1,0 +1,81 @@
+"""``kvfleet status`` rows from Serve's and the registry's views, and the config codec that
+carries replica configs through Serve's application config."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvfleet.config_codec import from_dict, to_dict
+from kvfleet.deploy.registry_view import RegistryEntry
+from kvfleet.deploy.serve_app import Placement, app_config
+from kvfleet.deploy.status import format_status, replica_rows
+from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
+from kvfleet.telemetry import TelemetryConfig
+from kvfleet.worker.cost_model import MEASURED
+from kvfleet.worker.replica import ReplicaConfig
+from kvfleet.worker.serve_replica import replica_configs
+
+
+def _entry(rid: str, host: str, state: str = "serving") -> RegistryEntry:
+    info = ReplicaInfo(rid, f"127.0.0.1:{len(rid)}", "m", 3, 16, state=state, serve_replica=host,
+                       prefix_hit_rate=0.5,
+                       ranks=({"rank": 0, "node_id": "abcdef123456", "device": "cpu", "pid": 7},))
+    return RegistryEntry(info, ReplicaLoad(2, 1, 10, 64, 0.0), 0.4)
+
+
+def test_rows_join_serve_and_registry_states() -> None:
+    serve = [{"replica_id": "a", "state": "RUNNING", "pid": 1},
+             {"replica_id": "b", "state": "STARTING", "pid": 2},
+             {"replica_id": "c", "state": "RUNNING", "pid": 3},   # deregistered: failed
+             {"replica_id": "d", "state": "STOPPING", "pid": 4},  # drained and gone
+             {"replica_id": "e", "state": "STOPPING", "pid": 5}]
+    entries = [_entry("m-a", "a"), _entry("m-e", "e", "draining"), _entry("m-x", "x")]
+    rows = {r["replica_id"]: r for r in replica_rows(serve, entries, tp=2)}
+    assert sorted(rows) == ["(serve b)", "(serve c)", "m-a", "m-e", "m-x"]
+    assert rows["m-a"]["state"] == "serving" and rows["m-a"]["kv_blocks_used"] == 54
+    assert rows["m-a"]["ranks"] == [{"rank": 0, "node": "abcdef123456", "device": "cpu", "pid": 7}]
+    assert rows["m-e"]["state"] == "draining"
+    assert rows["m-x"]["state"] == "failed" and rows["m-x"]["serve_state"] == "GONE"
+    assert rows["(serve b)"]["state"] == "starting" and rows["(serve b)"]["tp"] == 2
+    assert rows["(serve c)"]["state"] == "failed"
+    status = {"applications": [{"app": "ns.m", "model": "m", "revision": "", "serve_status":
+                                "RUNNING", "target_replicas": 2, "replicas": list(rows.values())}],
+              "routers": [], "redis": {"address": "127.0.0.1:6379", "up": False}}
+    text = format_status(status)
+    assert "m-a" in text and "draining" in text and "UNREACHABLE" in text and "50%" in text
+
+
+def test_replica_config_survives_the_application_config_as_json() -> None:
+    cfg = ReplicaConfig("m", "m", "/models/m", cost_model=MEASURED, executor="cost-model",
+                        telemetry=TelemetryConfig(resource_attributes=(("k", "v"),)))
+    app = app_config(cfg, 5, Placement(0.5), per_host=2, revision="r1", env={"A": "1"})
+    again = json.loads(json.dumps(app))
+    assert from_dict(ReplicaConfig, again["args"]["replica"]) == cfg
+    (dep,) = again["deployments"]
+    assert dep["num_replicas"] == 3 and again["args"]["count"] == 2
+    assert dep["graceful_shutdown_timeout_s"] > cfg.drain_timeout_s
+    assert "placement_group_bundles" not in dep
+    with pytest.raises(TypeError, match="bogus"):
+        from_dict(ReplicaConfig, {**to_dict(cfg), "bogus": 1})
+
+
+def test_tensor_parallel_placement_has_one_bundle_per_rank() -> None:
+    p = Placement(0.5, tensor_parallel_size=3, rank_num_cpus=0.05)
+    assert p.bundles() == [{"CPU": pytest.approx(0.4)}, {"CPU": 0.05}, {"CPU": 0.05}]
+    assert Placement(0, 2, cuda=True).bundles() == [{"CPU": 0.01, "GPU": 1.0}, {"GPU": 1.0}]
+    cfg = ReplicaConfig("m", "m", "/m", tensor_parallel_size=3)
+    dep = app_config(cfg, 2, p)["deployments"][0]
+    assert dep["placement_group_strategy"] == "STRICT_PACK"
+    assert len(dep["placement_group_bundles"]) == 3
+
+
+def test_hosted_replica_ids_and_free_metrics_ports() -> None:
+    base = ReplicaConfig("m", "m", "/m", telemetry=TelemetryConfig(metrics_port=9100))
+    one, = replica_configs(base, "abc", 1)
+    assert one.replica_id == "m-abc" and one.serve_replica == "abc"
+    assert one.telemetry.metrics_port == 0
+    assert [c.replica_id for c in replica_configs(base, "abc", 2)] == ["m-abc-0", "m-abc-1"]
+    with pytest.raises(ValueError):
+        replica_configs(base, "abc", 0)
