@@ -9,6 +9,7 @@ short driver naming the nodes) connect to it, never this process.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -71,6 +72,11 @@ def test_replicas_spread_over_both_nodes_serve_and_survive_losing_one(two_nodes,
     with Client(address) as client:
         placement = _placement(client, names)
         assert sorted(placement.values()) == ["node-1", "node-2"], placement
+        # `kvfleet status`, from another process, shows the same placement.
+        out = subprocess.run([*KVFLEET, "status", "--address", two_nodes.address, "--json"],
+                             capture_output=True, text=True, timeout=120, check=True).stdout
+        rows = json.loads(out)["applications"][0]["replicas"]
+        assert {r["replica_id"]: names[r["ranks"][0]["node"]] for r in rows} == placement
         on_node_2 = next(r for r, node in placement.items() if node == "node-2")
         # Round robin visits the replicas in id order: request k goes to sorted ids[k % 2].
         served = [list(client.stream(prompt=f"Say {i}.", max_tokens=2))[-1].replica_id
