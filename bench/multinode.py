@@ -90,14 +90,23 @@ def run(node_timeout_s: Optional[float]) -> dict:
                             ray_address=raylets.address, replica_num_cpus=1.0)
         init_ray(raylets.address)  # here, in the main thread (Ray sets signal handlers)
         cluster = LocalCluster(cfg)
-        started: list = []
-        starter = threading.Thread(target=lambda: started.append(_timed(cluster.start)))
+        failure: list[BaseException] = []
+
+        def start() -> None:
+            try:
+                cluster.start()
+            except BaseException as exc:  # re-raised below, in the main thread
+                failure.append(exc)
+
+        starter = threading.Thread(target=start)
         try:
             starter.start()
             time.sleep(8.0)  # the Serve config is applied; replica 1 runs, replica 2 waits
             t_join = time.monotonic()
             out["node_start_s"]["node-3"] = raylets.add_node("node-3", 1)
             starter.join(600)
+            if failure:
+                raise failure[0]
             out["serving_after_join_s"] = time.monotonic() - t_join
             out["rss_mib"] = {n: {"daemons": raylets.rss_bytes(n, workers=False) >> 20,
                                   "with_workers": raylets.rss_bytes(n) >> 20}
@@ -117,7 +126,7 @@ def run(node_timeout_s: Optional[float]) -> dict:
                 t_join = time.monotonic()
                 out["node_start_s"]["node-4"] = raylets.add_node("node-4", 1)
                 names = raylets.node_names()
-                seconds, now = _wait_placement(client, names, lambda now: len(now) == 2)
+                _, now = _wait_placement(client, names, lambda now: len(now) == 2)
                 out["replacement_serving_after_join_s"] = time.monotonic() - t_join
                 out["after_loss_placement"] = now
                 time.sleep(2.0)
@@ -136,12 +145,6 @@ def run(node_timeout_s: Optional[float]) -> dict:
             cluster.stop()
             ray.shutdown()
     return out
-
-
-def _timed(fn) -> float:
-    t0 = time.monotonic()
-    fn()
-    return time.monotonic() - t0
 
 
 def main(argv: list[str]) -> int:

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
-import sys
+import tempfile
 import time
 
 import grpc
@@ -41,12 +42,14 @@ def two_nodes():
 def fleet(two_nodes, smollm2_dir, redis_server):
     """``kvfleet up`` on the two-node cluster: 2 SmolLM2 replicas, round-robin routing (so
     consecutive requests visit both replicas)."""
+    # Its own TMPDIR: the cluster file it records for `kvfleet status` stays out of the user's.
+    tmp = tempfile.mkdtemp(prefix="kvfmn", dir="/tmp")
     proc = subprocess.Popen(
         [*KVFLEET, "up", "--model", str(smollm2_dir), "--replicas", "2", "--port", "0",
          "--http-port", "-1", "--ray-address", two_nodes.address, "--redis-url",
          redis_server.url, "--kv-memory", "32MiB", "--policy", "round_robin"],
-        stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        start_new_session=True)
+        stdout=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": tmp}, start_new_session=True)
     try:
         yield proc, _wait_ready(proc, 240)
     finally:
@@ -57,6 +60,7 @@ def fleet(two_nodes, smollm2_dir, redis_server):
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _placement(client: Client, names: dict[str, str]) -> dict[str, str]:
