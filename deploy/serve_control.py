@@ -25,6 +25,7 @@ from typing import Optional
 log = logging.getLogger(__name__)
 
 IMPORT_PATH = "kvfleet.deploy.serve_app:build"
+SERVE_NAMESPACE = "serve"  # the Ray namespace of Serve's controller and replicas
 DEPLOYMENT = "KvfleetReplica"
 
 
@@ -77,20 +78,33 @@ def apply(app: dict) -> None:
 
 
 def delete(name: str, timeout_s: float = 120.0) -> None:
-    """Delete one application (Serve stops its replicas gracefully: each drains) and wait.
+    """Delete one application (Serve stops its replicas gracefully: each drains) and wait
+    until every replica process has exited (the application leaves Serve's status earlier,
+    while its replicas may still drain).
 
-    Raises TimeoutError when it has not gone within ``timeout_s`` seconds."""
+    Raises TimeoutError when they have not gone within ``timeout_s`` seconds."""
     from ray.serve.schema import ServeDeploySchema
 
     apps = app_configs()
     if apps.pop(name, None) is None:
         return
+    actors = [r["actor_name"] for r in serve_replicas(name) if r.get("actor_name")]
     client().deploy_apps(ServeDeploySchema.model_validate(deploy_config(list(apps.values()))))
     deadline = time.monotonic() + timeout_s
-    while name in app_statuses():
+    while name in app_statuses() or any(_actor_alive(a) for a in actors):
         if time.monotonic() > deadline:
             raise TimeoutError(f"Serve application {name!r} still runs after {timeout_s:g} s")
         time.sleep(0.2)
+
+
+def _actor_alive(actor_name: str) -> bool:
+    import ray
+
+    try:
+        ray.get_actor(actor_name, namespace=SERVE_NAMESPACE)
+        return True
+    except ValueError:  # no such actor (any more)
+        return False
 
 
 def set_replicas(name: str, num_replicas: int) -> dict:
@@ -142,7 +156,7 @@ def app_message(name: str) -> str:
 def serve_replicas(name: str) -> list[dict]:
     """Serve's replicas of application ``name``: dicts with ``replica_id``, ``state``
     (``STARTING``, ``RUNNING``, ``STOPPING``, ``RECOVERING``, …), ``pid``, ``node_id``,
-    ``node_ip``, ``start_time_s``; [] when the application is unknown."""
+    ``node_ip``, ``start_time_s``, ``actor_name``; [] when the application is unknown."""
     app = client().get_serve_details().get("applications", {}).get(name)
     if app is None:
         return []
@@ -150,7 +164,7 @@ def serve_replicas(name: str) -> list[dict]:
     for dep in app.get("deployments", {}).values():
         for r in dep.get("replicas", []):
             out.append({k: r.get(k) for k in ("replica_id", "state", "pid", "node_id",
-                                              "node_ip", "start_time_s")})
+                                              "node_ip", "start_time_s", "actor_name")})
     return out
 
 
