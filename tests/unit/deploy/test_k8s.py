@@ -154,3 +154,17 @@ def test_bad_fleet_sizes_are_refused_before_rendering():
     with pytest.raises(ValueError, match=r"replicas \(9\)"):
         k8s.K8sConfig(replicas=9, max_replicas=4)
     assert k8s_main(["render", "--out", "/nonexistent-never", "--min-replicas", "5"]) == 2
+
+
+def test_the_raycluster_kuberay_makes_of_the_rayservice_validates():
+    # KubeRay creates a RayCluster whose spec is the RayService's rayClusterConfig.
+    cluster = {"apiVersion": "ray.io/v1", "kind": "RayCluster",
+               "metadata": {"name": "kvfleet-raycluster"},
+               "spec": _service()["spec"]["rayClusterConfig"]}
+    validate(cluster)
+    cluster["spec"]["workerGroupSpecs"][0].update(minReplicas=3, maxReplicas=1)
+    with pytest.raises(InvalidManifest, match="RayCluster/kvfleet-raycluster.*minReplicas 3 > maxReplicas 1"):
+        validate(cluster)
+    del cluster["spec"]["headGroupSpec"]
+    with pytest.raises(InvalidManifest, match="headGroupSpec"):
+        validate(cluster)
