@@ -54,6 +54,9 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=50051, help="router port (0 = a free port)")
     p.add_argument("--redis-url", help="use this Redis instead of starting a private one")
     p.add_argument("--ray-address", help="join this Ray cluster instead of starting one")
+    p.add_argument("--replica-host", default="127.0.0.1",
+                   help="interface the replicas serve gRPC on (default 127.0.0.1; 0.0.0.0 on a "
+                        "cluster spanning hosts: each replica registers its node's address)")
     p.add_argument("--api-keys", help="JSON file mapping API keys to tenants (default: open)")
     p.add_argument("--metrics-port", type=int,
                    help="Prometheus metrics: the router on this port, replica i on port+1+i "
@@ -144,7 +147,8 @@ def cluster_config(args: argparse.Namespace):
         block_size=args.block_size, num_blocks=args.num_blocks, one_row_weights=args.one_row_weights,
         kv_memory_bytes=parse_size(args.kv_memory, "--kv-memory") if args.kv_memory else None,
         policy=args.policy, port=args.port, redis_url=args.redis_url,
-        ray_address=args.ray_address, api_keys_file=args.api_keys,
+        ray_address=args.ray_address, replica_host=args.replica_host,
+        api_keys_file=args.api_keys,
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   policy=args.admission, tenant_share=args.tenant_share),
@@ -397,6 +401,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("model", help="prepare or locate models (see `kvfleet model -h`)", add_help=False)
     sub.add_parser("adapter", help="load, unload or list LoRA adapters of a running cluster "
                                    "(see `kvfleet adapter -h`)", add_help=False)
+    sub.add_parser("k8s", help="render the Kubernetes (KubeRay) manifests (see `kvfleet k8s -h`)",
+                   add_help=False)
     return p
 
 
@@ -412,6 +418,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if argv and argv[0] == "model":
         from kvfleet.deploy.models import main as model_main
         return model_main(argv[1:])
+    if argv and argv[0] == "k8s":
+        from kvfleet.deploy.k8s_cli import main as k8s_main
+        return k8s_main(argv[1:])
     args = build_parser().parse_args(argv)
     level = {0: logging.WARNING, 1: logging.INFO}.get(args.verbose, logging.DEBUG)
     logging.basicConfig(level=level, stream=sys.stderr,

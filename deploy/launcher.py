@@ -60,8 +60,11 @@ class ClusterConfig:
     one_row_weights: bool = True  # see ReplicaConfig
     policy: str = "prefix_aware"
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # the router's
     port: int = 50051
+    # Where replicas serve gRPC: 0.0.0.0 on a multi-host cluster (each advertises its node's
+    # address in the registry), loopback on one host.
+    replica_host: str = "127.0.0.1"
     http_port: Optional[int] = None  # the router's OpenAI-compatible HTTP front (0: a free port)
     redis_url: Optional[str] = None
     ray_address: Optional[str] = None
@@ -215,17 +218,16 @@ class LocalCluster:
         return self.router_address
 
     def _app_config(self) -> dict:
-        """The model's Serve application (kvfleet.deploy.serve_app) for this config."""
+        """The model's Serve application (:func:`serve_application`), its CPU share and
+        threads sized to the Ray cluster it runs on and to this host."""
         import ray
 
         cfg = self.cfg
-        cuda = cfg.device.startswith("cuda")
         tp = cfg.tensor_parallel_size
-        if cuda and ray.cluster_resources().get("GPU", 0) < tp:
+        if cfg.device.startswith("cuda") and ray.cluster_resources().get("GPU", 0) < tp:
             raise ValueError(f"--tp {tp} --device cuda: a replica needs {tp} GPUs on one node, "
                              f"the Ray cluster has {ray.cluster_resources().get('GPU', 0):g}")
-        per_host = max(1, cfg.replicas_per_host) if cfg.executor == "cost-model" else 1
-        hosts = -(-cfg.replicas // per_host)
+        hosts = -(-cfg.replicas // replicas_per_process(cfg))
         cpus = float(ray.available_resources().get("CPU", 1.0))
         # Half the free CPUs shared out (at most 1 each): room to scale the fleet to twice
         # its size in place.
@@ -233,22 +235,7 @@ class LocalCluster:
         if cfg.replica_num_cpus is not None:
             per_replica = cfg.replica_num_cpus
         threads = max(1, (os.cpu_count() or 1) // cfg.replicas)
-        metrics = None if cfg.metrics_port is None else 0  # many replicas: free ports
-        base = ReplicaConfig(
-            replica_id=cfg.model_name, model_name=cfg.model_name, model_dir=cfg.model_dir,
-            block_size=cfg.block_size, num_blocks=cfg.num_blocks,
-            kv_memory_bytes=cfg.kv_memory_bytes, dtype=cfg.dtype,
-            one_row_weights=cfg.one_row_weights, scheduler=cfg.scheduler,
-            redis_url=self.redis_url, namespace=cfg.namespace, num_threads=threads,
-            telemetry=replace(cfg.telemetry, metrics_port=metrics),
-            executor=cfg.executor, cost_model=cfg.cost_model,
-            tensor_parallel_size=tp, tp=cfg.tp, device=cfg.device,
-            internal_tls_dir=cfg.internal_tls_dir, drain_timeout_s=cfg.drain_timeout_s,
-            adapters=cfg.adapters, max_loras=cfg.max_loras, max_lora_rank=cfg.max_lora_rank)
-        placement = Placement(per_replica, tp, cuda, cfg.tp.rank_num_cpus)
-        env = {**RAY_ENV, "OMP_WAIT_POLICY": "passive"}
-        return app_config(base, cfg.replicas, placement, per_host, cfg.revision, env,
-                          cfg.health_check_period_s, cfg.health_check_timeout_s)
+        return serve_application(cfg, self.redis_url, per_replica, threads)
 
     def registered(self) -> list[ReplicaInfo]:
         """This application's replicas in the registry (see ``AppRef.registered``)."""
@@ -289,26 +276,15 @@ class LocalCluster:
 
     def _start_router(self, timeout_s: float) -> str:
         cfg = self.cfg
-        cmd = [sys.executable, "-m", "kvfleet.router.main", "--redis-url", self.redis_url,
-               "--model-name", cfg.model_name, "--model-dir", cfg.model_dir,
-               "--block-size", str(cfg.block_size), "--kv-dtype", cfg.dtype,
-               "--host", cfg.host, "--port", str(cfg.port), "--policy", cfg.policy,
-               "--namespace", cfg.namespace]
-        if cfg.api_keys_file:
-            cmd += ["--api-keys", cfg.api_keys_file]
-        if cfg.tls_cert:
-            cmd += ["--tls-cert", cfg.tls_cert, "--tls-key", cfg.tls_key or ""]
-        if cfg.internal_tls_dir:
-            cmd += ["--internal-tls-dir", cfg.internal_tls_dir]
-        cmd += list(cfg.router_args)
+        http_port = metrics_port = None
         if cfg.http_port is not None:
-            port = cfg.http_port or free_port(cfg.host)
-            cmd += ["--http-port", str(port)]
-            self.http_address = f"{cfg.host}:{port}"
+            http_port = cfg.http_port or free_port(cfg.host)
+            self.http_address = f"{cfg.host}:{http_port}"
         if cfg.metrics_port is not None:
-            port = self._metrics_port(0) or free_port(cfg.host)
-            cmd += ["--metrics-port", str(port)]
-            self.metrics_addresses["router"] = f"{cfg.host}:{port}"
+            metrics_port = self._metrics_port(0) or free_port(cfg.host)
+            self.metrics_addresses["router"] = f"{cfg.host}:{metrics_port}"
+        cmd = [sys.executable, "-m", "kvfleet.router.main",
+               *router_args(cfg, self.redis_url, http_port, metrics_port)]
         # The router reads OTEL_* at start-up: give it exactly this cluster's settings.
         env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
         env.update(cfg.telemetry.to_env())
@@ -351,6 +327,61 @@ class LocalCluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def replicas_per_process(cfg: ClusterConfig) -> int:
+    """kvfleet replicas one Serve replica hosts: many cost-model ones, else 1."""
+    return max(1, cfg.replicas_per_host) if cfg.executor == "cost-model" else 1
+
+
+def serve_application(cfg: ClusterConfig, redis_url: str, num_cpus: float, threads: int) -> dict:
+    """The Serve application config (``ServeApplicationSchema`` fields,
+    kvfleet.deploy.serve_app) that runs ``cfg``'s replicas: what ``kvfleet up`` applies, and
+    what the Kubernetes RayService's ``serveConfigV2`` holds (kvfleet.deploy.k8s), so the two
+    cannot drift. ``num_cpus``: Ray CPUs per Serve replica (rank 0 and, at tp > 1, a share
+    for the other ranks); ``threads``: torch threads per rank.
+
+    Raises ValueError for a config a replica refuses (see ReplicaConfig)."""
+    tp = cfg.tensor_parallel_size
+    metrics = None if cfg.metrics_port is None else 0  # many replicas: free ports
+    base = ReplicaConfig(
+        replica_id=cfg.model_name, model_name=cfg.model_name, model_dir=cfg.model_dir,
+        block_size=cfg.block_size, num_blocks=cfg.num_blocks,
+        kv_memory_bytes=cfg.kv_memory_bytes, dtype=cfg.dtype,
+        one_row_weights=cfg.one_row_weights, scheduler=cfg.scheduler,
+        redis_url=redis_url, namespace=cfg.namespace, host=cfg.replica_host,
+        num_threads=threads, telemetry=replace(cfg.telemetry, metrics_port=metrics),
+        executor=cfg.executor, cost_model=cfg.cost_model,
+        tensor_parallel_size=tp, tp=cfg.tp, device=cfg.device,
+        internal_tls_dir=cfg.internal_tls_dir, drain_timeout_s=cfg.drain_timeout_s,
+        adapters=cfg.adapters, max_loras=cfg.max_loras, max_lora_rank=cfg.max_lora_rank)
+    placement = Placement(num_cpus, tp, cfg.device.startswith("cuda"), cfg.tp.rank_num_cpus)
+    env = {**RAY_ENV, "OMP_WAIT_POLICY": "passive"}
+    return app_config(base, cfg.replicas, placement, replicas_per_process(cfg), cfg.revision,
+                      env, cfg.health_check_period_s, cfg.health_check_timeout_s)
+
+
+def router_args(cfg: ClusterConfig, redis_url: str, http_port: Optional[int] = None,
+                metrics_port: Optional[int] = None) -> list[str]:
+    """The router's command-line arguments (``python -m kvfleet.router.main ARGS``) for
+    ``cfg``: what ``kvfleet up`` runs and what the Kubernetes router Deployment runs
+    (kvfleet.deploy.k8s). ``http_port`` / ``metrics_port``: None = that endpoint off."""
+    args = ["--redis-url", redis_url, "--model-name", cfg.model_name, "--model-dir", cfg.model_dir,
+            "--block-size", str(cfg.block_size), "--kv-dtype", cfg.dtype,
+            "--host", cfg.host, "--port", str(cfg.port), "--policy", cfg.policy,
+            "--namespace", cfg.namespace]
+    if cfg.api_keys_file:
+        args += ["--api-keys", cfg.api_keys_file]
+    if cfg.tls_cert:
+        args += ["--tls-cert", cfg.tls_cert, "--tls-key", cfg.tls_key or ""]
+    if cfg.internal_tls_dir:
+        args += ["--internal-tls-dir", cfg.internal_tls_dir]
+    args += list(cfg.router_args)
+    if http_port is not None:
+        args += ["--http-port", str(http_port)]
+    if metrics_port is not None:
+        args += ["--metrics-port", str(metrics_port)]
+    return args
 
 
 def wait_ready(proc: subprocess.Popen, marker: str, timeout_s: float,

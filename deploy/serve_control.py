@@ -57,6 +57,14 @@ def app_configs() -> dict[str, dict]:
             for name, schema in ray.get(ctl.get_app_configs.remote()).items()}
 
 
+def deploy_config(apps: list[dict]) -> dict:
+    """The whole Serve config (``ServeDeploySchema`` fields) holding application configs
+    ``apps``, Serve's proxy off (kvfleet's router is the data plane): what this module
+    applies, what ``serve deploy`` / ``serve run`` take, and what a KubeRay RayService's
+    ``serveConfigV2`` holds."""
+    return {"proxy_location": "Disabled", "applications": list(apps)}
+
+
 def apply(app: dict) -> None:
     """Deploy or update one application config (a dict of ``ServeApplicationSchema``
     fields), keeping every other application as it is. Raises whatever Serve's schema
@@ -65,8 +73,7 @@ def apply(app: dict) -> None:
 
     apps = app_configs()
     apps[app["name"]] = app
-    schema = ServeDeploySchema.model_validate({"proxy_location": "Disabled",
-                                              "applications": list(apps.values())})
+    schema = ServeDeploySchema.model_validate(deploy_config(list(apps.values())))
     client().deploy_apps(schema)
 
 
@@ -82,8 +89,7 @@ def delete(name: str, timeout_s: float = 120.0) -> None:
     if apps.pop(name, None) is None:
         return
     actors = [r["actor_name"] for r in serve_replicas(name) if r.get("actor_name")]
-    client().deploy_apps(ServeDeploySchema.model_validate(
-        {"proxy_location": "Disabled", "applications": list(apps.values())}))
+    client().deploy_apps(ServeDeploySchema.model_validate(deploy_config(list(apps.values()))))
     deadline = time.monotonic() + timeout_s
     while name in app_statuses() or any(_actor_alive(a) for a in actors):
         if time.monotonic() > deadline:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from typing import Optional
 
 import grpc
@@ -50,6 +51,27 @@ def bind_port(server: grpc.aio.Server, host: str, port: int,
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}: address in use or not permitted")
     return bound
+
+
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
+
+def advertised_host(host: str) -> str:
+    """The host others dial for a server bound to ``host``: ``host`` itself, or for a
+    wildcard (``0.0.0.0``, every interface: a pod or a host of a multi-node cluster) this
+    node's address as Ray knows it (a Kubernetes pod's IP under KubeRay), else the address
+    the host name resolves to."""
+    if host not in WILDCARD_HOSTS:
+        return host
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:  # a process without Ray (tests of the server alone)
+        pass
+    return socket.gethostbyname(socket.gethostname())
+
 
 # RPCs that reached gRPC core but that the Python server has not picked up yet. Core's defaults
 # (soft 1,000, hard 3,000, random early rejection in between) end the excess with status

@@ -66,6 +66,8 @@ class RouterConfig:
     # popularity_window, kv_saturation, min_excess_load; empty = the documented defaults.
     policy_options: dict = field(default_factory=dict)
     retry_pushback_ms: int = DEFAULT_RETRY_PUSHBACK_MS  # RESOURCE_EXHAUSTED's retry hint
+    # On SIGTERM/SIGINT: new calls are refused at once, open streams get this long to end.
+    shutdown_grace_s: float = 2.0
     tls_cert: Optional[str] = None  # PEM files: serve the client port over TLS
     tls_key: Optional[str] = None
     internal_tls_dir: Optional[str] = None  # mutual TLS to the workers (kvfleet.tls)
@@ -205,6 +207,9 @@ def parse_args(argv: list[str]) -> RouterConfig:
                         "its stream is cancelled")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="stderr log level (DEBUG: one line per routing decision)")
+    p.add_argument("--shutdown-grace-s", type=float, default=2.0,
+                   help="on SIGTERM, how long open streams may run on before they are cut "
+                        "(default 2; a pod's terminationGracePeriodSeconds must exceed it)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on this port (0 = a free one); OTLP export "
                         "follows the standard OTEL_* environment variables")
@@ -213,6 +218,8 @@ def parse_args(argv: list[str]) -> RouterConfig:
         p.error("--http-max-connections must be >= 1")
     if bool(a.tls_cert) != bool(a.tls_key):
         p.error("--tls-cert and --tls-key go together")
+    if not a.shutdown_grace_s >= 0:
+        p.error(f"--shutdown-grace-s must be >= 0, got {a.shutdown_grace_s}")
     try:
         telemetry = TelemetryConfig.from_env(os.environ, metrics_port=a.metrics_port)
         stream_limits = StreamLimits(a.stream_max_unread, a.stream_stall_s)
@@ -224,6 +231,7 @@ def parse_args(argv: list[str]) -> RouterConfig:
                         policy=a.policy, namespace=a.namespace, api_keys_file=a.api_keys,
                         index_mirror=a.index_mirror, telemetry=telemetry,
                         log_level=a.log_level, retry_pushback_ms=a.retry_pushback_ms,
+                        shutdown_grace_s=a.shutdown_grace_s,
                         tls_cert=a.tls_cert, tls_key=a.tls_key,
                         internal_tls_dir=a.internal_tls_dir, stream_limits=stream_limits,
                         policy_options={
@@ -254,7 +262,7 @@ async def _serve(cfg: RouterConfig) -> int:
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, server.reload_api_keys)
     await stop.wait()
-    await server.stop()
+    await server.stop(cfg.shutdown_grace_s)
     return 0
 
 

@@ -22,7 +22,8 @@ import torch
 from kvfleet.allocator.fingerprint import fingerprint_model_dir
 from kvfleet.allocator.hashing import CacheIdentity
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
-from kvfleet.grpc_util import SERVER_OPTIONS, add_health_and_reflection, bind_port, mark_serving
+from kvfleet.grpc_util import (SERVER_OPTIONS, add_health_and_reflection, advertised_host,
+                                bind_port, mark_serving)
 from kvfleet.errors import Unavailable
 from kvfleet.stream_limits import StreamLimits
 from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
@@ -203,7 +204,7 @@ class ReplicaServer:
         creds = (InternalTLS.load(self.cfg.internal_tls_dir).worker_credentials()
                  if self.cfg.internal_tls_dir else None)
         port = bind_port(self._server, self.cfg.host, self.cfg.port, creds)
-        self.address = f"{self.cfg.host}:{port}"
+        self.address = f"{advertised_host(self.cfg.host)}:{port}"
         if self.telemetry is None:
             self.telemetry = Telemetry(self.cfg.telemetry, "worker", self.cfg.replica_id)
         self.metrics_address = self.telemetry.metrics_address

@@ -55,3 +55,21 @@ def test_up_adapters_are_parsed_expanded_and_checked_before_anything_starts(
     assert "adapter 'bad'" in err and "adapter_config.json: field 'use_dora'" in err
     assert cli.main(["up", "--model", str(tiny_llama_dir), "--adapter", "no-equals-sign"]) == 2
     assert "--adapter takes NAME=DIR" in capsys.readouterr().err
+
+
+def test_replica_host_reaches_the_replicas_config(tiny_llama_dir):
+    from kvfleet.deploy.launcher import serve_application
+
+    cfg = cli.cluster_config(cli.build_parser().parse_args(
+        ["up", "--model", str(tiny_llama_dir), "--replica-host", "0.0.0.0"]))
+    assert cfg.replica_host == "0.0.0.0"
+    app = serve_application(cfg, "redis://127.0.0.1:1/0", num_cpus=0.5, threads=1)
+    assert app["args"]["replica"]["host"] == "0.0.0.0"
+
+
+def test_router_shutdown_grace_is_checked():
+    base = ["--redis-url", "r", "--model-name", "m", "--model-dir", "/x"]
+    assert router_args(base).shutdown_grace_s == 2.0
+    assert router_args(base + ["--shutdown-grace-s", "45"]).shutdown_grace_s == 45.0
+    with pytest.raises(SystemExit):
+        router_args(base + ["--shutdown-grace-s", "-1"])

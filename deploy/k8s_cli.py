@@ -1,0 +1,61 @@
+"""``kvfleet k8s render``: write the Kubernetes manifests (kvfleet.deploy.k8s) for the
+chosen model, GPU shape and fleet size.
+
+Exit codes: 0 written, 2 a usage or configuration error (the message names the flag).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import fields
+from typing import Optional
+
+from kvfleet.deploy.k8s import K8sConfig, write
+
+# flag → (K8sConfig field, type, help)
+FLAGS = {
+    "--name": ("name", str, "object name prefix"),
+    "--image": ("image", str, "container image with kvfleet and Ray installed"),
+    "--model": ("model_name", str, "served model: a directory of that name on the models volume"),
+    "--models-claim": ("models_claim", str, "PersistentVolumeClaim holding the model directories"),
+    "--tp": ("tp", int, "GPUs per worker pod = tensor-parallel ranks per replica"),
+    "--replicas": ("replicas", int, "replicas (one per worker pod) in the Serve config"),
+    "--min-replicas": ("min_replicas", int, "worker pods the autoscaler keeps"),
+    "--max-replicas": ("max_replicas", int, "worker pods the autoscaler may run"),
+    "--router-replicas": ("router_replicas", int, "router pods"),
+    "--worker-cpus": ("worker_cpus", int, "CPUs per worker pod"),
+    "--worker-memory": ("worker_memory", str, "memory per worker pod (a Kubernetes quantity)"),
+    "--kv-memory-bytes": ("kv_memory_bytes", int, "KV-cache bytes per rank"),
+    "--dtype": ("dtype", str, "weights and KV dtype"),
+    "--drain-timeout": ("drain_timeout_s", float, "seconds a stopping replica or router lets "
+                                                 "its streams run on"),
+    "--revision": ("revision", str, "rollout label: a new one replaces every replica in "
+                                    "place, one at a time"),
+    "--traces-endpoint": ("traces_endpoint", str, "OTLP/gRPC endpoint the collector sends "
+                                                  "traces to"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults = {f.name: f.default for f in fields(K8sConfig)}
+    p = argparse.ArgumentParser(prog="kvfleet k8s", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    render = sub.add_parser("render", help="write the manifests into --out")
+    render.add_argument("--out", default="deploy/k8s", help="directory (default deploy/k8s)")
+    for flag, (name, kind, text) in FLAGS.items():
+        render.add_argument(flag, dest=name, type=kind, default=defaults[name],
+                            help=f"{text} (default {defaults[name]})")
+    return p
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        k = K8sConfig(**{name: getattr(args, name) for name, _, _ in FLAGS.values()})
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for path in write(k, args.out):
+        print(path)
+    return 0
