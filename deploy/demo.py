@@ -97,8 +97,8 @@ def _print_breakdown(results: list[Result], cfg: ClusterConfig, jaeger_url: str)
           "dispatch − worker; other = router + client↔router):")
     print(breakdown_table([(f"[{r.group}] {r.question}", r.stats) for r in results], link))
     if not exported:
-        print("traces were not exported: set OTEL_EXPORTER_OTLP_ENDPOINT (see README, "
-              "'Tracing and metrics') to see them in Jaeger")
+        print("traces were not exported: set OTEL_EXPORTER_OTLP_ENDPOINT (see docs/tracing.md) "
+              "to see them in Jaeger")
     elif link is None:
         print(f"traces exported to {cfg.telemetry.traces_endpoint()}; no Jaeger UI answered at "
               f"{jaeger_url} (docker compose -f deploy/compose/docker-compose.yaml up -d)")
