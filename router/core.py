@@ -210,6 +210,7 @@ class RouterCore:
                 status). The caller records it on ``trace`` and answers it in its own shape.
         """
         model = self.model(req.model)
+        await self.replicas.routable(model.name)  # a stale view with no routable replica: re-read
         candidates = self._candidates(model.name)
         limit = self.auth.tenant_limit(tenant, fleet_capacity(candidates))
         check_tenant(tenant, self.tenant_inflight[tenant], limit)  # before tokenizing: cheap

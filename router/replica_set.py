@@ -67,6 +67,17 @@ class ReplicaSet:
         self.replicas = {info.replica_id: (info, load) for info, load in live}
         self.ledger.on_reports((rid, load) for rid, (_, load) in self.replicas.items())
 
+    async def routable(self, model: str) -> list[tuple[ReplicaInfo, Optional[ReplicaLoad]]]:
+        """:meth:`for_model`, but when that is empty and the index answers, the registry is
+        read once first: a replacement may have registered since the last periodic read (every
+        ``refresh_interval_s``), e.g. right after the only replica drained. During an outage
+        nothing is read (each request would wait for Redis' timeout)."""
+        live = self.for_model(model)
+        if not live and self.index_available:
+            await self.refresh()
+            live = self.for_model(model)
+        return live
+
     def mark_index_down(self, exc: BaseException) -> None:
         """Keep the known replicas, forget their load reports (they would freeze): from now on
         load is this router's own in-flight count until the index answers again."""
