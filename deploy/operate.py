@@ -91,9 +91,12 @@ class AppRef:
         return [e.info for e in read_registry(self.redis_url, self.namespace)
                 if e.info.model == self.model and e.info.serve_replica in hosts]
 
-    def wait_serving(self, replicas: int, timeout_s: float = 300.0) -> list[ReplicaInfo]:
+    def wait_serving(self, replicas: int, timeout_s: float = 300.0,
+                     replacing: frozenset[str] = frozenset()) -> list[ReplicaInfo]:
         """Wait until exactly ``replicas`` replicas serve (registered, not draining); returns
-        them by id.
+        them by id. ``replacing``: Serve replica ids of a rollout's old replicas, which do not
+        count and must all have left the registry (Serve's replica list can be briefly empty
+        mid-rollout, so "none old listed" alone is not done).
 
         Raises:
             RuntimeError: Serve failed to deploy the application (its message included).
@@ -101,9 +104,12 @@ class AppRef:
         """
         deadline = time.monotonic() + timeout_s
         while True:
-            serving = sorted((i for i in self.registered() if i.state == "serving"),
+            now = self.registered()
+            serving = sorted((i for i in now
+                              if i.state == "serving" and i.serve_replica not in replacing),
                              key=lambda i: i.replica_id)
-            if len(serving) == replicas:
+            old_left = sum(i.serve_replica in replacing for i in now)
+            if len(serving) == replicas and not old_left:
                 return serving
             status = serve_control.app_statuses().get(self.name, "")
             # UNHEALTHY passes while Serve replaces a failed replica; a failed deploy does not.
@@ -111,8 +117,9 @@ class AppRef:
                 message = serve_control.app_message(self.name)
                 if status == "DEPLOY_FAILED":
                     raise RuntimeError(f"Serve application {self.name}: {status}: {message}")
-                raise TimeoutError(f"{len(serving)} of {replicas} replicas of {self.model} "
-                                   f"serving after {timeout_s:g} s "
+                old = f", {old_left} old ones still registered" if replacing else ""
+                raise TimeoutError(f"{len(serving)} of {replicas} {'new ' if replacing else ''}"
+                                   f"replicas of {self.model} serving after {timeout_s:g} s{old} "
                                    f"(Serve: {status or 'no application'} {message})")
             time.sleep(0.1)
 
@@ -122,7 +129,6 @@ class AppRef:
         if replicas < 1:
             raise ValueError(f"--replicas must be >= 1, got {replicas}")
         return serve_control.set_replicas(self.name, math.ceil(replicas / self.per_host))
-
 
     def upgrade(self, revision: str, model_dir: Optional[str] = None,
                 timeout_s: float = 600.0) -> list[ReplicaInfo]:
@@ -137,28 +143,10 @@ class AppRef:
         """
         if not revision:
             raise ValueError("--revision must not be empty")
-        old = {i.serve_replica for i in self.registered()}
+        old = frozenset(i.serve_replica for i in self.registered())
         app = serve_control.set_revision(self.name, revision, model_dir)
         want = int(app["deployments"][0].get("num_replicas", 1)) * self.per_host
-        deadline = time.monotonic() + timeout_s
-        while True:
-            # Done when the configured count of new replicas serves and no old one is left
-            # (Serve's replica list can be briefly empty mid-rollout: not "done").
-            now = self.registered()
-            fresh = sorted((i for i in now if i.serve_replica not in old and i.state == "serving"),
-                           key=lambda i: i.replica_id)
-            if len(fresh) == want and not old & {i.serve_replica for i in now}:
-                return fresh
-            status = serve_control.app_statuses().get(self.name, "")
-            if status == "DEPLOY_FAILED":
-                raise RuntimeError(f"Serve application {self.name}: {status}: "
-                                   f"{serve_control.app_message(self.name)}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"rollout of {self.model} to revision {revision!r} not done "
-                                   f"after {timeout_s:g} s: {len(fresh)} of {want} new replicas "
-                                   f"serving, {len(old & {i.serve_replica for i in now})} old "
-                                   f"ones still registered")
-            time.sleep(0.1)
+        return self.wait_serving(want, timeout_s, replacing=old)
 
 
 def find_app(namespace: Optional[str], model: Optional[str]) -> AppRef:

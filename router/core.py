@@ -146,9 +146,11 @@ class RouterCore:
         raise InvalidArgument("prompt: one of text, token_ids or messages is required",
                               field="prompt")
 
-    def _candidates(self, model: str, matched: Optional[dict[str, int]] = None) -> list[Candidate]:
-        """Every live replica of ``model`` with its load. Raises Unavailable if none is live."""
-        live = self.replicas.for_model(model)
+    def _candidates(self, model: str, matched: Optional[dict[str, int]] = None,
+                    live: Optional[list] = None) -> list[Candidate]:
+        """Every live replica of ``model`` with its load (``live``: ``for_model``'s answer, if
+        the caller has it). Raises Unavailable if none is live."""
+        live = self.replicas.for_model(model) if live is None else live
         if not live:
             raise Unavailable(f"no live replica serves model {model!r}")
         ledger, matched = self.replicas.ledger, matched or {}
@@ -210,8 +212,8 @@ class RouterCore:
                 status). The caller records it on ``trace`` and answers it in its own shape.
         """
         model = self.model(req.model)
-        await self.replicas.routable(model.name)  # a stale view with no routable replica: re-read
-        candidates = self._candidates(model.name)
+        # A stale view with no routable replica re-reads the registry first.
+        candidates = self._candidates(model.name, live=await self.replicas.routable(model.name))
         limit = self.auth.tenant_limit(tenant, fleet_capacity(candidates))
         check_tenant(tenant, self.tenant_inflight[tenant], limit)  # before tokenizing: cheap
         adapter = None

@@ -355,9 +355,9 @@ class ReplicaServer:
     async def _heartbeat(self) -> None:
         while True:
             try:
-                self.publisher.describe(prefix_hit_rate=round(self.hits.rate(), 4))
-                if self.engine.adapters is not None:  # slots change: re-published every beat
-                    self.publisher.describe(**self.adapter_fields())
+                # Adapter slots change too: re-published every beat ({} without adapters).
+                self.publisher.describe(prefix_hit_rate=round(self.hits.rate(), 4),
+                                        **self.adapter_fields())
                 await self.publisher.heartbeat(self.load())
             except Exception:
                 log.exception("heartbeat failed")
