@@ -4,7 +4,7 @@ One slot holds, for every layer and each of the seven projections a Llama-family
 target (q, k, v, o, gate, up, down), ``A`` ``[in, r]`` and ``B`` ``[r, out]``: at rank ``r``
 that is ``r * (in + out)`` elements each. A slot is sized for ``--max-lora-rank`` with every
 projection targeted, the most any accepted adapter needs. Per tensor-parallel rank (the rule
-of ``worker/lora/adapter.py``): a column-parallel projection (q, k, v, gate, up) holds
+of ``worker/runner/lora/adapter.py``): a column-parallel projection (q, k, v, gate, up) holds
 ``in + out / tp`` per rank, a row-parallel one (o, down) ``in / tp + out``.
 """
 

@@ -2,7 +2,7 @@
 
     .venv/bin/python -m bench.calibrate [--out bench/results/calibration.json]
 
-Builds the real :class:`~kvfleet.worker.model_runner.ModelRunner` on the prepared SmolLM2
+Builds the real :class:`~kvfleet.worker.runner.model_runner.ModelRunner` on the prepared SmolLM2
 (fp32, one torch thread: what each of two replicas gets on a 2-core machine), times the step
 shapes the router benchmark produces (512-token prefill chunks from an empty and a half-full
 context, the 64-token suffix after a 1,024-token cached prefix, decode batches at ~1,088 tokens
@@ -44,8 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch  # here: ensure_calibration's callers need no torch until they calibrate
 
     from kvfleet.deploy.models import prepare_model
-    from kvfleet.worker.cost_model import calibration_plans, fit, measure
-    from kvfleet.worker.model_runner import ModelRunner
+    from kvfleet.worker.executor.cost_model import calibration_plans, fit, measure
+    from kvfleet.worker.runner.model_runner import ModelRunner
 
     torch.set_num_threads(a.threads)
     model_dir = prepare_model(progress=False)

@@ -14,10 +14,10 @@ import torch
 from bench.engine_baselines import RunResult
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
 from kvfleet.sampling_params import SamplingParams
-from kvfleet.worker.engine import Engine, EngineRequest
-from kvfleet.worker.model_runner import ModelRunner
-from kvfleet.worker.scheduler import SchedulerConfig
-from kvfleet.worker.step_plan import SeqChunk, StepPlan
+from kvfleet.worker.engine.engine import Engine, EngineRequest
+from kvfleet.worker.runner.model_runner import ModelRunner
+from kvfleet.worker.engine.scheduler import SchedulerConfig
+from kvfleet.worker.engine.step_plan import SeqChunk, StepPlan
 
 BLOCK_SIZE = 16
 _ids = itertools.count()

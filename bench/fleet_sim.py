@@ -26,10 +26,10 @@ from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
 from kvfleet.router.policy import Candidate, RoutingPolicy, make_policy
 from kvfleet.router.prefix_index import InMemoryPrefixIndex
 from kvfleet.sampling_params import SamplingParams
-from kvfleet.worker.cost_model import CostModel, CostModelRunner
-from kvfleet.worker.engine import EngineRequest
-from kvfleet.worker.replica import ReplicaConfig, build_engine
-from kvfleet.worker.scheduler import SchedulerConfig
+from kvfleet.worker.executor.cost_model import CostModel, CostModelRunner
+from kvfleet.worker.engine.engine import EngineRequest
+from kvfleet.worker.replica.replica import ReplicaConfig, build_engine
+from kvfleet.worker.engine.scheduler import SchedulerConfig
 
 
 def run_sync(coro):

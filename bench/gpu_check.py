@@ -125,7 +125,7 @@ def check_parity(dtype_name: str, runner, tokenizer, hf: dict, device: torch.dev
 
 def make_runner(model_dir: Path, dtype: torch.dtype, device: torch.device, num_blocks: int):
     """kvfleet's runner for ``model_dir``: weights and ``num_blocks`` KV blocks on ``device``."""
-    from kvfleet.worker.model_runner import ModelRunner
+    from kvfleet.worker.runner.model_runner import ModelRunner
 
     return ModelRunner(model_dir, num_blocks=num_blocks, block_size=BLOCK_SIZE, dtype=dtype,
                        device=str(device), one_row_weights=False)
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     device, cuda, cfg = a.device, a.device.type == "cuda", SHAPES[a.shape]
     if not cuda and not a.c_kernels:
-        from kvfleet.worker import cpu_kernels
+        from kvfleet.worker.runner import cpu_kernels
 
         os.environ[cpu_kernels.ENV_SWITCH] = "torch"  # the attention code CUDA runs
         cpu_kernels.load.cache_clear()

@@ -22,7 +22,7 @@ import time
 from bench.load import HttpTarget, Target, closed_loop
 from bench.router_cost import RESULTS, added_ttft, cpu_seconds
 from bench.workload import Workload, requests
-from kvfleet.worker.cost_model import ZERO
+from kvfleet.worker.executor.cost_model import ZERO
 
 
 async def throughput(target, pid: int, concurrency: int, seconds: float) -> dict:

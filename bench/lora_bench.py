@@ -8,7 +8,7 @@ model runner; no router):
 
 - **base**: all 16 on the base model, concurrently;
 - **mixed**: the same 16 spread over 4 adapters (4 each), all concurrently in one engine: each
-  step's tokens grouped by adapter (worker/lora/slots.py);
+  step's tokens grouped by adapter (worker/runner/lora/slots.py);
 - **merge**: adapter after adapter, its weights merged into the base (``W + scale * B @ A``,
   then the projections rebuilt and packed: counted), its 4 requests served as one batch.
 
@@ -36,15 +36,15 @@ from kvfleet.allocator.hashing import CacheIdentity
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
 from kvfleet.deploy.models import prepare_model
 from kvfleet.sampling_params import SamplingParams
-from kvfleet.worker.engine import Engine, EngineRequest
-from kvfleet.worker.lora import slots as lora_slots
-from kvfleet.worker.lora.adapter import check_adapter
-from kvfleet.worker.lora.config import MODULES
-from kvfleet.worker.lora.residency import AdapterResidency
-from kvfleet.worker.model_runner import ModelRunner
-from kvfleet.worker.models import build_model
-from kvfleet.worker.scheduler import SchedulerConfig
-from kvfleet.worker.weights import load_weights
+from kvfleet.worker.engine.engine import Engine, EngineRequest
+from kvfleet.worker.runner.lora import slots as lora_slots
+from kvfleet.worker.runner.lora.adapter import check_adapter
+from kvfleet.worker.runner.lora.config import MODULES
+from kvfleet.worker.engine.adapter_residency import AdapterResidency
+from kvfleet.worker.runner.model_runner import ModelRunner
+from kvfleet.worker.runner.models import build_model
+from kvfleet.worker.engine.scheduler import SchedulerConfig
+from kvfleet.worker.runner.weights import load_weights
 
 import tokenizers
 

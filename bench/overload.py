@@ -203,8 +203,8 @@ async def open_loop(stub, run: Run, rate: float, seconds: float, router: ProcSta
 def start_cluster(run: Run, redis_url: str, api_keys_file: Optional[str]):
     from kvfleet.deploy.launcher import ClusterConfig, LocalCluster
     from kvfleet.deploy.models import DEFAULT_MODEL, resolve_model
-    from kvfleet.worker.cost_model import MEASURED
-    from kvfleet.worker.scheduler import SchedulerConfig
+    from kvfleet.worker.executor.cost_model import MEASURED
+    from kvfleet.worker.engine.scheduler import SchedulerConfig
 
     name, model_dir = resolve_model(DEFAULT_MODEL)
     cfg = ClusterConfig(

@@ -30,7 +30,7 @@ from bench.load import Target, closed_loop, open_loop
 from bench.plots import plot_ttft_cdfs
 from bench.report import ratio_spread, summarize, throughput
 from bench.workload import Workload, requests, stream
-from kvfleet.worker.cost_model import CostModel
+from kvfleet.worker.executor.cost_model import CostModel
 
 RESULTS = Path(__file__).parent / "results"
 POLICIES = ("prefix_aware", "least_loaded", "round_robin")
@@ -62,7 +62,7 @@ class Run:
 def start_fleets(run: Run, redis_url: str) -> dict:
     from kvfleet.deploy.launcher import ClusterConfig, LocalCluster
     from kvfleet.deploy.models import DEFAULT_MODEL, resolve_model
-    from kvfleet.worker.scheduler import SchedulerConfig
+    from kvfleet.worker.engine.scheduler import SchedulerConfig
 
     name, model_dir = resolve_model(DEFAULT_MODEL)
     cost = (CostModel.load(ensure_calibration()).scaled(run.scale)

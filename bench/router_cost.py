@@ -32,7 +32,7 @@ from pathlib import Path
 from bench.load import Target, open_loop
 from bench.report import quantile
 from bench.workload import Request, Workload, requests
-from kvfleet.worker.cost_model import ZERO
+from kvfleet.worker.executor.cost_model import ZERO
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -76,7 +76,7 @@ async def lookup_latency(redis_url: str, calls: int = 400) -> dict:
     from kvfleet.index_keys import ReplicaInfo
     from kvfleet.router.index_mirror import MirroredPrefixIndex
     from kvfleet.router.prefix_index import RedisPrefixIndex
-    from kvfleet.worker.kv_publisher import KvPublisher
+    from kvfleet.worker.replica.kv_publisher import KvPublisher
 
     ns = "bench-lookup:"
     chain = block_hash_chain(b"r" * 16, list(range(1000, 1000 + 4096)), 16)

@@ -1,5 +1,5 @@
 """All-reduce latency between 2 idle processes: gloo vs the shared-memory all-reduce
-(:mod:`kvfleet.worker.parallel.shm_reduce`), for ``bench/tp_bench.py``.
+(:mod:`kvfleet.worker.executor.tp.shm_reduce`), for ``bench/tp_bench.py``.
 
 :func:`pair_latencies` starts 2 processes that time gloo and shm alternately on the same sizes
 (float32 elements) and check they sum to the same bits.
@@ -27,7 +27,7 @@ def _time_calls(fn, t: torch.Tensor, calls: int) -> list[float]:
 def _rank_main(rank: int, port: int, shm_name: str, sizes: list[int], calls: int, rounds: int,
                results) -> None:
     torch.set_num_threads(1)
-    from kvfleet.worker.parallel.comm import GroupAddress, RankComm, host_store
+    from kvfleet.worker.executor.tp.comm import GroupAddress, RankComm, host_store
 
     store = None
     if rank == 0:

@@ -16,7 +16,7 @@ included), rank 1's all-reduce time per step (the rank that arrives last waits l
 smaller of the two is closer to the collective's own cost), and the LM head's share of rank 0's
 step (``compute_logits``). Each TP size runs twice: all-reduces on gloo, and through the
 same-host shared-memory all-reduce (``TPSettings(shm_all_reduce=True)``,
-:mod:`kvfleet.worker.parallel.shm_reduce`). Last, both all-reduces' latency between 2 idle
+:mod:`kvfleet.worker.executor.tp.shm_reduce`). Last, both all-reduces' latency between 2 idle
 processes at the sizes a decode step reduces (``bench/shm_allreduce.py``). Target (issue 14):
 collectives ≤ 25 % of the tp=2 decode step. JSON and a PNG go to ``--out`` (default ``bench/results/tp``).
 """

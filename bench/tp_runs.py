@@ -1,10 +1,10 @@
 """Measurements behind ``bench/tp_bench.py``: one runner (tp=1, or rank 0 of a Ray rank group
-driven by a :class:`~kvfleet.worker.parallel.tp_runner.TPRunner`) timed on fixed step plans.
+driven by a :class:`~kvfleet.worker.executor.tp_executor.TPRunner`) timed on fixed step plans.
 
 Every time is wall-clock seconds on rank 0 (the driver process). Collective time is what rank
 0 spent inside ``RankComm.all_reduce`` (the forward's row-parallel sums, waiting for the slowest
 rank included) and ``RankComm.send`` (the one step-plan broadcast), read from the always-on
-:class:`~kvfleet.worker.parallel.comm.CommTimes`; the LM head's time is rank 0's
+:class:`~kvfleet.worker.executor.tp.comm.CommTimes`; the LM head's time is rank 0's
 ``compute_logits`` (final norm + head matmul), wrapped here.
 """
 
@@ -19,9 +19,9 @@ from typing import Any, Optional
 import torch
 
 from bench.seeded import seeded_llama_dir as seeded_llama_dir_for
-from kvfleet.worker.model_runner import ModelRunner
-from kvfleet.worker.parallel.comm import CommTimes
-from kvfleet.worker.step_plan import SeqChunk, StepPlan
+from kvfleet.worker.runner.model_runner import ModelRunner
+from kvfleet.worker.executor.tp.comm import CommTimes
+from kvfleet.worker.engine.step_plan import SeqChunk, StepPlan
 
 BLOCK_SIZE = 16
 # hidden 1024, 8 layers, 16 query / 8 KV heads (head_dim 64), FFN 2816, vocab 32000: 162 M
@@ -93,9 +93,9 @@ def make_setup(model_dir: Path, tp: int, num_blocks: int, shm: bool = False,
         runner = ModelRunner(model_dir, num_blocks, BLOCK_SIZE)
         setup = Setup(f"tp=1 ({torch.get_num_threads()} threads)", 1, 2, runner, runner)
     else:
-        from kvfleet.worker.parallel.group import RankGroup, TPSettings
-        from kvfleet.worker.parallel.rank_worker import RankSpec
-        from kvfleet.worker.parallel.tp_runner import TPRunner
+        from kvfleet.worker.executor.tp.group import RankGroup, TPSettings
+        from kvfleet.worker.executor.tp.rank_worker import RankSpec
+        from kvfleet.worker.executor.tp_executor import TPRunner
 
         settings = TPSettings(collective_timeout_s=collective_timeout_s,
                               step_timeout_s=collective_timeout_s, shm_all_reduce=shm)

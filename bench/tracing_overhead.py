@@ -44,7 +44,7 @@ from kvfleet.deploy.redis_server import start_redis
 from kvfleet.telemetry import Telemetry, TelemetryConfig
 from kvfleet.telemetry.collector import OtlpSink
 from kvfleet.telemetry.names import MD_WORKER_DURATION_S
-from kvfleet.worker.scheduler import SchedulerConfig
+from kvfleet.worker.engine.scheduler import SchedulerConfig
 
 RESULTS = Path(__file__).parent / "results"
 TOKEN_RANGE = (1000, 40000)  # plain tokens of SmolLM2's vocabulary
@@ -90,8 +90,8 @@ def micro_cost_us(n: int, sink_endpoint: str) -> dict:
     from kvfleet.telemetry.router_spans import RouterTelemetry
     from kvfleet.telemetry.worker_spans import WorkerTelemetry
     from kvfleet.v1 import common_pb2, worker_pb2
-    from kvfleet.worker.outputs import Milestones, SeqOutput, Usage
-    from kvfleet.worker.request import FinishReason
+    from kvfleet.worker.engine.outputs import Milestones, SeqOutput, Usage
+    from kvfleet.worker.engine.request import FinishReason
     from kvfleet.sampling_params import SamplingParams
     from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
     from kvfleet.router.policy import Candidate

@@ -122,9 +122,9 @@ def cluster_config(args: argparse.Namespace):
     from kvfleet.deploy.launcher import ClusterConfig
     from kvfleet.deploy.models import resolve_model
     from kvfleet.telemetry import TelemetryConfig
-    from kvfleet.worker.scheduler import SchedulerConfig
+    from kvfleet.worker.engine.scheduler import SchedulerConfig
 
-    from kvfleet.worker.cost_model import MEASURED, CostModel
+    from kvfleet.worker.executor.cost_model import MEASURED, CostModel
 
     name, model_dir = resolve_model(args.model)
     if args.device == "cuda":
@@ -134,8 +134,8 @@ def cluster_config(args: argparse.Namespace):
             raise ValueError("--device cuda: this torch sees no CUDA device "
                              f"(torch {torch.__version__}, built with CUDA {torch.version.cuda})")
     if args.tensor_parallel_size != 1:  # refuse a split the model cannot take before starting
-        from kvfleet.worker.model_config import load_model_config
-        from kvfleet.worker.parallel.layout import check_tp
+        from kvfleet.worker.runner.model_config import load_model_config
+        from kvfleet.worker.runner.tp.layout import check_tp
 
         check_tp(load_model_config(model_dir), args.tensor_parallel_size)
     adapters = _checked_adapters(args, model_dir)
@@ -166,8 +166,8 @@ def cluster_config(args: argparse.Namespace):
 def _checked_adapters(args: argparse.Namespace, model_dir) -> tuple[tuple[str, str], ...]:
     """``--adapter`` / ``--adapter-dir`` as (name, dir) pairs, each checked against the model
     before anything starts. Raises ValueError (AdapterError) naming the adapter, file and field."""
-    from kvfleet.worker.lora.catalog import check_catalog, expand_adapter_dirs, parse_adapter_arg
-    from kvfleet.worker.model_config import load_model_config
+    from kvfleet.worker.replica.adapter_catalog import check_catalog, expand_adapter_dirs, parse_adapter_arg
+    from kvfleet.worker.runner.model_config import load_model_config
 
     pairs = expand_adapter_dirs([parse_adapter_arg(a) for a in args.adapter], args.adapter_dir)
     if pairs:

@@ -30,10 +30,10 @@ from kvfleet.index_keys import DEFAULT_NAMESPACE, ReplicaInfo
 from kvfleet.telemetry import TelemetryConfig
 from kvfleet.tls import FILES as TLS_FILES
 from kvfleet.tls import generate_internal_tls
-from kvfleet.worker.cost_model import CostModel
-from kvfleet.worker.parallel.group import TPSettings
-from kvfleet.worker.replica import EXECUTORS, ReplicaConfig
-from kvfleet.worker.scheduler import SchedulerConfig
+from kvfleet.worker.executor.cost_model import CostModel
+from kvfleet.worker.executor.tp.group import TPSettings
+from kvfleet.worker.replica.replica import EXECUTORS, ReplicaConfig
+from kvfleet.worker.engine.scheduler import SchedulerConfig
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class ClusterConfig:
     # CPUs each replica reserves in Ray (default: half the free CPUs shared out, at most 1;
     # 0 lets a second cluster share a Ray whose CPUs another one holds, as tests do).
     replica_num_cpus: Optional[float] = None
-    # "cost-model": replicas whose forward is the cost model (kvfleet.worker.cost_model),
+    # "cost-model": replicas whose forward is the cost model (kvfleet.worker.executor.cost_model),
     # up to replicas_per_host of them sharing one process (Ray actor).
     executor: str = "model"
     cost_model: Optional[CostModel] = None

@@ -23,7 +23,7 @@ from typing import Optional
 
 from kvfleet.config_codec import to_dict
 from kvfleet.deploy.serve_control import DEPLOYMENT, IMPORT_PATH, app_name
-from kvfleet.worker.replica import ReplicaConfig
+from kvfleet.worker.replica.replica import ReplicaConfig
 
 SHUTDOWN_MARGIN_S = 15.0  # graceful_shutdown_timeout_s - drain timeout: the stop after a drain
 
@@ -98,7 +98,7 @@ def build(args: dict):
     :func:`app_config`)."""
     from ray import serve
 
-    from kvfleet.worker.serve_replica import ServeReplica
+    from kvfleet.worker.replica.serve_deployment import ServeReplica
 
     return serve.deployment(ServeReplica, name=DEPLOYMENT).bind(
         args["replica"], int(args.get("count", 1)), str(args.get("revision", "")))

@@ -1,5 +1,5 @@
 """Frozen config dataclasses to JSON-able dicts and back: a Ray Serve application config
-carries the replicas' :class:`~kvfleet.worker.replica.ReplicaConfig` as plain ``args``, which
+carries the replicas' :class:`~kvfleet.worker.replica.replica.ReplicaConfig` as plain ``args``, which
 an operator can read (and ``serve deploy`` could apply) as written."""
 
 from __future__ import annotations

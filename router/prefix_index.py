@@ -2,7 +2,7 @@
 
 Two implementations of :class:`PrefixIndex`: :class:`RedisPrefixIndex` (one Lua round trip per
 lookup, layout in :mod:`kvfleet.index_keys`) and :class:`InMemoryPrefixIndex` (same semantics, for
-scheduler/router unit tests; it hands out publishers with :class:`~kvfleet.worker.kv_publisher.KvPublisher`'s
+scheduler/router unit tests; it hands out publishers with :class:`~kvfleet.worker.replica.kv_publisher.KvPublisher`'s
 API). Redis is an index, not truth: a stale answer only costs a cache miss.
 """
 

@@ -19,7 +19,7 @@ from kvfleet.deploy.redis_server import start_redis
 from kvfleet.index_keys import IndexKeys, ReplicaInfo
 from kvfleet.router.index_mirror import MirroredPrefixIndex
 from kvfleet.router.prefix_index import IndexUnavailable, RedisPrefixIndex
-from kvfleet.worker.kv_publisher import KvPublisher
+from kvfleet.worker.replica.kv_publisher import KvPublisher
 
 
 def h(i: int) -> bytes:

@@ -19,7 +19,7 @@ from kvfleet.deploy.redis_server import start_redis
 from kvfleet.index_keys import IndexKeys, ReplicaInfo, ReplicaLoad
 from kvfleet.router.index_mirror import MirroredPrefixIndex
 from kvfleet.router.prefix_index import IndexUnavailable, InMemoryPrefixIndex, RedisPrefixIndex
-from kvfleet.worker.kv_publisher import KvPublisher
+from kvfleet.worker.replica.kv_publisher import KvPublisher
 
 
 def h(i: int) -> bytes:
@@ -287,7 +287,7 @@ async def test_redis_killed_then_restarted(caplog):
         ix = b.index()
         assert await ix.match(CHAIN) == {"a": 4}
         server.stop()
-        caplog.set_level(logging.INFO, logger="kvfleet.worker.kv_publisher")
+        caplog.set_level(logging.INFO, logger="kvfleet.worker.replica.kv_publisher")
         for call in (lambda: ix.match(CHAIN), ix.replicas):
             t0 = time.monotonic()
             with pytest.raises(IndexUnavailable):

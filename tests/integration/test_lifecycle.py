@@ -24,7 +24,7 @@ from kvfleet.deploy.launcher import ClusterConfig
 from kvfleet.deploy.registry_view import wait_gone
 from kvfleet.index_keys import IndexKeys
 from kvfleet.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from kvfleet.worker.scheduler import SchedulerConfig
+from kvfleet.worker.engine.scheduler import SchedulerConfig
 from tests.fixtures.cluster import cluster_with_client
 
 pytestmark = pytest.mark.slow

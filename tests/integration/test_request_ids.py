@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from kvfleet.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
-from kvfleet.worker.cost_model import CostModel
+from kvfleet.worker.executor.cost_model import CostModel
 from tests.integration.routing_fleet import prompt
 
 SLOW = CostModel(0.02, 0.0, 0.0, "test: 20 ms per step")

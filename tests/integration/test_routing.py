@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from kvfleet.router.policy import rendezvous_score
 from kvfleet.router.served_model import ServedModel
-from kvfleet.worker.cost_model import CostModel
+from kvfleet.worker.executor.cost_model import CostModel
 from tests.integration.routing_fleet import BLOCK, Fleet, prompt
 
 

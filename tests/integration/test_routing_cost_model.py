@@ -14,7 +14,7 @@ def test_cli_builds_a_cost_model_cluster_config(tiny_llama_dir):
         ["up", "--model", str(tiny_llama_dir), "--executor", "cost-model", "--replicas", "3",
          "--cost-model-scale", "0.5"])
     cfg = cluster_config(args)
-    from kvfleet.worker.cost_model import MEASURED
+    from kvfleet.worker.executor.cost_model import MEASURED
 
     assert cfg.executor == "cost-model" and cfg.replicas == 3
     assert cfg.cost_model.prefill_token_s == MEASURED.prefill_token_s * 0.5

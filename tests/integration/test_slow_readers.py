@@ -15,7 +15,7 @@ import grpc
 
 from kvfleet.stream_limits import StreamLimits
 from kvfleet.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
-from kvfleet.worker.cost_model import CostModel
+from kvfleet.worker.executor.cost_model import CostModel
 from tests.integration.routing_fleet import prompt
 from tests.integration.test_worker_stream import idle
 

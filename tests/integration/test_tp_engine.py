@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 import tests.unit.worker.test_engine_exactness as exact
-from kvfleet.worker.parallel.group import RankGroup, TPSettings
-from kvfleet.worker.parallel.rank_worker import RankSpec
-from kvfleet.worker.parallel.tp_runner import TPRunner
+from kvfleet.worker.executor.tp.group import RankGroup, TPSettings
+from kvfleet.worker.executor.tp.rank_worker import RankSpec
+from kvfleet.worker.executor.tp_executor import TPRunner
 from tests.unit.worker import engine_harness, lora_harness
 from tests.unit.worker.engine_harness import make_engine, prompt, run
 from tests.unit.worker.engine_harness import request as engine_request
@@ -159,7 +159,7 @@ def test_smollm2_tp3_greedy_equals_tp1(tp_groups, smollm2_dir) -> None:
 
 def test_tp2_mixed_lora_adapters_and_base(tp2, tiny_llama_dir, tiny_adapters) -> None:
     """Three adapters + base in one batch at tp=2: LoRA B split with column-parallel Q/K/V and
-    gate/up, A split with row-parallel O and down (see worker/lora/adapter.py)."""
+    gate/up, A split with row-parallel O and down (see worker/runner/lora/adapter.py)."""
     import tests.unit.worker.test_lora_exactness as lora
 
     lora.test_mixed_batch_of_three_adapters_and_base_equals_each_alone(tiny_llama_dir, tiny_adapters)

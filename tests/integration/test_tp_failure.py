@@ -21,8 +21,8 @@ import pytest
 from kvfleet.client import Client
 from kvfleet.deploy.launcher import ClusterConfig
 from kvfleet.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from kvfleet.worker.parallel.group import TPSettings
-from kvfleet.worker.scheduler import SchedulerConfig
+from kvfleet.worker.executor.tp.group import TPSettings
+from kvfleet.worker.engine.scheduler import SchedulerConfig
 from tests.fixtures.cluster import cluster_with_client
 
 pytestmark = pytest.mark.slow

@@ -20,7 +20,7 @@ from kvfleet.deploy.launcher import ClusterConfig, LocalCluster
 from kvfleet.telemetry import Telemetry, TelemetryConfig
 from kvfleet.telemetry import names as n
 from kvfleet.telemetry.collector import OtlpSink
-from kvfleet.worker.scheduler import SchedulerConfig
+from kvfleet.worker.engine.scheduler import SchedulerConfig
 
 SYSTEM = ("You are the archive desk of a small-town newspaper. Answer questions about past "
           "issues in one sentence, give the issue date, and never guess a page number.")

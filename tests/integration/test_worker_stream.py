@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from kvfleet.v1 import worker_pb2, worker_pb2_grpc
-from kvfleet.worker.cost_model import CostModel
+from kvfleet.worker.executor.cost_model import CostModel
 from tests.integration.routing_fleet import BLOCK, prompt
 
 SLOW = CostModel(0.005, 0.0, 0.0, "test: 5 ms per step")  # slow enough to act mid-call

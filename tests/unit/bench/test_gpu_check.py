@@ -74,7 +74,7 @@ def test_parity_check_fails_on_a_top_left_causal_mask(tmp_path: Path, monkeypatc
     """Negative control: the classic paged-attention bug (a continued chunk masked with the
     top-left square instead of the mask offset by its cached tokens) must fail the check."""
     from bench import gpu_check
-    from kvfleet.worker import attention
+    from kvfleet.worker.runner import attention
 
     import tokenizers
 

@@ -13,9 +13,9 @@ from kvfleet.deploy.serve_app import Placement, app_config
 from kvfleet.deploy.status import format_status, replica_rows
 from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
 from kvfleet.telemetry import TelemetryConfig
-from kvfleet.worker.cost_model import MEASURED
-from kvfleet.worker.replica import ReplicaConfig
-from kvfleet.worker.serve_replica import replica_configs
+from kvfleet.worker.executor.cost_model import MEASURED
+from kvfleet.worker.replica.replica import ReplicaConfig
+from kvfleet.worker.replica.serve_deployment import replica_configs
 
 
 def _entry(rid: str, host: str, state: str = "serving") -> RegistryEntry:

@@ -12,8 +12,8 @@ from kvfleet.telemetry import names as n
 from kvfleet.telemetry import worker_spans
 from kvfleet.telemetry.worker_spans import WorkerTelemetry
 from kvfleet.v1 import worker_pb2
-from kvfleet.worker.outputs import Milestones, SeqOutput, Usage
-from kvfleet.worker.request import FinishReason
+from kvfleet.worker.engine.outputs import Milestones, SeqOutput, Usage
+from kvfleet.worker.engine.request import FinishReason
 
 PARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 

@@ -22,12 +22,12 @@ import torch
 
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
 from kvfleet.sampling_params import SamplingParams
-from kvfleet.worker.engine import Engine, EngineRequest
-from kvfleet.worker.model_runner import ModelRunner
-from kvfleet.worker.outputs import SeqOutput
-from kvfleet.worker.request import FinishReason
-from kvfleet.worker.scheduler import SchedulerConfig
-from kvfleet.worker.step_plan import StepPlan
+from kvfleet.worker.engine.engine import Engine, EngineRequest
+from kvfleet.worker.runner.model_runner import ModelRunner
+from kvfleet.worker.engine.outputs import SeqOutput
+from kvfleet.worker.engine.request import FinishReason
+from kvfleet.worker.engine.scheduler import SchedulerConfig
+from kvfleet.worker.engine.step_plan import StepPlan
 from tests.unit.worker.paged_driver import random_prompt, reference_logits, runner_for, scaled_error
 
 BLOCK_SIZE = 4

@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from kvfleet.worker import attention
+from kvfleet.worker.runner import attention
 
 
 def install_top_left_mask(monkeypatch) -> None:

@@ -9,10 +9,10 @@ import functools
 from pathlib import Path
 
 from kvfleet.allocator.hashing import CacheIdentity
-from kvfleet.worker.engine import EngineRequest
-from kvfleet.worker.lora.adapter import check_adapter
-from kvfleet.worker.lora.residency import AdapterResidency
-from kvfleet.worker.model_runner import ModelRunner
+from kvfleet.worker.engine.engine import EngineRequest
+from kvfleet.worker.runner.lora.adapter import check_adapter
+from kvfleet.worker.engine.adapter_residency import AdapterResidency
+from kvfleet.worker.runner.model_runner import ModelRunner
 from tests.fixtures.adapters import peft_logits
 from tests.unit.worker import engine_harness
 from tests.unit.worker.engine_harness import BLOCK_SIZE, RecordingRunner, Result, seq_tokens

@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from kvfleet.worker.detokenizer import IncrementalDetokenizer
+from kvfleet.worker.engine.detokenizer import IncrementalDetokenizer
 
 CORPUS = ["héllo wörld 世界 🙂 hello world, the quick brown fox jumps over the lazy dog.",
           "Hello, hello! Wörld of 世界: 🙂🙂 done."] * 10

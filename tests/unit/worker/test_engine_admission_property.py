@@ -23,10 +23,10 @@ from tokenizers import Tokenizer, models
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
 from kvfleet.errors import ResourceExhausted
 from kvfleet.sampling_params import SamplingParams
-from kvfleet.worker.engine import Engine, EngineRequest
-from kvfleet.worker.request import SeqStatus
-from kvfleet.worker.scheduler import SchedulerConfig
-from kvfleet.worker.step_plan import StepPlan
+from kvfleet.worker.engine.engine import Engine, EngineRequest
+from kvfleet.worker.engine.request import SeqStatus
+from kvfleet.worker.engine.scheduler import SchedulerConfig
+from kvfleet.worker.engine.step_plan import StepPlan
 
 VOCAB = 24
 MAX_MODEL_LEN = 512

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from kvfleet.errors import InvalidArgument, OutOfRange, ResourceExhausted
-from kvfleet.worker.request import FinishReason
+from kvfleet.worker.engine.request import FinishReason
 from tests.unit.worker.engine_harness import collect, make_engine, prompt, request, run
 
 

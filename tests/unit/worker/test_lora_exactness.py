@@ -13,8 +13,8 @@ import math
 
 import pytest
 
-import kvfleet.worker.lora.config as lora_config
-from kvfleet.worker.step_plan import SeqChunk, StepPlan
+import kvfleet.worker.runner.lora.config as lora_config
+from kvfleet.worker.engine.step_plan import SeqChunk, StepPlan
 from tests.fixtures.adapters import ADAPTERS, peft_logits
 from tests.unit.worker.engine_harness import prompt, request, run
 from tests.unit.worker.lora_harness import lora_error, make_lora_engine, with_adapter
@@ -112,7 +112,7 @@ def test_rslora_scales_by_alpha_over_sqrt_r(tiny_llama_dir, adapters) -> None:
 def test_prefix_hit_only_under_the_same_adapter_revision(tiny_llama_dir, adapters) -> None:
     """A prompt cached under adapter qv hits again under qv, never under another adapter, the
     base model, or a new revision of qv (same name, new weights), and each is exact."""
-    from kvfleet.worker.lora.adapter import check_adapter
+    from kvfleet.worker.runner.lora.adapter import check_adapter
 
     engine, rec, residency = make_lora_engine(tiny_llama_dir, {n: adapters[n] for n in THREE})
     shared = prompt(18, seed=91)

@@ -11,8 +11,8 @@ import pytest
 from kvfleet.allocator.hashing import block_hash_chain
 from kvfleet.errors import NotFound
 from kvfleet.router.served_model import ServedModel
-from kvfleet.worker.lora.residency import AdapterResidency
-from kvfleet.worker.request import FinishReason
+from kvfleet.worker.engine.adapter_residency import AdapterResidency
+from kvfleet.worker.engine.request import FinishReason
 from tests.unit.worker.engine_harness import BLOCK_SIZE, prompt, request, run
 from tests.unit.worker.lora_harness import IDENTITY, lora_error, make_lora_engine, with_adapter
 

@@ -3,7 +3,7 @@ row its own adapter's update and the base rows none."""
 
 import torch
 
-from kvfleet.worker.lora.slots import LoraBatch, LoraSlots
+from kvfleet.worker.runner.lora.slots import LoraBatch, LoraSlots
 
 
 def test_segments_apply_each_rows_own_adapter() -> None:

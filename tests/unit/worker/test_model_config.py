@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvfleet.worker.model_config import UnsupportedModel, load_model_config, parse_model_config
+from kvfleet.worker.runner.model_config import UnsupportedModel, load_model_config, parse_model_config
 
 BASE = {
     "architectures": ["LlamaForCausalLM"],
@@ -85,7 +85,7 @@ def test_unsupported_features_are_refused(change, match) -> None:
 def test_unknown_architecture_is_refused_at_build() -> None:
     import torch
 
-    from kvfleet.worker.models import build_model
+    from kvfleet.worker.runner.models import build_model
 
     c = parse_model_config({**BASE, "architectures": ["Gemma2ForCausalLM"]})
     with pytest.raises(UnsupportedModel, match="Gemma2ForCausalLM"):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvfleet.errors import OutOfRange
-from kvfleet.worker.step_plan import SeqChunk, StepPlan
+from kvfleet.worker.engine.step_plan import SeqChunk, StepPlan
 from tests.unit.worker.faults import install_positions_reset, install_top_left_mask
 from tests.unit.worker.paged_driver import (
     BlockPool,

@@ -40,7 +40,7 @@ def test_token_by_token(model_dir) -> None:
 @pytest.mark.parametrize("backend", ["c", "torch"])
 def test_token_by_token_each_decode_backend(tiny_mistral_dir, backend, monkeypatch) -> None:
     """Both decode-attention paths (the C kernel and the torch fallback), sliding window included."""
-    from kvfleet.worker import cpu_kernels
+    from kvfleet.worker.runner import cpu_kernels
 
     monkeypatch.setenv(cpu_kernels.ENV_SWITCH, backend)
     cpu_kernels.load.cache_clear()
@@ -94,7 +94,7 @@ def test_copy_on_write_siblings(tiny_llama_dir) -> None:
 
 def test_non_contiguous_block_table_lands_in_those_blocks(tiny_llama_dir) -> None:
     """Blocks [7, 2, 9]: K/V of positions 0-9 land exactly there and nowhere else."""
-    from kvfleet.worker.model_runner import ModelRunner
+    from kvfleet.worker.runner.model_runner import ModelRunner
 
     runner = ModelRunner(tiny_llama_dir, num_blocks=12, block_size=4)
     seq = Seq("a", random_prompt(10, seed=6), [7, 2, 9])
@@ -132,7 +132,7 @@ def test_llama3_rope_scaling(tmp_path, smollm2_dir) -> None:
 
 def test_bfloat16_runs_close_to_fp32(tiny_llama_dir) -> None:
     """Not a parity claim (bf16 has ~3 significant digits): the dtype plumbing works end to end."""
-    from kvfleet.worker.model_runner import ModelRunner
+    from kvfleet.worker.runner.model_runner import ModelRunner
 
     runner = ModelRunner(tiny_llama_dir, num_blocks=16, block_size=4, dtype=torch.bfloat16)
     assert runner.kv_cache.data.dtype == torch.bfloat16

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvfleet.errors import AlreadyExists, ResourceExhausted
-from kvfleet.worker.reservations import Reservations
+from kvfleet.worker.service.reservations import Reservations
 
 
 def test_takes_up_to_the_limit_in_sequences_then_refuses_naming_it():

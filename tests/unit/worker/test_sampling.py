@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvfleet.sampling_params import SamplingParams
-from kvfleet.worker.sampling import (
+from kvfleet.worker.engine.sampling import (
     SampleResult,
     Sampler,
     SampleState,

@@ -8,8 +8,8 @@ import pytest
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
 from kvfleet.errors import ResourceExhausted
 from kvfleet.sampling_params import SamplingParams
-from kvfleet.worker.request import Sequence, SeqStatus
-from kvfleet.worker.scheduler import Scheduler, SchedulerConfig
+from kvfleet.worker.engine.request import Sequence, SeqStatus
+from kvfleet.worker.engine.scheduler import Scheduler, SchedulerConfig
 
 BS = 4
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvfleet.worker.stop_checker import StopChecker
+from kvfleet.worker.engine.stop_checker import StopChecker
 
 
 def reference(text: str, stops: list[str]) -> tuple[str, bool]:

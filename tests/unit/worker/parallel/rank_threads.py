@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable
 
-from kvfleet.worker.parallel.comm import GroupAddress, RankComm, host_store
+from kvfleet.worker.executor.tp.comm import GroupAddress, RankComm, host_store
 
 
 def on_ranks(world: int, body: Callable[[RankComm], Any], **addr_options) -> tuple[list, GroupAddress]:

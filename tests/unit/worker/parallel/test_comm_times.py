@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvfleet.worker.parallel.comm import CommTimes, RankComm
+from kvfleet.worker.executor.tp.comm import CommTimes, RankComm
 from tests.unit.worker.parallel.rank_threads import on_ranks
 
 

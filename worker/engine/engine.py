@@ -1,0 +1,262 @@
+"""The engine: one step = schedule → model runner forward → sample → detokenize → outputs.
+
+Synchronous and single-threaded by design; :mod:`kvfleet.worker.service.engine_loop` runs it on its
+own thread so the gRPC event loop never blocks on a forward.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence as Seq
+
+import tokenizers
+
+from kvfleet.allocator.hashing import CacheIdentity, root_hash
+from kvfleet.allocator.kv_cache_manager import KVCacheManager
+from kvfleet.errors import AlreadyExists, InvalidArgument, OutOfRange
+from kvfleet.worker.engine.adapter_queue import AdapterQueue
+from kvfleet.worker.engine.adapter_residency import AdapterResidency
+from kvfleet.sampling_params import SamplingParams
+from kvfleet.worker.engine.detokenizer import IncrementalDetokenizer
+from kvfleet.worker.engine.outputs import Milestones, SeqOutput, Timing, TokenLogprobs, Usage
+from kvfleet.worker.engine.request import FinishReason, Sequence
+from kvfleet.worker.engine.sampling import SampleState, Sampler, make_generator
+from kvfleet.worker.engine.scheduler import Fork, Scheduler, SchedulerConfig, SchedulerOutput
+from kvfleet.worker.engine.stop_checker import StopChecker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """A validated request as the worker receives it (token ids, never text)."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    tenant: str = "default"
+    cache_salt: str = ""
+    adapter: str = ""
+    deadline: Optional[float] = None  # monotonic seconds
+
+
+class _SeqIO:
+    """Per-sample output helpers: sampling state, detokenizer, stop-string checker."""
+
+    def __init__(self, seq: Sequence, tokenizer: tokenizers.Tokenizer) -> None:
+        self.state = SampleState(
+            params=seq.params, index=seq.index, prompt_token_ids=seq.prompt_token_ids,
+            output_token_ids=seq.output_token_ids,
+            generator=make_generator(seq.params.seed, seq.index),
+        )
+        self.detok = IncrementalDetokenizer(tokenizer, seq.prompt_token_ids)
+        self.stop = StopChecker(seq.params.stop)
+
+
+class Engine:
+    """Continuous-batching engine of one replica (rank 0 of its TP group).
+
+    Args:
+        runner: executes a :class:`~kvfleet.worker.engine.step_plan.StepPlan`; returns last-token
+            logits ``(num_chunks, vocab)`` float32.
+        kv: the replica's KV cache manager (block tables, prefix cache).
+        identity_digest: :meth:`CacheIdentity.digest` of the served model (DESIGN §2).
+        eos_token_ids: tokens that end a sample unless ``ignore_eos``.
+        max_model_len: context length; prompt + max_tokens beyond it is OUT_OF_RANGE.
+        adapters: the replica's LoRA slots (None: no adapter is served); ``identity`` (the
+            served model's, whose digest is ``identity_digest``) is then required: a request's
+            chain root is keyed by its adapter's name and revision.
+    """
+
+    def __init__(self, runner, kv: KVCacheManager, tokenizer: tokenizers.Tokenizer,
+                 identity_digest: bytes, eos_token_ids: Seq[int], max_model_len: int,
+                 vocab_size: int, config: SchedulerConfig = SchedulerConfig(),
+                 adapters: AdapterResidency | None = None,
+                 identity: CacheIdentity | None = None) -> None:
+        self.runner = runner
+        self.adapters = adapters
+        self.kv = kv
+        self.tokenizer = tokenizer
+        self.identity_digest = identity_digest
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.scheduler = Scheduler(config, kv)
+        self.lora = AdapterQueue(adapters, identity, identity_digest, self.scheduler)
+        self.sampler = Sampler()
+        self._arrivals = itertools.count()
+        self._seqs: dict[str, list[Sequence]] = {}  # request_id -> its n samples
+        self._io: dict[str, _SeqIO] = {}             # seq_id -> helpers
+
+    # ---- requests in ---------------------------------------------------------------------
+    def validate(self, req: EngineRequest) -> None:
+        """Check what the worker alone can check.
+
+        Raises:
+            InvalidArgument / OutOfRange: a malformed request.
+            AlreadyExists: a request with this id is still live on this replica.
+        """
+        if not req.prompt_token_ids:
+            raise InvalidArgument("prompt_token_ids must not be empty")
+        bad = [t for t in req.prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidArgument(
+                f"prompt_token_ids holds ids outside [0, {self.vocab_size}): e.g. {bad[0]}")
+        total = len(req.prompt_token_ids) + req.params.max_tokens
+        if total > self.max_model_len:
+            raise OutOfRange(
+                f"prompt ({len(req.prompt_token_ids)} tokens) + sampling.max_tokens "
+                f"({req.params.max_tokens}) = {total} exceeds the model context of "
+                f"{self.max_model_len} tokens")
+        req.params.check_vocab(self.vocab_size)
+        if req.request_id in self._seqs:
+            raise AlreadyExists(f"request_id {req.request_id!r} is already running")
+
+    def add_request(self, req: EngineRequest) -> None:
+        """Validate and queue all ``n`` samples. Raises a KvfleetError on refusal."""
+        self.validate(req)
+        root = root_hash(self.lora.digest_for(req.adapter), req.tenant, req.cache_salt)
+        arrival = next(self._arrivals)
+        seqs = [
+            Sequence(seq_id=f"{req.request_id}#{i}", request_id=req.request_id, index=i,
+                     prompt_token_ids=list(req.prompt_token_ids), params=req.params,
+                     root_hash=root, block_size=self.kv.block_size, arrival_seq=arrival,
+                     deadline=req.deadline, tenant=req.tenant)
+            for i in range(req.params.n)
+        ]
+        if req.adapter:
+            self.lora.add(req.adapter, seqs)
+        else:
+            self.scheduler.add(seqs)
+        self._seqs[req.request_id] = seqs
+        for s in seqs:
+            self._io[s.seq_id] = _SeqIO(s, self.tokenizer)
+
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED,
+              error: BaseException | None = None) -> list[SeqOutput]:
+        """End every unfinished sample of a request now and free its blocks."""
+        return [self._finish(s, reason, error)
+                for s in list(self._seqs.get(request_id, [])) if not s.is_finished]
+
+    def is_active(self, request_id: str) -> bool:
+        """True while any sample of the request is unfinished."""
+        return request_id in self._seqs
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.num_unfinished > 0 or self.lora.has_waiting
+
+    # ---- one step ------------------------------------------------------------------------
+    def step(self) -> list[SeqOutput]:
+        """Run one engine step; returns the outputs it produced (possibly none)."""
+        outputs = self._expire_deadlines()
+        if self.lora.has_waiting:
+            outputs += self.lora.admit(lambda seq, exc: self._finish(seq, FinishReason.ERROR, exc))
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            if self.lora.has_waiting and not outputs:
+                self.lora.wait(0.01)  # nothing to run but a load: do not spin
+            return outputs
+        now = time.monotonic()
+        for s in out.scheduled:
+            if s.seq.timing.first_scheduled is None:
+                s.seq.timing.first_scheduled = now
+            if s.seq.num_computed_tokens < s.seq.num_prompt_tokens:  # a prefill chunk (tracing)
+                s.seq.timing.prefill_chunks.append((now, s.num_new_tokens))
+        try:
+            logits = self.runner.execute(out.plan)
+        except Exception as exc:  # a failed forward fails the requests in it, not the replica
+            log.exception("forward failed for %d sequences", len(out.scheduled))
+            failed = dict.fromkeys(s.seq.request_id for s in out.scheduled)
+            return outputs + [o for rid in failed
+                              for o in self.abort(rid, FinishReason.ERROR, exc)]
+        forks = self.scheduler.on_step_done(out)
+        outputs += self._sample_and_emit(out, forks, logits)
+        return outputs
+
+    def _sample_and_emit(self, out: SchedulerOutput, forks: list[Fork], logits) -> list[SeqOutput]:
+        rows = [i for i, s in enumerate(out.scheduled) if s.sample]
+        seqs = [out.scheduled[i].seq for i in rows]
+        if forks:  # siblings draw their first token from their leader's logits row
+            row_of = {out.scheduled[i].seq.seq_id: i for i in rows}
+            for f in forks:
+                f.sibling.timing.first_scheduled = f.leader.timing.first_scheduled
+                f.sibling.timing.prefill_chunks = list(f.leader.timing.prefill_chunks)
+                rows.append(row_of[f.leader.seq_id])
+                seqs.append(f.sibling)
+        if not rows:
+            return []
+        picked = logits if rows == list(range(len(logits))) else logits[rows]
+        results = self.sampler(picked, [self._io[s.seq_id].state for s in seqs])
+        now = time.monotonic()
+        outputs = []
+        for seq, res in zip(seqs, results):
+            try:
+                outputs.append(self._append(seq, res, now))
+            except Exception as exc:  # one request's failure stays with that request
+                log.exception("post-processing failed for %s", seq.seq_id)
+                outputs.append(self._finish(seq, FinishReason.ERROR, exc))
+        return outputs
+
+    def _append(self, seq: Sequence, res, now: float) -> SeqOutput:
+        io = self._io[seq.seq_id]
+        seq.append_token(res.token_id)
+        seq.timing.first_token = seq.timing.first_token or now
+        seq.timing.last_token = now
+        lp = ()
+        if seq.params.logprobs is not None:
+            lp = (TokenLogprobs(res.token_id, res.logprob, tuple(res.top_logprobs)),)
+        is_stop_token = res.token_id in seq.params.stop_token_ids or (
+            res.token_id in self.eos_token_ids and not seq.params.ignore_eos)
+        text, stopped = "", False
+        if not is_stop_token:
+            text, stopped = io.stop.feed(io.detok.push([res.token_id]))
+        reason = None
+        if is_stop_token or stopped:
+            reason = FinishReason.STOP
+        elif len(seq.output_token_ids) >= seq.params.max_tokens:
+            reason = FinishReason.LENGTH
+        if reason is None:
+            return SeqOutput(seq.request_id, seq.index, (res.token_id,), text, lp)
+        if not stopped:
+            text += io.stop.feed(io.detok.flush())[0] + io.stop.flush()
+        return self._finish(seq, reason, token_ids=(res.token_id,), text=text, logprobs=lp)
+
+    def _expire_deadlines(self) -> list[SeqOutput]:
+        now = time.monotonic()
+        return [self._finish(s, FinishReason.DEADLINE)
+                for seqs in list(self._seqs.values()) for s in seqs
+                if s.deadline is not None and now > s.deadline and not s.is_finished]
+
+    def _finish(self, seq: Sequence, reason: FinishReason, error: BaseException | None = None,
+                token_ids: tuple[int, ...] = (), text: str = "",
+                logprobs: tuple[TokenLogprobs, ...] = ()) -> SeqOutput:
+        self.scheduler.finish(seq)
+        seq.finish_reason = reason
+        self._io.pop(seq.seq_id, None)
+        siblings = self._seqs.get(seq.request_id, [])
+        if all(s.is_finished for s in siblings):
+            self._seqs.pop(seq.request_id, None)
+            self.lora.request_done(seq.request_id)
+        t = seq.timing
+        first = t.first_token or time.monotonic()
+        scheduled = t.first_scheduled or first
+        timing = Timing(queue_s=scheduled - t.arrival, prefill_s=first - scheduled,
+                        decode_s=(t.last_token or first) - first, ttft_s=first - t.arrival)
+        usage = Usage(seq.num_prompt_tokens, seq.num_cached_tokens or 0, len(seq.output_token_ids))
+        milestones = Milestones(t.arrival, t.first_scheduled, t.first_token, t.last_token,
+                                time.monotonic(), tuple(t.prefill_chunks))
+        return SeqOutput(seq.request_id, seq.index, token_ids, text, logprobs, reason, usage,
+                         timing, error, milestones)
+
+    # ---- observability --------------------------------------------------------------------
+    def stats(self) -> dict[str, int]:
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "num_free_blocks": self.kv.num_free_blocks,
+            "num_total_blocks": self.kv.num_total_blocks,
+        }

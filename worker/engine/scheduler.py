@@ -1,0 +1,383 @@
+"""Continuous-batching scheduler: decides each step's plan; the model runner executes it.
+
+Each step: running sequences first (decodes, and prefills still catching up), then waiting
+sequences (FCFS, fair among tenants: see below) with chunked prefill filling the remaining token budget
+(``max_num_batched_tokens``) up to ``max_num_seqs``. Admission follows the replica's policy
+(DESIGN.md §3):
+
+* ``watermark`` (default): admit when the uncached prompt fits and a free-block watermark
+  stays free; when a running sequence cannot grow, preempt the newest running sequence by
+  recompute (its blocks are freed; it re-enters the waiting queue at its FCFS position and
+  later recomputes prompt + output, reusing whatever prefix blocks are still cached).
+* ``reserve``: admit only when blocks for ``prompt + max_tokens`` are free; never preempts.
+
+Among tenants the waiting queue is fair: the next sequence admitted is the oldest waiting one
+of the tenant with the fewest running sequences (FCFS within a tenant and among equals), so a
+tenant that floods the queue does not hold another tenant's requests behind its own. With
+``tenant_share`` below 1 a tenant also runs at most that share of ``max_num_seqs`` sequences
+(one with nothing running may always start one request).
+
+Parallel sampling (``n > 1``): only sample 0 (the *leader*) is queued; its siblings wait
+beside it. When the leader's prompt is fully computed they fork its block table (one more
+reference per block, no KV computed twice) and join the running set, each sampling its first
+token from the leader's logits. The prompt's partially filled last block is then shared:
+before a sequence writes into a shared block, the scheduler gives it a private copy
+(``StepPlan.block_copies``, copy-on-write), so no sibling ever writes a block another reads.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, deque
+from dataclasses import dataclass
+from typing import Iterable
+
+from kvfleet.allocator.kv_cache_manager import KVCacheManager
+from kvfleet.errors import ResourceExhausted
+from kvfleet.worker.engine.request import Sequence, SeqStatus
+from kvfleet.worker.engine.step_plan import SeqChunk, StepPlan
+
+POLICIES = ("watermark", "reserve")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Scheduling limits of one replica.
+
+    ``watermark`` is the fraction of all blocks kept free when admitting new work under the
+    ``watermark`` policy (so running sequences can grow without immediate preemption).
+    ``max_waiting``: sequences that may wait beside a full running set; the replica holds at
+    most ``max_sequences`` = ``max_num_seqs + max_waiting`` unfinished sequences in all (the
+    same bound the worker's arrival count applies, so the engine never refuses one it let in).
+    """
+
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512
+    max_waiting: int = 256
+    policy: str = "watermark"
+    watermark: float = 0.01
+    # Fraction of max_sequences (waiting + running, refused on arrival past it) and of
+    # max_num_seqs (running) one tenant may hold on this replica (1.0: no per-tenant cap).
+    tenant_share: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0 or self.max_waiting < 0:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be > 0, max_waiting >= 0")
+        if not 0 < self.tenant_share <= 1:
+            raise ValueError(f"tenant_share must be in (0, 1], got {self.tenant_share}")
+
+    @property
+    def max_sequences(self) -> int:
+        """Sequences the replica holds at most (running + waiting): its admission limit."""
+        return self.max_num_seqs + self.max_waiting
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """One sequence's part of a step. ``sample`` is true when the chunk reaches the sequence's
+    last known token, so its logits give the next token."""
+
+    seq: Sequence
+    num_new_tokens: int
+    sample: bool
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    plan: StepPlan
+    scheduled: tuple[ScheduledSeq, ...]
+    preempted: tuple[Sequence, ...] = ()
+
+
+@dataclass(frozen=True)
+class Fork:
+    """A sibling that joined the running set after ``leader``'s prompt was computed; it samples
+    its first token from the leader's logits of that step."""
+
+    leader: Sequence
+    sibling: Sequence
+
+
+class Scheduler:
+    """Owns the waiting queue, the running set and the KV cache manager of one replica."""
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        # leader seq_id -> siblings waiting for its prompt to be computed (n > 1)
+        self.pending_forks: dict[str, list[Sequence]] = {}
+        self._watermark_blocks = int(config.watermark * kv.num_total_blocks)
+        # Running slots one tenant may hold (tenant_share < 1 keeps the rest for the others,
+        # so a newly arrived tenant starts at the next step, not when a flood's requests end).
+        self._tenant_seats = max(1, int(config.max_num_seqs * config.tenant_share))
+
+    # ---- admission -------------------------------------------------------------------
+    def blocks_for(self, num_tokens: int) -> int:
+        return math.ceil(num_tokens / self.kv.block_size)
+
+    def group_blocks(self, num_prompt_tokens: int, max_tokens: int, n: int = 1) -> int:
+        """Blocks ``n`` samples of one request hold at most, siblings sharing the full prompt
+        blocks (each sibling owns the rest, its copy of the partial prompt block included)."""
+        per_seq = self.blocks_for(num_prompt_tokens + max_tokens)
+        return per_seq + (n - 1) * (per_seq - num_prompt_tokens // self.kv.block_size)
+
+    def check_can_ever_fit(self, num_prompt_tokens: int, max_tokens: int, n: int = 1) -> None:
+        """Refuse at once what this replica could never finish, even alone.
+
+        Under ``watermark`` each sample must fit alone (siblings can be preempted and run
+        one after another); under ``reserve`` all ``n`` must fit together.
+
+        Raises:
+            ResourceExhausted: the request needs more blocks (or sequences) than the replica has.
+        """
+        if n > self.config.max_num_seqs:
+            raise ResourceExhausted(
+                f"n ({n}) exceeds this replica's max_num_seqs ({self.config.max_num_seqs})")
+        group = n if self.config.policy == "reserve" else 1
+        need = self.group_blocks(num_prompt_tokens, max_tokens, group)
+        if need > self.kv.num_total_blocks:
+            raise ResourceExhausted(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens})"
+                f"{f' for n={n} samples' if group > 1 else ''} needs {need} KV blocks of "
+                f"{self.kv.block_size} tokens; this replica has {self.kv.num_total_blocks} in total"
+            )
+
+    def add(self, seqs: Iterable[Sequence]) -> None:
+        """Queue new sequences; those of one request (its ``n`` samples) are kept together,
+        the first of them leading (queued; the others fork from it).
+
+        Raises:
+            ResourceExhausted: the replica is full (``max_sequences``), or a request can
+                never fit (:meth:`check_can_ever_fit`); then nothing was queued.
+        """
+        groups: dict[str, list[Sequence]] = {}
+        for s in seqs:
+            groups.setdefault(s.request_id, []).append(s)
+        for g in groups.values():
+            self.check_can_ever_fit(g[0].num_prompt_tokens, g[0].params.max_tokens, len(g))
+        num_new = sum(len(g) for g in groups.values())
+        if self.num_unfinished + num_new > self.config.max_sequences:
+            raise ResourceExhausted(
+                f"worker queue is full ({self.num_unfinished} running + waiting sequences of "
+                f"{self.config.max_sequences})")
+        for leader, *siblings in groups.values():
+            if siblings:
+                self.pending_forks[leader.seq_id] = siblings
+            self.waiting.append(leader)
+
+    @property
+    def num_queued(self) -> int:
+        """Sequences not yet running: the waiting queue plus siblings waiting to fork."""
+        return len(self.waiting) + sum(len(v) for v in self.pending_forks.values())
+
+    @property
+    def num_unfinished(self) -> int:
+        return self.num_queued + len(self.running)
+
+    # ---- one step ----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Plan one engine step. Never returns a plan whose blocks are not allocated."""
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        preempted: list[Sequence] = []
+        copies: list[tuple[int, int]] = []
+
+        # 1. Running sequences, oldest first (decodes and prefills in progress).
+        i = 0
+        self.running.sort(key=lambda s: s.arrival_seq)
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if n <= 0:
+                i += 1
+                continue
+            while not self._grow(seq, seq.num_computed_tokens + n, copies):
+                if self.config.policy == "reserve":
+                    raise AssertionError("reserve policy ran out of reserved blocks")
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted itself; it is the last one, loop ends
+            scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens + n == seq.num_tokens))
+            budget -= n
+            i += 1
+
+        # 2. Waiting sequences, fair among tenants (FCFS within one); stop at the first that
+        # does not fit (no starvation).
+        # A running leader's unforked siblings hold their places in max_num_seqs.
+        seats = len(self.running) + sum(len(self.pending_forks.get(s.seq_id, ()))
+                                        for s in self.running)
+        running_by_tenant = Counter(s.tenant for s in self.running)
+        while self.waiting and budget > 0:
+            seq = self._next_waiting(running_by_tenant)
+            group = 1 + len(self.pending_forks.get(seq.seq_id, ()))
+            if seats + group > self.config.max_num_seqs:
+                break
+            held = running_by_tenant[seq.tenant]  # the fewest of any waiting tenant
+            if held and held + group > self._tenant_seats:
+                break  # every waiting tenant holds its share of the running slots
+            computed = self.kv.get_computed_blocks(seq.block_hashes, seq.num_tokens)
+            num_cached = len(computed) * self.kv.block_size
+            n = min(seq.num_tokens - num_cached, budget)
+            if not self._admissible(seq, computed, num_cached + n):
+                break
+            if self.kv.allocate_slots(seq.seq_id, num_cached + n, computed) is None:
+                break
+            self.waiting.remove(seq)
+            running_by_tenant[seq.tenant] += group
+            seq.status = SeqStatus.RUNNING
+            seq.num_computed_tokens = num_cached
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = num_cached
+            self.running.append(seq)
+            seats += group
+            scheduled.append(ScheduledSeq(seq, n, num_cached + n == seq.num_tokens))
+            budget -= n
+
+        chunks = tuple(
+            SeqChunk(
+                request_id=s.seq.seq_id,
+                token_ids=s.seq.token_slice(s.seq.num_computed_tokens,
+                                            s.seq.num_computed_tokens + s.num_new_tokens),
+                num_computed_tokens=s.seq.num_computed_tokens,
+                block_table=tuple(self.kv.block_table(s.seq.seq_id)),
+                adapter_slot=s.seq.adapter_slot,
+            )
+            for s in scheduled
+        )
+        return SchedulerOutput(StepPlan(chunks, tuple(copies)), tuple(scheduled), tuple(preempted))
+
+    def _next_waiting(self, running_by_tenant: Counter) -> Sequence:
+        """The oldest waiting sequence of the tenant with the fewest running sequences."""
+        best, seen = self.waiting[0], {self.waiting[0].tenant}
+        for s in self.waiting:  # arrival order: each tenant's first is its oldest
+            if s.tenant not in seen:
+                seen.add(s.tenant)
+                if running_by_tenant[s.tenant] < running_by_tenant[best.tenant]:
+                    best = s
+        return best
+
+    def _grow(self, seq: Sequence, num_tokens: int, copies: list[tuple[int, int]]) -> bool:
+        """Make ``seq``'s table cover ``num_tokens`` positions; first, if the block its next
+        token goes into is shared (a fork's partial prompt block), swap in a private copy and
+        append ``(src, dst)`` to ``copies``. Returns False, changing nothing, when too few
+        blocks are free."""
+        cow = self._pending_copy(seq)
+        new = self.blocks_for(num_tokens) - self.kv.num_blocks(seq.seq_id)
+        if new + cow > self.kv.num_free_blocks:
+            return False
+        if cow:
+            copies.append(self.kv.copy_on_write(seq.seq_id))
+        allocated = self.kv.allocate_slots(seq.seq_id, num_tokens)
+        assert allocated is not None, "free blocks were counted just above"
+        return True
+
+    def _pending_copy(self, seq: Sequence) -> int:
+        """1 if ``seq``'s next token lands in a partially filled block it shares, else 0."""
+        if seq.num_computed_tokens % self.kv.block_size == 0:
+            return 0  # the next token starts a new block
+        table = self.kv.block_table(seq.seq_id)
+        return int(bool(table) and self.kv.ref_count(table[-1]) > 1)
+
+    def _admissible(self, seq: Sequence, computed: list[int], num_tokens: int) -> bool:
+        """Would admitting ``seq`` (computing up to ``num_tokens``) respect the policy?
+
+        Reused cached blocks that no live request references count as free (they are
+        evictable), so taking them uses up free blocks just like allocating new ones.
+        """
+        unreferenced = sum(1 for b in computed if self.kv.ref_count(b) == 0)
+        if self.config.policy == "reserve":
+            # Prompt + max_tokens for this one (and its siblings), plus growth already
+            # promised to the running ones.
+            siblings = len(self.pending_forks.get(seq.seq_id, ()))
+            need = (self.group_blocks(seq.num_prompt_tokens, seq.params.max_tokens, 1 + siblings)
+                    - len(computed) + unreferenced)
+            return need + self._outstanding_reservations() <= self.kv.num_free_blocks
+        need = self.blocks_for(num_tokens) - len(computed) + unreferenced
+        # With nothing running nothing needs room to grow: the watermark must not keep a
+        # request that fits out of an idle replica forever.
+        watermark = self._watermark_blocks if self.running else 0
+        return need + watermark <= self.kv.num_free_blocks
+
+    def _outstanding_reservations(self) -> int:
+        """Blocks promised to running sequences (and their unforked siblings) under
+        ``reserve`` but not yet allocated, pending copy-on-writes included."""
+        total = 0
+        for s in self.running:
+            total += max(0, self.blocks_for(s.max_total_tokens) - self.kv.num_blocks(s.seq_id))
+            total += self._pending_copy(s)
+            for sib in self.pending_forks.get(s.seq_id, ()):
+                total += (self.blocks_for(sib.max_total_tokens)
+                          - sib.num_prompt_tokens // self.kv.block_size)
+        return total
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Preempt by recompute: free its blocks and put it back in FCFS order."""
+        self.running.remove(seq)
+        self.kv.free(seq.seq_id)
+        seq.status = SeqStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self._requeue(seq)
+
+    def _requeue(self, seq: Sequence) -> None:
+        pos = 0
+        while pos < len(self.waiting) and self.waiting[pos].arrival_seq < seq.arrival_seq:
+            pos += 1
+        self.waiting.insert(pos, seq)
+
+    # ---- after the forward ---------------------------------------------------------------
+    def on_step_done(self, out: SchedulerOutput) -> list[Fork]:
+        """Advance counters by what was computed and register newly full blocks.
+
+        Returns the siblings forked this step: those of every leader whose prompt was just
+        computed. They are running now, sharing the leader's blocks.
+        """
+        forks: list[Fork] = []
+        for s in out.scheduled:
+            seq = s.seq
+            if seq.status is not SeqStatus.RUNNING:
+                continue
+            before = seq.num_computed_tokens
+            seq.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_full_blocks(seq.seq_id, seq.block_hashes, seq.num_computed_tokens,
+                                      from_token=before)
+            if s.sample and seq.seq_id in self.pending_forks:
+                forks += self._fork(seq)
+        return forks
+
+    def _fork(self, leader: Sequence) -> list[Fork]:
+        forks = []
+        for sib in self.pending_forks.pop(leader.seq_id):
+            self.kv.fork(leader.seq_id, sib.seq_id)
+            sib.status = SeqStatus.RUNNING
+            sib.num_computed_tokens = leader.num_computed_tokens
+            sib.num_cached_tokens = leader.num_cached_tokens
+            self.running.append(sib)
+            forks.append(Fork(leader, sib))
+        return forks
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a sequence wherever it is and return its blocks (idempotent). A leader that
+        ends before its prompt was computed leaves its siblings to run on their own."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        else:
+            for leader_id, siblings in list(self.pending_forks.items()):
+                if seq in siblings:
+                    siblings.remove(seq)
+                    if not siblings:
+                        del self.pending_forks[leader_id]
+        for orphan in reversed(self.pending_forks.pop(seq.seq_id, [])):
+            self._requeue(orphan)
+        self.kv.free(seq.seq_id)
+        seq.status = SeqStatus.FINISHED

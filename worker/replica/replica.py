@@ -1,0 +1,390 @@
+"""One model replica: builds the engine from a model directory, serves it over gRPC on a free
+loopback port, registers in Redis, publishes KV events and heartbeats with load.
+
+:class:`ReplicaServer` is plain asyncio (usable in-process in tests); :mod:`kvfleet.worker.replica.serve_deployment`
+hosts it as a Ray Serve replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import grpc
+import tokenizers
+import torch
+
+from kvfleet.allocator.fingerprint import fingerprint_model_dir
+from kvfleet.allocator.hashing import CacheIdentity
+from kvfleet.allocator.kv_cache_manager import KVCacheManager
+from kvfleet.grpc_util import (SERVER_OPTIONS, add_health_and_reflection, advertised_host,
+                                bind_port, mark_serving)
+from kvfleet.errors import Unavailable
+from kvfleet.stream_limits import StreamLimits
+from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
+from kvfleet.v1 import worker_pb2, worker_pb2_grpc
+from kvfleet.worker.executor.cost_model import CostModel, cost_model_runner
+from kvfleet.worker.engine.engine import Engine
+from kvfleet.worker.service.engine_loop import EngineLoop
+from kvfleet.worker.replica.kv_publisher import KvPublisher
+from kvfleet.worker.runner.kv_cache import num_blocks_for_memory
+from kvfleet.worker.replica.adapter_admin import AdapterAdmin
+from kvfleet.worker.replica.adapter_catalog import check_catalog
+from kvfleet.worker.engine.adapter_residency import AdapterResidency
+from kvfleet.worker.runner.model_config import load_model_config
+from kvfleet.worker.replica.hit_window import HitWindow
+from kvfleet.worker.runner.model_runner import ModelRunner
+from kvfleet.worker.executor.tp.group import RankGroup, TPSettings
+from kvfleet.worker.executor.tp.rank_worker import RankInfo, RankSpec, rank_info
+from kvfleet.worker.executor.tp_executor import TPRunner
+from kvfleet.worker.engine.scheduler import SchedulerConfig
+from kvfleet.worker.service.server import WorkerService
+from kvfleet.telemetry import Telemetry, TelemetryConfig
+from kvfleet.telemetry.worker_spans import WorkerTelemetry
+from kvfleet.tls import InternalTLS
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_KV_MEMORY_BYTES = 256 << 20  # 256 MiB of K/V per replica unless told otherwise
+EXECUTORS = ("model", "cost-model")
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    """How to build and serve one replica of ``tensor_parallel_size`` ranks.
+
+    Exactly one of ``num_blocks`` / ``kv_memory_bytes`` sizes the KV pool; with neither,
+    ``DEFAULT_KV_MEMORY_BYTES`` is used. Both are per rank: every rank holds ``num_blocks``
+    blocks of its own KV heads (``kvfleet budget --tp`` gives the per-rank bytes).
+    """
+
+    replica_id: str
+    model_name: str
+    model_dir: str
+    block_size: int = 16
+    num_blocks: Optional[int] = None
+    kv_memory_bytes: Optional[int] = None
+    dtype: str = "float32"
+    # A second copy of each weight for batch-1 decode (see worker/runner/models/linear.py): ~20 %
+    # lower batch-1 ITL on CPU for twice the weight memory.
+    one_row_weights: bool = True
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    redis_url: Optional[str] = None
+    namespace: str = "kvfleet:"
+    host: str = "127.0.0.1"
+    port: int = 0
+    num_threads: int = 1
+    heartbeat_interval_s: float = 1.0
+    replica_ttl_s: float = 10.0
+    block_ttl_s: Optional[float] = None  # safety-net TTL on the index's block keys (None: none)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)  # OTLP / Prometheus
+    # "model" runs the real forward; "cost-model" replaces only the forward with a timed
+    # stand-in (kvfleet.worker.executor.cost_model) — scheduler, block pool, KV events stay real.
+    executor: str = "model"
+    cost_model: Optional[CostModel] = None  # constants for "cost-model" (default: measured ones)
+    # Ranks 1..T-1 are Ray actors (kvfleet.worker.executor.tp); one thread per rank when T > 1.
+    tensor_parallel_size: int = 1
+    tp: TPSettings = field(default_factory=TPSettings)
+    device: str = "cpu"  # "cuda": one GPU per rank (NCCL), as Ray assigns them
+    # Mutual TLS: serve with the cluster's worker certificate and require a client certificate
+    # signed by its CA (kvfleet.tls); None = plaintext.
+    internal_tls_dir: Optional[str] = None
+    # Slow or vanished readers: outputs buffered per stream, seconds a write may wait.
+    stream_limits: StreamLimits = field(default_factory=StreamLimits)
+    # LoRA: servable adapters as (name, directory), checked at start; max_loras slots per
+    # replica (LRU, loaded on first use), max_lora_rank the largest rank accepted.
+    adapters: tuple[tuple[str, str], ...] = ()
+    max_loras: int = 4
+    max_lora_rank: int = 64
+    # The Ray Serve replica hosting this one ("" outside Serve), written to the registry.
+    serve_replica: str = ""
+    # A drain (scale-down, Worker.Drain, SIGTERM) waits this long for in-flight streams, then
+    # ends the rest UNAVAILABLE naming the drain.
+    drain_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not self.drain_timeout_s > 0:
+            raise ValueError(f"drain_timeout_s must be > 0, got {self.drain_timeout_s}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.executor != "model":
+            raise ValueError("tensor_parallel_size > 1 needs the model executor")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.executor not in EXECUTORS:
+            raise ValueError(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be > 0, got {self.block_size}")
+
+
+def cache_identity(model_name: str, model_dir: str | Path, kv_dtype: str, block_size: int) -> CacheIdentity:
+    """The identity both router and worker derive from the same model directory (DESIGN §2)."""
+    fp = fingerprint_model_dir(model_dir)
+    return CacheIdentity(model=model_name, weights_fingerprint=fp.weights,
+                         tokenizer_fingerprint=fp.tokenizer,
+                         chat_template_fingerprint=fp.chat_template,
+                         kv_dtype=kv_dtype, block_size=block_size)
+
+
+def build_engine(cfg: ReplicaConfig, on_rank_failure: Callable[[str], None] = lambda msg: None
+                 ) -> Engine:
+    """Load the model (with tp > 1: start ranks 1..T-1 and take rank 0's shard) and size the
+    KV pool. ``on_rank_failure`` is called once, from any thread, when a rank dies or hangs.
+
+    Raises:
+        FileNotFoundError: a bad model dir.
+        ShardingError: the model's heads do not split over ``tensor_parallel_size``.
+    """
+    tp = cfg.tensor_parallel_size
+    catalog = check_catalog(cfg.adapters, load_model_config(cfg.model_dir), cfg.max_lora_rank)
+    max_loras = cfg.max_loras if cfg.executor == "model" else 0
+    torch.set_num_threads(cfg.num_threads if tp == 1 else 1)
+    dtype = DTYPES[cfg.dtype]
+    model_dir = Path(cfg.model_dir)
+    num_blocks = cfg.num_blocks
+    if num_blocks is None:
+        mc = load_model_config(model_dir)
+        num_blocks = num_blocks_for_memory(mc, cfg.block_size, dtype,
+                                           cfg.kv_memory_bytes or DEFAULT_KV_MEMORY_BYTES, tp)
+    tokenizer = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    if cfg.executor == "cost-model":
+        runner = cost_model_runner(load_model_config(model_dir), tokenizer, num_blocks,
+                                   cfg.block_size, cfg.cost_model)
+    elif tp > 1:
+        spec = RankSpec(str(model_dir), tp, num_blocks, cfg.block_size, dtype,
+                        cfg.one_row_weights, cfg.device, max_loras=max_loras)
+        group = RankGroup(spec, cfg.tp, cfg.replica_id, on_rank_failure)
+        runner = TPRunner(group.start(), group)
+    else:
+        runner = ModelRunner(model_dir, num_blocks=num_blocks, block_size=cfg.block_size, dtype=dtype,
+                             device=cfg.device, one_row_weights=cfg.one_row_weights,
+                             max_loras=max_loras)
+    kv = KVCacheManager(num_blocks, cfg.block_size)
+    identity = cache_identity(cfg.model_name, model_dir, cfg.dtype, cfg.block_size)
+    mc = runner.config
+    if catalog and not max_loras:
+        raise ValueError("serving adapters needs the model executor and max_loras >= 1")
+    residency = AdapterResidency(runner, catalog, max_loras) if max_loras else None
+    return Engine(runner, kv, tokenizer, identity.digest(), mc.eos_token_ids,
+                  mc.max_position_embeddings, mc.vocab_size, cfg.scheduler,
+                  adapters=residency, identity=identity)
+
+
+class ReplicaServer:
+    """A replica's engine thread + gRPC server + Redis publisher, on one asyncio loop."""
+
+    def __init__(self, cfg: ReplicaConfig, telemetry: Optional[Telemetry] = None) -> None:
+        self.cfg = cfg
+        self.failure: Optional[str] = None  # set once when a tensor-parallel rank fails
+        self._aio_loop: Optional[asyncio.AbstractEventLoop] = None
+        self._health = None
+        self.engine = build_engine(cfg, self._on_rank_failure)
+        self.address: Optional[str] = None
+        self.metrics_address: Optional[str] = None  # Prometheus endpoint, when one is served
+        self.telemetry = telemetry  # built from cfg.telemetry at start unless given
+        self._owns_telemetry = telemetry is None
+        self.publisher: Optional[KvPublisher] = None
+        self._server: Optional[grpc.aio.Server] = None
+        self._loop: Optional[EngineLoop] = None
+        self.service: Optional[WorkerService] = None
+        self._tasks: list[asyncio.Task] = []
+        self.hits = HitWindow()
+        self.drained = False  # a drain completed: deregistered, refusing every request
+
+    async def start(self) -> str:
+        """Start serving; returns ``host:port``. Raises OSError if the port is taken."""
+        aio_loop = self._aio_loop = asyncio.get_running_loop()
+        self._server = grpc.aio.server(options=SERVER_OPTIONS)
+        creds = (InternalTLS.load(self.cfg.internal_tls_dir).worker_credentials()
+                 if self.cfg.internal_tls_dir else None)
+        port = bind_port(self._server, self.cfg.host, self.cfg.port, creds)
+        self.address = f"{advertised_host(self.cfg.host)}:{port}"
+        if self.telemetry is None:
+            self.telemetry = Telemetry(self.cfg.telemetry, "worker", self.cfg.replica_id)
+        self.metrics_address = self.telemetry.metrics_address
+        if self.cfg.redis_url:
+            info = ReplicaInfo(self.cfg.replica_id, self.address, self.cfg.model_name, 0,
+                               self.cfg.block_size, max_requests=self.cfg.scheduler.max_sequences,
+                               tensor_parallel_size=self.cfg.tensor_parallel_size,
+                               ranks=tuple(dataclasses.asdict(r) for r in self.ranks()),
+                               serve_replica=self.cfg.serve_replica,
+                               metrics_address=self.metrics_address or "",
+                               **self.adapter_fields())
+            self.publisher = KvPublisher(self.cfg.redis_url, info, namespace=self.cfg.namespace,
+                                         replica_ttl_s=self.cfg.replica_ttl_s,
+                                         block_ttl_s=self.cfg.block_ttl_s)
+        wt = WorkerTelemetry(self.telemetry, self.cfg.replica_id, self.cfg.model_name,
+                             stats_fn=lambda: self._loop.stats if self._loop else {},
+                             adapters_fn=lambda: self.engine.adapters.catalog if self.engine.adapters else ())
+        self._loop = EngineLoop(self.engine, aio_loop, on_step=self._on_step(aio_loop),
+                                on_finish=lambda out: (wt.on_finished(out), self.hits.record(out)),
+                                max_unread=self.cfg.stream_limits.max_unread)
+        service = WorkerService(self._loop, self.cfg.replica_id, self.cfg.model_name,
+                                self.cfg.block_size, epoch_fn=self._epoch, telemetry=wt,
+                                ranks_fn=self.ranks, drain_fn=self.drain,
+                                limits=self.cfg.stream_limits, adapter_admin=self._adapter_admin())
+        self.service = service
+        worker_pb2_grpc.add_WorkerServicer_to_server(service, self._server)
+        name = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+        health = self._health = add_health_and_reflection(self._server, [name])
+        self._loop.start()
+        await self._server.start()
+        await mark_serving(health, [name])
+        if self.publisher is not None:
+            await self.publisher.register()
+            self._tasks.append(asyncio.create_task(self._heartbeat()))
+        log.info("replica %s serving %s on %s", self.cfg.replica_id, self.cfg.model_name, self.address)
+        return self.address
+
+    def ranks(self) -> list[RankInfo]:
+        """Every rank of this replica (rank 0 first; one entry at tp=1)."""
+        runner = self.engine.runner
+        if isinstance(runner, TPRunner):
+            return runner.ranks()
+        if isinstance(runner, ModelRunner):
+            return [rank_info(runner, 0)]
+        return []  # the cost model holds no weights or KV tensors
+
+    def _on_rank_failure(self, message: str) -> None:
+        """A rank died or hung (any thread): refuse and end every stream with UNAVAILABLE
+        naming it, health NOT_SERVING, deregister at once. The group has released the ranks."""
+        self.failure = message
+        if self._loop is not None:
+            self._loop.fail(Unavailable(message))
+        if self._aio_loop is not None and not self._aio_loop.is_closed():
+            asyncio.run_coroutine_threadsafe(self._failed(), self._aio_loop)
+
+    async def _failed(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        self._tasks.clear()
+        if self._health is not None:
+            name = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+            await mark_serving(self._health, [name], serving=False)
+        if self.publisher is not None:
+            try:
+                await self.publisher.deregister()
+            except Exception:
+                log.exception("deregister after a rank failure failed")
+
+    def _epoch(self) -> int:
+        return getattr(self.publisher, "epoch", 0) if self.publisher else 0
+
+    def _on_step(self, aio_loop: asyncio.AbstractEventLoop):
+        def hook(stored: list[bytes], removed: list[bytes], stats: dict) -> None:
+            if self.publisher is not None and self.failure is None:  # failed: deregistered
+                # Off the engine thread and off the TTFT path: one pipeline per step.
+                asyncio.run_coroutine_threadsafe(self.publisher.publish(stored, removed), aio_loop)
+        return hook
+
+    def load(self) -> ReplicaLoad:
+        s = self._loop.stats if self._loop else self.engine.stats()
+        return ReplicaLoad(running=s["running"], waiting=s["waiting"],
+                           num_free_blocks=s["num_free_blocks"],
+                           num_total_blocks=s["num_total_blocks"], updated_at=time.time())
+
+    def _adapter_admin(self) -> Optional[AdapterAdmin]:
+        res = self.engine.adapters
+        return None if res is None else AdapterAdmin(res, self.engine.runner.config,
+                                                     self.cfg.max_lora_rank)
+
+    def adapter_fields(self) -> dict:
+        """The registry's adapter fields: servable (name, revision) and resident names."""
+        res = self.engine.adapters
+        if res is None:
+            return {}
+        return {"adapters": tuple(sorted(res.servable().items())),
+                "resident_adapters": tuple(sorted(res.resident()))}
+
+    def healthy(self) -> Optional[str]:
+        """None while the replica can serve; else why not (a failed rank, a dead engine
+        thread, a completed drain). Ray Serve's ``check_health`` raises with it."""
+        if self.failure is not None:
+            return self.failure
+        if self._loop is not None and not self._loop.alive:
+            return f"replica {self.cfg.replica_id}: the engine thread died"
+        if self.drained:
+            return f"replica {self.cfg.replica_id} was drained"
+        return None
+
+    async def drain(self, timeout_s: Optional[float] = None) -> int:
+        """Stop admitting (the registry says ``draining``: routers stop sending, and a request
+        that still arrives is refused UNAVAILABLE, which routers retry elsewhere), wait up to
+        ``timeout_s`` seconds (default ``cfg.drain_timeout_s``) for the streams in flight,
+        end what is left with UNAVAILABLE naming the drain, then deregister (its index
+        entries go too). Returns the number of sequences the timeout ended. Idempotent."""
+        timeout_s = self.cfg.drain_timeout_s if timeout_s is None else timeout_s
+        if self.service is None or self.drained:
+            return 0
+        if not self.service.draining:
+            self.service.draining = True
+            log.info("replica %s draining (%d sequences in flight, timeout %g s)",
+                     self.cfg.replica_id, self.service.reservations.count, timeout_s)
+            if self.publisher is not None:
+                self.publisher.describe(state="draining")
+                await self.publisher.heartbeat(self.load())
+        held = self.service.reservations
+        deadline = time.monotonic() + timeout_s
+        while held.count and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        left = held.count
+        if left and self._loop is not None:
+            log.warning("replica %s: drain timeout of %g s passed, ending %d sequences",
+                        self.cfg.replica_id, timeout_s, left)
+            self._loop.fail(Unavailable(
+                f"replica {self.cfg.replica_id} was drained: the stream was still running "
+                f"after the drain timeout of {timeout_s:g} s; retry it"))
+            end = time.monotonic() + 5.0  # the ends reach their streams at the next step
+            while held.count and time.monotonic() < end:
+                await asyncio.sleep(0.02)
+        for t in self._tasks:
+            t.cancel()
+        self._tasks.clear()
+        if self.publisher is not None:
+            await self.publisher.deregister()
+        self.drained = True
+        log.info("replica %s drained", self.cfg.replica_id)
+        return left
+
+    async def _heartbeat(self) -> None:
+        while True:
+            try:
+                # Adapter slots change too: re-published every beat ({} without adapters).
+                self.publisher.describe(prefix_hit_rate=round(self.hits.rate(), 4),
+                                        **self.adapter_fields())
+                await self.publisher.heartbeat(self.load())
+            except Exception:
+                log.exception("heartbeat failed")
+            await asyncio.sleep(self.cfg.heartbeat_interval_s)
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        """Deregister, stop the gRPC server and the engine thread (idempotent)."""
+        for t in self._tasks:
+            t.cancel()
+        self._tasks.clear()
+        if self.publisher is not None:
+            try:
+                await self.publisher.deregister()
+            finally:
+                await self.publisher.close()
+                self.publisher = None
+        if self._server is not None:
+            await self._server.stop(grace_s)
+            self._server = None
+        if self._loop is not None:
+            self._loop.stop()
+            self._loop = None
+        if self.engine.adapters is not None:
+            self.engine.adapters.close()
+        close = getattr(self.engine.runner, "close", None)
+        if close is not None:
+            close()  # releases ranks 1..T-1
+        if self.telemetry is not None and self._owns_telemetry:
+            self.telemetry.shutdown()  # flushes the last spans
+            self.telemetry = None

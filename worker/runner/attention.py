@@ -1,0 +1,260 @@
+"""Paged attention over per-layer KV caches, for a flattened varlen batch of chunks.
+
+Cache layout per layer: ``key_cache``/``value_cache`` of shape
+``(num_blocks, block_size, num_kv_heads, head_dim)``; token ``p`` of a request lives in slot
+``block_table[p // block_size] * block_size + p % block_size`` of the flattened cache.
+
+A chunk of ``q`` new tokens after ``c`` cached ones: its ``j``-th query sits at absolute
+position ``c + j`` and sees keys ``0 .. c + j`` (a causal mask shifted right by ``c``, never the
+top-left square), and with a sliding window ``w`` only keys ``> c + j - w``.
+
+Three paths, chosen per chunk when the step's metadata is built:
+
+* **decodes** (one-token chunks), fp32 on CPU: one call of the C kernel in
+  :mod:`.cpu_kernels` per layer for all of them, reading keys and values in place through
+  the block tables. Elsewhere (or without a C compiler) each decode gathers exactly its own
+  blocks and runs one SDPA call — no padding to the longest context in the batch (on the
+  SmolLM2 benchmark this beat one padded batched kernel, length-bucketed padded kernels, a
+  flattened all-blocks formulation and hand-written bmm/softmax/bmm);
+* **fresh prefill chunks** (nothing cached before them) attend to their own new K/V — no
+  cache read, a plain causal mask (SDPA's flash kernel);
+* **continued prefill chunks** (after a cached prefix or an earlier chunk) read their whole
+  context from the cache under the rectangular, offset causal mask (SDPA with that mask).
+
+GQA is never materialised: query heads ``h * g .. h * g + g - 1`` share KV head ``h``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvfleet.worker.runner import cpu_kernels
+from kvfleet.worker.engine.step_plan import SeqChunk
+
+
+@dataclass(frozen=True)
+class DecodeKernelArgs:
+    """The C decode kernel's inputs for one step (int64 CPU tensors; ``D`` decodes)."""
+
+    tables: torch.Tensor  # the decodes' used blocks, concatenated in table order
+    table_start: torch.Tensor  # (D + 1,) offsets into ``tables``
+    context: torch.Tensor  # (D,) keys each decode sees without a window (its position + 1)
+    first_key: dict[int | None, torch.Tensor]  # window → (D,) first visible key
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """The batch layout of one step, built once and shared by every layer.
+
+    ``T`` = new tokens in the step, ``B`` = chunks, ``D`` = one-token chunks (decodes).
+    """
+
+    positions: torch.Tensor  # (T,) int64 absolute position of each new token
+    slot_mapping: torch.Tensor  # (T,) int64 flat cache slot each new token's K/V is written to
+    query_start: tuple[int, ...]  # (B + 1,) offsets of each chunk's tokens in the flat batch
+    last_token_indices: torch.Tensor  # (B,) int64 index of each chunk's last token
+    # Decodes: token index; then either the C kernel's arguments, or for the torch path the
+    # blocks holding each decode's keys (table order), its key count, and per window an
+    # additive (1, ctx) mask or None where every key is visible.
+    decode_token_indices: torch.Tensor  # (D,)
+    decode_kernel: DecodeKernelArgs | None
+    decode_tables: tuple[torch.Tensor, ...]
+    decode_context: tuple[int, ...]
+    decode_bias: dict[int | None, tuple[torch.Tensor | None, ...]]
+    # Prefill chunks (more than one token): chunk indices, cached counts, context tables, masks.
+    prefill: tuple[int, ...]
+    prefill_computed: tuple[int, ...]
+    prefill_block_tables: tuple[torch.Tensor, ...]
+    # window → per chunk additive (q, c + q) 0/-inf: the causal mask, offset and windowed
+    # (None for a fresh chunk, which needs only the plain causal square)
+    prefill_bias: dict[int | None, tuple[torch.Tensor | None, ...]]
+
+
+def causal_mask(num_computed: int, q_len: int, window: int | None) -> torch.Tensor:
+    """Bool ``(q_len, num_computed + q_len)``: True where query ``j`` may attend key ``k``.
+
+    ``k <= num_computed + j`` (rectangular, offset by the cached count), and within the window.
+    """
+    q_pos = torch.arange(num_computed, num_computed + q_len)[:, None]
+    k_pos = torch.arange(num_computed + q_len)[None, :]
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= k_pos > q_pos - window
+    return mask
+
+
+def _additive(keep: torch.Tensor) -> torch.Tensor:
+    """Bool keep-mask → float 0 where kept, -inf elsewhere."""
+    return torch.zeros(keep.shape).masked_fill_(~keep, float("-inf"))
+
+
+def _prefill_bias(chunk: SeqChunk, window: int | None, device, dtype) -> torch.Tensor | None:
+    """The chunk's additive mask, or None for a fresh chunk that a plain causal mask serves."""
+    n, computed = len(chunk.token_ids), chunk.num_computed_tokens
+    if computed == 0 and (window is None or window >= n):
+        return None
+    return _additive(causal_mask(computed, n, window)).to(device, dtype)
+
+
+def _decode_bias(ctx: int, window: int | None, device, dtype) -> torch.Tensor | None:
+    """Additive ``(1, ctx)`` keeping the last ``window`` keys, or None when all are visible."""
+    if window is None or window >= ctx:
+        return None
+    return _additive(torch.arange(ctx) >= ctx - window)[None].to(device, dtype)
+
+
+def build_attention_metadata(
+    chunks: tuple[SeqChunk, ...],
+    block_size: int,
+    windows: tuple[int | None, ...],
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    use_kernel: bool | None = None,
+) -> AttentionMetadata:
+    """Turn a step's chunks into the tensors every layer needs (``windows``: distinct per
+    layer; ``dtype``: the model's, for the additive masks; ``use_kernel``: decode through the
+    C kernel — by default wherever it applies (fp32 on CPU, library loaded), never elsewhere;
+    see :mod:`.cpu_kernels`)."""
+    positions: list[int] = []
+    slots: list[int] = []
+    starts = [0]
+    decode, prefill = [], []
+    for i, c in enumerate(chunks):
+        n, start = len(c.token_ids), c.num_computed_tokens
+        table = c.block_table
+        positions += range(start, start + n)
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(start, start + n)]
+        starts.append(starts[-1] + n)
+        (decode if n == 1 else prefill).append(i)
+
+    ctx = [chunks[i].num_computed_tokens + 1 for i in decode]
+    used = [chunks[i].block_table[: -(-n // block_size)] for i, n in zip(decode, ctx)]
+    applies = (torch.device(device).type == "cpu" and dtype == torch.float32
+               and cpu_kernels.load() is not None)
+    use_kernel = applies if use_kernel is None else use_kernel and applies  # never on GPU memory
+
+    def tensor(values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    kernel = None
+    if use_kernel and decode:
+        kernel = DecodeKernelArgs(
+            tables=tensor([b for table in used for b in table]),
+            table_start=tensor([0, *itertools.accumulate(len(t) for t in used)]),
+            context=tensor(ctx),
+            first_key={w: tensor([0 if w is None else max(0, n - w) for n in ctx]) for w in windows},
+        )
+
+    pre_tables = []
+    for i in prefill:
+        c = chunks[i]
+        context = c.num_computed_tokens + len(c.token_ids)
+        pre_tables.append(tensor(c.block_table[: -(-context // block_size)]))
+    return AttentionMetadata(
+        positions=tensor(positions),
+        slot_mapping=tensor(slots),
+        query_start=tuple(starts),
+        last_token_indices=tensor([s - 1 for s in starts[1:]]),
+        decode_token_indices=tensor([starts[i] for i in decode]),
+        decode_kernel=kernel,
+        decode_tables=() if use_kernel else tuple(tensor(t) for t in used),
+        decode_context=tuple(ctx),
+        decode_bias={w: () if use_kernel else tuple(_decode_bias(n, w, device, dtype) for n in ctx)
+                     for w in windows},
+        prefill=tuple(prefill),
+        prefill_computed=tuple(chunks[i].num_computed_tokens for i in prefill),
+        prefill_block_tables=tuple(pre_tables),
+        prefill_bias={w: tuple(_prefill_bias(chunks[i], w, device, dtype) for i in prefill)
+                      for w in windows},
+    )
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+             value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store new ``key``/``value`` ``(T, num_kv_heads, head_dim)`` at their flat slots."""
+    kv_heads, head_dim = key_cache.shape[-2:]
+    key_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    value_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """``cache[blocks]`` as ``(len(blocks), block_size * kv_heads * head_dim)``: gathering whole
+    rows of a 2-D view copies each block in one piece (several times faster than 4-D)."""
+    return cache.view(cache.shape[0], -1).index_select(0, blocks)
+
+
+def _prefill_attention(query, key, value, key_cache, value_cache, meta, window, out):
+    """Each prefill chunk on its own through SDPA (GQA without repeated K/V): a fresh chunk
+    over its own new K/V with a plain causal mask, a continued one over its cached context
+    with the offset (and windowed) additive mask from the metadata."""
+    kv_heads, head_dim = key_cache.shape[2:]
+    for i, computed, table, bias in zip(meta.prefill, meta.prefill_computed,
+                                        meta.prefill_block_tables, meta.prefill_bias[window],
+                                        strict=True):
+        start, end = meta.query_start[i], meta.query_start[i + 1]
+        n = end - start
+        causal = bias is None
+        if computed == 0:
+            k, v = key[start:end], value[start:end]
+        else:
+            ctx = computed + n
+            k = _gather(key_cache, table).view(-1, kv_heads, head_dim)[:ctx]
+            v = _gather(value_cache, table).view(-1, kv_heads, head_dim)[:ctx]
+        o = F.scaled_dot_product_attention(  # (1, heads, n, d)
+            query[start:end].transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+            attn_mask=None if causal else bias, is_causal=causal, enable_gqa=True)
+        out[start:end] = o[0].transpose(0, 1)
+
+
+def _decode_attention(query, key_cache, value_cache, meta, window, out, scale):
+    """Each decode against exactly its own keys (no padding to the longest context), one SDPA
+    call per decode (GQA without repeated K/V)."""
+    kv_heads, head_dim = key_cache.shape[2:]
+    num_heads = query.shape[1]
+    for idx, table, ctx, bias in zip(meta.decode_token_indices.tolist(), meta.decode_tables,
+                                     meta.decode_context, meta.decode_bias[window], strict=True):
+        k = _gather(key_cache, table).view(-1, kv_heads, head_dim)[:ctx].transpose(0, 1)
+        v = _gather(value_cache, table).view(-1, kv_heads, head_dim)[:ctx].transpose(0, 1)
+        out[idx] = F.scaled_dot_product_attention(
+            query[idx].view(1, num_heads, 1, head_dim), k[None], v[None], attn_mask=bias,
+            scale=scale, enable_gqa=True).view(num_heads, head_dim)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Write this step's K/V into the cache, then attend every query to its own request's keys.
+
+    Args:
+        query: ``(T, num_heads, head_dim)``, RoPE applied.
+        key, value: ``(T, num_kv_heads, head_dim)``, RoPE applied to ``key``.
+        key_cache, value_cache: ``(num_blocks, block_size, num_kv_heads, head_dim)``, updated in place.
+        window: this layer's sliding window in tokens, or ``None``.
+
+    Returns:
+        ``(T, num_heads * head_dim)`` attention output.
+    """
+    write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
+    num_tokens, num_heads, head_dim = query.shape
+    scale = 1.0 / math.sqrt(head_dim)
+    out = query.new_empty(num_tokens, num_heads, head_dim)
+    if meta.decode_kernel is not None:
+        k = meta.decode_kernel
+        cpu_kernels.decode_attention(query, key_cache, value_cache, out, meta.decode_token_indices,
+                                       k.tables, k.table_start, k.first_key[window], k.context, scale)
+    elif meta.decode_token_indices.numel():
+        _decode_attention(query, key_cache, value_cache, meta, window, out, scale)
+    if meta.prefill:
+        _prefill_attention(query, key, value, key_cache, value_cache, meta, window, out)
+    return out.view(num_tokens, num_heads * head_dim)

@@ -1,0 +1,91 @@
+"""The paged KV cache of one rank: every layer's K and V blocks in one allocation."""
+
+from __future__ import annotations
+
+import torch
+
+from kvfleet.allocator.kv_bytes import bytes_per_token, rank_spec
+from kvfleet.allocator.model_spec import AttentionLayer, ModelKVSpec
+from kvfleet.worker.runner.model_config import ModelConfig
+
+_KV_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def cache_spec(config: ModelConfig) -> ModelKVSpec:
+    """The paged cache's layout as the allocator's spec: every layer stores K and V of every
+    token of a block (a sliding-window layer's old blocks are not dropped, so no window)."""
+    layers = tuple(AttentionLayer(i, config.num_kv_heads, config.head_dim)
+                   for i in range(config.num_layers))
+    return ModelKVSpec(config.model_type, config.num_layers, config.num_heads, layers,
+                       config.max_position_embeddings)
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, tp: int = 1) -> int:
+    """Bytes one block occupies on each of ``tp`` ranks: ``block_size`` tokens × the
+    allocator's per-token formula for one rank's KV heads
+    (:func:`kvfleet.allocator.kv_bytes.bytes_per_token` of ``rank_spec``; K + V, every layer) —
+    the per-rank figure ``kvfleet budget --tp`` prints.
+
+    Raises:
+        KeyError: a dtype the cache does not support.
+        ShardingError: heads that do not split over ``tp``.
+    """
+    return block_size * bytes_per_token(rank_spec(cache_spec(config), tp), _KV_DTYPE_NAMES[dtype])
+
+
+def num_blocks_for_memory(
+    config: ModelConfig, block_size: int, dtype: torch.dtype, kv_memory_bytes: int, tp: int = 1
+) -> int:
+    """How many whole blocks fit in ``kv_memory_bytes`` (bytes, integer; ``--kv-memory``: per
+    rank, so every one of the ``tp`` ranks gets the same number of blocks).
+
+    Raises:
+        ValueError: not even one block fits.
+    """
+    per_block = kv_bytes_per_block(config, block_size, dtype, tp)
+    blocks = kv_memory_bytes // per_block
+    if blocks < 1:
+        raise ValueError(
+            f"kv memory {kv_memory_bytes} B holds no block of {per_block} B "
+            f"(block_size {block_size}, {config.num_layers} layers)"
+        )
+    return int(blocks)
+
+
+class KVCache:
+    """Per-layer ``key_cache``/``value_cache`` views of shape
+    ``(num_blocks, block_size, num_kv_heads, head_dim)`` into one zeroed tensor
+    ``(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)``.
+
+    Zeroed so that padded (masked) reads never meet NaN/inf garbage.
+    """
+
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be >= 1")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.data = torch.zeros(
+            config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim,
+            dtype=dtype, device=device,
+        )
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(key_cache, value_cache)`` of layer ``i``, views into the shared tensor."""
+        return self.data[i, 0], self.data[i, 1]
+
+    def copy_blocks(self, copies: tuple[tuple[int, int], ...]) -> None:
+        """Copy-on-write: for each ``(src, dst)`` copy K and V of every layer.
+
+        All copies read the state from before any of them (a ``dst`` is never a ``src``).
+        """
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=self.data.device)
+        dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=self.data.device)
+        self.data[:, :, dst] = self.data[:, :, src]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()

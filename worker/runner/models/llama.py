@@ -1,0 +1,267 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2): RMSNorm, RoPE, GQA attention, SwiGLU MLP.
+
+Differences between the families live in :class:`ModelConfig` (sliding window per layer,
+QKV/O bias, RoPE scaling), not in branches here. At load time Q/K/V and gate/up are fused
+into one matrix each, so a layer runs four matmuls, each a :class:`Linear` whose weight is
+packed once at load for the CPU's GEMM library (see :mod:`.linear`; a tied LM head gets its
+own packed copy, the embedding table stays for lookups). The forward calls torch ops directly
+(no per-op module dispatch). Numerics follow transformers' reference (RoPE tables in fp32 then
+cast, RMSNorm in fp32) so fp32 logits match it to ~1e-5.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvfleet.worker.runner.attention import AttentionMetadata, paged_attention
+from kvfleet.worker.runner.kv_cache import KVCache
+from kvfleet.worker.runner.lora.slots import LoraBatch
+from kvfleet.worker.runner.model_config import ModelConfig, RopeScaling
+from kvfleet.worker.runner.models.linear import Linear
+
+
+def _llama3_scaling(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    """Llama 3.1 frequency scaling: long wavelengths ÷ factor, a smooth ramp in between."""
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+_ROPE_SCALING: dict[str, Callable[[torch.Tensor, RopeScaling], torch.Tensor]] = {
+    "linear": lambda inv_freq, s: inv_freq / s.factor,
+    "llama3": _llama3_scaling,
+}
+
+
+def rope_tables(config: ModelConfig, dtype: torch.dtype, device: torch.device | str
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)``, each ``(max_position_embeddings, head_dim)``, computed in fp32, cast to dtype."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if config.rope_scaling is not None:
+        inv_freq = _ROPE_SCALING[config.rope_scaling.rope_type](inv_freq, config.rope_scaling)
+    freqs = torch.arange(config.max_position_embeddings).float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(device=device, dtype=dtype), emb.sin().to(device=device, dtype=dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``(T, heads, head_dim)`` by ``cos``/``sin`` ``(T, 1, head_dim)`` (half-split layout)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _weight(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x`` ``(T, size)``, normalised in fp32 like the reference, then scaled."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    return weight * F.rms_norm(x.float(), weight.shape, eps=eps).to(x.dtype)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """One block. Loaded as ``[in, out]`` parameters (``qkv_weight`` columns q | k | v,
+    ``gate_up_weight`` columns gate | up), then :meth:`pack` turns them into projections."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        h, q, kv, ffn = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.eps = config.rms_norm_eps
+        self.layer_idx = layer_idx
+        self.window = config.sliding_windows[layer_idx]
+        self.input_norm = _weight(h)
+        self.qkv_weight = _weight(h, q + 2 * kv)
+        self.qkv_bias = _weight(q + 2 * kv) if config.qkv_bias else None
+        self.o_weight = _weight(q, h)
+        self.o_bias = _weight(h) if config.o_bias else None
+        self.post_norm = _weight(h)
+        self.gate_up_weight = _weight(h, 2 * ffn)
+        self.down_weight = _weight(ffn, h)
+        # Tensor parallelism: sums the row-parallel partial outputs over the ranks (in place).
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def pack(self, one_row_copy: bool = False) -> None:
+        """Replace the loaded matrices by :class:`Linear` projections (``one_row_copy``: see
+        :class:`Linear`)."""
+        self.qkv = Linear(self.qkv_weight, self.qkv_bias, one_row_copy)
+        self.o_proj = Linear(self.o_weight, self.o_bias, one_row_copy)
+        self.gate_up = Linear(self.gate_up_weight, None, one_row_copy)
+        self.down = Linear(self.down_weight, None, one_row_copy)
+        for name in ("qkv_weight", "qkv_bias", "o_weight", "o_bias", "gate_up_weight", "down_weight"):
+            delattr(self, name)
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights one forward reads (projections and norms)."""
+        norms = sum(p.numel() * p.element_size() for p in (self.input_norm, self.post_norm))
+        return norms + sum(p.nbytes for p in (self.qkv, self.o_proj, self.gate_up, self.down))
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                lora: LoraBatch | None = None) -> torch.Tensor:
+        """``hidden`` ``(T, hidden_size)`` → ``(T, hidden_size)``; writes this layer's K/V.
+        ``lora``: the step's adapter rows, whose low-rank updates join each projection's
+        output (before the all-reduce of a row-parallel one)."""
+        t = hidden.shape[0]
+        x = rms_norm(hidden, self.input_norm, self.eps)
+        qkv = self.qkv(x)
+        if lora is not None:
+            lora.apply(self.layer_idx, "qkv", x, qkv)
+        heads = self.num_heads + self.num_kv_heads
+        # RoPE on Q and K together: one kernel for both.
+        qk = apply_rope(qkv[:, : heads * self.head_dim].view(t, heads, self.head_dim), cos, sin)
+        v = qkv[:, heads * self.head_dim :].view(t, self.num_kv_heads, self.head_dim)
+        attn = paged_attention(qk[:, : self.num_heads], qk[:, self.num_heads :], v,
+                               key_cache, value_cache, meta, self.window)
+        out = self.o_proj(attn)
+        if lora is not None:
+            lora.apply(self.layer_idx, "o", attn, out)
+        hidden = hidden + (out if self.reduce is None else self.reduce(out))
+        x = rms_norm(hidden, self.post_norm, self.eps)
+        gate_up = self.gate_up(x)
+        if lora is not None:
+            lora.apply(self.layer_idx, "gate_up", x, gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = F.silu(gate).mul_(up)
+        mlp = self.down(act)
+        if lora is not None:
+            lora.apply(self.layer_idx, "down", act, mlp)
+        return hidden + (mlp if self.reduce is None else self.reduce(mlp))
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder stack plus LM head; see :class:`kvfleet.worker.runner.models.CausalLM`."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = _weight(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = _weight(config.hidden_size)
+        self.lm_head_weight = _weight(config.hidden_size, config.vocab_size)  # [in, out]; see pack
+        self.rope_cos = self.rope_sin = torch.empty(0)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata, kv_cache: KVCache, lora: LoraBatch | None = None
+                ) -> torch.Tensor:
+        """``input_ids``/``positions`` ``(T,)`` → hidden states ``(T, hidden_size)`` (pre final
+        norm); ``lora``: the step's adapters by token row (None: base model only)."""
+        hidden = F.embedding(input_ids, self.embed_tokens)
+        cos = self.rope_cos[positions].unsqueeze(1)  # (T, 1, head_dim)
+        sin = self.rope_sin[positions].unsqueeze(1)
+        for i, layer in enumerate(self.layers):
+            key_cache, value_cache = kv_cache.layer(i)
+            hidden = layer.forward(hidden, cos, sin, meta, key_cache, value_cache, lora)
+        return hidden
+
+    def pack(self, one_row_copy: bool = False) -> None:
+        """Turn every loaded matrix into a :class:`Linear` (packed where the platform allows;
+        ``one_row_copy``: also a copy for batch-1 decode, see :class:`Linear`)."""
+        for layer in self.layers:
+            layer.pack(one_row_copy)
+        if hasattr(self, "lm_head_weight"):  # absent on TP ranks that never compute logits
+            self.lm_head = Linear(self.lm_head_weight, None, one_row_copy)
+            del self.lm_head_weight
+
+    def weight_bytes_per_decode(self) -> int:
+        """Bytes of weights one decode step reads: everything but the embedding table, of
+        which it reads one row per token (a tied LM head counts through its own copy)."""
+        norm = self.norm.numel() * self.norm.element_size()
+        head = self.lm_head.nbytes if hasattr(self, "lm_head") else 0
+        return norm + head + sum(layer.weight_bytes() for layer in self.layers)
+
+    def set_reduce(self, reduce: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+        """Tensor parallelism: ``reduce`` sums each row-parallel output (O, down) over the
+        ranks, in place, once per layer each; None at tp=1."""
+        for layer in self.layers:
+            layer.reduce = reduce
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``(N, hidden_size)`` → ``(N, vocab_size)`` in the model dtype."""
+        return self.lm_head(rms_norm(hidden, self.norm, self.config.rms_norm_eps))
+
+
+# Checkpoint tensors that carry no weights (older exports store RoPE frequencies).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def fuse_hf_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor],
+                    lm_head: bool = True) -> dict[str, torch.Tensor]:
+    """HF tensor names → this module's state dict: q|k|v and gate|up fused, matrices ``[in, out]``
+    (``lm_head=False``: no LM head, for a tensor-parallel rank that never computes logits).
+
+    Raises:
+        KeyError: a tensor the config requires is missing.
+        ValueError: the checkpoint holds tensors this model would silently ignore.
+    """
+    src = {k: v for k, v in weights.items() if not k.endswith(_IGNORED_SUFFIXES)}
+    if config.tie_word_embeddings:
+        src.pop("lm_head.weight", None)  # some exports store the tied copy too
+
+    def take(*names: str) -> torch.Tensor:
+        missing = [n for n in names if n not in src]
+        if missing:
+            raise KeyError(f"{config.architecture} checkpoint lacks tensor(s): {', '.join(missing)}")
+        return torch.cat([src.pop(n) for n in names]) if len(names) > 1 else src.pop(names[0])
+
+    def take_t(*names: str) -> torch.Tensor:  # HF [out, in] → [in, out]
+        return take(*names).t().contiguous()
+
+    embed = take("model.embed_tokens.weight")
+    out = {"embed_tokens": embed, "norm": take("model.norm.weight")}
+    if lm_head:
+        out["lm_head_weight"] = (embed.t().contiguous() if config.tie_word_embeddings
+                                 else take_t("lm_head.weight"))
+    for i in range(config.num_layers):
+        p, o = f"model.layers.{i}.", f"layers.{i}."
+        attn, mlp = p + "self_attn.", p + "mlp."
+        out[o + "qkv_weight"] = take_t(*(f"{attn}{n}_proj.weight" for n in "qkv"))
+        if config.qkv_bias:
+            out[o + "qkv_bias"] = take(*(f"{attn}{n}_proj.bias" for n in "qkv"))
+        out[o + "o_weight"] = take_t(attn + "o_proj.weight")
+        if config.o_bias:
+            out[o + "o_bias"] = take(attn + "o_proj.bias")
+        out[o + "gate_up_weight"] = take_t(mlp + "gate_proj.weight", mlp + "up_proj.weight")
+        out[o + "down_weight"] = take_t(mlp + "down_proj.weight")
+        out[o + "input_norm"] = take(p + "input_layernorm.weight")
+        out[o + "post_norm"] = take(p + "post_attention_layernorm.weight")
+    if src:
+        names = ", ".join(sorted(src)[:5])
+        raise ValueError(f"{len(src)} checkpoint tensors unused by {config.architecture}: {names}")
+    return out
+
+
+def build_model(config: ModelConfig, weights: Mapping[str, torch.Tensor],
+                dtype: torch.dtype, device: torch.device | str,
+                one_row_copy: bool = False, lm_head: bool = True) -> LlamaForCausalLM:
+    """Build on the meta device (no throwaway init), then take the fused checkpoint tensors
+    (``one_row_copy``: see :class:`Linear`; ``lm_head``: see :func:`fuse_hf_weights`)."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    if not lm_head:
+        del model.lm_head_weight
+    state = {k: v.to(device=device, dtype=dtype)
+             for k, v in fuse_hf_weights(config, weights, lm_head).items()}
+    model.load_state_dict(state, strict=True, assign=True)
+    for param in model.parameters():
+        param.requires_grad_(False)
+    model.rope_cos, model.rope_sin = rope_tables(config, dtype, device)
+    model.pack(one_row_copy)
+    return model.eval()

@@ -1,0 +1,102 @@
+"""Which query heads, KV heads and MLP columns one tensor-parallel rank holds (DESIGN §3, §7).
+
+Query heads split evenly: rank ``r`` holds heads ``r * H/T .. (r + 1) * H/T - 1``. KV heads
+split evenly when ``num_kv_heads % T == 0``; when ``T % num_kv_heads == 0`` every rank holds one
+KV head, each replicated ``T / num_kv_heads`` times (rank ``r`` holds head ``r // (T / KV)``,
+the one its query heads read). The MLP's intermediate columns split evenly. The embedding,
+norms and LM head are replicated (see :mod:`.shard_weights` for why).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from kvfleet.allocator.kv_bytes import (ShardingError, head_split_refusal, kv_heads_per_rank,
+                                        valid_tp_sizes)
+from kvfleet.worker.runner.model_config import ModelConfig
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Rank ``rank`` of ``tp`` for a model with ``num_heads`` query / ``num_kv_heads`` KV heads.
+
+    Build with :func:`shard_layout`, which validates the split.
+    """
+
+    tp: int
+    rank: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+
+    @property
+    def local_heads(self) -> int:
+        return self.num_heads // self.tp
+
+    @property
+    def local_kv_heads(self) -> int:
+        return kv_heads_per_rank(self.num_kv_heads, self.num_heads, self.tp)
+
+    @property
+    def kv_replicas(self) -> int:
+        """How many ranks hold each KV head (1 when the heads split)."""
+        return max(1, self.tp // self.num_kv_heads)
+
+    @property
+    def q_heads(self) -> range:
+        """This rank's query heads (global indices)."""
+        return range(self.rank * self.local_heads, (self.rank + 1) * self.local_heads)
+
+    @property
+    def kv_heads(self) -> range:
+        """This rank's KV heads (global indices); one head under replication."""
+        first = self.rank // self.kv_replicas * self.local_kv_heads
+        return range(first, first + self.local_kv_heads)
+
+    @property
+    def ffn_columns(self) -> range:
+        """This rank's slice of the MLP's intermediate dimension."""
+        n = self.intermediate_size // self.tp
+        return range(self.rank * n, (self.rank + 1) * n)
+
+    def local_config(self, config: ModelConfig) -> ModelConfig:
+        """``config`` with this rank's head counts and MLP width: the model code, unchanged,
+        built from it holds exactly this rank's shard."""
+        return dataclasses.replace(config, num_heads=self.local_heads,
+                                   num_kv_heads=self.local_kv_heads,
+                                   intermediate_size=self.intermediate_size // self.tp)
+
+
+def check_tp(config: ModelConfig, tp: int) -> None:
+    """Refuse a ``tp`` the model cannot be split over, before anything is started.
+
+    Raises:
+        ShardingError: query heads, KV heads or MLP width do not split over ``tp``; the message
+            names the rule broken, both head counts and every TP size that would work.
+    """
+    works = [t for t in valid_tp_sizes(config.num_kv_heads, config.num_heads)
+             if config.intermediate_size % t == 0]
+    if tp in works:
+        return
+    sizes = (f"{config.num_heads} query / {config.num_kv_heads} KV heads, "
+             f"{config.intermediate_size} MLP columns; tp sizes that work: "
+             f"{', '.join(map(str, works))}")
+    field, reason = head_split_refusal(config.num_kv_heads, config.num_heads, tp) or (
+        "intermediate_size", f"{config.intermediate_size} MLP columns do not split over tp={tp}")
+    raise ShardingError(field, f"{reason} ({sizes})")
+
+
+def shard_layout(config: ModelConfig, tp: int, rank: int) -> ShardLayout:
+    """The layout of ``rank`` (0-based) of ``tp``.
+
+    Raises:
+        ShardingError: see :func:`check_tp`.
+        ValueError: ``rank`` outside ``[0, tp)``.
+    """
+    check_tp(config, tp)
+    if not 0 <= rank < tp:
+        raise ValueError(f"rank must lie in [0, {tp}), got {rank}")
+    return ShardLayout(tp, rank, config.num_heads, config.num_kv_heads, config.head_dim,
+                       config.intermediate_size)

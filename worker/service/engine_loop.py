@@ -1,0 +1,209 @@
+"""Runs the :class:`Engine` on its own thread and bridges it to asyncio.
+
+The gRPC handlers (on the event loop) submit requests and aborts through an inbox; the engine
+thread applies them between steps, runs steps while there is work, and hands each output to
+the request's :class:`~kvfleet.stream_limits.Outbox` with ``call_soon_threadsafe``. The event
+loop never blocks on a forward, and the engine thread never waits for a reader: a request
+whose reader leaves more than ``max_unread`` outputs untaken is aborted (its blocks freed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable, Optional
+
+from kvfleet.stream_limits import DEFAULT_MAX_UNREAD, Outbox
+from kvfleet.worker.engine.engine import Engine, EngineRequest
+from kvfleet.worker.engine.outputs import SeqOutput
+from kvfleet.worker.engine.request import FinishReason
+
+log = logging.getLogger(__name__)
+
+# Called on the engine thread after a step that stored or evicted blocks:
+# (stored hashes, removed hashes, stats snapshot).
+StepHook = Callable[[list[bytes], list[bytes], dict], None]
+
+
+@dataclass
+class _Add:
+    req: EngineRequest
+    out: Outbox
+    admitted: asyncio.Future
+
+
+@dataclass
+class _Abort:
+    request_id: str
+    reason: FinishReason
+
+
+@dataclass
+class _FailAll:
+    error: BaseException
+
+
+class EngineLoop:
+    """Thread-safe, asyncio-facing wrapper of one :class:`Engine`."""
+
+    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop,
+                 on_step: Optional[StepHook] = None,
+                 on_finish: Optional[Callable[[SeqOutput], None]] = None,
+                 max_unread: int = DEFAULT_MAX_UNREAD) -> None:
+        self.engine = engine
+        self.max_unread = max_unread  # outputs of one request its reader may leave untaken
+        self.loop = loop
+        self.on_step = on_step
+        # Called on the event loop with every sample's last output, read by a stream or not
+        # (telemetry: a cancelled request's finish still reaches it).
+        self.on_finish = on_finish
+        self._inbox: queue.Queue = queue.Queue()
+        self._streams: dict[str, Outbox] = {}
+        self._stop = threading.Event()
+        self._stats: dict = engine.stats()
+        # Set by fail(): every request then ends, and every new one is refused, with it.
+        self.failure: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, name="kvfleet-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        self._inbox.put(None)
+        self._thread.join(timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        """The engine thread runs (False before :meth:`start` and after it died or stopped)."""
+        return self._thread.is_alive()
+
+    @property
+    def stats(self) -> dict:
+        """Last stats snapshot taken by the engine thread (running, waiting, blocks)."""
+        return dict(self._stats)
+
+    async def generate(self, req: EngineRequest) -> AsyncIterator[SeqOutput]:
+        """Submit a request and yield its outputs until every sample has finished.
+
+        Raises a :class:`~kvfleet.errors.KvfleetError` before the first output if refused,
+        and :class:`~kvfleet.stream_limits.SlowReader` once the consumer left more than
+        ``max_unread`` outputs untaken (the request is aborted then). If the consumer stops
+        iterating (client cancelled), the request is aborted.
+        """
+        if self.failure is not None:
+            raise copy.copy(self.failure)  # a fresh traceback per refusal, not one growing
+        out: Outbox = Outbox(self.max_unread, lambda: self.abort(req.request_id),
+                             f"request {req.request_id}")
+        admitted = self.loop.create_future()
+        self._inbox.put(_Add(req, out, admitted))
+        try:
+            await admitted
+        except asyncio.CancelledError:
+            # Cancelled before admission was confirmed: the engine may admit it anyway, and the
+            # abort (queued after the add) then ends it at once.
+            self.abort(req.request_id)
+            raise
+        remaining = req.params.n
+        try:
+            while remaining:
+                item = await out.get()
+                if item.finished:
+                    remaining -= 1
+                yield item
+        finally:
+            if remaining:
+                self.abort(req.request_id)
+
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> None:
+        """Ask the engine thread to end a request at its next step boundary."""
+        self._inbox.put(_Abort(request_id, reason))
+
+    def fail(self, error: BaseException) -> None:
+        """The replica can no longer compute (a tensor-parallel rank died): end every request
+        with ``error`` at the next step boundary and refuse new ones (any thread)."""
+        self.failure = error
+        self._inbox.put(_FailAll(error))
+
+    # ---- engine thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._drain_inbox(block=not self.engine.has_work)
+            if self._stop.is_set():
+                break
+            try:
+                outputs = self.engine.step()
+            except Exception:  # never let the loop die silently: fail everything in flight
+                log.exception("engine step failed; aborting all requests")
+                outputs = []
+                for rid in list(self._streams):
+                    outputs += self.engine.abort(rid, FinishReason.ERROR)
+            self._deliver(outputs)
+            self._after_step()
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while item is not None or not self._inbox.empty():
+            if isinstance(item, _Add):
+                self._add(item)
+            elif isinstance(item, _Abort):
+                self._deliver(self.engine.abort(item.request_id, item.reason))
+            elif isinstance(item, _FailAll):
+                for rid in list(self._streams):
+                    self._deliver(self.engine.abort(rid, FinishReason.ERROR, item.error))
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+
+    def _add(self, item: _Add) -> None:
+        try:
+            if self.failure is not None:
+                raise copy.copy(self.failure)
+            self.engine.add_request(item.req)
+        except Exception as exc:
+            self.loop.call_soon_threadsafe(_set_exception, item.admitted, exc)
+            return
+        self._streams[item.req.request_id] = item.out
+        self.loop.call_soon_threadsafe(_set_result, item.admitted, None)
+
+    def _deliver(self, outputs: list[SeqOutput]) -> None:
+        ended = set()
+        for o in outputs:
+            if o.finished and self.on_finish is not None:
+                self.loop.call_soon_threadsafe(self.on_finish, o)
+            q = self._streams.get(o.request_id)
+            if q is None:
+                continue
+            self.loop.call_soon_threadsafe(q.put, o)
+            if o.finished and not self.engine.is_active(o.request_id):
+                ended.add(o.request_id)
+        # After the loop: n samples that finish in one step each still need their output.
+        for request_id in ended:
+            self._streams.pop(request_id, None)
+
+    def _after_step(self) -> None:
+        self._stats = self.engine.stats()
+        stored, removed = self.engine.kv.take_events()
+        if self.on_step is not None and (stored or removed):
+            try:
+                self.on_step(stored, removed, self._stats)
+            except Exception:
+                log.exception("step hook failed")
+
+
+def _set_result(fut: asyncio.Future, value) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)
