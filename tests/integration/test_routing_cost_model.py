@@ -7,6 +7,7 @@ import time
 from kvfleet.client import Client
 from kvfleet.deploy.cli import build_parser, cluster_config
 from kvfleet.deploy.launcher import LocalCluster
+from tests.fixtures.cluster import wait_indexed
 
 
 def test_cli_builds_a_cost_model_cluster_config(tiny_llama_dir):
@@ -39,7 +40,7 @@ def test_cost_model_replicas_share_one_process_and_serve(ray_session, redis_serv
             assert len(client.cluster_status().replicas) == 3
             prompt = "Once upon a time, " * 12
             first = list(client.stream(prompt, max_tokens=4, ignore_eos=True))[-1]
-            time.sleep(0.3)  # KV events land after the step
+            wait_indexed(cluster, client, first.replica_id, text=prompt)
             again = list(client.stream(prompt, max_tokens=4, ignore_eos=True))[-1]
         assert first.completion_tokens == 4 and first.text
         assert again.replica_id == first.replica_id and again.cached_prompt_tokens > 0
