@@ -34,8 +34,7 @@ from kvfleet.grpc_util import MAX_MESSAGE_BYTES
 from kvfleet.router.adapter_routing import served_adapters
 from kvfleet.router.core import RouterCore
 from kvfleet.router.http_streams import ClientDisconnected, merge, until_disconnected
-from kvfleet.router.openai_request import (OpenAIRequest, openai_param, parse_chat,
-                                           parse_completion)
+from kvfleet.router.openai_request import OpenAIRequest, openai_param, parse_chat, parse_completion
 from kvfleet.router.openai_response import ResponseBuilder, error_response
 from kvfleet.stream_limits import SlowReader, StreamLimits, write_within
 

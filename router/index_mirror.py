@@ -28,8 +28,14 @@ from redis.exceptions import RedisError
 
 from kvfleet.allocator.hashing import HASH_BYTES
 from kvfleet.index_keys import (
-    DEFAULT_NAMESPACE, DEFAULT_TIMEOUT_S, REDIS_DOWN_ERRORS, IndexKeys, ReplicaInfo, ReplicaLoad,
-    redis_client, unpack_chain,
+    DEFAULT_NAMESPACE,
+    DEFAULT_TIMEOUT_S,
+    REDIS_DOWN_ERRORS,
+    IndexKeys,
+    ReplicaInfo,
+    ReplicaLoad,
+    redis_client,
+    unpack_chain,
 )
 from kvfleet.router.prefix_index import PRUNE_AFTER_TTLS, RedisPrefixIndex
 

@@ -10,9 +10,9 @@ import argparse
 import asyncio
 import gc
 import logging
+import os
 import signal
 import sys
-import os
 from dataclasses import dataclass, field
 from typing import Optional
 

@@ -2,8 +2,9 @@
 
 Two implementations of :class:`PrefixIndex`: :class:`RedisPrefixIndex` (one Lua round trip per
 lookup, layout in :mod:`kvfleet.index_keys`) and :class:`InMemoryPrefixIndex` (same semantics, for
-scheduler/router unit tests; it hands out publishers with :class:`~kvfleet.worker.replica.kv_publisher.KvPublisher`'s
-API). Redis is an index, not truth: a stale answer only costs a cache miss.
+scheduler/router unit tests; it hands out publishers with the API of
+:class:`~kvfleet.worker.replica.kv_publisher.KvPublisher`). Redis is an index, not truth: a stale
+answer only costs a cache miss.
 """
 
 from __future__ import annotations
@@ -17,8 +18,17 @@ from redis.exceptions import RedisError
 
 from kvfleet.allocator.hashing import HASH_BYTES
 from kvfleet.index_keys import (
-    DEFAULT_NAMESPACE, DEFAULT_REPLICA_TTL_S, DEFAULT_TIMEOUT_S, LOAD_FIELDS, REDIS_DOWN_ERRORS,
-    IndexKeys, ReplicaInfo, ReplicaLoad, pack_chain, redis_client, seconds_to_ms,
+    DEFAULT_NAMESPACE,
+    DEFAULT_REPLICA_TTL_S,
+    DEFAULT_TIMEOUT_S,
+    LOAD_FIELDS,
+    REDIS_DOWN_ERRORS,
+    IndexKeys,
+    ReplicaInfo,
+    ReplicaLoad,
+    pack_chain,
+    redis_client,
+    seconds_to_ms,
 )
 
 

@@ -38,7 +38,8 @@ class ServedModel:
     block_size: int
 
     @classmethod
-    def load(cls, name: str, model_dir: str | Path, block_size: int, kv_dtype: str = "float32") -> "ServedModel":
+    def load(cls, name: str, model_dir: str | Path, block_size: int,
+             kv_dtype: str = "float32") -> "ServedModel":
         """Load tokenizer, chat template and identity from a model directory.
 
         Raises:

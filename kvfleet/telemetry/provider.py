@@ -182,8 +182,7 @@ def _sampler(cfg: TelemetryConfig):
 
 def _tracer_provider(cfg: TelemetryConfig, resource, extra_exporter):
     from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import (BatchSpanProcessor, ConsoleSpanExporter,
-                                                SimpleSpanProcessor)
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor
 
     provider = TracerProvider(resource=resource, sampler=_sampler(cfg))
     if extra_exporter is not None:
@@ -201,8 +200,7 @@ def _tracer_provider(cfg: TelemetryConfig, resource, extra_exporter):
 
 
 def _otlp_metric_reader(cfg: TelemetryConfig):
-    from opentelemetry.sdk.metrics.export import (ConsoleMetricExporter,
-                                                  PeriodicExportingMetricReader)
+    from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, PeriodicExportingMetricReader
 
     if cfg.metrics_exporter == "console":
         exporter = ConsoleMetricExporter()
