@@ -15,7 +15,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, replace
-from typing import AsyncIterator, Optional, Sequence
+from typing import AsyncGenerator, Optional, Sequence
 
 import grpc
 
@@ -215,7 +215,7 @@ class RouterCore:
                              source if index_used else "", tuple(candidates), adapter)
 
     async def generate(self, req: GenerateInput, tenant: str, trace: RouterRequestTrace
-                       ) -> AsyncIterator[common_pb2.GenerateResponse]:
+                       ) -> AsyncGenerator[common_pb2.GenerateResponse, None]:
         """Validate, tokenize, route and relay one request; yields the worker's messages.
 
         Raises:
@@ -264,7 +264,7 @@ class RouterCore:
 
     async def _dispatch(self, req: GenerateInput, trace, model: ServedModel, chain, decision,
                         ids: tuple[str, str], params: SamplingParams, tokens, scope: str
-                        ) -> AsyncIterator[common_pb2.GenerateResponse]:
+                        ) -> AsyncGenerator[common_pb2.GenerateResponse, None]:
         """Relay the chosen replica's stream; moved to another replica (up to
         ``MAX_DISPATCHES`` in all) when the link failed or the replica refused UNAVAILABLE
         (draining, a failed rank) before anything was relayed. ``ids``: (the client's request

@@ -21,7 +21,7 @@ import socket
 import time
 import uuid
 from dataclasses import replace
-from typing import AsyncIterator, Optional
+from typing import AsyncGenerator, Optional
 
 import uvicorn
 from starlette.applications import Starlette
@@ -37,6 +37,7 @@ from kvfleet.router.http_streams import ClientDisconnected, merge, until_disconn
 from kvfleet.router.openai_request import OpenAIRequest, openai_param, parse_chat, parse_completion
 from kvfleet.router.openai_response import ResponseBuilder, error_response
 from kvfleet.stream_limits import SlowReader, StreamLimits, write_within
+from kvfleet.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +61,10 @@ class _SSEResponse(StreamingResponse):
     send the client's flow control holds past ``limits.stall_s`` ends the response (uvicorn
     then closes the connection: the response is incomplete)."""
 
-    def __init__(self, content, limits: StreamLimits, **kw) -> None:
+    def __init__(self, content: AsyncGenerator[bytes, None], limits: StreamLimits, **kw) -> None:
         super().__init__(content, **kw)
         self.limits = limits
+        self._content = content
 
     async def stream_response(self, send) -> None:
         async def bounded(message) -> None:
@@ -77,7 +79,7 @@ class _SSEResponse(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self.body_iterator.aclose()
+            await self._content.aclose()
 
 
 class HttpFront:
@@ -135,6 +137,7 @@ class HttpFront:
         if self._server is None:
             return
         self._server.should_exit = True
+        assert self._ticker is not None and self._sock is not None  # set with _server
         await self._ticker
         await self._server.shutdown(sockets=[self._sock])
         self._sock.close()
@@ -217,7 +220,8 @@ class HttpFront:
             return Response(status_code=CLIENT_CLOSED)
 
     async def _one(self, prompt: int, inp, tenant: str, headers, route: str,
-                   oreq: OpenAIRequest) -> AsyncIterator[tuple]:
+                   oreq: OpenAIRequest
+                   ) -> AsyncGenerator[tuple[int, common_pb2.GenerateResponse], None]:
         """One prompt's messages as ``(prompt index, message)``, under its own server span."""
         with self.core.telemetry.http_request(headers, route, oreq.chat, oreq.user) as trace:
             started = False  # after the first message the response status is 200 whatever follows
@@ -237,8 +241,9 @@ class HttpFront:
         async for prompt, msg in events:
             builder.add(prompt, msg)
 
-    async def _sse(self, builder: ResponseBuilder, first: tuple, events,
-                   oreq: OpenAIRequest) -> AsyncIterator[bytes]:
+    async def _sse(self, builder: ResponseBuilder, first: tuple[int, common_pb2.GenerateResponse],
+                   events: AsyncGenerator[tuple[int, common_pb2.GenerateResponse], None],
+                   oreq: OpenAIRequest) -> AsyncGenerator[bytes, None]:
         try:
             for chunk in builder.role_chunks(len(oreq.inputs)):
                 yield _sse(chunk)

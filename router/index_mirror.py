@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from redis.exceptions import RedisError
 
@@ -75,7 +75,8 @@ class MirroredPrefixIndex:
         self._min_interval_s = min_interval_s
         self._retry_s = retry_s
         # binary replies (hashes are raw bytes); reads wait up to block_s on the server
-        self._redis = redis_client(url, timeout_s, binary=True, read_timeout_s=block_s + timeout_s)
+        # Any: redis-py types each reply as sync-or-async, and binary replies as str-or-bytes.
+        self._redis: Any = redis_client(url, timeout_s, binary=True, read_timeout_s=block_s + timeout_s)
         self._held: dict[str, tuple[int, set[bytes]]] = {}  # replica → (epoch, block hashes)
         self._live: dict[str, int] = {}        # replica → epoch, from the last registry read
         self._last_live: dict[str, float] = {}  # replica → monotonic s it was last listed live

@@ -26,7 +26,7 @@ from kvfleet.router.core import RouterCore
 from kvfleet.router.http_front import DEFAULT_MAX_CONNECTIONS, HttpFront
 from kvfleet.router.index_mirror import MirroredPrefixIndex
 from kvfleet.router.policy import make_policy
-from kvfleet.router.prefix_index import RedisPrefixIndex
+from kvfleet.router.prefix_index import PrefixIndex, RedisPrefixIndex
 from kvfleet.router.presence import RouterPresence
 from kvfleet.router.replica_set import ReplicaSet
 from kvfleet.router.served_model import ServedModel
@@ -97,13 +97,15 @@ class RouterServer:
         policy = make_policy(cfg.policy, **cfg.policy_options)
         auth = Authenticator.from_file(cfg.api_keys_file)
         model = ServedModel.load(cfg.model_name, cfg.model_dir, cfg.block_size, cfg.kv_dtype)
-        index = RedisPrefixIndex(cfg.redis_url, namespace=cfg.namespace,
-                                 replica_ttl_s=cfg.replica_ttl_s)
+        redis_index = RedisPrefixIndex(cfg.redis_url, namespace=cfg.namespace,
+                                       replica_ttl_s=cfg.replica_ttl_s)
+        index: PrefixIndex = redis_index
         if cfg.index_mirror:
-            index = MirroredPrefixIndex(index, cfg.redis_url, namespace=cfg.namespace)
-            index.start()
+            mirror = MirroredPrefixIndex(redis_index, cfg.redis_url, namespace=cfg.namespace)
+            mirror.start()
+            index = mirror
         self._server = grpc.aio.server(options=SERVER_OPTIONS)
-        creds = server_credentials(cfg.tls_cert, cfg.tls_key) if cfg.tls_cert else None
+        creds = server_credentials(cfg.tls_cert, cfg.tls_key) if cfg.tls_cert and cfg.tls_key else None
         port = bind_port(self._server, cfg.host, cfg.port, creds)
         self.address = f"{cfg.host}:{port}"
         internal = InternalTLS.load(cfg.internal_tls_dir) if cfg.internal_tls_dir else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from typing import Optional
 
 import grpc
 
@@ -14,6 +15,7 @@ from kvfleet.router.adapter_admin import on_every_replica
 from kvfleet.router.adapter_routing import served_adapters
 from kvfleet.router.capacity import RETRY_PUSHBACK_KEY
 from kvfleet.router.core import GenerateInput, Prompt, RouterCore
+from kvfleet.router.presence import RouterPresence
 from kvfleet.sampling_params import SamplingParams
 from kvfleet.stream_limits import SlowReader, write_within
 from kvfleet.v1 import common_pb2, router_pb2, router_pb2_grpc
@@ -40,7 +42,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
 
     def __init__(self, core: RouterCore) -> None:
         self.core = core
-        self.presence = None  # RouterPresence: the cluster's routers, for ClusterStatus
+        self.presence: Optional[RouterPresence] = None  # the cluster's routers, for ClusterStatus
 
     async def Generate(self, request: router_pb2.GenerateRequest, context):
         metadata = context.invocation_metadata()
@@ -63,7 +65,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 code, details = status_of(exc)
                 details = details or "worker stream failed"
                 trace.fail(code, details)
-                trailers = ()
+                trailers: tuple[tuple[str, str], ...] = ()
                 if code == grpc.StatusCode.RESOURCE_EXHAUSTED and not isinstance(exc, SlowReader):
                     # a refusal carries the retry hint
                     trailers = ((RETRY_PUSHBACK_KEY, str(self.core.retry_pushback_ms)),)
