@@ -4,7 +4,7 @@ A request's ``block_table`` lists physical block ids in logical order: token pos
 lives in block ``block_table[p // block_size]`` at offset ``p % block_size`` (the table, not
 physical adjacency, keeps token order). Full blocks are registered under their chain hash
 (:mod:`kvfleet.allocator.hashing`) once their KV is written, and reused by later requests with
-the same prefix (DESIGN.md §2 "Reuse rule", §3 "Prefix cache").
+the same prefix (docs/design.md §2 "Reuse rule", §3 "Prefix cache").
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class KVCacheManager:
                             num_prompt_tokens: int) -> list[int]:
         """Leading blocks of the chain found in the registry, at most
         ``(num_prompt_tokens - 1) // block_size`` of them (the last prompt token is always
-        recomputed, DESIGN.md §2). Takes no references and changes nothing."""
+        recomputed, docs/design.md §2). Takes no references and changes nothing."""
         if not self.enable_prefix_caching:
             return []
         limit = max(0, (num_prompt_tokens - 1) // self.block_size)

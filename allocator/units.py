@@ -1,6 +1,6 @@
 """Byte sizes and parameter counts: parse what a user types, print numbers with their unit.
 
-DESIGN.md §8: bytes are integers; GB = 10^9 and GiB = 2^30 are different units and every
+docs/design.md §9: bytes are integers; GB = 10^9 and GiB = 2^30 are different units and every
 printed number carries its unit. Parsing is exact (``decimal``), so ``1.5GiB`` is exactly
 1610612736 bytes and a size that is not a whole number of bytes is refused, never rounded.
 """

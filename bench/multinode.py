@@ -15,7 +15,7 @@ placement, time to serve after raylets join, and a lost node under steady traffi
    lost replica serves there: time from that join. Ray's default node health checks unless
    ``--node-timeout``.
 
-JSON goes to ``--out`` (default ``bench/results/multinode.json``); docs/multinode.md holds runs.
+JSON goes to ``--out`` (default ``bench/results/multinode.json``); docs/history/multinode.md holds runs.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Sampling parameters: defaults and validation shared by the router and the worker.
 
-Defaults are DESIGN.md §5's. ``from_proto`` applies them to unset proto3 ``optional`` fields
+Defaults are docs/design.md §5's. ``from_proto`` applies them to unset proto3 ``optional`` fields
 and raises :class:`~kvfleet.errors.InvalidArgument` naming the offending field.
 """
 

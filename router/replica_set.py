@@ -1,7 +1,7 @@
 """The router's view of live replicas: refreshed from the index in the background, with the
 router's own in-flight counts and one gRPC channel per replica.
 
-When the index is unreachable the last-known list is kept (DESIGN §1: route by load over the
+When the index is unreachable the last-known list is kept (docs/design.md §1: route by load over the
 replicas it knew) and the outage is logged once.
 """
 

@@ -63,7 +63,7 @@ class Engine:
         runner: executes a :class:`~kvfleet.worker.engine.step_plan.StepPlan`; returns last-token
             logits ``(num_chunks, vocab)`` float32.
         kv: the replica's KV cache manager (block tables, prefix cache).
-        identity_digest: :meth:`CacheIdentity.digest` of the served model (DESIGN §2).
+        identity_digest: :meth:`CacheIdentity.digest` of the served model (docs/design.md §2).
         eos_token_ids: tokens that end a sample unless ``ignore_eos``.
         max_model_len: context length; prompt + max_tokens beyond it is OUT_OF_RANGE.
         adapters: the replica's LoRA slots (None: no adapter is served); ``identity`` (the

@@ -42,7 +42,7 @@ class Sequence:
     """One sample (``index`` of ``n``) of one request as the scheduler sees it.
 
     ``all_token_ids = prompt + output``; ``num_computed_tokens`` of them have KV in the cache.
-    ``block_hashes`` is the chain over every full block of ``all_token_ids`` (DESIGN §2),
+    ``block_hashes`` is the chain over every full block of ``all_token_ids`` (docs/design.md §2),
     extended as output tokens fill blocks.
     """
 

@@ -3,7 +3,7 @@
 Each step: running sequences first (decodes, and prefills still catching up), then waiting
 sequences (FCFS, fair among tenants: see below) with chunked prefill filling the remaining token budget
 (``max_num_batched_tokens``) up to ``max_num_seqs``. Admission follows the replica's policy
-(DESIGN.md §3):
+(docs/design.md §3):
 
 * ``watermark`` (default): admit when the uncached prompt fits and a free-block watermark
   stays free; when a running sequence cannot grow, preempt the newest running sequence by

@@ -124,7 +124,7 @@ class ReplicaConfig:
 
 
 def cache_identity(model_name: str, model_dir: str | Path, kv_dtype: str, block_size: int) -> CacheIdentity:
-    """The identity both router and worker derive from the same model directory (DESIGN §2)."""
+    """The identity both router and worker derive from the same model directory (docs/design.md §2)."""
     fp = fingerprint_model_dir(model_dir)
     return CacheIdentity(model=model_name, weights_fingerprint=fp.weights,
                          tokenizer_fingerprint=fp.tokenizer,

@@ -48,7 +48,7 @@ class TPSettings:
     # STRICT_PACK puts every rank of a replica on rank 0's node: the group meets on loopback.
     store_host: str = "127.0.0.1"
     # CPU: the forward's all-reduces through shared memory (SmolLM2 tp=3 decode 3.1x faster
-    # than gloo on 2 shared cores, docs/tp_benchmark.md); False: gloo for everything.
+    # than gloo on 2 shared cores, docs/history/tp_benchmark.md); False: gloo for everything.
     shm_all_reduce: bool = True
 
     def __post_init__(self) -> None:

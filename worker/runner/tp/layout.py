@@ -1,4 +1,4 @@
-"""Which query heads, KV heads and MLP columns one tensor-parallel rank holds (DESIGN §3, §7).
+"""Which query heads, KV heads and MLP columns one tensor-parallel rank holds (docs/design.md §3).
 
 Query heads split evenly: rank ``r`` holds heads ``r * H/T .. (r + 1) * H/T - 1``. KV heads
 split evenly when ``num_kv_heads % T == 0``; when ``T % num_kv_heads == 0`` every rank holds one

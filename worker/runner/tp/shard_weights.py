@@ -10,7 +10,7 @@ Replicated: norms and the embedding table (every rank needs the whole hidden sta
 is **not sharded but held by rank 0 alone**: only rank 0 samples, so the other ranks never
 compute logits and need no head at all. A vocab-parallel head would split that matmul over
 the ranks but add a gather of ``(N, vocab)`` logits to rank 0 every step. Measured by
-``bench/tp_bench.py`` on the 2-core CI machine (docs/tp_benchmark.md): the head is 7–18 % of
+``bench/tp_bench.py`` on the 2-core CI machine (docs/history/tp_benchmark.md): the head is 7–18 % of
 rank 0's tp=2 decode step on a 32k-vocab Llama (hidden 1024) and 4–11 % of SmolLM2's at tp=3,
 so splitting it would save at most (T-1)/T of that, while one more collective per step costs
 ~0.15–0.25 ms on gloo plus the wait for the slowest rank — which is most of what collectives
