@@ -19,21 +19,10 @@ from kvfleet.allocator.kv_cache_manager import KVCacheManager
 from kvfleet.worker.engine.adapter_queue import AdapterQueue
 from kvfleet.worker.engine.adapter_residency import AdapterResidency
 from kvfleet.worker.engine.detokenizer import IncrementalDetokenizer
-from kvfleet.worker.engine.outputs import (
-    Milestones,
-    SeqOutput,
-    Timing,
-    TokenLogprobs,
-    Usage,
-)
+from kvfleet.worker.engine.outputs import Milestones, SeqOutput, Timing, TokenLogprobs, Usage
 from kvfleet.worker.engine.request import FinishReason, Sequence
 from kvfleet.worker.engine.sampling import Sampler, SampleState, make_generator
-from kvfleet.worker.engine.scheduler import (
-    Fork,
-    Scheduler,
-    SchedulerConfig,
-    SchedulerOutput,
-)
+from kvfleet.worker.engine.scheduler import Fork, Scheduler, SchedulerConfig, SchedulerOutput
 from kvfleet.worker.engine.stop_checker import StopChecker
 from kvfleet.worker.executor.base import Executor
 

@@ -124,9 +124,11 @@ class TPExecutor:
         order), then ``run_local()`` here; a collective that fails fails the group."""
         with self._lock:
             self.ping()
+            comm = self.group.comm
+            assert comm is not None, "the group is started"
             self.group.step_started = time.monotonic()
             try:
-                self.group.comm.send(message())
+                comm.send(message())
                 return run_local()
             except Exception as exc:  # a collective failed: a peer died, hung or was killed
                 if self.group.failure is None:
@@ -146,9 +148,13 @@ class TPExecutor:
                 continue  # a step is running: that is traffic enough
             self._lock.release()
             try:
-                self._call(lambda: encode_call("barrier"), self.group.comm.barrier)
+                self._call(lambda: encode_call("barrier"), self._barrier)
             except Unavailable:
                 return
+
+    def _barrier(self) -> None:
+        assert self.group.comm is not None
+        self.group.comm.barrier()
 
     def ping(self) -> None:
         """Raises :class:`Unavailable` naming the rank once the group has failed."""

@@ -1,8 +1,8 @@
 """One model replica: builds the engine from a model directory, serves it over gRPC on a free
 loopback port, registers in Redis, publishes KV events and heartbeats with load.
 
-:class:`ReplicaServer` is plain asyncio (usable in-process in tests); :mod:`kvfleet.worker.replica.serve_deployment`
-hosts it as a Ray Serve replica.
+:class:`ReplicaServer` is plain asyncio (usable in-process in tests);
+:mod:`kvfleet.worker.replica.serve_deployment` hosts it as a Ray Serve replica.
 """
 
 from __future__ import annotations

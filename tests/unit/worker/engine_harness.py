@@ -30,12 +30,7 @@ from kvfleet.worker.executor.local import LocalExecutor
 from kvfleet.worker.runner.model_runner import ModelRunner
 
 from kvfleet.sampling_params import SamplingParams
-from tests.unit.worker.paged_driver import (
-    random_prompt,
-    reference_logits,
-    runner_for,
-    scaled_error,
-)
+from tests.unit.worker.paged_driver import random_prompt, reference_logits, runner_for, scaled_error
 
 BLOCK_SIZE = 4
 _ids = itertools.count()

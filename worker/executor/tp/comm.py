@@ -30,6 +30,7 @@ import platform
 import struct
 import time
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -109,14 +110,15 @@ class RankComm:
         self.rank, self.world_size, self.device = rank, addr.world_size, torch.device(device)
         self.store = store or dist.TCPStore(addr.host, addr.port, addr.world_size, False,
                                             timeout=timeout)
-        opts = dist.ProcessGroupGloo._Options()
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         opts._timeout = timeout
         # Gloo's pairs listen on the group's own address (loopback for one host), not on
         # whatever interface the hostname resolves to.
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=addr.host)]
-        self.cpu = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", self.store), rank,
+        # Any: torch's stubs omit the process groups' collectives.
+        self.cpu: Any = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", self.store), rank,
                                          addr.world_size, opts)
-        self.dev = self.cpu
+        self.dev: Any = self.cpu
         if addr.backend == "nccl":
             nccl = dist.ProcessGroupNCCL.Options()
             nccl._timeout = timeout
@@ -131,17 +133,18 @@ class RankComm:
     def _attach_shm(self, addr: GroupAddress) -> None:
         """Rank 0 creates the segment, the others map it, rank 0 unlinks its name."""
         def make(create: bool) -> ShmAllReduce:
+            assert addr.shm_name is not None
             return ShmAllReduce(addr.shm_name, self.rank, self.world_size, addr.shm_max_numel,
                                 addr.timeout_s, create)
 
-        if self.rank == 0:
-            self.shm = make(True)
+        shm = make(True) if self.rank == 0 else None
         self.barrier()
         if self.rank != 0:
-            self.shm = make(False)
+            shm = make(False)
         self.barrier()
-        if self.rank == 0:
-            self.shm.unlink()
+        if shm is not None and self.rank == 0:
+            shm.unlink()
+        self.shm = shm
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` over every rank, in place; returns ``t``."""

@@ -27,11 +27,7 @@ from typing import Callable, Optional
 from kvfleet.worker.executor.base import RankInfo
 from kvfleet.worker.executor.local import rank_info
 from kvfleet.worker.executor.tp.comm import GroupAddress, RankComm, host_store
-from kvfleet.worker.executor.tp.rank_worker import (
-    RankSpec,
-    RankWorker,
-    build_rank_runner,
-)
+from kvfleet.worker.executor.tp.rank_worker import RankSpec, RankWorker, build_rank_runner
 from kvfleet.worker.runner.lora.adapter import AdapterSpec
 
 log = logging.getLogger(__name__)
@@ -169,7 +165,6 @@ class RankGroup:
 
     def _placement(self, cuda: bool) -> list:
         """A scheduling strategy per rank 1..T-1 (see the module docstring)."""
-        import ray
         from ray.util.placement_group import (
             get_current_placement_group,
             placement_group,

@@ -1,9 +1,9 @@
 """Ranks 1..T-1 of a tensor-parallel replica: a model shard and its KV cache, nothing else.
 
-A rank runs the calls rank 0 makes on every rank (:mod:`.wire`: ``step`` runs the same forward
-as rank 0, whose all-reduces meet its own, and computes no logits; ``barrier`` is the idle
-keep-alive; ``stop`` ends :meth:`RankWorker.serve`). It keeps no request state: block tables (beyond the last plan's, for the plan
-diff), scheduling and sampling live on rank 0.
+A rank runs the calls rank 0 makes on every rank (:mod:`.wire`): ``step`` runs the same
+forward as rank 0, whose all-reduces meet its own, and computes no logits; ``barrier`` is the
+idle keep-alive; ``stop`` ends :meth:`RankWorker.serve`. It keeps no request state: block
+tables (beyond the last plan's, for the plan diff), scheduling and sampling live on rank 0.
 
 An adapter is read off the step path: rank 0 asks each rank to :meth:`RankWorker.prepare_adapter`
 (a Ray call beside :meth:`RankWorker.serve`, which keeps running steps meanwhile), then the next
@@ -25,6 +25,7 @@ from kvfleet.worker.executor.local import rank_info
 from kvfleet.worker.executor.tp.comm import GroupAddress, RankComm
 from kvfleet.worker.executor.tp.wire import Commit, PlanDecoder, decode_call
 from kvfleet.worker.runner.lora.adapter import AdapterSpec, read_adapter
+from kvfleet.worker.runner.lora.slots import Weights as LoraWeights
 from kvfleet.worker.runner.model_runner import ModelRunner, Shard
 
 log = logging.getLogger(__name__)
@@ -65,12 +66,22 @@ class RankWorker:
         self.comm: Optional[RankComm] = None
         self.runner: Optional[ModelRunner] = None
         self._plans = PlanDecoder()
-        self._prepared: dict[int, object] = {}  # prepared id -> this rank's adapter weights
+        self._prepared: dict[int, LoraWeights] = {}  # prepared id -> this rank's adapter weights
         self._prepared_lock = threading.Lock()
         # The methods rank 0 may call (wire.METHODS), and nothing else.
         self._calls: dict[str, Callable[..., None]] = {"step": self._step, "barrier": self._barrier,
                                                        "stop": self._stop}
         self._serving = False
+
+    @property
+    def _runner(self) -> ModelRunner:
+        assert self.runner is not None, "load() comes first"
+        return self.runner
+
+    @property
+    def _comm(self) -> RankComm:
+        assert self.comm is not None, "connect() comes first"
+        return self.comm
 
     def load(self, spec: RankSpec):
         """Read this rank's weight slices and allocate its KV cache; returns its
@@ -78,23 +89,23 @@ class RankWorker:
         if spec.device == "cuda":  # Ray gave this actor one GPU: it is cuda:0 here
             torch.cuda.set_device(0)
             spec = replace(spec, device="cuda:0")
-        self.runner = build_rank_runner(spec, self.rank, lambda t: self.comm.all_reduce(t))
+        self.runner = build_rank_runner(spec, self.rank, lambda t: self._comm.all_reduce(t))
         return rank_info(self.runner, self.rank)
 
     def connect(self, addr: GroupAddress) -> bool:
         """Join the group (blocks until every rank has)."""
-        self.comm = RankComm(addr, self.rank, device=self.runner.device)
+        self.comm = RankComm(addr, self.rank, device=self._runner.device)
         return True
 
     def serve(self) -> str:
-        """Run rank 0's calls until it calls ``stop``; returns ``"stopped"``. A failed forward, collective or a
-        malformed message raises, which rank 0's watchdog sees as this call's error; the
-        process then exits a second later (a rank cut off from its group, e.g. by a hung
-        rank 0, has nothing left to do and must not linger)."""
+        """Run rank 0's calls until it calls ``stop``; returns ``"stopped"``. A failed forward,
+        collective or a malformed message raises, which rank 0's watchdog sees as this call's
+        error; the process then exits a second later (a rank cut off from its group, e.g. by a
+        hung rank 0, has nothing left to do and must not linger)."""
         self._serving = True
         try:
             while self._serving:
-                method, args = decode_call(self.comm.recv())
+                method, args = decode_call(self._comm.recv())
                 self._calls[method](*args)
             return "stopped"
         except Exception:
@@ -106,10 +117,10 @@ class RankWorker:
     def _step(self, msg: np.ndarray) -> None:
         plan, commits = self._plans.decode(msg)
         self._commit(commits)
-        self.runner.execute(plan, validated=True)  # rank 0 validated it before sending
+        self._runner.execute(plan, validated=True)  # rank 0 validated it before sending
 
     def _barrier(self) -> None:
-        self.comm.barrier()
+        self._comm.barrier()
 
     def _stop(self) -> None:
         self._serving = False
@@ -117,14 +128,14 @@ class RankWorker:
     def _commit(self, commits: list[Commit]) -> None:
         for slot, prepared in commits:
             if prepared == 0:
-                self.runner.unload_adapter(slot)
+                self._runner.unload_adapter(slot)
                 continue
             with self._prepared_lock:
                 weights = self._prepared.pop(prepared, None)
             if weights is None:
                 raise RuntimeError(f"rank {self.rank}: adapter {prepared} committed to slot "
                                    f"{slot} was never prepared")
-            self.runner.lora_slots.install(slot, weights)
+            self._runner.lora_slots.install(slot, weights)
 
     def prepare_adapter(self, prepared: int, spec: AdapterSpec) -> int:
         """Read this rank's share of ``spec`` and hold it under id ``prepared`` until a step
@@ -134,7 +145,7 @@ class RankWorker:
         Raises:
             AdapterError, OSError: the files could not be read here.
         """
-        r = self.runner
+        r = self._runner
         weights = read_adapter(spec, r.config, r.layout, r.dtype, r.device)
         with self._prepared_lock:
             self._prepared[prepared] = weights
@@ -147,7 +158,7 @@ class RankWorker:
 
     def comm_times(self):
         """This rank's :class:`~.comm.CommTimes` so far (answers while :meth:`serve` runs)."""
-        return self.comm.times.snapshot()
+        return self._comm.times.snapshot()
 
     def ping(self) -> int:
         """Answers while :meth:`serve` runs (a hung process does not): its pid."""

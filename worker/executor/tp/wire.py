@@ -47,7 +47,8 @@ def encode_call(method: str, *args: np.ndarray) -> np.ndarray:
     if method not in METHODS:
         raise ValueError(f"unknown rank method {method!r}; known: {METHODS}")
     head = [METHODS.index(method), len(args), *(len(a) for a in args)]
-    return np.concatenate([np.asarray(head, dtype="<i8"), *(np.asarray(a, dtype="<i8") for a in args)])
+    parts = [np.asarray(head, dtype="<i8"), *(np.asarray(a, dtype="<i8") for a in args)]
+    return np.concatenate(parts)
 
 
 def decode_call(msg: np.ndarray) -> tuple[str, list[np.ndarray]]:
@@ -75,7 +76,8 @@ def _kept(old: tuple[int, ...], new: tuple[int, ...]) -> int:
     """Length of the common prefix of two block tables."""
     if len(old) <= len(new) and new[: len(old)] == old:
         return len(old)  # the usual case: blocks only appended
-    return next((i for i, (a, b) in enumerate(zip(old, new)) if a != b), min(len(old), len(new)))
+    differs = (i for i, (a, b) in enumerate(zip(old, new, strict=False)) if a != b)
+    return next(differs, min(len(old), len(new)))
 
 
 class PlanEncoder:
@@ -146,9 +148,9 @@ class PlanDecoder:
             tables[key] = table
             chunks.append(SeqChunk(str(key), tuple(tokens), computed, table, slot))
         pairs = r.take(2 * n_copies)
-        copies = tuple(zip(pairs[::2], pairs[1::2]))
+        copies = tuple(zip(pairs[::2], pairs[1::2], strict=True))
         pairs = r.take(2 * n_commits)
-        commits = list(zip(pairs[::2], pairs[1::2]))
+        commits = list(zip(pairs[::2], pairs[1::2], strict=True))
         if r.at != len(r.values):
             raise ValueError(f"malformed step plan: {len(r.values) - r.at} trailing ints")
         self._tables = tables

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from kvfleet.worker.executor.tp.comm import RankComm
 from kvfleet.worker.executor.tp.shm_reduce import ShmAllReduce
-
 from tests.unit.worker.parallel.rank_threads import on_ranks
 
 

@@ -15,11 +15,7 @@ from typing import Iterator, Optional
 
 from kvfleet.worker.executor.tp.comm import GroupAddress, RankComm, host_store
 from kvfleet.worker.executor.tp.group import TPSettings
-from kvfleet.worker.executor.tp.rank_worker import (
-    RankSpec,
-    RankWorker,
-    build_rank_runner,
-)
+from kvfleet.worker.executor.tp.rank_worker import RankSpec, RankWorker, build_rank_runner
 from kvfleet.worker.executor.tp.wire import encode_call
 from kvfleet.worker.executor.tp_executor import TPExecutor
 

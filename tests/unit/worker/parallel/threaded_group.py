@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
-from kvfleet.worker.engine.step_plan import SeqChunk, StepPlan
-from kvfleet.worker.executor.tp.comm import RankComm
-from kvfleet.worker.runner.model_runner import ModelRunner, Shard
 
+from kvfleet.worker.runner.model_runner import ModelRunner, Shard
+from kvfleet.worker.executor.tp.comm import RankComm
+from kvfleet.worker.engine.step_plan import SeqChunk, StepPlan
 from tests.unit.worker.parallel.rank_threads import on_ranks
 
 BLOCK_SIZE = 4
