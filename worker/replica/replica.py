@@ -310,6 +310,10 @@ class ReplicaServer:
         thread, a completed drain). Ray Serve's ``check_health`` raises with it."""
         if self.failure is not None:
             return self.failure
+        try:
+            self.engine.executor.ping()
+        except Unavailable as exc:  # a rank failed (also reported through on_rank_failure)
+            return str(exc)
         if self._loop is not None and not self._loop.alive:
             return f"replica {self.cfg.replica_id}: the engine thread died"
         if self.drained:
