@@ -1,4 +1,4 @@
-"""The engine: one step = schedule → model runner forward → sample → detokenize → outputs.
+"""The engine: one step = schedule → executor forward → sample → detokenize → outputs.
 
 Synchronous and single-threaded by design; :mod:`kvfleet.worker.service.engine_loop` runs it on its
 own thread so the gRPC event loop never blocks on a forward.
@@ -10,22 +10,24 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Optional, Sequence as Seq
+from typing import Optional
+from typing import Sequence as Seq
 
 import tokenizers
-
 from kvfleet.allocator.hashing import CacheIdentity, root_hash
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
-from kvfleet.errors import AlreadyExists, InvalidArgument, OutOfRange
 from kvfleet.worker.engine.adapter_queue import AdapterQueue
 from kvfleet.worker.engine.adapter_residency import AdapterResidency
-from kvfleet.sampling_params import SamplingParams
 from kvfleet.worker.engine.detokenizer import IncrementalDetokenizer
 from kvfleet.worker.engine.outputs import Milestones, SeqOutput, Timing, TokenLogprobs, Usage
 from kvfleet.worker.engine.request import FinishReason, Sequence
-from kvfleet.worker.engine.sampling import SampleState, Sampler, make_generator
+from kvfleet.worker.engine.sampling import Sampler, SampleState, make_generator
 from kvfleet.worker.engine.scheduler import Fork, Scheduler, SchedulerConfig, SchedulerOutput
 from kvfleet.worker.engine.stop_checker import StopChecker
+from kvfleet.worker.executor.base import Executor
+
+from kvfleet.errors import AlreadyExists, InvalidArgument, OutOfRange
+from kvfleet.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +62,8 @@ class Engine:
     """Continuous-batching engine of one replica (rank 0 of its TP group).
 
     Args:
-        runner: executes a :class:`~kvfleet.worker.engine.step_plan.StepPlan`; returns last-token
-            logits ``(num_chunks, vocab)`` float32.
+        executor: runs each step's :class:`~kvfleet.worker.engine.step_plan.StepPlan`; returns
+            last-token logits ``(num_chunks, vocab)`` float32.
         kv: the replica's KV cache manager (block tables, prefix cache).
         identity_digest: :meth:`CacheIdentity.digest` of the served model (docs/design.md §2).
         eos_token_ids: tokens that end a sample unless ``ignore_eos``.
@@ -71,12 +73,12 @@ class Engine:
             chain root is keyed by its adapter's name and revision.
     """
 
-    def __init__(self, runner, kv: KVCacheManager, tokenizer: tokenizers.Tokenizer,
+    def __init__(self, executor: Executor, kv: KVCacheManager, tokenizer: tokenizers.Tokenizer,
                  identity_digest: bytes, eos_token_ids: Seq[int], max_model_len: int,
                  vocab_size: int, config: SchedulerConfig = SchedulerConfig(),
                  adapters: AdapterResidency | None = None,
                  identity: CacheIdentity | None = None) -> None:
-        self.runner = runner
+        self.executor = executor
         self.adapters = adapters
         self.kv = kv
         self.tokenizer = tokenizer
@@ -167,7 +169,7 @@ class Engine:
             if s.seq.num_computed_tokens < s.seq.num_prompt_tokens:  # a prefill chunk (tracing)
                 s.seq.timing.prefill_chunks.append((now, s.num_new_tokens))
         try:
-            logits = self.runner.execute(out.plan)
+            logits = self.executor.execute(out.plan)
         except Exception as exc:  # a failed forward fails the requests in it, not the replica
             log.exception("forward failed for %d sequences", len(out.scheduled))
             failed = dict.fromkeys(s.seq.request_id for s in out.scheduled)

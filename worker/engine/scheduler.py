@@ -243,7 +243,7 @@ class Scheduler:
 
         chunks = tuple(
             SeqChunk(
-                request_id=s.seq.seq_id,
+                seq_id=s.seq.seq_id,
                 token_ids=s.seq.token_slice(s.seq.num_computed_tokens,
                                             s.seq.num_computed_tokens + s.num_new_tokens),
                 num_computed_tokens=s.seq.num_computed_tokens,

@@ -124,27 +124,27 @@ class ModelRunner:
         """
         n = len(chunk.token_ids)
         if n == 0:
-            raise ValueError(f"request {chunk.request_id}: empty chunk")
+            raise ValueError(f"sequence {chunk.seq_id}: empty chunk")
         last = chunk.num_computed_tokens + n - 1
         limit = self.config.max_position_embeddings
         if last >= limit:
             raise OutOfRange(
-                f"request {chunk.request_id}: position {last} is beyond the model's context "
+                f"sequence {chunk.seq_id}: position {last} is beyond the model's context "
                 f"length of {limit} tokens (max_position_embeddings)"
             )
         if min(chunk.token_ids) < 0 or max(chunk.token_ids) >= self.config.vocab_size:
             raise InvalidArgument(
-                f"request {chunk.request_id}: token_ids must lie in [0, {self.config.vocab_size})"
+                f"sequence {chunk.seq_id}: token_ids must lie in [0, {self.config.vocab_size})"
             )
         needed = last // self.block_size + 1
         table = chunk.block_table[:needed]
         if len(table) < needed or min(table) < 0 or max(table) >= self.num_blocks:
             raise ValueError(
-                f"request {chunk.request_id}: block_table must hold {needed} blocks in "
+                f"sequence {chunk.seq_id}: block_table must hold {needed} blocks in "
                 f"[0, {self.num_blocks}) for position {last}, got {len(chunk.block_table)}"
             )
         if not self.lora_slots.is_loaded(chunk.adapter_slot):
-            raise ValueError(f"request {chunk.request_id}: adapter slot {chunk.adapter_slot} "
+            raise ValueError(f"sequence {chunk.seq_id}: adapter slot {chunk.adapter_slot} "
                              f"holds no adapter")
 
     def validate(self, plan: StepPlan) -> None:
