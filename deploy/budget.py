@@ -13,7 +13,7 @@ import json
 import sys
 from typing import Any
 
-from kvfleet.allocator.admission import plan_capacity, reserve_slots
+from kvfleet.allocator.kv_budget import plan_capacity, reserve_slots
 from kvfleet.allocator.kv_bytes import (
     KV_DTYPE_BYTES, bytes_per_token, dtype_bytes, kv_bytes, rank_spec, recurrent_state_bytes,
     request_scale_bytes, scale_bytes_per_token,

@@ -13,7 +13,8 @@ from typing import Callable, Optional
 
 import torch
 
-from kvfleet.errors import InvalidArgument, OutOfRange
+from kvfleet.errors import InvalidArgument
+from kvfleet.sampling_params import check_context_length
 from kvfleet.worker.runner import attention
 from kvfleet.worker.runner.kv_cache import KVCache, kv_bytes_per_block
 from kvfleet.worker.runner.lora.adapter import AdapterSpec, read_adapter
@@ -123,12 +124,9 @@ class ModelRunner:
         if n == 0:
             raise ValueError(f"request {chunk.request_id}: empty chunk")
         last = chunk.num_computed_tokens + n - 1
-        limit = self.config.max_position_embeddings
-        if last >= limit:
-            raise OutOfRange(
-                f"request {chunk.request_id}: position {last} is beyond the model's context "
-                f"length of {limit} tokens (max_position_embeddings)"
-            )
+        check_context_length(last + 1, self.config.max_position_embeddings,
+                             f"request {chunk.request_id}: {chunk.num_computed_tokens} computed "
+                             f"+ {n} chunk tokens")
         if min(chunk.token_ids) < 0 or max(chunk.token_ids) >= self.config.vocab_size:
             raise InvalidArgument(
                 f"request {chunk.request_id}: token_ids must lie in [0, {self.config.vocab_size})"
