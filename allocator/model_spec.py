@@ -262,7 +262,10 @@ def _layer_kinds(cfg: Mapping[str, Any], arch: _Architecture | None, model_type:
         unknown = sorted({t for t in listed if t not in _LAYER_TYPES})
         if unknown:
             raise ConfigError("layer_types", f"unsupported layer types {unknown}")
-        return [_LAYER_TYPES[t] for t in listed]
+        kinds = [_LAYER_TYPES[t] for t in listed]
+        if cfg.get("use_sliding_window") is False:  # Qwen2: the flag overrides the list
+            kinds = [FULL] * n
+        return kinds
     if arch is not None:
         return arch.layer_kinds(cfg, n)
     if cfg.get("sliding_window") is not None and cfg.get("use_sliding_window", True):
