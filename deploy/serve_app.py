@@ -17,10 +17,10 @@ replica lives in the config's deployment entry, readable by an operator:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
+from kvfleet.allocator.units import cdiv
 from kvfleet.config_codec import to_dict
 from kvfleet.deploy.serve_control import DEPLOYMENT, IMPORT_PATH, app_name
 from kvfleet.worker.replica.replica import ReplicaConfig
@@ -69,7 +69,7 @@ def app_config(replica: ReplicaConfig, num_replicas: int, placement: Placement,
     per_host = min(per_host, num_replicas)
     deployment = {
         "name": DEPLOYMENT,
-        "num_replicas": math.ceil(num_replicas / per_host),
+        "num_replicas": cdiv(num_replicas, per_host),
         "ray_actor_options": placement.actor_options(),
         "health_check_period_s": health_check_period_s,
         "health_check_timeout_s": health_check_timeout_s,

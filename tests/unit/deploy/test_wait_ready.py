@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from kvfleet.deploy.launcher import wait_ready
+from kvfleet.deploy.process_relay import wait_ready
 
 
 class Sink(io.StringIO):
