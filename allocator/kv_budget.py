@@ -16,8 +16,13 @@ from fractions import Fraction
 from typing import Iterable
 
 from kvfleet.allocator.kv_bytes import (
-    SCALE_BYTES, scales_per_token, bytes_per_token, dtype_bytes, rank_spec, recurrent_state_bytes,
+    SCALE_BYTES,
+    bytes_per_token,
+    dtype_bytes,
+    rank_spec,
+    recurrent_state_bytes,
     scale_bytes_per_token,
+    scales_per_token,
 )
 from kvfleet.allocator.model_spec import ModelKVSpec
 from kvfleet.allocator.units import cdiv

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Literal, Mapping, overload
 
 
 class ConfigError(ValueError):
@@ -115,6 +115,12 @@ class ModelKVSpec:
 
 
 # ---- reading fields ----------------------------------------------------------------------------
+
+@overload
+def _positive_int(cfg: Mapping[str, Any], *names: str, required: Literal[True] = True) -> int: ...
+@overload
+def _positive_int(cfg: Mapping[str, Any], *names: str, required: bool) -> int | None: ...
+
 
 def _positive_int(cfg: Mapping[str, Any], *names: str, required: bool = True) -> int | None:
     """The first of ``names`` (aliases) with a non-null value, checked to be a positive int."""

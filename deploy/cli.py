@@ -13,7 +13,6 @@ import sys
 from typing import Optional
 
 import grpc
-
 from kvfleet.deploy import generate_cli, operate_cli, up_cli
 
 # Subcommands with parsers of their own: name -> (module, help).

@@ -13,8 +13,9 @@ from kvfleet.allocator.units import cdiv
 from kvfleet.deploy.ray_local import RAY_ENV
 from kvfleet.deploy.serve_app import Placement, app_config
 from kvfleet.router.main import RouterConfig, parse_args
-from kvfleet.stream_limits import StreamLimits
 from kvfleet.worker.replica.replica import ReplicaConfig
+
+from kvfleet.stream_limits import StreamLimits
 
 # What the router shares with the replicas, as (RouterConfig field, ReplicaConfig field): set
 # on the replica only; the router's copy is filled from it (ClusterConfig.router_config).

@@ -20,10 +20,11 @@ from kvfleet.deploy.cluster_config import ClusterConfig
 from kvfleet.deploy.models import DEFAULT_MODEL, resolve_model
 from kvfleet.router.main import RouterConfig
 from kvfleet.router.policy import POLICIES as ROUTING_POLICIES
-from kvfleet.telemetry import TelemetryConfig
 from kvfleet.worker.engine.scheduler import POLICIES as ADMISSION_POLICIES
 from kvfleet.worker.engine.scheduler import SchedulerConfig
 from kvfleet.worker.replica.replica import DEFAULT_KV_MEMORY_BYTES, EXECUTORS, ReplicaConfig
+
+from kvfleet.telemetry import TelemetryConfig
 
 DECLARED: Any = object()  # the field's default in its dataclass
 # Config path prefix -> the dataclass holding the fields below it ("" = ClusterConfig).
@@ -136,7 +137,8 @@ def declared_default(path: str) -> Any:
     spec = {f.name: f for f in dataclasses.fields(OWNERS[owner])}[name]
     if spec.default is not dataclasses.MISSING:
         return spec.default
-    return spec.default_factory()  # type: ignore[misc]
+    assert spec.default_factory is not dataclasses.MISSING, f"{path} has no default"
+    return spec.default_factory()
 
 
 def _shown(value: Any) -> str:
@@ -229,8 +231,7 @@ def _checked_adapters(args: argparse.Namespace, model_dir: Path, max_lora_rank: 
                       ) -> tuple[tuple[str, str], ...]:
     """``--adapter`` / ``--adapter-dir`` as (name, dir) pairs, each checked against the model
     before anything starts. Raises ValueError (AdapterError) naming the adapter, file and field."""
-    from kvfleet.worker.replica.adapter_catalog import (check_catalog, expand_adapter_dirs,
-                                                        parse_adapter_arg)
+    from kvfleet.worker.replica.adapter_catalog import check_catalog, expand_adapter_dirs, parse_adapter_arg
     from kvfleet.worker.runner.model_config import load_model_config
 
     pairs = expand_adapter_dirs([parse_adapter_arg(a) for a in args.adapter], args.adapter_dir)

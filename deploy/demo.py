@@ -15,10 +15,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from kvfleet.client import AsyncClient, RequestStats
 from kvfleet.deploy.cluster_config import ClusterConfig
 from kvfleet.deploy.launcher import LocalCluster
 from kvfleet.deploy.trace_report import DEFAULT_JAEGER_URL, breakdown_table, jaeger_reachable
+
+from kvfleet.client import AsyncClient, RequestStats
 from kvfleet.telemetry import Telemetry
 
 SYSTEM_PROMPTS = {
@@ -86,7 +87,7 @@ async def _ask(client: AsyncClient, group: str, question: str, echo: bool) -> Re
     if echo:
         sys.stdout.write("\n")
     res.ttft_s = (arrivals[0] - start) if arrivals else float("nan")
-    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
     res.itl_s = statistics.fmean(gaps) if gaps else float("nan")
     return res
 
@@ -138,7 +139,7 @@ def check_routing(results: list[Result], block_size: int) -> list[str]:
 async def _workload(address: str, telemetry: Optional[Telemetry] = None) -> list[Result]:
     async with AsyncClient(address, telemetry=telemetry) as client:
         results = []
-        for i, group in enumerate(QUESTIONS):
+        for group in QUESTIONS:
             print(f"\n[{group}] {QUESTIONS[group][0]}", flush=True)
             results.append(await _ask(client, group, QUESTIONS[group][0], echo=True))
         rest = [(g, q) for g, qs in QUESTIONS.items() for q in qs[1:]]

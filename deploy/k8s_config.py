@@ -4,9 +4,10 @@ pods run; kvfleet.deploy.k8s_objects builds the objects."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from kvfleet.deploy.models import DEFAULT_MODEL
+from kvfleet.worker.replica.replica import ReplicaConfig
 
 GRPC_PORT = 50051
 HTTP_PORT = 8000
@@ -16,6 +17,7 @@ OTLP_HTTP_PORT = 4318
 COLLECTOR_PROMETHEUS_PORT = 8889
 COLLECTOR_HEALTH_PORT = 13133
 TERMINATION_MARGIN_S = 15  # beyond Serve's graceful_shutdown_timeout_s: process exit
+_REPLICA_DEFAULTS: dict = {f.name: f.default for f in fields(ReplicaConfig)}
 
 
 @dataclass(frozen=True)
@@ -41,7 +43,7 @@ class K8sConfig:
     router_memory: str = "2Gi"
     kv_memory_bytes: int = 8 << 30  # per rank
     dtype: str = "bfloat16"
-    drain_timeout_s: float = 30.0
+    drain_timeout_s: float = _REPLICA_DEFAULTS["drain_timeout_s"]  # the replica's own default
     revision: str = ""  # a new one rolls every replica in place, one at a time
     ray_version: str = "2.60.0"
     redis_image: str = "redis:7.2"

@@ -5,12 +5,20 @@ one per object kind and part."""
 from __future__ import annotations
 
 import yaml
-
 from kvfleet.deploy.cluster_config import ClusterConfig, router_args
-from kvfleet.deploy.k8s_config import (COLLECTOR_HEALTH_PORT, COLLECTOR_PROMETHEUS_PORT, GRPC_PORT,
-                                       HTTP_PORT, OTLP_GRPC_PORT, OTLP_HTTP_PORT, REDIS_PORT,
-                                       TERMINATION_MARGIN_S, K8sConfig)
+from kvfleet.deploy.k8s_config import (
+    COLLECTOR_HEALTH_PORT,
+    COLLECTOR_PROMETHEUS_PORT,
+    GRPC_PORT,
+    HTTP_PORT,
+    OTLP_GRPC_PORT,
+    OTLP_HTTP_PORT,
+    REDIS_PORT,
+    TERMINATION_MARGIN_S,
+    K8sConfig,
+)
 from kvfleet.deploy.serve_app import SHUTDOWN_MARGIN_S
+
 
 def grace_period_s(cfg: ClusterConfig) -> int:
     """terminationGracePeriodSeconds for pods that drain: the drain, Serve's stop margin and
@@ -62,10 +70,11 @@ def ray_service(k: K8sConfig, cfg: ClusterConfig, serve: dict) -> dict:
 
 def router(k: K8sConfig, cfg: ClusterConfig) -> list[dict]:
     """[Deployment, Service] of the routers: ``python -m kvfleet.router.main`` with
-    ``router_args`` of the pods' router config, gRPC health probes, the models volume (the router hashes with the
-    model's tokenizer and weight fingerprint)."""
+    ``router_args`` of the pods' router config, gRPC health probes, the models volume (the
+    router hashes with the model's tokenizer and weight fingerprint)."""
     name = k.service("router")
     labels = {"app.kubernetes.io/name": k.name, "app.kubernetes.io/component": "router"}
+    assert cfg.replica.redis_url, "the pods' config names the Redis Service"
     args = router_args(cfg.router_config(cfg.replica.redis_url))
     probe = {"grpc": {"port": GRPC_PORT}, "periodSeconds": 5}
     deployment = {

@@ -13,12 +13,12 @@ import sys
 from typing import Optional
 
 from kvfleet.deploy import serve_control
-from kvfleet.deploy.cluster_config import (ClusterConfig, router_args, serve_application,
-                                           serve_hosts)
+from kvfleet.deploy.cluster_config import ClusterConfig, router_args, serve_application, serve_hosts
 from kvfleet.deploy.operate import AppRef
 from kvfleet.deploy.process_relay import wait_ready
 from kvfleet.deploy.ray_local import check_port_free, free_port, init_ray, shutdown_ray
 from kvfleet.deploy.redis_server import RedisServer, start_redis
+
 from kvfleet.index_keys import ReplicaInfo
 from kvfleet.tls import FILES as TLS_FILES
 from kvfleet.tls import generate_internal_tls
@@ -92,16 +92,23 @@ class LocalCluster:
         if cfg.replica_num_cpus is not None:
             per_replica = cfg.replica_num_cpus
         threads = max(1, (os.cpu_count() or 1) // cfg.replicas)
+        assert self.redis_url is not None  # set by _start first
         return serve_application(cfg, self.redis_url, per_replica, threads)
+
+    def _app(self) -> AppRef:
+        """The applied application. Raises RuntimeError before :meth:`start`."""
+        if self.ref is None:
+            raise RuntimeError("the cluster is not started")
+        return self.ref
 
     def registered(self) -> list[ReplicaInfo]:
         """This application's replicas in the registry (see ``AppRef.registered``)."""
-        return self.ref.registered()
+        return self._app().registered()
 
     def wait_serving(self, replicas: int, timeout_s: float = 300.0) -> list[ReplicaInfo]:
         """Wait until exactly ``replicas`` replicas serve (``AppRef.wait_serving``, which
         says what it raises); fills ``replica_addresses`` and ``metrics_addresses``."""
-        serving = self.ref.wait_serving(replicas, timeout_s)
+        serving = self._app().wait_serving(replicas, timeout_s)
         self.replica_addresses = [i.address for i in serving]
         self.metrics_addresses = {k: v for k, v in self.metrics_addresses.items() if k == "router"}
         if self.cfg.metrics_port is not None:
@@ -112,20 +119,21 @@ class LocalCluster:
     def scale(self, replicas: int, timeout_s: float = 300.0) -> list[ReplicaInfo]:
         """Change the replica count in place (new ones register; Serve picks the ones that
         go, and each drains first); returns once exactly ``replicas`` serve."""
-        self.app = self.ref.scale(replicas)
+        self.app = self._app().scale(replicas)
         return self.wait_serving(replicas, timeout_s)
 
     def upgrade(self, revision: str, model_dir: Optional[str] = None,
                 timeout_s: float = 600.0) -> list[ReplicaInfo]:
         """Rolling replacement of every replica under a new ``revision`` (and ``model_dir``),
         as ``kvfleet upgrade`` does (``AppRef.upgrade``, which says what it raises)."""
-        serving = self.ref.upgrade(revision, model_dir, timeout_s)
-        self.app = serve_control.app_configs()[self.app_name]
+        ref = self._app()
+        serving = ref.upgrade(revision, model_dir, timeout_s)
+        self.app = serve_control.app_configs()[ref.name]
         return self.wait_serving(len(serving), timeout_s)
 
     def serve_replicas(self) -> list[dict]:
         """Serve's view of this application's replicas (see ``serve_control.serve_replicas``)."""
-        return serve_control.serve_replicas(self.app_name)
+        return serve_control.serve_replicas(self._app().name)
 
     def replica_pids(self) -> list[int]:
         """Process ids of the running Serve replicas (rank 0 of each)."""
@@ -141,6 +149,7 @@ class LocalCluster:
         if cfg.metrics_port is not None:
             metrics_port = cfg.metrics_port or free_port(host)
             self.metrics_addresses["router"] = f"{host}:{metrics_port}"
+        assert self.redis_url is not None  # set by _start before the router starts
         router = cfg.router_config(self.redis_url, http_port, metrics_port)
         cmd = [sys.executable, "-m", "kvfleet.router.main", *router_args(router)]
         # The router reads OTEL_* at start-up: give it exactly this cluster's settings.

@@ -20,6 +20,7 @@ from kvfleet.deploy import serve_control
 from kvfleet.deploy.ray_local import init_ray
 from kvfleet.deploy.registry_view import read_registry, read_routers
 from kvfleet.deploy.status import replica_rows
+
 from kvfleet.index_keys import ReplicaInfo, redis_host
 
 

@@ -21,12 +21,15 @@ def wait_ready(proc: subprocess.Popen, marker: str, timeout_s: float,
 
     Raises RuntimeError if the process exits first, TimeoutError after ``timeout_s`` seconds.
     """
+    stdout = proc.stdout
+    if stdout is None:
+        raise ValueError("wait_ready needs a process started with stdout=subprocess.PIPE")
     found: queue.Queue[str] = queue.Queue()
 
     def relay() -> None:
         out = sink or sys.stdout
         with contextlib.suppress(ValueError, OSError):  # pipe or sink closed at shutdown
-            for line in proc.stdout:
+            for line in stdout:
                 if found.empty() and line.startswith(marker):
                     found.put(line.split()[-1])
                     continue

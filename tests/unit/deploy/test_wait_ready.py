@@ -8,7 +8,6 @@ import sys
 import threading
 
 import pytest
-
 from kvfleet.deploy.process_relay import wait_ready
 
 
