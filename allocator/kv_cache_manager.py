@@ -13,6 +13,7 @@ from collections import Counter
 from typing import Sequence
 
 from kvfleet.allocator.block_pool import BlockPool, NoFreeBlocksError
+from kvfleet.allocator.units import cdiv
 
 __all__ = ["KVCacheManager", "NoFreeBlocksError"]
 
@@ -34,7 +35,7 @@ class KVCacheManager:
     @staticmethod
     def blocks_for(num_tokens: int, block_size: int) -> int:
         """Blocks needed to hold ``num_tokens`` positions: ceil(num_tokens / block_size)."""
-        return -(-num_tokens // block_size)
+        return cdiv(num_tokens, block_size)
 
     @property
     def num_free_blocks(self) -> int:

@@ -73,6 +73,13 @@ def parse_count(text: str, name: str = "COUNT") -> int:
     return _parse(text, _COUNT_UNITS, _COUNT_NAMES, "parameters", name)
 
 
+def cdiv(n: int, d: int) -> int:
+    """``ceil(n / d)`` in exact integer arithmetic (``d`` > 0): blocks for ``n`` tokens, Serve
+    replicas for ``n`` kvfleet replicas, a rank's share of ``n`` bytes. Never via float
+    division, which rounds wrongly past 2**53."""
+    return -(-n // d)
+
+
 def format_bytes(num_bytes: int, digits: int = 4) -> str:
     """``num_bytes`` in the largest binary unit it fills: ``2 GiB``, ``13.0385 GiB``, ``512 B``.
 

@@ -18,7 +18,6 @@ from dataclasses import dataclass, replace
 from typing import AsyncGenerator, Optional, Sequence
 
 import grpc
-
 from kvfleet.allocator.hashing import block_hash_chain
 from kvfleet.errors import (
     AlreadyExists,
@@ -43,7 +42,7 @@ from kvfleet.router.prefix_index import IndexUnavailable
 from kvfleet.router.replica_set import ReplicaSet
 from kvfleet.router.served_model import ServedModel
 from kvfleet.router.worker_link import LinkCall, WorkerCallError
-from kvfleet.sampling_params import SamplingParams
+from kvfleet.sampling_params import SamplingParams, check_context_length
 from kvfleet.stream_limits import StreamLimits
 from kvfleet.telemetry.router_spans import RouterRequestTrace, RouterTelemetry
 from kvfleet.v1 import common_pb2
@@ -316,12 +315,9 @@ class RouterCore:
 
     @staticmethod
     def _check_context(model: ServedModel, num_tokens: int, max_tokens: int) -> None:
-        total = num_tokens + max_tokens
-        if total > model.max_context:
-            raise OutOfRange(
-                f"prompt ({num_tokens} tokens) + sampling.max_tokens ({max_tokens}) "
-                f"= {total} exceeds the context of {model.max_context} tokens",
-                field="sampling.max_tokens")
+        check_context_length(num_tokens + max_tokens, model.max_context,
+                             f"prompt ({num_tokens} tokens) + sampling.max_tokens ({max_tokens})",
+                             field="sampling.max_tokens")
 
     @staticmethod
     def _fill_context(model: ServedModel, num_tokens: int, params: SamplingParams,

@@ -17,9 +17,6 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import grpc
-
-from kvfleet.grpc_util import SERVER_OPTIONS, add_health_and_reflection, bind_port, mark_serving
-from kvfleet.index_keys import DEFAULT_NAMESPACE
 from kvfleet.router.auth import Authenticator
 from kvfleet.router.capacity import DEFAULT_RETRY_PUSHBACK_MS
 from kvfleet.router.core import RouterCore
@@ -31,6 +28,9 @@ from kvfleet.router.presence import RouterPresence
 from kvfleet.router.replica_set import ReplicaSet
 from kvfleet.router.served_model import ServedModel
 from kvfleet.router.server import RouterService
+
+from kvfleet.grpc_util import SERVER_OPTIONS, add_health_and_reflection, bind_port, mark_serving
+from kvfleet.index_keys import DEFAULT_NAMESPACE
 from kvfleet.stream_limits import DEFAULT_MAX_UNREAD, DEFAULT_STALL_S, StreamLimits
 from kvfleet.telemetry import Telemetry, TelemetryConfig
 from kvfleet.telemetry.router_spans import RouterTelemetry
@@ -42,9 +42,13 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class RouterConfig:
-    redis_url: str
-    model_name: str
-    model_dir: str
+    """One router process's settings (its flags: :func:`parse_args`). Empty ``redis_url``,
+    ``model_name``, ``model_dir``: not chosen yet (a cluster config fills them from its
+    replicas', kvfleet.deploy.cluster_config); the router needs all three to start."""
+
+    redis_url: str = ""
+    model_name: str = ""
+    model_dir: str = ""
     block_size: int = 16
     kv_dtype: str = "float32"
     host: str = "127.0.0.1"
@@ -73,6 +77,10 @@ class RouterConfig:
     internal_tls_dir: Optional[str] = None  # mutual TLS to the workers (kvfleet.tls)
     # Slow or vanished readers: messages buffered per stream, seconds a write may wait.
     stream_limits: StreamLimits = field(default_factory=StreamLimits)
+
+    def __post_init__(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("--tls-cert and --tls-key go together")
 
 
 class RouterServer:
@@ -218,15 +226,18 @@ def parse_args(argv: list[str]) -> RouterConfig:
     a = p.parse_args(argv)
     if a.http_max_connections < 1:
         p.error("--http-max-connections must be >= 1")
-    if bool(a.tls_cert) != bool(a.tls_key):
-        p.error("--tls-cert and --tls-key go together")
     if not a.shutdown_grace_s >= 0:
         p.error(f"--shutdown-grace-s must be >= 0, got {a.shutdown_grace_s}")
     try:
         telemetry = TelemetryConfig.from_env(os.environ, metrics_port=a.metrics_port)
         stream_limits = StreamLimits(a.stream_max_unread, a.stream_stall_s)
+        return _config(a, telemetry, stream_limits)
     except ValueError as exc:
         p.error(str(exc))
+
+
+def _config(a: argparse.Namespace, telemetry: TelemetryConfig,
+            stream_limits: StreamLimits) -> RouterConfig:
     return RouterConfig(redis_url=a.redis_url, model_name=a.model_name, model_dir=a.model_dir,
                         block_size=a.block_size, kv_dtype=a.kv_dtype, host=a.host, port=a.port,
                         http_port=a.http_port, http_max_connections=a.http_max_connections,

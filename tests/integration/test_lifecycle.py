@@ -21,12 +21,12 @@ import redis
 
 from kvfleet.client import Client
 from kvfleet.deploy import serve_control
-from kvfleet.deploy.launcher import ClusterConfig
+from kvfleet.deploy.cluster_config import ClusterConfig
 from kvfleet.deploy.registry_view import wait_gone
 from kvfleet.index_keys import IndexKeys
 from kvfleet.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from kvfleet.worker.engine.scheduler import SchedulerConfig
-from tests.fixtures.cluster import cluster_with_client
+from kvfleet.router.main import RouterConfig
+from tests.fixtures.cluster import cluster_with_client, tiny_replica
 
 pytestmark = pytest.mark.slow
 NAMESPACE = "kvtest-life:"
@@ -34,10 +34,9 @@ NAMESPACE = "kvtest-life:"
 
 @pytest.fixture(scope="module")
 def life(ray_session, redis_server, tiny_llama_dir):
-    cfg = ClusterConfig(model_name="tiny-llama", model_dir=str(tiny_llama_dir), replicas=2,
-                        num_blocks=64, port=0, redis_url=redis_server.url, namespace=NAMESPACE,
-                        replica_num_cpus=0, drain_timeout_s=4.0, health_check_period_s=0.5,
-                        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256))
+    cfg = ClusterConfig(tiny_replica(tiny_llama_dir, redis_server.url, NAMESPACE, drain_timeout_s=4.0),
+                        RouterConfig(port=0), replicas=2, replica_num_cpus=0,
+                        health_check_period_s=0.5)
     with cluster_with_client(cfg) as running:
         yield running
 

@@ -124,7 +124,8 @@ def test_kvfleet_up_serves_tls_outside_and_mutual_tls_inside(ray_session, redis_
     from dataclasses import replace
 
     from kvfleet.client import Client
-    from kvfleet.deploy.cli import build_parser, cluster_config
+    from kvfleet.deploy.cli import build_parser
+    from kvfleet.deploy.cluster_flags import cluster_config
     from kvfleet.deploy.launcher import LocalCluster
 
     ca, cert, key = client_port_cert
@@ -134,7 +135,8 @@ def test_kvfleet_up_serves_tls_outside_and_mutual_tls_inside(ray_session, redis_
          "--cost-model-scale", "0.001", "--num-blocks", "64", "--port", "0",
          "--redis-url", redis_server.url, "--tls-cert", cert, "--tls-key", key,
          "--internal-tls-dir", str(internal)])
-    cluster = LocalCluster(replace(cluster_config(args), namespace="kvtest-tls:",
+    cfg = cluster_config(args)
+    cluster = LocalCluster(replace(cfg, replica=replace(cfg.replica, namespace="kvtest-tls:"),
                                    replica_num_cpus=0))
     try:
         cluster.start()

@@ -16,12 +16,15 @@ import uuid
 import pytest
 
 from kvfleet.client import Client, RequestStats
-from kvfleet.deploy.launcher import ClusterConfig, LocalCluster
+from kvfleet.deploy.cluster_config import ClusterConfig
+from kvfleet.deploy.launcher import LocalCluster
+from kvfleet.router.main import RouterConfig
 from kvfleet.telemetry import Telemetry, TelemetryConfig
 from kvfleet.telemetry import names as n
 from kvfleet.telemetry.collector import OtlpSink
 from kvfleet.worker.engine.scheduler import SchedulerConfig
 from tests.fixtures.cluster import wait_indexed
+from tests.fixtures.cluster import tiny_replica
 
 SYSTEM = ("You are the archive desk of a small-town newspaper. Answer questions about past "
           "issues in one sentence, give the issue date, and never guess a page number.")
@@ -45,12 +48,11 @@ def telemetry_cfg(sink):
 
 @pytest.fixture(scope="module")
 def traced_cluster(ray_session, redis_server, tiny_llama_dir, telemetry_cfg):
-    cfg = ClusterConfig(model_name="tiny-llama", model_dir=str(tiny_llama_dir), replicas=2,
-                        block_size=16, num_blocks=64, port=0, http_port=0,
-                        redis_url=redis_server.url, namespace=f"kvtest-trace-{uuid.uuid4().hex[:6]}:",
-                        telemetry=telemetry_cfg, metrics_port=0,
-                        replica_num_cpus=0,  # the session's other cluster may hold every CPU
-                        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32))
+    replica = tiny_replica(tiny_llama_dir, redis_server.url, f"kvtest-trace-{uuid.uuid4().hex[:6]}:",
+                           telemetry=telemetry_cfg,
+                           scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32))
+    cfg = ClusterConfig(replica, RouterConfig(port=0, http_port=0), replicas=2, metrics_port=0,
+                        replica_num_cpus=0)  # the session's other cluster may hold every CPU
     cluster = LocalCluster(cfg)
     cluster.start()
     yield cluster

@@ -38,7 +38,7 @@ class SeqTiming:
 
 
 @dataclass
-class Sequence:
+class SequenceState:
     """One sample (``index`` of ``n``) of one request as the scheduler sees it.
 
     ``all_token_ids = prompt + output``; ``num_computed_tokens`` of them have KV in the cache.

@@ -26,10 +26,12 @@ from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 import torch
+
+from kvfleet.allocator.units import cdiv
+from kvfleet.worker.runner.model_config import ModelConfig
 from kvfleet.worker.engine.step_plan import StepPlan
 from kvfleet.worker.executor.base import RankInfo
 from kvfleet.worker.runner.lora.adapter import AdapterSpec
-from kvfleet.worker.runner.model_config import ModelConfig
 
 FILLER_LOGIT = 30.0  # the filler token's logit; every other token's is 0
 
@@ -204,7 +206,7 @@ def calibration_plans(block_size: int, prefill_sizes: Iterable[int], contexts: I
     from kvfleet.worker.engine.step_plan import SeqChunk
 
     def chunk(rid: str, n: int, ctx: int, first_block: int) -> SeqChunk:
-        blocks = -(-(ctx + n) // block_size)
+        blocks = cdiv(ctx + n, block_size)
         return SeqChunk(rid, tuple(100 + (i % 1000) for i in range(n)), ctx,
                         tuple(range(first_block, first_block + blocks)))
 
@@ -212,7 +214,7 @@ def calibration_plans(block_size: int, prefill_sizes: Iterable[int], contexts: I
         for n in prefill_sizes:
             yield n, 0, ctx, StepPlan((chunk("p", n, ctx, 0),))
     for batch in decode_batches:
-        per = -(-(decode_context + 1) // block_size)
+        per = cdiv(decode_context + 1, block_size)
         plan = StepPlan(tuple(chunk(f"d{i}", 1, decode_context, i * per) for i in range(batch)))
         yield 0, batch, decode_context, plan
 

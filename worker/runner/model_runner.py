@@ -12,7 +12,9 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from kvfleet.worker.engine.step_plan import SeqChunk, StepPlan
+
+from kvfleet.errors import InvalidArgument
+from kvfleet.sampling_params import check_context_length
 from kvfleet.worker.runner import attention
 from kvfleet.worker.runner.kv_cache import KVCache, kv_bytes_per_block
 from kvfleet.worker.runner.lora.adapter import AdapterSpec, read_adapter
@@ -23,8 +25,8 @@ from kvfleet.worker.runner.models import build_model
 from kvfleet.worker.runner.tp.layout import shard_layout
 from kvfleet.worker.runner.tp.linear import parallelize
 from kvfleet.worker.runner.tp.shard_weights import load_shard_weights
+from kvfleet.worker.engine.step_plan import SeqChunk, StepPlan
 
-from kvfleet.errors import InvalidArgument, OutOfRange
 
 
 @dataclass(frozen=True)
@@ -126,12 +128,9 @@ class ModelRunner:
         if n == 0:
             raise ValueError(f"sequence {chunk.seq_id}: empty chunk")
         last = chunk.num_computed_tokens + n - 1
-        limit = self.config.max_position_embeddings
-        if last >= limit:
-            raise OutOfRange(
-                f"sequence {chunk.seq_id}: position {last} is beyond the model's context "
-                f"length of {limit} tokens (max_position_embeddings)"
-            )
+        check_context_length(last + 1, self.config.max_position_embeddings,
+                             f"sequence {chunk.seq_id}: {chunk.num_computed_tokens} computed "
+                             f"+ {n} chunk tokens")
         if min(chunk.token_ids) < 0 or max(chunk.token_ids) >= self.config.vocab_size:
             raise InvalidArgument(
                 f"sequence {chunk.seq_id}: token_ids must lie in [0, {self.config.vocab_size})"
