@@ -1,5 +1,6 @@
 """API key → tenant, and tenant → cache scope. With no key file the router runs open and every
-request is tenant ``default``.
+request is tenant ``default``; a key file that is named must hold at least one key (it never
+opens the router, at start or on reload).
 
 Clients send ``authorization: Bearer <api key>`` metadata; the tenant never comes from a request
 field. The key file is JSON, either a flat ``{"<api key>": "<tenant>", ...}`` or::
@@ -78,7 +79,10 @@ class Authenticator:
 
     @classmethod
     def from_file(cls, path: Optional[str]) -> "Authenticator":
-        """Raises ValueError if the file is not one of the two documented JSON shapes."""
+        """The authenticator of a key file (``None``/empty path: an open router).
+
+        Raises ValueError if the file is not one of the two documented JSON shapes, or holds
+        no API key (a named file never opens the router)."""
         if not path:
             return cls()
         data = json.loads(Path(path).read_text())
@@ -99,6 +103,9 @@ class Authenticator:
         if not isinstance(keys, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                                  for k, v in keys.items()):
             raise ValueError(f"{path}: expected a JSON object mapping API keys to tenant names")
+        if not keys:  # fail closed: a named file that holds no key must not open the router
+            raise ValueError(f"{path}: no API keys (a key file must hold at least one; run "
+                             f"without --api-keys for an open router)")
         if not isinstance(shared, dict) or not all(
                 isinstance(v, list) and all(isinstance(t, str) for t in v) for v in shared.values()):
             raise ValueError(f"{path}: shared_namespaces must map names to lists of tenants")

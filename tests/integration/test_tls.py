@@ -107,6 +107,10 @@ async def test_api_keys_are_reloaded_without_a_restart(fleet, tmp_path):
         keys.write_text("{not json")
         assert not router.reload_api_keys()  # a broken file keeps the previous keys
         assert await _complete(old) == 3
+        for empty in ({}, {"keys": {}}):  # zero keys would open the router: refused
+            keys.write_text(json.dumps(empty))
+            assert not router.reload_api_keys()
+            assert await _complete(old) == 3
         keys.write_text(json.dumps({"new-key": "acme"}))
         assert router.reload_api_keys()  # what SIGHUP does
         assert await _complete(new) == 3
