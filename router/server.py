@@ -34,6 +34,15 @@ def prompt_from_proto(request: router_pb2.GenerateRequest) -> Prompt:
     return Prompt("")
 
 
+_RANK_FIELDS = frozenset(common_pb2.RankStatus.DESCRIPTOR.fields_by_name)
+
+
+def rank_status(rank: dict) -> common_pb2.RankStatus:
+    """A registry rank dict as ``RankStatus``; fields this router does not know (a newer
+    worker's) are left out rather than failing the whole status."""
+    return common_pb2.RankStatus(**{k: v for k, v in rank.items() if k in _RANK_FIELDS})
+
+
 class RouterService(router_pb2_grpc.RouterServicer):
     """The gRPC edge of :class:`~kvfleet.router.core.RouterCore`: proto in, proto out. A
     client that does not read its stream for ``core.stream_limits.stall_s`` is cancelled."""
@@ -120,7 +129,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             r = out.replicas.add(replica_id=info.replica_id, address=info.address,
                                  model=info.model, epoch=info.epoch,
                                  tensor_parallel_size=info.tensor_parallel_size,
-                                 ranks=[common_pb2.RankStatus(**rank) for rank in info.ranks])
+                                 ranks=[rank_status(rank) for rank in info.ranks])
             r.lifecycle.CopyFrom(router_pb2.ReplicaLifecycle(
                 state=info.state, prefix_hit_rate=info.prefix_hit_rate,
                 serve_replica=info.serve_replica, metrics_address=info.metrics_address))
