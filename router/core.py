@@ -216,38 +216,41 @@ class RouterCore:
         candidates = self._candidates(model.name, live=await self.replicas.routable(model.name))
         limit = self.auth.tenant_limit(tenant, fleet_capacity(candidates))
         check_tenant(tenant, self.tenant_inflight[tenant], limit)  # before tokenizing: cheap
-        adapter = None
-        if req.adapter:
-            self.auth.check_adapter(tenant, req.adapter)
-            adapter = (req.adapter, adapter_revision([c.info for c in candidates], req.adapter,
-                                                     model.name))
-            candidates = serving(candidates, adapter)
-        check_room(candidates, model.name)
-        params = req.sampling.check_vocab(model.vocab_size)
-        trace.on_request(model.name, params, tenant, req.adapter)
-        with trace.tokenize() as tokenized:
-            tokens = self.prompt_tokens(req.prompt, model)
-            tokenized["tokens"] = len(tokens)
-        if not req.fill_context:
-            self._check_context(model, len(tokens), params.max_tokens)
-        route_start = time.monotonic()
-        scope = self.auth.cache_scope(tenant)  # the tenant, or its shared namespace
-        chain = block_hash_chain(model.root_hash(scope, req.cache_salt, adapter), tokens,
-                                 model.block_size)
-        decision = await self.route(model, chain, adapter)
-        trace.routed(route_start, decision, self.policy.name)
-        client_id, request_id = self._claim_id(tenant, req.request_id)  # last: released below
+        # Reserved at the check: a burst would otherwise all pass it across the awaits below.
         self.tenant_inflight[tenant] += 1
         try:
-            # aclosing: an edge that closes this generator closes the relay at once (ledger,
-            # worker call), not whenever the garbage collector finalizes it.
-            async with contextlib.aclosing(self._dispatch(
-                    req, trace, model, chain, decision, (client_id, request_id), params,
-                    tokens, scope)) as relay:
-                async for msg in relay:
-                    yield msg
+            adapter = None
+            if req.adapter:
+                self.auth.check_adapter(tenant, req.adapter)
+                adapter = (req.adapter, adapter_revision([c.info for c in candidates], req.adapter,
+                                                         model.name))
+                candidates = serving(candidates, adapter)
+            check_room(candidates, model.name)
+            params = req.sampling.check_vocab(model.vocab_size)
+            trace.on_request(model.name, params, tenant, req.adapter)
+            with trace.tokenize() as tokenized:
+                tokens = self.prompt_tokens(req.prompt, model)
+                tokenized["tokens"] = len(tokens)
+            if not req.fill_context:
+                self._check_context(model, len(tokens), params.max_tokens)
+            route_start = time.monotonic()
+            scope = self.auth.cache_scope(tenant)  # the tenant, or its shared namespace
+            chain = block_hash_chain(model.root_hash(scope, req.cache_salt, adapter), tokens,
+                                     model.block_size)
+            decision = await self.route(model, chain, adapter)
+            trace.routed(route_start, decision, self.policy.name)
+            client_id, request_id = self._claim_id(tenant, req.request_id)  # last: released below
+            try:
+                # aclosing: an edge that closes this generator closes the relay at once (ledger,
+                # worker call), not whenever the garbage collector finalizes it.
+                async with contextlib.aclosing(self._dispatch(
+                        req, trace, model, chain, decision, (client_id, request_id), params,
+                        tokens, scope)) as relay:
+                    async for msg in relay:
+                        yield msg
+            finally:
+                self._live_ids.discard((tenant, req.request_id))
         finally:
-            self._live_ids.discard((tenant, req.request_id))
             self.tenant_inflight[tenant] -= 1
 
     async def _dispatch(self, req: GenerateInput, trace, model: ServedModel, chain, decision,
