@@ -85,9 +85,17 @@ class HttpFront:
     """The HTTP listener of one router process, over the router's :class:`RouterCore`."""
 
     def __init__(self, core: RouterCore, host: str = "127.0.0.1", port: int = 8000,
-                 max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                 shutdown_grace_s: float = 2.0) -> None:
+        """``max_connections``: connections served at once (the next one gets 503);
+        ``shutdown_grace_s``: how long :meth:`stop` lets open responses run on.
+
+        Raises ValueError for ``max_connections`` < 1 or a negative grace."""
         if max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {max_connections}")
+        if not shutdown_grace_s >= 0:
+            raise ValueError(f"shutdown_grace_s must be >= 0, got {shutdown_grace_s}")
+        self.shutdown_grace_s = shutdown_grace_s
         self.core = core
         self.host, self.port = host, port
         self.max_connections = max_connections
@@ -119,9 +127,10 @@ class HttpFront:
             raise OSError(f"cannot listen on {self.host}:{self.port} (HTTP): {exc}") from exc
         self._sock = sock
         # lifespan off, no logging config, no signal handlers: the router process owns those.
+        # uvicorn counts the connection asking against its limit (L served L - 1): + 1.
         config = uvicorn.Config(self.app, lifespan="off", log_config=None, access_log=False,
-                                timeout_graceful_shutdown=2,
-                                limit_concurrency=self.max_connections)
+                                timeout_graceful_shutdown=self.shutdown_grace_s,
+                                limit_concurrency=self.max_connections + 1)
         config.load()
         server = uvicorn.Server(config)
         server.lifespan = config.lifespan_class(config)
@@ -132,9 +141,13 @@ class HttpFront:
         self.address = f"{self.host}:{port}"
         return self.address
 
-    async def stop(self) -> None:
+    async def stop(self, grace_s: Optional[float] = None) -> None:
+        """Stop listening, let open responses run on for ``grace_s`` seconds (default: the
+        front's ``shutdown_grace_s``), then cut the rest."""
         if self._server is None:
             return
+        if grace_s is not None:
+            self._server.config.timeout_graceful_shutdown = grace_s
         self._server.should_exit = True
         await self._ticker
         await self._server.shutdown(sockets=[self._sock])

@@ -121,7 +121,8 @@ class RouterServer:
         name = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
         health = add_health_and_reflection(self._server, [name])
         if cfg.http_port is not None:
-            self.http = HttpFront(self.core, cfg.host, cfg.http_port, cfg.http_max_connections)
+            self.http = HttpFront(self.core, cfg.host, cfg.http_port, cfg.http_max_connections,
+                                  shutdown_grace_s=cfg.shutdown_grace_s)
             self.http_address = await self.http.start()
         await self._server.start()
         await mark_serving(health, [name])
@@ -145,16 +146,21 @@ class RouterServer:
         log.info("API keys reloaded from %s", self.cfg.api_keys_file)
         return True
 
-    async def stop(self, grace_s: float = 2.0) -> None:
+    async def stop(self, grace_s: Optional[float] = None) -> None:
+        """Refuse new calls on both ports at once, let open streams on both run on for
+        ``grace_s`` seconds (default: ``cfg.shutdown_grace_s``), then cut the rest."""
+        grace_s = self.cfg.shutdown_grace_s if grace_s is None else grace_s
         if self.presence is not None:
             await self.presence.close()
             self.presence = None
+        stopping = []  # both ports together: the grace is not spent twice
         if self.http is not None:
-            await self.http.stop()
+            stopping.append(self.http.stop(grace_s))
             self.http = None
         if self._server is not None:
-            await self._server.stop(grace_s)
+            stopping.append(self._server.stop(grace_s))
             self._server = None
+        await asyncio.gather(*stopping)
         if self.replicas is not None:
             await self.replicas.close()
             self.replicas = None
@@ -262,7 +268,7 @@ async def _serve(cfg: RouterConfig) -> int:
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, server.reload_api_keys)
     await stop.wait()
-    await server.stop(cfg.shutdown_grace_s)
+    await server.stop()
     return 0
 
 
