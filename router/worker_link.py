@@ -73,6 +73,12 @@ class WorkerLink:
         self._ids = itertools.count(1)
 
     @property
+    def open_calls(self) -> int:
+        """Calls open on the stream now."""
+        stream = self._stream
+        return 0 if stream is None or stream.ended is not None else len(stream.queues)
+
+    @property
     def stub(self) -> worker_pb2_grpc.WorkerStub:
         """The channel's stub, for the worker's unary RPCs (LoRA load/unload)."""
         return self._stub
