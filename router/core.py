@@ -30,7 +30,7 @@ from kvfleet.router.policy import Candidate, RoutingPolicy
 from kvfleet.router.prefix_index import IndexUnavailable
 from kvfleet.router.replica_set import ReplicaSet
 from kvfleet.router.served_model import ServedModel
-from kvfleet.router.worker_link import LinkCall, WorkerCallError
+from kvfleet.router.worker_link import DEFAULT_CALL_IDLE_S, LinkCall, WorkerCallError
 from kvfleet.sampling_params import SamplingParams
 from kvfleet.stream_limits import StreamLimits
 from kvfleet.telemetry.router_spans import RouterRequestTrace, RouterTelemetry
@@ -91,7 +91,8 @@ class RouterCore:
                  policy: RoutingPolicy, auth: Authenticator,
                  telemetry: Optional[RouterTelemetry] = None,
                  retry_pushback_ms: int = DEFAULT_RETRY_PUSHBACK_MS,
-                 stream_limits: StreamLimits = StreamLimits()) -> None:
+                 stream_limits: StreamLimits = StreamLimits(),
+                 call_idle_s: float = DEFAULT_CALL_IDLE_S) -> None:
         self.models = models
         self.default_model = default_model
         self.replicas = replicas
@@ -100,6 +101,7 @@ class RouterCore:
         self.telemetry = telemetry or RouterTelemetry()  # spans + metrics (no-op by default)
         self.retry_pushback_ms = retry_pushback_ms  # RESOURCE_EXHAUSTED's retry hint (ms)
         self.stream_limits = stream_limits  # slow readers: the relay's bounds (both edges)
+        self.call_idle_s = call_idle_s  # a worker call with no frame this long fails INTERNAL
         self._live_ids: set[tuple[str, str]] = set()  # (tenant, client request_id) in flight
         self.tenant_inflight: collections.Counter[str] = collections.Counter()
 
@@ -333,7 +335,7 @@ class RouterCore:
         """The worker request for one dispatch to ``info``, ready to iterate."""
         call = self.replicas.link(info).call(
             trace.start_dispatch(request_id, info.replica_id, info.address),
-            max_unread=self.stream_limits.max_unread)
+            max_unread=self.stream_limits.max_unread, idle_s=self.call_idle_s)
         worker_req = call.request  # filled in place: no copy of the prompt into the frame
         worker_req.request_id, worker_req.tenant = request_id, scope
         worker_req.cache_salt, worker_req.adapter = req.cache_salt, req.adapter

@@ -31,6 +31,7 @@ from kvfleet.router.presence import RouterPresence
 from kvfleet.router.replica_set import ReplicaSet
 from kvfleet.router.served_model import ServedModel
 from kvfleet.router.server import RouterService
+from kvfleet.router.worker_link import DEFAULT_CALL_IDLE_S
 from kvfleet.stream_limits import DEFAULT_MAX_UNREAD, DEFAULT_STALL_S, StreamLimits
 from kvfleet.telemetry import Telemetry, TelemetryConfig
 from kvfleet.telemetry.router_spans import RouterTelemetry
@@ -73,6 +74,8 @@ class RouterConfig:
     internal_tls_dir: Optional[str] = None  # mutual TLS to the workers (kvfleet.tls)
     # Slow or vanished readers: messages buffered per stream, seconds a write may wait.
     stream_limits: StreamLimits = field(default_factory=StreamLimits)
+    # A worker call with no frame for this long (its replica alive) fails INTERNAL.
+    call_idle_s: float = DEFAULT_CALL_IDLE_S
 
 
 class RouterServer:
@@ -114,7 +117,7 @@ class RouterServer:
         self.core = RouterCore({model.name: model}, model.name, self.replicas, policy, auth,
                                telemetry=RouterTelemetry(self.telemetry),
                                retry_pushback_ms=cfg.retry_pushback_ms,
-                               stream_limits=cfg.stream_limits)
+                               stream_limits=cfg.stream_limits, call_idle_s=cfg.call_idle_s)
         service = RouterService(self.core)
         self.service = service
         router_pb2_grpc.add_RouterServicer_to_server(service, self._server)
@@ -211,6 +214,9 @@ def parse_args(argv: list[str]) -> RouterConfig:
     p.add_argument("--stream-stall-s", type=float, default=DEFAULT_STALL_S,
                    help="seconds one write may wait for a client that does not read before "
                         "its stream is cancelled")
+    p.add_argument("--call-idle-s", type=float, default=DEFAULT_CALL_IDLE_S,
+                   help="seconds a request may wait for its worker's next message while the "
+                        "replica is up before it fails INTERNAL (a lost worker task)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="stderr log level (DEBUG: one line per routing decision)")
     p.add_argument("--shutdown-grace-s", type=float, default=2.0,
@@ -224,6 +230,8 @@ def parse_args(argv: list[str]) -> RouterConfig:
         p.error("--http-max-connections must be >= 1")
     if bool(a.tls_cert) != bool(a.tls_key):
         p.error("--tls-cert and --tls-key go together")
+    if not a.call_idle_s > 0:
+        p.error(f"--call-idle-s must be > 0, got {a.call_idle_s}")
     if not a.shutdown_grace_s >= 0:
         p.error(f"--shutdown-grace-s must be >= 0, got {a.shutdown_grace_s}")
     try:
@@ -240,6 +248,7 @@ def parse_args(argv: list[str]) -> RouterConfig:
                         shutdown_grace_s=a.shutdown_grace_s,
                         tls_cert=a.tls_cert, tls_key=a.tls_key,
                         internal_tls_dir=a.internal_tls_dir, stream_limits=stream_limits,
+                        call_idle_s=a.call_idle_s,
                         policy_options={
                             k: v for k in ("load_penalty_blocks", "max_imbalance",
                                            "popularity_window", "min_excess_load")
