@@ -21,7 +21,8 @@ may; an open router lets anyone).
 Tenants never share KV blocks (prefix reuse across tenants is a timing side channel) unless the
 operator lists them in one shared namespace. The *cache scope* is what the block-hash root is
 keyed by (``root = H(identity, scope, cache_salt)``) and what the router sends the worker as
-``tenant``: the tenant's own name, or ``@<name>`` for a member of shared namespace ``<name>``.
+``cache_scope`` (next to the ``tenant`` itself, which the worker's fair admission counts): the
+tenant's own name, or ``@<name>`` for a member of shared namespace ``<name>``.
 Tenant names may not start with ``@``, so no tenant can collide with a shared scope, nor hold a
 ``/`` (request ids reach workers as ``<tenant>/<request_id>``).
 """

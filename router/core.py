@@ -337,7 +337,9 @@ class RouterCore:
             trace.start_dispatch(request_id, info.replica_id, info.address),
             max_unread=self.stream_limits.max_unread, idle_s=self.call_idle_s)
         worker_req = call.request  # filled in place: no copy of the prompt into the frame
-        worker_req.request_id, worker_req.tenant = request_id, scope
+        worker_req.request_id, worker_req.cache_scope = request_id, scope
+        # Fairness counts tenants, not scopes; the id is "<tenant>/<id>" (tenants hold no "/").
+        worker_req.tenant = request_id.partition("/")[0]
         worker_req.cache_salt, worker_req.adapter = req.cache_salt, req.adapter
         worker_req.prompt_token_ids.extend(tokens)
         params.to_proto(worker_req.sampling)
