@@ -16,7 +16,11 @@ LoRA adapters: ``"adapter_tenants": {"<adapter>": ["<tenant>", ...], ...}`` limi
 to the tenants listed (any other tenant gets NOT_FOUND for it, as for an adapter not served;
 adapters not listed are open to every tenant), and ``"adapter_admins": ["<tenant>", ...]``
 names the tenants that may load and unload adapters at run time (with a key file, nobody else
-may; an open router lets anyone).
+may; an open router lets anyone). Adapter listings (``ListModels``, ``/v1/models``) show a
+tenant only the adapters it may use.
+
+Cluster admins: ``"admins": ["<tenant>", ...]`` may call ``Router.ClusterStatus`` (replica
+addresses, pids, the Redis host); with a key file nobody else may.
 
 Tenants never share KV blocks (prefix reuse across tenants is a timing side channel) unless the
 operator lists them in one shared namespace. The *cache scope* is what the block-hash root is
@@ -38,7 +42,7 @@ from kvfleet.errors import NotFound, PermissionDenied, Unauthenticated
 
 DEFAULT_TENANT = "default"
 _OBJECT_FIELDS = {"keys", "shared_namespaces", "tenant_limits", "default_tenant_share",
-                  "adapter_tenants", "adapter_admins"}
+                  "adapter_tenants", "adapter_admins", "admins"}
 SHARED_SCOPE_PREFIX = "@"
 
 
@@ -54,11 +58,13 @@ class Authenticator:
                  tenant_limits: Optional[dict[str, int]] = None,
                  default_tenant_share: float = 1.0,
                  adapter_tenants: Optional[dict[str, Sequence[str]]] = None,
-                 adapter_admins: Sequence[str] = ()) -> None:
+                 adapter_admins: Sequence[str] = (), admins: Sequence[str] = ()) -> None:
         self._keys = dict(keys or {})
         self.adapter_tenants = {a: frozenset(ts) for a, ts in (adapter_tenants or {}).items()}
         self.adapter_admins = frozenset(adapter_admins)
-        for tenant in (*self.adapter_admins, *(t for ts in self.adapter_tenants.values() for t in ts)):
+        self.admins = frozenset(admins)
+        for tenant in (*self.adapter_admins, *self.admins,
+                       *(t for ts in self.adapter_tenants.values() for t in ts)):
             _check_name(tenant, "tenant")
         self._scope: dict[str, str] = {}
         self.tenant_limits = dict(tenant_limits or {})
@@ -92,9 +98,11 @@ class Authenticator:
         share = 1.0
         adapters: dict = {}
         admins: list = []
+        cluster_admins: list = []
         if isinstance(data, dict) and isinstance(data.get("keys"), dict):
             keys, shared = data["keys"], data.get("shared_namespaces") or {}
             adapters, admins = data.get("adapter_tenants") or {}, data.get("adapter_admins") or []
+            cluster_admins = data.get("admins") or []
             limits = data.get("tenant_limits") or {}
             share = data.get("default_tenant_share", 1.0)
             if set(data) - _OBJECT_FIELDS:
@@ -113,10 +121,11 @@ class Authenticator:
         if not isinstance(adapters, dict) or not all(
                 isinstance(v, list) and all(isinstance(t, str) for t in v) for v in adapters.values()):
             raise ValueError(f"{path}: adapter_tenants must map adapter names to lists of tenants")
-        if not isinstance(admins, list) or not all(isinstance(t, str) for t in admins):
-            raise ValueError(f"{path}: adapter_admins must be a list of tenants")
+        for field_name, names in (("adapter_admins", admins), ("admins", cluster_admins)):
+            if not isinstance(names, list) or not all(isinstance(t, str) for t in names):
+                raise ValueError(f"{path}: {field_name} must be a list of tenants")
         try:
-            return cls(keys, shared, limits, share, adapters, admins)
+            return cls(keys, shared, limits, share, adapters, admins, cluster_admins)
         except ValueError as exc:
             raise ValueError(f"{path}: {exc}") from None
 
@@ -148,10 +157,21 @@ class Authenticator:
 
     def check_adapter(self, tenant: str, adapter: str) -> None:
         """Raises NotFound (naming the adapter) when ``adapter`` is limited to other tenants."""
-        allowed = self.adapter_tenants.get(adapter)
-        if allowed is not None and tenant not in allowed:
+        if not self.may_use_adapter(tenant, adapter):
             raise NotFound(f"adapter {adapter!r} is not served for tenant {tenant!r}",
                            field="adapter")
+
+    def may_use_adapter(self, tenant: str, adapter: str) -> bool:
+        """Whether ``tenant`` may use (and see listed) ``adapter``."""
+        allowed = self.adapter_tenants.get(adapter)
+        return allowed is None or tenant in allowed
+
+    def check_admin(self, tenant: str) -> None:
+        """Raises PermissionDenied unless the router is open or ``tenant`` is a cluster admin
+        (the key file's ``admins``)."""
+        if not self.open and tenant not in self.admins:
+            raise PermissionDenied(f"tenant {tenant!r} may not read the cluster status "
+                                   f"(the key file's admins)")
 
     def check_adapter_admin(self, tenant: str) -> None:
         """Raises PermissionDenied unless the router is open or ``tenant`` is an adapter admin."""

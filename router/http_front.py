@@ -25,6 +25,7 @@ from typing import AsyncIterator, Optional
 
 import uvicorn
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -81,6 +82,37 @@ class _SSEResponse(StreamingResponse):
             await self.body_iterator.aclose()
 
 
+OPEN_PATHS = frozenset({"/health"})  # a load balancer's readiness probe carries no key
+TENANT_KEY = "kvfleet.tenant"  # the ASGI scope entry the endpoints read the tenant from
+
+
+class _Authenticate:
+    """The HTTP front's one authentication point (ASGI middleware, so streaming responses
+    pass through untouched): every request but :data:`OPEN_PATHS` gets its tenant in
+    ``scope[TENANT_KEY]`` or an OpenAI error body (401)."""
+
+    def __init__(self, app, core: RouterCore) -> None:
+        self.app, self.core = app, core
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            headers = [(k.decode("latin-1").lower(), v.decode("latin-1"))
+                       for k, v in scope["headers"]]
+            try:
+                scope[TENANT_KEY] = self.core.authenticate(headers)
+            except KvfleetError as exc:
+                code, message = status_of(exc)
+                status, body, extra = error_response(code, message or code.name, None, exc)
+                await JSONResponse(body, status_code=status, headers=extra)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _tenant(request: Request) -> str:
+    """The tenant :class:`_Authenticate` set. Raises KeyError without it (fail closed)."""
+    return request.scope[TENANT_KEY]
+
+
 class HttpFront:
     """The HTTP listener of one router process, over the router's :class:`RouterCore`."""
 
@@ -105,7 +137,7 @@ class HttpFront:
             Route(COMPLETIONS_ROUTE, self.completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
-        ])
+        ], middleware=[Middleware(_Authenticate, core=core)])
         self._server: Optional[uvicorn.Server] = None
         self._sock: Optional[socket.socket] = None
         self._ticker: Optional[asyncio.Task] = None
@@ -162,10 +194,7 @@ class HttpFront:
         return await self._generate(request, COMPLETIONS_ROUTE, parse_completion)
 
     async def models(self, request: Request) -> Response:
-        try:
-            self.core.authenticate(request.headers.items())
-        except KvfleetError as exc:
-            return self._error(exc)
+        tenant, auth = _tenant(request), self.core.auth
         data = []
         for m in self.core.models.values():
             data.append({"id": m.name, "object": "model", "created": 0, "owned_by": "kvfleet",
@@ -173,7 +202,8 @@ class HttpFront:
             live = [info for info, _ in self.core.replicas.for_model(m.name)]
             data += [{"id": a["name"], "object": "model", "created": 0, "owned_by": "kvfleet",
                       "parent": m.name, "max_model_len": m.max_context}
-                     for a in served_adapters(live) if a["name"] not in self.core.models]
+                     for a in served_adapters(live)
+                     if a["name"] not in self.core.models and auth.may_use_adapter(tenant, a["name"])]
         return JSONResponse({"object": "list", "data": data})
 
     def _adapter_as_model(self, oreq: OpenAIRequest) -> tuple[OpenAIRequest, str]:
@@ -199,7 +229,7 @@ class HttpFront:
     async def _generate(self, request: Request, route: str, parse) -> Response:
         headers = request.headers.items()
         try:
-            tenant = self.core.authenticate(headers)
+            tenant = _tenant(request)
             rid, oreq = self._with_ids(parse(await self._json(request)), request)
             oreq, shown = self._adapter_as_model(oreq)
             model = self.core.model(oreq.inputs[0].model).name

@@ -18,6 +18,7 @@ from typing import Optional
 
 import grpc
 
+from kvfleet.grpc_auth import AuthInterceptor
 from kvfleet.grpc_util import SERVER_OPTIONS, add_health_and_reflection, bind_port, mark_serving
 from kvfleet.index_keys import DEFAULT_NAMESPACE
 from kvfleet.router.auth import Authenticator
@@ -105,7 +106,9 @@ class RouterServer:
         if cfg.index_mirror:
             index = MirroredPrefixIndex(index, cfg.redis_url, namespace=cfg.namespace)
             index.start()
-        self._server = grpc.aio.server(options=SERVER_OPTIONS)
+        # Every RPC is authorised in one place (the service's authorize, on the core built below).
+        self._server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[
+            AuthInterceptor(lambda method, context: self.service.authorize(method, context))])
         creds = server_credentials(cfg.tls_cert, cfg.tls_key) if cfg.tls_cert else None
         port = bind_port(self._server, cfg.host, cfg.port, creds)
         self.address = f"{cfg.host}:{port}"

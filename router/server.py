@@ -9,6 +9,7 @@ import time
 import grpc
 
 from kvfleet.errors import InvalidArgument, KvfleetError, status_of
+from kvfleet.grpc_auth import caller
 from kvfleet.index_keys import REDIS_DOWN_ERRORS, redis_host
 from kvfleet.router.adapter_admin import on_every_replica
 from kvfleet.router.adapter_routing import served_adapters
@@ -51,11 +52,21 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self.core = core
         self.presence = None  # RouterPresence: the cluster's routers, for ClusterStatus
 
+    def authorize(self, method: str, context) -> str:
+        """Every call's check (the server's :class:`~kvfleet.grpc_auth.AuthInterceptor`):
+        the tenant of its API key; ``ClusterStatus`` also needs a cluster admin.
+
+        Raises Unauthenticated, or PermissionDenied for a non-admin's ``ClusterStatus``."""
+        tenant = self.core.authenticate(context.invocation_metadata())
+        if method.endswith("/ClusterStatus"):
+            self.core.auth.check_admin(tenant)
+        return tenant
+
     async def Generate(self, request: router_pb2.GenerateRequest, context):
         metadata = context.invocation_metadata()
         with self.core.telemetry.request(metadata, request.WhichOneof("prompt")) as trace:
             try:
-                tenant = self.core.authenticate(metadata)
+                tenant = caller()  # authenticated by the server's AuthInterceptor
                 remaining = context.time_remaining()
                 req = GenerateInput(
                     prompt=prompt_from_proto(request),
@@ -98,11 +109,13 @@ class RouterService(router_pb2_grpc.RouterServicer):
                                            num_full_blocks=len(ids) // model.block_size)
 
     async def ListModels(self, request, context):
+        tenant, auth = caller(), self.core.auth
         return router_pb2.ListModelsResponse(models=[
             router_pb2.ModelInfo(name=m.name, max_context=m.max_context, block_size=m.block_size,
                                  identity=m.identity.digest().hex(),
                                  adapters=[router_pb2.AdapterInfo(**a) for a in served_adapters(
-                                     [info for info, _ in self.core.replicas.for_model(m.name)])])
+                                     [info for info, _ in self.core.replicas.for_model(m.name)])
+                                     if auth.may_use_adapter(tenant, a["name"])])
             for m in self.core.models.values()])
 
     async def LoadAdapter(self, request, context):
@@ -115,8 +128,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
 
     async def _adapter_op(self, context, model: str, call):
         try:
-            tenant = self.core.authenticate(context.invocation_metadata())
-            return await on_every_replica(self.core, tenant, model, call)
+            return await on_every_replica(self.core, caller(), model, call)
         except KvfleetError as exc:
             await context.abort(*status_of(exc))
 

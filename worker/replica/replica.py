@@ -22,6 +22,7 @@ import torch
 from kvfleet.allocator.fingerprint import fingerprint_model_dir
 from kvfleet.allocator.hashing import CacheIdentity
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
+from kvfleet.grpc_auth import AuthInterceptor, internal_authorizer
 from kvfleet.grpc_util import (SERVER_OPTIONS, add_health_and_reflection, advertised_host,
                                 bind_port, mark_serving)
 from kvfleet.errors import Unavailable
@@ -46,7 +47,7 @@ from kvfleet.worker.engine.scheduler import SchedulerConfig
 from kvfleet.worker.service.server import WorkerService
 from kvfleet.telemetry import Telemetry, TelemetryConfig
 from kvfleet.telemetry.worker_spans import WorkerTelemetry
-from kvfleet.tls import InternalTLS
+from kvfleet.tls import ROUTER_NAME, InternalTLS
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +201,8 @@ class ReplicaServer:
     async def start(self) -> str:
         """Start serving; returns ``host:port``. Raises OSError if the port is taken."""
         aio_loop = self._aio_loop = asyncio.get_running_loop()
-        self._server = grpc.aio.server(options=SERVER_OPTIONS)
+        self._server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[AuthInterceptor(
+            internal_authorizer(bool(self.cfg.internal_tls_dir), ROUTER_NAME))])
         creds = (InternalTLS.load(self.cfg.internal_tls_dir).worker_credentials()
                  if self.cfg.internal_tls_dir else None)
         port = bind_port(self._server, self.cfg.host, self.cfg.port, creds)
