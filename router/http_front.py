@@ -231,6 +231,11 @@ class HttpFront:
         try:
             tenant = _tenant(request)
             rid, oreq = self._with_ids(parse(await self._json(request)), request)
+            max_prompts = self.core.prompt_limits.max_prompts
+            if len(oreq.inputs) > max_prompts:
+                raise PromptTooLarge(f"prompt: {len(oreq.inputs)} prompts exceed the limit of "
+                                     f"{max_prompts} per request (--max-prompts-per-request)",
+                                     field="prompt")
             oreq, shown = self._adapter_as_model(oreq)
             model = self.core.model(oreq.inputs[0].model).name
         except KvfleetError as exc:

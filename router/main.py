@@ -23,7 +23,7 @@ from kvfleet.grpc_util import SERVER_OPTIONS, add_health_and_reflection, bind_po
 from kvfleet.index_keys import DEFAULT_NAMESPACE
 from kvfleet.router.auth import Authenticator
 from kvfleet.router.capacity import DEFAULT_RETRY_PUSHBACK_MS
-from kvfleet.router.core import RouterCore
+from kvfleet.router.core import PromptLimits, RouterCore
 from kvfleet.router.http_front import DEFAULT_MAX_CONNECTIONS, HttpFront
 from kvfleet.router.index_mirror import MirroredPrefixIndex
 from kvfleet.router.policy import make_policy
@@ -77,6 +77,8 @@ class RouterConfig:
     stream_limits: StreamLimits = field(default_factory=StreamLimits)
     # A worker call with no frame for this long (its replica alive) fails INTERNAL.
     call_idle_s: float = DEFAULT_CALL_IDLE_S
+    # What one request may ask to tokenize (bytes, messages, prompts), and the threads doing it.
+    prompt_limits: PromptLimits = field(default_factory=PromptLimits)
 
 
 class RouterServer:
@@ -120,7 +122,8 @@ class RouterServer:
         self.core = RouterCore({model.name: model}, model.name, self.replicas, policy, auth,
                                telemetry=RouterTelemetry(self.telemetry),
                                retry_pushback_ms=cfg.retry_pushback_ms,
-                               stream_limits=cfg.stream_limits, call_idle_s=cfg.call_idle_s)
+                               stream_limits=cfg.stream_limits, call_idle_s=cfg.call_idle_s,
+                               prompt_limits=cfg.prompt_limits)
         service = RouterService(self.core)
         self.service = service
         router_pb2_grpc.add_RouterServicer_to_server(service, self._server)
@@ -167,6 +170,8 @@ class RouterServer:
             stopping.append(self._server.stop(grace_s))
             self._server = None
         await asyncio.gather(*stopping)
+        if self.core is not None:
+            self.core.close()
         if self.replicas is not None:
             await self.replicas.close()
             self.replicas = None
@@ -220,6 +225,16 @@ def parse_args(argv: list[str]) -> RouterConfig:
     p.add_argument("--call-idle-s", type=float, default=DEFAULT_CALL_IDLE_S,
                    help="seconds a request may wait for its worker's next message while the "
                         "replica is up before it fails INTERNAL (a lost worker task)")
+    defaults = PromptLimits()
+    p.add_argument("--max-prompt-bytes", type=int, default=defaults.max_prompt_bytes,
+                   help="UTF-8 bytes of text (or of all messages' content) per prompt; past it: "
+                        "INVALID_ARGUMENT / HTTP 413")
+    p.add_argument("--max-messages", type=int, default=defaults.max_messages,
+                   help="chat messages per prompt; past it: INVALID_ARGUMENT / HTTP 413")
+    p.add_argument("--max-prompts-per-request", type=int, default=defaults.max_prompts,
+                   help="prompts in one HTTP completions request (an array prompt); past it: 413")
+    p.add_argument("--tokenizer-threads", type=int, default=defaults.tokenizer_threads,
+                   help="threads that tokenize and apply chat templates off the event loop")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="stderr log level (DEBUG: one line per routing decision)")
     p.add_argument("--shutdown-grace-s", type=float, default=2.0,
@@ -240,6 +255,8 @@ def parse_args(argv: list[str]) -> RouterConfig:
     try:
         telemetry = TelemetryConfig.from_env(os.environ, metrics_port=a.metrics_port)
         stream_limits = StreamLimits(a.stream_max_unread, a.stream_stall_s)
+        prompt_limits = PromptLimits(a.max_prompt_bytes, a.max_messages,
+                                     a.max_prompts_per_request, a.tokenizer_threads)
     except ValueError as exc:
         p.error(str(exc))
     return RouterConfig(redis_url=a.redis_url, model_name=a.model_name, model_dir=a.model_dir,
@@ -251,7 +268,7 @@ def parse_args(argv: list[str]) -> RouterConfig:
                         shutdown_grace_s=a.shutdown_grace_s,
                         tls_cert=a.tls_cert, tls_key=a.tls_key,
                         internal_tls_dir=a.internal_tls_dir, stream_limits=stream_limits,
-                        call_idle_s=a.call_idle_s,
+                        call_idle_s=a.call_idle_s, prompt_limits=prompt_limits,
                         policy_options={
                             k: v for k in ("load_penalty_blocks", "max_imbalance",
                                            "popularity_window", "min_excess_load")

@@ -94,14 +94,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
     async def Tokenize(self, request, context):
         try:
             model = self.core.model(request.model)
-            kind = request.WhichOneof("prompt")
-            if kind == "messages":
-                ids = model.encode_messages([{"role": m.role, "content": m.content}
-                                             for m in request.messages.messages])
-            elif kind == "text" and request.text:
-                ids = model.encode_text(request.text)
-            else:
-                raise InvalidArgument("prompt: text or messages is required")
+            if request.WhichOneof("prompt") not in ("text", "messages") or (
+                    request.WhichOneof("prompt") == "text" and not request.text):
+                raise InvalidArgument("prompt: text or messages is required", field="prompt")
+            # The Generate path's bounds, off the event loop.
+            ids = await self.core.prompt_tokens(prompt_from_proto(request), model)
         except KvfleetError as exc:
             await context.abort(*status_of(exc))
             return
