@@ -1,5 +1,6 @@
 """The router's OpenAI-compatible HTTP front: Starlette on uvicorn, in the router's event loop.
 
+HTTPS when the router has ``--tls-cert/--tls-key`` (the gRPC port's certificate), else HTTP.
 ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming as server-sent events,
 ending ``data: [DONE]``), ``GET /v1/models``, ``GET /health``. Every generation goes through
 :meth:`RouterCore.generate`, the path the gRPC handler takes (same auth, validation, tokenizer,
@@ -118,11 +119,17 @@ class HttpFront:
 
     def __init__(self, core: RouterCore, host: str = "127.0.0.1", port: int = 8000,
                  max_connections: int = DEFAULT_MAX_CONNECTIONS,
-                 shutdown_grace_s: float = 2.0) -> None:
+                 shutdown_grace_s: float = 2.0, tls_cert: Optional[str] = None,
+                 tls_key: Optional[str] = None) -> None:
         """``max_connections``: connections served at once (the next one gets 503);
-        ``shutdown_grace_s``: how long :meth:`stop` lets open responses run on.
+        ``shutdown_grace_s``: how long :meth:`stop` lets open responses run on;
+        ``tls_cert``/``tls_key``: PEM files, to serve HTTPS (the gRPC port's certificate).
 
-        Raises ValueError for ``max_connections`` < 1 or a negative grace."""
+        Raises ValueError for ``max_connections`` < 1, a negative grace or only one of the
+        TLS files."""
+        if bool(tls_cert) != bool(tls_key):
+            raise ValueError("tls_cert and tls_key go together")
+        self.tls_cert, self.tls_key = tls_cert, tls_key
         if max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {max_connections}")
         if not shutdown_grace_s >= 0:
@@ -162,8 +169,13 @@ class HttpFront:
         # uvicorn counts the connection asking against its limit (L served L - 1): + 1.
         config = uvicorn.Config(self.app, lifespan="off", log_config=None, access_log=False,
                                 timeout_graceful_shutdown=self.shutdown_grace_s,
-                                limit_concurrency=self.max_connections + 1)
-        config.load()
+                                limit_concurrency=self.max_connections + 1,
+                                ssl_certfile=self.tls_cert, ssl_keyfile=self.tls_key)
+        try:
+            config.load()  # reads the TLS files
+        except (OSError, ValueError) as exc:
+            sock.close()
+            raise OSError(f"HTTP front: cannot load --tls-cert/--tls-key: {exc}") from exc
         server = uvicorn.Server(config)
         server.lifespan = config.lifespan_class(config)
         await server.startup(sockets=[sock])

@@ -131,7 +131,8 @@ class RouterServer:
         health = add_health_and_reflection(self._server, [name])
         if cfg.http_port is not None:
             self.http = HttpFront(self.core, cfg.host, cfg.http_port, cfg.http_max_connections,
-                                  shutdown_grace_s=cfg.shutdown_grace_s)
+                                  shutdown_grace_s=cfg.shutdown_grace_s,
+                                  tls_cert=cfg.tls_cert, tls_key=cfg.tls_key)
             self.http_address = await self.http.start()
         await self._server.start()
         await mark_serving(health, [name])
@@ -210,7 +211,8 @@ def parse_args(argv: list[str]) -> RouterConfig:
     p.add_argument("--no-index-mirror", dest="index_mirror", action="store_false",
                    help="look every prompt up in Redis (one round trip per request) instead of "
                         "an in-memory mirror of the index fed by the workers' KV event log")
-    p.add_argument("--tls-cert", help="PEM certificate (chain): serve the client port over TLS")
+    p.add_argument("--tls-cert", help="PEM certificate (chain): serve the client port over TLS "
+                                      "(and the HTTP port as HTTPS)")
     p.add_argument("--tls-key", help="PEM private key of --tls-cert")
     p.add_argument("--internal-tls-dir",
                    help="cluster CA + router certificate (kvfleet.tls): mutual TLS to workers")
@@ -285,7 +287,8 @@ async def _serve(cfg: RouterConfig) -> int:
     if server.metrics_address:
         log.info("Prometheus metrics on http://%s/metrics", server.metrics_address)
     if server.http_address:  # a log line: stdout carries only the ready line launchers wait for
-        log.info("OpenAI-compatible HTTP API on http://%s/v1", server.http_address)
+        log.info("OpenAI-compatible HTTP API on %s://%s/v1", "https" if cfg.tls_cert else "http",
+                 server.http_address)
     # What start-up built (modules, tokenizer, stubs) lives as long as the process: keep it out
     # of the cyclic GC, whose full collections otherwise stop the loop for ~30 ms here.
     gc.collect()
