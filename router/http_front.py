@@ -168,7 +168,8 @@ class HttpFront:
         # lifespan off, no logging config, no signal handlers: the router process owns those.
         # uvicorn counts the connection asking against its limit (L served L - 1): + 1.
         config = uvicorn.Config(self.app, lifespan="off", log_config=None, access_log=False,
-                                timeout_graceful_shutdown=self.shutdown_grace_s,
+                                # typed int; uvicorn passes it to asyncio.wait_for: a float works
+                                timeout_graceful_shutdown=self.shutdown_grace_s,  # type: ignore[arg-type]
                                 limit_concurrency=self.max_connections + 1,
                                 ssl_certfile=self.tls_cert, ssl_keyfile=self.tls_key)
         try:
@@ -191,7 +192,7 @@ class HttpFront:
         if self._server is None:
             return
         if grace_s is not None:
-            self._server.config.timeout_graceful_shutdown = grace_s
+            self._server.config.timeout_graceful_shutdown = grace_s  # type: ignore[assignment]
         self._server.should_exit = True
         await self._ticker
         await self._server.shutdown(sockets=[self._sock])

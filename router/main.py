@@ -110,7 +110,7 @@ class RouterServer:
             index.start()
         # Every RPC is authorised in one place (the service's authorize, on the core built below).
         self._server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[
-            AuthInterceptor(lambda method, context: self.service.authorize(method, context))])
+            AuthInterceptor(self._authorize)])
         creds = server_credentials(cfg.tls_cert, cfg.tls_key) if cfg.tls_cert else None
         port = bind_port(self._server, cfg.host, cfg.port, creds)
         self.address = f"{cfg.host}:{port}"
@@ -142,6 +142,10 @@ class RouterServer:
         self.presence.start()
         service.presence = self.presence
         return self.address
+
+    def _authorize(self, method: str, context) -> str:
+        assert self.service is not None  # the server takes calls only once start() built it
+        return self.service.authorize(method, context)
 
     def reload_api_keys(self) -> bool:
         """Re-read the API-key file (key rotation; SIGHUP): new requests use it at once. A

@@ -39,7 +39,7 @@ def test_a_call_with_no_frame_for_the_idle_bound_ends_with_internal() -> None:
         link = WorkerLink(channel, f"127.0.0.1:{port}")
         try:
             got = []
-            for call_id in (1, 2):  # after one message, and before any
+            for _ in (1, 2):  # call 1 after one message, call 2 before any
                 call = link.call(idle_s=0.2)
                 with pytest.raises(WorkerCallError) as err:
                     async with asyncio.timeout(10):  # a hang fails instead of stalling
