@@ -35,10 +35,12 @@ async def merge(streams: Sequence[AsyncGenerator[T, None]]) -> AsyncGenerator[T,
             async with contextlib.aclosing(stream):
                 async for item in stream:
                     await queue.put((item, None))
+            end: tuple = (_END, None)
+        except asyncio.CancelledError:
+            raise  # the consumer is closing: nobody reads an end marker, never wait on it
         except Exception as exc:  # noqa: BLE001 — relayed to the consumer, which raises it
-            await queue.put((None, exc))
-        finally:
-            await queue.put((_END, None))
+            end = (None, exc)
+        await queue.put(end)
 
     tasks = [asyncio.create_task(pump(s)) for s in streams]
     try:
@@ -46,7 +48,7 @@ async def merge(streams: Sequence[AsyncGenerator[T, None]]) -> AsyncGenerator[T,
         while open_streams:
             item, exc = await queue.get()
             if exc is not None:
-                raise exc
+                raise exc  # its stream ended with it (no end marker follows)
             if item is _END:
                 open_streams -= 1
             else:

@@ -37,10 +37,11 @@ class EngineRequest:
     request_id: str
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
-    tenant: str = "default"
+    tenant: str = "default"  # whose request: fair admission counts it
     cache_salt: str = ""
     adapter: str = ""
     deadline: Optional[float] = None  # monotonic seconds
+    cache_scope: str = ""  # the block-hash root's scope ("" = the tenant's own)
 
 
 class _SeqIO:
@@ -115,7 +116,8 @@ class Engine:
     def add_request(self, req: EngineRequest) -> None:
         """Validate and queue all ``n`` samples. Raises a KvfleetError on refusal."""
         self.validate(req)
-        root = root_hash(self.lora.digest_for(req.adapter), req.tenant, req.cache_salt)
+        root = root_hash(self.lora.digest_for(req.adapter), req.cache_scope or req.tenant,
+                         req.cache_salt)
         arrival = next(self._arrivals)
         seqs = [
             SequenceState(seq_id=f"{req.request_id}#{i}", request_id=req.request_id, index=i,

@@ -55,7 +55,7 @@ class SequenceState:
     block_size: int
     arrival_seq: int  # FCFS order; also "newest" for preemption
     deadline: Optional[float] = None  # monotonic seconds
-    tenant: str = "default"  # whose request (the cache scope): fair admission among tenants
+    tenant: str = "default"  # whose request (not its cache scope): fair admission among tenants
     adapter_slot: int = 0  # the runner's LoRA slot (0 = base model), set once resident
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -22,6 +22,13 @@ from kvfleet.allocator.fingerprint import fingerprint_model_dir
 from kvfleet.allocator.hashing import CacheIdentity
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
 from kvfleet.worker.engine.adapter_residency import AdapterResidency
+from kvfleet.grpc_auth import AuthInterceptor, internal_authorizer
+from kvfleet.grpc_util import (SERVER_OPTIONS, add_health_and_reflection, advertised_host,
+                                bind_port, mark_serving)
+from kvfleet.errors import Unavailable
+from kvfleet.stream_limits import StreamLimits
+from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
+from kvfleet.v1 import worker_pb2, worker_pb2_grpc
 from kvfleet.worker.engine.engine import Engine
 from kvfleet.worker.engine.scheduler import SchedulerConfig
 from kvfleet.worker.executor.base import Executor, RankInfo
@@ -52,7 +59,7 @@ from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
 from kvfleet.stream_limits import StreamLimits
 from kvfleet.telemetry import Telemetry, TelemetryConfig
 from kvfleet.telemetry.worker_spans import WorkerTelemetry
-from kvfleet.tls import InternalTLS
+from kvfleet.tls import ROUTER_NAME, InternalTLS
 from kvfleet.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -208,7 +215,8 @@ class ReplicaServer:
     async def start(self) -> str:
         """Start serving; returns ``host:port``. Raises OSError if the port is taken."""
         aio_loop = self._aio_loop = asyncio.get_running_loop()
-        self._server = grpc.aio.server(options=SERVER_OPTIONS)
+        self._server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[AuthInterceptor(
+            internal_authorizer(bool(self.cfg.internal_tls_dir), ROUTER_NAME))])
         creds = (InternalTLS.load(self.cfg.internal_tls_dir).worker_credentials()
                  if self.cfg.internal_tls_dir else None)
         port = bind_port(self._server, self.cfg.host, self.cfg.port, creds)
