@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from typing import AsyncGenerator, Optional, Sequence
 
 import grpc
+
 from kvfleet.allocator.hashing import block_hash_chain
 from kvfleet.errors import (
     AlreadyExists,

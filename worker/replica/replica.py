@@ -18,17 +18,26 @@ from typing import Callable, Optional
 import grpc
 import tokenizers
 import torch
+
 from kvfleet.allocator.fingerprint import fingerprint_model_dir
 from kvfleet.allocator.hashing import CacheIdentity
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
-from kvfleet.worker.engine.adapter_residency import AdapterResidency
-from kvfleet.grpc_auth import AuthInterceptor, internal_authorizer
-from kvfleet.grpc_util import (SERVER_OPTIONS, add_health_and_reflection, advertised_host,
-                                bind_port, mark_serving)
 from kvfleet.errors import Unavailable
-from kvfleet.stream_limits import StreamLimits
+from kvfleet.grpc_auth import AuthInterceptor, internal_authorizer
+from kvfleet.grpc_util import (
+    SERVER_OPTIONS,
+    add_health_and_reflection,
+    advertised_host,
+    bind_port,
+    mark_serving,
+)
 from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
+from kvfleet.stream_limits import StreamLimits
+from kvfleet.telemetry import Telemetry, TelemetryConfig
+from kvfleet.telemetry.worker_spans import WorkerTelemetry
+from kvfleet.tls import ROUTER_NAME, InternalTLS
 from kvfleet.v1 import worker_pb2, worker_pb2_grpc
+from kvfleet.worker.engine.adapter_residency import AdapterResidency
 from kvfleet.worker.engine.engine import Engine
 from kvfleet.worker.engine.scheduler import SchedulerConfig
 from kvfleet.worker.executor.base import Executor, RankInfo
@@ -46,21 +55,6 @@ from kvfleet.worker.runner.model_config import load_model_config
 from kvfleet.worker.runner.model_runner import ModelRunner
 from kvfleet.worker.service.engine_loop import EngineLoop
 from kvfleet.worker.service.server import WorkerService
-
-from kvfleet.errors import Unavailable
-from kvfleet.grpc_util import (
-    SERVER_OPTIONS,
-    add_health_and_reflection,
-    advertised_host,
-    bind_port,
-    mark_serving,
-)
-from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
-from kvfleet.stream_limits import StreamLimits
-from kvfleet.telemetry import Telemetry, TelemetryConfig
-from kvfleet.telemetry.worker_spans import WorkerTelemetry
-from kvfleet.tls import ROUTER_NAME, InternalTLS
-from kvfleet.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 
