@@ -29,7 +29,7 @@ from kvfleet.deploy.serve_app import Placement, app_config
 from kvfleet.index_keys import DEFAULT_NAMESPACE, ReplicaInfo
 from kvfleet.telemetry import TelemetryConfig
 from kvfleet.tls import FILES as TLS_FILES
-from kvfleet.tls import generate_internal_tls
+from kvfleet.tls import default_internal_tls_dir, generate_internal_tls, needs_internal_tls
 from kvfleet.worker.executor.cost_model import CostModel
 from kvfleet.worker.executor.tp.group import TPSettings
 from kvfleet.worker.replica.replica import EXECUTORS, ReplicaConfig
@@ -91,7 +91,8 @@ class ClusterConfig:
     tls_cert: Optional[str] = None  # PEM files: the router's client port over TLS
     tls_key: Optional[str] = None
     # Mutual TLS router <-> workers with this directory's cluster CA (kvfleet.tls); generated
-    # there when it holds no certificates yet.
+    # there when it holds no certificates yet. Default: off on loopback, on beyond it
+    # (kvfleet.tls.default_internal_tls_dir).
     internal_tls_dir: Optional[str] = None
     # LoRA (see ReplicaConfig): (name, directory) pairs every replica serves, slots, top rank.
     adapters: tuple[tuple[str, str], ...] = ()
@@ -115,6 +116,9 @@ class ClusterConfig:
             raise ValueError(f"--executor must be one of {EXECUTORS}, got {self.executor!r}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("--tls-cert and --tls-key go together")
+        if needs_internal_tls(self.replica_host) and not self.internal_tls_dir:
+            # Replicas reachable from other hosts: mutual TLS by default (never plaintext).
+            object.__setattr__(self, "internal_tls_dir", str(default_internal_tls_dir()))
 
 
 def check_port_free(host: str, port: int) -> None:

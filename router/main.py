@@ -1,7 +1,8 @@
 """Router process entry point: ``python -m kvfleet.router.main --redis-url … --model …``.
 
 Prints one line ``router ready <host:port>`` on stdout once it accepts requests; stops
-cleanly on SIGINT/SIGTERM; SIGHUP re-reads the API-key file (key rotation without a restart).
+cleanly on SIGINT/SIGTERM; SIGHUP re-reads the API-key file and the internal TLS directory
+(key and certificate rotation without a restart).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from kvfleet.router.server import RouterService
 from kvfleet.stream_limits import DEFAULT_MAX_UNREAD, DEFAULT_STALL_S, StreamLimits
 from kvfleet.telemetry import Telemetry, TelemetryConfig
 from kvfleet.telemetry.router_spans import RouterTelemetry
-from kvfleet.tls import InternalTLS, server_credentials
+from kvfleet.tls import InternalTLS, credentials_loader, server_credentials
 from kvfleet.v1 import router_pb2, router_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -144,6 +145,27 @@ class RouterServer:
             return False
         log.info("API keys reloaded from %s", self.cfg.api_keys_file)
         return True
+
+    def reload_internal_tls(self) -> bool:
+        """Re-read the internal TLS directory (certificate rotation; SIGHUP): channels opened
+        from now on present the new router certificate and trust the new CA bundle; open ones
+        keep their TLS session. Files that do not load (or a key that is not its certificate's)
+        are logged and the previous credentials stay. Returns success."""
+        if not self.cfg.internal_tls_dir or self.replicas is None:
+            return False
+        try:
+            creds = credentials_loader(self.cfg.internal_tls_dir)()
+        except (OSError, ValueError) as exc:
+            log.error("internal TLS not reloaded, keeping the previous certificates: %s", exc)
+            return False
+        self.replicas.credentials = creds
+        log.info("internal TLS reloaded from %s", self.cfg.internal_tls_dir)
+        return True
+
+    def reload(self) -> None:
+        """SIGHUP: the API-key file and the internal TLS directory, each kept on failure."""
+        self.reload_api_keys()
+        self.reload_internal_tls()
 
     async def stop(self, grace_s: float = 2.0) -> None:
         if self.presence is not None:
@@ -260,7 +282,7 @@ async def _serve(cfg: RouterConfig) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, server.reload_api_keys)
+    loop.add_signal_handler(signal.SIGHUP, server.reload)
     await stop.wait()
     await server.stop(cfg.shutdown_grace_s)
     return 0
