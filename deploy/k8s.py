@@ -13,7 +13,16 @@ the command ``kvfleet up`` starts. Objects:
   autoscaler adds a pod when the Serve config asks for more replicas than the pods hold;
 - the router: a Deployment of ``router_replicas`` pods sharing Redis, and its Service;
 - Redis (the prefix index and registry; no persistence: replicas republish what they hold);
-- an OpenTelemetry Collector receiving every process's OTLP traces and metrics.
+- an OpenTelemetry Collector receiving every process's OTLP traces and metrics;
+- NetworkPolicies: only router pods (and the Ray pods themselves) reach the workers and
+  Redis; the Ray dashboard only from its own cluster's pods and the KubeRay operator.
+
+Secure by default: the router requires API keys, Redis a password, router <-> workers mutual
+TLS, and the Ray dashboard a token (KubeRay ``authOptions``). The secrets are Kubernetes
+Secrets the operator creates (``k8s_objects.SECRETS``, named in :class:`K8sConfig`); the manifests
+only reference them by name (mounted files, ``secretKeyRef``), never hold their values, and
+the Serve config carries none (the Redis password reaches every process as
+``KVFLEET_REDIS_PASSWORD``, kvfleet.secrets).
 
 Worker and router pods get ``terminationGracePeriodSeconds`` above the drain timeout plus
 Serve's stop margin, so Kubernetes never kills a pod while a drain may still run.
@@ -24,8 +33,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvfleet.deploy.k8s_objects import (GRPC_PORT, HTTP_PORT, OTLP_GRPC_PORT, REDIS_PORT,
-                                        collector, dump, ray_service, redis, router)
+from kvfleet.deploy.k8s_objects import (API_KEYS_FILE, API_KEYS_MOUNT, GRPC_PORT, HTTP_PORT,
+                                        INTERNAL_TLS_MOUNT, OTLP_GRPC_PORT, REDIS_PORT,
+                                        collector, dump, network_policies, ray_service, redis,
+                                        router)
 from kvfleet.deploy.launcher import ClusterConfig, serve_application
 from kvfleet.deploy.models import DEFAULT_MODEL
 from kvfleet.deploy.serve_control import deploy_config
@@ -61,6 +72,13 @@ class K8sConfig:
     redis_image: str = "redis:7.2"
     collector_image: str = "otel/opentelemetry-collector-contrib:0.120.0"
     traces_endpoint: str = "jaeger-collector:4317"  # where the collector sends traces (OTLP)
+    # Secrets the operator creates (k8s_objects.SECRETS: their keys); referenced by name only.
+    api_keys_secret: str = "kvfleet-api-keys"
+    redis_secret: str = "kvfleet-redis"
+    internal_tls_secret: str = "kvfleet-internal-tls"
+    otlp_headers_secret: str = "kvfleet-otlp"  # optional: OTLP headers (a collector's token)
+    # Pods of the KubeRay operator (any namespace), the one caller of the Ray dashboard.
+    operator_labels: tuple[tuple[str, str], ...] = (("app.kubernetes.io/name", "kuberay-operator"),)
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_replicas <= self.max_replicas:
@@ -84,6 +102,7 @@ def cluster_config(k: K8sConfig) -> ClusterConfig:
     port: those bind loopback; Prometheus scrapes the collector)."""
     otlp = f"http://{k.service('otel-collector')}:{OTLP_GRPC_PORT}"
     return ClusterConfig(
+        api_keys_file=f"{API_KEYS_MOUNT}/{API_KEYS_FILE}", internal_tls_dir=INTERNAL_TLS_MOUNT,
         model_name=k.model_name, model_dir=f"{k.models_mount}/{k.model_name}",
         replicas=k.replicas, kv_memory_bytes=k.kv_memory_bytes, dtype=k.dtype,
         host="0.0.0.0", replica_host="0.0.0.0", port=GRPC_PORT, http_port=HTTP_PORT,
@@ -95,7 +114,8 @@ def cluster_config(k: K8sConfig) -> ClusterConfig:
 
 
 def redis_url(k: K8sConfig) -> str:
-    """The Redis Service's URL as the pods reach it."""
+    """The Redis Service's URL as the pods reach it (the password is not in it: the pods get
+    it from the Redis Secret as ``KVFLEET_REDIS_PASSWORD``)."""
     return f"redis://{k.service('redis')}:{REDIS_PORT}/0"
 
 
@@ -120,6 +140,7 @@ def render(k: K8sConfig) -> dict[str, list[dict]]:
         "router.yaml": router(k, cfg),
         "redis.yaml": redis(k),
         "otel-collector.yaml": collector(k),
+        "network-policy.yaml": network_policies(k),
     }
 
 

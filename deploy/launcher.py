@@ -27,6 +27,8 @@ from kvfleet.deploy.redis_server import RedisServer, start_redis
 from kvfleet.deploy.operate import AppRef
 from kvfleet.deploy.serve_app import Placement, app_config
 from kvfleet.index_keys import DEFAULT_NAMESPACE, ReplicaInfo
+from kvfleet.secrets import (REDIS_PASSWORD_ENV, secret_env, split_redis_password,
+                             split_telemetry_secrets)
 from kvfleet.telemetry import TelemetryConfig
 from kvfleet.tls import FILES as TLS_FILES
 from kvfleet.tls import default_internal_tls_dir, generate_internal_tls, needs_internal_tls
@@ -289,9 +291,8 @@ class LocalCluster:
             self.metrics_addresses["router"] = f"{cfg.host}:{metrics_port}"
         cmd = [sys.executable, "-m", "kvfleet.router.main",
                *router_args(cfg, self.redis_url, http_port, metrics_port)]
-        # The router reads OTEL_* at start-up: give it exactly this cluster's settings.
-        env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-        env.update(cfg.telemetry.to_env())
+        # The router reads OTEL_* and the Redis password from its environment at start-up.
+        env = router_env(cfg, self.redis_url, dict(os.environ))
         self.router_proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
         return wait_ready(self.router_proc, "router ready ", timeout_s)
 
@@ -348,19 +349,23 @@ def serve_application(cfg: ClusterConfig, redis_url: str, num_cpus: float, threa
     Raises ValueError for a config a replica refuses (see ReplicaConfig)."""
     tp = cfg.tensor_parallel_size
     metrics = None if cfg.metrics_port is None else 0  # many replicas: free ports
+    # Secrets go in the replicas' environment, never in the args Serve stores and shows.
+    redis_url, password = split_redis_password(redis_url)
+    telemetry, telemetry_secrets = split_telemetry_secrets(cfg.telemetry)
     base = ReplicaConfig(
         replica_id=cfg.model_name, model_name=cfg.model_name, model_dir=cfg.model_dir,
         block_size=cfg.block_size, num_blocks=cfg.num_blocks,
         kv_memory_bytes=cfg.kv_memory_bytes, dtype=cfg.dtype,
         one_row_weights=cfg.one_row_weights, scheduler=cfg.scheduler,
         redis_url=redis_url, namespace=cfg.namespace, host=cfg.replica_host,
-        num_threads=threads, telemetry=replace(cfg.telemetry, metrics_port=metrics),
+        num_threads=threads, telemetry=replace(telemetry, metrics_port=metrics),
         executor=cfg.executor, cost_model=cfg.cost_model,
         tensor_parallel_size=tp, tp=cfg.tp, device=cfg.device,
         internal_tls_dir=cfg.internal_tls_dir, drain_timeout_s=cfg.drain_timeout_s,
         adapters=cfg.adapters, max_loras=cfg.max_loras, max_lora_rank=cfg.max_lora_rank)
     placement = Placement(num_cpus, tp, cfg.device.startswith("cuda"), cfg.tp.rank_num_cpus)
-    env = {**RAY_ENV, "OMP_WAIT_POLICY": "passive"}
+    env = {**RAY_ENV, "OMP_WAIT_POLICY": "passive", **secret_env(password),
+           **telemetry_secrets}
     return app_config(base, cfg.replicas, placement, replicas_per_process(cfg), cfg.revision,
                       env, cfg.health_check_period_s, cfg.health_check_timeout_s)
 
@@ -369,8 +374,10 @@ def router_args(cfg: ClusterConfig, redis_url: str, http_port: Optional[int] = N
                 metrics_port: Optional[int] = None) -> list[str]:
     """The router's command-line arguments (``python -m kvfleet.router.main ARGS``) for
     ``cfg``: what ``kvfleet up`` runs and what the Kubernetes router Deployment runs
-    (kvfleet.deploy.k8s). ``http_port`` / ``metrics_port``: None = that endpoint off."""
-    args = ["--redis-url", redis_url, "--model-name", cfg.model_name, "--model-dir", cfg.model_dir,
+    (kvfleet.deploy.k8s). ``http_port`` / ``metrics_port``: None = that endpoint off.
+    A password in ``redis_url`` is left out (it goes in the router's environment:
+    :func:`router_env`)."""
+    args = ["--redis-url", split_redis_password(redis_url)[0], "--model-name", cfg.model_name, "--model-dir", cfg.model_dir,
             "--block-size", str(cfg.block_size), "--kv-dtype", cfg.dtype,
             "--host", cfg.host, "--port", str(cfg.port), "--policy", cfg.policy,
             "--namespace", cfg.namespace]
@@ -386,6 +393,16 @@ def router_args(cfg: ClusterConfig, redis_url: str, http_port: Optional[int] = N
     if metrics_port is not None:
         args += ["--metrics-port", str(metrics_port)]
     return args
+
+
+def router_env(cfg: ClusterConfig, redis_url: str, base: dict[str, str]) -> dict[str, str]:
+    """The router process's environment: ``base`` without any ``OTEL_*`` variable, then
+    exactly this cluster's telemetry settings and the Redis password of ``redis_url``."""
+    env = {k: v for k, v in base.items() if not k.startswith("OTEL_")}
+    env.update(cfg.telemetry.to_env())
+    env.pop(REDIS_PASSWORD_ENV, None)
+    env.update(secret_env(split_redis_password(redis_url)[1]))
+    return env
 
 
 def wait_ready(proc: subprocess.Popen, marker: str, timeout_s: float,

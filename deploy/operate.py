@@ -20,6 +20,7 @@ from kvfleet.deploy import serve_control
 from kvfleet.deploy.registry_view import read_registry, read_routers
 from kvfleet.deploy.status import replica_rows
 from kvfleet.index_keys import ReplicaInfo, redis_host
+from kvfleet.secrets import redis_url_from_env
 
 
 def cluster_file() -> Path:
@@ -80,8 +81,12 @@ class AppRef:
 
     @classmethod
     def from_config(cls, name: str, app: dict) -> "AppRef":
+        """From a Serve application config. The Redis password (never in the args) comes from
+        this process's ``KVFLEET_REDIS_PASSWORD``, else the application's own environment."""
         replica = app["args"]["replica"]
-        return cls(name, replica["model_name"], replica["namespace"], replica["redis_url"],
+        env = {**app.get("runtime_env", {}).get("env_vars", {}), **os.environ}
+        return cls(name, replica["model_name"], replica["namespace"],
+                   redis_url_from_env(replica["redis_url"], env),
                    int(app["args"].get("count", 1)), int(replica.get("tensor_parallel_size", 1)))
 
     def registered(self) -> list[ReplicaInfo]:
