@@ -21,6 +21,7 @@ from kvfleet.deploy.registry_view import read_registry, read_routers
 from kvfleet.deploy.status import replica_rows
 from kvfleet.index_keys import ReplicaInfo, redis_host
 from kvfleet.secrets import redis_url_from_env
+from kvfleet.tls import expiry_report
 
 
 def cluster_file() -> Path:
@@ -192,5 +193,14 @@ def cluster_status(namespace: Optional[str], model: Optional[str] = None) -> dic
             "app": ref.name, "model": ref.model, "revision": app["args"].get("revision", ""),
             "serve_status": statuses.get(ref.name, "NOT_STARTED"),
             "target_replicas": app["deployments"][0].get("num_replicas", 1) * ref.per_host,
-            "replicas": replica_rows(serve_control.serve_replicas(ref.name), mine, ref.tp)})
+            "replicas": replica_rows(serve_control.serve_replicas(ref.name), mine, ref.tp),
+            "internal_tls": internal_tls_status(app["args"]["replica"].get("internal_tls_dir"))})
     return out
+
+
+def internal_tls_status(directory: Optional[str]) -> Optional[dict]:
+    """The replicas' internal TLS directory and days to expiry of each certificate in it, as
+    this host sees it (``kvfleet.tls.expiry_report``); None when mutual TLS is off."""
+    if not directory:
+        return None
+    return {"dir": directory, "certificates": expiry_report(directory)}
