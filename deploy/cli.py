@@ -403,6 +403,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "(see `kvfleet adapter -h`)", add_help=False)
     sub.add_parser("k8s", help="render the Kubernetes (KubeRay) manifests (see `kvfleet k8s -h`)",
                    add_help=False)
+    sub.add_parser("tls", help="renew or inspect the internal TLS certificates (see "
+                               "`kvfleet tls -h`)", add_help=False)
     return p
 
 
@@ -421,6 +423,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if argv and argv[0] == "k8s":
         from kvfleet.deploy.k8s_cli import main as k8s_main
         return k8s_main(argv[1:])
+    if argv and argv[0] == "tls":
+        from kvfleet.deploy.tls_cli import main as tls_main
+        return tls_main(argv[1:])
     args = build_parser().parse_args(argv)
     level = {0: logging.WARNING, 1: logging.INFO}.get(args.verbose, logging.DEBUG)
     logging.basicConfig(level=level, stream=sys.stderr,
