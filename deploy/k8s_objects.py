@@ -52,7 +52,8 @@ def ray_service(k: K8sConfig, cfg: ClusterConfig, serve: dict) -> dict:
     """The ``RayService``: ``serve`` (a whole Serve config) as its ``serveConfigV2``, a head
     group that takes no replica, one worker group of ``k.tp`` GPUs per pod."""
     labels = {"app.kubernetes.io/name": k.name, "app.kubernetes.io/component": "workers"}
-    container = {"image": k.image, "env": _env(cfg)}
+    env = _env(cfg)
+    container = {"image": k.image, "env": env}
     head = {
         # The KubeRay operator applies serveConfigV2 through the dashboard's REST API, so it
         # listens on the pod's interface; a token guards it (authOptions) and a NetworkPolicy
@@ -73,7 +74,7 @@ def ray_service(k: K8sConfig, cfg: ClusterConfig, serve: dict) -> dict:
             "terminationGracePeriodSeconds": grace_period_s(cfg),
             "securityContext": {"fsGroup": POD_FS_GROUP},
             "containers": [{
-                "name": "ray-worker", **container, "env": container["env"] + _secret_env(k),
+                "name": "ray-worker", **container, "env": env + _secret_env(k),
                 "resources": _resources(k.worker_cpus, k.worker_memory, gpus=k.tp),
                 "volumeMounts": [_models_mount(k), _tls_mount()]}],
             "volumes": [_models_volume(k), _secret_volume("internal-tls", k.internal_tls_secret)]}},

@@ -377,7 +377,8 @@ def router_args(cfg: ClusterConfig, redis_url: str, http_port: Optional[int] = N
     (kvfleet.deploy.k8s). ``http_port`` / ``metrics_port``: None = that endpoint off.
     A password in ``redis_url`` is left out (it goes in the router's environment:
     :func:`router_env`)."""
-    args = ["--redis-url", split_redis_password(redis_url)[0], "--model-name", cfg.model_name, "--model-dir", cfg.model_dir,
+    args = ["--redis-url", split_redis_password(redis_url)[0], "--model-name", cfg.model_name,
+            "--model-dir", cfg.model_dir,
             "--block-size", str(cfg.block_size), "--kv-dtype", cfg.dtype,
             "--host", cfg.host, "--port", str(cfg.port), "--policy", cfg.policy,
             "--namespace", cfg.namespace]

@@ -20,7 +20,7 @@ from kvfleet.deploy import serve_control
 from kvfleet.deploy.registry_view import read_registry, read_routers
 from kvfleet.deploy.status import replica_rows
 from kvfleet.index_keys import ReplicaInfo, redis_host
-from kvfleet.secrets import redis_url_from_env
+from kvfleet.secrets import REDIS_PASSWORD_ENV, with_redis_password
 from kvfleet.tls import expiry_report
 
 
@@ -87,7 +87,7 @@ class AppRef:
         replica = app["args"]["replica"]
         env = {**app.get("runtime_env", {}).get("env_vars", {}), **os.environ}
         return cls(name, replica["model_name"], replica["namespace"],
-                   redis_url_from_env(replica["redis_url"], env),
+                   with_redis_password(replica["redis_url"], env.get(REDIS_PASSWORD_ENV)),
                    int(app["args"].get("count", 1)), int(replica.get("tensor_parallel_size", 1)))
 
     def registered(self) -> list[ReplicaInfo]:

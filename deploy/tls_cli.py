@@ -15,7 +15,12 @@ import json
 import sys
 from typing import Optional
 
-from kvfleet.tls import CERT_DAYS, expiry_report, generate_internal_tls, renew_internal_tls
+from kvfleet.tls import (
+    CERT_DAYS,
+    expiry_report,
+    generate_internal_tls,
+    renew_internal_tls,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

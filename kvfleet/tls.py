@@ -120,7 +120,7 @@ def client_credentials(ca_file: Optional[str] = None) -> grpc.ChannelCredentials
 
 def _signature(directory: Path) -> tuple:
     """What changes when any file of the directory is replaced (inode, size, mtime)."""
-    out = []
+    out: list[Optional[tuple[int, int, int]]] = []
     for name in FILES:
         try:
             st = (directory / name).stat()
@@ -261,9 +261,12 @@ def _issue(d: Path, days: int, reuse_ca: bool) -> InternalTLS:
     if (d / "ca.pem").is_file():
         old_cas = [c for c in x509.load_pem_x509_certificates((d / "ca.pem").read_bytes())
                    if c.not_valid_after_utc > now]
-    ca_cert = ca_key = None
+    ca_cert: Optional[x509.Certificate] = None
+    ca_key: Optional[ec.EllipticCurvePrivateKey] = None
     if reuse_ca and old_cas and (d / CA_KEY).is_file():
         key = serialization.load_pem_private_key((d / CA_KEY).read_bytes(), password=None)
+        if not isinstance(key, ec.EllipticCurvePrivateKey):
+            raise ValueError(f"{d / CA_KEY}: not an EC private key")
         raw = serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
         mine = [c for c in old_cas if c.public_key().public_bytes(*raw)
                 == key.public_key().public_bytes(*raw)]
@@ -284,29 +287,31 @@ def _issue(d: Path, days: int, reuse_ca: bool) -> InternalTLS:
                                   critical=False)
                    .sign(ca_key, hashes.SHA256()))
         trusted = [ca_cert] + (old_cas if reuse_ca else [])
+    assert ca_cert is not None and ca_key is not None
+    issuer_cert, issuer_key = ca_cert, ca_key
 
     def leaf(cn: str, usage) -> tuple[bytes, bytes]:
         key = ec.generate_private_key(ec.SECP256R1())
-        cert = (x509.CertificateBuilder().subject_name(name(cn)).issuer_name(ca_cert.subject)
+        cert = (x509.CertificateBuilder().subject_name(name(cn)).issuer_name(issuer_cert.subject)
                 .public_key(key.public_key()).serial_number(x509.random_serial_number())
                 .not_valid_before(now).not_valid_after(now + datetime.timedelta(days=days))
                 .add_extension(x509.SubjectAlternativeName([x509.DNSName(cn)]), critical=False)
                 .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
                 .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(
-                    ca_key.public_key()), critical=False)
-                .sign(ca_key, hashes.SHA256()))
+                    issuer_key.public_key()), critical=False)
+                .sign(issuer_key, hashes.SHA256()))
         return cert.public_bytes(pem), key_bytes(key)
 
     worker = leaf(WORKER_NAME, ExtendedKeyUsageOID.SERVER_AUTH)
     router = leaf(ROUTER_NAME, ExtendedKeyUsageOID.CLIENT_AUTH)
     tls = InternalTLS(b"".join(c.public_bytes(pem) for c in trusted), *worker, *router)
-    _write_private(d, CA_KEY, key_bytes(ca_key), 0o600)
+    _write_private(d, CA_KEY, key_bytes(issuer_key), 0o600)
     # Keys before certificates: a reader never sees a new certificate with an old key for
     # long (and the worker's reload checks that they match).
-    for file, data in zip(FILES, (tls.ca, *worker, *router)):
+    for file, data in zip(FILES, (tls.ca, *worker, *router), strict=True):
         if file.endswith(".key"):
             _write_private(d, file, data, 0o600)
-    for file, data in zip(FILES, (tls.ca, *worker, *router)):
+    for file, data in zip(FILES, (tls.ca, *worker, *router), strict=True):
         if not file.endswith(".key"):
             _write_private(d, file, data, 0o644)
     return tls

@@ -22,7 +22,7 @@ import grpc
 from kvfleet.grpc_util import SERVER_OPTIONS, add_health_and_reflection, bind_port, mark_serving
 from kvfleet.index_keys import DEFAULT_NAMESPACE
 from kvfleet.router.auth import Authenticator
-from kvfleet.secrets import redis_url_from_env
+from kvfleet.secrets import REDIS_PASSWORD_ENV, with_redis_password
 from kvfleet.router.capacity import DEFAULT_RETRY_PUSHBACK_MS
 from kvfleet.router.core import RouterCore
 from kvfleet.router.http_front import DEFAULT_MAX_CONNECTIONS, HttpFront
@@ -249,7 +249,8 @@ def parse_args(argv: list[str]) -> RouterConfig:
     except ValueError as exc:
         p.error(str(exc))
     # The Redis password comes from the environment, never the command line (kvfleet.secrets).
-    return RouterConfig(redis_url=redis_url_from_env(a.redis_url, os.environ), model_name=a.model_name, model_dir=a.model_dir,
+    return RouterConfig(redis_url=with_redis_password(a.redis_url, os.environ.get(REDIS_PASSWORD_ENV)),
+                        model_name=a.model_name, model_dir=a.model_dir,
                         block_size=a.block_size, kv_dtype=a.kv_dtype, host=a.host, port=a.port,
                         http_port=a.http_port, http_max_connections=a.http_max_connections,
                         policy=a.policy, namespace=a.namespace, api_keys_file=a.api_keys,

@@ -10,8 +10,12 @@ import pytest
 import trustme
 
 from kvfleet.client import AsyncClient
-from kvfleet.tls import (InternalTLS, WORKER_CHANNEL_OPTIONS, generate_internal_tls,
-                         renew_internal_tls)
+from kvfleet.tls import (
+    WORKER_CHANNEL_OPTIONS,
+    InternalTLS,
+    generate_internal_tls,
+    renew_internal_tls,
+)
 from kvfleet.v1 import worker_pb2, worker_pb2_grpc
 from tests.integration.routing_fleet import prompt
 
@@ -124,9 +128,10 @@ def test_kvfleet_up_serves_tls_outside_and_mutual_tls_inside(ray_session, redis_
                                                             tmp_path):
     from dataclasses import replace
 
-    from kvfleet.client import Client
     from kvfleet.deploy.cli import build_parser, cluster_config
     from kvfleet.deploy.launcher import LocalCluster
+
+    from kvfleet.client import Client
 
     ca, cert, key = client_port_cert
     internal = tmp_path / "internal"  # empty: kvfleet up generates the cluster CA there

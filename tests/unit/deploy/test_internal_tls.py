@@ -9,11 +9,18 @@ import stat
 
 import pytest
 from cryptography import x509
-
 from kvfleet.deploy.launcher import ClusterConfig, router_args, serve_application
-from kvfleet.tls import (CA_KEY, FILES, expiry_report, generate_internal_tls, is_loopback,
-                         needs_internal_tls, renew_internal_tls)
 from kvfleet.worker.replica.replica import ReplicaConfig
+
+from kvfleet.tls import (
+    CA_KEY,
+    FILES,
+    expiry_report,
+    generate_internal_tls,
+    is_loopback,
+    needs_internal_tls,
+    renew_internal_tls,
+)
 
 
 def _spy_on_key_modes(monkeypatch, directory):

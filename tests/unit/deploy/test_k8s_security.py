@@ -6,16 +6,21 @@ from __future__ import annotations
 import json
 
 import yaml
-
 from kvfleet.deploy import k8s
 from kvfleet.deploy.k8s_objects import API_KEYS_MOUNT, INTERNAL_TLS_MOUNT, SECRETS
-from kvfleet.deploy.launcher import ClusterConfig, router_args, router_env, serve_application
+from kvfleet.deploy.launcher import (
+    ClusterConfig,
+    router_args,
+    router_env,
+    serve_application,
+)
 from kvfleet.router.main import parse_args
+from kvfleet.worker.replica.replica import ReplicaConfig
+from kvfleet.worker.replica.serve_deployment import config_from_env
+
+from kvfleet.config_codec import from_dict
 from kvfleet.secrets import REDIS_PASSWORD_ENV, split_redis_password
 from kvfleet.telemetry import TelemetryConfig
-from kvfleet.worker.replica.serve_deployment import config_from_env
-from kvfleet.config_codec import from_dict
-from kvfleet.worker.replica.replica import ReplicaConfig
 from tests.fixtures.manifests import validate
 
 PASSWORD = "pw/with:odd@chars"
