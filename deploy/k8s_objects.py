@@ -4,26 +4,23 @@ one per object kind and part."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import yaml
 
-from kvfleet.deploy.launcher import ClusterConfig, router_args
+from kvfleet.deploy.cluster_config import ClusterConfig, router_args
+from kvfleet.deploy.k8s_config import (
+    COLLECTOR_HEALTH_PORT,
+    COLLECTOR_PROMETHEUS_PORT,
+    DASHBOARD_PORT,
+    GRPC_PORT,
+    HTTP_PORT,
+    OTLP_GRPC_PORT,
+    OTLP_HTTP_PORT,
+    REDIS_PORT,
+    TERMINATION_MARGIN_S,
+    K8sConfig,
+)
 from kvfleet.deploy.serve_app import SHUTDOWN_MARGIN_S
 from kvfleet.secrets import OTLP_HEADERS_ENV, REDIS_PASSWORD_ENV
-
-if TYPE_CHECKING:
-    from kvfleet.deploy.k8s import K8sConfig
-
-GRPC_PORT = 50051
-HTTP_PORT = 8000
-REDIS_PORT = 6379
-OTLP_GRPC_PORT = 4317
-OTLP_HTTP_PORT = 4318
-COLLECTOR_PROMETHEUS_PORT = 8889
-COLLECTOR_HEALTH_PORT = 13133
-TERMINATION_MARGIN_S = 15  # beyond Serve's graceful_shutdown_timeout_s: process exit
-DASHBOARD_PORT = 8265
 
 # Secrets: mounted read-only where the processes look for them (files 0440, group = the
 # image's ``users`` group through fsGroup: the Ray image runs as ``ray``, gid 100).
@@ -45,7 +42,7 @@ SECRETS = {
 def grace_period_s(cfg: ClusterConfig) -> int:
     """terminationGracePeriodSeconds for pods that drain: the drain, Serve's stop margin and
     process exit."""
-    return int(cfg.drain_timeout_s + SHUTDOWN_MARGIN_S + TERMINATION_MARGIN_S)
+    return int(cfg.replica.drain_timeout_s + SHUTDOWN_MARGIN_S + TERMINATION_MARGIN_S)
 
 
 def ray_service(k: K8sConfig, cfg: ClusterConfig, serve: dict) -> dict:
@@ -98,11 +95,12 @@ def ray_service(k: K8sConfig, cfg: ClusterConfig, serve: dict) -> dict:
 
 def router(k: K8sConfig, cfg: ClusterConfig) -> list[dict]:
     """[Deployment, Service] of the routers: ``python -m kvfleet.router.main`` with
-    ``router_args(cfg)``, gRPC health probes, the models volume (the router hashes with the
-    model's tokenizer and weight fingerprint)."""
+    ``router_args`` of the pods' router config, gRPC health probes, the models volume (the
+    router hashes with the model's tokenizer and weight fingerprint)."""
     name = k.service("router")
     labels = {"app.kubernetes.io/name": k.name, "app.kubernetes.io/component": "router"}
-    args = router_args(cfg, cfg.redis_url, cfg.http_port, cfg.metrics_port)
+    assert cfg.replica.redis_url, "the pods' config names the Redis Service"
+    args = router_args(cfg.router_config(cfg.replica.redis_url))
     probe = {"grpc": {"port": GRPC_PORT}, "periodSeconds": 5}
     deployment = {
         "apiVersion": "apps/v1", "kind": "Deployment",
@@ -235,7 +233,7 @@ def network_policies(k: K8sConfig) -> list[dict]:
 
 def _env(cfg: ClusterConfig) -> list[dict]:
     # OTLP headers are a secret: they come from a Secret (_secret_env), never inlined.
-    return [{"name": n, "value": v} for n, v in sorted(cfg.telemetry.to_env().items())
+    return [{"name": n, "value": v} for n, v in sorted(cfg.replica.telemetry.to_env().items())
             if not n.endswith("_HEADERS")]
 
 

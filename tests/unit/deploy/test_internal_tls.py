@@ -9,9 +9,10 @@ import stat
 
 import pytest
 from cryptography import x509
-from kvfleet.deploy.launcher import ClusterConfig, router_args, serve_application
-from kvfleet.worker.replica.replica import ReplicaConfig
 
+from kvfleet.deploy.cli import build_parser
+from kvfleet.deploy.cluster_config import ClusterConfig, router_args, serve_application
+from kvfleet.deploy.cluster_flags import cluster_config
 from kvfleet.tls import (
     CA_KEY,
     FILES,
@@ -21,6 +22,7 @@ from kvfleet.tls import (
     needs_internal_tls,
     renew_internal_tls,
 )
+from kvfleet.worker.replica.replica import ReplicaConfig
 
 
 def _spy_on_key_modes(monkeypatch, directory):
@@ -98,17 +100,24 @@ def test_a_replica_beyond_loopback_without_internal_tls_is_refused():
     assert ReplicaConfig("r", "m", "/m").internal_tls_dir is None  # loopback: plaintext is fine
 
 
-def test_kvfleet_up_beyond_loopback_turns_mutual_tls_on_by_default(tmp_path, monkeypatch):
+def test_kvfleet_up_beyond_loopback_turns_mutual_tls_on_by_default(tmp_path, monkeypatch,
+                                                                    tiny_llama_dir):
     monkeypatch.setenv("HOME", str(tmp_path))
-    cfg = ClusterConfig("m", "/m", replica_host="0.0.0.0")
-    assert cfg.internal_tls_dir == str(tmp_path / ".kvfleet" / "internal-tls")
+
+    def up(*flags: str) -> ClusterConfig:
+        return cluster_config(build_parser().parse_args(["up", "--model", str(tiny_llama_dir),
+                                                         *flags]))
+
+    cfg = up("--replica-host", "0.0.0.0")
+    tls_dir = cfg.replica.internal_tls_dir
+    assert tls_dir == str(tmp_path / ".kvfleet" / "internal-tls")
     app = serve_application(cfg, "redis://127.0.0.1:1/0", num_cpus=0.5, threads=1)
-    assert app["args"]["replica"]["internal_tls_dir"] == cfg.internal_tls_dir
-    args = router_args(cfg, "redis://127.0.0.1:1/0")
-    assert args[args.index("--internal-tls-dir") + 1] == cfg.internal_tls_dir
-    assert ClusterConfig("m", "/m").internal_tls_dir is None
-    assert ClusterConfig("m", "/m", replica_host="0.0.0.0",
-                         internal_tls_dir="/mine").internal_tls_dir == "/mine"
+    assert app["args"]["replica"]["internal_tls_dir"] == tls_dir
+    args = router_args(cfg.router_config("redis://127.0.0.1:1/0"))
+    assert args[args.index("--internal-tls-dir") + 1] == tls_dir
+    assert up().replica.internal_tls_dir is None
+    assert up("--replica-host", "0.0.0.0",
+              "--internal-tls-dir", "/mine").replica.internal_tls_dir == "/mine"
 
 
 def test_kvfleet_tls_renews_in_place_and_shows_days_left(tmp_path, capsys):

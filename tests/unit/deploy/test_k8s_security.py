@@ -6,21 +6,21 @@ from __future__ import annotations
 import json
 
 import yaml
+
+from kvfleet.config_codec import from_dict
 from kvfleet.deploy import k8s
-from kvfleet.deploy.k8s_objects import API_KEYS_MOUNT, INTERNAL_TLS_MOUNT, SECRETS
-from kvfleet.deploy.launcher import (
+from kvfleet.deploy.cluster_config import (
     ClusterConfig,
     router_args,
     router_env,
     serve_application,
 )
+from kvfleet.deploy.k8s_objects import API_KEYS_MOUNT, INTERNAL_TLS_MOUNT, SECRETS
 from kvfleet.router.main import parse_args
-from kvfleet.worker.replica.replica import ReplicaConfig
-from kvfleet.worker.replica.serve_deployment import config_from_env
-
-from kvfleet.config_codec import from_dict
 from kvfleet.secrets import REDIS_PASSWORD_ENV, split_redis_password
 from kvfleet.telemetry import TelemetryConfig
+from kvfleet.worker.replica.replica import ReplicaConfig
+from kvfleet.worker.replica.serve_deployment import config_from_env
 from tests.fixtures.manifests import validate
 
 PASSWORD = "pw/with:odd@chars"
@@ -123,7 +123,7 @@ def test_secrets_never_travel_in_serve_args_or_command_lines(monkeypatch):
     telemetry = TelemetryConfig.from_env({"OTEL_EXPORTER_OTLP_ENDPOINT": "https://c:4317",
                                           "OTEL_EXPORTER_OTLP_HEADERS": f"authorization={TOKEN}",
                                           "OTEL_EXPORTER_OTLP_TRACES_HEADERS": "x=1"})
-    cfg = ClusterConfig("m", "/m", telemetry=telemetry)
+    cfg = ClusterConfig(ReplicaConfig("m", "m", "/m", telemetry=telemetry))
     app = serve_application(cfg, url, num_cpus=0.5, threads=1)
     args_text = json.dumps(app["args"])
     assert PASSWORD not in args_text and "pw%2F" not in args_text
@@ -137,9 +137,10 @@ def test_secrets_never_travel_in_serve_args_or_command_lines(monkeypatch):
     assert replica.telemetry.otlp_headers == (("authorization", "Bearer collector-token"),)
     # The router: no password on its command line; its environment has it, and its parser
     # merges it.
-    command = router_args(cfg, url)
+    router = cfg.router_config(url)
+    command = router_args(router)
     assert PASSWORD not in " ".join(command) and "pw%2F" not in " ".join(command)
-    child = router_env(cfg, url, {"PATH": "/bin", "OTEL_SERVICE_NAME": "stale",
+    child = router_env(router, {"PATH": "/bin", "OTEL_SERVICE_NAME": "stale",
                                   REDIS_PASSWORD_ENV: "stale"})
     assert child[REDIS_PASSWORD_ENV] == PASSWORD and "OTEL_SERVICE_NAME" not in child
     monkeypatch.setenv(REDIS_PASSWORD_ENV, PASSWORD)
