@@ -1,5 +1,5 @@
 """The ``kvfleet`` command: up, demo, scale, upgrade, status, generate, budget, model, adapter,
-k8s.
+k8s, tls.
 
 Diagnostics go to stderr; generated text to stdout. Exit codes: 0 ok, 1 a gRPC/runtime
 failure (the status is printed), 2 a usage or configuration error.
@@ -13,6 +13,7 @@ import sys
 from typing import Optional
 
 import grpc
+
 from kvfleet.deploy import generate_cli, operate_cli, up_cli
 
 # Subcommands with parsers of their own: name -> (module, help).
@@ -24,6 +25,8 @@ OWN_PARSERS = {
                                               "cluster (see `kvfleet adapter -h`)"),
     "k8s": ("kvfleet.deploy.k8s_cli", "render the Kubernetes (KubeRay) manifests "
                                       "(see `kvfleet k8s -h`)"),
+    "tls": ("kvfleet.deploy.tls_cli", "renew or inspect the internal TLS certificates "
+                                      "(see `kvfleet tls -h`)"),
 }
 CLUSTER_COMMANDS = ("up", "demo")
 

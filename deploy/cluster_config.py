@@ -13,9 +13,15 @@ from kvfleet.allocator.units import cdiv
 from kvfleet.deploy.ray_local import RAY_ENV
 from kvfleet.deploy.serve_app import Placement, app_config
 from kvfleet.router.main import RouterConfig, parse_args
-from kvfleet.worker.replica.replica import ReplicaConfig
-
+from kvfleet.secrets import (
+    REDIS_PASSWORD_ENV,
+    secret_env,
+    split_redis_password,
+    split_telemetry_secrets,
+)
 from kvfleet.stream_limits import StreamLimits
+from kvfleet.tls import default_internal_tls_dir, needs_internal_tls
+from kvfleet.worker.replica.replica import ReplicaConfig
 
 # What the router shares with the replicas, as (RouterConfig field, ReplicaConfig field): set
 # on the replica only; the router's copy is filled from it (ClusterConfig.router_config).
@@ -109,11 +115,15 @@ def serve_application(cfg: ClusterConfig, redis_url: str, num_cpus: float, threa
     Raises ValueError for a config a replica refuses (see ReplicaConfig)."""
     rep = cfg.replica
     metrics = None if cfg.metrics_port is None else 0  # many replicas: free ports
+    # Secrets go in the replicas' environment, never in the args Serve stores and shows.
+    redis_url, password = split_redis_password(redis_url)
+    telemetry, telemetry_secrets = split_telemetry_secrets(rep.telemetry)
     base = replace(rep, redis_url=redis_url, num_threads=threads,
-                   telemetry=replace(rep.telemetry, metrics_port=metrics))
+                   telemetry=replace(telemetry, metrics_port=metrics))
     placement = Placement(num_cpus, rep.tensor_parallel_size, rep.device.startswith("cuda"),
                           rep.tp.rank_num_cpus)
-    env = {**RAY_ENV, "OMP_WAIT_POLICY": "passive"}
+    env = {**RAY_ENV, "OMP_WAIT_POLICY": "passive", **secret_env(password),
+           **telemetry_secrets}
     return app_config(base, cfg.replicas, placement, replicas_per_process(cfg), cfg.revision,
                       env, cfg.health_check_period_s, cfg.health_check_timeout_s)
 
@@ -128,7 +138,8 @@ _POLICY_FLAGS = ("load_penalty_blocks", "max_imbalance", "popularity_window", "m
 def router_args(router: RouterConfig) -> list[str]:
     """The command line (``python -m kvfleet.router.main ARGS``) whose parse is ``router``
     (telemetry's OTLP settings travel as ``OTEL_*`` variables): what ``kvfleet up`` runs and
-    what the Kubernetes router Deployment runs (kvfleet.deploy.k8s).
+    what the Kubernetes router Deployment runs (kvfleet.deploy.k8s). A password in
+    ``redis_url`` is left out (it goes in the router's environment: :func:`router_env`).
 
     Raises:
         ValueError: a setting the router has no flag for (``replica_ttl_s`` not the
@@ -137,7 +148,8 @@ def router_args(router: RouterConfig) -> list[str]:
     r = router
     if r.replica_ttl_s != _ROUTER_DEFAULTS.replica_ttl_s:
         raise ValueError("router.replica_ttl_s has no router flag: leave it at its default")
-    args = ["--redis-url", r.redis_url, "--model-name", r.model_name, "--model-dir", r.model_dir,
+    args = ["--redis-url", split_redis_password(r.redis_url)[0], "--model-name", r.model_name,
+            "--model-dir", r.model_dir,
             "--block-size", str(r.block_size), "--kv-dtype", r.kv_dtype,
             "--host", r.host, "--port", str(r.port), "--policy", r.policy,
             "--namespace", r.namespace]
@@ -165,6 +177,26 @@ def router_args(router: RouterConfig) -> list[str]:
     if r.telemetry.metrics_port is not None:
         args += ["--metrics-port", str(r.telemetry.metrics_port)]
     return args
+
+
+def router_env(router: RouterConfig, base: dict[str, str]) -> dict[str, str]:
+    """The router process's environment: ``base`` without any ``OTEL_*`` variable, then
+    exactly ``router``'s telemetry settings and the Redis password of its ``redis_url``."""
+    env = {k: v for k, v in base.items() if not k.startswith("OTEL_")}
+    env.update(router.telemetry.to_env())
+    env.pop(REDIS_PASSWORD_ENV, None)
+    env.update(secret_env(split_redis_password(router.redis_url)[1]))
+    return env
+
+
+def with_default_internal_tls(values: dict) -> dict:
+    """ReplicaConfig field ``values`` with ``internal_tls_dir`` defaulted to
+    ``~/.kvfleet/internal-tls`` (kvfleet.tls.default_internal_tls_dir) when ``host`` is
+    beyond loopback and none is set: replicas reachable from other hosts serve mutual TLS by
+    default, never plaintext (the router follows: :data:`SHARED`)."""
+    if needs_internal_tls(values.get("host") or "127.0.0.1") and not values.get("internal_tls_dir"):
+        return {**values, "internal_tls_dir": str(default_internal_tls_dir())}
+    return values
 
 
 def router_from_flags(flags: Sequence[str]) -> RouterConfig:

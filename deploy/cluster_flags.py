@@ -16,15 +16,14 @@ from typing import Any, Callable, Optional
 
 from kvfleet.allocator.units import format_bytes, parse_size
 from kvfleet.deploy.arg_types import positive_int, positive_seconds
-from kvfleet.deploy.cluster_config import ClusterConfig
+from kvfleet.deploy.cluster_config import ClusterConfig, with_default_internal_tls
 from kvfleet.deploy.models import DEFAULT_MODEL, resolve_model
 from kvfleet.router.main import RouterConfig
 from kvfleet.router.policy import POLICIES as ROUTING_POLICIES
+from kvfleet.telemetry import TelemetryConfig
 from kvfleet.worker.engine.scheduler import POLICIES as ADMISSION_POLICIES
 from kvfleet.worker.engine.scheduler import SchedulerConfig
 from kvfleet.worker.replica.replica import DEFAULT_KV_MEMORY_BYTES, EXECUTORS, ReplicaConfig
-
-from kvfleet.telemetry import TelemetryConfig
 
 DECLARED: Any = object()  # the field's default in its dataclass
 # Config path prefix -> the dataclass holding the fields below it ("" = ClusterConfig).
@@ -118,7 +117,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--tls-key", "router.tls_key", "PEM private key of --tls-cert"),
     Flag("--internal-tls-dir", "replica.internal_tls_dir",
          "mutual TLS between router and workers with this directory's cluster CA (generated "
-         "there when empty)"),
+         "there when empty; default: off on loopback, ~/.kvfleet/internal-tls beyond it)"),
     Flag("--drain-timeout", "replica.drain_timeout_s",
          "seconds a stopping replica (scale-down, upgrade, Ctrl-C) waits for its streams before "
          "ending them UNAVAILABLE (default {default})", type=positive_seconds),
@@ -196,7 +195,8 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
 
     name, model_dir = resolve_model(args.model)
     values = _field_values(args)
-    replica_values = values["replica"]
+    # Beyond loopback: mutual TLS by default (~/.kvfleet/internal-tls), never plaintext.
+    replica_values = with_default_internal_tls(values["replica"])
     _check_device(replica_values["device"])
     if replica_values["tensor_parallel_size"] != 1:  # refuse a split the model cannot take
         from kvfleet.worker.runner.model_config import load_model_config

@@ -14,7 +14,16 @@ the command ``kvfleet up`` starts. Objects:
   autoscaler adds a pod when the Serve config asks for more replicas than the pods hold;
 - the router: a Deployment of ``router_replicas`` pods sharing Redis, and its Service;
 - Redis (the prefix index and registry; no persistence: replicas republish what they hold);
-- an OpenTelemetry Collector receiving every process's OTLP traces and metrics.
+- an OpenTelemetry Collector receiving every process's OTLP traces and metrics;
+- NetworkPolicies: only router pods (and the Ray pods themselves) reach the workers and
+  Redis; the Ray dashboard only from its own cluster's pods and the KubeRay operator.
+
+Secure by default: the router requires API keys, Redis a password, router <-> workers mutual
+TLS, and the Ray dashboard a token (KubeRay ``authOptions``). The secrets are Kubernetes
+Secrets the operator creates (``k8s_objects.SECRETS``, named in :class:`K8sConfig`); the manifests
+only reference them by name (mounted files, ``secretKeyRef``), never hold their values, and
+the Serve config carries none (the Redis password reaches every process as
+``KVFLEET_REDIS_PASSWORD``, kvfleet.secrets).
 
 Worker and router pods get ``terminationGracePeriodSeconds`` above the drain timeout plus
 Serve's stop margin, so Kubernetes never kills a pod while a drain may still run.
@@ -26,12 +35,21 @@ from pathlib import Path
 
 from kvfleet.deploy.cluster_config import ClusterConfig, serve_application
 from kvfleet.deploy.k8s_config import GRPC_PORT, HTTP_PORT, OTLP_GRPC_PORT, REDIS_PORT, K8sConfig
-from kvfleet.deploy.k8s_objects import collector, dump, ray_service, redis, router
+from kvfleet.deploy.k8s_objects import (
+    API_KEYS_FILE,
+    API_KEYS_MOUNT,
+    INTERNAL_TLS_MOUNT,
+    collector,
+    dump,
+    network_policies,
+    ray_service,
+    redis,
+    router,
+)
 from kvfleet.deploy.serve_control import deploy_config
 from kvfleet.router.main import RouterConfig
-from kvfleet.worker.replica.replica import ReplicaConfig
-
 from kvfleet.telemetry import TelemetryConfig
+from kvfleet.worker.replica.replica import ReplicaConfig
 
 __all__ = ["GRPC_PORT", "HTTP_PORT", "REDIS_PORT", "K8sConfig", "cluster_config", "render",
            "serve_config", "write"]
@@ -47,16 +65,18 @@ def cluster_config(k: K8sConfig) -> ClusterConfig:
         replica_id=k.model_name, model_name=k.model_name,
         model_dir=f"{k.models_mount}/{k.model_name}", kv_memory_bytes=k.kv_memory_bytes,
         dtype=k.dtype, host="0.0.0.0", redis_url=redis_url(k), tensor_parallel_size=k.tp,
-        device="cuda", drain_timeout_s=k.drain_timeout_s,
+        device="cuda", drain_timeout_s=k.drain_timeout_s, internal_tls_dir=INTERNAL_TLS_MOUNT,
         telemetry=TelemetryConfig(otlp_endpoint=otlp, otlp_insecure=True))
     # A router pod told to stop lets its open streams finish as a draining replica does.
     router = RouterConfig(host="0.0.0.0", port=GRPC_PORT, http_port=HTTP_PORT,
-                          shutdown_grace_s=k.drain_timeout_s)
+                          shutdown_grace_s=k.drain_timeout_s,
+                          api_keys_file=f"{API_KEYS_MOUNT}/{API_KEYS_FILE}")
     return ClusterConfig(replica, router, replicas=k.replicas, revision=k.revision)
 
 
 def redis_url(k: K8sConfig) -> str:
-    """The Redis Service's URL as the pods reach it."""
+    """The Redis Service's URL as the pods reach it (the password is not in it: the pods get
+    it from the Redis Secret as ``KVFLEET_REDIS_PASSWORD``)."""
     return f"redis://{k.service('redis')}:{REDIS_PORT}/0"
 
 
@@ -81,6 +101,7 @@ def render(k: K8sConfig) -> dict[str, list[dict]]:
         "router.yaml": router(k, cfg),
         "redis.yaml": redis(k),
         "otel-collector.yaml": collector(k),
+        "network-policy.yaml": network_policies(k),
     }
 
 

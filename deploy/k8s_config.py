@@ -17,6 +17,7 @@ OTLP_HTTP_PORT = 4318
 COLLECTOR_PROMETHEUS_PORT = 8889
 COLLECTOR_HEALTH_PORT = 13133
 TERMINATION_MARGIN_S = 15  # beyond Serve's graceful_shutdown_timeout_s: process exit
+DASHBOARD_PORT = 8265
 _REPLICA_DEFAULTS: dict = {f.name: f.default for f in fields(ReplicaConfig)}
 
 
@@ -49,6 +50,13 @@ class K8sConfig:
     redis_image: str = "redis:7.2"
     collector_image: str = "otel/opentelemetry-collector-contrib:0.120.0"
     traces_endpoint: str = "jaeger-collector:4317"  # where the collector sends traces (OTLP)
+    # Secrets the operator creates (k8s_objects.SECRETS: their keys); referenced by name only.
+    api_keys_secret: str = "kvfleet-api-keys"
+    redis_secret: str = "kvfleet-redis"
+    internal_tls_secret: str = "kvfleet-internal-tls"
+    otlp_headers_secret: str = "kvfleet-otlp"  # optional: OTLP headers (a collector's token)
+    # Pods of the KubeRay operator (any namespace), the one caller of the Ray dashboard.
+    operator_labels: tuple[tuple[str, str], ...] = (("app.kubernetes.io/name", "kuberay-operator"),)
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_replicas <= self.max_replicas:

@@ -5,10 +5,12 @@ one per object kind and part."""
 from __future__ import annotations
 
 import yaml
+
 from kvfleet.deploy.cluster_config import ClusterConfig, router_args
 from kvfleet.deploy.k8s_config import (
     COLLECTOR_HEALTH_PORT,
     COLLECTOR_PROMETHEUS_PORT,
+    DASHBOARD_PORT,
     GRPC_PORT,
     HTTP_PORT,
     OTLP_GRPC_PORT,
@@ -18,6 +20,23 @@ from kvfleet.deploy.k8s_config import (
     K8sConfig,
 )
 from kvfleet.deploy.serve_app import SHUTDOWN_MARGIN_S
+from kvfleet.secrets import OTLP_HEADERS_ENV, REDIS_PASSWORD_ENV
+
+# Secrets: mounted read-only where the processes look for them (files 0440, group = the
+# image's ``users`` group through fsGroup: the Ray image runs as ``ray``, gid 100).
+API_KEYS_MOUNT = "/etc/kvfleet/api-keys"
+API_KEYS_FILE = "keys.json"
+INTERNAL_TLS_MOUNT = "/etc/kvfleet/internal-tls"
+SECRET_FILE_MODE = 0o440
+POD_FS_GROUP = 100
+# K8sConfig field naming each Secret → the keys it must hold (create them with
+# ``kubectl create secret generic NAME --from-file=…`` / ``--from-literal=…``).
+SECRETS = {
+    "api_keys_secret": (API_KEYS_FILE,),          # {"keys": {KEY: tenant, ...}} (router)
+    "redis_secret": ("password",),                # Redis requirepass; every process's KVFLEET_REDIS_PASSWORD
+    "internal_tls_secret": ("ca.pem", "worker.pem", "worker.key", "router.pem", "router.key"),
+    "otlp_headers_secret": ("headers",),          # optional: OTEL_EXPORTER_OTLP_HEADERS
+}
 
 
 def grace_period_s(cfg: ClusterConfig) -> int:
@@ -30,8 +49,12 @@ def ray_service(k: K8sConfig, cfg: ClusterConfig, serve: dict) -> dict:
     """The ``RayService``: ``serve`` (a whole Serve config) as its ``serveConfigV2``, a head
     group that takes no replica, one worker group of ``k.tp`` GPUs per pod."""
     labels = {"app.kubernetes.io/name": k.name, "app.kubernetes.io/component": "workers"}
-    container = {"image": k.image, "env": _env(cfg)}
+    env = _env(cfg)
+    container = {"image": k.image, "env": env}
     head = {
+        # The KubeRay operator applies serveConfigV2 through the dashboard's REST API, so it
+        # listens on the pod's interface; a token guards it (authOptions) and a NetworkPolicy
+        # admits only this cluster's pods and the operator (network_policies).
         "rayStartParams": {"num-cpus": "0", "dashboard-host": "0.0.0.0"},
         "template": {"metadata": {"labels": labels}, "spec": {"containers": [{
             "name": "ray-head", **container,
@@ -46,11 +69,12 @@ def ray_service(k: K8sConfig, cfg: ClusterConfig, serve: dict) -> dict:
         "rayStartParams": {},
         "template": {"metadata": {"labels": labels}, "spec": {
             "terminationGracePeriodSeconds": grace_period_s(cfg),
+            "securityContext": {"fsGroup": POD_FS_GROUP},
             "containers": [{
-                "name": "ray-worker", **container,
+                "name": "ray-worker", **container, "env": env + _secret_env(k),
                 "resources": _resources(k.worker_cpus, k.worker_memory, gpus=k.tp),
-                "volumeMounts": [_models_mount(k)]}],
-            "volumes": [_models_volume(k)]}},
+                "volumeMounts": [_models_mount(k), _tls_mount()]}],
+            "volumes": [_models_volume(k), _secret_volume("internal-tls", k.internal_tls_secret)]}},
     }
     return {
         "apiVersion": "ray.io/v1", "kind": "RayService",
@@ -59,6 +83,7 @@ def ray_service(k: K8sConfig, cfg: ClusterConfig, serve: dict) -> dict:
             "serveConfigV2": to_yaml(serve),
             "rayClusterConfig": {
                 "rayVersion": k.ray_version,
+                "authOptions": {"mode": "token"},  # the dashboard / Jobs API want a token
                 "enableInTreeAutoscaling": True,
                 "autoscalerOptions": {"upscalingMode": "Default", "idleTimeoutSeconds": 120},
                 "headGroupSpec": head,
@@ -85,16 +110,22 @@ def router(k: K8sConfig, cfg: ClusterConfig) -> list[dict]:
             "selector": {"matchLabels": labels},
             "template": {"metadata": {"labels": labels}, "spec": {
                 "terminationGracePeriodSeconds": grace_period_s(cfg),
+                "securityContext": {"fsGroup": POD_FS_GROUP},
                 "containers": [{
                     "name": "router", "image": k.image,
                     "command": ["python", "-m", "kvfleet.router.main"], "args": args,
-                    "env": _env(cfg) + [{"name": "OTEL_SERVICE_NAME", "value": "kvfleet-router"}],
+                    "env": _env(cfg) + [{"name": "OTEL_SERVICE_NAME", "value": "kvfleet-router"}]
+                    + _secret_env(k),
                     "ports": [{"containerPort": GRPC_PORT, "name": "grpc"},
                               {"containerPort": HTTP_PORT, "name": "http"}],
                     "readinessProbe": probe, "livenessProbe": {**probe, "failureThreshold": 6},
                     "resources": _resources(k.router_cpus, k.router_memory),
-                    "volumeMounts": [_models_mount(k)]}],
-                "volumes": [_models_volume(k)]}},
+                    "volumeMounts": [_models_mount(k), _tls_mount(),
+                                     {"name": "api-keys", "mountPath": API_KEYS_MOUNT,
+                                      "readOnly": True}]}],
+                "volumes": [_models_volume(k),
+                            _secret_volume("internal-tls", k.internal_tls_secret),
+                            _secret_volume("api-keys", k.api_keys_secret)]}},
         },
     }
     return [deployment, _service(name, labels, {"grpc": GRPC_PORT, "http": HTTP_PORT})]
@@ -111,7 +142,10 @@ def redis(k: K8sConfig) -> list[dict]:
                  "template": {"metadata": {"labels": labels}, "spec": {"containers": [{
                      "name": "redis", "image": k.redis_image,
                      # An index, not a store: replicas republish what they hold after a restart.
-                     "args": ["--save", "", "--appendonly", "no"],
+                     # $(REDIS_PASSWORD): Kubernetes substitutes the Secret's value.
+                     "args": ["--save", "", "--appendonly", "no",
+                              "--requirepass", "$(REDIS_PASSWORD)"],
+                     "env": [_secret_key_env("REDIS_PASSWORD", k.redis_secret, "password")],
                      "ports": [{"containerPort": REDIS_PORT, "name": "redis"}],
                      "readinessProbe": {"tcpSocket": {"port": REDIS_PORT}, "periodSeconds": 5},
                      "resources": _resources(1, "2Gi")}]}}},
@@ -169,8 +203,57 @@ def collector(k: K8sConfig) -> list[dict]:
                                     "prometheus": COLLECTOR_PROMETHEUS_PORT})]
 
 
+def network_policies(k: K8sConfig) -> list[dict]:
+    """[NetworkPolicy of the Ray pods, NetworkPolicy of Redis]: the Ray pods (head and
+    workers: the replicas' gRPC ports, GCS, raylets, object transfer) admit only router pods
+    and each other, plus the KubeRay operator on the dashboard port; Redis admits only router
+    and Ray pods. Anything else in the cluster cannot reach a worker or the index."""
+    def component(name: str) -> dict:
+        return {"podSelector": {"matchLabels": {"app.kubernetes.io/name": k.name,
+                                                "app.kubernetes.io/component": name}}}
+
+    def policy(name: str, target: str, ingress: list[dict]) -> dict:
+        return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+                "metadata": {"name": k.service(name),
+                             "labels": {"app.kubernetes.io/name": k.name}},
+                "spec": {"podSelector": component(target)["podSelector"],
+                         "policyTypes": ["Ingress"], "ingress": ingress}}
+
+    operator = {"namespaceSelector": {},
+                "podSelector": {"matchLabels": dict(k.operator_labels)}}
+    return [
+        policy("workers", "workers", [
+            {"from": [component("router"), component("workers")]},
+            {"from": [operator], "ports": [{"protocol": "TCP", "port": DASHBOARD_PORT}]}]),
+        policy("redis", "redis", [
+            {"from": [component("router"), component("workers")],
+             "ports": [{"protocol": "TCP", "port": REDIS_PORT}]}]),
+    ]
+
+
 def _env(cfg: ClusterConfig) -> list[dict]:
-    return [{"name": n, "value": v} for n, v in sorted(cfg.replica.telemetry.to_env().items())]
+    # OTLP headers are a secret: they come from a Secret (_secret_env), never inlined.
+    return [{"name": n, "value": v} for n, v in sorted(cfg.replica.telemetry.to_env().items())
+            if not n.endswith("_HEADERS")]
+
+
+def _secret_key_env(name: str, secret: str, key: str, optional: bool = False) -> dict:
+    ref = {"name": secret, "key": key, **({"optional": True} if optional else {})}
+    return {"name": name, "valueFrom": {"secretKeyRef": ref}}
+
+
+def _secret_env(k: K8sConfig) -> list[dict]:
+    """The Redis password and (when its Secret exists) the OTLP headers, by reference."""
+    return [_secret_key_env(REDIS_PASSWORD_ENV, k.redis_secret, "password"),
+            _secret_key_env(OTLP_HEADERS_ENV, k.otlp_headers_secret, "headers", optional=True)]
+
+
+def _secret_volume(name: str, secret: str) -> dict:
+    return {"name": name, "secret": {"secretName": secret, "defaultMode": SECRET_FILE_MODE}}
+
+
+def _tls_mount() -> dict:
+    return {"name": "internal-tls", "mountPath": INTERNAL_TLS_MOUNT, "readOnly": True}
 
 
 def _resources(cpus: int, memory: str, gpus: int = 0) -> dict:

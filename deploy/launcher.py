@@ -13,12 +13,17 @@ import sys
 from typing import Optional
 
 from kvfleet.deploy import serve_control
-from kvfleet.deploy.cluster_config import ClusterConfig, router_args, serve_application, serve_hosts
+from kvfleet.deploy.cluster_config import (
+    ClusterConfig,
+    router_args,
+    router_env,
+    serve_application,
+    serve_hosts,
+)
 from kvfleet.deploy.operate import AppRef
 from kvfleet.deploy.process_relay import wait_ready
 from kvfleet.deploy.ray_local import check_port_free, free_port, init_ray, shutdown_ray
 from kvfleet.deploy.redis_server import RedisServer, start_redis
-
 from kvfleet.index_keys import ReplicaInfo
 from kvfleet.tls import FILES as TLS_FILES
 from kvfleet.tls import generate_internal_tls
@@ -152,9 +157,8 @@ class LocalCluster:
         assert self.redis_url is not None  # set by _start before the router starts
         router = cfg.router_config(self.redis_url, http_port, metrics_port)
         cmd = [sys.executable, "-m", "kvfleet.router.main", *router_args(router)]
-        # The router reads OTEL_* at start-up: give it exactly this cluster's settings.
-        env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-        env.update(router.telemetry.to_env())
+        # The router reads OTEL_* and the Redis password from its environment at start-up.
+        env = router_env(router, dict(os.environ))
         self.router_proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
         return wait_ready(self.router_proc, "router ready ", timeout_s)
 

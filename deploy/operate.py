@@ -20,8 +20,9 @@ from kvfleet.deploy import serve_control
 from kvfleet.deploy.ray_local import init_ray
 from kvfleet.deploy.registry_view import read_registry, read_routers
 from kvfleet.deploy.status import replica_rows
-
 from kvfleet.index_keys import ReplicaInfo, redis_host
+from kvfleet.secrets import REDIS_PASSWORD_ENV, with_redis_password
+from kvfleet.tls import expiry_report
 
 
 def cluster_file() -> Path:
@@ -80,8 +81,12 @@ class AppRef:
 
     @classmethod
     def from_config(cls, name: str, app: dict) -> "AppRef":
+        """From a Serve application config. The Redis password (never in the args) comes from
+        this process's ``KVFLEET_REDIS_PASSWORD``, else the application's own environment."""
         replica = app["args"]["replica"]
-        return cls(name, replica["model_name"], replica["namespace"], replica["redis_url"],
+        env = {**app.get("runtime_env", {}).get("env_vars", {}), **os.environ}
+        return cls(name, replica["model_name"], replica["namespace"],
+                   with_redis_password(replica["redis_url"], env.get(REDIS_PASSWORD_ENV)),
                    int(app["args"].get("count", 1)), int(replica.get("tensor_parallel_size", 1)))
 
     def registered(self) -> list[ReplicaInfo]:
@@ -187,5 +192,14 @@ def cluster_status(namespace: Optional[str], model: Optional[str] = None) -> dic
             "app": ref.name, "model": ref.model, "revision": app["args"].get("revision", ""),
             "serve_status": statuses.get(ref.name, "NOT_STARTED"),
             "target_replicas": app["deployments"][0].get("num_replicas", 1) * ref.per_host,
-            "replicas": replica_rows(serve_control.serve_replicas(ref.name), mine, ref.tp)})
+            "replicas": replica_rows(serve_control.serve_replicas(ref.name), mine, ref.tp),
+            "internal_tls": internal_tls_status(app["args"]["replica"].get("internal_tls_dir"))})
     return out
+
+
+def internal_tls_status(directory: Optional[str]) -> Optional[dict]:
+    """The replicas' internal TLS directory and days to expiry of each certificate in it, as
+    this host sees it (``kvfleet.tls.expiry_report``); None when mutual TLS is off."""
+    if not directory:
+        return None
+    return {"dir": directory, "certificates": expiry_report(directory)}

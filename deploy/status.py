@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
+from kvfleet.allocator.units import format_bytes
 from kvfleet.deploy.registry_view import RegistryEntry
 
 _STARTING = {"STARTING", "PENDING_MIGRATION", "UPDATING"}
@@ -41,7 +42,7 @@ def replica_rows(serve_replicas: Iterable[dict], entries: Iterable[RegistryEntry
             continue  # a stopping replica with no entry has drained: nothing to show
         rows.append({"replica_id": f"(serve {sid})", "serve_replica": sid, "epoch": 0,
                      "state": "starting" if host["state"] in _STARTING else "failed",
-                     "serve_state": host["state"], "tp": tp, "ranks": [],
+                     "serve_state": host["state"], "tp": tp, "ranks": [], "adapters": [],
                      "running": 0, "waiting": 0, "kv_blocks_used": 0, "kv_blocks_total": 0,
                      "prefix_hit_rate_1m": 0.0, "heartbeat_age_s": None, "address": "",
                      "pid": host.get("pid")})
@@ -55,8 +56,14 @@ def _registered_row(e: RegistryEntry, host: Optional[dict]) -> dict:
         "state": info.state if host is not None else "failed",
         "serve_state": host["state"] if host is not None else "GONE",
         "tp": info.tensor_parallel_size,
+        # Per rank what Router.ClusterStatus carries: check a TP split against `kvfleet
+        # budget --tp` (bytes; num_blocks is the same on every rank).
         "ranks": [{"rank": r.get("rank"), "node": r.get("node_id", ""),
-                   "device": r.get("device", ""), "pid": r.get("pid")} for r in info.ranks],
+                   "device": r.get("device", ""), "pid": r.get("pid"),
+                   "kv_bytes": int(r.get("kv_bytes", 0)), "num_blocks": int(r.get("num_blocks", 0)),
+                   "weight_bytes": int(r.get("weight_bytes", 0))} for r in info.ranks],
+        "adapters": [{"name": n, "revision": rev, "resident": n in info.resident_adapters}
+                     for n, rev in info.adapters],
         "running": load.running if load else 0, "waiting": load.waiting if load else 0,
         "kv_blocks_used": (load.num_total_blocks - load.num_free_blocks) if load else 0,
         "kv_blocks_total": load.num_total_blocks if load else 0,
@@ -83,6 +90,21 @@ def format_status(status: dict) -> str:
                          f"{r['running']:>4} {r['waiting']:>4} "
                          f"{r['kv_blocks_used']:>5}/{r['kv_blocks_total']:<5} "
                          f"{r['prefix_hit_rate_1m']:>6.0%} {beat:>6}  {ranks}")
+            for k in r["ranks"]:
+                if k.get("kv_bytes") or k.get("weight_bytes"):
+                    lines.append(f"    rank {k['rank']}: KV {format_bytes(k['kv_bytes'])} "
+                                 f"({k['num_blocks']} blocks), weights "
+                                 f"{format_bytes(k['weight_bytes'])}")
+            if r.get("adapters"):
+                lines.append("    adapters: " + ", ".join(
+                    f"{a['name']}@{a['revision'][:12]}{' (resident)' if a['resident'] else ''}"
+                    for a in r["adapters"]))
+        tls = app.get("internal_tls")
+        if tls:
+            lines.append(f"  internal TLS {tls['dir']}: " + ", ".join(
+                f"{name} " + (f"expires in {c['days_left']:g} days ({c['expires'][:10]})"
+                              if "days_left" in c else f"unreadable here ({c['error']})")
+                for name, c in tls["certificates"].items()))
     for r in status["routers"]:
         http = f", HTTP {r['http_address']}" if r.get("http_address") else ""
         lines.append(f"router {r['router_id']} at {r['address']}{http} (policy {r['policy']}, "

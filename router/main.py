@@ -1,7 +1,8 @@
 """Router process entry point: ``python -m kvfleet.router.main --redis-url … --model …``.
 
 Prints one line ``router ready <host:port>`` on stdout once it accepts requests; stops
-cleanly on SIGINT/SIGTERM; SIGHUP re-reads the API-key file (key rotation without a restart).
+cleanly on SIGINT/SIGTERM; SIGHUP re-reads the API-key file and the internal TLS directory
+(key and certificate rotation without a restart).
 """
 
 from __future__ import annotations
@@ -33,10 +34,11 @@ from kvfleet.router.replica_set import ReplicaSet
 from kvfleet.router.served_model import ServedModel
 from kvfleet.router.server import RouterService
 from kvfleet.router.worker_link import DEFAULT_CALL_IDLE_S
+from kvfleet.secrets import REDIS_PASSWORD_ENV, with_redis_password
 from kvfleet.stream_limits import DEFAULT_MAX_UNREAD, DEFAULT_STALL_S, StreamLimits
 from kvfleet.telemetry import Telemetry, TelemetryConfig
 from kvfleet.telemetry.router_spans import RouterTelemetry
-from kvfleet.tls import InternalTLS, server_credentials
+from kvfleet.tls import InternalTLS, credentials_loader, server_credentials
 from kvfleet.v1 import router_pb2, router_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -170,6 +172,27 @@ class RouterServer:
         log.info("API keys reloaded from %s", self.cfg.api_keys_file)
         return True
 
+    def reload_internal_tls(self) -> bool:
+        """Re-read the internal TLS directory (certificate rotation; SIGHUP): channels opened
+        from now on present the new router certificate and trust the new CA bundle; open ones
+        keep their TLS session. Files that do not load (or a key that is not its certificate's)
+        are logged and the previous credentials stay. Returns success."""
+        if not self.cfg.internal_tls_dir or self.replicas is None:
+            return False
+        try:
+            creds = credentials_loader(self.cfg.internal_tls_dir)()
+        except (OSError, ValueError) as exc:
+            log.error("internal TLS not reloaded, keeping the previous certificates: %s", exc)
+            return False
+        self.replicas.credentials = creds
+        log.info("internal TLS reloaded from %s", self.cfg.internal_tls_dir)
+        return True
+
+    def reload(self) -> None:
+        """SIGHUP: the API-key file and the internal TLS directory, each kept on failure."""
+        self.reload_api_keys()
+        self.reload_internal_tls()
+
     async def stop(self, grace_s: Optional[float] = None) -> None:
         """Refuse new calls on both ports at once, let open streams on both run on for
         ``grace_s`` seconds (default: ``cfg.shutdown_grace_s``), then cut the rest."""
@@ -280,7 +303,9 @@ def parse_args(argv: list[str]) -> RouterConfig:
 
 def _config(a: argparse.Namespace, telemetry: TelemetryConfig, stream_limits: StreamLimits,
             prompt_limits: PromptLimits) -> RouterConfig:
-    return RouterConfig(redis_url=a.redis_url, model_name=a.model_name, model_dir=a.model_dir,
+    # The Redis password comes from the environment, never the command line (kvfleet.secrets).
+    redis_url = with_redis_password(a.redis_url, os.environ.get(REDIS_PASSWORD_ENV))
+    return RouterConfig(redis_url=redis_url, model_name=a.model_name, model_dir=a.model_dir,
                         block_size=a.block_size, kv_dtype=a.kv_dtype, host=a.host, port=a.port,
                         http_port=a.http_port, http_max_connections=a.http_max_connections,
                         policy=a.policy, namespace=a.namespace, api_keys_file=a.api_keys,
@@ -317,7 +342,7 @@ async def _serve(cfg: RouterConfig) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, server.reload_api_keys)
+    loop.add_signal_handler(signal.SIGHUP, server.reload)
     await stop.wait()
     await server.stop()
     return 0

@@ -149,9 +149,17 @@ def test_status_and_scale_from_another_terminal(cli_cluster):
     (app,) = status["applications"]
     assert [r["state"] for r in app["replicas"]] == ["serving", "serving"]
     assert all(r["kv_blocks_total"] > 0 and r["epoch"] >= 1 and r["ranks"] for r in app["replicas"])
+    # Per rank the KV and weight bytes (64 MiB of KV asked for), and no adapters served here.
+    for r in app["replicas"]:
+        (rank,) = r["ranks"]
+        assert rank["num_blocks"] == r["kv_blocks_total"]
+        assert 0 < rank["kv_bytes"] <= 64 << 20 and rank["weight_bytes"] > 100 << 20
+        assert r["adapters"] == []
+    assert app["internal_tls"] is None  # loopback replicas: plaintext on this host only
     assert [r["address"] for r in status["routers"]] == [address] and status["redis"]["up"]
     table = _operate(tmp, "status")
     assert table.returncode == 0 and "serving" in table.stdout and address in table.stdout
+    assert "rank 0: KV " in table.stdout and "weights " in table.stdout
 
     out = _operate(tmp, "scale", "--replicas", "3", "--timeout", "240")
     assert out.returncode == 0, out.stderr

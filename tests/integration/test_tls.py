@@ -10,7 +10,12 @@ import pytest
 import trustme
 
 from kvfleet.client import AsyncClient
-from kvfleet.tls import InternalTLS, WORKER_CHANNEL_OPTIONS, generate_internal_tls
+from kvfleet.tls import (
+    WORKER_CHANNEL_OPTIONS,
+    InternalTLS,
+    generate_internal_tls,
+    renew_internal_tls,
+)
 from kvfleet.v1 import worker_pb2, worker_pb2_grpc
 from tests.integration.routing_fleet import prompt
 
@@ -145,12 +150,86 @@ def test_kvfleet_up_serves_tls_outside_and_mutual_tls_inside(ray_session, redis_
     try:
         cluster.start()
         assert sorted(p.name for p in internal.iterdir()) == sorted(
-            ["ca.pem", "worker.pem", "worker.key", "router.pem", "router.key"])
+            ["ca.pem", "ca.key", "worker.pem", "worker.key", "router.pem", "router.key"])
         with Client(cluster.router_address, tls_ca=ca) as client:
             chunks = list(client.stream("Once upon a time", max_tokens=3, ignore_eos=True))
         assert chunks[-1].completion_tokens == 3
     finally:
         cluster.stop()
+
+
+def _leaf_creds(tls: InternalTLS, ca: bytes) -> grpc.ChannelCredentials:
+    return grpc.ssl_channel_credentials(root_certificates=ca, private_key=tls.router_key,
+                                        certificate_chain=tls.router_cert)
+
+
+def _first_pem(bundle: bytes) -> bytes:
+    end = b"-----END CERTIFICATE-----\n"
+    return bundle[:bundle.index(end) + len(end)]
+
+
+async def test_certificates_rotate_from_the_same_directory_without_a_restart(fleet, tmp_path):
+    """Item 15: renew in place (here with a new CA, the hard case), workers serve the new
+    certificate from their next handshake, routers take it on SIGHUP; a broken set is never
+    loaded."""
+    d = tmp_path / "internal"
+    first = generate_internal_tls(d)
+    (d / "ca.key").unlink()  # the CA cannot sign again: renewal makes a new one
+    a = await fleet.add_replica("rep-a", internal_tls_dir=str(d))
+    router = await fleet.add_router(internal_tls_dir=str(d))
+    await fleet.wait_replicas(1)
+    client = AsyncClient(router.address)
+    try:
+        assert await _complete(client) == 3
+        second = renew_internal_tls(d)
+        new_ca = _first_pem(second.ca)
+        assert new_ca != first.ca and first.ca in second.ca  # the bundle trusts both for now
+        # The running worker now presents the new certificate: a client trusting only the new
+        # CA accepts it, and old router certificates are still accepted during the overlap.
+        assert await _direct(a.address, _leaf_creds(second, new_ca)) == 2
+        assert await _direct(a.address, _leaf_creds(first, second.ca)) == 2
+        # The transition ends: only the new CA is trusted anywhere.
+        (d / "ca.pem").write_bytes(new_ca)
+        with pytest.raises(grpc.aio.AioRpcError):
+            await _direct(a.address, _leaf_creds(first, new_ca))
+        assert await _direct(a.address, _leaf_creds(second, new_ca)) == 2
+        # A half-written set is refused and the worker keeps serving what it had.
+        (d / "worker.pem").write_bytes(first.worker_cert)  # not worker.key's certificate
+        assert await _direct(a.address, _leaf_creds(second, new_ca)) == 2
+        (d / "worker.pem").write_bytes(second.worker_cert)
+        # The router reloads on SIGHUP; a replica started now only knows the new CA.
+        assert router.reload_internal_tls()
+        await fleet.add_replica("rep-b", internal_tls_dir=str(d))
+        await a.stop(grace_s=0.1)
+        del fleet.replicas["rep-a"]
+        await fleet.wait_replicas(1)
+        assert await _complete(client) == 3  # router -> rep-b with the new router certificate
+    finally:
+        await client.close()
+
+
+async def test_a_router_keeps_its_certificates_when_the_new_files_are_broken(fleet, tmp_path):
+    d = tmp_path / "internal"
+    generate_internal_tls(d)
+    router = await fleet.add_router(internal_tls_dir=str(d))
+    before = router.replicas.credentials
+    (d / "router.key").write_bytes(generate_internal_tls(tmp_path / "other").router_key)
+    assert not router.reload_internal_tls()
+    assert router.replicas.credentials is before
+
+
+async def test_replicas_beyond_loopback_never_serve_plaintext(fleet, tmp_path):
+    """Item 12: a replica bound to every interface without internal TLS refuses to start;
+    with it, a plaintext caller is refused."""
+    with pytest.raises(ValueError, match="internal_tls_dir"):
+        fleet.replica_config("rep-open", host="0.0.0.0")
+    generate_internal_tls(tmp_path / "internal")
+    server = await fleet.add_replica("rep-wide", host="0.0.0.0",
+                                     internal_tls_dir=str(tmp_path / "internal"))
+    port = server.address.rsplit(":", 1)[1]
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await _direct(f"127.0.0.1:{port}")
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
 async def test_the_http_port_serves_https_with_the_same_certificate(fleet, client_port_cert):

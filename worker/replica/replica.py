@@ -35,7 +35,7 @@ from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
 from kvfleet.stream_limits import StreamLimits
 from kvfleet.telemetry import Telemetry, TelemetryConfig
 from kvfleet.telemetry.worker_spans import WorkerTelemetry
-from kvfleet.tls import ROUTER_NAME, InternalTLS
+from kvfleet.tls import ROUTER_NAME, needs_internal_tls, reloading_worker_credentials
 from kvfleet.v1 import worker_pb2, worker_pb2_grpc
 from kvfleet.worker.engine.adapter_residency import AdapterResidency
 from kvfleet.worker.engine.engine import Engine
@@ -129,6 +129,12 @@ class ReplicaConfig:
             raise ValueError(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
         if self.block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {self.block_size}")
+        if needs_internal_tls(self.host) and not self.internal_tls_dir:
+            # Fail closed: beyond loopback anyone reaching the port could call Generate,
+            # LoadAdapter, Drain or Abort; never serve that in plaintext.
+            raise ValueError(f"host {self.host!r} is reachable from other hosts: replicas bound "
+                             f"beyond loopback serve mutual TLS only; set internal_tls_dir "
+                             f"(--internal-tls-dir)")
 
 
 def cache_identity(model_name: str, model_dir: str | Path, kv_dtype: str, block_size: int) -> CacheIdentity:
@@ -211,7 +217,8 @@ class ReplicaServer:
         aio_loop = self._aio_loop = asyncio.get_running_loop()
         self._server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[AuthInterceptor(
             internal_authorizer(bool(self.cfg.internal_tls_dir), ROUTER_NAME))])
-        creds = (InternalTLS.load(self.cfg.internal_tls_dir).worker_credentials()
+        # Follows the directory: a renewed certificate is served from the next handshake on.
+        creds = (reloading_worker_credentials(self.cfg.internal_tls_dir)
                  if self.cfg.internal_tls_dir else None)
         port = bind_port(self._server, self.cfg.host, self.cfg.port, creds)
         self.address = f"{advertised_host(self.cfg.host)}:{port}"

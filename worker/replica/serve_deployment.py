@@ -18,9 +18,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 from typing import Optional
 
 from kvfleet.config_codec import from_dict
+from kvfleet.secrets import redis_url_from_env, telemetry_secrets_from_env
 from kvfleet.worker.replica.replica import ReplicaConfig
 from kvfleet.worker.replica.host import ThreadedHost
 
@@ -39,6 +41,13 @@ def replica_configs(base: ReplicaConfig, serve_replica: str, count: int) -> list
     return [dataclasses.replace(base, replica_id=stem if count == 1 else f"{stem}-{j}",
                                 serve_replica=serve_replica, telemetry=telemetry)
             for j in range(count)]
+
+
+def config_from_env(cfg: ReplicaConfig, env) -> ReplicaConfig:
+    """``cfg`` with the secrets its args never carry (kvfleet.secrets) taken from ``env``: the
+    Redis password and the OTLP headers. Raises ValueError for malformed OTLP headers."""
+    return dataclasses.replace(cfg, redis_url=redis_url_from_env(cfg.redis_url, env),
+                               telemetry=telemetry_secrets_from_env(cfg.telemetry, env))
 
 
 class ServeReplica:
@@ -62,7 +71,8 @@ class ServeReplica:
         logging.basicConfig(level=logging.INFO,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         me = serve.get_replica_context().replica_id.unique_id
-        self.cfgs = replica_configs(from_dict(ReplicaConfig, replica), me, count)
+        self.cfgs = replica_configs(config_from_env(from_dict(ReplicaConfig, replica),
+                                                    os.environ), me, count)
         self._host = ThreadedHost(self.cfgs)
         try:
             self.addresses = self._host.start()

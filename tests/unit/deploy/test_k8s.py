@@ -28,8 +28,8 @@ def _objects(k: k8s.K8sConfig) -> list[dict]:
 def test_every_rendered_object_validates(k):
     objects = _objects(k)
     kinds = sorted(o["kind"] for o in objects)
-    assert kinds == ["ConfigMap", "Deployment", "Deployment", "Deployment", "RayService",
-                     "Service", "Service", "Service"]
+    assert kinds == ["ConfigMap", "Deployment", "Deployment", "Deployment", "NetworkPolicy",
+                     "NetworkPolicy", "RayService", "Service", "Service", "Service"]
     for obj in objects:
         validate(obj)
 

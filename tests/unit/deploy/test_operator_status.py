@@ -35,7 +35,8 @@ def test_rows_join_serve_and_registry_states() -> None:
     rows = {r["replica_id"]: r for r in replica_rows(serve, entries, tp=2)}
     assert sorted(rows) == ["(serve b)", "(serve c)", "m-a", "m-e", "m-x"]
     assert rows["m-a"]["state"] == "serving" and rows["m-a"]["kv_blocks_used"] == 54
-    assert rows["m-a"]["ranks"] == [{"rank": 0, "node": "abcdef123456", "device": "cpu", "pid": 7}]
+    assert rows["m-a"]["ranks"] == [{"rank": 0, "node": "abcdef123456", "device": "cpu", "pid": 7,
+                                     "kv_bytes": 0, "num_blocks": 0, "weight_bytes": 0}]
     assert rows["m-e"]["state"] == "draining"
     assert rows["m-x"]["state"] == "failed" and rows["m-x"]["serve_state"] == "GONE"
     assert rows["(serve b)"]["state"] == "starting" and rows["(serve b)"]["tp"] == 2
@@ -79,3 +80,55 @@ def test_hosted_replica_ids_and_free_metrics_ports() -> None:
     assert [c.replica_id for c in replica_configs(base, "abc", 2)] == ["m-abc-0", "m-abc-1"]
     with pytest.raises(ValueError):
         replica_configs(base, "abc", 0)
+
+
+def test_rows_carry_per_rank_kv_and_weight_bytes_and_the_adapters_held() -> None:
+    """Item 19: what Router.ClusterStatus has per rank, and each replica's adapters with
+    their revisions (resident = in a slot now)."""
+    ranks = tuple({"rank": n, "node_id": "node", "device": f"cuda:{n}", "pid": 10 + n,
+                   "kv_bytes": 4 << 30, "num_blocks": 8192, "weight_bytes": 3 << 29}
+                  for n in range(2))
+    info = ReplicaInfo("m-a", "10.0.0.1:5", "m", 1, 16, tensor_parallel_size=2, ranks=ranks,
+                       serve_replica="a", adapters=(("sql", "ab12" * 16), ("chat", "cd34" * 16)),
+                       resident_adapters=("sql",))
+    (row,) = replica_rows([{"replica_id": "a", "state": "RUNNING", "pid": 10}],
+                          [RegistryEntry(info, ReplicaLoad(0, 0, 8192, 8192, 0.0), 0.1)], tp=2)
+    assert [(k["rank"], k["kv_bytes"], k["num_blocks"], k["weight_bytes"]) for k in row["ranks"]] \
+        == [(0, 4 << 30, 8192, 3 << 29), (1, 4 << 30, 8192, 3 << 29)]
+    assert row["adapters"] == [{"name": "sql", "revision": "ab12" * 16, "resident": True},
+                               {"name": "chat", "revision": "cd34" * 16, "resident": False}]
+    text = format_status({"applications": [{"app": "ns.m", "model": "m", "revision": "",
+                                            "serve_status": "RUNNING", "target_replicas": 1,
+                                            "replicas": [row], "internal_tls": None}],
+                          "routers": [], "redis": {"address": "r:6379", "up": True}})
+    assert "rank 1: KV 4 GiB (8192 blocks), weights 1.5 GiB" in text
+    assert "sql@ab12ab12ab12 (resident)" in text and "chat@cd34cd34cd34" in text
+    # A replica registered by an older kvfleet (no byte figures) reads as zeros.
+    old = ReplicaInfo("m-b", "x:1", "m", 1, 16, ranks=({"rank": 0},), serve_replica="b")
+    (row,) = replica_rows([{"replica_id": "b", "state": "RUNNING"}],
+                          [RegistryEntry(old, None, None)], tp=1)
+    assert row["ranks"][0]["kv_bytes"] == 0 and row["adapters"] == []
+
+
+def test_status_shows_days_to_expiry_of_the_internal_certificates(tmp_path) -> None:
+    """Item 15: the replicas' internal TLS directory (from the application config) and the
+    days each certificate in it has left."""
+    from kvfleet.deploy.operate import internal_tls_status
+
+    from kvfleet.tls import generate_internal_tls
+
+    assert internal_tls_status(None) is None
+    generate_internal_tls(tmp_path / "tls", days=45)
+    tls = internal_tls_status(str(tmp_path / "tls"))
+    assert tls["dir"] == str(tmp_path / "tls")
+    assert 44.9 <= tls["certificates"]["worker.pem"]["days_left"] <= 45
+    app = {"app": "ns.m", "model": "m", "revision": "", "serve_status": "RUNNING",
+           "target_replicas": 0, "replicas": [], "internal_tls": tls}
+    text = format_status({"applications": [app], "routers": [],
+                          "redis": {"address": "r:6379", "up": True}})
+    assert f"worker.pem expires in {tls['certificates']['worker.pem']['days_left']:g} days" in text
+    missing = internal_tls_status(str(tmp_path / "elsewhere"))
+    assert "error" in missing["certificates"]["ca.pem"]
+    app["internal_tls"] = missing
+    assert "unreadable here" in format_status({"applications": [app], "routers": [],
+                                               "redis": {"address": "r:6379", "up": True}})
