@@ -20,6 +20,7 @@ DEFAULT_ROUTER = "127.0.0.1:50051"
 
 
 def _add_cluster_args(p: argparse.ArgumentParser) -> None:
+    from kvfleet.constraint import DEFAULT_CACHE_SIZE, DEFAULT_MAX_COMPILE_S
     from kvfleet.deploy.models import DEFAULT_MODEL
 
     p.add_argument("--model", default=DEFAULT_MODEL,
@@ -51,6 +52,12 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="largest adapter rank accepted (default 64)")
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-grammar-compile-s", type=float, default=DEFAULT_MAX_COMPILE_S,
+                   help="structured output: a schema, regex or grammar whose compile takes longer "
+                        f"is refused with INVALID_ARGUMENT (default {DEFAULT_MAX_COMPILE_S} s)")
+    p.add_argument("--grammar-cache-size", type=_positive_int("--grammar-cache-size"),
+                   default=DEFAULT_CACHE_SIZE,
+                   help=f"compiled grammars kept per replica, LRU (default {DEFAULT_CACHE_SIZE})")
     p.add_argument("--port", type=int, default=50051, help="router port (0 = a free port)")
     p.add_argument("--redis-url", help="use this Redis instead of starting a private one")
     p.add_argument("--ray-address", help="join this Ray cluster instead of starting one")
@@ -122,6 +129,7 @@ def cluster_config(args: argparse.Namespace):
     from kvfleet.deploy.launcher import ClusterConfig
     from kvfleet.deploy.models import resolve_model
     from kvfleet.telemetry import TelemetryConfig
+    from kvfleet.constraint import GrammarConfig
     from kvfleet.worker.engine.scheduler import SchedulerConfig
 
     from kvfleet.worker.executor.cost_model import MEASURED, CostModel
@@ -152,6 +160,8 @@ def cluster_config(args: argparse.Namespace):
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   policy=args.admission, tenant_share=args.tenant_share),
+        grammar=GrammarConfig(max_compile_s=args.max_grammar_compile_s,
+                              cache_size=args.grammar_cache_size),
         tls_cert=args.tls_cert, tls_key=args.tls_key, internal_tls_dir=args.internal_tls_dir,
         executor=args.executor, cost_model=cost if args.executor == "cost-model" else None,
         tensor_parallel_size=args.tensor_parallel_size, device=args.device,

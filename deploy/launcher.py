@@ -23,17 +23,19 @@ from dataclasses import dataclass, field, replace
 from typing import Optional, TextIO
 
 from kvfleet.deploy import serve_control
-from kvfleet.deploy.redis_server import RedisServer, start_redis
 from kvfleet.deploy.operate import AppRef
+from kvfleet.deploy.redis_server import RedisServer, start_redis
 from kvfleet.deploy.serve_app import Placement, app_config
+from kvfleet.worker.engine.scheduler import SchedulerConfig
+from kvfleet.worker.executor.cost_model import CostModel
+from kvfleet.worker.executor.tp.group import TPSettings
+from kvfleet.worker.replica.replica import EXECUTORS, ReplicaConfig
+
+from kvfleet.constraint import GrammarConfig
 from kvfleet.index_keys import DEFAULT_NAMESPACE, ReplicaInfo
 from kvfleet.telemetry import TelemetryConfig
 from kvfleet.tls import FILES as TLS_FILES
 from kvfleet.tls import generate_internal_tls
-from kvfleet.worker.executor.cost_model import CostModel
-from kvfleet.worker.executor.tp.group import TPSettings
-from kvfleet.worker.replica.replica import EXECUTORS, ReplicaConfig
-from kvfleet.worker.engine.scheduler import SchedulerConfig
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +62,7 @@ class ClusterConfig:
     one_row_weights: bool = True  # see ReplicaConfig
     policy: str = "prefix_aware"
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    grammar: GrammarConfig = field(default_factory=GrammarConfig)  # structured output bounds
     host: str = "127.0.0.1"  # the router's
     port: int = 50051
     # Where replicas serve gRPC: 0.0.0.0 on a multi-host cluster (each advertises its node's
@@ -354,7 +357,8 @@ def serve_application(cfg: ClusterConfig, redis_url: str, num_cpus: float, threa
         executor=cfg.executor, cost_model=cfg.cost_model,
         tensor_parallel_size=tp, tp=cfg.tp, device=cfg.device,
         internal_tls_dir=cfg.internal_tls_dir, drain_timeout_s=cfg.drain_timeout_s,
-        adapters=cfg.adapters, max_loras=cfg.max_loras, max_lora_rank=cfg.max_lora_rank)
+        adapters=cfg.adapters, max_loras=cfg.max_loras, max_lora_rank=cfg.max_lora_rank,
+        grammar=cfg.grammar)
     placement = Placement(num_cpus, tp, cfg.device.startswith("cuda"), cfg.tp.rank_num_cpus)
     env = {**RAY_ENV, "OMP_WAIT_POLICY": "passive"}
     return app_config(base, cfg.replicas, placement, replicas_per_process(cfg), cfg.revision,

@@ -18,19 +18,32 @@ from dataclasses import dataclass, replace
 from typing import AsyncIterator, Optional, Sequence
 
 import grpc
-
 from kvfleet.allocator.hashing import block_hash_chain
-from kvfleet.errors import (AlreadyExists, InvalidArgument, KvfleetError, NotFound, OutOfRange,
-                            PromptTooLarge, Unavailable)
 from kvfleet.router.adapter_routing import adapter_revision, prefer_resident, serving
 from kvfleet.router.auth import Authenticator
-from kvfleet.router.capacity import (DEFAULT_RETRY_PUSHBACK_MS, check_room, check_tenant,
-                                     fleet_capacity, with_room)
+from kvfleet.router.capacity import (
+    DEFAULT_RETRY_PUSHBACK_MS,
+    check_room,
+    check_tenant,
+    fleet_capacity,
+    with_room,
+)
 from kvfleet.router.policy import Candidate, RoutingPolicy
 from kvfleet.router.prefix_index import IndexUnavailable
 from kvfleet.router.replica_set import ReplicaSet
 from kvfleet.router.served_model import ServedModel
 from kvfleet.router.worker_link import LinkCall, WorkerCallError
+
+from kvfleet.constraint import Constraint
+from kvfleet.errors import (
+    AlreadyExists,
+    InvalidArgument,
+    KvfleetError,
+    NotFound,
+    OutOfRange,
+    PromptTooLarge,
+    Unavailable,
+)
 from kvfleet.sampling_params import SamplingParams
 from kvfleet.stream_limits import StreamLimits
 from kvfleet.telemetry.router_spans import RouterRequestTrace, RouterTelemetry
@@ -71,6 +84,7 @@ class GenerateInput:
     request_id: str = ""
     deadline_unix_s: Optional[float] = None
     fill_context: bool = False
+    constraint: Optional[Constraint] = None  # structured output (validated by the edge)
 
 
 @dataclass(frozen=True)
@@ -336,6 +350,8 @@ class RouterCore:
         worker_req.cache_salt, worker_req.adapter = req.cache_salt, req.adapter
         worker_req.prompt_token_ids.extend(tokens)
         params.to_proto(worker_req.sampling)
+        if req.constraint is not None:
+            req.constraint.to_proto(worker_req)
         if req.deadline_unix_s is not None:
             worker_req.deadline_unix_s = req.deadline_unix_s
         return call

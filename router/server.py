@@ -7,13 +7,14 @@ import logging
 import time
 
 import grpc
-
-from kvfleet.errors import InvalidArgument, KvfleetError, status_of
-from kvfleet.index_keys import REDIS_DOWN_ERRORS, redis_host
 from kvfleet.router.adapter_admin import on_every_replica
 from kvfleet.router.adapter_routing import served_adapters
 from kvfleet.router.capacity import RETRY_PUSHBACK_KEY
 from kvfleet.router.core import GenerateInput, Prompt, RouterCore
+
+from kvfleet.constraint import Constraint
+from kvfleet.errors import InvalidArgument, KvfleetError, status_of
+from kvfleet.index_keys import REDIS_DOWN_ERRORS, redis_host
 from kvfleet.sampling_params import SamplingParams
 from kvfleet.stream_limits import SlowReader, write_within
 from kvfleet.v1 import common_pb2, router_pb2, router_pb2_grpc
@@ -53,7 +54,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
                     sampling=SamplingParams.from_proto(request.sampling), model=request.model,
                     adapter=request.adapter, cache_salt=request.cache_salt,
                     request_id=request.request_id,
-                    deadline_unix_s=None if remaining is None else time.time() + remaining)
+                    deadline_unix_s=None if remaining is None else time.time() + remaining,
+                    constraint=Constraint.from_proto(request))
                 # gRPC cancels this handler at the client's deadline, which cancels the relay.
                 async with contextlib.aclosing(self.core.generate(req, tenant, trace)) as out:
                     async for msg in out:

@@ -18,35 +18,41 @@ from typing import Callable, Optional
 import grpc
 import tokenizers
 import torch
-
 from kvfleet.allocator.fingerprint import fingerprint_model_dir
 from kvfleet.allocator.hashing import CacheIdentity
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
-from kvfleet.grpc_util import (SERVER_OPTIONS, add_health_and_reflection, advertised_host,
-                                bind_port, mark_serving)
-from kvfleet.errors import Unavailable
-from kvfleet.stream_limits import StreamLimits
-from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
-from kvfleet.v1 import worker_pb2, worker_pb2_grpc
-from kvfleet.worker.executor.cost_model import CostModel, cost_model_runner
-from kvfleet.worker.engine.engine import Engine
-from kvfleet.worker.service.engine_loop import EngineLoop
-from kvfleet.worker.replica.kv_publisher import KvPublisher
-from kvfleet.worker.runner.kv_cache import num_blocks_for_memory
-from kvfleet.worker.replica.adapter_admin import AdapterAdmin
-from kvfleet.worker.replica.adapter_catalog import check_catalog
 from kvfleet.worker.engine.adapter_residency import AdapterResidency
-from kvfleet.worker.runner.model_config import load_model_config
-from kvfleet.worker.replica.hit_window import HitWindow
-from kvfleet.worker.runner.model_runner import ModelRunner
+from kvfleet.worker.engine.engine import Engine
+from kvfleet.worker.engine.scheduler import SchedulerConfig
+from kvfleet.worker.executor.cost_model import CostModel, cost_model_runner
 from kvfleet.worker.executor.tp.group import RankGroup, TPSettings
 from kvfleet.worker.executor.tp.rank_worker import RankInfo, RankSpec, rank_info
 from kvfleet.worker.executor.tp_executor import TPRunner
-from kvfleet.worker.engine.scheduler import SchedulerConfig
+from kvfleet.worker.replica.adapter_admin import AdapterAdmin
+from kvfleet.worker.replica.adapter_catalog import check_catalog
+from kvfleet.worker.replica.hit_window import HitWindow
+from kvfleet.worker.replica.kv_publisher import KvPublisher
+from kvfleet.worker.runner.kv_cache import num_blocks_for_memory
+from kvfleet.worker.runner.model_config import load_model_config
+from kvfleet.worker.runner.model_runner import ModelRunner
+from kvfleet.worker.service.engine_loop import EngineLoop
 from kvfleet.worker.service.server import WorkerService
+
+from kvfleet.constraint import GrammarConfig
+from kvfleet.errors import Unavailable
+from kvfleet.grpc_util import (
+    SERVER_OPTIONS,
+    add_health_and_reflection,
+    advertised_host,
+    bind_port,
+    mark_serving,
+)
+from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
+from kvfleet.stream_limits import StreamLimits
 from kvfleet.telemetry import Telemetry, TelemetryConfig
 from kvfleet.telemetry.worker_spans import WorkerTelemetry
 from kvfleet.tls import InternalTLS
+from kvfleet.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +103,8 @@ class ReplicaConfig:
     internal_tls_dir: Optional[str] = None
     # Slow or vanished readers: outputs buffered per stream, seconds a write may wait.
     stream_limits: StreamLimits = field(default_factory=StreamLimits)
+    # Structured output: compile-time bound and cache size (kvfleet.worker.engine.grammar).
+    grammar: GrammarConfig = field(default_factory=GrammarConfig)
     # LoRA: servable adapters as (name, directory), checked at start; max_loras slots per
     # replica (LRU, loaded on first use), max_lora_rank the largest rank accepted.
     adapters: tuple[tuple[str, str], ...] = ()
@@ -173,7 +181,7 @@ def build_engine(cfg: ReplicaConfig, on_rank_failure: Callable[[str], None] = la
     residency = AdapterResidency(runner, catalog, max_loras) if max_loras else None
     return Engine(runner, kv, tokenizer, identity.digest(), mc.eos_token_ids,
                   mc.max_position_embeddings, mc.vocab_size, cfg.scheduler,
-                  adapters=residency, identity=identity)
+                  adapters=residency, identity=identity, grammar=cfg.grammar)
 
 
 class ReplicaServer:
