@@ -8,8 +8,8 @@ masks of a batch's constrained rows in one call, leaving free rows untouched.
 
 Why xgrammar (measured on SmolLM2's 49,152-token vocab, 2 loaded cores): a nested JSON schema
 compiles in ~36 ms (llguidance ~28 ms), but filling + applying 16 rows' masks per step takes
-~7.5 ms p50 against llguidance's ~38 ms, and llguidance's slowest step was two minutes
-(its lazy lexer), which a decode loop cannot absorb.
+~7.5 ms p50 against llguidance's ~38 ms (and one llguidance step took 120 s in that run,
+not investigated): the per-step cost is what a decode loop pays.
 """
 
 from __future__ import annotations
