@@ -9,8 +9,12 @@ import re
 import jsonschema
 import openai
 import pytest
-from kvfleet.deploy.launcher import ClusterConfig, LocalCluster
+
+from kvfleet.deploy.cluster_config import ClusterConfig
+from kvfleet.deploy.launcher import LocalCluster
+from kvfleet.router.main import RouterConfig
 from kvfleet.worker.engine.scheduler import SchedulerConfig
+from kvfleet.worker.replica.replica import ReplicaConfig
 
 pytestmark = pytest.mark.slow
 
@@ -44,9 +48,10 @@ TOOLS = [{"type": "function", "function": {
 
 @pytest.fixture(scope="module")
 def oai(ray_session, redis_server, smollm2_dir):
-    cfg = ClusterConfig(model_name="smollm2", model_dir=str(smollm2_dir), replicas=1, port=0,
-                        http_port=0, redis_url=redis_server.url, namespace="kvtest-structured:",
-                        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256))
+    replica = ReplicaConfig(replica_id="smollm2", model_name="smollm2", model_dir=str(smollm2_dir),
+                            redis_url=redis_server.url, namespace="kvtest-structured:",
+                            scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256))
+    cfg = ClusterConfig(replica, RouterConfig(port=0, http_port=0), replicas=1)
     cluster = LocalCluster(cfg)
     cluster.start()
     try:

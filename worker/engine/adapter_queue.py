@@ -9,7 +9,7 @@ from typing import Callable
 from kvfleet.allocator.hashing import CacheIdentity
 from kvfleet.errors import KvfleetError, NotFound
 from kvfleet.worker.engine.adapter_residency import AdapterResidency
-from kvfleet.worker.engine.request import Sequence
+from kvfleet.worker.engine.request import SequenceState
 
 
 class AdapterQueue:
@@ -24,7 +24,7 @@ class AdapterQueue:
         self.residency, self.identity, self.base_digest = residency, identity, base_digest
         self.scheduler = scheduler
         self._digests: dict[tuple[str, str], bytes] = {}
-        self._waiting: list[tuple[str, list[Sequence]]] = []  # arrival order
+        self._waiting: list[tuple[str, list[SequenceState]]] = []  # arrival order
         self._slot_of: dict[str, int] = {}  # request_id -> adapter slot it holds
 
     @property
@@ -47,7 +47,7 @@ class AdapterQueue:
             self._digests[key] = self.identity.with_adapter(*key).digest()
         return self._digests[key]
 
-    def add(self, adapter: str, seqs: list[Sequence]) -> None:
+    def add(self, adapter: str, seqs: list[SequenceState]) -> None:
         """Queue a request's ``seqs`` now if ``adapter`` is resident, else hold them until it
         is. Raises what :meth:`Scheduler.add` raises when queued at once."""
         first = seqs[0]
@@ -55,7 +55,7 @@ class AdapterQueue:
         if not self._start(adapter, seqs):
             self._waiting.append((adapter, seqs))
 
-    def _start(self, adapter: str, seqs: list[Sequence]) -> bool:
+    def _start(self, adapter: str, seqs: list[SequenceState]) -> bool:
         slot = self.residency.acquire(adapter)
         if slot is None:
             return False
@@ -69,7 +69,7 @@ class AdapterQueue:
         self._slot_of[seqs[0].request_id] = slot
         return True
 
-    def admit(self, fail: Callable[[Sequence, BaseException], object]) -> list:
+    def admit(self, fail: Callable[[SequenceState, BaseException], object]) -> list:
         """Queue the held requests whose adapter is now resident, in arrival order; ``fail``
         ends a sample whose adapter failed to load or that the scheduler refused, and returns
         its output. Returns those outputs."""

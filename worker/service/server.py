@@ -11,12 +11,6 @@ import uuid
 from typing import Optional
 
 import grpc
-from kvfleet.worker.engine.engine import EngineRequest
-from kvfleet.worker.engine.outputs import SeqOutput
-from kvfleet.worker.engine.request import FinishReason
-from kvfleet.worker.replica.adapter_admin import AdapterAdmin
-from kvfleet.worker.service.engine_loop import EngineLoop
-from kvfleet.worker.service.reservations import Reservations
 
 from kvfleet.constraint import Constraint
 from kvfleet.errors import (
@@ -31,6 +25,12 @@ from kvfleet.stream_limits import SlowReader, StreamLimits, write_within
 from kvfleet.telemetry.names import MD_WORKER_DURATION_S
 from kvfleet.telemetry.worker_spans import WorkerTelemetry
 from kvfleet.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from kvfleet.worker.engine.engine import EngineRequest
+from kvfleet.worker.engine.outputs import SeqOutput
+from kvfleet.worker.engine.request import FinishReason
+from kvfleet.worker.replica.adapter_admin import AdapterAdmin
+from kvfleet.worker.service.engine_loop import EngineLoop
+from kvfleet.worker.service.reservations import Reservations
 
 log = logging.getLogger(__name__)
 
@@ -282,5 +282,7 @@ def _engine_request(request: worker_pb2.WorkerGenerateRequest) -> EngineRequest:
     return EngineRequest(
         request_id=request.request_id or uuid.uuid4().hex,
         prompt_token_ids=tuple(request.prompt_token_ids), params=params,
-        tenant=request.tenant or "default", cache_salt=request.cache_salt,
+        tenant=request.tenant or request.cache_scope or "default",
+        cache_scope=request.cache_scope or request.tenant or "default",
+        cache_salt=request.cache_salt,
         adapter=request.adapter, deadline=deadline, constraint=Constraint.from_proto(request))
