@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from kvfleet.allocator.units import format_bytes, parse_size
+from kvfleet.constraint import GrammarConfig
 from kvfleet.deploy.arg_types import positive_int, positive_seconds
 from kvfleet.deploy.cluster_config import ClusterConfig, with_default_internal_tls
 from kvfleet.deploy.models import DEFAULT_MODEL, resolve_model
@@ -28,7 +29,7 @@ from kvfleet.worker.replica.replica import DEFAULT_KV_MEMORY_BYTES, EXECUTORS, R
 DECLARED: Any = object()  # the field's default in its dataclass
 # Config path prefix -> the dataclass holding the fields below it ("" = ClusterConfig).
 OWNERS: dict[str, type] = {"": ClusterConfig, "replica": ReplicaConfig, "router": RouterConfig,
-                           "replica.scheduler": SchedulerConfig}
+                           "replica.scheduler": SchedulerConfig, "replica.grammar": GrammarConfig}
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,12 @@ FLAGS: tuple[Flag, ...] = (
          "sequences a replica runs at once (default {default})", type=int),
     Flag("--max-num-batched-tokens", "replica.scheduler.max_num_batched_tokens",
          "tokens one engine step computes (default {default})", type=int),
+    Flag("--max-grammar-compile-s", "replica.grammar.max_compile_s",
+         "structured output: a schema, regex or grammar whose compile takes longer is refused "
+         "with INVALID_ARGUMENT (default {default} s)", type=positive_seconds),
+    Flag("--grammar-cache-size", "replica.grammar.cache_size",
+         "compiled grammars kept per replica, LRU (default {default})",
+         type=positive_int("--grammar-cache-size")),
     Flag("--port", "router.port", "router port (default {default}; 0 = a free port)", type=int),
     Flag("--redis-url", "replica.redis_url", "use this Redis instead of starting a private one"),
     Flag("--ray-address", "ray_address", "join this Ray cluster instead of starting one"),
@@ -209,7 +216,8 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
         cost = cost.scaled(args.cost_model_scale)
     replica = ReplicaConfig(
         replica_id=name, model_name=name, model_dir=str(model_dir),
-        scheduler=SchedulerConfig(**values["replica.scheduler"]), adapters=adapters,
+        scheduler=SchedulerConfig(**values["replica.scheduler"]),
+        grammar=GrammarConfig(**values["replica.grammar"]), adapters=adapters,
         cost_model=cost if replica_values["executor"] == "cost-model" else None,
         telemetry=TelemetryConfig.from_env(os.environ), **replica_values)
     # -vv: the router logs each routing decision (candidates' matches and loads) too

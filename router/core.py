@@ -22,6 +22,7 @@ from typing import AsyncGenerator, Optional, Sequence
 import grpc
 
 from kvfleet.allocator.hashing import block_hash_chain
+from kvfleet.constraint import Constraint
 from kvfleet.errors import (
     AlreadyExists,
     InvalidArgument,
@@ -107,6 +108,7 @@ class GenerateInput:
     request_id: str = ""
     deadline_unix_s: Optional[float] = None
     fill_context: bool = False
+    constraint: Optional[Constraint] = None  # structured output (validated by the edge)
 
 
 @dataclass(frozen=True)
@@ -396,6 +398,8 @@ class RouterCore:
         worker_req.cache_salt, worker_req.adapter = req.cache_salt, req.adapter
         worker_req.prompt_token_ids.extend(tokens)
         params.to_proto(worker_req.sampling)
+        if req.constraint is not None:
+            req.constraint.to_proto(worker_req)
         if req.deadline_unix_s is not None:
             worker_req.deadline_unix_s = req.deadline_unix_s
         return call

@@ -24,6 +24,7 @@ import uuid
 from dataclasses import replace
 from typing import AsyncGenerator, Optional
 
+import grpc
 import uvicorn
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -36,7 +37,12 @@ from kvfleet.grpc_util import MAX_MESSAGE_BYTES
 from kvfleet.router.adapter_routing import served_adapters
 from kvfleet.router.core import RouterCore
 from kvfleet.router.http_streams import ClientDisconnected, merge, until_disconnected
-from kvfleet.router.openai_request import OpenAIRequest, openai_param, parse_chat, parse_completion
+from kvfleet.router.openai_request import (
+    OpenAIRequest,
+    openai_param,
+    parse_chat,
+    parse_completion,
+)
 from kvfleet.router.openai_response import ResponseBuilder, error_response
 from kvfleet.stream_limits import SlowReader, StreamLimits, write_within
 from kvfleet.v1 import common_pb2
@@ -259,7 +265,8 @@ class HttpFront:
             return self._error(exc)
         tokenizer = self.core.models[model].tokenizer
         builder = ResponseBuilder(oreq.chat, rid, shown or model, oreq.n, oreq.logprobs,
-                                  lambda t: tokenizer.decode([t], skip_special_tokens=False))
+                                  lambda t: tokenizer.decode([t], skip_special_tokens=False),
+                                  oreq.tools)
         events = merge([self._one(p, inp, tenant, headers, route, oreq)
                         for p, inp in enumerate(oreq.inputs)])
         try:
@@ -308,9 +315,13 @@ class HttpFront:
         try:
             for chunk in builder.role_chunks(len(oreq.inputs)):
                 yield _sse(chunk)
-            yield _sse(builder.chunk(*first, oreq.include_usage))
+            prompt, msg = first
+            chunk = builder.chunk(prompt, msg, oreq.include_usage)
+            if chunk is not None:  # None: a tool-mode choice holds its text until it ends
+                yield _sse(chunk)
             async for prompt, msg in events:
-                yield _sse(builder.chunk(prompt, msg, oreq.include_usage))
+                if (chunk := builder.chunk(prompt, msg, oreq.include_usage)) is not None:
+                    yield _sse(chunk)
             if oreq.include_usage:
                 yield _sse(builder.usage_chunk())
             yield b"data: [DONE]\n\n"
@@ -373,5 +384,9 @@ class HttpFront:
     def _error(exc: KvfleetError, oreq: Optional[OpenAIRequest] = None) -> Response:
         code, message = status_of(exc)
         param = oreq.param(exc.field) if oreq is not None else openai_param(exc.field)
+        c = oreq.constraint if oreq is not None else None
+        if c is not None and code == grpc.StatusCode.INVALID_ARGUMENT and message.startswith(c.kind):
+            # the worker's compile refusal names the gRPC field: name the request's instead
+            message, param = c.field + message[len(c.kind):], c.field
         status, body, headers = error_response(code, message or code.name, param, exc)
         return JSONResponse(body, status_code=status, headers=headers)

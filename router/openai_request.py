@@ -2,20 +2,30 @@
 
 OpenAI's defaults apply, not gRPC's: ``temperature`` 1, completions ``max_tokens`` 16, chat
 bounded only by the context. kvfleet extras keep their own names as vLLM's do (``top_k``,
-``repetition_penalty``, ``cache_salt``, ``ignore_eos``, ``stop_token_ids``). A field kvfleet
-does not support (``tools``, ``response_format``, ``echo``, …, or any unknown name) is an
+``repetition_penalty``, ``cache_salt``, ``ignore_eos``, ``stop_token_ids``, ``guided_*``).
+Structured output and tools: :mod:`kvfleet.router.openai_structured`. A field kvfleet
+does not support (``echo``, ``logit_bias``, …, or any unknown name) is an
 :class:`~kvfleet.errors.InvalidArgument` naming it unless it holds its "off" value (null,
 false, empty): never silently ignored. ``user`` is recorded on the trace only.
 """
 
 from __future__ import annotations
 
+import json
 import secrets
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from kvfleet.errors import InvalidArgument
 from kvfleet.router.core import GenerateInput, Prompt
+from kvfleet.router.openai_structured import (
+    STRUCTURED_FIELDS,
+    TOOL_FIELDS,
+    parse_constraint,
+    parse_tools,
+)
+
+from kvfleet.constraint import Constraint
+from kvfleet.errors import InvalidArgument
 from kvfleet.sampling_params import SamplingParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
@@ -24,8 +34,9 @@ MAX_PROMPTS = 64  # prompts in one completions array
 _COMMON = {"model", "stream", "stream_options", "n", "stop", "seed", "temperature", "top_p",
            "presence_penalty", "frequency_penalty", "max_tokens", "user",
            "top_k", "repetition_penalty", "cache_salt", "ignore_eos", "stop_token_ids"}
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
-COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs"}
+CHAT_FIELDS = _COMMON | STRUCTURED_FIELDS | TOOL_FIELDS | {"messages", "max_completion_tokens",
+                                                          "logprobs", "top_logprobs"}
+COMPLETION_FIELDS = _COMMON | STRUCTURED_FIELDS | {"prompt", "logprobs"}
 _ROLES = {"developer": "system"}  # OpenAI's newer name for the system role
 
 
@@ -43,6 +54,10 @@ class OpenAIRequest:
     user: str
     # kvfleet field → this request's parameter, where not the generic one (see openai_param)
     aliases: tuple[tuple[str, str], ...] = ()
+    # Structured output: the constraint (the worker's compile errors name its field) and the
+    # tools a response may call (tool_choice auto / required / named), else ().
+    constraint: Optional[Constraint] = None
+    tools: tuple[str, ...] = ()
 
     def param(self, field: Optional[str]) -> Optional[str]:
         """The request parameter an error about kvfleet ``field`` names."""
@@ -141,7 +156,8 @@ def _message(i: int, m) -> dict:
     if not isinstance(m, dict):
         raise InvalidArgument(f"messages[{i}] must be an object", field=f"messages[{i}]")
     _reject_unsupported({f"messages[{i}].{k}": v for k, v in m.items()},
-                        {f"messages[{i}].role", f"messages[{i}].content"})
+                        {f"messages[{i}].{k}" for k in ("role", "content", "tool_calls",
+                                                        "tool_call_id", "name")})
     role = m.get("role")
     if not isinstance(role, str):
         raise InvalidArgument(f"messages[{i}].role must be a string", field=f"messages[{i}].role")
@@ -162,7 +178,19 @@ def _message(i: int, m) -> dict:
     elif not isinstance(content, str):
         raise InvalidArgument(f"messages[{i}].content must be a string or an array of "
                               f"content parts", field=f"messages[{i}].content")
+    if m.get("tool_calls"):  # an earlier call, shown to the model as it was asked to write one
+        content = "\n".join([content, *(_call_text(i, c) for c in m["tool_calls"])]).strip()
     return {"role": _ROLES.get(role, role), "content": content}
+
+
+def _call_text(i: int, call) -> str:
+    fn = call.get("function") if isinstance(call, dict) else None
+    try:
+        return json.dumps({"name": fn["name"], "arguments": json.loads(fn["arguments"])})
+    except (TypeError, KeyError, ValueError):
+        raise InvalidArgument(f"messages[{i}].tool_calls: each needs function.name and "
+                              "function.arguments (JSON text)",
+                              field=f"messages[{i}].tool_calls") from None
 
 
 def parse_chat(body: dict) -> OpenAIRequest:
@@ -172,6 +200,16 @@ def parse_chat(body: dict) -> OpenAIRequest:
     if not isinstance(messages, list) or not messages:
         raise InvalidArgument("messages must be a non-empty array", field="messages")
     msgs = [_message(i, m) for i, m in enumerate(messages)]
+    constraint, plan = parse_constraint(body), parse_tools(body)
+    if constraint is not None and plan.constraint is not None:
+        raise InvalidArgument(f"tool_choice {plan.mode} constrains the output: it cannot be "
+                              f"combined with {constraint.field}", field="tool_choice")
+    constraint = constraint or plan.constraint
+    if plan.system:  # the tools, described in the system message (SmolLM2 has no tool format)
+        if msgs[0]["role"] == "system":
+            msgs[0] = {**msgs[0], "content": msgs[0]["content"] + "\n\n" + plan.system}
+        else:
+            msgs.insert(0, {"role": "system", "content": plan.system})
     max_tokens = _type(body, "max_tokens", int, "an integer")
     max_completion = _type(body, "max_completion_tokens", int, "an integer")
     if max_tokens is not None and max_completion is not None:
@@ -194,9 +232,10 @@ def parse_chat(body: dict) -> OpenAIRequest:
             exc.field = dict(aliases).get(exc.field, exc.field)
         raise
     req = GenerateInput(Prompt("messages", messages=msgs), params, model=base["model"],
-                        cache_salt=base["cache_salt"], fill_context=max_tokens is None)
+                        cache_salt=base["cache_salt"], fill_context=max_tokens is None,
+                        constraint=constraint)
     return OpenAIRequest(True, (req,), base["stream"], base["include_usage"], logprobs,
-                         params.n, base["user"], aliases)
+                         params.n, base["user"], aliases, constraint, plan.names)
 
 
 def _prompts(prompt) -> list[Prompt]:
@@ -225,7 +264,9 @@ def parse_completion(body: dict) -> OpenAIRequest:
     logprobs = _type(body, "logprobs", int, "an integer")
     params = _sampling(body, COMPLETIONS_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
                        logprobs)
-    inputs = tuple(GenerateInput(p, params, model=base["model"], cache_salt=base["cache_salt"])
+    constraint = parse_constraint(body)
+    inputs = tuple(GenerateInput(p, params, model=base["model"], cache_salt=base["cache_salt"],
+                                 constraint=constraint)
                    for p in prompts)
     return OpenAIRequest(False, inputs, base["stream"], base["include_usage"], logprobs,
-                         params.n, base["user"])
+                         params.n, base["user"], constraint=constraint)

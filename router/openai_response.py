@@ -9,10 +9,12 @@ what the workers reused from their prefix caches.
 from __future__ import annotations
 
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import grpc
+from kvfleet.router.openai_structured import parse_tool_call
 
 from kvfleet.errors import PromptTooLarge
 from kvfleet.v1 import common_pb2
@@ -62,7 +64,10 @@ class ResponseBuilder:
     """Shapes one request's response. ``token_text(id)`` decodes one token (logprobs)."""
 
     def __init__(self, chat: bool, request_id: str, model: str, n: int,
-                 logprobs: Optional[int], token_text: Callable[[int], str]) -> None:
+                 logprobs: Optional[int], token_text: Callable[[int], str],
+                 tools: tuple[str, ...] = ()) -> None:
+        # Chat with tools: a choice whose whole text is one call of these is returned as
+        # ``tool_calls``; streamed, its text is held back until it has finished.
         self.chat = chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
         self.object = "chat.completion" if chat else "text_completion"
@@ -70,6 +75,7 @@ class ResponseBuilder:
         self.created = int(time.time())
         self.model, self.n, self.want_logprobs = model, n, logprobs is not None
         self.token_text = token_text
+        self.tools = tools if chat else ()
         self.choices: dict[int, _Choice] = {}
         self._prompt: dict[int, tuple[int, int]] = {}  # prompt index → (tokens, cached)
         self._completion_tokens = 0
@@ -121,10 +127,14 @@ class ResponseBuilder:
                              "logprobs": None, "finish_reason": None})
                 for i in range(num_prompts * self.n)]
 
-    def chunk(self, prompt: int, msg: common_pb2.GenerateResponse, include_usage: bool) -> dict:
-        """The SSE chunk that carries one message (after :meth:`add` would fold it)."""
+    def chunk(self, prompt: int, msg: common_pb2.GenerateResponse,
+              include_usage: bool) -> Optional[dict]:
+        """The SSE chunk that carries one message (after :meth:`add` would fold it); None for
+        a tool-mode choice that has not finished (its text is held back)."""
         i, piece = self.add(prompt, msg)
         finish = self.choices[i].finish_reason if msg.finish_reason else None
+        if self.tools:
+            return self._tool_chunk(i, piece, include_usage) if finish else None
         if self.chat:
             choice = {"index": i, "delta": {"content": msg.text} if msg.text else {},
                       "logprobs": piece, "finish_reason": finish}
@@ -134,6 +144,32 @@ class ResponseBuilder:
         if include_usage:
             out["usage"] = None  # only the last chunk carries usage, as OpenAI's do
         return out
+
+    def _tool_chunk(self, i: int, piece: Optional[dict], include_usage: bool) -> dict:
+        """The one chunk of a finished tool-mode choice: its call, or its whole text."""
+        c = self.choices[i]
+        message = self._message(c)
+        delta: dict = {"content": message["content"]} if message["content"] else {}
+        if "tool_calls" in message:
+            delta = {"tool_calls": [{"index": 0, **message["tool_calls"][0]}]}
+        logprobs = self._folded_logprobs(c) if self.want_logprobs else None
+        out = self._chunk({"index": i, "delta": delta, "logprobs": logprobs,
+                           "finish_reason": c.finish_reason})
+        if include_usage:
+            out["usage"] = None
+        return out
+
+    def _message(self, c: _Choice) -> dict:
+        """The chat ``message`` of a finished choice; a tool call sets ``finish_reason``."""
+        text = "".join(c.text)
+        call = parse_tool_call(text, self.tools) if self.tools else None
+        if call is None:
+            return {"role": "assistant", "content": text}
+        if c.finish_reason == "stop":
+            c.finish_reason = "tool_calls"
+        return {"role": "assistant", "content": None, "tool_calls": [
+            {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+             "function": {"name": call[0], "arguments": call[1]}}]}
 
     def usage_chunk(self) -> dict:
         """``stream_options.include_usage``: the last chunk, with no choices."""
@@ -159,7 +195,7 @@ class ResponseBuilder:
             text = "".join(c.text)
             logprobs = self._folded_logprobs(c) if self.want_logprobs else None
             if self.chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": text},
+                choices.append({"index": i, "message": self._message(c),
                                 "logprobs": logprobs, "finish_reason": c.finish_reason})
             else:
                 choices.append({"index": i, "text": text, "logprobs": logprobs,

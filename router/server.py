@@ -9,6 +9,7 @@ from typing import Optional
 
 import grpc
 
+from kvfleet.constraint import Constraint
 from kvfleet.errors import InvalidArgument, KvfleetError, status_of
 from kvfleet.grpc_auth import caller
 from kvfleet.index_keys import REDIS_DOWN_ERRORS, redis_host
@@ -75,7 +76,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
                     sampling=SamplingParams.from_proto(request.sampling), model=request.model,
                     adapter=request.adapter, cache_salt=request.cache_salt,
                     request_id=request.request_id,
-                    deadline_unix_s=None if remaining is None else time.time() + remaining)
+                    deadline_unix_s=None if remaining is None else time.time() + remaining,
+                    constraint=Constraint.from_proto(request))
                 # gRPC cancels this handler at the client's deadline, which cancels the relay.
                 async with contextlib.aclosing(self.core.generate(req, tenant, trace)) as out:
                     async for msg in out:

@@ -147,8 +147,12 @@ def test_a_bad_value_is_a_400_with_the_grpc_message(oai, grpc_client, kwargs, gr
 
 
 @pytest.mark.parametrize("body, status, param", [
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
-    ({"response_format": {"type": "json_object"}}, 400, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "any"}, 400,
+     "tool_choice"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "if": {}}}}}, 400,
+     "response_format.json_schema.schema"),
+    ({"guided_regex": "(unclosed"}, 400, "guided_regex"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      400, "messages[0].content[0].type"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),

@@ -10,24 +10,28 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import tokenizers
+
 from kvfleet.allocator.hashing import CacheIdentity, root_hash
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
+from kvfleet.constraint import Constraint, GrammarConfig
 from kvfleet.errors import AlreadyExists, InvalidArgument
+from kvfleet.sampling_params import SamplingParams, check_context_length
 from kvfleet.worker.engine.adapter_queue import AdapterQueue
 from kvfleet.worker.engine.adapter_residency import AdapterResidency
-from kvfleet.sampling_params import SamplingParams, check_context_length
 from kvfleet.worker.engine.detokenizer import IncrementalDetokenizer
+from kvfleet.worker.engine.grammar import GrammarCache, RowMatcher, mask_logits
 from kvfleet.worker.engine.outputs import Milestones, SeqOutput, Timing, TokenLogprobs, Usage
 from kvfleet.worker.engine.request import FinishReason, SequenceState
-from kvfleet.worker.engine.sampling import SampleState, Sampler, make_generator
+from kvfleet.worker.engine.sampling import Sampler, SampleState, make_generator
 from kvfleet.worker.engine.scheduler import Fork, Scheduler, SchedulerConfig, SchedulerOutput
 from kvfleet.worker.engine.stop_checker import StopChecker
 from kvfleet.worker.executor.base import Executor
 
 log = logging.getLogger(__name__)
+_GRAMMAR_DEFAULTS = GrammarConfig()
 
 
 @dataclass(frozen=True)
@@ -42,12 +46,19 @@ class EngineRequest:
     adapter: str = ""
     deadline: Optional[float] = None  # monotonic seconds
     cache_scope: str = ""  # the block-hash root's scope ("" = the tenant's own)
+    # Structured output: the constraint, and its compiled grammar when the caller compiled it
+    # off the engine thread (GrammarCache.compile_async); else add_request compiles it.
+    constraint: Optional[Constraint] = None
+    grammar: Any = None
 
 
 class _SeqIO:
-    """Per-sample output helpers: sampling state, detokenizer, stop-string checker."""
+    """Per-sample output helpers: sampling state, detokenizer, stop-string checker, and the
+    grammar matcher of a constrained sample."""
 
-    def __init__(self, seq: SequenceState, tokenizer: tokenizers.Tokenizer) -> None:
+    def __init__(self, seq: SequenceState, tokenizer: tokenizers.Tokenizer,
+                 grammar: Any = None) -> None:
+        self.matcher = RowMatcher(grammar) if grammar is not None else None
         self.state = SampleState(
             params=seq.params, index=seq.index, prompt_token_ids=seq.prompt_token_ids,
             output_token_ids=seq.output_token_ids,
@@ -70,13 +81,16 @@ class Engine:
         adapters: the replica's LoRA slots (None: no adapter is served); ``identity`` (the
             served model's, whose digest is ``identity_digest``) is then required: a request's
             chain root is keyed by its adapter's name and revision.
+        grammar: bounds of structured-output compilation (:class:`GrammarConfig`); a
+            constrained row's logits are masked to its grammar before sampling.
     """
 
     def __init__(self, executor: Executor, kv: KVCacheManager, tokenizer: tokenizers.Tokenizer,
                  identity_digest: bytes, eos_token_ids: Sequence[int], max_model_len: int,
                  vocab_size: int, config: SchedulerConfig = SchedulerConfig(),
                  adapters: AdapterResidency | None = None,
-                 identity: CacheIdentity | None = None) -> None:
+                 identity: CacheIdentity | None = None,
+                 grammar: GrammarConfig = _GRAMMAR_DEFAULTS) -> None:
         self.executor = executor
         self.adapters = adapters
         self.kv = kv
@@ -88,6 +102,8 @@ class Engine:
         self.scheduler = Scheduler(config, kv)
         self.lora = AdapterQueue(adapters, identity, identity_digest, self.scheduler)
         self.sampler = Sampler()
+        # Structured output: compiled off this thread by the service, cached by digest.
+        self.grammars = GrammarCache(tokenizer, vocab_size, eos_token_ids, grammar)
         self._arrivals = itertools.count()
         self._seqs: dict[str, list[SequenceState]] = {}  # request_id -> its n samples
         self._io: dict[str, _SeqIO] = {}             # seq_id -> helpers
@@ -114,8 +130,15 @@ class Engine:
             raise AlreadyExists(f"request_id {req.request_id!r} is already running")
 
     def add_request(self, req: EngineRequest) -> None:
-        """Validate and queue all ``n`` samples. Raises a KvfleetError on refusal."""
+        """Validate and queue all ``n`` samples. Raises a KvfleetError on refusal.
+
+        A constrained request without its compiled ``grammar`` is compiled here, on the
+        calling thread (tests, benchmarks); the service compiles before submitting.
+        """
         self.validate(req)
+        grammar = req.grammar
+        if req.constraint is not None and grammar is None:
+            grammar = self.grammars.compile(req.constraint)
         root = root_hash(self.lora.digest_for(req.adapter), req.cache_scope or req.tenant,
                          req.cache_salt)
         arrival = next(self._arrivals)
@@ -132,7 +155,7 @@ class Engine:
             self.scheduler.add(seqs)
         self._seqs[req.request_id] = seqs
         for s in seqs:
-            self._io[s.seq_id] = _SeqIO(s, self.tokenizer)
+            self._io[s.seq_id] = _SeqIO(s, self.tokenizer, grammar)
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED,
               error: BaseException | None = None) -> list[SeqOutput]:
@@ -189,10 +212,13 @@ class Engine:
         if not rows:
             return []
         picked = logits if rows == list(range(len(logits))) else logits[rows]
-        results = self.sampler(picked, [self._io[s.seq_id].state for s in seqs])
+        ios = [self._io[s.seq_id] for s in seqs]
+        # Constrained rows sample (and report logprobs) from the masked distribution.
+        picked = mask_logits(picked, [io.matcher for io in ios])
+        results = self.sampler(picked, [io.state for io in ios])
         now = time.monotonic()
         outputs = []
-        for seq, res in zip(seqs, results):
+        for seq, res in zip(seqs, results, strict=True):
             try:
                 outputs.append(self._append(seq, res, now))
             except Exception as exc:  # one request's failure stays with that request
@@ -202,6 +228,8 @@ class Engine:
 
     def _append(self, seq: SequenceState, res, now: float) -> SeqOutput:
         io = self._io[seq.seq_id]
+        if io.matcher is not None and not io.matcher.accept(res.token_id):
+            raise RuntimeError(f"sampled token {res.token_id} outside the grammar's mask")
         seq.append_token(res.token_id)
         seq.timing.first_token = seq.timing.first_token or now
         seq.timing.last_token = now
@@ -214,7 +242,7 @@ class Engine:
         if not is_stop_token:
             text, stopped = io.stop.feed(io.detok.push([res.token_id]))
         reason = None
-        if is_stop_token or stopped:
+        if is_stop_token or stopped or (io.matcher is not None and io.matcher.terminated):
             reason = FinishReason.STOP
         elif len(seq.output_token_ids) >= seq.params.max_tokens:
             reason = FinishReason.LENGTH

@@ -16,6 +16,7 @@ Which path a row takes (top-k, top-p, full sort) depends on that row alone.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
@@ -261,6 +262,8 @@ class Sampler:
         results = [SampleResult(t, None, ()) for t in chosen]
         for w, i in enumerate(wanted):
             n = states[i].params.logprobs
-            pairs = tuple(zip(top_ids[w][:n], top_lp[w][:n]))
+            # A masked row (structured output) may have fewer than n possible tokens.
+            pairs = tuple((t, v) for t, v in zip(top_ids[w][:n], top_lp[w][:n], strict=True)
+                          if v != -math.inf)
             results[i] = SampleResult(chosen[i], chosen_lp[w], pairs)
         return results

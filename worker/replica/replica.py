@@ -22,6 +22,7 @@ import torch
 from kvfleet.allocator.fingerprint import fingerprint_model_dir
 from kvfleet.allocator.hashing import CacheIdentity
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
+from kvfleet.constraint import GrammarConfig
 from kvfleet.errors import Unavailable
 from kvfleet.grpc_auth import AuthInterceptor, internal_authorizer
 from kvfleet.grpc_util import (
@@ -105,6 +106,8 @@ class ReplicaConfig:
     internal_tls_dir: Optional[str] = None
     # Slow or vanished readers: outputs buffered per stream, seconds a write may wait.
     stream_limits: StreamLimits = field(default_factory=StreamLimits)
+    # Structured output: compile-time bound and cache size (kvfleet.worker.engine.grammar).
+    grammar: GrammarConfig = field(default_factory=GrammarConfig)
     # LoRA: servable adapters as (name, directory), checked at start; max_loras slots per
     # replica (LRU, loaded on first use), max_lora_rank the largest rank accepted.
     adapters: tuple[tuple[str, str], ...] = ()
@@ -188,7 +191,7 @@ def build_engine(cfg: ReplicaConfig, on_rank_failure: Callable[[str], None] = la
     residency = AdapterResidency(executor, catalog, max_loras) if max_loras else None
     return Engine(executor, kv, tokenizer, identity.digest(), mc.eos_token_ids,
                   mc.max_position_embeddings, mc.vocab_size, cfg.scheduler,
-                  adapters=residency, identity=identity)
+                  adapters=residency, identity=identity, grammar=cfg.grammar)
 
 
 class ReplicaServer:

@@ -12,17 +12,24 @@ from typing import Optional
 
 import grpc
 
-from kvfleet.errors import FailedPrecondition, KvfleetError, StatusError, Unavailable, status_of
+from kvfleet.constraint import Constraint
+from kvfleet.errors import (
+    FailedPrecondition,
+    KvfleetError,
+    StatusError,
+    Unavailable,
+    status_of,
+)
 from kvfleet.sampling_params import SamplingParams
 from kvfleet.stream_limits import SlowReader, StreamLimits, write_within
 from kvfleet.telemetry.names import MD_WORKER_DURATION_S
 from kvfleet.telemetry.worker_spans import WorkerTelemetry
 from kvfleet.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from kvfleet.worker.engine.engine import EngineRequest
-from kvfleet.worker.service.engine_loop import EngineLoop
-from kvfleet.worker.replica.adapter_admin import AdapterAdmin
 from kvfleet.worker.engine.outputs import SeqOutput
 from kvfleet.worker.engine.request import FinishReason
+from kvfleet.worker.replica.adapter_admin import AdapterAdmin
+from kvfleet.worker.service.engine_loop import EngineLoop
 from kvfleet.worker.service.reservations import Reservations
 
 log = logging.getLogger(__name__)
@@ -191,6 +198,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             if self.draining:
                 raise Unavailable(f"replica {self.replica_id} is draining")
             engine_request = _engine_request(request)
+            if engine_request.constraint is not None:
+                # Off the engine thread; only this request waits (INVALID_ARGUMENT if it fails).
+                grammar = await self.loop.engine.grammars.compile_async(engine_request.constraint)
+                engine_request = dataclasses.replace(engine_request, grammar=grammar)
             # Refuse here, before the engine inbox (whose counts are a step stale).
             self.reservations.take(request.request_id, engine_request.params.n,
                                    engine_request.tenant)
@@ -274,4 +285,4 @@ def _engine_request(request: worker_pb2.WorkerGenerateRequest) -> EngineRequest:
         tenant=request.tenant or request.cache_scope or "default",
         cache_scope=request.cache_scope or request.tenant or "default",
         cache_salt=request.cache_salt,
-        adapter=request.adapter, deadline=deadline)
+        adapter=request.adapter, deadline=deadline, constraint=Constraint.from_proto(request))

@@ -65,8 +65,8 @@ def test_content_parts_are_joined_and_developer_is_system():
 
 
 @pytest.mark.parametrize("body, field", [
-    ({"tools": [{"type": "function"}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [{"type": "function"}]}, "tools[0].function.name"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
     ({"logit_bias": {"5": 1}}, "logit_bias"),
     ({"no_such_field": 1}, "no_such_field"),
     ({"messages": []}, "messages"),

@@ -1,0 +1,137 @@
+"""Structured output and tool calls with the real ``openai`` client against a running cluster
+serving SmolLM2-135M-Instruct (router process with its HTTP front, one Serve replica, Redis)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import openai
+import pytest
+
+from kvfleet.deploy.cluster_config import ClusterConfig
+from kvfleet.deploy.launcher import LocalCluster
+from kvfleet.router.main import RouterConfig
+from kvfleet.worker.engine.scheduler import SchedulerConfig
+from kvfleet.worker.replica.replica import ReplicaConfig
+
+pytestmark = pytest.mark.slow
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "address"],
+          "properties": {"name": {"type": "string", "maxLength": 24},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "address": {"type": "object", "additionalProperties": False,
+                                     "required": ["city", "country"],
+                                     "properties": {"city": {"type": "string", "maxLength": 24},
+                                                    "country": {"type": "string",
+                                                                "maxLength": 24}}}}}
+WEATHER = {"type": "object", "additionalProperties": False, "required": ["sky", "celsius"],
+           "properties": {"sky": {"enum": ["sunny", "cloudy", "rainy", "snowy"]},
+                          "celsius": {"type": "integer", "minimum": -50, "maximum": 50}}}
+PLANETS = {"type": "object", "additionalProperties": False, "required": ["planets"],
+           "properties": {"planets": {"type": "array", "minItems": 2, "maxItems": 3,
+                                      "items": {"type": "string", "maxLength": 12}}}}
+ASKS = [(PERSON, "Describe a fictional person as JSON: name, age and address."),
+        (WEATHER, "What is the weather like in Paris in winter? Answer as JSON."),
+        (PLANETS, "Name two or three planets of the solar system, as JSON.")]
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                   "properties": {"city": {"type": "string", "maxLength": 24},
+                                  "unit": {"enum": ["celsius", "fahrenheit"]}}}}},
+         {"type": "function", "function": {
+             "name": "add", "description": "Add two integers",
+             "parameters": {"type": "object", "required": ["a", "b"],
+                            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
+
+
+@pytest.fixture(scope="module")
+def oai(ray_session, redis_server, smollm2_dir):
+    replica = ReplicaConfig(replica_id="smollm2", model_name="smollm2", model_dir=str(smollm2_dir),
+                            redis_url=redis_server.url, namespace="kvtest-structured:",
+                            scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256))
+    cfg = ClusterConfig(replica, RouterConfig(port=0, http_port=0), replicas=1)
+    cluster = LocalCluster(cfg)
+    cluster.start()
+    try:
+        with openai.OpenAI(base_url=f"http://{cluster.http_address}/v1", api_key="unused",
+                           max_retries=0, timeout=600) as client:
+            yield client
+    finally:
+        cluster.stop()
+
+
+def valid(text: str, schema: dict) -> bool:
+    try:
+        jsonschema.validate(json.loads(text), schema)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+def ask(oai, prompt: str, **kw):
+    kw.setdefault("max_tokens", 96)
+    return oai.chat.completions.create(model="smollm2",
+                                       messages=[{"role": "user", "content": prompt}], **kw)
+
+
+@pytest.mark.parametrize("schema, prompt", ASKS)
+def test_json_schema_strict_output_validates(oai, schema, prompt):
+    resp = ask(oai, prompt, temperature=0, response_format={
+        "type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}})
+    choice = resp.choices[0]
+    assert choice.finish_reason == "stop" and valid(choice.message.content, schema), choice
+
+
+def test_mask_off_at_temperature_1_gives_invalid_output(oai):
+    """Negative control: the same prompts, sampled, without response_format."""
+    texts = [ask(oai, prompt, temperature=1.0, seed=seed, max_tokens=48).choices[0].message.content
+             for schema, prompt in ASKS for seed in (1, 2)]
+    schemas = [schema for schema, _ in ASKS for _ in (1, 2)]
+    assert not all(valid(t, s) for t, s in zip(texts, schemas, strict=True)), texts
+    sampled = [ask(oai, prompt, temperature=1.0, seed=seed, response_format={
+        "type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}})
+        for schema, prompt in ASKS for seed in (1, 2)]
+    assert all(valid(r.choices[0].message.content, s) for r, s in zip(sampled, schemas,
+                                                                       strict=True))
+
+
+def test_json_object_and_a_date_regex(oai):
+    resp = ask(oai, "Reply with a JSON object with one key, name, holding a cat's name.",
+               temperature=0, max_tokens=200, response_format={"type": "json_object"})
+    assert resp.choices[0].finish_reason == "stop", resp.choices[0]
+    assert isinstance(json.loads(resp.choices[0].message.content), dict)
+    resp = ask(oai, "When did the Apollo 11 mission land on the Moon?", temperature=0,
+               extra_body={"guided_regex": r"(19|20)[0-9]{2}-[01][0-9]-[0-3][0-9]"})
+    assert re.fullmatch(r"(19|20)[0-9]{2}-[01][0-9]-[0-3][0-9]", resp.choices[0].message.content)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_choice_required_returns_a_valid_call(oai, stream):
+    kw = dict(temperature=0, tools=TOOLS, tool_choice="required")
+    if not stream:
+        msg = ask(oai, "What is the weather in Tokyo, in celsius?", **kw).choices[0]
+        assert msg.finish_reason == "tool_calls" and msg.message.content is None
+        calls = msg.message.tool_calls
+    else:
+        chunks = list(ask(oai, "What is the weather in Tokyo, in celsius?", stream=True, **kw))
+        deltas = [c.choices[0].delta for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+        assert len(deltas) == 1 and chunks[-1].choices[0].finish_reason == "tool_calls"
+        calls = deltas[0].tool_calls
+    assert len(calls) == 1 and calls[0].type == "function" and calls[0].id.startswith("call_")
+    tool = {t["function"]["name"]: t["function"] for t in TOOLS}[calls[0].function.name]
+    jsonschema.validate(json.loads(calls[0].function.arguments), tool["parameters"])
+
+
+def test_named_tool_and_bad_schema(oai):
+    resp = ask(oai, "Add 2 and 3.", temperature=0, tools=TOOLS,
+               tool_choice={"type": "function", "function": {"name": "add"}})
+    call = resp.choices[0].message.tool_calls[0]
+    assert call.function.name == "add"
+    jsonschema.validate(json.loads(call.function.arguments), TOOLS[1]["function"]["parameters"])
+    with pytest.raises(openai.BadRequestError) as err:
+        ask(oai, "hi", response_format={"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "frob"}}}}})
+    assert err.value.body["param"] == "response_format.json_schema.schema"
+    assert "does not compile" in err.value.body["message"]
