@@ -1,15 +1,22 @@
 """The engine's side of adapters: a request's chain root under its adapter's revision, and
 requests held back until their adapter is resident (then queued in the scheduler holding one
-reference to its slot, released when the request ends)."""
+reference to its slot, released when the request ends).
+
+A request's adapter revision is pinned once, at admission (:meth:`AdapterQueue.pin`): the
+revision its blocks are hashed under is the one it acquires and runs, whatever is registered
+while it waits."""
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 from kvfleet.allocator.hashing import CacheIdentity
-from kvfleet.errors import KvfleetError, NotFound
 from kvfleet.worker.engine.adapter_residency import AdapterResidency
 from kvfleet.worker.engine.request import Sequence
+from kvfleet.worker.runner.lora.adapter import AdapterSpec
+
+from kvfleet.errors import KvfleetError, NotFound, ResourceExhausted
 
 
 class AdapterQueue:
@@ -24,39 +31,48 @@ class AdapterQueue:
         self.residency, self.identity, self.base_digest = residency, identity, base_digest
         self.scheduler = scheduler
         self._digests: dict[tuple[str, str], bytes] = {}
-        self._waiting: list[tuple[str, list[Sequence]]] = []  # arrival order
+        # (pinned spec, samples, monotonic time it started waiting), in arrival order
+        self._waiting: list[tuple[AdapterSpec, list[Sequence], float]] = []
         self._slot_of: dict[str, int] = {}  # request_id -> adapter slot it holds
 
     @property
     def has_waiting(self) -> bool:
         return bool(self._waiting)
 
-    def digest_for(self, adapter: str) -> bytes:
-        """The identity digest of a chain root: the model's, or the model's with the adapter's
-        name and content revision (a reloaded adapter gets new block hashes).
+    def pin(self, adapter: str) -> AdapterSpec | None:
+        """The revision of ``adapter`` a new request hashes with and runs on (None: the base
+        model).
 
         Raises:
             NotFound: the adapter is not served here (the message names it).
         """
         if not adapter:
-            return self.base_digest
+            return None
         if self.residency is None:
             raise NotFound(f"adapter {adapter!r} is not served by this replica", field="adapter")
-        key = (adapter, self.residency.spec(adapter).revision)
+        return self.residency.spec(adapter)
+
+    def digest_for(self, spec: AdapterSpec | None) -> bytes:
+        """The identity digest of a chain root: the model's (``spec`` None), or the model's
+        with the pinned adapter's name and content revision (a new revision gets new block
+        hashes)."""
+        if spec is None:
+            return self.base_digest
+        key = (spec.name, spec.revision)
         if key not in self._digests:
             self._digests[key] = self.identity.with_adapter(*key).digest()
         return self._digests[key]
 
-    def add(self, adapter: str, seqs: list[Sequence]) -> None:
-        """Queue a request's ``seqs`` now if ``adapter`` is resident, else hold them until it
-        is. Raises what :meth:`Scheduler.add` raises when queued at once."""
+    def add(self, spec: AdapterSpec, seqs: list[Sequence]) -> None:
+        """Queue a request's ``seqs`` now if its pinned adapter revision is resident, else
+        hold them until it is. Raises what :meth:`Scheduler.add` raises when queued at once."""
         first = seqs[0]
         self.scheduler.check_can_ever_fit(first.num_prompt_tokens, first.params.max_tokens, len(seqs))
-        if not self._start(adapter, seqs):
-            self._waiting.append((adapter, seqs))
+        if not self._start(spec, seqs):
+            self._waiting.append((spec, seqs, time.monotonic()))
 
-    def _start(self, adapter: str, seqs: list[Sequence]) -> bool:
-        slot = self.residency.acquire(adapter)
+    def _start(self, spec: AdapterSpec, seqs: list[Sequence]) -> bool:
+        slot = self.residency.acquire(spec)
         if slot is None:
             return False
         for s in seqs:
@@ -70,17 +86,28 @@ class AdapterQueue:
         return True
 
     def admit(self, fail: Callable[[Sequence, BaseException], object]) -> list:
-        """Queue the held requests whose adapter is now resident, in arrival order; ``fail``
-        ends a sample whose adapter failed to load or that the scheduler refused, and returns
-        its output. Returns those outputs."""
+        """Queue the held requests whose adapter is now resident, in arrival order (each one
+        still waiting claims a slot anew: see :mod:`.adapter_residency`); ``fail`` ends a
+        sample whose adapter failed to load, that waited past the residency's ``max_wait_s``,
+        or that the scheduler refused, and returns its output. Returns those outputs."""
         outputs, still = [], []
-        for adapter, seqs in self._waiting:
+        self.residency.reset_claims()
+        now = time.monotonic()
+        for spec, seqs, since in self._waiting:
             try:
-                if not self._start(adapter, seqs):
-                    still.append((adapter, seqs))
+                if self._start(spec, seqs):
+                    continue
+                if now - since > self.residency.max_wait_s:
+                    raise ResourceExhausted(
+                        f"adapter {spec.name!r} waited {now - since:.1f} s for one of this "
+                        f"replica's {self.residency.max_loras} adapter slots (at most "
+                        f"{self.residency.max_wait_s:g} s); retry", field="adapter")
+                still.append((spec, seqs, since))
             except (KvfleetError, RuntimeError) as exc:
                 outputs += [fail(s, exc) for s in seqs]
         self._waiting = still
+        if not still:
+            self.residency.reset_claims()  # a claim made by a request that just failed
         return outputs
 
     def wait(self, timeout_s: float) -> None:
@@ -90,6 +117,8 @@ class AdapterQueue:
 
     def request_done(self, request_id: str) -> None:
         """Every sample of ``request_id`` ended: drop it and release its slot reference."""
-        self._waiting = [(a, g) for a, g in self._waiting if g[0].request_id != request_id]
+        self._waiting = [w for w in self._waiting if w[1][0].request_id != request_id]
+        if not self._waiting and self.residency is not None:
+            self.residency.reset_claims()  # no waiter is left to drain a slot for
         if request_id in self._slot_of:
             self.residency.release(self._slot_of.pop(request_id))

@@ -118,7 +118,8 @@ class Engine:
     def add_request(self, req: EngineRequest) -> None:
         """Validate and queue all ``n`` samples. Raises a KvfleetError on refusal."""
         self.validate(req)
-        root = root_hash(self.lora.digest_for(req.adapter), req.tenant, req.cache_salt)
+        pinned = self.lora.pin(req.adapter)  # the revision hashed is the revision run
+        root = root_hash(self.lora.digest_for(pinned), req.tenant, req.cache_salt)
         arrival = next(self._arrivals)
         seqs = [
             Sequence(seq_id=f"{req.request_id}#{i}", request_id=req.request_id, index=i,
@@ -127,8 +128,8 @@ class Engine:
                      deadline=req.deadline, tenant=req.tenant)
             for i in range(req.params.n)
         ]
-        if req.adapter:
-            self.lora.add(req.adapter, seqs)
+        if pinned is not None:
+            self.lora.add(pinned, seqs)
         else:
             self.scheduler.add(seqs)
         self._seqs[req.request_id] = seqs

@@ -11,19 +11,25 @@ import uuid
 from typing import Optional
 
 import grpc
+from kvfleet.worker.engine.engine import EngineRequest
+from kvfleet.worker.engine.outputs import SeqOutput
+from kvfleet.worker.engine.request import FinishReason
+from kvfleet.worker.replica.adapter_admin import AdapterAdmin
+from kvfleet.worker.service.engine_loop import EngineLoop
+from kvfleet.worker.service.reservations import Reservations
 
-from kvfleet.errors import FailedPrecondition, KvfleetError, StatusError, Unavailable, status_of
+from kvfleet.errors import (
+    FailedPrecondition,
+    KvfleetError,
+    StatusError,
+    Unavailable,
+    status_of,
+)
 from kvfleet.sampling_params import SamplingParams
 from kvfleet.stream_limits import SlowReader, StreamLimits, write_within
 from kvfleet.telemetry.names import MD_WORKER_DURATION_S
 from kvfleet.telemetry.worker_spans import WorkerTelemetry
 from kvfleet.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from kvfleet.worker.engine.engine import EngineRequest
-from kvfleet.worker.service.engine_loop import EngineLoop
-from kvfleet.worker.replica.adapter_admin import AdapterAdmin
-from kvfleet.worker.engine.outputs import SeqOutput
-from kvfleet.worker.engine.request import FinishReason
-from kvfleet.worker.service.reservations import Reservations
 
 log = logging.getLogger(__name__)
 
