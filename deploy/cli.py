@@ -45,6 +45,10 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="serve the PEFT LoRA adapter in DIR as NAME (repeatable)")
     p.add_argument("--adapter-dir", action="append", default=[], metavar="DIR",
                    help="serve every adapter subdirectory of DIR, named by it (repeatable)")
+    p.add_argument("--adapter-root", action="append", default=[], metavar="DIR",
+                   help="`kvfleet adapter load` may read adapters under DIR (repeatable; the "
+                        "--adapter and --adapter-dir directories are allowed too; any other "
+                        "path is refused PERMISSION_DENIED)")
     p.add_argument("--max-loras", type=_positive_int("--max-loras"), default=4,
                    help="LoRA adapter slots per replica, LRU (default 4)")
     p.add_argument("--max-lora-rank", type=_positive_int("--max-lora-rank"), default=64,
@@ -125,6 +129,7 @@ def cluster_config(args: argparse.Namespace):
     from kvfleet.worker.engine.scheduler import SchedulerConfig
 
     from kvfleet.worker.executor.cost_model import MEASURED, CostModel
+    from kvfleet.worker.replica.adapter_catalog import adapter_roots
 
     name, model_dir = resolve_model(args.model)
     if args.device == "cuda":
@@ -139,6 +144,9 @@ def cluster_config(args: argparse.Namespace):
 
         check_tp(load_model_config(model_dir), args.tensor_parallel_size)
     adapters = _checked_adapters(args, model_dir)
+    for root in args.adapter_root:
+        if not os.path.isdir(root):
+            raise ValueError(f"--adapter-root {root}: not a directory")
     cost = CostModel.load(args.cost_model) if args.cost_model else MEASURED
     if args.cost_model_scale != 1.0:
         cost = cost.scaled(args.cost_model_scale)
@@ -155,7 +163,8 @@ def cluster_config(args: argparse.Namespace):
         tls_cert=args.tls_cert, tls_key=args.tls_key, internal_tls_dir=args.internal_tls_dir,
         executor=args.executor, cost_model=cost if args.executor == "cost-model" else None,
         tensor_parallel_size=args.tensor_parallel_size, device=args.device,
-        adapters=adapters, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+        adapters=adapters, max_loras=args.max_loras,
+        adapter_roots=adapter_roots(adapters, args.adapter_dir, args.adapter_root), max_lora_rank=args.max_lora_rank,
         telemetry=TelemetryConfig.from_env(os.environ), metrics_port=args.metrics_port,
         drain_timeout_s=args.drain_timeout,
         http_port=None if getattr(args, "http_port", -1) < 0 else args.http_port,

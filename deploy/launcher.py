@@ -95,6 +95,7 @@ class ClusterConfig:
     internal_tls_dir: Optional[str] = None
     # LoRA (see ReplicaConfig): (name, directory) pairs every replica serves, slots, top rank.
     adapters: tuple[tuple[str, str], ...] = ()
+    adapter_roots: tuple[str, ...] = ()  # where a runtime LoadAdapter may read (ReplicaConfig)
     max_loras: int = 4
     max_lora_rank: int = 64
     # Lifecycle (kvfleet.deploy.serve_app): a drain waits this long for in-flight streams;
@@ -354,7 +355,8 @@ def serve_application(cfg: ClusterConfig, redis_url: str, num_cpus: float, threa
         executor=cfg.executor, cost_model=cfg.cost_model,
         tensor_parallel_size=tp, tp=cfg.tp, device=cfg.device,
         internal_tls_dir=cfg.internal_tls_dir, drain_timeout_s=cfg.drain_timeout_s,
-        adapters=cfg.adapters, max_loras=cfg.max_loras, max_lora_rank=cfg.max_lora_rank)
+        adapters=cfg.adapters, adapter_roots=cfg.adapter_roots, max_loras=cfg.max_loras,
+        max_lora_rank=cfg.max_lora_rank)
     placement = Placement(num_cpus, tp, cfg.device.startswith("cuda"), cfg.tp.rank_num_cpus)
     env = {**RAY_ENV, "OMP_WAIT_POLICY": "passive"}
     return app_config(base, cfg.replicas, placement, replicas_per_process(cfg), cfg.revision,

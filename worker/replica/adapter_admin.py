@@ -7,32 +7,39 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from kvfleet.errors import InvalidArgument
-from kvfleet.worker.runner.lora.adapter import check_adapter
-from kvfleet.worker.replica.adapter_catalog import check_name
-from kvfleet.worker.runner.lora.config import AdapterError
 from kvfleet.worker.engine.adapter_residency import AdapterResidency
+from kvfleet.worker.replica.adapter_catalog import check_name, confine
+from kvfleet.worker.runner.lora.adapter import check_adapter
+from kvfleet.worker.runner.lora.config import AdapterError
 from kvfleet.worker.runner.model_config import ModelConfig
+
+from kvfleet.errors import InvalidArgument
 
 
 class AdapterAdmin:
-    """Serve or stop serving adapters on ``residency`` for a model of ``config``."""
+    """Serve or stop serving adapters on ``residency`` for a model of ``config``; ``roots``:
+    the only directories a load may read from (:func:`.adapter_catalog.adapter_roots`)."""
 
-    def __init__(self, residency: AdapterResidency, config: ModelConfig, max_lora_rank: int) -> None:
+    def __init__(self, residency: AdapterResidency, config: ModelConfig, max_lora_rank: int,
+                 roots: tuple[str, ...] = ()) -> None:
         self.residency, self.config, self.max_lora_rank = residency, config, max_lora_rank
+        self.roots = roots
 
     async def load(self, name: str, path: str) -> str:
         """Check ``path`` and serve it as ``name``; returns its revision.
 
         Raises:
-            InvalidArgument: a bad name, a path that is not a directory, or a bad adapter
-                (the message names the file and the field).
+            InvalidArgument: a bad name, a relative path, a path that is not a directory, or a
+                bad adapter (the message names the file and the field).
+            PermissionDenied: the path lies outside the replica's adapter directories
+                (``..``, a symlink out, an absolute path elsewhere; the message names it).
         """
         try:
             check_name(name)
         except ValueError as exc:
             raise InvalidArgument(str(exc), field="name") from None
-        if not path or not Path(path).is_dir():
+        confine(path, self.roots)
+        if not Path(path).is_dir():
             raise InvalidArgument(f"path {path!r} is not a directory on this replica", field="path")
         try:
             spec = await asyncio.to_thread(check_adapter, name, path, self.config,

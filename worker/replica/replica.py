@@ -100,6 +100,8 @@ class ReplicaConfig:
     # LoRA: servable adapters as (name, directory), checked at start; max_loras slots per
     # replica (LRU, loaded on first use), max_lora_rank the largest rank accepted.
     adapters: tuple[tuple[str, str], ...] = ()
+    # The only directories a runtime LoadAdapter may read from (adapter_catalog.adapter_roots).
+    adapter_roots: tuple[str, ...] = ()
     max_loras: int = 4
     max_lora_rank: int = 64
     # The Ray Serve replica hosting this one ("" outside Serve), written to the registry.
@@ -292,7 +294,7 @@ class ReplicaServer:
     def _adapter_admin(self) -> Optional[AdapterAdmin]:
         res = self.engine.adapters
         return None if res is None else AdapterAdmin(res, self.engine.runner.config,
-                                                     self.cfg.max_lora_rank)
+                                                     self.cfg.max_lora_rank, self.cfg.adapter_roots)
 
     def adapter_fields(self) -> dict:
         """The registry's adapter fields: servable (name, revision) and resident names."""
