@@ -8,7 +8,7 @@ Every key starts with a configurable namespace (default ``kvfleet:``)::
                                  encoding, whose HMGET is O(fields × entries))
     {ns}epochs            HASH   replica_id -> epoch        current epoch per replica id (never deleted)
     {ns}registry          HASH   replica_id -> JSON         address, model, epoch, block_size, started_at,
-                                 adapters (name, revision), resident_adapters
+                                 adapters (name, revision), resident_adapters, identity
     {ns}heartbeats        ZSET   replica_id @ last beat     score = Redis server time, milliseconds
     {ns}load:{replica_id} HASH   running, waiting, num_free_blocks, num_total_blocks, updated_at
                                  (PEXPIRE = the publisher's replica TTL)
@@ -100,6 +100,9 @@ class ReplicaInfo:
     # (refreshed with every heartbeat).
     adapters: tuple[tuple[str, str], ...] = ()
     resident_adapters: tuple[str, ...] = ()
+    # The hex digest of the model's cache identity (DESIGN §2: weights, tokenizer, chat template,
+    # KV dtype, block size) the replica hashes with; routers dispatch only where it is theirs.
+    identity: str = ""
 
     def adapter_revision(self, name: str) -> str | None:
         """The revision it serves adapter ``name`` at, or None."""
@@ -115,7 +118,8 @@ class ReplicaInfo:
              "adapters": [list(a) for a in self.adapters],
              "resident_adapters": list(self.resident_adapters),
              "state": self.state, "serve_replica": self.serve_replica,
-             "metrics_address": self.metrics_address, "prefix_hit_rate": self.prefix_hit_rate},
+             "metrics_address": self.metrics_address, "prefix_hit_rate": self.prefix_hit_rate,
+             "identity": self.identity},
             separators=(",", ":"),
         )
 
@@ -132,7 +136,8 @@ class ReplicaInfo:
                    state=str(d.get("state", "serving")),
                    serve_replica=str(d.get("serve_replica", "")),
                    metrics_address=str(d.get("metrics_address", "")),
-                   prefix_hit_rate=float(d.get("prefix_hit_rate", 0.0)))
+                   prefix_hit_rate=float(d.get("prefix_hit_rate", 0.0)),
+                   identity=str(d.get("identity", "")))
 
 
 @dataclass(frozen=True)

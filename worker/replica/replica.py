@@ -217,6 +217,7 @@ class ReplicaServer:
                                ranks=tuple(dataclasses.asdict(r) for r in self.ranks()),
                                serve_replica=self.cfg.serve_replica,
                                metrics_address=self.metrics_address or "",
+                               identity=self.engine.identity_digest.hex(),
                                **self.adapter_fields())
             self.publisher = KvPublisher(self.cfg.redis_url, info, namespace=self.cfg.namespace,
                                          replica_ttl_s=self.cfg.replica_ttl_s,
