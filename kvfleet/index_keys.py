@@ -14,6 +14,10 @@ Every key starts with a configurable namespace (default ``kvfleet:``)::
                                  (PEXPIRE = the publisher's replica TTL)
     {ns}router:{id}       STRING JSON of one router: address, http_address, policy, pid, started_at
                                  (PEXPIRE: rewritten every few seconds, gone ~10 s after it stops)
+    {ns}adapters:{model}  HASH   adapter name -> JSON       runtime LoadAdapter / UnloadAdapter of one model:
+                                 {"path": DIR} or {"unloaded": true}; a replica applies it
+                                 over its start-time adapters when it starts (kept while the
+                                 cluster's namespace lives: it is configuration, not index)
     {ns}sweep_cursor      STRING SCAN cursor of the incremental garbage sweep, shared by all routers
     {ns}kv_events         STREAM the KV event log: one entry per index write of a replica, id
                                  ``{seq}-0``; fields o (the log's origin), k (reg | blk | dereg),
@@ -183,6 +187,9 @@ class IndexKeys:
 
     def held(self, replica_id: str) -> str:
         return f"{self.held_prefix}{replica_id}"
+
+    def adapters(self, model: str) -> str:
+        return f"{self.namespace}adapters:{model}"
 
     @property
     def sweep_cursor(self) -> str:

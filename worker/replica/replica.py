@@ -18,35 +18,41 @@ from typing import Callable, Optional
 import grpc
 import tokenizers
 import torch
-
 from kvfleet.allocator.fingerprint import fingerprint_model_dir
 from kvfleet.allocator.hashing import CacheIdentity
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
-from kvfleet.grpc_util import (SERVER_OPTIONS, add_health_and_reflection, advertised_host,
-                                bind_port, mark_serving)
-from kvfleet.errors import Unavailable
-from kvfleet.stream_limits import StreamLimits
-from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
-from kvfleet.v1 import worker_pb2, worker_pb2_grpc
-from kvfleet.worker.executor.cost_model import CostModel, cost_model_runner
-from kvfleet.worker.engine.engine import Engine
-from kvfleet.worker.service.engine_loop import EngineLoop
-from kvfleet.worker.replica.kv_publisher import KvPublisher
-from kvfleet.worker.runner.kv_cache import num_blocks_for_memory
-from kvfleet.worker.replica.adapter_admin import AdapterAdmin
-from kvfleet.worker.replica.adapter_catalog import check_catalog
 from kvfleet.worker.engine.adapter_residency import AdapterResidency
-from kvfleet.worker.runner.model_config import load_model_config
-from kvfleet.worker.replica.hit_window import HitWindow
-from kvfleet.worker.runner.model_runner import ModelRunner
+from kvfleet.worker.engine.engine import Engine
+from kvfleet.worker.engine.scheduler import SchedulerConfig
+from kvfleet.worker.executor.cost_model import CostModel, cost_model_runner
 from kvfleet.worker.executor.tp.group import RankGroup, TPSettings
 from kvfleet.worker.executor.tp.rank_worker import RankInfo, RankSpec, rank_info
 from kvfleet.worker.executor.tp_executor import TPRunner
-from kvfleet.worker.engine.scheduler import SchedulerConfig
+from kvfleet.worker.replica.adapter_admin import AdapterAdmin
+from kvfleet.worker.replica.adapter_catalog import check_catalog
+from kvfleet.worker.replica.adapter_record import AdapterRecord
+from kvfleet.worker.replica.hit_window import HitWindow
+from kvfleet.worker.replica.kv_publisher import KvPublisher
+from kvfleet.worker.runner.kv_cache import num_blocks_for_memory
+from kvfleet.worker.runner.model_config import load_model_config
+from kvfleet.worker.runner.model_runner import ModelRunner
+from kvfleet.worker.service.engine_loop import EngineLoop
 from kvfleet.worker.service.server import WorkerService
+
+from kvfleet.errors import Unavailable
+from kvfleet.grpc_util import (
+    SERVER_OPTIONS,
+    add_health_and_reflection,
+    advertised_host,
+    bind_port,
+    mark_serving,
+)
+from kvfleet.index_keys import REDIS_DOWN_ERRORS, ReplicaInfo, ReplicaLoad
+from kvfleet.stream_limits import StreamLimits
 from kvfleet.telemetry import Telemetry, TelemetryConfig
 from kvfleet.telemetry.worker_spans import WorkerTelemetry
 from kvfleet.tls import InternalTLS
+from kvfleet.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -192,6 +198,7 @@ class ReplicaServer:
         self.telemetry = telemetry  # built from cfg.telemetry at start unless given
         self._owns_telemetry = telemetry is None
         self.publisher: Optional[KvPublisher] = None
+        self._adapter_record: Optional[AdapterRecord] = None
         self._server: Optional[grpc.aio.Server] = None
         self._loop: Optional[EngineLoop] = None
         self.service: Optional[WorkerService] = None
@@ -210,6 +217,17 @@ class ReplicaServer:
         if self.telemetry is None:
             self.telemetry = Telemetry(self.cfg.telemetry, "worker", self.cfg.replica_id)
         self.metrics_address = self.telemetry.metrics_address
+        admin = self._adapter_admin()
+        if admin is not None and self.cfg.redis_url:
+            # Runtime loads/unloads of the model's adapters, before registering: a replica
+            # started after them (scale-up, replacement, upgrade) serves what its peers serve.
+            admin.record = self._adapter_record = AdapterRecord(
+                self.cfg.redis_url, self.cfg.model_name, self.cfg.namespace)
+            try:
+                await admin.apply_record()
+            except REDIS_DOWN_ERRORS as exc:
+                log.warning("replica %s: recorded adapter changes unreadable (%s); serving the "
+                            "start-time adapters", self.cfg.replica_id, exc)
         if self.cfg.redis_url:
             info = ReplicaInfo(self.cfg.replica_id, self.address, self.cfg.model_name, 0,
                                self.cfg.block_size, max_requests=self.cfg.scheduler.max_sequences,
@@ -231,7 +249,7 @@ class ReplicaServer:
         service = WorkerService(self._loop, self.cfg.replica_id, self.cfg.model_name,
                                 self.cfg.block_size, epoch_fn=self._epoch, telemetry=wt,
                                 ranks_fn=self.ranks, drain_fn=self.drain,
-                                limits=self.cfg.stream_limits, adapter_admin=self._adapter_admin())
+                                limits=self.cfg.stream_limits, adapter_admin=admin)
         self.service = service
         worker_pb2_grpc.add_WorkerServicer_to_server(service, self._server)
         name = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
@@ -380,6 +398,9 @@ class ReplicaServer:
         if self._server is not None:
             await self._server.stop(grace_s)
             self._server = None
+        if self._adapter_record is not None:
+            await self._adapter_record.close()
+            self._adapter_record = None
         if self._loop is not None:
             self._loop.stop()
             self._loop = None

@@ -240,7 +240,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
     async def UnloadAdapter(self, request, context):
         async def unload(admin):
-            admin.unload(request.name)
+            await admin.unload(request.name)
             return ""
         return await self._adapter_call(context, unload)
 
