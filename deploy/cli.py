@@ -125,11 +125,11 @@ def cluster_config(args: argparse.Namespace):
     from kvfleet.allocator.units import parse_size
     from kvfleet.deploy.launcher import ClusterConfig
     from kvfleet.deploy.models import resolve_model
-    from kvfleet.telemetry import TelemetryConfig
     from kvfleet.worker.engine.scheduler import SchedulerConfig
-
     from kvfleet.worker.executor.cost_model import MEASURED, CostModel
     from kvfleet.worker.replica.adapter_catalog import adapter_roots
+
+    from kvfleet.telemetry import TelemetryConfig
 
     name, model_dir = resolve_model(args.model)
     if args.device == "cuda":
@@ -164,7 +164,8 @@ def cluster_config(args: argparse.Namespace):
         executor=args.executor, cost_model=cost if args.executor == "cost-model" else None,
         tensor_parallel_size=args.tensor_parallel_size, device=args.device,
         adapters=adapters, max_loras=args.max_loras,
-        adapter_roots=adapter_roots(adapters, args.adapter_dir, args.adapter_root), max_lora_rank=args.max_lora_rank,
+        adapter_roots=adapter_roots(adapters, args.adapter_dir, args.adapter_root),
+        max_lora_rank=args.max_lora_rank,
         telemetry=TelemetryConfig.from_env(os.environ), metrics_port=args.metrics_port,
         drain_timeout_s=args.drain_timeout,
         http_port=None if getattr(args, "http_port", -1) < 0 else args.http_port,
@@ -175,7 +176,11 @@ def cluster_config(args: argparse.Namespace):
 def _checked_adapters(args: argparse.Namespace, model_dir) -> tuple[tuple[str, str], ...]:
     """``--adapter`` / ``--adapter-dir`` as (name, dir) pairs, each checked against the model
     before anything starts. Raises ValueError (AdapterError) naming the adapter, file and field."""
-    from kvfleet.worker.replica.adapter_catalog import check_catalog, expand_adapter_dirs, parse_adapter_arg
+    from kvfleet.worker.replica.adapter_catalog import (
+        check_catalog,
+        expand_adapter_dirs,
+        parse_adapter_arg,
+    )
     from kvfleet.worker.runner.model_config import load_model_config
 
     pairs = expand_adapter_dirs([parse_adapter_arg(a) for a in args.adapter], args.adapter_dir)
@@ -221,7 +226,6 @@ def cmd_up(args: argparse.Namespace) -> int:
 def _record_cluster(cluster) -> None:
     """Tell other terminals (``kvfleet scale`` / ``status``) where this cluster is."""
     import ray
-
     from kvfleet.deploy.operate import write_cluster_file
 
     address = ray.get_runtime_context().gcs_address

@@ -23,17 +23,18 @@ from dataclasses import dataclass, field, replace
 from typing import Optional, TextIO
 
 from kvfleet.deploy import serve_control
-from kvfleet.deploy.redis_server import RedisServer, start_redis
 from kvfleet.deploy.operate import AppRef
+from kvfleet.deploy.redis_server import RedisServer, start_redis
 from kvfleet.deploy.serve_app import Placement, app_config
+from kvfleet.worker.engine.scheduler import SchedulerConfig
+from kvfleet.worker.executor.cost_model import CostModel
+from kvfleet.worker.executor.tp.group import TPSettings
+from kvfleet.worker.replica.replica import EXECUTORS, ReplicaConfig
+
 from kvfleet.index_keys import DEFAULT_NAMESPACE, ReplicaInfo
 from kvfleet.telemetry import TelemetryConfig
 from kvfleet.tls import FILES as TLS_FILES
 from kvfleet.tls import generate_internal_tls
-from kvfleet.worker.executor.cost_model import CostModel
-from kvfleet.worker.executor.tp.group import TPSettings
-from kvfleet.worker.replica.replica import EXECUTORS, ReplicaConfig
-from kvfleet.worker.engine.scheduler import SchedulerConfig
 
 log = logging.getLogger(__name__)
 

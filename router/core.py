@@ -18,19 +18,31 @@ from dataclasses import dataclass, replace
 from typing import AsyncIterator, Optional, Sequence
 
 import grpc
-
 from kvfleet.allocator.hashing import block_hash_chain
-from kvfleet.errors import (AlreadyExists, InvalidArgument, KvfleetError, NotFound, OutOfRange,
-                            PromptTooLarge, Unavailable)
 from kvfleet.router.adapter_routing import adapter_revision, prefer_resident, serving
 from kvfleet.router.auth import Authenticator
-from kvfleet.router.capacity import (DEFAULT_RETRY_PUSHBACK_MS, check_room, check_tenant,
-                                     fleet_capacity, with_room)
+from kvfleet.router.capacity import (
+    DEFAULT_RETRY_PUSHBACK_MS,
+    check_room,
+    check_tenant,
+    fleet_capacity,
+    with_room,
+)
 from kvfleet.router.policy import Candidate, RoutingPolicy
 from kvfleet.router.prefix_index import IndexUnavailable
 from kvfleet.router.replica_set import ReplicaSet
 from kvfleet.router.served_model import ServedModel
 from kvfleet.router.worker_link import LinkCall, WorkerCallError
+
+from kvfleet.errors import (
+    AlreadyExists,
+    InvalidArgument,
+    KvfleetError,
+    NotFound,
+    OutOfRange,
+    PromptTooLarge,
+    Unavailable,
+)
 from kvfleet.sampling_params import SamplingParams
 from kvfleet.stream_limits import StreamLimits
 from kvfleet.telemetry.router_spans import RouterRequestTrace, RouterTelemetry

@@ -10,16 +10,13 @@ import argparse
 import asyncio
 import gc
 import logging
+import os
 import signal
 import sys
-import os
 from dataclasses import dataclass, field
 from typing import Optional
 
 import grpc
-
-from kvfleet.grpc_util import SERVER_OPTIONS, add_health_and_reflection, bind_port, mark_serving
-from kvfleet.index_keys import DEFAULT_NAMESPACE
 from kvfleet.router.auth import Authenticator
 from kvfleet.router.capacity import DEFAULT_RETRY_PUSHBACK_MS
 from kvfleet.router.core import RouterCore
@@ -31,6 +28,14 @@ from kvfleet.router.presence import RouterPresence
 from kvfleet.router.replica_set import ReplicaSet
 from kvfleet.router.served_model import ServedModel
 from kvfleet.router.server import RouterService
+
+from kvfleet.grpc_util import (
+    SERVER_OPTIONS,
+    add_health_and_reflection,
+    bind_port,
+    mark_serving,
+)
+from kvfleet.index_keys import DEFAULT_NAMESPACE
 from kvfleet.stream_limits import DEFAULT_MAX_UNREAD, DEFAULT_STALL_S, StreamLimits
 from kvfleet.telemetry import Telemetry, TelemetryConfig
 from kvfleet.telemetry.router_spans import RouterTelemetry

@@ -36,6 +36,16 @@ class AdapterQueue:
         self._slot_of: dict[str, int] = {}  # request_id -> adapter slot it holds
 
     @property
+    def _res(self) -> AdapterResidency:
+        assert self.residency is not None, "no adapter is served here (pin() refuses first)"
+        return self.residency
+
+    @property
+    def _identity(self) -> CacheIdentity:
+        assert self.identity is not None, "an engine serving adapters has the model's identity"
+        return self.identity
+
+    @property
     def has_waiting(self) -> bool:
         return bool(self._waiting)
 
@@ -60,7 +70,7 @@ class AdapterQueue:
             return self.base_digest
         key = (spec.name, spec.revision)
         if key not in self._digests:
-            self._digests[key] = self.identity.with_adapter(*key).digest()
+            self._digests[key] = self._identity.with_adapter(*key).digest()
         return self._digests[key]
 
     def add(self, spec: AdapterSpec, seqs: list[Sequence]) -> None:
@@ -72,7 +82,7 @@ class AdapterQueue:
             self._waiting.append((spec, seqs, time.monotonic()))
 
     def _start(self, spec: AdapterSpec, seqs: list[Sequence]) -> bool:
-        slot = self.residency.acquire(spec)
+        slot = self._res.acquire(spec)
         if slot is None:
             return False
         for s in seqs:
@@ -80,7 +90,7 @@ class AdapterQueue:
         try:
             self.scheduler.add(seqs)
         except BaseException:
-            self.residency.release(slot)
+            self._res.release(slot)
             raise
         self._slot_of[seqs[0].request_id] = slot
         return True
@@ -91,29 +101,29 @@ class AdapterQueue:
         sample whose adapter failed to load, that waited past the residency's ``max_wait_s``,
         or that the scheduler refused, and returns its output. Returns those outputs."""
         outputs, still = [], []
-        self.residency.reset_claims()
+        self._res.reset_claims()
         now = time.monotonic()
         for spec, seqs, since in self._waiting:
             try:
                 if self._start(spec, seqs):
                     continue
-                if now - since > self.residency.max_wait_s:
+                if now - since > self._res.max_wait_s:
                     raise ResourceExhausted(
                         f"adapter {spec.name!r} waited {now - since:.1f} s for one of this "
-                        f"replica's {self.residency.max_loras} adapter slots (at most "
-                        f"{self.residency.max_wait_s:g} s); retry", field="adapter")
+                        f"replica's {self._res.max_loras} adapter slots (at most "
+                        f"{self._res.max_wait_s:g} s); retry", field="adapter")
                 still.append((spec, seqs, since))
             except (KvfleetError, RuntimeError) as exc:
                 outputs += [fail(s, exc) for s in seqs]
         self._waiting = still
         if not still:
-            self.residency.reset_claims()  # a claim made by a request that just failed
+            self._res.reset_claims()  # a claim made by a request that just failed
         return outputs
 
     def wait(self, timeout_s: float) -> None:
         """Block up to ``timeout_s`` for a load or a release (nothing else to run)."""
         if self.residency is not None:
-            self.residency.wait(timeout_s)
+            self._res.wait(timeout_s)
 
     def request_done(self, request_id: str) -> None:
         """Every sample of ``request_id`` ended: drop it and release its slot reference."""
@@ -121,4 +131,4 @@ class AdapterQueue:
         if not self._waiting and self.residency is not None:
             self.residency.reset_claims()  # no waiter is left to drain a slot for
         if request_id in self._slot_of:
-            self.residency.release(self._slot_of.pop(request_id))
+            self._res.release(self._slot_of.pop(request_id))

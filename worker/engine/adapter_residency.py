@@ -148,6 +148,7 @@ class AdapterResidency:
             # Claimed for itself until a request takes it: no other load evicts it first.
             slot.name, slot.revision, slot.error, slot.claimed_by = spec.name, spec.revision, None, key
             self._lru.move_to_end(victim)
+            assert self._pool is not None  # max_loras >= 1 whenever a spec exists
             slot.loading = self._pool.submit(self._load, victim, spec)
             return None
 

@@ -10,22 +10,34 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Optional, Sequence as Seq
+from typing import Optional
+from typing import Sequence as Seq
 
 import tokenizers
-
 from kvfleet.allocator.hashing import CacheIdentity, root_hash
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
-from kvfleet.errors import AlreadyExists, InvalidArgument, OutOfRange
 from kvfleet.worker.engine.adapter_queue import AdapterQueue
 from kvfleet.worker.engine.adapter_residency import AdapterResidency
-from kvfleet.sampling_params import SamplingParams
 from kvfleet.worker.engine.detokenizer import IncrementalDetokenizer
-from kvfleet.worker.engine.outputs import Milestones, SeqOutput, Timing, TokenLogprobs, Usage
+from kvfleet.worker.engine.outputs import (
+    Milestones,
+    SeqOutput,
+    Timing,
+    TokenLogprobs,
+    Usage,
+)
 from kvfleet.worker.engine.request import FinishReason, Sequence
-from kvfleet.worker.engine.sampling import SampleState, Sampler, make_generator
-from kvfleet.worker.engine.scheduler import Fork, Scheduler, SchedulerConfig, SchedulerOutput
+from kvfleet.worker.engine.sampling import Sampler, SampleState, make_generator
+from kvfleet.worker.engine.scheduler import (
+    Fork,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+)
 from kvfleet.worker.engine.stop_checker import StopChecker
+
+from kvfleet.errors import AlreadyExists, InvalidArgument, OutOfRange
+from kvfleet.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -39,7 +39,7 @@ class AdapterRecord:
         for name, raw in (await self._redis.hgetall(self._key)).items():
             try:
                 entry = json.loads(raw)
-                out[name] = UNLOADED if entry.get("unloaded") else str(entry["path"])
+                out[str(name)] = UNLOADED if entry.get("unloaded") else str(entry["path"])
             except (ValueError, KeyError, TypeError, AttributeError):
                 log.error("adapter record %s: entry %r is malformed; ignored", self._key, name)
         return out
