@@ -4,8 +4,9 @@
 #   bash run.sh test [pytest args]          run the test suite
 #   bash run.sh up   [kvfleet up flags]     start a local cluster and serve until Ctrl-C
 #   bash run.sh bench [bench flags]         run the benchmarks
-# Each call creates/updates .venv, installs redis-server (Debian) when missing, and prepares
-# the default model once (~1 min the first time), so nothing else needs doing by hand.
+#   bash run.sh lint                        ruff + mypy over router worker allocator deploy kvfleet
+# Each call creates/updates .venv; all but lint also install redis-server (Debian) when missing
+# and prepare the default model once (~1 min the first time), so nothing else needs doing by hand.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 
@@ -52,6 +53,25 @@ ensure_model() {
   .venv/bin/kvfleet model prepare >&2 || die "model preparation failed (see above)"
 }
 
+lint() {
+  # Settings in pyproject.toml ([tool.ruff], [tool.mypy]). mypy checks the installed layout
+  # (kvfleet.router is router/, …), so it runs over a tree of symlinks shaped like it.
+  local top rc=0
+  top=$(pwd)
+  LINT_TREE=$(mktemp -d)
+  trap 'rm -rf "$LINT_TREE"' EXIT
+  mkdir "$LINT_TREE/kvfleet"
+  for f in kvfleet/*; do ln -s "$top/$f" "$LINT_TREE/kvfleet/"; done
+  for d in router worker allocator deploy; do ln -s "$top/$d" "$LINT_TREE/kvfleet/$d"; done
+  echo "== ruff" >&2
+  .venv/bin/ruff check --output-format concise router worker allocator deploy kvfleet || rc=1
+  echo "== mypy" >&2
+  (cd "$LINT_TREE" && "$top/.venv/bin/mypy" --config-file "$top/pyproject.toml" \
+      --cache-dir "$top/.mypy_cache" -p kvfleet) \
+    | sed -E 's#^kvfleet/(router|worker|allocator|deploy)/#\1/#' || rc=1
+  return "$rc"
+}
+
 cmd="${1:-}"
 [ $# -gt 0 ] && shift
 case "$cmd" in
@@ -59,5 +79,6 @@ case "$cmd" in
   up)    ensure_venv; ensure_redis; ensure_model; exec .venv/bin/kvfleet up "$@" ;;
   test)  ensure_venv; ensure_redis; ensure_model; exec .venv/bin/python -m pytest "$@" ;;
   bench) ensure_venv; ensure_redis; ensure_model; exec .venv/bin/python -m bench "$@" ;;
-  *) sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2 ;;
+  lint)  ensure_venv; lint ;;
+  *) sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2 ;;
 esac

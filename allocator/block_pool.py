@@ -1,6 +1,6 @@
 """Fixed-size KV blocks: ref counts, a free list, and a prefix-cache registry with LRU eviction.
 
-Every block is in exactly one of three states (DESIGN.md §3, "Prefix cache"):
+Every block is in exactly one of three states (docs/design.md §3, "Prefix cache"):
 
 - **free**: ref count 0, holds no registered hash; kept in a FIFO free list;
 - **evictable**: ref count 0 but registered under a chain hash (its KV is still reusable);

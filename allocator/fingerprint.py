@@ -1,4 +1,4 @@
-"""Cheap, deterministic fingerprints of a model directory (DESIGN.md §2).
+"""Cheap, deterministic fingerprints of a model directory (docs/design.md §2).
 
 A fingerprint digests ``config.json``, the safetensors *headers* (tensor names, dtypes,
 shapes, byte ranges), 64 bytes at the start and middle of every tensor (so a fine-tuned

@@ -1,4 +1,4 @@
-"""Prefix block hashing: the one function the router and the worker both use (DESIGN.md §2).
+"""Prefix block hashing: the one function the router and the worker both use (docs/design.md §2).
 
 A prompt's full blocks of ``block_size`` tokens are hashed as a chain::
 

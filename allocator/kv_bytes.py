@@ -11,7 +11,7 @@ length are summed. Everything here is *payload*: quantization scales are reporte
 :func:`scale_bytes_per_token` and never mixed in, and a hybrid model's recurrent state is its own
 term (:func:`recurrent_state_bytes`).
 
-Per rank (DESIGN.md §3, "KV-head sharding"): pass ``rank_spec(spec, tp)`` to any function here.
+Per rank (docs/design.md §3, "Tensor-parallel sharding"): pass ``rank_spec(spec, tp)`` to any function here.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def dtype_bytes(dtype: str, name: str = "--kv-dtype") -> int:
 
 
 def kv_heads_per_rank(num_kv_heads: int, num_attention_heads: int, tp: int) -> int:
-    """KV heads each of ``tp`` ranks holds (DESIGN.md §3).
+    """KV heads each of ``tp`` ranks holds (docs/design.md §3).
 
     ``num_kv_heads % tp == 0``: split, ``num_kv_heads // tp`` each. ``tp % num_kv_heads == 0``:
     replicated ``tp // num_kv_heads`` times, so every rank still holds one whole head (per-rank

@@ -4,7 +4,7 @@ A request's ``block_table`` lists physical block ids in logical order: token pos
 lives in block ``block_table[p // block_size]`` at offset ``p % block_size`` (the table, not
 physical adjacency, keeps token order). Full blocks are registered under their chain hash
 (:mod:`kvfleet.allocator.hashing`) once their KV is written, and reused by later requests with
-the same prefix (DESIGN.md §2 "Reuse rule", §3 "Prefix cache").
+the same prefix (docs/design.md §2 "Reuse rule", §3 "Prefix cache").
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from collections import Counter
 from typing import Sequence
 
 from kvfleet.allocator.block_pool import BlockPool, NoFreeBlocksError
+from kvfleet.allocator.units import cdiv
 
 __all__ = ["KVCacheManager", "NoFreeBlocksError"]
 
@@ -34,7 +35,7 @@ class KVCacheManager:
     @staticmethod
     def blocks_for(num_tokens: int, block_size: int) -> int:
         """Blocks needed to hold ``num_tokens`` positions: ceil(num_tokens / block_size)."""
-        return -(-num_tokens // block_size)
+        return cdiv(num_tokens, block_size)
 
     @property
     def num_free_blocks(self) -> int:
@@ -60,7 +61,7 @@ class KVCacheManager:
                             num_prompt_tokens: int) -> list[int]:
         """Leading blocks of the chain found in the registry, at most
         ``(num_prompt_tokens - 1) // block_size`` of them (the last prompt token is always
-        recomputed, DESIGN.md §2). Takes no references and changes nothing."""
+        recomputed, docs/design.md §2). Takes no references and changes nothing."""
         if not self.enable_prefix_caching:
             return []
         limit = max(0, (num_prompt_tokens - 1) // self.block_size)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Literal, Mapping, overload
 
 
 class ConfigError(ValueError):
@@ -115,6 +115,12 @@ class ModelKVSpec:
 
 
 # ---- reading fields ----------------------------------------------------------------------------
+
+@overload
+def _positive_int(cfg: Mapping[str, Any], *names: str, required: Literal[True] = True) -> int: ...
+@overload
+def _positive_int(cfg: Mapping[str, Any], *names: str, required: bool) -> int | None: ...
+
 
 def _positive_int(cfg: Mapping[str, Any], *names: str, required: bool = True) -> int | None:
     """The first of ``names`` (aliases) with a non-null value, checked to be a positive int."""
@@ -262,7 +268,10 @@ def _layer_kinds(cfg: Mapping[str, Any], arch: _Architecture | None, model_type:
         unknown = sorted({t for t in listed if t not in _LAYER_TYPES})
         if unknown:
             raise ConfigError("layer_types", f"unsupported layer types {unknown}")
-        return [_LAYER_TYPES[t] for t in listed]
+        kinds = [_LAYER_TYPES[t] for t in listed]
+        if cfg.get("use_sliding_window") is False:  # Qwen2: the flag overrides the list
+            kinds = [FULL] * n
+        return kinds
     if arch is not None:
         return arch.layer_kinds(cfg, n)
     if cfg.get("sliding_window") is not None and cfg.get("use_sliding_window", True):

@@ -1,6 +1,6 @@
 """Byte sizes and parameter counts: parse what a user types, print numbers with their unit.
 
-DESIGN.md §8: bytes are integers; GB = 10^9 and GiB = 2^30 are different units and every
+docs/design.md §9: bytes are integers; GB = 10^9 and GiB = 2^30 are different units and every
 printed number carries its unit. Parsing is exact (``decimal``), so ``1.5GiB`` is exactly
 1610612736 bytes and a size that is not a whole number of bytes is refused, never rounded.
 """
@@ -71,6 +71,13 @@ def parse_count(text: str, name: str = "COUNT") -> int:
         UnitError: unreadable text, unknown suffix, or not a whole number.
     """
     return _parse(text, _COUNT_UNITS, _COUNT_NAMES, "parameters", name)
+
+
+def cdiv(n: int, d: int) -> int:
+    """``ceil(n / d)`` in exact integer arithmetic (``d`` > 0): blocks for ``n`` tokens, Serve
+    replicas for ``n`` kvfleet replicas, a rank's share of ``n`` bytes. Never via float
+    division, which rounds wrongly past 2**53."""
+    return -(-n // d)
 
 
 def format_bytes(num_bytes: int, digits: int = 4) -> str:

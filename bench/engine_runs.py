@@ -10,14 +10,15 @@ from pathlib import Path
 
 import tokenizers
 import torch
-
-from bench.engine_baselines import RunResult
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
-from kvfleet.sampling_params import SamplingParams
 from kvfleet.worker.engine.engine import Engine, EngineRequest
-from kvfleet.worker.runner.model_runner import ModelRunner
 from kvfleet.worker.engine.scheduler import SchedulerConfig
 from kvfleet.worker.engine.step_plan import SeqChunk, StepPlan
+from kvfleet.worker.executor.local import LocalExecutor
+from kvfleet.worker.runner.model_runner import ModelRunner
+
+from bench.engine_baselines import RunResult
+from kvfleet.sampling_params import SamplingParams
 
 BLOCK_SIZE = 16
 _ids = itertools.count()
@@ -34,7 +35,7 @@ class EngineFactory:
     def engine(self, config: SchedulerConfig | None = None) -> Engine:
         c = self.runner.config
         kv = KVCacheManager(self.runner.num_blocks, BLOCK_SIZE)
-        return Engine(self.runner, kv, self.tokenizer, b"bench", c.eos_token_ids,
+        return Engine(LocalExecutor(self.runner), kv, self.tokenizer, b"bench", c.eos_token_ids,
                       c.max_position_embeddings, c.vocab_size, config or self.config)
 
 

@@ -19,17 +19,19 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
-from bench.calibrate import DEFAULT_OUT as CALIBRATION, ensure_calibration
-from bench.workload import Request, Workload, requests
 from kvfleet.allocator.hashing import block_hash_chain, root_hash
-from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
 from kvfleet.router.policy import Candidate, RoutingPolicy, make_policy
 from kvfleet.router.prefix_index import InMemoryPrefixIndex
-from kvfleet.sampling_params import SamplingParams
-from kvfleet.worker.executor.cost_model import CostModel, CostModelRunner
 from kvfleet.worker.engine.engine import EngineRequest
-from kvfleet.worker.replica.replica import ReplicaConfig, build_engine
 from kvfleet.worker.engine.scheduler import SchedulerConfig
+from kvfleet.worker.executor.cost_model import CostModel, CostModelExecutor
+from kvfleet.worker.replica.replica import ReplicaConfig, build_engine
+
+from bench.calibrate import DEFAULT_OUT as CALIBRATION
+from bench.calibrate import ensure_calibration
+from bench.workload import Request, Workload, requests
+from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
+from kvfleet.sampling_params import SamplingParams
 
 
 def run_sync(coro):
@@ -65,9 +67,9 @@ class SimFleet:
         for i in range(n):
             rid = f"r{i:03d}"
             eng = build_engine(replace(base, replica_id=rid))
-            r = eng.runner
-            eng.runner = CostModelRunner(r.config, cost, int(r._row.argmax()), num_blocks,
-                                         block_size, sleep=lambda s: None)
+            r = eng.executor
+            eng.executor = CostModelExecutor(r.config, cost, int(r._row.argmax()), num_blocks,
+                                             block_size, sleep=lambda s: None)
             self.engines[rid] = eng
             self.pubs[rid] = self.index.publisher(ReplicaInfo(rid, rid, model_name, 0, block_size))
             run_sync(self.pubs[rid].register())
@@ -109,12 +111,12 @@ class SimFleet:
 
     def _start_step(self, rid: str) -> None:
         eng = self.engines[rid]
-        before = eng.runner.steps
+        before = eng.executor.steps
         outputs = eng.step()
-        ran = eng.runner.steps > before
+        ran = eng.executor.steps > before
         self.busy[rid] = ran or bool(outputs)
         if self.busy[rid]:
-            self._push(self.clock + (eng.runner.last_step_s if ran else 0.0), "step", (rid, outputs))
+            self._push(self.clock + (eng.executor.last_step_s if ran else 0.0), "step", (rid, outputs))
 
     def _step_done(self, rid: str, outputs, results: dict) -> None:
         eng = self.engines[rid]

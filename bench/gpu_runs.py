@@ -39,7 +39,7 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-class RecordingRunner:
+class RecordingExecutor:
     """The engine's runner, unchanged, keeping every returned logits row by request and
     absolute position: ``rows[request_id][p]`` = float32 ``(vocab,)`` logits after token ``p``."""
 
@@ -51,7 +51,7 @@ class RecordingRunner:
         """:meth:`ModelRunner.execute`, keeping the rows it returns."""
         logits = self.runner.execute(plan)
         for chunk, row in zip(plan.chunks, logits, strict=True):
-            request_id = chunk.request_id.rsplit("#", 1)[0]  # seq id "<request>#<sample>"
+            request_id = chunk.seq_id.rsplit("#", 1)[0]  # seq id "<request>#<sample>"
             last = chunk.num_computed_tokens + len(chunk.token_ids) - 1
             self.rows.setdefault(request_id, {})[last] = row
         return logits
@@ -101,7 +101,7 @@ def parity_traces(runner: ModelRunner, tokenizer: tokenizers.Tokenizer, new_toke
     vocab = runner.config.vocab_size
     prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in PARITY_PROMPT_LENS]
     shared = prompts[-1][:SHARED_PREFIX] + [rng.randrange(3, vocab) for _ in range(SHARED_SUFFIX)]
-    recorder = RecordingRunner(runner)
+    recorder = RecordingExecutor(runner)
     engine = make_engine(recorder, runner, tokenizer, PARITY_CONFIG)
     traces: dict[str, Trace] = {}
     for wave in (prompts, [shared]):

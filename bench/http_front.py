@@ -48,7 +48,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=10.0, help="per throughput phase")
     a = p.parse_args(argv)
 
-    from kvfleet.deploy.launcher import ClusterConfig, LocalCluster, init_ray, shutdown_ray
+    from kvfleet.deploy.cluster_config import ClusterConfig
+    from kvfleet.deploy.launcher import LocalCluster
+    from kvfleet.deploy.ray_local import init_ray, shutdown_ray
+    from kvfleet.router.main import RouterConfig
+    from kvfleet.worker.replica.replica import ReplicaConfig
     from kvfleet.deploy.models import DEFAULT_MODEL, resolve_model
     from kvfleet.deploy.redis_server import start_redis
 
@@ -56,9 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     redis = start_redis()
     init_ray(num_cpus=2)
     cluster = LocalCluster(ClusterConfig(
-        model_name=name, model_dir=str(model_dir), replicas=1, num_blocks=4096, port=0,
-        http_port=0, redis_url=redis.url, namespace="bench-http:", replica_num_cpus=0,
-        executor="cost-model", cost_model=ZERO))
+        ReplicaConfig(name, name, str(model_dir), num_blocks=4096, redis_url=redis.url,
+                      namespace="bench-http:", executor="cost-model", cost_model=ZERO),
+        RouterConfig(port=0, http_port=0), replicas=1, replica_num_cpus=0))
     try:
         cluster.start()
 

@@ -15,7 +15,7 @@ placement, time to serve after raylets join, and a lost node under steady traffi
    lost replica serves there: time from that join. Ray's default node health checks unless
    ``--node-timeout``.
 
-JSON goes to ``--out`` (default ``bench/results/multinode.json``); docs/multinode.md holds runs.
+JSON goes to ``--out`` (default ``bench/results/multinode.json``); docs/history/multinode.md holds runs.
 """
 
 from __future__ import annotations
@@ -29,7 +29,11 @@ from typing import Optional
 
 from bench.raylets import RayletCluster
 from kvfleet.client import Client
-from kvfleet.deploy.launcher import ClusterConfig, LocalCluster, init_ray
+from kvfleet.deploy.cluster_config import ClusterConfig
+from kvfleet.deploy.launcher import LocalCluster
+from kvfleet.deploy.ray_local import init_ray
+from kvfleet.router.main import RouterConfig
+from kvfleet.worker.replica.replica import ReplicaConfig
 from kvfleet.deploy.models import prepare_model
 
 
@@ -85,8 +89,8 @@ def run(node_timeout_s: Optional[float]) -> dict:
         out["head_start_s"] = raylets.start_head(num_cpus=0, name="node-1")
         out["node_start_s"] = {"node-2": raylets.add_node("node-2", 1)}
         # 1 CPU a replica, 1 a node: replica 2 can only run on a node that has yet to join.
-        cfg = ClusterConfig(model_name=model.name, model_dir=str(model), replicas=2,
-                            kv_memory_bytes=32 << 20, port=0, policy="round_robin",
+        replica = ReplicaConfig(model.name, model.name, str(model), kv_memory_bytes=32 << 20)
+        cfg = ClusterConfig(replica, RouterConfig(port=0, policy="round_robin"), replicas=2,
                             ray_address=raylets.address, replica_num_cpus=1.0)
         init_ray(raylets.address)  # here, in the main thread (Ray sets signal handlers)
         cluster = LocalCluster(cfg)

@@ -201,21 +201,26 @@ async def open_loop(stub, run: Run, rate: float, seconds: float, router: ProcSta
 
 
 def start_cluster(run: Run, redis_url: str, api_keys_file: Optional[str]):
-    from kvfleet.deploy.launcher import ClusterConfig, LocalCluster
+    from dataclasses import replace
+
+    from kvfleet.deploy.cluster_config import ClusterConfig, router_from_flags
+    from kvfleet.deploy.launcher import LocalCluster
     from kvfleet.deploy.models import DEFAULT_MODEL, resolve_model
-    from kvfleet.worker.executor.cost_model import MEASURED
     from kvfleet.worker.engine.scheduler import SchedulerConfig
+    from kvfleet.worker.executor.cost_model import MEASURED
+    from kvfleet.worker.replica.replica import ReplicaConfig
 
     name, model_dir = resolve_model(DEFAULT_MODEL)
-    cfg = ClusterConfig(
-        model_name=name, model_dir=str(model_dir), replicas=run.replicas, block_size=16,
-        num_blocks=run.num_blocks, port=0, redis_url=redis_url, namespace="bench-overload:",
-        replica_num_cpus=0, api_keys_file=api_keys_file,
+    replica = ReplicaConfig(
+        name, name, str(model_dir), block_size=16, num_blocks=run.num_blocks,
+        redis_url=redis_url, namespace="bench-overload:",
         scheduler=SchedulerConfig(max_num_seqs=run.max_num_seqs, max_num_batched_tokens=512,
                                   # only when set: a checkout before tenant shares runs too (A/B)
                                   **({"tenant_share": run.tenant_share}
                                      if run.tenant_share != 1.0 else {})),
-        executor="cost-model", cost_model=MEASURED.scaled(run.scale), router_args=run.router_args)
+        executor="cost-model", cost_model=MEASURED.scaled(run.scale))
+    router = replace(router_from_flags(run.router_args), port=0, api_keys_file=api_keys_file)
+    cfg = ClusterConfig(replica, router, replicas=run.replicas, replica_num_cpus=0)
     cluster = LocalCluster(cfg)
     cluster.start()
     return cluster
@@ -279,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     share = a.tenant_share if a.cmd == "fair" else 1.0
     run = Run(replicas=a.replicas, scale=a.scale, router_args=tuple(a.router_args), api_keys=keys,
               tenant_share=share)
-    from kvfleet.deploy.launcher import init_ray, shutdown_ray
+    from kvfleet.deploy.ray_local import init_ray, shutdown_ray
     from kvfleet.deploy.redis_server import start_redis
 
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -29,7 +29,7 @@ from typing import Optional
 
 import psutil
 
-from kvfleet.deploy.launcher import RAY_ENV, free_port
+from kvfleet.deploy.ray_local import RAY_ENV, free_port
 
 HOST = "127.0.0.1"
 # Joining a cluster needs multi-node mode on; the loopback node IP keeps Ray's traffic local.

@@ -60,21 +60,26 @@ class Run:
 
 
 def start_fleets(run: Run, redis_url: str) -> dict:
-    from kvfleet.deploy.launcher import ClusterConfig, LocalCluster
+    from dataclasses import replace
+
+    from kvfleet.deploy.cluster_config import ClusterConfig, router_from_flags
+    from kvfleet.deploy.launcher import LocalCluster
     from kvfleet.deploy.models import DEFAULT_MODEL, resolve_model
     from kvfleet.worker.engine.scheduler import SchedulerConfig
+    from kvfleet.worker.replica.replica import ReplicaConfig
 
     name, model_dir = resolve_model(DEFAULT_MODEL)
     cost = (CostModel.load(ensure_calibration()).scaled(run.scale)
             if run.executor == "cost-model" else None)
     fleets = {}
     for policy in run.policies:
-        cfg = ClusterConfig(
-            model_name=name, model_dir=str(model_dir), replicas=run.replicas, block_size=16,
-            num_blocks=run.num_blocks, policy=policy, port=0, redis_url=redis_url,
-            namespace=f"bench-{run.name}-{policy}:", replica_num_cpus=0,
+        replica = ReplicaConfig(
+            name, name, str(model_dir), block_size=16, num_blocks=run.num_blocks,
+            redis_url=redis_url, namespace=f"bench-{run.name}-{policy}:",
             scheduler=SchedulerConfig(max_num_seqs=run.max_num_seqs, max_num_batched_tokens=512),
-            executor=run.executor, cost_model=cost, router_args=run.router_args)
+            executor=run.executor, cost_model=cost)
+        router = replace(router_from_flags(run.router_args), policy=policy, port=0)
+        cfg = ClusterConfig(replica, router, replicas=run.replicas, replica_num_cpus=0)
         cluster = LocalCluster(cfg)
         cluster.start()
         fleets[policy] = cluster
@@ -181,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def bench(run: Run) -> int:
-    from kvfleet.deploy.launcher import init_ray, shutdown_ray
+    from kvfleet.deploy.ray_local import init_ray, shutdown_ray
     from kvfleet.deploy.redis_server import start_redis
 
     load_before = os.getloadavg()

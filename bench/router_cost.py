@@ -179,8 +179,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=6, help="segments per target and rate")
     a = p.parse_args(argv)
 
-    from kvfleet.deploy.launcher import (ClusterConfig, LocalCluster, init_ray, shutdown_ray,
-                                        wait_ready)
+    from kvfleet.deploy.cluster_config import ClusterConfig
+    from kvfleet.deploy.launcher import LocalCluster
+    from kvfleet.deploy.process_relay import wait_ready
+    from kvfleet.deploy.ray_local import init_ray, shutdown_ray
+    from kvfleet.router.main import RouterConfig
+    from kvfleet.worker.replica.replica import ReplicaConfig
     from kvfleet.deploy.models import DEFAULT_MODEL, resolve_model
     from kvfleet.deploy.redis_server import start_redis
 
@@ -188,9 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     redis = start_redis()
     init_ray(num_cpus=2)
     cluster = LocalCluster(ClusterConfig(
-        model_name=name, model_dir=str(model_dir), replicas=1, num_blocks=4096, port=0,
-        redis_url=redis.url, namespace="bench-cost:", replica_num_cpus=0,
-        executor="cost-model", cost_model=ZERO))
+        ReplicaConfig(name, name, str(model_dir), num_blocks=4096, redis_url=redis.url,
+                      namespace="bench-cost:", executor="cost-model", cost_model=ZERO),
+        RouterConfig(port=0), replicas=1, replica_num_cpus=0))
     load_before = os.getloadavg()
     relay_proc = redis_router = None
     try:

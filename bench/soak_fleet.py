@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from kvfleet.deploy.launcher import wait_ready
+from kvfleet.deploy.process_relay import wait_ready
 from kvfleet.deploy.redis_server import RedisServer, start_redis
 
 NAMESPACE = "bench-soak:"

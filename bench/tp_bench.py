@@ -153,7 +153,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from kvfleet.deploy.launcher import init_ray, shutdown_ray
+    from kvfleet.deploy.ray_local import init_ray, shutdown_ray
 
     start, load_before = time.time(), os.getloadavg()
     init_ray(num_cpus=2)

@@ -1,5 +1,5 @@
 """Measurements behind ``bench/tp_bench.py``: one runner (tp=1, or rank 0 of a Ray rank group
-driven by a :class:`~kvfleet.worker.executor.tp_executor.TPRunner`) timed on fixed step plans.
+driven by a :class:`~kvfleet.worker.executor.tp_executor.TPExecutor`) timed on fixed step plans.
 
 Every time is wall-clock seconds on rank 0 (the driver process). Collective time is what rank
 0 spent inside ``RankComm.all_reduce`` (the forward's row-parallel sums, waiting for the slowest
@@ -95,7 +95,7 @@ def make_setup(model_dir: Path, tp: int, num_blocks: int, shm: bool = False,
     else:
         from kvfleet.worker.executor.tp.group import RankGroup, TPSettings
         from kvfleet.worker.executor.tp.rank_worker import RankSpec
-        from kvfleet.worker.executor.tp_executor import TPRunner
+        from kvfleet.worker.executor.tp_executor import TPExecutor
 
         settings = TPSettings(collective_timeout_s=collective_timeout_s,
                               step_timeout_s=collective_timeout_s, shm_all_reduce=shm)
@@ -103,7 +103,7 @@ def make_setup(model_dir: Path, tp: int, num_blocks: int, shm: bool = False,
                           f"bench-tp{tp}")
         local = group.start()
         name = f"tp={tp} {'shm' if shm else 'gloo'} (1 thread/rank)"
-        setup = Setup(name, tp, 1, TPRunner(local, group), local, group)
+        setup = Setup(name, tp, 1, TPExecutor(local, group), local, group)
     _time_head(setup)
     return setup
 

@@ -39,7 +39,11 @@ import time
 from pathlib import Path
 
 from kvfleet.client import AsyncClient
-from kvfleet.deploy.launcher import ClusterConfig, LocalCluster, init_ray, shutdown_ray
+from kvfleet.deploy.cluster_config import ClusterConfig
+from kvfleet.deploy.launcher import LocalCluster
+from kvfleet.deploy.ray_local import init_ray, shutdown_ray
+from kvfleet.router.main import RouterConfig
+from kvfleet.worker.replica.replica import ReplicaConfig
 from kvfleet.deploy.redis_server import start_redis
 from kvfleet.telemetry import Telemetry, TelemetryConfig
 from kvfleet.telemetry.collector import OtlpSink
@@ -201,10 +205,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for arm, tcfg in arms.items():
             clusters[arm] = LocalCluster(ClusterConfig(
-                model_name=name, model_dir=str(model_dir), replicas=1, port=0,
-                redis_url=redis.url, namespace=f"kvbench-trace-{arm}:", telemetry=tcfg,
-                metrics_port=0 if arm == "on" else None, replica_num_cpus=0,
-                scheduler=SchedulerConfig(max_num_seqs=max(16, a.clients))))
+                ReplicaConfig(name, name, str(model_dir), redis_url=redis.url,
+                              namespace=f"kvbench-trace-{arm}:", telemetry=tcfg,
+                              scheduler=SchedulerConfig(max_num_seqs=max(16, a.clients))),
+                RouterConfig(port=0), replicas=1, replica_num_cpus=0,
+                metrics_port=0 if arm == "on" else None))
             clusters[arm].start()
         for arm, c in clusters.items():  # warm-up: first-request costs, lazy imports
             asyncio.run(one_round(c.router_address, prompts(-1, a.clients, 1, a.prompt_tokens),

@@ -13,10 +13,16 @@ import json
 import sys
 from typing import Any
 
-from kvfleet.allocator.admission import plan_capacity, reserve_slots
+from kvfleet.allocator.kv_budget import plan_capacity, reserve_slots
 from kvfleet.allocator.kv_bytes import (
-    KV_DTYPE_BYTES, bytes_per_token, dtype_bytes, kv_bytes, rank_spec, recurrent_state_bytes,
-    request_scale_bytes, scale_bytes_per_token,
+    KV_DTYPE_BYTES,
+    bytes_per_token,
+    dtype_bytes,
+    kv_bytes,
+    rank_spec,
+    recurrent_state_bytes,
+    request_scale_bytes,
+    scale_bytes_per_token,
 )
 from kvfleet.allocator.lora_bytes import lora_slot_bytes
 from kvfleet.allocator.model_spec import ModelKVSpec, spec_from_config

@@ -15,9 +15,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from kvfleet.client import AsyncClient, RequestStats
-from kvfleet.deploy.launcher import ClusterConfig, LocalCluster
+from kvfleet.deploy.cluster_config import ClusterConfig
+from kvfleet.deploy.launcher import LocalCluster
 from kvfleet.deploy.trace_report import DEFAULT_JAEGER_URL, breakdown_table, jaeger_reachable
+
+from kvfleet.client import AsyncClient, RequestStats
 from kvfleet.telemetry import Telemetry
 
 SYSTEM_PROMPTS = {
@@ -85,13 +87,13 @@ async def _ask(client: AsyncClient, group: str, question: str, echo: bool) -> Re
     if echo:
         sys.stdout.write("\n")
     res.ttft_s = (arrivals[0] - start) if arrivals else float("nan")
-    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
     res.itl_s = statistics.fmean(gaps) if gaps else float("nan")
     return res
 
 
 def _print_breakdown(results: list[Result], cfg: ClusterConfig, jaeger_url: str) -> None:
-    exported = cfg.telemetry.tracing_enabled
+    exported = cfg.replica.telemetry.tracing_enabled
     link = jaeger_url if exported and jaeger_reachable(jaeger_url) else None
     print("\nwhere the time went (worker clock for queue/prefill/decode; network = router "
           "dispatch − worker; other = router + client↔router):")
@@ -100,7 +102,7 @@ def _print_breakdown(results: list[Result], cfg: ClusterConfig, jaeger_url: str)
         print("traces were not exported: set OTEL_EXPORTER_OTLP_ENDPOINT (see docs/tracing.md) "
               "to see them in Jaeger")
     elif link is None:
-        print(f"traces exported to {cfg.telemetry.traces_endpoint()}; no Jaeger UI answered at "
+        print(f"traces exported to {cfg.replica.telemetry.traces_endpoint()}; no Jaeger UI answered at "
               f"{jaeger_url} (docker compose -f deploy/compose/docker-compose.yaml up -d)")
     else:
         print(f"open {jaeger_url} and pick service kvfleet-client, or follow the links above")
@@ -137,7 +139,7 @@ def check_routing(results: list[Result], block_size: int) -> list[str]:
 async def _workload(address: str, telemetry: Optional[Telemetry] = None) -> list[Result]:
     async with AsyncClient(address, telemetry=telemetry) as client:
         results = []
-        for i, group in enumerate(QUESTIONS):
+        for group in QUESTIONS:
             print(f"\n[{group}] {QUESTIONS[group][0]}", flush=True)
             results.append(await _ask(client, group, QUESTIONS[group][0], echo=True))
         rest = [(g, q) for g, qs in QUESTIONS.items() for q in qs[1:]]
@@ -151,10 +153,10 @@ def run_demo(cfg: ClusterConfig, trace: bool = False,
     """Run the demo; returns 0 when every follow-up was routed to its prefix and reused it.
 
     ``trace``: the client traces every request too (one trace per request, exported where
-    ``cfg.telemetry`` says) and a per-request time breakdown is printed, with Jaeger links.
+    ``cfg.replica.telemetry`` says) and a per-request time breakdown is printed, with Jaeger links.
     """
-    print(f"starting {cfg.replicas} replicas of {cfg.model_name} (this loads the model)…", flush=True)
-    telemetry = Telemetry(cfg.telemetry, "client") if trace else None
+    print(f"starting {cfg.replicas} replicas of {cfg.replica.model_name} (this loads the model)…", flush=True)
+    telemetry = Telemetry(cfg.replica.telemetry, "client") if trace else None
     try:
         with LocalCluster(cfg) as cluster:
             print(f"kvfleet ready: router at {cluster.router_address}", flush=True)
@@ -168,7 +170,7 @@ def run_demo(cfg: ClusterConfig, trace: bool = False,
         _print_breakdown(results, cfg, jaeger_url)
     for r in results[len(QUESTIONS):]:
         print(f"  [{r.group}] {r.question} → {r.text.strip()[:100]!r}")
-    problems = check_routing(results, cfg.block_size)
+    problems = check_routing(results, cfg.replica.block_size)
     if problems:
         print("\nprefix-aware routing check FAILED:\n  " + "\n  ".join(problems))
         return 1

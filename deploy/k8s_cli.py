@@ -11,7 +11,8 @@ import sys
 from dataclasses import fields
 from typing import Optional
 
-from kvfleet.deploy.k8s import K8sConfig, write
+from kvfleet.deploy.k8s import write
+from kvfleet.deploy.k8s_config import K8sConfig
 
 # flag → (K8sConfig field, type, help)
 FLAGS = {

@@ -4,30 +4,26 @@ one per object kind and part."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import yaml
-
-from kvfleet.deploy.launcher import ClusterConfig, router_args
+from kvfleet.deploy.cluster_config import ClusterConfig, router_args
+from kvfleet.deploy.k8s_config import (
+    COLLECTOR_HEALTH_PORT,
+    COLLECTOR_PROMETHEUS_PORT,
+    GRPC_PORT,
+    HTTP_PORT,
+    OTLP_GRPC_PORT,
+    OTLP_HTTP_PORT,
+    REDIS_PORT,
+    TERMINATION_MARGIN_S,
+    K8sConfig,
+)
 from kvfleet.deploy.serve_app import SHUTDOWN_MARGIN_S
-
-if TYPE_CHECKING:
-    from kvfleet.deploy.k8s import K8sConfig
-
-GRPC_PORT = 50051
-HTTP_PORT = 8000
-REDIS_PORT = 6379
-OTLP_GRPC_PORT = 4317
-OTLP_HTTP_PORT = 4318
-COLLECTOR_PROMETHEUS_PORT = 8889
-COLLECTOR_HEALTH_PORT = 13133
-TERMINATION_MARGIN_S = 15  # beyond Serve's graceful_shutdown_timeout_s: process exit
 
 
 def grace_period_s(cfg: ClusterConfig) -> int:
     """terminationGracePeriodSeconds for pods that drain: the drain, Serve's stop margin and
     process exit."""
-    return int(cfg.drain_timeout_s + SHUTDOWN_MARGIN_S + TERMINATION_MARGIN_S)
+    return int(cfg.replica.drain_timeout_s + SHUTDOWN_MARGIN_S + TERMINATION_MARGIN_S)
 
 
 def ray_service(k: K8sConfig, cfg: ClusterConfig, serve: dict) -> dict:
@@ -74,11 +70,12 @@ def ray_service(k: K8sConfig, cfg: ClusterConfig, serve: dict) -> dict:
 
 def router(k: K8sConfig, cfg: ClusterConfig) -> list[dict]:
     """[Deployment, Service] of the routers: ``python -m kvfleet.router.main`` with
-    ``router_args(cfg)``, gRPC health probes, the models volume (the router hashes with the
-    model's tokenizer and weight fingerprint)."""
+    ``router_args`` of the pods' router config, gRPC health probes, the models volume (the
+    router hashes with the model's tokenizer and weight fingerprint)."""
     name = k.service("router")
     labels = {"app.kubernetes.io/name": k.name, "app.kubernetes.io/component": "router"}
-    args = router_args(cfg, cfg.redis_url, cfg.http_port, cfg.metrics_port)
+    assert cfg.replica.redis_url, "the pods' config names the Redis Service"
+    args = router_args(cfg.router_config(cfg.replica.redis_url))
     probe = {"grpc": {"port": GRPC_PORT}, "periodSeconds": 5}
     deployment = {
         "apiVersion": "apps/v1", "kind": "Deployment",
@@ -173,7 +170,7 @@ def collector(k: K8sConfig) -> list[dict]:
 
 
 def _env(cfg: ClusterConfig) -> list[dict]:
-    return [{"name": n, "value": v} for n, v in sorted(cfg.telemetry.to_env().items())]
+    return [{"name": n, "value": v} for n, v in sorted(cfg.replica.telemetry.to_env().items())]
 
 
 def _resources(cpus: int, memory: str, gpus: int = 0) -> dict:

@@ -8,7 +8,6 @@ then name everything else (model, Redis URL, kvfleet namespace; :mod:`.serve_con
 from __future__ import annotations
 
 import json
-import math
 import os
 import tempfile
 import time
@@ -16,9 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from kvfleet.allocator.units import cdiv
 from kvfleet.deploy import serve_control
+from kvfleet.deploy.ray_local import init_ray
 from kvfleet.deploy.registry_view import read_registry, read_routers
 from kvfleet.deploy.status import replica_rows
+
 from kvfleet.index_keys import ReplicaInfo, redis_host
 
 
@@ -58,8 +60,6 @@ def ray_address(address: Optional[str]) -> str:
 def connect(address: Optional[str]) -> None:
     """Attach this process to the cluster's Ray as a driver. Raises ValueError (see
     :func:`ray_address`) or ConnectionError when Ray does not answer there."""
-    from kvfleet.deploy.launcher import init_ray
-
     target = ray_address(address)
     try:
         init_ray(target)
@@ -128,7 +128,7 @@ class AppRef:
         returns the applied config. Raises ValueError for ``replicas`` < 1."""
         if replicas < 1:
             raise ValueError(f"--replicas must be >= 1, got {replicas}")
-        return serve_control.set_replicas(self.name, math.ceil(replicas / self.per_host))
+        return serve_control.set_replicas(self.name, cdiv(replicas, self.per_host))
 
     def upgrade(self, revision: str, model_dir: Optional[str] = None,
                 timeout_s: float = 600.0) -> list[ReplicaInfo]:

@@ -17,13 +17,14 @@ replica lives in the config's deployment entry, readable by an operator:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
-from kvfleet.config_codec import to_dict
+from kvfleet.allocator.units import cdiv
 from kvfleet.deploy.serve_control import DEPLOYMENT, IMPORT_PATH, app_name
 from kvfleet.worker.replica.replica import ReplicaConfig
+
+from kvfleet.config_codec import to_dict
 
 SHUTDOWN_MARGIN_S = 15.0  # graceful_shutdown_timeout_s - drain timeout: the stop after a drain
 
@@ -69,7 +70,7 @@ def app_config(replica: ReplicaConfig, num_replicas: int, placement: Placement,
     per_host = min(per_host, num_replicas)
     deployment = {
         "name": DEPLOYMENT,
-        "num_replicas": math.ceil(num_replicas / per_host),
+        "num_replicas": cdiv(num_replicas, per_host),
         "ray_actor_options": placement.actor_options(),
         "health_check_period_s": health_check_period_s,
         "health_check_timeout_s": health_check_timeout_s,
@@ -96,9 +97,8 @@ def app_config(replica: ReplicaConfig, num_replicas: int, placement: Placement,
 def build(args: dict):
     """Serve's application builder: the worker deployment bound to ``args`` (see
     :func:`app_config`)."""
-    from ray import serve
-
     from kvfleet.worker.replica.serve_deployment import ServeReplica
+    from ray import serve
 
     return serve.deployment(ServeReplica, name=DEPLOYMENT).bind(
         args["replica"], int(args.get("count", 1)), str(args.get("revision", "")))

@@ -26,11 +26,11 @@ def from_dict(cls: type[T], data: dict) -> T:
         ValueError: a value the dataclass's own checks refuse.
     """
     hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]  # T: a dataclass
     unknown = sorted(set(data) - names)
     if unknown:
         raise TypeError(f"{cls.__name__}: unknown field(s) {unknown}")
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     for name, value in data.items():
         kind = _dataclass_in(hints[name])
         if kind is not None and isinstance(value, dict):
@@ -42,10 +42,10 @@ def from_dict(cls: type[T], data: dict) -> T:
 
 def _dataclass_in(hint) -> type | None:
     """The dataclass type of a field annotated ``D`` or ``Optional[D]``, else None."""
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return hint
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        found = [a for a in typing.get_args(hint) if dataclasses.is_dataclass(a)]
+        found = [a for a in typing.get_args(hint) if isinstance(a, type) and dataclasses.is_dataclass(a)]
         return found[0] if len(found) == 1 else None
     return None
 

@@ -1,4 +1,4 @@
-"""The Redis layout of the prefix index and replica registry, defined once (DESIGN.md §2).
+"""The Redis layout of the prefix index and replica registry, defined once (docs/design.md §2).
 
 Every key starts with a configurable namespace (default ``kvfleet:``)::
 

@@ -1,6 +1,6 @@
 """Sampling parameters: defaults and validation shared by the router and the worker.
 
-Defaults are DESIGN.md §5's. ``from_proto`` applies them to unset proto3 ``optional`` fields
+Defaults are docs/design.md §5's. ``from_proto`` applies them to unset proto3 ``optional`` fields
 and raises :class:`~kvfleet.errors.InvalidArgument` naming the offending field.
 """
 
@@ -11,12 +11,28 @@ import secrets
 from dataclasses import dataclass
 from typing import Optional
 
-from kvfleet.errors import InvalidArgument
+from kvfleet.errors import InvalidArgument, OutOfRange
 
 DEFAULT_MAX_TOKENS = 256
 MAX_N = 16
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+
+
+def check_context_length(total_tokens: int, max_context: int, what: str,
+                         field: Optional[str] = None) -> None:
+    """The one context-length rule (router, engine admission, model runner): ``total_tokens``
+    positions (prompt + tokens to generate, or computed + chunk) must fit ``max_context``
+    (positions ``0 .. max_context - 1``). ``what`` says how the total was made, e.g.
+    ``"prompt (250 tokens) + sampling.max_tokens (10)"``.
+
+    Raises:
+        OutOfRange: ``total_tokens > max_context``; the message names ``what``, the last
+            position and the limit, ``field`` the request field at fault.
+    """
+    if total_tokens > max_context:
+        raise OutOfRange(f"{what} = {total_tokens} tokens: position {total_tokens - 1} is past "
+                         f"the context of {max_context} tokens", field=field)
 
 
 @dataclass(frozen=True)

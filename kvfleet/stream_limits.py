@@ -88,6 +88,10 @@ class Outbox(Generic[T]):
             return
         self._queue.put_nowait(item)
 
+    def empty(self) -> bool:
+        """No message waits for the reader."""
+        return self._queue.empty()
+
     async def get(self) -> T:
         """The next message. Raises :class:`SlowReader` once the stream overflowed."""
         item = await self._queue.get()

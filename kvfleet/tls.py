@@ -118,7 +118,7 @@ def generate_internal_tls(directory: str | Path) -> InternalTLS:
     tls = InternalTLS(ca_cert.public_bytes(serialization.Encoding.PEM), *worker, *router)
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    for file, data in zip(FILES, (tls.ca, *worker, *router)):
+    for file, data in zip(FILES, (tls.ca, *worker, *router), strict=True):
         path = d / file
         path.write_bytes(data)
         if file.endswith(".key"):

@@ -1,5 +1,6 @@
 """API key → tenant, and tenant → cache scope. With no key file the router runs open and every
-request is tenant ``default``.
+request is tenant ``default``; a key file that is named must hold at least one key (it never
+opens the router, at start or on reload).
 
 Clients send ``authorization: Bearer <api key>`` metadata; the tenant never comes from a request
 field. The key file is JSON, either a flat ``{"<api key>": "<tenant>", ...}`` or::
@@ -15,12 +16,17 @@ LoRA adapters: ``"adapter_tenants": {"<adapter>": ["<tenant>", ...], ...}`` limi
 to the tenants listed (any other tenant gets NOT_FOUND for it, as for an adapter not served;
 adapters not listed are open to every tenant), and ``"adapter_admins": ["<tenant>", ...]``
 names the tenants that may load and unload adapters at run time (with a key file, nobody else
-may; an open router lets anyone).
+may; an open router lets anyone). Adapter listings (``ListModels``, ``/v1/models``) show a
+tenant only the adapters it may use.
+
+Cluster admins: ``"admins": ["<tenant>", ...]`` may call ``Router.ClusterStatus`` (replica
+addresses, pids, the Redis host); with a key file nobody else may.
 
 Tenants never share KV blocks (prefix reuse across tenants is a timing side channel) unless the
 operator lists them in one shared namespace. The *cache scope* is what the block-hash root is
 keyed by (``root = H(identity, scope, cache_salt)``) and what the router sends the worker as
-``tenant``: the tenant's own name, or ``@<name>`` for a member of shared namespace ``<name>``.
+``cache_scope`` (next to the ``tenant`` itself, which the worker's fair admission counts): the
+tenant's own name, or ``@<name>`` for a member of shared namespace ``<name>``.
 Tenant names may not start with ``@``, so no tenant can collide with a shared scope, nor hold a
 ``/`` (request ids reach workers as ``<tenant>/<request_id>``).
 """
@@ -36,7 +42,7 @@ from kvfleet.errors import NotFound, PermissionDenied, Unauthenticated
 
 DEFAULT_TENANT = "default"
 _OBJECT_FIELDS = {"keys", "shared_namespaces", "tenant_limits", "default_tenant_share",
-                  "adapter_tenants", "adapter_admins"}
+                  "adapter_tenants", "adapter_admins", "admins"}
 SHARED_SCOPE_PREFIX = "@"
 
 
@@ -52,11 +58,13 @@ class Authenticator:
                  tenant_limits: Optional[dict[str, int]] = None,
                  default_tenant_share: float = 1.0,
                  adapter_tenants: Optional[dict[str, Sequence[str]]] = None,
-                 adapter_admins: Sequence[str] = ()) -> None:
+                 adapter_admins: Sequence[str] = (), admins: Sequence[str] = ()) -> None:
         self._keys = dict(keys or {})
         self.adapter_tenants = {a: frozenset(ts) for a, ts in (adapter_tenants or {}).items()}
         self.adapter_admins = frozenset(adapter_admins)
-        for tenant in (*self.adapter_admins, *(t for ts in self.adapter_tenants.values() for t in ts)):
+        self.admins = frozenset(admins)
+        for tenant in (*self.adapter_admins, *self.admins,
+                       *(t for ts in self.adapter_tenants.values() for t in ts)):
             _check_name(tenant, "tenant")
         self._scope: dict[str, str] = {}
         self.tenant_limits = dict(tenant_limits or {})
@@ -78,7 +86,10 @@ class Authenticator:
 
     @classmethod
     def from_file(cls, path: Optional[str]) -> "Authenticator":
-        """Raises ValueError if the file is not one of the two documented JSON shapes."""
+        """The authenticator of a key file (``None``/empty path: an open router).
+
+        Raises ValueError if the file is not one of the two documented JSON shapes, or holds
+        no API key (a named file never opens the router)."""
         if not path:
             return cls()
         data = json.loads(Path(path).read_text())
@@ -87,9 +98,11 @@ class Authenticator:
         share = 1.0
         adapters: dict = {}
         admins: list = []
+        cluster_admins: list = []
         if isinstance(data, dict) and isinstance(data.get("keys"), dict):
             keys, shared = data["keys"], data.get("shared_namespaces") or {}
             adapters, admins = data.get("adapter_tenants") or {}, data.get("adapter_admins") or []
+            cluster_admins = data.get("admins") or []
             limits = data.get("tenant_limits") or {}
             share = data.get("default_tenant_share", 1.0)
             if set(data) - _OBJECT_FIELDS:
@@ -99,16 +112,20 @@ class Authenticator:
         if not isinstance(keys, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                                  for k, v in keys.items()):
             raise ValueError(f"{path}: expected a JSON object mapping API keys to tenant names")
+        if not keys:  # fail closed: a named file that holds no key must not open the router
+            raise ValueError(f"{path}: no API keys (a key file must hold at least one; run "
+                             f"without --api-keys for an open router)")
         if not isinstance(shared, dict) or not all(
                 isinstance(v, list) and all(isinstance(t, str) for t in v) for v in shared.values()):
             raise ValueError(f"{path}: shared_namespaces must map names to lists of tenants")
         if not isinstance(adapters, dict) or not all(
                 isinstance(v, list) and all(isinstance(t, str) for t in v) for v in adapters.values()):
             raise ValueError(f"{path}: adapter_tenants must map adapter names to lists of tenants")
-        if not isinstance(admins, list) or not all(isinstance(t, str) for t in admins):
-            raise ValueError(f"{path}: adapter_admins must be a list of tenants")
+        for field_name, names in (("adapter_admins", admins), ("admins", cluster_admins)):
+            if not isinstance(names, list) or not all(isinstance(t, str) for t in names):
+                raise ValueError(f"{path}: {field_name} must be a list of tenants")
         try:
-            return cls(keys, shared, limits, share, adapters, admins)
+            return cls(keys, shared, limits, share, adapters, admins, cluster_admins)
         except ValueError as exc:
             raise ValueError(f"{path}: {exc}") from None
 
@@ -140,10 +157,21 @@ class Authenticator:
 
     def check_adapter(self, tenant: str, adapter: str) -> None:
         """Raises NotFound (naming the adapter) when ``adapter`` is limited to other tenants."""
-        allowed = self.adapter_tenants.get(adapter)
-        if allowed is not None and tenant not in allowed:
+        if not self.may_use_adapter(tenant, adapter):
             raise NotFound(f"adapter {adapter!r} is not served for tenant {tenant!r}",
                            field="adapter")
+
+    def may_use_adapter(self, tenant: str, adapter: str) -> bool:
+        """Whether ``tenant`` may use (and see listed) ``adapter``."""
+        allowed = self.adapter_tenants.get(adapter)
+        return allowed is None or tenant in allowed
+
+    def check_admin(self, tenant: str) -> None:
+        """Raises PermissionDenied unless the router is open or ``tenant`` is a cluster admin
+        (the key file's ``admins``)."""
+        if not self.open and tenant not in self.admins:
+            raise PermissionDenied(f"tenant {tenant!r} may not read the cluster status "
+                                   f"(the key file's admins)")
 
     def check_adapter_admin(self, tenant: str) -> None:
         """Raises PermissionDenied unless the router is open or ``tenant`` is an adapter admin."""

@@ -9,16 +9,28 @@ raised :class:`~kvfleet.errors.KvfleetError` to its own error shape.
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import logging
 import time
 import uuid
 from dataclasses import dataclass, replace
-from typing import AsyncIterator, Optional, Sequence
+from typing import AsyncGenerator, Optional, Sequence
 
 import grpc
+
 from kvfleet.allocator.hashing import block_hash_chain
+from kvfleet.errors import (
+    AlreadyExists,
+    InvalidArgument,
+    KvfleetError,
+    NotFound,
+    OutOfRange,
+    PromptTooLarge,
+    Unavailable,
+)
 from kvfleet.router.adapter_routing import adapter_revision, prefer_resident, serving
 from kvfleet.router.auth import Authenticator
 from kvfleet.router.capacity import (
@@ -32,28 +44,40 @@ from kvfleet.router.policy import Candidate, RoutingPolicy
 from kvfleet.router.prefix_index import IndexUnavailable
 from kvfleet.router.replica_set import ReplicaSet
 from kvfleet.router.served_model import ServedModel
-from kvfleet.router.worker_link import LinkCall, WorkerCallError
-
-from kvfleet.errors import (
-    AlreadyExists,
-    InvalidArgument,
-    KvfleetError,
-    NotFound,
-    OutOfRange,
-    PromptTooLarge,
-    Unavailable,
-)
-from kvfleet.sampling_params import SamplingParams
+from kvfleet.router.worker_link import DEFAULT_CALL_IDLE_S, LinkCall, WorkerCallError
+from kvfleet.sampling_params import SamplingParams, check_context_length
 from kvfleet.stream_limits import StreamLimits
 from kvfleet.telemetry.router_spans import RouterRequestTrace, RouterTelemetry
 from kvfleet.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 
-MAX_PROMPT_BYTES = 1 << 20  # 1 MiB of prompt text per request
+MAX_PROMPT_BYTES = 1 << 20  # 1 MiB of prompt text per request (default)
 # Dispatches of one request: the first, then retries on other replicas (a scale-down may
 # drain two before this router's next registry read).
 MAX_DISPATCHES = 3
+
+
+@dataclass(frozen=True)
+class PromptLimits:
+    """Bounds on what one request may ask the router to tokenize (router flags), each refused
+    with :class:`~kvfleet.errors.PromptTooLarge` (gRPC INVALID_ARGUMENT, HTTP 413) naming it.
+
+    ``max_prompt_bytes``: UTF-8 bytes of text, or of all messages' content, per prompt;
+    ``max_messages``: chat messages per prompt; ``max_prompts``: prompts per HTTP request
+    (an array ``prompt``); ``tokenizer_threads``: threads tokenizing and templating off the
+    event loop (streams keep flowing while a large prompt is tokenized).
+    """
+
+    max_prompt_bytes: int = MAX_PROMPT_BYTES
+    max_messages: int = 1024
+    max_prompts: int = 64
+    tokenizer_threads: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("max_prompt_bytes", "max_messages", "max_prompts", "tokenizer_threads"):
+            if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
 
 
 @dataclass(frozen=True)
@@ -103,7 +127,9 @@ class RouterCore:
                  policy: RoutingPolicy, auth: Authenticator,
                  telemetry: Optional[RouterTelemetry] = None,
                  retry_pushback_ms: int = DEFAULT_RETRY_PUSHBACK_MS,
-                 stream_limits: StreamLimits = StreamLimits()) -> None:
+                 stream_limits: StreamLimits = StreamLimits(),
+                 call_idle_s: float = DEFAULT_CALL_IDLE_S,
+                 prompt_limits: PromptLimits = PromptLimits()) -> None:
         self.models = models
         self.default_model = default_model
         self.replicas = replicas
@@ -112,6 +138,10 @@ class RouterCore:
         self.telemetry = telemetry or RouterTelemetry()  # spans + metrics (no-op by default)
         self.retry_pushback_ms = retry_pushback_ms  # RESOURCE_EXHAUSTED's retry hint (ms)
         self.stream_limits = stream_limits  # slow readers: the relay's bounds (both edges)
+        self.call_idle_s = call_idle_s  # a worker call with no frame this long fails INTERNAL
+        self.prompt_limits = prompt_limits
+        self._tokenizers = concurrent.futures.ThreadPoolExecutor(
+            prompt_limits.tokenizer_threads, thread_name_prefix="kvfleet-tokenize")
         self._live_ids: set[tuple[str, str]] = set()  # (tenant, client request_id) in flight
         self.tenant_inflight: collections.Counter[str] = collections.Counter()
 
@@ -127,15 +157,22 @@ class RouterCore:
                            field="model")
         return model
 
-    def prompt_tokens(self, prompt: Prompt, model: ServedModel) -> list[int]:
-        """Tokenize (or check) a prompt once. Raises InvalidArgument (OutOfRange for more
-        token ids than the context holds) naming the field."""
+    def close(self) -> None:
+        """Stop the tokenizer threads (after the edges stopped)."""
+        self._tokenizers.shutdown(wait=False, cancel_futures=True)
+
+    async def prompt_tokens(self, prompt: Prompt, model: ServedModel) -> list[int]:
+        """Tokenize (or check) a prompt once, on the tokenizer threads. Raises InvalidArgument
+        (PromptTooLarge past :class:`PromptLimits`; OutOfRange for more token ids than the
+        context holds) naming the field."""
+        limits = self.prompt_limits
         if prompt.kind == "text":
             if not prompt.text:
                 raise InvalidArgument("text must not be empty", field="text")
-            if len(prompt.text.encode()) > MAX_PROMPT_BYTES:
-                raise PromptTooLarge(f"text exceeds {MAX_PROMPT_BYTES} bytes", field="text")
-            return model.encode_text(prompt.text)
+            if len(prompt.text.encode()) > limits.max_prompt_bytes:
+                raise PromptTooLarge(f"text exceeds the limit of {limits.max_prompt_bytes} "
+                                     f"bytes per prompt (--max-prompt-bytes)", field="text")
+            return await self._off_loop(model.encode_text, prompt.text)
         if prompt.kind == "token_ids":
             if len(prompt.token_ids) > model.max_context:  # before any pass over them
                 raise OutOfRange(f"token_ids: {len(prompt.token_ids)} tokens exceed the context "
@@ -151,12 +188,21 @@ class RouterCore:
                                       field="token_ids")
             return ids
         if prompt.kind == "messages":
-            if sum(len(m["content"].encode()) for m in prompt.messages) > MAX_PROMPT_BYTES:
-                raise PromptTooLarge(f"messages exceed {MAX_PROMPT_BYTES} bytes of content",
+            if len(prompt.messages) > limits.max_messages:
+                raise PromptTooLarge(f"messages: {len(prompt.messages)} exceed the limit of "
+                                     f"{limits.max_messages} per prompt (--max-messages)",
                                      field="messages")
-            return model.encode_messages(prompt.messages)
+            if sum(len(m["content"].encode()) for m in prompt.messages) > limits.max_prompt_bytes:
+                raise PromptTooLarge(f"messages exceed the limit of {limits.max_prompt_bytes} "
+                                     f"bytes of content per prompt (--max-prompt-bytes)",
+                                     field="messages")
+            return await self._off_loop(model.encode_messages, prompt.messages)
         raise InvalidArgument("prompt: one of text, token_ids or messages is required",
                               field="prompt")
+
+    async def _off_loop(self, fn, arg):
+        # Tokenizing 1 MiB takes seconds: on the loop it would stall every stream it relays.
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizers, fn, arg)
 
     def _candidates(self, model: str, matched: Optional[dict[str, int]] = None,
                     live: Optional[list] = None) -> list[Candidate]:
@@ -215,7 +261,7 @@ class RouterCore:
                              source if index_used else "", tuple(candidates), adapter)
 
     async def generate(self, req: GenerateInput, tenant: str, trace: RouterRequestTrace
-                       ) -> AsyncIterator[common_pb2.GenerateResponse]:
+                       ) -> AsyncGenerator[common_pb2.GenerateResponse, None]:
         """Validate, tokenize, route and relay one request; yields the worker's messages.
 
         Raises:
@@ -228,43 +274,46 @@ class RouterCore:
         candidates = self._candidates(model.name, live=await self.replicas.routable(model.name))
         limit = self.auth.tenant_limit(tenant, fleet_capacity(candidates))
         check_tenant(tenant, self.tenant_inflight[tenant], limit)  # before tokenizing: cheap
-        adapter = None
-        if req.adapter:
-            self.auth.check_adapter(tenant, req.adapter)
-            adapter = (req.adapter, adapter_revision([c.info for c in candidates], req.adapter,
-                                                     model.name))
-            candidates = serving(candidates, adapter)
-        check_room(candidates, model.name)
-        params = req.sampling.check_vocab(model.vocab_size)
-        trace.on_request(model.name, params, tenant, req.adapter)
-        with trace.tokenize() as tokenized:
-            tokens = self.prompt_tokens(req.prompt, model)
-            tokenized["tokens"] = len(tokens)
-        if not req.fill_context:
-            self._check_context(model, len(tokens), params.max_tokens)
-        route_start = time.monotonic()
-        scope = self.auth.cache_scope(tenant)  # the tenant, or its shared namespace
-        chain = block_hash_chain(model.root_hash(scope, req.cache_salt, adapter), tokens,
-                                 model.block_size)
-        decision = await self.route(model, chain, adapter)
-        trace.routed(route_start, decision, self.policy.name)
-        client_id, request_id = self._claim_id(tenant, req.request_id)  # last: released below
+        # Reserved at the check: a burst would otherwise all pass it across the awaits below.
         self.tenant_inflight[tenant] += 1
         try:
-            # aclosing: an edge that closes this generator closes the relay at once (ledger,
-            # worker call), not whenever the garbage collector finalizes it.
-            async with contextlib.aclosing(self._dispatch(
-                    req, trace, model, chain, decision, (client_id, request_id), params,
-                    tokens, scope)) as relay:
-                async for msg in relay:
-                    yield msg
+            adapter = None
+            if req.adapter:
+                self.auth.check_adapter(tenant, req.adapter)
+                adapter = (req.adapter, adapter_revision([c.info for c in candidates], req.adapter,
+                                                         model.name))
+                candidates = serving(candidates, adapter)
+            check_room(candidates, model.name)
+            params = req.sampling.check_vocab(model.vocab_size)
+            trace.on_request(model.name, params, tenant, req.adapter)
+            with trace.tokenize() as tokenized:
+                tokens = await self.prompt_tokens(req.prompt, model)
+                tokenized["tokens"] = len(tokens)
+            if not req.fill_context:
+                self._check_context(model, len(tokens), params.max_tokens)
+            route_start = time.monotonic()
+            scope = self.auth.cache_scope(tenant)  # the tenant, or its shared namespace
+            chain = block_hash_chain(model.root_hash(scope, req.cache_salt, adapter), tokens,
+                                     model.block_size)
+            decision = await self.route(model, chain, adapter)
+            trace.routed(route_start, decision, self.policy.name)
+            client_id, request_id = self._claim_id(tenant, req.request_id)  # last: released below
+            try:
+                # aclosing: an edge that closes this generator closes the relay at once (ledger,
+                # worker call), not whenever the garbage collector finalizes it.
+                async with contextlib.aclosing(self._dispatch(
+                        req, trace, model, chain, decision, (client_id, request_id), params,
+                        tokens, scope)) as relay:
+                    async for msg in relay:
+                        yield msg
+            finally:
+                self._live_ids.discard((tenant, req.request_id))
         finally:
-            self._live_ids.discard((tenant, req.request_id))
             self.tenant_inflight[tenant] -= 1
 
     async def _dispatch(self, req: GenerateInput, trace, model: ServedModel, chain, decision,
                         ids: tuple[str, str], params: SamplingParams, tokens, scope: str
-                        ) -> AsyncIterator[common_pb2.GenerateResponse]:
+                        ) -> AsyncGenerator[common_pb2.GenerateResponse, None]:
         """Relay the chosen replica's stream; moved to another replica (up to
         ``MAX_DISPATCHES`` in all) when the link failed or the replica refused UNAVAILABLE
         (draining, a failed rank) before anything was relayed. ``ids``: (the client's request
@@ -316,12 +365,9 @@ class RouterCore:
 
     @staticmethod
     def _check_context(model: ServedModel, num_tokens: int, max_tokens: int) -> None:
-        total = num_tokens + max_tokens
-        if total > model.max_context:
-            raise OutOfRange(
-                f"prompt ({num_tokens} tokens) + sampling.max_tokens ({max_tokens}) "
-                f"= {total} exceeds the context of {model.max_context} tokens",
-                field="sampling.max_tokens")
+        check_context_length(num_tokens + max_tokens, model.max_context,
+                             f"prompt ({num_tokens} tokens) + sampling.max_tokens ({max_tokens})",
+                             field="sampling.max_tokens")
 
     @staticmethod
     def _fill_context(model: ServedModel, num_tokens: int, params: SamplingParams,
@@ -342,9 +388,11 @@ class RouterCore:
         """The worker request for one dispatch to ``info``, ready to iterate."""
         call = self.replicas.link(info).call(
             trace.start_dispatch(request_id, info.replica_id, info.address),
-            max_unread=self.stream_limits.max_unread)
+            max_unread=self.stream_limits.max_unread, idle_s=self.call_idle_s)
         worker_req = call.request  # filled in place: no copy of the prompt into the frame
-        worker_req.request_id, worker_req.tenant = request_id, scope
+        worker_req.request_id, worker_req.cache_scope = request_id, scope
+        # Fairness counts tenants, not scopes; the id is "<tenant>/<id>" (tenants hold no "/").
+        worker_req.tenant = request_id.partition("/")[0]
         worker_req.cache_salt, worker_req.adapter = req.cache_salt, req.adapter
         worker_req.prompt_token_ids.extend(tokens)
         params.to_proto(worker_req.sampling)

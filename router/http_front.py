@@ -1,5 +1,6 @@
 """The router's OpenAI-compatible HTTP front: Starlette on uvicorn, in the router's event loop.
 
+HTTPS when the router has ``--tls-cert/--tls-key`` (the gRPC port's certificate), else HTTP.
 ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming as server-sent events,
 ending ``data: [DONE]``), ``GET /v1/models``, ``GET /health``. Every generation goes through
 :meth:`RouterCore.generate`, the path the gRPC handler takes (same auth, validation, tokenizer,
@@ -21,10 +22,11 @@ import socket
 import time
 import uuid
 from dataclasses import replace
-from typing import AsyncIterator, Optional
+from typing import AsyncGenerator, Optional
 
 import uvicorn
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -34,10 +36,10 @@ from kvfleet.grpc_util import MAX_MESSAGE_BYTES
 from kvfleet.router.adapter_routing import served_adapters
 from kvfleet.router.core import RouterCore
 from kvfleet.router.http_streams import ClientDisconnected, merge, until_disconnected
-from kvfleet.router.openai_request import (OpenAIRequest, openai_param, parse_chat,
-                                           parse_completion)
+from kvfleet.router.openai_request import OpenAIRequest, openai_param, parse_chat, parse_completion
 from kvfleet.router.openai_response import ResponseBuilder, error_response
 from kvfleet.stream_limits import SlowReader, StreamLimits, write_within
+from kvfleet.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +63,10 @@ class _SSEResponse(StreamingResponse):
     send the client's flow control holds past ``limits.stall_s`` ends the response (uvicorn
     then closes the connection: the response is incomplete)."""
 
-    def __init__(self, content, limits: StreamLimits, **kw) -> None:
+    def __init__(self, content: AsyncGenerator[bytes, None], limits: StreamLimits, **kw) -> None:
         super().__init__(content, **kw)
         self.limits = limits
+        self._content = content
 
     async def stream_response(self, send) -> None:
         async def bounded(message) -> None:
@@ -78,16 +81,61 @@ class _SSEResponse(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self.body_iterator.aclose()
+            await self._content.aclose()
+
+
+OPEN_PATHS = frozenset({"/health"})  # a load balancer's readiness probe carries no key
+TENANT_KEY = "kvfleet.tenant"  # the ASGI scope entry the endpoints read the tenant from
+
+
+class _Authenticate:
+    """The HTTP front's one authentication point (ASGI middleware, so streaming responses
+    pass through untouched): every request but :data:`OPEN_PATHS` gets its tenant in
+    ``scope[TENANT_KEY]`` or an OpenAI error body (401)."""
+
+    def __init__(self, app, core: RouterCore) -> None:
+        self.app, self.core = app, core
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            headers = [(k.decode("latin-1").lower(), v.decode("latin-1"))
+                       for k, v in scope["headers"]]
+            try:
+                scope[TENANT_KEY] = self.core.authenticate(headers)
+            except KvfleetError as exc:
+                code, message = status_of(exc)
+                status, body, extra = error_response(code, message or code.name, None, exc)
+                await JSONResponse(body, status_code=status, headers=extra)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _tenant(request: Request) -> str:
+    """The tenant :class:`_Authenticate` set. Raises KeyError without it (fail closed)."""
+    return request.scope[TENANT_KEY]
 
 
 class HttpFront:
     """The HTTP listener of one router process, over the router's :class:`RouterCore`."""
 
     def __init__(self, core: RouterCore, host: str = "127.0.0.1", port: int = 8000,
-                 max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                 shutdown_grace_s: float = 2.0, tls_cert: Optional[str] = None,
+                 tls_key: Optional[str] = None) -> None:
+        """``max_connections``: connections served at once (the next one gets 503);
+        ``shutdown_grace_s``: how long :meth:`stop` lets open responses run on;
+        ``tls_cert``/``tls_key``: PEM files, to serve HTTPS (the gRPC port's certificate).
+
+        Raises ValueError for ``max_connections`` < 1, a negative grace or only one of the
+        TLS files."""
+        if bool(tls_cert) != bool(tls_key):
+            raise ValueError("tls_cert and tls_key go together")
+        self.tls_cert, self.tls_key = tls_cert, tls_key
         if max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {max_connections}")
+        if not shutdown_grace_s >= 0:
+            raise ValueError(f"shutdown_grace_s must be >= 0, got {shutdown_grace_s}")
+        self.shutdown_grace_s = shutdown_grace_s
         self.core = core
         self.host, self.port = host, port
         self.max_connections = max_connections
@@ -97,7 +145,7 @@ class HttpFront:
             Route(COMPLETIONS_ROUTE, self.completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
-        ])
+        ], middleware=[Middleware(_Authenticate, core=core)])
         self._server: Optional[uvicorn.Server] = None
         self._sock: Optional[socket.socket] = None
         self._ticker: Optional[asyncio.Task] = None
@@ -119,10 +167,17 @@ class HttpFront:
             raise OSError(f"cannot listen on {self.host}:{self.port} (HTTP): {exc}") from exc
         self._sock = sock
         # lifespan off, no logging config, no signal handlers: the router process owns those.
+        # uvicorn counts the connection asking against its limit (L served L - 1): + 1.
         config = uvicorn.Config(self.app, lifespan="off", log_config=None, access_log=False,
-                                timeout_graceful_shutdown=2,
-                                limit_concurrency=self.max_connections)
-        config.load()
+                                # typed int; uvicorn passes it to asyncio.wait_for: a float works
+                                timeout_graceful_shutdown=self.shutdown_grace_s,  # type: ignore[arg-type]
+                                limit_concurrency=self.max_connections + 1,
+                                ssl_certfile=self.tls_cert, ssl_keyfile=self.tls_key)
+        try:
+            config.load()  # reads the TLS files
+        except (OSError, ValueError) as exc:
+            sock.close()
+            raise OSError(f"HTTP front: cannot load --tls-cert/--tls-key: {exc}") from exc
         server = uvicorn.Server(config)
         server.lifespan = config.lifespan_class(config)
         await server.startup(sockets=[sock])
@@ -132,10 +187,15 @@ class HttpFront:
         self.address = f"{self.host}:{port}"
         return self.address
 
-    async def stop(self) -> None:
+    async def stop(self, grace_s: Optional[float] = None) -> None:
+        """Stop listening, let open responses run on for ``grace_s`` seconds (default: the
+        front's ``shutdown_grace_s``), then cut the rest."""
         if self._server is None:
             return
+        if grace_s is not None:
+            self._server.config.timeout_graceful_shutdown = grace_s  # type: ignore[assignment]
         self._server.should_exit = True
+        assert self._ticker is not None and self._sock is not None  # set with _server
         await self._ticker
         await self._server.shutdown(sockets=[self._sock])
         self._sock.close()
@@ -149,10 +209,7 @@ class HttpFront:
         return await self._generate(request, COMPLETIONS_ROUTE, parse_completion)
 
     async def models(self, request: Request) -> Response:
-        try:
-            self.core.authenticate(request.headers.items())
-        except KvfleetError as exc:
-            return self._error(exc)
+        tenant, auth = _tenant(request), self.core.auth
         data = []
         for m in self.core.models.values():
             data.append({"id": m.name, "object": "model", "created": 0, "owned_by": "kvfleet",
@@ -160,7 +217,8 @@ class HttpFront:
             live = [info for info, _ in self.core.replicas.for_model(m.name)]
             data += [{"id": a["name"], "object": "model", "created": 0, "owned_by": "kvfleet",
                       "parent": m.name, "max_model_len": m.max_context}
-                     for a in served_adapters(live) if a["name"] not in self.core.models]
+                     for a in served_adapters(live)
+                     if a["name"] not in self.core.models and auth.may_use_adapter(tenant, a["name"])]
         return JSONResponse({"object": "list", "data": data})
 
     def _adapter_as_model(self, oreq: OpenAIRequest) -> tuple[OpenAIRequest, str]:
@@ -186,8 +244,13 @@ class HttpFront:
     async def _generate(self, request: Request, route: str, parse) -> Response:
         headers = request.headers.items()
         try:
-            tenant = self.core.authenticate(headers)
+            tenant = _tenant(request)
             rid, oreq = self._with_ids(parse(await self._json(request)), request)
+            max_prompts = self.core.prompt_limits.max_prompts
+            if len(oreq.inputs) > max_prompts:
+                raise PromptTooLarge(f"prompt: {len(oreq.inputs)} prompts exceed the limit of "
+                                     f"{max_prompts} per request (--max-prompts-per-request)",
+                                     field="prompt")
             oreq, shown = self._adapter_as_model(oreq)
             model = self.core.model(oreq.inputs[0].model).name
         except KvfleetError as exc:
@@ -218,7 +281,8 @@ class HttpFront:
             return Response(status_code=CLIENT_CLOSED)
 
     async def _one(self, prompt: int, inp, tenant: str, headers, route: str,
-                   oreq: OpenAIRequest) -> AsyncIterator[tuple]:
+                   oreq: OpenAIRequest
+                   ) -> AsyncGenerator[tuple[int, common_pb2.GenerateResponse], None]:
         """One prompt's messages as ``(prompt index, message)``, under its own server span."""
         with self.core.telemetry.http_request(headers, route, oreq.chat, oreq.user) as trace:
             started = False  # after the first message the response status is 200 whatever follows
@@ -238,8 +302,9 @@ class HttpFront:
         async for prompt, msg in events:
             builder.add(prompt, msg)
 
-    async def _sse(self, builder: ResponseBuilder, first: tuple, events,
-                   oreq: OpenAIRequest) -> AsyncIterator[bytes]:
+    async def _sse(self, builder: ResponseBuilder, first: tuple[int, common_pb2.GenerateResponse],
+                   events: AsyncGenerator[tuple[int, common_pb2.GenerateResponse], None],
+                   oreq: OpenAIRequest) -> AsyncGenerator[bytes, None]:
         try:
             for chunk in builder.role_chunks(len(oreq.inputs)):
                 yield _sse(chunk)

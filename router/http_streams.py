@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import AsyncIterator, Awaitable, Callable, Sequence, TypeVar
+from typing import Any, AsyncGenerator, Awaitable, Callable, Mapping, Sequence, TypeVar
 
 T = TypeVar("T")
 _END = object()
@@ -18,7 +18,7 @@ class ClientDisconnected(Exception):
     """The HTTP client closed its connection before the response was ready."""
 
 
-async def merge(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[T]:
+async def merge(streams: Sequence[AsyncGenerator[T, None]]) -> AsyncGenerator[T, None]:
     """Items of every stream as they come; the first exception from any stream is raised
     (the others are closed). Closing the merged stream closes every stream. One stream is
     iterated in place (no task, no queue: the common case costs nothing extra); several hold
@@ -30,15 +30,17 @@ async def merge(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[T]:
         return
     queue: asyncio.Queue = asyncio.Queue(MERGE_BUFFER)
 
-    async def pump(stream: AsyncIterator[T]) -> None:
+    async def pump(stream: AsyncGenerator[T, None]) -> None:
         try:
             async with contextlib.aclosing(stream):
                 async for item in stream:
                     await queue.put((item, None))
+            end: tuple = (_END, None)
+        except asyncio.CancelledError:
+            raise  # the consumer is closing: nobody reads an end marker, never wait on it
         except Exception as exc:  # noqa: BLE001 — relayed to the consumer, which raises it
-            await queue.put((None, exc))
-        finally:
-            await queue.put((_END, None))
+            end = (None, exc)
+        await queue.put(end)
 
     tasks = [asyncio.create_task(pump(s)) for s in streams]
     try:
@@ -46,7 +48,7 @@ async def merge(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[T]:
         while open_streams:
             item, exc = await queue.get()
             if exc is not None:
-                raise exc
+                raise exc  # its stream ended with it (no end marker follows)
             if item is _END:
                 open_streams -= 1
             else:
@@ -57,7 +59,8 @@ async def merge(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[T]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def until_disconnected(receive: Callable[[], Awaitable[dict]], awaitable: Awaitable[T]) -> T:
+async def until_disconnected(receive: Callable[[], Awaitable[Mapping[str, Any]]],
+                             awaitable: Awaitable[T]) -> T:
     """Await ``awaitable`` unless the client disconnects first (``receive``: the ASGI receive
     of a request whose body was read); then cancel it and raise :class:`ClientDisconnected`."""
     task = asyncio.ensure_future(awaitable)

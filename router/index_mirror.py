@@ -22,14 +22,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from redis.exceptions import RedisError
 
 from kvfleet.allocator.hashing import HASH_BYTES
 from kvfleet.index_keys import (
-    DEFAULT_NAMESPACE, DEFAULT_TIMEOUT_S, REDIS_DOWN_ERRORS, IndexKeys, ReplicaInfo, ReplicaLoad,
-    redis_client, unpack_chain,
+    DEFAULT_NAMESPACE,
+    DEFAULT_TIMEOUT_S,
+    REDIS_DOWN_ERRORS,
+    IndexKeys,
+    ReplicaInfo,
+    ReplicaLoad,
+    redis_client,
+    unpack_chain,
 )
 from kvfleet.router.prefix_index import PRUNE_AFTER_TTLS, RedisPrefixIndex
 
@@ -69,7 +75,8 @@ class MirroredPrefixIndex:
         self._min_interval_s = min_interval_s
         self._retry_s = retry_s
         # binary replies (hashes are raw bytes); reads wait up to block_s on the server
-        self._redis = redis_client(url, timeout_s, binary=True, read_timeout_s=block_s + timeout_s)
+        # Any: redis-py types each reply as sync-or-async, and binary replies as str-or-bytes.
+        self._redis: Any = redis_client(url, timeout_s, binary=True, read_timeout_s=block_s + timeout_s)
         self._held: dict[str, tuple[int, set[bytes]]] = {}  # replica → (epoch, block hashes)
         self._live: dict[str, int] = {}        # replica → epoch, from the last registry read
         self._last_live: dict[str, float] = {}  # replica → monotonic s it was last listed live

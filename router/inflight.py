@@ -75,6 +75,8 @@ class InflightLedger:
             self._settled[rid] = sum(1 for started, _ in kept if started < at)
         for rid in [r for r in self._report_at if r not in seen]:
             self._forget(rid)
+        for rid in [r for r, n in self.inflight.items() if n == 0 and r not in seen]:
+            del self.inflight[rid]  # a replaced replica's id never comes back
 
     def settled(self, replica_id: str) -> int:
         """This router's requests counted by the replica's report that have since finished."""

@@ -17,25 +17,22 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import grpc
+
+from kvfleet.grpc_auth import AuthInterceptor
+from kvfleet.grpc_util import SERVER_OPTIONS, add_health_and_reflection, bind_port, mark_serving
+from kvfleet.index_keys import DEFAULT_NAMESPACE
 from kvfleet.router.auth import Authenticator
 from kvfleet.router.capacity import DEFAULT_RETRY_PUSHBACK_MS
-from kvfleet.router.core import RouterCore
+from kvfleet.router.core import PromptLimits, RouterCore
 from kvfleet.router.http_front import DEFAULT_MAX_CONNECTIONS, HttpFront
 from kvfleet.router.index_mirror import MirroredPrefixIndex
 from kvfleet.router.policy import make_policy
-from kvfleet.router.prefix_index import RedisPrefixIndex
+from kvfleet.router.prefix_index import PrefixIndex, RedisPrefixIndex
 from kvfleet.router.presence import RouterPresence
 from kvfleet.router.replica_set import ReplicaSet
 from kvfleet.router.served_model import ServedModel
 from kvfleet.router.server import RouterService
-
-from kvfleet.grpc_util import (
-    SERVER_OPTIONS,
-    add_health_and_reflection,
-    bind_port,
-    mark_serving,
-)
-from kvfleet.index_keys import DEFAULT_NAMESPACE
+from kvfleet.router.worker_link import DEFAULT_CALL_IDLE_S
 from kvfleet.stream_limits import DEFAULT_MAX_UNREAD, DEFAULT_STALL_S, StreamLimits
 from kvfleet.telemetry import Telemetry, TelemetryConfig
 from kvfleet.telemetry.router_spans import RouterTelemetry
@@ -47,9 +44,13 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class RouterConfig:
-    redis_url: str
-    model_name: str
-    model_dir: str
+    """One router process's settings (its flags: :func:`parse_args`). Empty ``redis_url``,
+    ``model_name``, ``model_dir``: not chosen yet (a cluster config fills them from its
+    replicas', kvfleet.deploy.cluster_config); the router needs all three to start."""
+
+    redis_url: str = ""
+    model_name: str = ""
+    model_dir: str = ""
     block_size: int = 16
     kv_dtype: str = "float32"
     host: str = "127.0.0.1"
@@ -78,6 +79,14 @@ class RouterConfig:
     internal_tls_dir: Optional[str] = None  # mutual TLS to the workers (kvfleet.tls)
     # Slow or vanished readers: messages buffered per stream, seconds a write may wait.
     stream_limits: StreamLimits = field(default_factory=StreamLimits)
+    # A worker call with no frame for this long (its replica alive) fails INTERNAL.
+    call_idle_s: float = DEFAULT_CALL_IDLE_S
+    # What one request may ask to tokenize (bytes, messages, prompts), and the threads doing it.
+    prompt_limits: PromptLimits = field(default_factory=PromptLimits)
+
+    def __post_init__(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("--tls-cert and --tls-key go together")
 
 
 class RouterServer:
@@ -102,12 +111,16 @@ class RouterServer:
         policy = make_policy(cfg.policy, **cfg.policy_options)
         auth = Authenticator.from_file(cfg.api_keys_file)
         model = ServedModel.load(cfg.model_name, cfg.model_dir, cfg.block_size, cfg.kv_dtype)
-        index = RedisPrefixIndex(cfg.redis_url, namespace=cfg.namespace,
-                                 replica_ttl_s=cfg.replica_ttl_s)
+        redis_index = RedisPrefixIndex(cfg.redis_url, namespace=cfg.namespace,
+                                       replica_ttl_s=cfg.replica_ttl_s)
+        index: PrefixIndex = redis_index
         if cfg.index_mirror:
-            index = MirroredPrefixIndex(index, cfg.redis_url, namespace=cfg.namespace)
-            index.start()
-        self._server = grpc.aio.server(options=SERVER_OPTIONS)
+            mirror = MirroredPrefixIndex(redis_index, cfg.redis_url, namespace=cfg.namespace)
+            mirror.start()
+            index = mirror
+        # Every RPC is authorised in one place (the service's authorize, on the core built below).
+        self._server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[
+            AuthInterceptor(self._authorize)])
         creds = server_credentials(cfg.tls_cert, cfg.tls_key) if cfg.tls_cert else None
         port = bind_port(self._server, cfg.host, cfg.port, creds)
         self.address = f"{cfg.host}:{port}"
@@ -120,14 +133,17 @@ class RouterServer:
         self.core = RouterCore({model.name: model}, model.name, self.replicas, policy, auth,
                                telemetry=RouterTelemetry(self.telemetry),
                                retry_pushback_ms=cfg.retry_pushback_ms,
-                               stream_limits=cfg.stream_limits)
+                               stream_limits=cfg.stream_limits, call_idle_s=cfg.call_idle_s,
+                               prompt_limits=cfg.prompt_limits)
         service = RouterService(self.core)
         self.service = service
         router_pb2_grpc.add_RouterServicer_to_server(service, self._server)
         name = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
         health = add_health_and_reflection(self._server, [name])
         if cfg.http_port is not None:
-            self.http = HttpFront(self.core, cfg.host, cfg.http_port, cfg.http_max_connections)
+            self.http = HttpFront(self.core, cfg.host, cfg.http_port, cfg.http_max_connections,
+                                  shutdown_grace_s=cfg.shutdown_grace_s,
+                                  tls_cert=cfg.tls_cert, tls_key=cfg.tls_key)
             self.http_address = await self.http.start()
         await self._server.start()
         await mark_serving(health, [name])
@@ -138,6 +154,10 @@ class RouterServer:
         self.presence.start()
         service.presence = self.presence
         return self.address
+
+    def _authorize(self, method: str, context) -> str:
+        assert self.service is not None  # the server takes calls only once start() built it
+        return self.service.authorize(method, context)
 
     def reload_api_keys(self) -> bool:
         """Re-read the API-key file (key rotation; SIGHUP): new requests use it at once. A
@@ -152,16 +172,23 @@ class RouterServer:
         log.info("API keys reloaded from %s", self.cfg.api_keys_file)
         return True
 
-    async def stop(self, grace_s: float = 2.0) -> None:
+    async def stop(self, grace_s: Optional[float] = None) -> None:
+        """Refuse new calls on both ports at once, let open streams on both run on for
+        ``grace_s`` seconds (default: ``cfg.shutdown_grace_s``), then cut the rest."""
+        grace_s = self.cfg.shutdown_grace_s if grace_s is None else grace_s
         if self.presence is not None:
             await self.presence.close()
             self.presence = None
+        stopping = []  # both ports together: the grace is not spent twice
         if self.http is not None:
-            await self.http.stop()
+            stopping.append(self.http.stop(grace_s))
             self.http = None
         if self._server is not None:
-            await self._server.stop(grace_s)
+            stopping.append(self._server.stop(grace_s))
             self._server = None
+        await asyncio.gather(*stopping)
+        if self.core is not None:
+            self.core.close()
         if self.replicas is not None:
             await self.replicas.close()
             self.replicas = None
@@ -200,7 +227,8 @@ def parse_args(argv: list[str]) -> RouterConfig:
     p.add_argument("--no-index-mirror", dest="index_mirror", action="store_false",
                    help="look every prompt up in Redis (one round trip per request) instead of "
                         "an in-memory mirror of the index fed by the workers' KV event log")
-    p.add_argument("--tls-cert", help="PEM certificate (chain): serve the client port over TLS")
+    p.add_argument("--tls-cert", help="PEM certificate (chain): serve the client port over TLS "
+                                      "(and the HTTP port as HTTPS)")
     p.add_argument("--tls-key", help="PEM private key of --tls-cert")
     p.add_argument("--internal-tls-dir",
                    help="cluster CA + router certificate (kvfleet.tls): mutual TLS to workers")
@@ -212,6 +240,19 @@ def parse_args(argv: list[str]) -> RouterConfig:
     p.add_argument("--stream-stall-s", type=float, default=DEFAULT_STALL_S,
                    help="seconds one write may wait for a client that does not read before "
                         "its stream is cancelled")
+    p.add_argument("--call-idle-s", type=float, default=DEFAULT_CALL_IDLE_S,
+                   help="seconds a request may wait for its worker's next message while the "
+                        "replica is up before it fails INTERNAL (a lost worker task)")
+    defaults = PromptLimits()
+    p.add_argument("--max-prompt-bytes", type=int, default=defaults.max_prompt_bytes,
+                   help="UTF-8 bytes of text (or of all messages' content) per prompt; past it: "
+                        "INVALID_ARGUMENT / HTTP 413")
+    p.add_argument("--max-messages", type=int, default=defaults.max_messages,
+                   help="chat messages per prompt; past it: INVALID_ARGUMENT / HTTP 413")
+    p.add_argument("--max-prompts-per-request", type=int, default=defaults.max_prompts,
+                   help="prompts in one HTTP completions request (an array prompt); past it: 413")
+    p.add_argument("--tokenizer-threads", type=int, default=defaults.tokenizer_threads,
+                   help="threads that tokenize and apply chat templates off the event loop")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="stderr log level (DEBUG: one line per routing decision)")
     p.add_argument("--shutdown-grace-s", type=float, default=2.0,
@@ -225,13 +266,22 @@ def parse_args(argv: list[str]) -> RouterConfig:
         p.error("--http-max-connections must be >= 1")
     if bool(a.tls_cert) != bool(a.tls_key):
         p.error("--tls-cert and --tls-key go together")
+    if not a.call_idle_s > 0:
+        p.error(f"--call-idle-s must be > 0, got {a.call_idle_s}")
     if not a.shutdown_grace_s >= 0:
         p.error(f"--shutdown-grace-s must be >= 0, got {a.shutdown_grace_s}")
     try:
         telemetry = TelemetryConfig.from_env(os.environ, metrics_port=a.metrics_port)
         stream_limits = StreamLimits(a.stream_max_unread, a.stream_stall_s)
+        prompt_limits = PromptLimits(a.max_prompt_bytes, a.max_messages,
+                                     a.max_prompts_per_request, a.tokenizer_threads)
+        return _config(a, telemetry, stream_limits, prompt_limits)
     except ValueError as exc:
         p.error(str(exc))
+
+
+def _config(a: argparse.Namespace, telemetry: TelemetryConfig, stream_limits: StreamLimits,
+            prompt_limits: PromptLimits) -> RouterConfig:
     return RouterConfig(redis_url=a.redis_url, model_name=a.model_name, model_dir=a.model_dir,
                         block_size=a.block_size, kv_dtype=a.kv_dtype, host=a.host, port=a.port,
                         http_port=a.http_port, http_max_connections=a.http_max_connections,
@@ -241,6 +291,7 @@ def parse_args(argv: list[str]) -> RouterConfig:
                         shutdown_grace_s=a.shutdown_grace_s,
                         tls_cert=a.tls_cert, tls_key=a.tls_key,
                         internal_tls_dir=a.internal_tls_dir, stream_limits=stream_limits,
+                        call_idle_s=a.call_idle_s, prompt_limits=prompt_limits,
                         policy_options={
                             k: v for k in ("load_penalty_blocks", "max_imbalance",
                                            "popularity_window", "min_excess_load")
@@ -257,7 +308,8 @@ async def _serve(cfg: RouterConfig) -> int:
     if server.metrics_address:
         log.info("Prometheus metrics on http://%s/metrics", server.metrics_address)
     if server.http_address:  # a log line: stdout carries only the ready line launchers wait for
-        log.info("OpenAI-compatible HTTP API on http://%s/v1", server.http_address)
+        log.info("OpenAI-compatible HTTP API on %s://%s/v1", "https" if cfg.tls_cert else "http",
+                 server.http_address)
     # What start-up built (modules, tokenizer, stubs) lives as long as the process: keep it out
     # of the cyclic GC, whose full collections otherwise stop the loop for ~30 ms here.
     gc.collect()
@@ -269,7 +321,7 @@ async def _serve(cfg: RouterConfig) -> int:
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, server.reload_api_keys)
     await stop.wait()
-    await server.stop(cfg.shutdown_grace_s)
+    await server.stop()
     return 0
 
 

@@ -46,7 +46,8 @@ class OpenAIRequest:
 
     def param(self, field: Optional[str]) -> Optional[str]:
         """The request parameter an error about kvfleet ``field`` names."""
-        return dict(self.aliases).get(field) or openai_param(field)
+        alias = dict(self.aliases).get(field) if field is not None else None
+        return alias or openai_param(field)
 
 
 def openai_param(field: Optional[str]) -> Optional[str]:
@@ -189,7 +190,8 @@ def parse_chat(body: dict) -> OpenAIRequest:
     try:
         params = _sampling(body, max_tokens, logprobs)
     except InvalidArgument as exc:
-        exc.field = dict(aliases).get(exc.field, exc.field)
+        if exc.field is not None:
+            exc.field = dict(aliases).get(exc.field, exc.field)
         raise
     req = GenerateInput(Prompt("messages", messages=msgs), params, model=base["model"],
                         cache_salt=base["cache_salt"], fill_context=max_tokens is None)

@@ -2,14 +2,16 @@
 
 Two implementations of :class:`PrefixIndex`: :class:`RedisPrefixIndex` (one Lua round trip per
 lookup, layout in :mod:`kvfleet.index_keys`) and :class:`InMemoryPrefixIndex` (same semantics, for
-scheduler/router unit tests; it hands out publishers with :class:`~kvfleet.worker.replica.kv_publisher.KvPublisher`'s
-API). Redis is an index, not truth: a stale answer only costs a cache miss.
+scheduler/router unit tests; it hands out publishers with the API of
+:class:`~kvfleet.worker.replica.kv_publisher.KvPublisher`). Redis is an index, not truth: a stale
+answer only costs a cache miss.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from typing import Callable, Protocol, Sequence
 
@@ -17,9 +19,20 @@ from redis.exceptions import RedisError
 
 from kvfleet.allocator.hashing import HASH_BYTES
 from kvfleet.index_keys import (
-    DEFAULT_NAMESPACE, DEFAULT_REPLICA_TTL_S, DEFAULT_TIMEOUT_S, LOAD_FIELDS, REDIS_DOWN_ERRORS,
-    IndexKeys, ReplicaInfo, ReplicaLoad, pack_chain, redis_client, seconds_to_ms,
+    DEFAULT_NAMESPACE,
+    DEFAULT_REPLICA_TTL_S,
+    DEFAULT_TIMEOUT_S,
+    LOAD_FIELDS,
+    REDIS_DOWN_ERRORS,
+    IndexKeys,
+    ReplicaInfo,
+    ReplicaLoad,
+    pack_chain,
+    redis_client,
+    seconds_to_ms,
 )
+
+log = logging.getLogger(__name__)
 
 
 class IndexUnavailable(Exception):
@@ -160,6 +173,7 @@ class RedisPrefixIndex:
         self._redis = redis_client(url, timeout_s)
         self._match = self._redis.register_script(_MATCH_LUA)
         self._replicas = self._redis.register_script(_REPLICAS_LUA)
+        self._bad_entries: set = set()  # replica ids whose malformed entry was logged
 
     local = False  # every match is a Redis round trip
 
@@ -184,8 +198,17 @@ class RedisPrefixIndex:
             self._replicas, [k.heartbeats, k.registry, k.epochs, k.sweep_cursor],
             [self._ttl_ms, k.load_prefix, PRUNE_AFTER_TTLS * self._ttl_ms,
              _glob_escape(k.block_prefix) + "*", self._sweep_count, k.held_prefix])
-        return [(ReplicaInfo.from_json(rid, info), ReplicaLoad.from_fields(load))
-                for rid, info, load in rows]
+        out = []
+        for rid, info, load in rows:
+            # One malformed entry (a foreign writer, a newer schema) must not hide the rest.
+            try:
+                out.append((ReplicaInfo.from_json(rid, info), ReplicaLoad.from_fields(load)))
+            except (ValueError, TypeError, KeyError, AttributeError) as exc:
+                if rid not in self._bad_entries:  # one line per replica, not per read
+                    self._bad_entries.add(rid)
+                    log.warning("registry entry of replica %r is malformed, skipped: %s: %s",
+                                rid, type(exc).__name__, exc)
+        return out
 
     async def close(self) -> None:
         await self._redis.aclose()

@@ -1,7 +1,7 @@
 """The router's view of live replicas: refreshed from the index in the background, with the
 router's own in-flight counts and one gRPC channel per replica.
 
-When the index is unreachable the last-known list is kept (DESIGN §1: route by load over the
+When the index is unreachable the last-known list is kept (docs/design.md §1: route by load over the
 replicas it knew) and the outage is logged once.
 """
 
@@ -73,6 +73,18 @@ class ReplicaSet:
         self._last_listed = now
         self.replicas = {info.replica_id: (info, load) for info, load in live}
         self.ledger.on_reports((rid, load) for rid, (_, load) in self.replicas.items())
+        self._prune()
+
+    def _prune(self) -> None:
+        """Forget what is kept per replica id for ids the registry no longer lists (every
+        Serve replacement is a new id): marks, and channels with no call open on them (one
+        with open calls goes at a later read, once they ended)."""
+        for rid in [r for r in self._unreachable if r not in self.replicas]:
+            del self._unreachable[rid]
+        for rid, (_, channel, link) in list(self._channels.items()):
+            if rid not in self.replicas and not link.open_calls:
+                del self._channels[rid]
+                asyncio.create_task(_close(channel, link))
 
     async def routable(self, model: str) -> list[tuple[ReplicaInfo, Optional[ReplicaLoad]]]:
         """:meth:`for_model`, but when that is empty and the index answers, the registry is

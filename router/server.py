@@ -5,15 +5,18 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from typing import Optional
 
 import grpc
 
 from kvfleet.errors import InvalidArgument, KvfleetError, status_of
+from kvfleet.grpc_auth import caller
 from kvfleet.index_keys import REDIS_DOWN_ERRORS, redis_host
 from kvfleet.router.adapter_admin import on_every_replica
 from kvfleet.router.adapter_routing import served_adapters
 from kvfleet.router.capacity import RETRY_PUSHBACK_KEY
 from kvfleet.router.core import GenerateInput, Prompt, RouterCore
+from kvfleet.router.presence import RouterPresence
 from kvfleet.sampling_params import SamplingParams
 from kvfleet.stream_limits import SlowReader, write_within
 from kvfleet.v1 import common_pb2, router_pb2, router_pb2_grpc
@@ -34,19 +37,38 @@ def prompt_from_proto(request: router_pb2.GenerateRequest) -> Prompt:
     return Prompt("")
 
 
+_RANK_FIELDS = frozenset(common_pb2.RankStatus.DESCRIPTOR.fields_by_name)
+
+
+def rank_status(rank: dict) -> common_pb2.RankStatus:
+    """A registry rank dict as ``RankStatus``; fields this router does not know (a newer
+    worker's) are left out rather than failing the whole status."""
+    return common_pb2.RankStatus(**{k: v for k, v in rank.items() if k in _RANK_FIELDS})
+
+
 class RouterService(router_pb2_grpc.RouterServicer):
     """The gRPC edge of :class:`~kvfleet.router.core.RouterCore`: proto in, proto out. A
     client that does not read its stream for ``core.stream_limits.stall_s`` is cancelled."""
 
     def __init__(self, core: RouterCore) -> None:
         self.core = core
-        self.presence = None  # RouterPresence: the cluster's routers, for ClusterStatus
+        self.presence: Optional[RouterPresence] = None  # the cluster's routers, for ClusterStatus
+
+    def authorize(self, method: str, context) -> str:
+        """Every call's check (the server's :class:`~kvfleet.grpc_auth.AuthInterceptor`):
+        the tenant of its API key; ``ClusterStatus`` also needs a cluster admin.
+
+        Raises Unauthenticated, or PermissionDenied for a non-admin's ``ClusterStatus``."""
+        tenant = self.core.authenticate(context.invocation_metadata())
+        if method.endswith("/ClusterStatus"):
+            self.core.auth.check_admin(tenant)
+        return tenant
 
     async def Generate(self, request: router_pb2.GenerateRequest, context):
         metadata = context.invocation_metadata()
         with self.core.telemetry.request(metadata, request.WhichOneof("prompt")) as trace:
             try:
-                tenant = self.core.authenticate(metadata)
+                tenant = caller()  # authenticated by the server's AuthInterceptor
                 remaining = context.time_remaining()
                 req = GenerateInput(
                     prompt=prompt_from_proto(request),
@@ -63,7 +85,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 code, details = status_of(exc)
                 details = details or "worker stream failed"
                 trace.fail(code, details)
-                trailers = ()
+                trailers: tuple[tuple[str, str], ...] = ()
                 if code == grpc.StatusCode.RESOURCE_EXHAUSTED and not isinstance(exc, SlowReader):
                     # a refusal carries the retry hint
                     trailers = ((RETRY_PUSHBACK_KEY, str(self.core.retry_pushback_ms)),)
@@ -74,14 +96,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
     async def Tokenize(self, request, context):
         try:
             model = self.core.model(request.model)
-            kind = request.WhichOneof("prompt")
-            if kind == "messages":
-                ids = model.encode_messages([{"role": m.role, "content": m.content}
-                                             for m in request.messages.messages])
-            elif kind == "text" and request.text:
-                ids = model.encode_text(request.text)
-            else:
-                raise InvalidArgument("prompt: text or messages is required")
+            if request.WhichOneof("prompt") not in ("text", "messages") or (
+                    request.WhichOneof("prompt") == "text" and not request.text):
+                raise InvalidArgument("prompt: text or messages is required", field="prompt")
+            # The Generate path's bounds, off the event loop.
+            ids = await self.core.prompt_tokens(prompt_from_proto(request), model)
         except KvfleetError as exc:
             await context.abort(*status_of(exc))
             return
@@ -89,11 +108,13 @@ class RouterService(router_pb2_grpc.RouterServicer):
                                            num_full_blocks=len(ids) // model.block_size)
 
     async def ListModels(self, request, context):
+        tenant, auth = caller(), self.core.auth
         return router_pb2.ListModelsResponse(models=[
             router_pb2.ModelInfo(name=m.name, max_context=m.max_context, block_size=m.block_size,
                                  identity=m.identity.digest().hex(),
                                  adapters=[router_pb2.AdapterInfo(**a) for a in served_adapters(
-                                     [info for info, _ in self.core.replicas.for_model(m.name)])])
+                                     [info for info, _ in self.core.replicas.for_model(m.name)])
+                                     if auth.may_use_adapter(tenant, a["name"])])
             for m in self.core.models.values()])
 
     async def LoadAdapter(self, request, context):
@@ -106,8 +127,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
 
     async def _adapter_op(self, context, model: str, call):
         try:
-            tenant = self.core.authenticate(context.invocation_metadata())
-            return await on_every_replica(self.core, tenant, model, call)
+            return await on_every_replica(self.core, caller(), model, call)
         except KvfleetError as exc:
             await context.abort(*status_of(exc))
 
@@ -120,7 +140,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             r = out.replicas.add(replica_id=info.replica_id, address=info.address,
                                  model=info.model, epoch=info.epoch,
                                  tensor_parallel_size=info.tensor_parallel_size,
-                                 ranks=[common_pb2.RankStatus(**rank) for rank in info.ranks])
+                                 ranks=[rank_status(rank) for rank in info.ranks])
             r.lifecycle.CopyFrom(router_pb2.ReplicaLifecycle(
                 state=info.state, prefix_hit_rate=info.prefix_hit_rate,
                 serve_replica=info.serve_replica, metrics_address=info.metrics_address))

@@ -3,11 +3,15 @@
 A new gRPC call per request costs the router (and the worker) a new HTTP/2 stream, metadata
 and a status on top of the messages; on one long-lived stream a routed call is one frame each
 way, and the frames of one engine step arrive as one batch message. Measured with
-``bench.router_cost`` (zero-cost replica, 100 req/s, 2 cores): see docs/benchmarks.md.
+``bench.router_cost`` (zero-cost replica, 100 req/s, 2 cores): see docs/benchmarks.md (Routing).
 
 One :class:`WorkerLink` per replica channel. The stream opens on first use and again after it
 ends; when it ends (worker gone, channel closed) every call still open on it fails with
 UNAVAILABLE (``link_failed``), and the worker aborts them (their KV blocks are freed).
+
+A call that gets no frame for ``idle_s`` seconds while the stream stays up (a worker task that
+died without its final frame) is cancelled on the worker and fails INTERNAL, so no client
+waits forever on it.
 
 The reader never waits for a call's consumer: a call whose consumer (the client's stream at
 the router's edge) leaves more than ``max_unread`` frames untaken is cancelled on the worker
@@ -29,6 +33,10 @@ from kvfleet.telemetry.names import MD_WORKER_DURATION_S
 from kvfleet.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+# Seconds a routed call may go without a frame from its worker: above any queue wait plus
+# prefill the worker's own bounds allow (its waiting queue, the request's deadline).
+DEFAULT_CALL_IDLE_S = 120.0
 
 
 class WorkerCallError(StatusError):
@@ -73,16 +81,24 @@ class WorkerLink:
         self._ids = itertools.count(1)
 
     @property
+    def open_calls(self) -> int:
+        """Calls open on the stream now."""
+        stream = self._stream
+        return 0 if stream is None or stream.ended is not None else len(stream.queues)
+
+    @property
     def stub(self) -> worker_pb2_grpc.WorkerStub:
         """The channel's stub, for the worker's unary RPCs (LoRA load/unload)."""
         return self._stub
 
     def call(self, trace_context: Sequence[tuple[str, str]] = (),
-             max_unread: int = DEFAULT_MAX_UNREAD) -> "LinkCall":
+             max_unread: int = DEFAULT_MAX_UNREAD, idle_s: float = DEFAULT_CALL_IDLE_S
+             ) -> "LinkCall":
         """A new call: fill ``call.request`` (a ``WorkerGenerateRequest``), then iterate it for
         the worker's messages (``async for msg in call``); it is sent on the first iteration.
-        ``max_unread``: frames it may buffer for a consumer that does not take them."""
-        return LinkCall(self, trace_context, max_unread)
+        ``max_unread``: frames it may buffer for a consumer that does not take them;
+        ``idle_s``: seconds it may wait for a frame before it fails INTERNAL."""
+        return LinkCall(self, trace_context, max_unread, idle_s)
 
     def _open(self) -> _Stream:
         if self._stream is None or self._stream.ended is not None:
@@ -147,9 +163,12 @@ class LinkCall:
     behind (the call is cancelled on the worker then).
     """
 
-    def __init__(self, link: WorkerLink, trace_context, max_unread: int = DEFAULT_MAX_UNREAD
-                 ) -> None:
+    def __init__(self, link: WorkerLink, trace_context, max_unread: int = DEFAULT_MAX_UNREAD,
+                 idle_s: float = DEFAULT_CALL_IDLE_S) -> None:
+        if not idle_s > 0:
+            raise ValueError(f"idle_s must be > 0, got {idle_s}")
         self._link = link
+        self._idle_s = idle_s
         self._frame = worker_pb2.GenerateStreamRequest(call_id=next(link._ids))
         self.request: worker_pb2.WorkerGenerateRequest = self._frame.generate
         for key, value in trace_context:
@@ -169,7 +188,7 @@ class LinkCall:
             self._sent = True
             await self._link._send(stream, self._frame)
             while True:
-                frame = await self._queue.get()
+                frame = await self._next_frame()
                 if isinstance(frame, WorkerCallError):  # the stream ended: shared by its calls
                     self._done = True
                     raise WorkerCallError(frame.code, frame.details, link_failed=True)
@@ -185,6 +204,16 @@ class LinkCall:
         finally:
             stream.queues.pop(call_id, None)
             self.cancel()  # the caller left early: abort it on the worker
+
+    async def _next_frame(self):
+        if not self._queue.empty():  # the common case: no timer armed
+            return await self._queue.get()
+        try:
+            async with asyncio.timeout(self._idle_s):
+                return await self._queue.get()
+        except TimeoutError:
+            raise WorkerCallError(grpc.StatusCode.INTERNAL, f"worker {self._link.address or '?'} "
+                                  f"sent no frame for this call in {self._idle_s:g} s") from None
 
     def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
         """What ``Worker.Generate`` would send as trailers: the worker's handler time."""

@@ -7,7 +7,7 @@ and never spells a name itself.
 
 from __future__ import annotations
 
-# ---- spans (DESIGN.md §6): router.Generate ⊃ tokenize, route, dispatch ⊃ worker.Generate ⊃ phases
+# ---- spans (docs/design.md §6): router.Generate ⊃ tokenize, route, dispatch ⊃ worker.Generate ⊃ phases
 CLIENT_GENERATE = "client.Generate"
 ROUTER_GENERATE = "router.Generate"
 ROUTER_TOKENIZE = "router.tokenize"

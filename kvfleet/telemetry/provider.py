@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Iterable, Mapping, Optional, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from opentelemetry import context as otel_context
 from opentelemetry import metrics, trace
@@ -65,8 +65,8 @@ class Telemetry:
         self.metrics_address: Optional[str] = None  # host:port of the Prometheus endpoint
         self._tracer_provider = None
         self._meter_provider = None
-        self._http_server = None
-        self._http_thread = None
+        self._http_server: Any = None  # prometheus_client's WSGI server and its thread
+        self._http_thread: Any = None
         resource = None
         if (cfg.tracing_enabled or span_exporter is not None or cfg.metrics_enabled
                 or metric_readers):
@@ -122,6 +122,7 @@ class Telemetry:
         from opentelemetry.exporter.prometheus import PrometheusMetricReader
         from prometheus_client import CollectorRegistry, start_http_server
 
+        assert cfg.metrics_port is not None  # only called with a metrics port
         registry = CollectorRegistry(auto_describe=True)
         reader = PrometheusMetricReader(registry=registry)
         try:
@@ -156,7 +157,7 @@ class Telemetry:
 def _resource(cfg: TelemetryConfig, component: str, instance_id: Optional[str]):
     from opentelemetry.sdk.resources import Resource
 
-    attrs: dict[str, object] = dict(cfg.resource_attributes)
+    attrs: dict[str, Any] = dict(cfg.resource_attributes)
     attrs[names.SERVICE_NAME] = cfg.service_name or attrs.get(names.SERVICE_NAME) or f"kvfleet-{component}"
     attrs[names.KVFLEET_COMPONENT] = component
     if instance_id:
@@ -182,8 +183,7 @@ def _sampler(cfg: TelemetryConfig):
 
 def _tracer_provider(cfg: TelemetryConfig, resource, extra_exporter):
     from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import (BatchSpanProcessor, ConsoleSpanExporter,
-                                                SimpleSpanProcessor)
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor
 
     provider = TracerProvider(resource=resource, sampler=_sampler(cfg))
     if extra_exporter is not None:
@@ -192,7 +192,9 @@ def _tracer_provider(cfg: TelemetryConfig, resource, extra_exporter):
         if cfg.traces_exporter == "console":
             exporter = ConsoleSpanExporter()
         else:
-            exporter = _otlp_exporter(cfg, cfg.traces_endpoint(), "trace")
+            endpoint = cfg.traces_endpoint()
+            assert endpoint is not None  # tracing_enabled: the console or an endpoint
+            exporter = _otlp_exporter(cfg, endpoint, "trace")
         provider.add_span_processor(BatchSpanProcessor(
             exporter, max_queue_size=2048, max_export_batch_size=512,
             schedule_delay_millis=cfg.bsp_schedule_delay_s * 1000.0,
@@ -201,13 +203,14 @@ def _tracer_provider(cfg: TelemetryConfig, resource, extra_exporter):
 
 
 def _otlp_metric_reader(cfg: TelemetryConfig):
-    from opentelemetry.sdk.metrics.export import (ConsoleMetricExporter,
-                                                  PeriodicExportingMetricReader)
+    from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, PeriodicExportingMetricReader
 
     if cfg.metrics_exporter == "console":
         exporter = ConsoleMetricExporter()
     else:
-        exporter = _otlp_exporter(cfg, cfg.metrics_endpoint(), "metrics")
+        endpoint = cfg.metrics_endpoint()
+        assert endpoint is not None  # otlp_metrics_enabled: the console or an endpoint
+        exporter = _otlp_exporter(cfg, endpoint, "metrics")
     return PeriodicExportingMetricReader(
         exporter, export_interval_millis=cfg.metric_export_interval_s * 1000.0,
         export_timeout_millis=cfg.otlp_timeout_s * 1000.0)
@@ -215,6 +218,8 @@ def _otlp_metric_reader(cfg: TelemetryConfig):
 
 def _otlp_exporter(cfg: TelemetryConfig, endpoint: str, signal: str):
     """An OTLP span or metric exporter for ``endpoint`` over the configured protocol."""
+    E: Any  # the span or the metric exporter class
+    G: Any
     headers: Mapping[str, str] = dict(cfg.otlp_headers)
     if cfg.otlp_protocol == "http/protobuf":
         if signal == "trace":

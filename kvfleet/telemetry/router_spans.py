@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Iterable, Optional
+from typing import Iterable, Iterator, Optional
 
 import grpc
 from opentelemetry import trace
@@ -113,7 +113,7 @@ class RouterRequestTrace:
             self.span.set_attributes(attrs)
 
     @contextlib.contextmanager
-    def tokenize(self):
+    def tokenize(self) -> Iterator[dict]:
         """Span ``router.tokenize``; the block yields a dict where it puts ``tokens``."""
         start = self.clock.now()
         out: dict = {}

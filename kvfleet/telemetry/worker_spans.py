@@ -244,14 +244,14 @@ class WorkerRequestTrace:
         if usage is not None:  # prompt tokens were set at start; cached ones are on prefill
             self.span.set_attribute(n.GEN_AI_USAGE_OUTPUT_TOKENS, sum(
                 o.usage.completion_tokens for o in self.finals if o.usage))
-        phases = []  # (name, start, end, attributes, events)
+        phases: list[tuple] = []  # (name, start, end, attributes, events)
         if finished is not None:
             phases.append((n.WORKER_QUEUE, self.start, sched or finished, {}, ()))
             if sched is not None:
                 phases.append(self._prefill_phase(sched, first or finished, usage))
             if first is not None:
                 phases.append(self._decode_phase(first, finished))
-        reason = None
+        reason = ""
         if failure is not None:
             reason = abnormal or ("cancelled" if failure[0] == grpc.StatusCode.CANCELLED else "error")
             set_failure(self.span, failure[0], failure[1], reason, server=True)

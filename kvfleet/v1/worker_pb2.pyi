@@ -8,22 +8,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "tenant", "cache_salt", "adapter", "sampling", "deadline_unix_s")
+    __slots__ = ("request_id", "prompt_token_ids", "cache_scope", "cache_salt", "adapter", "sampling", "deadline_unix_s", "tenant")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    TENANT_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SCOPE_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    tenant: str
+    cache_scope: str
     cache_salt: str
     adapter: str
     sampling: _common_pb2.SamplingParams
     deadline_unix_s: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., tenant: _Optional[str] = ..., cache_salt: _Optional[str] = ..., adapter: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., deadline_unix_s: _Optional[float] = ...) -> None: ...
+    tenant: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_scope: _Optional[str] = ..., cache_salt: _Optional[str] = ..., adapter: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., deadline_unix_s: _Optional[float] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class GenerateStreamRequest(_message.Message):
     __slots__ = ("call_id", "generate", "cancel", "trace_context")

@@ -117,7 +117,7 @@ class Fleet:
         channel = grpc.aio.insecure_channel(self.replicas[rid].address)
         self._channels.append(channel)
         req = worker_pb2.WorkerGenerateRequest(request_id=f"direct-{time.monotonic_ns()}",
-                                               prompt_token_ids=tokens, tenant=scope,
+                                               prompt_token_ids=tokens, cache_scope=scope,
                                                cache_salt=salt)
         req.sampling.max_tokens = 1
         last = None

@@ -13,6 +13,7 @@ import pytest
 
 from kvfleet.client import Client, build_request
 from kvfleet.v1 import router_pb2, worker_pb2, worker_pb2_grpc
+from tests.fixtures.cluster import wait_indexed
 
 # Two system prompts that share their first block (like a chat template's default system
 # text) but differ after it: first-block routing cannot tell them apart, prefix routing can.
@@ -79,7 +80,7 @@ def test_stream_returns_tokens_text_usage_and_timing(client):
     assert all(c.finish_reason is None for c in chunks[:-1])
 
 
-def test_request_lands_on_the_replica_holding_its_longest_prefix(client):
+def test_request_lands_on_the_replica_holding_its_longest_prefix(client, tiny_cluster):
     ids = replicas(client)
     (rid_x, addr_x), (rid_y, addr_y) = sorted(ids.items())
     prompt_a = tokens_of(client, chat(SYSTEM_A, "Which planet is largest?"))
@@ -97,7 +98,8 @@ def test_request_lands_on_the_replica_holding_its_longest_prefix(client):
                                                    cache_salt=salt)
             req.sampling.max_tokens = 1
             list(worker_stub(addr).Generate(req))
-        time.sleep(0.3)  # KV events are published after the engine step
+        for holder, prompt in ((a_id, prompt_a), (b_id, prompt_b)):
+            wait_indexed(tiny_cluster, client, holder, token_ids=prompt, cache_salt=salt)
         out_a = list(client.stream(messages=chat(SYSTEM_A, "Which moon is largest?"),
                                    cache_salt=salt, max_tokens=2))[-1]
         out_b = list(client.stream(messages=chat(SYSTEM_B, "How long should dough rest?"),
@@ -107,10 +109,10 @@ def test_request_lands_on_the_replica_holding_its_longest_prefix(client):
         assert out_b.cached_prompt_tokens > 16
 
 
-def test_other_tenant_salt_never_hits(client):
+def test_other_tenant_salt_never_hits(client, tiny_cluster):
     msgs = chat(SYSTEM_A, "Name a comet.")
-    list(client.stream(messages=msgs, max_tokens=1, cache_salt="tenant-test"))
-    time.sleep(0.3)
+    first = list(client.stream(messages=msgs, max_tokens=1, cache_salt="tenant-test"))[-1]
+    wait_indexed(tiny_cluster, client, first.replica_id, messages=msgs, cache_salt="tenant-test")
     again = list(client.stream(messages=msgs, max_tokens=1, cache_salt="tenant-test"))[-1]
     other = list(client.stream(messages=msgs, max_tokens=1, cache_salt="another-salt"))[-1]
     assert again.cached_prompt_tokens > 0

@@ -70,3 +70,47 @@ async def test_a_flooding_tenant_never_crowds_out_one_within_its_share(fleet, tm
         stats = await idle(server)
         assert stats["num_free_blocks"] == stats["num_total_blocks"]
         assert server.service.reservations.count == 0
+
+
+async def test_a_burst_never_holds_more_than_the_tenant_limit(fleet, tmp_path):
+    # Issue 24 item 11: the limit was checked before an await (the index lookup) and counted
+    # after it, so a burst all passed the check.
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"keys": {"key-burst": "burst"}, "tenant_limits": {"burst": 2}}))
+    await fleet.add_replica("rep-a", cost_model=SLOW)
+    router = await fleet.add_router(api_keys_file=str(keys), index_mirror=False)  # awaits Redis
+    await fleet.wait_replicas(1)
+    md = (("authorization", "Bearer key-burst"),)
+    async with grpc.aio.insecure_channel(router.address) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        outs = await asyncio.gather(*(_outcome(stub.Generate(_request(i, 10), metadata=md))
+                                      for i in range(8)))
+    codes = collections.Counter(code for code, *_ in outs)
+    assert codes == {"OK": 2, "RESOURCE_EXHAUSTED": 6}, codes
+    assert router.core.tenant_inflight["burst"] == 0
+
+
+async def test_members_of_a_shared_namespace_each_get_their_own_share(fleet, tmp_path):
+    # Issue 24 item 10: the worker counted fairness by the cache scope ("@docs"), so the
+    # members of one shared namespace shared one tenant_share.
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"keys": {"key-a": "a", "key-b": "b"},
+                                "shared_namespaces": {"docs": ["a", "b"]}}))
+    server = await fleet.add_replica("rep-a", cost_model=SLOW, scheduler=SHARED)
+    router = await fleet.add_router(api_keys_file=str(keys))
+    await fleet.wait_replicas(1)
+    md = {t: (("authorization", f"Bearer key-{t}"),) for t in ("a", "b")}
+    async with grpc.aio.insecure_channel(router.address) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        share = SHARED.max_sequences // 2
+        holders = [asyncio.ensure_future(_outcome(stub.Generate(_request(0, 40), metadata=md["a"])))
+                   for _ in range(share)]
+        while server.service.reservations.count < share:
+            await asyncio.sleep(0.01)
+        code, details, _, _ = await _outcome(stub.Generate(_request(1, 2), metadata=md["a"]))
+        assert code == "RESOURCE_EXHAUSTED" and "'a' holds its share" in details
+        last = None
+        async for msg in stub.Generate(_request(0, 2), metadata=md["b"]):
+            last = msg  # another member: its own share, and the namespace's cached blocks
+        assert last.usage.cached_prompt_tokens > 0
+        assert [c for c, *_ in await asyncio.gather(*holders)] == ["OK"] * share

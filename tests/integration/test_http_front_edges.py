@@ -145,17 +145,54 @@ async def test_no_live_replica_is_a_503_and_health_says_so(fleet):
 
 
 async def test_connections_past_the_limit_get_503_at_once(fleet):
+    # Issue 24 item 2: the limit L served L - 1 connections (and 1 refused everything).
     await fleet.add_replica("rep-a")
     router = await fleet.add_router(http_port=0, http_max_connections=2)
     await fleet.wait_replicas(1)
     host, port = router.http_address.rsplit(":", 1)
-    idle = await asyncio.open_connection(host, int(port))  # holds one of the two
+    async with httpx.AsyncClient(base_url=f"http://{router.http_address}") as client:
+        assert (await client.get("/health")).status_code == 200
+    idle = [await asyncio.open_connection(host, int(port)) for _ in range(2)]  # both slots
     try:
         async with httpx.AsyncClient(base_url=f"http://{router.http_address}") as client:
             assert (await client.get("/health")).status_code == 503
     finally:
+        for _, writer in idle:
+            writer.close()
+            await writer.wait_closed()
+    await until(lambda: len(router.http._server.server_state.connections) == 0, "idle closed")
+    idle = await asyncio.open_connection(host, int(port))  # one of two: the second is served
+    try:
+        async with httpx.AsyncClient(base_url=f"http://{router.http_address}") as client:
+            assert (await client.get("/health")).status_code == 200
+    finally:
         idle[1].close()
         await idle[1].wait_closed()
-    await until(lambda: len(router.http._server.server_state.connections) == 0, "idle closed")
+
+
+async def test_a_limit_of_one_connection_serves_one(fleet):
+    await fleet.add_replica("rep-a")
+    router = await fleet.add_router(http_port=0, http_max_connections=1)
+    await fleet.wait_replicas(1)
     async with httpx.AsyncClient(base_url=f"http://{router.http_address}") as client:
         assert (await client.get("/health")).status_code == 200
+
+
+async def test_shutdown_lets_http_streams_run_for_the_router_grace(fleet):
+    # Issue 24 item 17: the HTTP front cut its streams after a hard-coded 2 s.
+    await fleet.add_replica("rep-a", cost_model=STEP)
+    router = await fleet.add_router(http_port=0, shutdown_grace_s=20.0)
+    await fleet.wait_replicas(1)
+    async with httpx.AsyncClient(timeout=30) as client:
+        async with client.stream("POST", f"http://{router.http_address}/v1/completions",
+                                 json={**LONG, "max_tokens": 150, "stream": True,
+                                       "stream_options": {"include_usage": True}}) as resp:
+            events, stopping = [], None
+            async for line in resp.aiter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if stopping is None:  # ~3 s of stream left
+                        stopping = asyncio.create_task(router.stop())
+    await stopping
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["usage"]["completion_tokens"] == 150

@@ -8,6 +8,7 @@ InMemoryPrefixIndex + its publisher, proving the implementations agree.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import signal
 import time
@@ -341,3 +342,15 @@ async def test_unresponsive_redis_fails_fast_then_recovers():
         for c in b.closers:
             await c.close()
         server.stop()
+
+
+async def test_a_malformed_registry_entry_is_skipped_not_fatal(redis_backend, sync_redis):
+    # Issue 24 item 20: one bad entry used to make every read raise, freezing the router's view.
+    await redis_backend.start("good", CHAIN[:2])
+    await redis_backend.start("bad-json", CHAIN[:1])
+    await redis_backend.start("bad-field", CHAIN[:1])
+    keys = IndexKeys(redis_backend.namespace)
+    sync_redis.hset(keys.registry, "bad-json", "{not json")
+    sync_redis.hset(keys.registry, "bad-field", json.dumps({"address": "x:1", "model": "m"}))
+    ix = redis_backend.index(ttl_s=10.0)
+    assert [i.replica_id for i, _ in await ix.replicas()] == ["good"]

@@ -1,8 +1,9 @@
 """Replicas on Ray Serve under traffic: scale 2 → 3 → 1, drain on scale-down, Worker.Drain past
 its timeout, a killed replica replaced, a rolling upgrade — no failed request where none may
-fail. One cluster for the module (tiny Llama, drain timeout 4 s); each test leaves it serving.
+fail. One cluster for the module (tiny Llama, drain timeout 4 s); each test first sets the fleet
+to the size it needs, so any one runs alone (``-k``).
 
-Timings are printed (``-s``), never asserted; ``docs/operators.md`` lists measured ones.
+Timings are printed (``-s``), never asserted; ``docs/operating.md`` lists measured ones.
 """
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ import redis
 
 from kvfleet.client import Client
 from kvfleet.deploy import serve_control
-from kvfleet.deploy.launcher import ClusterConfig
+from kvfleet.deploy.cluster_config import ClusterConfig
 from kvfleet.deploy.registry_view import wait_gone
 from kvfleet.index_keys import IndexKeys
 from kvfleet.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from kvfleet.worker.engine.scheduler import SchedulerConfig
-from tests.fixtures.cluster import cluster_with_client
+from kvfleet.router.main import RouterConfig
+from tests.fixtures.cluster import cluster_with_client, tiny_replica
 
 pytestmark = pytest.mark.slow
 NAMESPACE = "kvtest-life:"
@@ -33,10 +34,9 @@ NAMESPACE = "kvtest-life:"
 
 @pytest.fixture(scope="module")
 def life(ray_session, redis_server, tiny_llama_dir):
-    cfg = ClusterConfig(model_name="tiny-llama", model_dir=str(tiny_llama_dir), replicas=2,
-                        num_blocks=64, port=0, redis_url=redis_server.url, namespace=NAMESPACE,
-                        replica_num_cpus=0, drain_timeout_s=4.0, health_check_period_s=0.5,
-                        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256))
+    cfg = ClusterConfig(tiny_replica(tiny_llama_dir, redis_server.url, NAMESPACE, drain_timeout_s=4.0),
+                        RouterConfig(port=0), replicas=2, replica_num_cpus=0,
+                        health_check_period_s=0.5)
     with cluster_with_client(cfg) as running:
         yield running
 
@@ -95,7 +95,7 @@ def index_mentions(redis_url: str, replica_id: str) -> int:
 
 def test_scale_2_to_3_to_1_under_traffic_serves_every_request(life, redis_server) -> None:
     cluster, client = life
-    before = {i.replica_id for i in cluster.wait_serving(2)}
+    before = {i.replica_id for i in cluster.scale(2)}
     # More requests in flight than replicas: least-loaded routing reaches the new one.
     with Traffic(client, threads=4) as traffic:
         time.sleep(1.0)
@@ -164,7 +164,7 @@ def test_lowering_num_replicas_drains_the_streams_of_whichever_replica_goes(life
 
 def test_worker_drain_past_its_timeout_ends_streams_unavailable_and_serve_replaces_it(life) -> None:
     cluster, client = life
-    (victim,) = cluster.wait_serving(1)
+    (victim,) = cluster.scale(1)
     ended: list = []
 
     def stream() -> None:
@@ -251,7 +251,7 @@ def test_a_rolling_upgrade_under_traffic_fails_no_request(life) -> None:
     import ray
 
     cluster, client = life
-    old = {i.serve_replica for i in cluster.wait_serving(2)}
+    old = {i.serve_replica for i in cluster.scale(2)}
     address = ray.get_runtime_context().gcs_address
     upgrade = [sys.executable, "-m", "kvfleet.deploy.cli", "upgrade", "--address", address,
                "--namespace", NAMESPACE, "--revision", "rev-2", "--timeout", "240"]

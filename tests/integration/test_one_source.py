@@ -1,5 +1,5 @@
 """One source: the Serve config in the Kubernetes RayService and the one ``kvfleet up``
-applies are made by the same function (``launcher.serve_application``) from the same
+applies are made by the same function (``cluster_config.serve_application``) from the same
 ClusterConfig, and the router Deployment runs the command ``kvfleet up`` starts. What the
 tests' clusters run is what Kubernetes gets."""
 
@@ -12,7 +12,7 @@ import yaml
 from ray.serve.schema import ServeDeploySchema
 
 from kvfleet.deploy import k8s, serve_control
-from kvfleet.deploy.launcher import router_args, serve_application
+from kvfleet.deploy.cluster_config import router_args, serve_application
 from kvfleet.router.main import parse_args
 
 COMMITTED = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
@@ -41,7 +41,7 @@ def test_the_rayservice_holds_serve_application_of_the_pods_config():
     embedded = yaml.safe_load(service["spec"]["serveConfigV2"])
     cfg = k8s.cluster_config(k)
     expected = serve_control.deploy_config(
-        [serve_application(cfg, cfg.redis_url, 1.0, k.worker_cpus // k.tp)])
+        [serve_application(cfg, cfg.replica.redis_url, 1.0, k.worker_cpus // k.tp)])
     assert embedded == expected
     # The same config stands alone for `serve run` / `serve deploy`, and Serve's own schema
     # (what both and KubeRay apply) accepts it.
@@ -72,15 +72,16 @@ def test_the_router_deployment_runs_the_kvfleet_up_router_command(tiny_cluster):
     # kvfleet up's router: python -m kvfleet.router.main + router_args(its config).
     cfg = tiny_cluster.cfg
     http_port = int(tiny_cluster.http_address.rsplit(":", 1)[1])
-    assert tiny_cluster.router_proc.args[3:] == router_args(cfg, tiny_cluster.redis_url, http_port)
+    assert tiny_cluster.router_proc.args[3:] == router_args(
+        cfg.router_config(tiny_cluster.redis_url, http_port))
     # The router Deployment: the same module and router_args(the pods' config) ...
     k = k8s.K8sConfig()
     container = _documents("router.yaml")[0]["spec"]["template"]["spec"]["containers"][0]
     assert container["command"] == ["python", "-m", "kvfleet.router.main"]
     pods = k8s.cluster_config(k)
-    assert container["args"] == router_args(pods, pods.redis_url, pods.http_port)
+    assert container["args"] == router_args(pods.router_config(pods.replica.redis_url))
     # ... which the router's own parser accepts, meaning what the manifest says.
     parsed = parse_args(container["args"])
     assert (parsed.host, parsed.port, parsed.http_port) == ("0.0.0.0", k8s.GRPC_PORT, k8s.HTTP_PORT)
-    assert parsed.redis_url == pods.redis_url
+    assert parsed.redis_url == pods.replica.redis_url
     assert parsed.shutdown_grace_s == k.drain_timeout_s

@@ -107,6 +107,10 @@ async def test_api_keys_are_reloaded_without_a_restart(fleet, tmp_path):
         keys.write_text("{not json")
         assert not router.reload_api_keys()  # a broken file keeps the previous keys
         assert await _complete(old) == 3
+        for empty in ({}, {"keys": {}}):  # zero keys would open the router: refused
+            keys.write_text(json.dumps(empty))
+            assert not router.reload_api_keys()
+            assert await _complete(old) == 3
         keys.write_text(json.dumps({"new-key": "acme"}))
         assert router.reload_api_keys()  # what SIGHUP does
         assert await _complete(new) == 3
@@ -124,7 +128,8 @@ def test_kvfleet_up_serves_tls_outside_and_mutual_tls_inside(ray_session, redis_
     from dataclasses import replace
 
     from kvfleet.client import Client
-    from kvfleet.deploy.cli import build_parser, cluster_config
+    from kvfleet.deploy.cli import build_parser
+    from kvfleet.deploy.cluster_flags import cluster_config
     from kvfleet.deploy.launcher import LocalCluster
 
     ca, cert, key = client_port_cert
@@ -134,7 +139,8 @@ def test_kvfleet_up_serves_tls_outside_and_mutual_tls_inside(ray_session, redis_
          "--cost-model-scale", "0.001", "--num-blocks", "64", "--port", "0",
          "--redis-url", redis_server.url, "--tls-cert", cert, "--tls-key", key,
          "--internal-tls-dir", str(internal)])
-    cluster = LocalCluster(replace(cluster_config(args), namespace="kvtest-tls:",
+    cfg = cluster_config(args)
+    cluster = LocalCluster(replace(cfg, replica=replace(cfg.replica, namespace="kvtest-tls:"),
                                    replica_num_cpus=0))
     try:
         cluster.start()
@@ -145,3 +151,29 @@ def test_kvfleet_up_serves_tls_outside_and_mutual_tls_inside(ray_session, redis_
         assert chunks[-1].completion_tokens == 3
     finally:
         cluster.stop()
+
+
+async def test_the_http_port_serves_https_with_the_same_certificate(fleet, client_port_cert):
+    # Issue 24 item 14: --tls-cert/--tls-key covered only the gRPC port.
+    import ssl
+
+    import httpx
+    import openai
+
+    ca, cert, key = client_port_cert
+    await fleet.add_replica("rep-a")
+    router = await fleet.add_router(tls_cert=cert, tls_key=key, http_port=0)
+    await fleet.wait_replicas(1)
+    trusted = ssl.create_default_context(cafile=ca)
+    async with httpx.AsyncClient(verify=trusted) as http:
+        async with openai.AsyncOpenAI(base_url=f"https://{router.http_address}/v1", api_key="-",
+                                      http_client=http, max_retries=0) as client:
+            out = await client.completions.create(model="tiny-llama", prompt="Once upon a time",
+                                                  max_tokens=3, extra_body={"ignore_eos": True})
+            assert out.usage.completion_tokens == 3
+    async with httpx.AsyncClient() as untrusted:  # the system CAs do not know this one
+        with pytest.raises(httpx.ConnectError):
+            await untrusted.get(f"https://{router.http_address}/health")
+    async with httpx.AsyncClient() as plain:  # plaintext HTTP on the TLS port is refused
+        with pytest.raises(httpx.HTTPError):
+            await plain.get(f"http://{router.http_address}/health")

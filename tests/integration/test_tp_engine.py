@@ -1,7 +1,7 @@
 """The real engine over real tensor-parallel rank groups (Ray rank actors, gloo) against
 transformers' full-prefix forward: the engine-exactness scenarios of
 ``tests/unit/worker/test_engine_exactness.py`` rerun with rank 0's runner a
-:class:`TPRunner`, plus every sharding layout and SmolLM2 at tp=3.
+:class:`TPExecutor`, plus every sharding layout and SmolLM2 at tp=3.
 
 Each rank group starts once per test session (at most two alive at a time).
 """
@@ -17,7 +17,7 @@ import pytest
 import tests.unit.worker.test_engine_exactness as exact
 from kvfleet.worker.executor.tp.group import RankGroup, TPSettings
 from kvfleet.worker.executor.tp.rank_worker import RankSpec
-from kvfleet.worker.executor.tp_executor import TPRunner
+from kvfleet.worker.executor.tp_executor import TPExecutor
 from tests.unit.worker import engine_harness, lora_harness
 from tests.unit.worker.engine_harness import make_engine, prompt, run
 from tests.unit.worker.engine_harness import request as engine_request
@@ -30,9 +30,9 @@ class Groups:
 
     def __init__(self, keep: int = 2) -> None:
         self.keep = keep
-        self.runners: OrderedDict[tuple[Path, int], TPRunner] = OrderedDict()
+        self.runners: OrderedDict[tuple[Path, int], TPExecutor] = OrderedDict()
 
-    def get(self, model_dir: Path, tp: int) -> TPRunner:
+    def get(self, model_dir: Path, tp: int) -> TPExecutor:
         key = (Path(model_dir), tp)
         if key not in self.runners:
             while len(self.runners) >= self.keep:
@@ -40,7 +40,7 @@ class Groups:
             spec = RankSpec(str(model_dir), tp, num_blocks=160, block_size=exact.BLOCK_SIZE,
                             one_row_weights=False, max_loras=lora_harness.MAX_LORAS)
             group = RankGroup(spec, TPSettings(), f"test-tp{tp}-{key[0].name}")
-            self.runners[key] = TPRunner(group.start(), group)
+            self.runners[key] = TPExecutor(group.start(), group)
         self.runners.move_to_end(key)
         return self.runners[key]
 

@@ -19,11 +19,11 @@ import grpc
 import pytest
 
 from kvfleet.client import Client
-from kvfleet.deploy.launcher import ClusterConfig
+from kvfleet.deploy.cluster_config import ClusterConfig
+from kvfleet.router.main import RouterConfig
 from kvfleet.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from kvfleet.worker.executor.tp.group import TPSettings
-from kvfleet.worker.engine.scheduler import SchedulerConfig
-from tests.fixtures.cluster import cluster_with_client
+from tests.fixtures.cluster import cluster_with_client, tiny_replica
 
 pytestmark = pytest.mark.slow
 
@@ -32,11 +32,9 @@ COLLECTIVE_TIMEOUT_S = 3.0
 
 @pytest.fixture(scope="module")
 def tp_cluster(ray_session, redis_server, tiny_llama_dir):
-    cfg = ClusterConfig(model_name="tiny-llama", model_dir=str(tiny_llama_dir), replicas=3,
-                        num_blocks=64, port=0, redis_url=redis_server.url,
-                        namespace="kvtest-tp:", replica_num_cpus=0, tensor_parallel_size=2,
-                        tp=TPSettings(collective_timeout_s=COLLECTIVE_TIMEOUT_S, step_timeout_s=3.0),
-                        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256))
+    replica = tiny_replica(tiny_llama_dir, redis_server.url, "kvtest-tp:", tensor_parallel_size=2,
+                           tp=TPSettings(collective_timeout_s=COLLECTIVE_TIMEOUT_S, step_timeout_s=3.0))
+    cfg = ClusterConfig(replica, RouterConfig(port=0), replicas=3, replica_num_cpus=0)
     with cluster_with_client(cfg) as running:
         yield running
 

@@ -16,11 +16,15 @@ import uuid
 import pytest
 
 from kvfleet.client import Client, RequestStats
-from kvfleet.deploy.launcher import ClusterConfig, LocalCluster
+from kvfleet.deploy.cluster_config import ClusterConfig
+from kvfleet.deploy.launcher import LocalCluster
+from kvfleet.router.main import RouterConfig
 from kvfleet.telemetry import Telemetry, TelemetryConfig
 from kvfleet.telemetry import names as n
 from kvfleet.telemetry.collector import OtlpSink
 from kvfleet.worker.engine.scheduler import SchedulerConfig
+from tests.fixtures.cluster import wait_indexed
+from tests.fixtures.cluster import tiny_replica
 
 SYSTEM = ("You are the archive desk of a small-town newspaper. Answer questions about past "
           "issues in one sentence, give the issue date, and never guess a page number.")
@@ -44,12 +48,11 @@ def telemetry_cfg(sink):
 
 @pytest.fixture(scope="module")
 def traced_cluster(ray_session, redis_server, tiny_llama_dir, telemetry_cfg):
-    cfg = ClusterConfig(model_name="tiny-llama", model_dir=str(tiny_llama_dir), replicas=2,
-                        block_size=16, num_blocks=64, port=0, http_port=0,
-                        redis_url=redis_server.url, namespace=f"kvtest-trace-{uuid.uuid4().hex[:6]}:",
-                        telemetry=telemetry_cfg, metrics_port=0,
-                        replica_num_cpus=0,  # the session's other cluster may hold every CPU
-                        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32))
+    replica = tiny_replica(tiny_llama_dir, redis_server.url, f"kvtest-trace-{uuid.uuid4().hex[:6]}:",
+                           telemetry=telemetry_cfg,
+                           scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32))
+    cfg = ClusterConfig(replica, RouterConfig(port=0, http_port=0), replicas=2, metrics_port=0,
+                        replica_num_cpus=0)  # the session's other cluster may hold every CPU
     cluster = LocalCluster(cfg)
     cluster.start()
     yield cluster
@@ -143,7 +146,8 @@ def test_one_request_is_one_trace_with_the_span_tree(client, sink):
     # The phases tile worker.Generate in order, and fit inside it.
     w, q, p, d = (spans[x] for x in (n.WORKER_GENERATE, n.WORKER_QUEUE, n.WORKER_PREFILL,
                                      n.WORKER_DECODE))
-    assert w.start_ns <= q.start_ns <= q.end_ns <= p.start_ns <= p.end_ns <= d.start_ns <= d.end_ns <= w.end_ns
+    assert (w.start_ns <= q.start_ns <= q.end_ns <= p.start_ns <= p.end_ns <= d.start_ns
+            <= d.end_ns <= w.end_ns)
     assert q.duration_s + p.duration_s + d.duration_s <= w.duration_s
 
     # Network = router.dispatch − worker.Generate, on the span, in the client's stats.
@@ -196,12 +200,13 @@ def test_cancelled_request_spans_end_with_status_and_reason(client, sink):
     assert spans[n.WORKER_DECODE].end_ns <= w.end_ns
 
 
-def test_prefix_routed_request_reports_its_cached_tokens(client, sink):
+def test_prefix_routed_request_reports_its_cached_tokens(client, sink, traced_cluster):
     salt = uuid.uuid4().hex  # a fresh prefix nobody holds yet
     first = RequestStats()
     list(client.stream(messages=chat("Who ran the bakery?"), max_tokens=1, cache_salt=salt,
                        stats=first))
-    time.sleep(0.3)  # KV events are published after the engine step
+    wait_indexed(traced_cluster, client, first.replica_id, messages=chat("Who ran the bakery?"),
+                 cache_salt=salt)
     again = RequestStats()
     list(client.stream(messages=chat("Who ran the post office?"), max_tokens=1, cache_salt=salt,
                        stats=again))
@@ -212,8 +217,9 @@ def test_prefix_routed_request_reports_its_cached_tokens(client, sink):
     assert route[n.KVFLEET_ROUTE_MATCHED_BLOCKS] >= 2
     assert again.cached_prompt_tokens >= 32
     assert spans[n.WORKER_PREFILL].attributes[n.KVFLEET_CACHED_PROMPT_TOKENS] == again.cached_prompt_tokens
-    assert spans[n.ROUTER_GENERATE].attributes[n.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS] == again.cached_prompt_tokens
-    assert spans[n.ROUTER_GENERATE].attributes[n.KVFLEET_CACHED_PROMPT_TOKENS] == again.cached_prompt_tokens
+    router_attrs = spans[n.ROUTER_GENERATE].attributes
+    assert router_attrs[n.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS] == again.cached_prompt_tokens
+    assert router_attrs[n.KVFLEET_CACHED_PROMPT_TOKENS] == again.cached_prompt_tokens
 
 
 def _settled(read, timeout_s: float = 10.0, want=None):

@@ -12,11 +12,10 @@ import time
 from typing import Callable
 
 from kvfleet.allocator.hashing import CacheIdentity
-from kvfleet.worker.engine.adapter_residency import AdapterResidency
-from kvfleet.worker.engine.request import Sequence
-from kvfleet.worker.runner.lora.adapter import AdapterSpec
-
 from kvfleet.errors import KvfleetError, NotFound, ResourceExhausted
+from kvfleet.worker.engine.adapter_residency import AdapterResidency
+from kvfleet.worker.engine.request import SequenceState
+from kvfleet.worker.runner.lora.adapter import AdapterSpec
 
 
 class AdapterQueue:
@@ -32,7 +31,7 @@ class AdapterQueue:
         self.scheduler = scheduler
         self._digests: dict[tuple[str, str], bytes] = {}
         # (pinned spec, samples, monotonic time it started waiting), in arrival order
-        self._waiting: list[tuple[AdapterSpec, list[Sequence], float]] = []
+        self._waiting: list[tuple[AdapterSpec, list[SequenceState], float]] = []
         self._slot_of: dict[str, int] = {}  # request_id -> adapter slot it holds
 
     @property
@@ -73,7 +72,7 @@ class AdapterQueue:
             self._digests[key] = self._identity.with_adapter(*key).digest()
         return self._digests[key]
 
-    def add(self, spec: AdapterSpec, seqs: list[Sequence]) -> None:
+    def add(self, spec: AdapterSpec, seqs: list[SequenceState]) -> None:
         """Queue a request's ``seqs`` now if its pinned adapter revision is resident, else
         hold them until it is. Raises what :meth:`Scheduler.add` raises when queued at once."""
         first = seqs[0]
@@ -81,7 +80,7 @@ class AdapterQueue:
         if not self._start(spec, seqs):
             self._waiting.append((spec, seqs, time.monotonic()))
 
-    def _start(self, spec: AdapterSpec, seqs: list[Sequence]) -> bool:
+    def _start(self, spec: AdapterSpec, seqs: list[SequenceState]) -> bool:
         slot = self._res.acquire(spec)
         if slot is None:
             return False
@@ -95,7 +94,7 @@ class AdapterQueue:
         self._slot_of[seqs[0].request_id] = slot
         return True
 
-    def admit(self, fail: Callable[[Sequence, BaseException], object]) -> list:
+    def admit(self, fail: Callable[[SequenceState, BaseException], object]) -> list:
         """Queue the held requests whose adapter is now resident, in arrival order (each one
         still waiting claims a slot anew: see :mod:`.adapter_residency`); ``fail`` ends a
         sample whose adapter failed to load, that waited past the residency's ``max_wait_s``,

@@ -1,4 +1,4 @@
-"""The engine: one step = schedule → model runner forward → sample → detokenize → outputs.
+"""The engine: one step = schedule → executor forward → sample → detokenize → outputs.
 
 Synchronous and single-threaded by design; :mod:`kvfleet.worker.service.engine_loop` runs it on its
 own thread so the gRPC event loop never blocks on a forward.
@@ -10,34 +10,23 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Optional
-from typing import Sequence as Seq
+from typing import Optional, Sequence
 
 import tokenizers
+
 from kvfleet.allocator.hashing import CacheIdentity, root_hash
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
+from kvfleet.errors import AlreadyExists, InvalidArgument
+from kvfleet.sampling_params import SamplingParams, check_context_length
 from kvfleet.worker.engine.adapter_queue import AdapterQueue
 from kvfleet.worker.engine.adapter_residency import AdapterResidency
 from kvfleet.worker.engine.detokenizer import IncrementalDetokenizer
-from kvfleet.worker.engine.outputs import (
-    Milestones,
-    SeqOutput,
-    Timing,
-    TokenLogprobs,
-    Usage,
-)
-from kvfleet.worker.engine.request import FinishReason, Sequence
+from kvfleet.worker.engine.outputs import Milestones, SeqOutput, Timing, TokenLogprobs, Usage
+from kvfleet.worker.engine.request import FinishReason, SequenceState
 from kvfleet.worker.engine.sampling import Sampler, SampleState, make_generator
-from kvfleet.worker.engine.scheduler import (
-    Fork,
-    Scheduler,
-    SchedulerConfig,
-    SchedulerOutput,
-)
+from kvfleet.worker.engine.scheduler import Fork, Scheduler, SchedulerConfig, SchedulerOutput
 from kvfleet.worker.engine.stop_checker import StopChecker
-
-from kvfleet.errors import AlreadyExists, InvalidArgument, OutOfRange
-from kvfleet.sampling_params import SamplingParams
+from kvfleet.worker.executor.base import Executor
 
 log = logging.getLogger(__name__)
 
@@ -49,16 +38,17 @@ class EngineRequest:
     request_id: str
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
-    tenant: str = "default"
+    tenant: str = "default"  # whose request: fair admission counts it
     cache_salt: str = ""
     adapter: str = ""
     deadline: Optional[float] = None  # monotonic seconds
+    cache_scope: str = ""  # the block-hash root's scope ("" = the tenant's own)
 
 
 class _SeqIO:
     """Per-sample output helpers: sampling state, detokenizer, stop-string checker."""
 
-    def __init__(self, seq: Sequence, tokenizer: tokenizers.Tokenizer) -> None:
+    def __init__(self, seq: SequenceState, tokenizer: tokenizers.Tokenizer) -> None:
         self.state = SampleState(
             params=seq.params, index=seq.index, prompt_token_ids=seq.prompt_token_ids,
             output_token_ids=seq.output_token_ids,
@@ -72,10 +62,10 @@ class Engine:
     """Continuous-batching engine of one replica (rank 0 of its TP group).
 
     Args:
-        runner: executes a :class:`~kvfleet.worker.engine.step_plan.StepPlan`; returns last-token
-            logits ``(num_chunks, vocab)`` float32.
+        executor: runs each step's :class:`~kvfleet.worker.engine.step_plan.StepPlan`; returns
+            last-token logits ``(num_chunks, vocab)`` float32.
         kv: the replica's KV cache manager (block tables, prefix cache).
-        identity_digest: :meth:`CacheIdentity.digest` of the served model (DESIGN §2).
+        identity_digest: :meth:`CacheIdentity.digest` of the served model (docs/design.md §2).
         eos_token_ids: tokens that end a sample unless ``ignore_eos``.
         max_model_len: context length; prompt + max_tokens beyond it is OUT_OF_RANGE.
         adapters: the replica's LoRA slots (None: no adapter is served); ``identity`` (the
@@ -83,12 +73,12 @@ class Engine:
             chain root is keyed by its adapter's name and revision.
     """
 
-    def __init__(self, runner, kv: KVCacheManager, tokenizer: tokenizers.Tokenizer,
-                 identity_digest: bytes, eos_token_ids: Seq[int], max_model_len: int,
+    def __init__(self, executor: Executor, kv: KVCacheManager, tokenizer: tokenizers.Tokenizer,
+                 identity_digest: bytes, eos_token_ids: Sequence[int], max_model_len: int,
                  vocab_size: int, config: SchedulerConfig = SchedulerConfig(),
                  adapters: AdapterResidency | None = None,
                  identity: CacheIdentity | None = None) -> None:
-        self.runner = runner
+        self.executor = executor
         self.adapters = adapters
         self.kv = kv
         self.tokenizer = tokenizer
@@ -100,7 +90,7 @@ class Engine:
         self.lora = AdapterQueue(adapters, identity, identity_digest, self.scheduler)
         self.sampler = Sampler()
         self._arrivals = itertools.count()
-        self._seqs: dict[str, list[Sequence]] = {}  # request_id -> its n samples
+        self._seqs: dict[str, list[SequenceState]] = {}  # request_id -> its n samples
         self._io: dict[str, _SeqIO] = {}             # seq_id -> helpers
 
     # ---- requests in ---------------------------------------------------------------------
@@ -117,12 +107,9 @@ class Engine:
         if bad:
             raise InvalidArgument(
                 f"prompt_token_ids holds ids outside [0, {self.vocab_size}): e.g. {bad[0]}")
-        total = len(req.prompt_token_ids) + req.params.max_tokens
-        if total > self.max_model_len:
-            raise OutOfRange(
-                f"prompt ({len(req.prompt_token_ids)} tokens) + sampling.max_tokens "
-                f"({req.params.max_tokens}) = {total} exceeds the model context of "
-                f"{self.max_model_len} tokens")
+        check_context_length(len(req.prompt_token_ids) + req.params.max_tokens, self.max_model_len,
+                             f"prompt ({len(req.prompt_token_ids)} tokens) + sampling.max_tokens "
+                             f"({req.params.max_tokens})", field="sampling.max_tokens")
         req.params.check_vocab(self.vocab_size)
         if req.request_id in self._seqs:
             raise AlreadyExists(f"request_id {req.request_id!r} is already running")
@@ -131,10 +118,11 @@ class Engine:
         """Validate and queue all ``n`` samples. Raises a KvfleetError on refusal."""
         self.validate(req)
         pinned = self.lora.pin(req.adapter)  # the revision hashed is the revision run
-        root = root_hash(self.lora.digest_for(pinned), req.tenant, req.cache_salt)
+        root = root_hash(self.lora.digest_for(pinned), req.cache_scope or req.tenant,
+                         req.cache_salt)
         arrival = next(self._arrivals)
         seqs = [
-            Sequence(seq_id=f"{req.request_id}#{i}", request_id=req.request_id, index=i,
+            SequenceState(seq_id=f"{req.request_id}#{i}", request_id=req.request_id, index=i,
                      prompt_token_ids=list(req.prompt_token_ids), params=req.params,
                      root_hash=root, block_size=self.kv.block_size, arrival_seq=arrival,
                      deadline=req.deadline, tenant=req.tenant)
@@ -180,7 +168,7 @@ class Engine:
             if s.seq.num_computed_tokens < s.seq.num_prompt_tokens:  # a prefill chunk (tracing)
                 s.seq.timing.prefill_chunks.append((now, s.num_new_tokens))
         try:
-            logits = self.runner.execute(out.plan)
+            logits = self.executor.execute(out.plan)
         except Exception as exc:  # a failed forward fails the requests in it, not the replica
             log.exception("forward failed for %d sequences", len(out.scheduled))
             failed = dict.fromkeys(s.seq.request_id for s in out.scheduled)
@@ -214,7 +202,7 @@ class Engine:
                 outputs.append(self._finish(seq, FinishReason.ERROR, exc))
         return outputs
 
-    def _append(self, seq: Sequence, res, now: float) -> SeqOutput:
+    def _append(self, seq: SequenceState, res, now: float) -> SeqOutput:
         io = self._io[seq.seq_id]
         seq.append_token(res.token_id)
         seq.timing.first_token = seq.timing.first_token or now
@@ -244,7 +232,7 @@ class Engine:
                 for seqs in list(self._seqs.values()) for s in seqs
                 if s.deadline is not None and now > s.deadline and not s.is_finished]
 
-    def _finish(self, seq: Sequence, reason: FinishReason, error: BaseException | None = None,
+    def _finish(self, seq: SequenceState, reason: FinishReason, error: BaseException | None = None,
                 token_ids: tuple[int, ...] = (), text: str = "",
                 logprobs: tuple[TokenLogprobs, ...] = ()) -> SeqOutput:
         self.scheduler.finish(seq)

@@ -38,11 +38,11 @@ class SeqTiming:
 
 
 @dataclass
-class Sequence:
+class SequenceState:
     """One sample (``index`` of ``n``) of one request as the scheduler sees it.
 
     ``all_token_ids = prompt + output``; ``num_computed_tokens`` of them have KV in the cache.
-    ``block_hashes`` is the chain over every full block of ``all_token_ids`` (DESIGN §2),
+    ``block_hashes`` is the chain over every full block of ``all_token_ids`` (docs/design.md §2),
     extended as output tokens fill blocks.
     """
 
@@ -55,7 +55,7 @@ class Sequence:
     block_size: int
     arrival_seq: int  # FCFS order; also "newest" for preemption
     deadline: Optional[float] = None  # monotonic seconds
-    tenant: str = "default"  # whose request (the cache scope): fair admission among tenants
+    tenant: str = "default"  # whose request (not its cache scope): fair admission among tenants
     adapter_slot: int = 0  # the runner's LoRA slot (0 = base model), set once resident
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -1,4 +1,4 @@
-"""Turn one engine step's logits into one token per sample (DESIGN.md §5 sampling).
+"""Turn one engine step's logits into one token per sample (docs/design.md §5, sampling).
 
 Order of processing, per row (one row = one :class:`SampleState`, i.e. one of a request's ``n``):
 

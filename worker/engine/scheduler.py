@@ -3,7 +3,7 @@
 Each step: running sequences first (decodes, and prefills still catching up), then waiting
 sequences (FCFS, fair among tenants: see below) with chunked prefill filling the remaining token budget
 (``max_num_batched_tokens``) up to ``max_num_seqs``. Admission follows the replica's policy
-(DESIGN.md §3):
+(docs/design.md §3):
 
 * ``watermark`` (default): admit when the uncached prompt fits and a free-block watermark
   stays free; when a running sequence cannot grow, preempt the newest running sequence by
@@ -27,14 +27,14 @@ before a sequence writes into a shared block, the scheduler gives it a private c
 
 from __future__ import annotations
 
-import math
 from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Iterable
 
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
+from kvfleet.allocator.units import cdiv
 from kvfleet.errors import ResourceExhausted
-from kvfleet.worker.engine.request import Sequence, SeqStatus
+from kvfleet.worker.engine.request import SequenceState, SeqStatus
 from kvfleet.worker.engine.step_plan import SeqChunk, StepPlan
 
 POLICIES = ("watermark", "reserve")
@@ -79,7 +79,7 @@ class ScheduledSeq:
     """One sequence's part of a step. ``sample`` is true when the chunk reaches the sequence's
     last known token, so its logits give the next token."""
 
-    seq: Sequence
+    seq: SequenceState
     num_new_tokens: int
     sample: bool
 
@@ -88,7 +88,7 @@ class ScheduledSeq:
 class SchedulerOutput:
     plan: StepPlan
     scheduled: tuple[ScheduledSeq, ...]
-    preempted: tuple[Sequence, ...] = ()
+    preempted: tuple[SequenceState, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -96,8 +96,8 @@ class Fork:
     """A sibling that joined the running set after ``leader``'s prompt was computed; it samples
     its first token from the leader's logits of that step."""
 
-    leader: Sequence
-    sibling: Sequence
+    leader: SequenceState
+    sibling: SequenceState
 
 
 class Scheduler:
@@ -106,10 +106,10 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         self.config = config
         self.kv = kv
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.waiting: deque[SequenceState] = deque()
+        self.running: list[SequenceState] = []
         # leader seq_id -> siblings waiting for its prompt to be computed (n > 1)
-        self.pending_forks: dict[str, list[Sequence]] = {}
+        self.pending_forks: dict[str, list[SequenceState]] = {}
         self._watermark_blocks = int(config.watermark * kv.num_total_blocks)
         # Running slots one tenant may hold (tenant_share < 1 keeps the rest for the others,
         # so a newly arrived tenant starts at the next step, not when a flood's requests end).
@@ -117,7 +117,7 @@ class Scheduler:
 
     # ---- admission -------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
-        return math.ceil(num_tokens / self.kv.block_size)
+        return cdiv(num_tokens, self.kv.block_size)
 
     def group_blocks(self, num_prompt_tokens: int, max_tokens: int, n: int = 1) -> int:
         """Blocks ``n`` samples of one request hold at most, siblings sharing the full prompt
@@ -146,7 +146,7 @@ class Scheduler:
                 f"{self.kv.block_size} tokens; this replica has {self.kv.num_total_blocks} in total"
             )
 
-    def add(self, seqs: Iterable[Sequence]) -> None:
+    def add(self, seqs: Iterable[SequenceState]) -> None:
         """Queue new sequences; those of one request (its ``n`` samples) are kept together,
         the first of them leading (queued; the others fork from it).
 
@@ -154,7 +154,7 @@ class Scheduler:
             ResourceExhausted: the replica is full (``max_sequences``), or a request can
                 never fit (:meth:`check_can_ever_fit`); then nothing was queued.
         """
-        groups: dict[str, list[Sequence]] = {}
+        groups: dict[str, list[SequenceState]] = {}
         for s in seqs:
             groups.setdefault(s.request_id, []).append(s)
         for g in groups.values():
@@ -183,7 +183,7 @@ class Scheduler:
         """Plan one engine step. Never returns a plan whose blocks are not allocated."""
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
-        preempted: list[Sequence] = []
+        preempted: list[SequenceState] = []
         copies: list[tuple[int, int]] = []
 
         # 1. Running sequences, oldest first (decodes and prefills in progress).
@@ -243,7 +243,7 @@ class Scheduler:
 
         chunks = tuple(
             SeqChunk(
-                request_id=s.seq.seq_id,
+                seq_id=s.seq.seq_id,
                 token_ids=s.seq.token_slice(s.seq.num_computed_tokens,
                                             s.seq.num_computed_tokens + s.num_new_tokens),
                 num_computed_tokens=s.seq.num_computed_tokens,
@@ -254,7 +254,7 @@ class Scheduler:
         )
         return SchedulerOutput(StepPlan(chunks, tuple(copies)), tuple(scheduled), tuple(preempted))
 
-    def _next_waiting(self, running_by_tenant: Counter) -> Sequence:
+    def _next_waiting(self, running_by_tenant: Counter) -> SequenceState:
         """The oldest waiting sequence of the tenant with the fewest running sequences."""
         best, seen = self.waiting[0], {self.waiting[0].tenant}
         for s in self.waiting:  # arrival order: each tenant's first is its oldest
@@ -264,7 +264,7 @@ class Scheduler:
                     best = s
         return best
 
-    def _grow(self, seq: Sequence, num_tokens: int, copies: list[tuple[int, int]]) -> bool:
+    def _grow(self, seq: SequenceState, num_tokens: int, copies: list[tuple[int, int]]) -> bool:
         """Make ``seq``'s table cover ``num_tokens`` positions; first, if the block its next
         token goes into is shared (a fork's partial prompt block), swap in a private copy and
         append ``(src, dst)`` to ``copies``. Returns False, changing nothing, when too few
@@ -279,14 +279,14 @@ class Scheduler:
         assert allocated is not None, "free blocks were counted just above"
         return True
 
-    def _pending_copy(self, seq: Sequence) -> int:
+    def _pending_copy(self, seq: SequenceState) -> int:
         """1 if ``seq``'s next token lands in a partially filled block it shares, else 0."""
         if seq.num_computed_tokens % self.kv.block_size == 0:
             return 0  # the next token starts a new block
         table = self.kv.block_table(seq.seq_id)
         return int(bool(table) and self.kv.ref_count(table[-1]) > 1)
 
-    def _admissible(self, seq: Sequence, computed: list[int], num_tokens: int) -> bool:
+    def _admissible(self, seq: SequenceState, computed: list[int], num_tokens: int) -> bool:
         """Would admitting ``seq`` (computing up to ``num_tokens``) respect the policy?
 
         Reused cached blocks that no live request references count as free (they are
@@ -318,7 +318,7 @@ class Scheduler:
                           - sib.num_prompt_tokens // self.kv.block_size)
         return total
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: SequenceState) -> None:
         """Preempt by recompute: free its blocks and put it back in FCFS order."""
         self.running.remove(seq)
         self.kv.free(seq.seq_id)
@@ -327,7 +327,7 @@ class Scheduler:
         seq.num_preemptions += 1
         self._requeue(seq)
 
-    def _requeue(self, seq: Sequence) -> None:
+    def _requeue(self, seq: SequenceState) -> None:
         pos = 0
         while pos < len(self.waiting) and self.waiting[pos].arrival_seq < seq.arrival_seq:
             pos += 1
@@ -353,7 +353,7 @@ class Scheduler:
                 forks += self._fork(seq)
         return forks
 
-    def _fork(self, leader: Sequence) -> list[Fork]:
+    def _fork(self, leader: SequenceState) -> list[Fork]:
         forks = []
         for sib in self.pending_forks.pop(leader.seq_id):
             self.kv.fork(leader.seq_id, sib.seq_id)
@@ -364,7 +364,7 @@ class Scheduler:
             forks.append(Fork(leader, sib))
         return forks
 
-    def finish(self, seq: Sequence) -> None:
+    def finish(self, seq: SequenceState) -> None:
         """Remove a sequence wherever it is and return its blocks (idempotent). A leader that
         ends before its prompt was computed leaves its siblings to run on their own."""
         if seq in self.running:

@@ -1,7 +1,8 @@
-"""The typed plan that crosses from the scheduler to the model runner (one per engine step).
+"""The typed plan that crosses from the scheduler to the executor (one per engine step).
 
-The scheduler decides, the model runner executes: nothing else crosses this line (and, once
-tensor parallelism exists, this is what is broadcast to the other ranks).
+The scheduler decides, the executor runs it: nothing else crosses this line. A tensor-parallel
+executor sends each plan to its other ranks as a diff against the previous one
+(:mod:`kvfleet.worker.executor.tp.wire`).
 """
 
 from __future__ import annotations
@@ -11,15 +12,15 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class SeqChunk:
-    """One request's slice of a step: ``len(token_ids)`` new tokens to compute.
+    """One sequence's slice of a step: ``len(token_ids)`` new tokens to compute.
 
     ``token_ids[j]`` sits at absolute position ``num_computed_tokens + j``; its query attends
-    to keys ``0 .. num_computed_tokens + j`` of this request only. ``block_table`` lists the
-    request's KV blocks in order and covers every position up to the chunk's last token.
+    to keys ``0 .. num_computed_tokens + j`` of this sequence only. ``block_table`` lists the
+    sequence's KV blocks in order and covers every position up to the chunk's last token.
     ``adapter_slot`` is the runner's LoRA slot its tokens use (0 = the base model).
     """
 
-    request_id: str
+    seq_id: str  # the sequence's id (``<request id>#<sample index>`` in the engine)
     token_ids: tuple[int, ...]
     num_computed_tokens: int
     block_table: tuple[int, ...]

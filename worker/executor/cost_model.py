@@ -1,4 +1,4 @@
-"""A cost-model executor: a runner that replaces only the model forward (issue 5).
+"""A cost-model executor: replaces only the model forward.
 
 Everything else in a replica stays real: scheduler, block pool, prefix cache, KV events,
 admission, sampling, detokenizing, the gRPC server. One step of a plan takes
@@ -6,7 +6,7 @@ admission, sampling, detokenizing, the gRPC server. One step of a plan takes
     step_s = step_base_s + prefill_token_s × (new tokens of chunks longer than one token)
                          + decode_token_s × (one-token chunks)
 
-and :meth:`CostModelRunner.execute` sleeps until that much time has passed since it was
+and :meth:`CostModelExecutor.execute` sleeps until that much time has passed since it was
 called (so the engine's own scheduling and sampling time counts inside the step when it is
 shorter, and on top when it is longer, as in a real replica). Tokens computed from a cached
 prefix cost nothing: the block pool, not the cost model, decides what is cached, so
@@ -27,8 +27,11 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
+from kvfleet.allocator.units import cdiv
 from kvfleet.worker.runner.model_config import ModelConfig
 from kvfleet.worker.engine.step_plan import StepPlan
+from kvfleet.worker.executor.base import RankInfo
+from kvfleet.worker.runner.lora.adapter import AdapterSpec
 
 FILLER_LOGIT = 30.0  # the filler token's logit; every other token's is 0
 
@@ -89,8 +92,9 @@ def split_tokens(plan: StepPlan) -> tuple[int, int]:
     return prefill, decode
 
 
-class CostModelRunner:
-    """Runner-compatible (``.config``, ``.execute(plan)``) stand-in for :class:`ModelRunner`.
+class CostModelExecutor:
+    """:class:`~kvfleet.worker.executor.base.Executor` with no model: each step takes the
+    modelled time. It holds no weights, KV tensors or adapter slots.
 
     Returns logits that make every sample pick ``filler_token_id`` (greedy or not), so a
     request runs to ``max_tokens`` unless the filler is a stop token. ``sleep`` and ``clock``
@@ -114,12 +118,22 @@ class CostModelRunner:
         self.last_step_s = 0.0
         self.steps = 0
 
-    def execute(self, plan: StepPlan) -> torch.Tensor:
-        """Wait the modelled step time; returns float32 ``(len(plan.chunks), vocab_size)``."""
-        start = self._clock()
+    def validate(self, plan: StepPlan) -> None:
+        """Raises ValueError when a chunk's block table does not cover it (a scheduler bug)."""
         for c in plan.chunks:
             last = c.num_computed_tokens + len(c.token_ids) - 1
-            assert len(c.block_table) * self.block_size > last, "block table must cover the chunk"
+            if len(c.block_table) * self.block_size <= last:
+                raise ValueError(f"sequence {c.seq_id}: block_table of {len(c.block_table)} "
+                                 f"blocks does not cover position {last}")
+
+    def execute(self, plan: StepPlan) -> torch.Tensor:
+        """Wait the modelled step time; returns float32 ``(len(plan.chunks), vocab_size)``.
+
+        Raises:
+            ValueError: see :meth:`validate`.
+        """
+        start = self._clock()
+        self.validate(plan)
         seconds = self.cost.step_seconds(plan)
         self.busy_s += seconds
         self.last_step_s = seconds
@@ -128,6 +142,24 @@ class CostModelRunner:
         if remaining > 0:
             self._sleep(remaining)
         return self._row.expand(len(plan.chunks), -1).clone()
+
+    def load_adapter(self, slot: int, spec: AdapterSpec) -> None:
+        """Raises ValueError: the cost model serves no adapters."""
+        raise ValueError("the cost-model executor has no adapter slots")
+
+    def unload_adapter(self, slot: int) -> None:
+        """Raises ValueError: the cost model serves no adapters."""
+        raise ValueError("the cost-model executor has no adapter slots")
+
+    def ping(self) -> None:
+        """Always healthy: nothing can die."""
+
+    def ranks(self) -> list[RankInfo]:
+        """None: it holds no weights or KV tensors."""
+        return []
+
+    def close(self) -> None:
+        """Nothing to release."""
 
 
 def filler_token_id(tokenizer, eos_token_ids: Iterable[int]) -> int:
@@ -139,10 +171,11 @@ def filler_token_id(tokenizer, eos_token_ids: Iterable[int]) -> int:
     return next(i for i in range(tokenizer.get_vocab_size()) if i not in eos)
 
 
-def cost_model_runner(config: ModelConfig, tokenizer, num_blocks: int, block_size: int,
-                      cost: CostModel | None = None) -> CostModelRunner:
-    """The runner ``build_engine`` plugs in for ``executor="cost-model"`` (default: ``MEASURED``)."""
-    return CostModelRunner(config, cost or MEASURED, filler_token_id(tokenizer, config.eos_token_ids),
+def cost_model_executor(config: ModelConfig, tokenizer, num_blocks: int, block_size: int,
+                        cost: CostModel | None = None) -> CostModelExecutor:
+    """The executor ``build_engine`` plugs in for ``executor="cost-model"`` (default:
+    ``MEASURED``)."""
+    return CostModelExecutor(config, cost or MEASURED, filler_token_id(tokenizer, config.eos_token_ids),
                            num_blocks, block_size)
 
 
@@ -173,7 +206,7 @@ def calibration_plans(block_size: int, prefill_sizes: Iterable[int], contexts: I
     from kvfleet.worker.engine.step_plan import SeqChunk
 
     def chunk(rid: str, n: int, ctx: int, first_block: int) -> SeqChunk:
-        blocks = -(-(ctx + n) // block_size)
+        blocks = cdiv(ctx + n, block_size)
         return SeqChunk(rid, tuple(100 + (i % 1000) for i in range(n)), ctx,
                         tuple(range(first_block, first_block + blocks)))
 
@@ -181,7 +214,7 @@ def calibration_plans(block_size: int, prefill_sizes: Iterable[int], contexts: I
         for n in prefill_sizes:
             yield n, 0, ctx, StepPlan((chunk("p", n, ctx, 0),))
     for batch in decode_batches:
-        per = -(-(decode_context + 1) // block_size)
+        per = cdiv(decode_context + 1, block_size)
         plan = StepPlan(tuple(chunk(f"d{i}", 1, decode_context, i * per) for i in range(batch)))
         yield 0, batch, decode_context, plan
 

@@ -1,49 +1,77 @@
-"""What rank 0's engine calls instead of a plain model runner when tp > 1.
+"""Rank 0's executor over a tensor-parallel rank group (tp > 1).
 
-Each step: check the plan on rank 0 (a refused plan must never reach the other ranks), send
-it to ranks 1..T-1 in one broadcast, run rank 0's own shard of the forward (whose all-reduces
-meet theirs), return rank 0's logits. Between requests a keep-alive thread sends a PING
-(broadcast + barrier) whenever nothing has been sent for a quarter of the collective timeout,
-so waiting ranks never time out and a rank that hung while idle is found too.
+Each step: check the plan on rank 0 (a refused plan must never reach the other ranks), call
+``step`` on ranks 1..T-1 with the plan's diff (:mod:`.tp.wire`) in one broadcast, run rank 0's
+own shard of the forward (whose all-reduces meet theirs), return rank 0's logits. Between
+requests a keep-alive thread calls ``barrier`` whenever nothing has been sent for a quarter of
+the collective timeout, so waiting ranks never time out and a rank that hung while idle is
+found too.
 
-A collective that raises, or a group the watchdog has failed, turns every later
-:meth:`execute` into :class:`~kvfleet.errors.Unavailable` naming the rank.
+Adapters load off the step stream: rank 0 reads its share, each other rank prepares its own
+beside its step loop (a slow read delays no step), and the next plan commits the slot.
+
+A collective that raises, or a group the watchdog has failed, turns every later call into
+:class:`~kvfleet.errors.Unavailable` naming the rank.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
+from typing import Callable, TypeVar
 
+import numpy as np
 import torch
+from kvfleet.worker.engine.step_plan import StepPlan
+from kvfleet.worker.executor.base import RankInfo
+from kvfleet.worker.executor.tp.group import RankGroup
+from kvfleet.worker.executor.tp.wire import Commit, PlanEncoder, encode_call
+from kvfleet.worker.runner.lora.adapter import AdapterSpec
+from kvfleet.worker.runner.model_config import ModelConfig
+from kvfleet.worker.runner.model_runner import ModelRunner
 
 from kvfleet.errors import Unavailable
-from kvfleet.worker.runner.model_runner import ModelRunner
-from kvfleet.worker.executor.tp.group import RankGroup
-from kvfleet.worker.runner.lora.adapter import AdapterSpec
-from kvfleet.worker.executor.tp.rank_worker import (LOAD_ADAPTER, PING, STEP, UNLOAD_ADAPTER,
-                                                 RankInfo)
-from kvfleet.worker.engine.step_plan import StepPlan
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
-class TPRunner:
-    """Rank 0's runner over a started :class:`RankGroup` (``local``: rank 0's shard)."""
+class TPExecutor:
+    """:class:`~kvfleet.worker.executor.base.Executor` of rank 0 over a started
+    :class:`RankGroup` (``local``: rank 0's shard, from :meth:`RankGroup.start`)."""
 
     def __init__(self, local: ModelRunner, group: RankGroup) -> None:
         self.local, self.group = local, group
-        self.config = local.config
-        self.num_blocks, self.block_size = local.num_blocks, local.block_size
         self.tensor_parallel_size = group.spec.tp
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # one call on the ranks at a time, in plan order
+        self._plans = PlanEncoder()
+        self._commits: list[Commit] = []  # adapter slot changes the next step carries
+        self._commits_lock = threading.Lock()
+        self._prepared_ids = itertools.count(1)
         self._last_sent = time.monotonic()
         self._keepalive_s = group.settings.collective_timeout_s / 4
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._keepalive, daemon=True,
                                         name=f"tp-keepalive-{group.name}")
         self._thread.start()
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.local.config
+
+    @property
+    def num_blocks(self) -> int:
+        return self.local.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self.local.block_size
+
+    def validate(self, plan: StepPlan) -> None:
+        """Rank 0's check of ``plan`` (see :meth:`ModelRunner.validate`)."""
+        self.local.validate(plan)
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
         """One step on every rank. Returns rank 0's last-token logits ``(chunks, vocab)``
@@ -54,35 +82,53 @@ class TPRunner:
             Unavailable: the group has failed (a rank died or hung); the message names it.
         """
         self.local.validate(plan)
-        return self._on_all((STEP, plan), lambda: self.local.execute(plan, validated=True))
+
+        def message() -> np.ndarray:
+            with self._commits_lock:
+                commits, self._commits = self._commits, []
+            return encode_call("step", self._plans.encode(plan, commits))
+
+        return self._call(message, lambda: self.local.execute(plan, validated=True))
 
     def load_adapter(self, slot: int, spec: AdapterSpec) -> None:
-        """Every rank reads its share of ``spec`` into ``slot``: rank 0 first, outside the
-        group (a bad file fails here, before any rank is told), then the others, in the
-        order of the step plans (a later step that uses the slot finds it loaded).
+        """Read ``spec`` into ``slot`` on every rank without entering the step stream: rank 0
+        reads first (a bad file fails before any other rank is asked), then ranks 1..T-1 each
+        prepare their share while steps keep running; the next step commits the slot on them
+        before its forward (a plan that uses the slot comes after this returns).
 
         Raises:
-            AdapterError, OSError: rank 0 could not read it (no rank changed).
+            ValueError: ``slot`` out of range.
+            AdapterError, OSError, ray.exceptions.RayError: a rank could not read it (the
+                slot is left empty on every rank).
             Unavailable: the group has failed.
         """
+        self.ping()
         self.local.load_adapter(slot, spec)
-        self._on_all((LOAD_ADAPTER, (slot, spec)), lambda: None)
+        prepared = next(self._prepared_ids)
+        try:
+            self.group.prepare_adapter(prepared, spec)
+        except BaseException:
+            self.unload_adapter(slot)
+            raise
+        with self._commits_lock:
+            self._commits.append((slot, prepared))
 
     def unload_adapter(self, slot: int) -> None:
-        """Empty ``slot`` on every rank."""
-        self._on_all((UNLOAD_ADAPTER, slot), lambda: self.local.unload_adapter(slot))
+        """Empty ``slot`` on rank 0 now and on the other ranks with the next step."""
+        self.local.unload_adapter(slot)
+        with self._commits_lock:
+            self._commits.append((slot, 0))
 
-    @property
-    def lora_slots(self):
-        return self.local.lora_slots
-
-    def _on_all(self, message: tuple, run_local):
+    def _call(self, message: Callable[[], np.ndarray], run_local: Callable[[], T]) -> T:
+        """Send ``message()`` to ranks 1..T-1 (built under the lock: plans diff in send
+        order), then ``run_local()`` here; a collective that fails fails the group."""
         with self._lock:
-            if self.group.failure is not None:
-                raise Unavailable(self.group.failure)
+            self.ping()
+            comm = self.group.comm
+            assert comm is not None, "the group is started"
             self.group.step_started = time.monotonic()
             try:
-                self.group.comm.send(message)
+                comm.send(message())
                 return run_local()
             except Exception as exc:  # a collective failed: a peer died, hung or was killed
                 if self.group.failure is None:
@@ -102,9 +148,18 @@ class TPRunner:
                 continue  # a step is running: that is traffic enough
             self._lock.release()
             try:
-                self._on_all((PING, None), self.group.comm.barrier)
+                self._call(lambda: encode_call("barrier"), self._barrier)
             except Unavailable:
                 return
+
+    def _barrier(self) -> None:
+        assert self.group.comm is not None
+        self.group.comm.barrier()
+
+    def ping(self) -> None:
+        """Raises :class:`Unavailable` naming the rank once the group has failed."""
+        if self.group.failure is not None:
+            raise Unavailable(self.group.failure)
 
     def ranks(self) -> list[RankInfo]:
         """Every rank's node, device, pid, KV bytes and blocks (rank 0 first)."""
@@ -117,4 +172,6 @@ class TPRunner:
     def close(self) -> None:
         """Stop the keep-alive and release every rank (idempotent)."""
         self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(1.0)  # a keep-alive barrier in flight ends first (bounded)
         self.group.close()

@@ -1,8 +1,8 @@
 """One model replica: builds the engine from a model directory, serves it over gRPC on a free
 loopback port, registers in Redis, publishes KV events and heartbeats with load.
 
-:class:`ReplicaServer` is plain asyncio (usable in-process in tests); :mod:`kvfleet.worker.replica.serve_deployment`
-hosts it as a Ray Serve replica.
+:class:`ReplicaServer` is plain asyncio (usable in-process in tests);
+:mod:`kvfleet.worker.replica.serve_deployment` hosts it as a Ray Serve replica.
 """
 
 from __future__ import annotations
@@ -18,28 +18,12 @@ from typing import Callable, Optional
 import grpc
 import tokenizers
 import torch
+
 from kvfleet.allocator.fingerprint import fingerprint_model_dir
 from kvfleet.allocator.hashing import CacheIdentity
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
-from kvfleet.worker.engine.adapter_residency import AdapterResidency
-from kvfleet.worker.engine.engine import Engine
-from kvfleet.worker.engine.scheduler import SchedulerConfig
-from kvfleet.worker.executor.cost_model import CostModel, cost_model_runner
-from kvfleet.worker.executor.tp.group import RankGroup, TPSettings
-from kvfleet.worker.executor.tp.rank_worker import RankInfo, RankSpec, rank_info
-from kvfleet.worker.executor.tp_executor import TPRunner
-from kvfleet.worker.replica.adapter_admin import AdapterAdmin
-from kvfleet.worker.replica.adapter_catalog import check_catalog
-from kvfleet.worker.replica.adapter_record import AdapterRecord
-from kvfleet.worker.replica.hit_window import HitWindow
-from kvfleet.worker.replica.kv_publisher import KvPublisher
-from kvfleet.worker.runner.kv_cache import num_blocks_for_memory
-from kvfleet.worker.runner.model_config import load_model_config
-from kvfleet.worker.runner.model_runner import ModelRunner
-from kvfleet.worker.service.engine_loop import EngineLoop
-from kvfleet.worker.service.server import WorkerService
-
 from kvfleet.errors import Unavailable
+from kvfleet.grpc_auth import AuthInterceptor, internal_authorizer
 from kvfleet.grpc_util import (
     SERVER_OPTIONS,
     add_health_and_reflection,
@@ -51,8 +35,27 @@ from kvfleet.index_keys import REDIS_DOWN_ERRORS, ReplicaInfo, ReplicaLoad
 from kvfleet.stream_limits import StreamLimits
 from kvfleet.telemetry import Telemetry, TelemetryConfig
 from kvfleet.telemetry.worker_spans import WorkerTelemetry
-from kvfleet.tls import InternalTLS
+from kvfleet.tls import ROUTER_NAME, InternalTLS
 from kvfleet.v1 import worker_pb2, worker_pb2_grpc
+from kvfleet.worker.engine.adapter_residency import AdapterResidency
+from kvfleet.worker.engine.engine import Engine
+from kvfleet.worker.engine.scheduler import SchedulerConfig
+from kvfleet.worker.executor.base import Executor, RankInfo
+from kvfleet.worker.executor.cost_model import CostModel, cost_model_executor
+from kvfleet.worker.executor.local import LocalExecutor
+from kvfleet.worker.executor.tp.group import RankGroup, TPSettings
+from kvfleet.worker.executor.tp.rank_worker import RankSpec
+from kvfleet.worker.executor.tp_executor import TPExecutor
+from kvfleet.worker.replica.adapter_admin import AdapterAdmin
+from kvfleet.worker.replica.adapter_catalog import check_catalog
+from kvfleet.worker.replica.adapter_record import AdapterRecord
+from kvfleet.worker.replica.hit_window import HitWindow
+from kvfleet.worker.replica.kv_publisher import KvPublisher
+from kvfleet.worker.runner.kv_cache import num_blocks_for_memory
+from kvfleet.worker.runner.model_config import load_model_config
+from kvfleet.worker.runner.model_runner import ModelRunner
+from kvfleet.worker.service.engine_loop import EngineLoop
+from kvfleet.worker.service.server import WorkerService
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +135,7 @@ class ReplicaConfig:
 
 
 def cache_identity(model_name: str, model_dir: str | Path, kv_dtype: str, block_size: int) -> CacheIdentity:
-    """The identity both router and worker derive from the same model directory (DESIGN §2)."""
+    """The identity both router and worker derive from the same model directory (docs/design.md §2)."""
     fp = fingerprint_model_dir(model_dir)
     return CacheIdentity(model=model_name, weights_fingerprint=fp.weights,
                          tokenizer_fingerprint=fp.tokenizer,
@@ -162,24 +165,25 @@ def build_engine(cfg: ReplicaConfig, on_rank_failure: Callable[[str], None] = la
                                            cfg.kv_memory_bytes or DEFAULT_KV_MEMORY_BYTES, tp)
     tokenizer = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     if cfg.executor == "cost-model":
-        runner = cost_model_runner(load_model_config(model_dir), tokenizer, num_blocks,
-                                   cfg.block_size, cfg.cost_model)
+        executor: Executor = cost_model_executor(load_model_config(model_dir), tokenizer,
+                                                 num_blocks, cfg.block_size, cfg.cost_model)
     elif tp > 1:
         spec = RankSpec(str(model_dir), tp, num_blocks, cfg.block_size, dtype,
                         cfg.one_row_weights, cfg.device, max_loras=max_loras)
         group = RankGroup(spec, cfg.tp, cfg.replica_id, on_rank_failure)
-        runner = TPRunner(group.start(), group)
+        executor = TPExecutor(group.start(), group)
     else:
-        runner = ModelRunner(model_dir, num_blocks=num_blocks, block_size=cfg.block_size, dtype=dtype,
-                             device=cfg.device, one_row_weights=cfg.one_row_weights,
-                             max_loras=max_loras)
+        executor = LocalExecutor(ModelRunner(model_dir, num_blocks=num_blocks,
+                                             block_size=cfg.block_size, dtype=dtype,
+                                             device=cfg.device, one_row_weights=cfg.one_row_weights,
+                                             max_loras=max_loras))
     kv = KVCacheManager(num_blocks, cfg.block_size)
     identity = cache_identity(cfg.model_name, model_dir, cfg.dtype, cfg.block_size)
-    mc = runner.config
+    mc = executor.config
     if catalog and not max_loras:
         raise ValueError("serving adapters needs the model executor and max_loras >= 1")
-    residency = AdapterResidency(runner, catalog, max_loras) if max_loras else None
-    return Engine(runner, kv, tokenizer, identity.digest(), mc.eos_token_ids,
+    residency = AdapterResidency(executor, catalog, max_loras) if max_loras else None
+    return Engine(executor, kv, tokenizer, identity.digest(), mc.eos_token_ids,
                   mc.max_position_embeddings, mc.vocab_size, cfg.scheduler,
                   adapters=residency, identity=identity)
 
@@ -209,7 +213,8 @@ class ReplicaServer:
     async def start(self) -> str:
         """Start serving; returns ``host:port``. Raises OSError if the port is taken."""
         aio_loop = self._aio_loop = asyncio.get_running_loop()
-        self._server = grpc.aio.server(options=SERVER_OPTIONS)
+        self._server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[AuthInterceptor(
+            internal_authorizer(bool(self.cfg.internal_tls_dir), ROUTER_NAME))])
         creds = (InternalTLS.load(self.cfg.internal_tls_dir).worker_credentials()
                  if self.cfg.internal_tls_dir else None)
         port = bind_port(self._server, self.cfg.host, self.cfg.port, creds)
@@ -265,12 +270,7 @@ class ReplicaServer:
 
     def ranks(self) -> list[RankInfo]:
         """Every rank of this replica (rank 0 first; one entry at tp=1)."""
-        runner = self.engine.runner
-        if isinstance(runner, TPRunner):
-            return runner.ranks()
-        if isinstance(runner, ModelRunner):
-            return [rank_info(runner, 0)]
-        return []  # the cost model holds no weights or KV tensors
+        return self.engine.executor.ranks()  # empty for the cost model
 
     def _on_rank_failure(self, message: str) -> None:
         """A rank died or hung (any thread): refuse and end every stream with UNAVAILABLE
@@ -312,7 +312,7 @@ class ReplicaServer:
 
     def _adapter_admin(self) -> Optional[AdapterAdmin]:
         res = self.engine.adapters
-        return None if res is None else AdapterAdmin(res, self.engine.runner.config,
+        return None if res is None else AdapterAdmin(res, self.engine.executor.config,
                                                      self.cfg.max_lora_rank, self.cfg.adapter_roots)
 
     def adapter_fields(self) -> dict:
@@ -328,6 +328,10 @@ class ReplicaServer:
         thread, a completed drain). Ray Serve's ``check_health`` raises with it."""
         if self.failure is not None:
             return self.failure
+        try:
+            self.engine.executor.ping()
+        except Unavailable as exc:  # a rank failed (also reported through on_rank_failure)
+            return str(exc)
         if self._loop is not None and not self._loop.alive:
             return f"replica {self.cfg.replica_id}: the engine thread died"
         if self.drained:
@@ -406,9 +410,7 @@ class ReplicaServer:
             self._loop = None
         if self.engine.adapters is not None:
             self.engine.adapters.close()
-        close = getattr(self.engine.runner, "close", None)
-        if close is not None:
-            close()  # releases ranks 1..T-1
+        self.engine.executor.close()  # releases ranks 1..T-1
         if self.telemetry is not None and self._owns_telemetry:
             self.telemetry.shutdown()  # flushes the last spans
             self.telemetry = None

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvfleet.allocator.units import cdiv
 from kvfleet.worker.runner import cpu_kernels
 from kvfleet.worker.engine.step_plan import SeqChunk
 
@@ -133,7 +134,7 @@ def build_attention_metadata(
         (decode if n == 1 else prefill).append(i)
 
     ctx = [chunks[i].num_computed_tokens + 1 for i in decode]
-    used = [chunks[i].block_table[: -(-n // block_size)] for i, n in zip(decode, ctx)]
+    used = [chunks[i].block_table[: cdiv(n, block_size)] for i, n in zip(decode, ctx)]
     applies = (torch.device(device).type == "cpu" and dtype == torch.float32
                and cpu_kernels.load() is not None)
     use_kernel = applies if use_kernel is None else use_kernel and applies  # never on GPU memory
@@ -154,7 +155,7 @@ def build_attention_metadata(
     for i in prefill:
         c = chunks[i]
         context = c.num_computed_tokens + len(c.token_ids)
-        pre_tables.append(tensor(c.block_table[: -(-context // block_size)]))
+        pre_tables.append(tensor(c.block_table[: cdiv(context, block_size)]))
     return AttentionMetadata(
         positions=tensor(positions),
         slot_mapping=tensor(slots),

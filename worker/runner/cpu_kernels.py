@@ -1,11 +1,11 @@
 """Builds and calls kvfleet's two C kernels (fp32, CPU):
 
 * ``paged_decode.c`` — decode attention read in place from the paged cache. The torch
-  formulation costs two gather copies and an SDPA call per decode per layer (25-45 % of a step
-  on this project's CPU benchmarks); the kernel reads each key and value once, where it lies,
+  formulation costs two gather copies and an SDPA call per decode per layer, a large share of
+  a decode step on CPU; the kernel reads each key and value once, where it lies,
   for every decode of a step in one call.
 * ``gemv.c`` — the one-row projection of batch-1 decode steps, streaming each weight once
-  (oneDNN's packed path reaches about half the read bandwidth with a single row).
+  (oneDNN's packed path falls well short of the read bandwidth with a single row).
 
 Both use OpenMP, sharing torch's own runtime (its bundled ``libgomp.so.1`` is already loaded
 under that soname) and its thread count.
@@ -34,7 +34,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_decode.c", "gemv.c"))
-# The relaxed-math flags let GCC vectorise the dot products and sums (2x here); never
+# The relaxed-math flags let GCC vectorise the dot products and sums; never
 # -ffast-math or -funsafe-math-optimizations: with them GCC links crtfastmath.o, whose load
 # switches the whole process (torch included) to flush-denormals-to-zero.
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",

@@ -1,8 +1,13 @@
 """A model directory's ``config.json`` (+ ``generation_config.json``) as one frozen spec.
 
-Reads the HuggingFace field names of both transformers 4.x (``rope_theta``, ``rope_scaling``)
-and 5.x (``rope_parameters``). Anything the engine cannot run faithfully raises
-:class:`UnsupportedModel` here, at load time, instead of producing wrong logits later.
+The layer shape (layers, heads, KV heads, head width, per-layer sliding windows) is the
+allocator's reading (:func:`kvfleet.allocator.model_spec.spec_from_config`, torch-free and
+shared with the router and ``kvfleet budget``): one reader of ``config.json``'s shape, so the
+KV budget and the engine cannot disagree on a window. This module adds what only the forward
+needs: RoPE, norms, biases, tied embeddings, EOS ids. It reads the HuggingFace field names of
+both transformers 4.x (``rope_theta``, ``rope_scaling``) and 5.x (``rope_parameters``).
+Anything the engine cannot run faithfully raises :class:`UnsupportedModel` here, at load
+time, instead of producing wrong logits later.
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from kvfleet.allocator.model_spec import ModelKVSpec, spec_from_config
 
 
 class UnsupportedModel(ValueError):
@@ -114,30 +121,28 @@ def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     return theta, scaling
 
 
-def _sliding_windows(raw: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
-    """Per-layer windows: ``layer_types`` when written, else ``sliding_window`` on every layer.
+def _attention_shape(raw: dict[str, Any]) -> ModelKVSpec:
+    """The allocator's per-layer spec of ``raw``, refused unless every layer is a plain
+    (MHA / GQA / MQA) attention layer the engine's decoder runs.
 
-    Qwen2 writes ``use_sliding_window: false`` beside a non-null ``sliding_window``: disabled.
-    (transformers 5 keeps Qwen2's ``layer_types`` at full attention then, too.)
+    Raises:
+        UnsupportedModel: MLA latents or recurrent (Mamba) layers.
+        ConfigError: a shape field is missing or malformed (the message names it).
     """
-    window = raw.get("sliding_window")
-    if raw.get("use_sliding_window") is False or not window:
-        return (None,) * num_layers
-    layer_types = raw.get("layer_types")
-    if layer_types:
-        if len(layer_types) != num_layers:
-            raise UnsupportedModel(f"layer_types has {len(layer_types)} entries, not {num_layers}")
-        return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
-    # Older Qwen2 configs: layers from max_window_layers on slide; Mistral: every layer.
-    first = int(raw.get("max_window_layers") or 0) if "use_sliding_window" in raw else 0
-    return tuple(int(window) if i >= first else None for i in range(num_layers))
+    kv = spec_from_config(raw)
+    if kv.is_mla:
+        raise UnsupportedModel("MLA (kv_lora_rank) is not supported")
+    if kv.recurrent is not None or len(kv.layers) != kv.num_hidden_layers:
+        raise UnsupportedModel("hybrid (non-attention) layers are not supported")
+    return kv
 
 
 def parse_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
     """Build a :class:`ModelConfig` from parsed ``config.json`` (and ``generation_config.json``).
 
     Raises:
-        UnsupportedModel: unknown architecture, activation or RoPE type.
+        UnsupportedModel: unknown architecture, activation or RoPE type, MLA or hybrid layers.
+        ConfigError: a shape field is missing or malformed (see ``spec_from_config``).
     """
     model_type = raw.get("model_type", "")
     archs = raw.get("architectures") or [ARCHITECTURE_BY_MODEL_TYPE.get(model_type, "")]
@@ -149,8 +154,7 @@ def parse_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = 
         raise UnsupportedModel(f"hidden_act {act!r} is not supported (silu only)")
     if raw.get("mlp_bias"):
         raise UnsupportedModel("mlp_bias is not supported")
-    num_heads = int(raw["num_attention_heads"])
-    num_layers = int(raw["num_hidden_layers"])
+    kv = _attention_shape(raw)
     defaults = _FAMILY_DEFAULTS.get(model_type, {})
     attention_bias = raw.get("attention_bias")
     theta, scaling = _rope(raw)
@@ -161,16 +165,16 @@ def parse_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = 
         vocab_size=int(raw["vocab_size"]),
         hidden_size=int(raw["hidden_size"]),
         intermediate_size=int(raw["intermediate_size"]),
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
-        head_dim=int(raw.get("head_dim") or int(raw["hidden_size"]) // num_heads),
+        num_layers=kv.num_hidden_layers,
+        num_heads=kv.num_attention_heads,
+        num_kv_heads=kv.num_kv_heads,
+        head_dim=kv.layers[0].head_dim,
         rope_theta=theta,
         rope_scaling=scaling,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(raw["max_position_embeddings"]),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        sliding_windows=_sliding_windows(raw, num_layers),
+        sliding_windows=kv.windows,
         qkv_bias=bool(attention_bias) if attention_bias is not None else defaults.get("qkv_bias", False),
         o_bias=bool(attention_bias) if attention_bias is not None else defaults.get("o_bias", False),
         eos_token_ids=tuple(eos),

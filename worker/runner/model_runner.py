@@ -9,22 +9,24 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 
-from kvfleet.errors import InvalidArgument, OutOfRange
+from kvfleet.errors import InvalidArgument
+from kvfleet.sampling_params import check_context_length
 from kvfleet.worker.runner import attention
 from kvfleet.worker.runner.kv_cache import KVCache, kv_bytes_per_block
 from kvfleet.worker.runner.lora.adapter import AdapterSpec, read_adapter
+from kvfleet.worker.runner.lora.layer import apply_lora
 from kvfleet.worker.runner.lora.slots import LoraBatch, LoraSlots
 from kvfleet.worker.runner.model_config import ModelConfig, load_model_config
 from kvfleet.worker.runner.models import build_model
-from kvfleet.worker.runner.models.linear import Linear
 from kvfleet.worker.runner.tp.layout import shard_layout
+from kvfleet.worker.runner.tp.linear import parallelize
 from kvfleet.worker.runner.tp.shard_weights import load_shard_weights
 from kvfleet.worker.engine.step_plan import SeqChunk, StepPlan
-from kvfleet.worker.runner.weights import load_weights
+
 
 
 @dataclass(frozen=True)
@@ -39,9 +41,17 @@ class Shard:
     reduce: Callable[[torch.Tensor], torch.Tensor]
 
 
+# The whole model on one device: a group of one rank, which has nothing to sum.
+WHOLE = Shard(1, 0, lambda t: t)
+
+
 class ModelRunner:
     """One rank's model + KV cache: the whole model, or with ``shard`` one rank's share of
     the weights and KV heads (:mod:`kvfleet.worker.runner.tp`, :mod:`kvfleet.worker.executor.tp`).
+
+    The model is built plain from this rank's local config and weights; LoRA then wraps its
+    projections (:func:`~.lora.layer.apply_lora`) and tensor parallelism its row-parallel ones
+    (:func:`~.tp.linear.parallelize`), in that order.
 
     Args:
         model_dir: HF-format directory (``config.json``, ``*.safetensors``).
@@ -49,7 +59,8 @@ class ModelRunner:
         dtype: weights, activations and KV cache dtype; logits are returned as float32.
         one_row_weights: hold every projection weight a second time for batch-1 decode steps
             (fp32 CPU with the C kernels): see :class:`~kvfleet.worker.runner.models.linear.Linear`.
-        shard: this rank of a tensor-parallel group; only rank 0 holds an LM head.
+        shard: this rank of a tensor-parallel group (default: the whole model); only rank 0
+            holds an LM head.
         max_loras: LoRA adapter slots (1..max_loras; see :meth:`load_adapter`).
 
     Raises:
@@ -58,29 +69,25 @@ class ModelRunner:
 
     def __init__(self, model_dir: str | Path, num_blocks: int, block_size: int,
                  dtype: torch.dtype = torch.float32, device: str = "cpu",
-                 one_row_weights: bool = True, shard: Optional[Shard] = None,
+                 one_row_weights: bool = True, shard: Shard = WHOLE,
                  max_loras: int = 0) -> None:
         self.config: ModelConfig = load_model_config(model_dir)  # the whole model's
         self.device = torch.device(device)
         self.dtype = dtype
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.rank = shard.rank if shard else 0
-        self.layout = None
-        if shard is None or shard.tp == 1:
-            local, weights = self.config, load_weights(model_dir, dtype)
-        else:
-            self.layout = layout = shard_layout(self.config, shard.tp, shard.rank)
-            local, weights = layout.local_config(self.config), load_shard_weights(model_dir, layout, dtype)
-        self.local_config = local
-        self.model = build_model(local, weights, dtype, self.device, one_row_weights,
-                                 lm_head=self.rank == 0)
+        self.rank = shard.rank
+        self.layout = shard_layout(self.config, shard.tp, shard.rank)
+        self.local_config = self.layout.local_config(self.config)
+        weights = load_shard_weights(model_dir, self.layout, dtype)
+        self.model = build_model(self.local_config, weights, dtype, self.device, one_row_weights,
+                                 lm_head=self.layout.holds_lm_head)
         del weights
-        if shard is not None and shard.tp > 1:
-            self.model.set_reduce(shard.reduce)
-        self.kv_cache = KVCache(local, num_blocks, block_size, dtype, self.device)
-        self._windows = tuple(dict.fromkeys(self.config.sliding_windows))
         self.lora_slots = LoraSlots(max_loras)
+        self._adapters = apply_lora(self.model, max_loras)
+        parallelize(self.model, self.layout, shard.reduce)
+        self.kv_cache = KVCache(self.local_config, num_blocks, block_size, dtype, self.device)
+        self._windows = tuple(dict.fromkeys(self.config.sliding_windows))
 
     def load_adapter(self, slot: int, spec: AdapterSpec) -> None:
         """Read this rank's share of a checked adapter (:func:`~.lora.adapter.check_adapter`)
@@ -101,10 +108,8 @@ class ModelRunner:
     def weight_nbytes(self) -> int:
         """Bytes of every weight this rank holds, each copy counted: norms, the embedding, each
         projection (packed or plain) and its one-row copy, the LM head beside a tied embedding."""
-        total = sum(p.nbytes for p in self.model.parameters())
-        for lin in _linears(self.model):
-            total += lin.nbytes + (lin.rows.nbytes if lin.rows is not None else 0)
-        return total
+        return (sum(p.nbytes for p in self.model.parameters())
+                + sum(p.held_nbytes for p in self.model.projections()))
 
     @staticmethod
     def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -121,27 +126,24 @@ class ModelRunner:
         """
         n = len(chunk.token_ids)
         if n == 0:
-            raise ValueError(f"request {chunk.request_id}: empty chunk")
+            raise ValueError(f"sequence {chunk.seq_id}: empty chunk")
         last = chunk.num_computed_tokens + n - 1
-        limit = self.config.max_position_embeddings
-        if last >= limit:
-            raise OutOfRange(
-                f"request {chunk.request_id}: position {last} is beyond the model's context "
-                f"length of {limit} tokens (max_position_embeddings)"
-            )
+        check_context_length(last + 1, self.config.max_position_embeddings,
+                             f"sequence {chunk.seq_id}: {chunk.num_computed_tokens} computed "
+                             f"+ {n} chunk tokens")
         if min(chunk.token_ids) < 0 or max(chunk.token_ids) >= self.config.vocab_size:
             raise InvalidArgument(
-                f"request {chunk.request_id}: token_ids must lie in [0, {self.config.vocab_size})"
+                f"sequence {chunk.seq_id}: token_ids must lie in [0, {self.config.vocab_size})"
             )
         needed = last // self.block_size + 1
         table = chunk.block_table[:needed]
         if len(table) < needed or min(table) < 0 or max(table) >= self.num_blocks:
             raise ValueError(
-                f"request {chunk.request_id}: block_table must hold {needed} blocks in "
+                f"sequence {chunk.seq_id}: block_table must hold {needed} blocks in "
                 f"[0, {self.num_blocks}) for position {last}, got {len(chunk.block_table)}"
             )
         if not self.lora_slots.is_loaded(chunk.adapter_slot):
-            raise ValueError(f"request {chunk.request_id}: adapter slot {chunk.adapter_slot} "
+            raise ValueError(f"sequence {chunk.seq_id}: adapter slot {chunk.adapter_slot} "
                              f"holds no adapter")
 
     def validate(self, plan: StepPlan) -> None:
@@ -169,16 +171,17 @@ class ModelRunner:
         if not plan.chunks:
             return torch.empty(0, self.config.vocab_size, dtype=torch.float32)
         slots = [c.adapter_slot for c in plan.chunks]
-        if any(slots) and slots != sorted(slots):
-            # Chunks grouped by adapter: each adapter's rows become one contiguous slice (no
-            # gather/scatter in the LoRA update); every rank sorts the same plan alike.
-            order = sorted(range(len(slots)), key=slots.__getitem__)
-            logits = self._forward(tuple(plan.chunks[i] for i in order))
-            return logits if logits.shape[0] == 0 else logits[torch.tensor(order).argsort()]
-        return self._forward(plan.chunks)
+        if slots == sorted(slots):
+            return self._forward(plan.chunks, None)
+        # Chunks grouped by adapter: each adapter's rows become one contiguous slice (no
+        # gather/scatter in the LoRA update); every rank sorts the same plan alike.
+        order = sorted(range(len(slots)), key=slots.__getitem__)
+        return self._forward(tuple(plan.chunks[i] for i in order), torch.tensor(order).argsort())
 
-    def _forward(self, chunks: tuple[SeqChunk, ...]) -> torch.Tensor:
-        """One forward over ``chunks`` (copies done, validated): their last-token logits."""
+    def _forward(self, chunks: tuple[SeqChunk, ...], plan_order: torch.Tensor | None
+                 ) -> torch.Tensor:
+        """One forward over ``chunks`` (copies done, validated): their last-token logits, in
+        ``plan_order`` (indices into ``chunks``; None: as given)."""
         meta = attention.build_attention_metadata(chunks, self.block_size, self._windows,
                                                   self.device, self.dtype)
         input_ids = torch.tensor(
@@ -187,13 +190,9 @@ class ModelRunner:
         )
         lora = LoraBatch.build(self.lora_slots, [c.adapter_slot for c in chunks],
                                [len(c.token_ids) for c in chunks], self.device)
-        hidden = self.model.forward(input_ids, meta.positions, meta, self.kv_cache, lora)
-        if self.rank != 0:
-            return torch.empty(0, self.config.vocab_size, dtype=torch.float32)
-        logits = self.model.compute_logits(hidden[meta.last_token_indices])
-        return logits.float().cpu()
-
-
-def _linears(model) -> list[Linear]:
-    """Every :class:`~kvfleet.worker.runner.models.linear.Linear` the model holds."""
-    return [v for m in model.modules() for v in vars(m).values() if isinstance(v, Linear)]
+        with self._adapters.step(lora):
+            hidden = self.model.forward(input_ids, meta.positions, meta, self.kv_cache)
+        rows = meta.last_token_indices
+        if plan_order is not None:
+            rows = rows[plan_order.to(rows.device)]
+        return self.model.compute_logits(hidden[rows]).float().cpu()

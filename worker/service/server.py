@@ -289,5 +289,7 @@ def _engine_request(request: worker_pb2.WorkerGenerateRequest) -> EngineRequest:
     return EngineRequest(
         request_id=request.request_id or uuid.uuid4().hex,
         prompt_token_ids=tuple(request.prompt_token_ids), params=params,
-        tenant=request.tenant or "default", cache_salt=request.cache_salt,
+        tenant=request.tenant or request.cache_scope or "default",
+        cache_scope=request.cache_scope or request.tenant or "default",
+        cache_salt=request.cache_salt,
         adapter=request.adapter, deadline=deadline)

@@ -71,3 +71,11 @@ def test_format_bytes(n, text):
 def test_describe_bytes_keeps_exact_count():
     assert describe_bytes(2 * GiB) == "2147483648 B (2 GiB)"
     assert describe_bytes(1008) == "1008 B"
+
+
+def test_cdiv_is_exact_where_float_ceil_is_not() -> None:
+    from kvfleet.allocator.units import cdiv
+
+    assert [cdiv(n, 4) for n in (0, 1, 4, 5, 8, 9)] == [0, 1, 1, 2, 2, 3]
+    big = 2**53 + 1  # float(big) rounds down to 2**53: math.ceil(big / 1) would be off by one
+    assert cdiv(big, 1) == big and cdiv(big, 2) == 2**52 + 1

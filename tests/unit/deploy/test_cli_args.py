@@ -5,8 +5,9 @@ from __future__ import annotations
 import logging
 
 import pytest
-
 from kvfleet.deploy import cli
+from kvfleet.deploy.cluster_config import router_args as router_command
+from kvfleet.deploy.cluster_flags import cluster_config
 from kvfleet.router.main import parse_args as router_args
 
 
@@ -28,14 +29,13 @@ def test_a_deadline_that_cannot_be_met_is_a_usage_error(timeout, capsys):
 
 
 def test_vv_makes_the_router_log_every_routing_decision(tiny_llama_dir):
-    one = cli.cluster_config(cli.build_parser().parse_args(
+    one = cluster_config(cli.build_parser().parse_args(
         ["-v", "up", "--model", str(tiny_llama_dir)]))
-    two = cli.cluster_config(cli.build_parser().parse_args(
+    two = cluster_config(cli.build_parser().parse_args(
         ["-vv", "up", "--model", str(tiny_llama_dir)]))
-    assert one.router_args == ()
-    assert two.router_args == ("--log-level", "DEBUG")
-    cfg = router_args(["--redis-url", "redis://127.0.0.1:1", "--model-name", "m",
-                       "--model-dir", "/x", *two.router_args])
+    assert one.router.log_level == "INFO" and "--log-level" not in router_command(
+        one.router_config("redis://127.0.0.1:1"))
+    cfg = router_args(router_command(two.router_config("redis://127.0.0.1:1")))
     assert logging.getLevelName(cfg.log_level) == logging.DEBUG
     assert router_args(["--redis-url", "r", "--model-name", "m", "--model-dir", "/x"]).log_level == "INFO"
 
@@ -46,7 +46,7 @@ def test_up_adapters_are_parsed_expanded_and_checked_before_anything_starts(
         ["up", "--model", str(tiny_llama_dir), "--adapter", f"sql={tiny_adapters['qv']}",
          "--adapter-dir", str(tiny_adapters["qv"].parent), "--max-loras", "3",
          "--max-lora-rank", "8"])
-    cfg = cli.cluster_config(args)
+    cfg = cluster_config(args).replica
     assert [n for n, _ in cfg.adapters] == ["sql", "all", "qv", "qv2", "rs"]
     assert cfg.max_loras == 3 and cfg.max_lora_rank == 8
     (tmp_path / "adapter_config.json").write_text('{"r": 4, "target_modules": ["q_proj"], "use_dora": true}')
@@ -58,11 +58,11 @@ def test_up_adapters_are_parsed_expanded_and_checked_before_anything_starts(
 
 
 def test_replica_host_reaches_the_replicas_config(tiny_llama_dir):
-    from kvfleet.deploy.launcher import serve_application
+    from kvfleet.deploy.cluster_config import serve_application
 
-    cfg = cli.cluster_config(cli.build_parser().parse_args(
+    cfg = cluster_config(cli.build_parser().parse_args(
         ["up", "--model", str(tiny_llama_dir), "--replica-host", "0.0.0.0"]))
-    assert cfg.replica_host == "0.0.0.0"
+    assert cfg.replica.host == "0.0.0.0"
     app = serve_application(cfg, "redis://127.0.0.1:1/0", num_cpus=0.5, threads=1)
     assert app["args"]["replica"]["host"] == "0.0.0.0"
 

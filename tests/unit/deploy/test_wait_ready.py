@@ -8,8 +8,7 @@ import sys
 import threading
 
 import pytest
-
-from kvfleet.deploy.launcher import wait_ready
+from kvfleet.deploy.process_relay import wait_ready
 
 
 class Sink(io.StringIO):

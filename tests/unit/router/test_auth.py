@@ -91,3 +91,12 @@ def test_adapter_tenants_and_admins_from_the_key_file(tmp_path):
     path.write_text(json.dumps({"keys": {"k": "t"}, "adapter_tenants": {"x": "t"}}))
     with pytest.raises(ValueError, match="adapter_tenants must map adapter names to lists"):
         Authenticator.from_file(str(path))
+
+
+@pytest.mark.parametrize("data", [{}, {"keys": {}}, {"keys": {}, "adapter_admins": ["a"]}])
+def test_a_named_key_file_with_no_keys_is_refused_not_open(tmp_path, data):
+    # Issue 24 item 7: an empty key file used to make the router open (every caller an admin).
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="no API keys"):
+        Authenticator.from_file(str(path))

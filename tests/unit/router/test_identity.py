@@ -1,5 +1,5 @@
 """Every part of a block's identity changes its chain: no hit across tenants, salts, adapters,
-adapter revisions, model revisions, KV dtypes or block sizes (DESIGN.md §2)."""
+adapter revisions, model revisions, KV dtypes or block sizes (docs/design.md §2)."""
 
 from __future__ import annotations
 

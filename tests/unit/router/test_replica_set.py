@@ -41,3 +41,27 @@ def test_routable_rereads_the_registry_when_its_view_has_no_routable_replica() -
         assert await replicas.routable("other-model") == []
 
     asyncio.run(scenario())
+
+
+def test_state_of_replaced_replicas_is_pruned() -> None:
+    # Issue 24 item 18: every Serve replacement left a channel, ledger entries and a mark.
+    async def scenario() -> None:
+        index = InMemoryPrefixIndex()
+        replicas = ReplicaSet(index, empty_grace_s=0.0)
+        for i in range(50):
+            pub = index.publisher(ReplicaInfo(f"rep-{i}", f"127.0.0.1:{7000 + i}", "tiny", 0, 16))
+            await pub.register()
+            await pub.heartbeat(LOAD)
+            await replicas.refresh()
+            (info, _), = replicas.for_model("tiny")
+            replicas.link(info)  # a channel, never connected
+            replicas.ledger.finished(info.replica_id, replicas.ledger.dispatched(info.replica_id))
+            replicas.mark_unreachable(info)
+            await pub.deregister()
+        await replicas.refresh()
+        assert replicas.replicas == {}
+        assert replicas._channels == {} and replicas._unreachable == {}
+        assert dict(replicas.ledger.inflight) == {}
+        await replicas.close()
+
+    asyncio.run(scenario())

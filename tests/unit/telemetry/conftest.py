@@ -1,4 +1,4 @@
-"""In-memory sinks for telemetry unit tests (DESIGN §6: tests use the in-memory exporter)."""
+"""In-memory sinks for telemetry unit tests (docs/design.md §6: tests use the in-memory exporter)."""
 
 from __future__ import annotations
 

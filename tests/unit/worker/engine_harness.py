@@ -1,6 +1,6 @@
 """Drive the real Scheduler + Engine over a real ModelRunner and capture the logits it computed.
 
-:class:`RecordingRunner` wraps the runner the engine calls: for every chunk of every plan it
+:class:`RecordingExecutor` wraps the executor the engine calls: for every chunk of every plan it
 keeps ``(position, logits row)`` — the logits of the chunk's last token, i.e. what the engine
 sampled from (or, mid-prefill, what it computed and discarded). Positions recomputed after a
 preemption are recorded again, so every computation is checked, not just the last.
@@ -19,36 +19,46 @@ from typing import Callable, Iterable
 
 import tokenizers
 import torch
-
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
-from kvfleet.sampling_params import SamplingParams
 from kvfleet.worker.engine.engine import Engine, EngineRequest
-from kvfleet.worker.runner.model_runner import ModelRunner
 from kvfleet.worker.engine.outputs import SeqOutput
 from kvfleet.worker.engine.request import FinishReason
 from kvfleet.worker.engine.scheduler import SchedulerConfig
 from kvfleet.worker.engine.step_plan import StepPlan
+from kvfleet.worker.executor.base import Executor
+from kvfleet.worker.executor.local import LocalExecutor
+from kvfleet.worker.runner.model_runner import ModelRunner
+
+from kvfleet.sampling_params import SamplingParams
 from tests.unit.worker.paged_driver import random_prompt, reference_logits, runner_for, scaled_error
 
 BLOCK_SIZE = 4
 _ids = itertools.count()
 
 
-class RecordingRunner:
-    """The engine's runner, recording each chunk's last-token logits by sequence id."""
+def as_executor(runner: ModelRunner | Executor) -> Executor:
+    """``runner`` as an executor (a plain runner runs in process)."""
+    return LocalExecutor(runner) if isinstance(runner, ModelRunner) else runner
 
-    def __init__(self, runner: ModelRunner) -> None:
-        self.runner = runner
-        self.config = runner.config
+
+class RecordingExecutor:
+    """The engine's executor, recording each chunk's last-token logits by sequence id (every
+    other call goes to the wrapped executor)."""
+
+    def __init__(self, executor: Executor) -> None:
+        self.executor = executor
         self.logits: dict[str, list[tuple[int, torch.Tensor]]] = defaultdict(list)
         self.plans: list[StepPlan] = []
 
+    def __getattr__(self, name: str):
+        return getattr(self.executor, name)
+
     def execute(self, plan: StepPlan) -> torch.Tensor:
-        out = self.runner.execute(plan)
+        out = self.executor.execute(plan)
         self.plans.append(plan)
         for chunk, row in zip(plan.chunks, out, strict=True):
             pos = chunk.num_computed_tokens + len(chunk.token_ids) - 1
-            self.logits[chunk.request_id].append((pos, row.clone()))
+            self.logits[chunk.seq_id].append((pos, row.clone()))
         return out
 
 
@@ -66,17 +76,17 @@ class Result:
         return self.last.finish_reason if self.last else None
 
 
-def make_engine(model_dir: Path, num_blocks: int = 150, runner: ModelRunner | None = None,
-                adapters=None, identity=None, **scheduler) -> tuple[Engine, RecordingRunner]:
+def make_engine(model_dir: Path, num_blocks: int = 150, runner: ModelRunner | Executor | None = None,
+                adapters=None, identity=None, **scheduler) -> tuple[Engine, RecordingExecutor]:
     """A fresh engine (new KV cache manager) over the session's shared runner for ``model_dir``
     (``adapters``, ``identity``: see :class:`Engine`).
 
     Sharing the runner's KV tensor across tests is safe: a new manager has no cached blocks,
     so every slot a test reads was written by that test.
     """
-    runner = runner or runner_for(Path(model_dir), block_size=BLOCK_SIZE)
+    runner = as_executor(runner or runner_for(Path(model_dir), block_size=BLOCK_SIZE))
     assert num_blocks <= runner.num_blocks
-    rec = RecordingRunner(runner)
+    rec = RecordingExecutor(runner)
     kv = KVCacheManager(num_blocks, runner.block_size)
     tok = tokenizers.Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
     cfg = runner.config
@@ -140,7 +150,7 @@ def seq_tokens(req: EngineRequest, res: Result) -> list[int]:
     return list(req.prompt_token_ids) + res.token_ids
 
 
-def reference_error(model_dir: Path, rec: RecordingRunner, seq_id: str, tokens: list[int]) -> float:
+def reference_error(model_dir: Path, rec: RecordingExecutor, seq_id: str, tokens: list[int]) -> float:
     """Every logits row the engine computed for ``seq_id`` against transformers on ``tokens``."""
     rows = rec.logits[seq_id]
     assert rows, f"no logits recorded for {seq_id}"
@@ -148,9 +158,9 @@ def reference_error(model_dir: Path, rec: RecordingRunner, seq_id: str, tokens: 
     return max(scaled_error({p: row}, ref) for p, row in rows)
 
 
-def positions(rec: RecordingRunner, seq_id: str) -> list[int]:
+def positions(rec: RecordingExecutor, seq_id: str) -> list[int]:
     return [p for p, _ in rec.logits[seq_id]]
 
 
-def by_position(rec: RecordingRunner, seq_id: str) -> dict[int, torch.Tensor]:
+def by_position(rec: RecordingExecutor, seq_id: str) -> dict[int, torch.Tensor]:
     return dict(rec.logits[seq_id])

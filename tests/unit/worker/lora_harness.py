@@ -15,7 +15,7 @@ from kvfleet.worker.engine.adapter_residency import AdapterResidency
 from kvfleet.worker.runner.model_runner import ModelRunner
 from tests.fixtures.adapters import peft_logits
 from tests.unit.worker import engine_harness
-from tests.unit.worker.engine_harness import BLOCK_SIZE, RecordingRunner, Result, seq_tokens
+from tests.unit.worker.engine_harness import BLOCK_SIZE, RecordingExecutor, Result, seq_tokens
 from tests.unit.worker.paged_driver import scaled_error
 
 MAX_LORAS = 4
@@ -47,7 +47,7 @@ def with_adapter(req: EngineRequest, adapter: str) -> EngineRequest:
     return dataclasses.replace(req, adapter=adapter)
 
 
-def lora_error(model_dir: Path, adapter_dir: Path | None, rec: RecordingRunner,
+def lora_error(model_dir: Path, adapter_dir: Path | None, rec: RecordingExecutor,
                req: EngineRequest, res: Result) -> float:
     """Every logits row the engine computed for ``req`` against peft (base: transformers)
     on its own tokens, in tolerances (<= 1 passes)."""

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvfleet.sampling_params import SamplingParams
-from kvfleet.worker.executor.cost_model import (MEASURED, CostModel, CostModelRunner, StepSample, fit,
+from kvfleet.worker.executor.cost_model import (MEASURED, CostModel, CostModelExecutor, StepSample, fit,
                                        split_tokens)
 from kvfleet.worker.engine.engine import EngineRequest
 from kvfleet.worker.runner.model_config import load_model_config
@@ -52,7 +52,7 @@ def test_measured_constants_are_recorded(tmp_path):
 
 def test_runner_sleeps_the_modelled_time_and_returns_filler_logits(tiny_llama_dir):
     slept = []
-    runner = CostModelRunner(load_model_config(tiny_llama_dir), COST, filler_token_id=42,
+    runner = CostModelExecutor(load_model_config(tiny_llama_dir), COST, filler_token_id=42,
                              num_blocks=64, block_size=16, sleep=slept.append, clock=lambda: 0.0)
     out = runner.execute(plan((30, 0), (1, 40)))
     assert out.shape == (2, runner.config.vocab_size) and out.dtype == torch.float32

@@ -54,10 +54,10 @@ class CheckingRunner:
         for c in plan.chunks:
             end = c.num_computed_tokens + len(c.token_ids)
             assert len(c.token_ids) >= 1 and len(c.block_table) >= -(-end // bs)
-            assert list(c.block_table) == self.kv.block_table(c.request_id)
+            assert list(c.block_table) == self.kv.block_table(c.seq_id)
             for pos in range(c.num_computed_tokens, end):
                 block = c.block_table[pos // bs]
-                assert self.kv.ref_count(block) == 1, f"{c.request_id} writes shared block {block}"
+                assert self.kv.ref_count(block) == 1, f"{c.seq_id} writes shared block {block}"
                 slot = block * bs + pos % bs
                 assert slot not in written, "two chunks write one slot"
                 written.add(slot)
@@ -153,7 +153,7 @@ def test_admission_never_overcommits(cfg, block_size, num_blocks, workload, drai
     seqs = created
     if any(s.num_preemptions for s in seqs):
         event("preempted")
-    if engine.runner.copies:
+    if engine.executor.copies:
         event("copy-on-write")
     if any(s.num_cached_tokens for s in seqs):
         event("prefix hit")

@@ -1,23 +1,14 @@
 """The real Scheduler + Engine + ModelRunner against transformers' full-prefix forward.
 
-fp32; every logits row the engine computed (captured by ``RecordingRunner``) within
+fp32; every logits row the engine computed (captured by ``RecordingExecutor``) within
 1e-4 x max(1, max|ref|) of transformers on the sequence's own tokens (``scaled_error <= 1``).
 Block size 4, so chunk widths and prefix lengths below are deliberately not multiples of it.
 """
 
 from __future__ import annotations
 
-from tests.unit.worker.engine_harness import (
-    BLOCK_SIZE,
-    by_position,
-    make_engine,
-    positions,
-    prompt,
-    reference_error,
-    request,
-    run,
-    seq_tokens,
-)
+from tests.unit.worker.engine_harness import (BLOCK_SIZE, by_position, make_engine, positions, prompt,
+                                              reference_error, request, run, seq_tokens)
 from tests.unit.worker.paged_driver import scaled_error
 
 def _check(model_dir, rec, req, res, index: int = 0) -> None:
@@ -61,7 +52,7 @@ def test_prefix_hits_full_and_mid_block(tiny_llama_dir) -> None:
     assert cached == {first.request_id: 0, same_16.request_id: 16, same_18.request_id: 16,
                       whole.request_id: 20}
     for r in (same_16, same_18, whole):
-        first_chunk = next(c for p in rec.plans for c in p.chunks if c.request_id == f"{r.request_id}#0")
+        first_chunk = next(c for p in rec.plans for c in p.chunks if c.seq_id == f"{r.request_id}#0")
         assert first_chunk.num_computed_tokens == cached[r.request_id]
         _check(tiny_llama_dir, rec, r, results[(r.request_id, 0)])
 
@@ -109,7 +100,7 @@ def test_preempted_then_resumed(tiny_llama_dir) -> None:
         _check(tiny_llama_dir, rec, req, res)
         alone_engine, _ = make_engine(tiny_llama_dir)
         assert run(alone_engine, [req])[(req.request_id, 0)].token_ids == res.token_ids
-    widths = [len(c.token_ids) for p in rec.plans for c in p.chunks if c.request_id == preempted[0]]
+    widths = [len(c.token_ids) for p in rec.plans for c in p.chunks if c.seq_id == preempted[0]]
     assert max(widths[widths.index(1):]) > 1, "the preempted sequence recomputed after decoding"
 
 
@@ -123,7 +114,7 @@ def test_n2_siblings_after_copy_on_write(tiny_llama_dir) -> None:
     a, b = results[(req.request_id, 0)], results[(req.request_id, 1)]
     assert a.token_ids != b.token_ids, "seeded siblings must diverge"
     prompt_chunks = [c for p in rec.plans for c in p.chunks if c.num_computed_tokens < 10]
-    assert [c.request_id for c in prompt_chunks] == [f"{req.request_id}#0"], "prompt computed once"
+    assert [c.seq_id for c in prompt_chunks] == [f"{req.request_id}#0"], "prompt computed once"
     copies = [cp for p in rec.plans for cp in p.block_copies]
     assert len(copies) == 1
     src, dst = copies[0]

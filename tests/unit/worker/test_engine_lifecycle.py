@@ -35,7 +35,7 @@ def test_cancel_running_waiting_and_unforked_samples(tiny_llama_dir) -> None:
     steps_before = len(rec.plans)
     while engine.has_work:
         collect(results, engine.step())
-    later = {c.request_id for p in rec.plans[steps_before:] for c in p.chunks}
+    later = {c.seq_id for p in rec.plans[steps_before:] for c in p.chunks}
     assert later == {f"{keep.request_id}#0"}, "cancelled requests left the batch at once"
     for rid, n in ((running.request_id, 1), (waiting.request_id, 2)):
         for i in range(n):
@@ -58,7 +58,7 @@ def test_deadline_expires_at_the_next_step(tiny_llama_dir) -> None:
         s.deadline = time.monotonic() - 1
     collect(results, engine.step())
     assert results[(late.request_id, 0)].finish_reason is FinishReason.DEADLINE
-    assert all(c.request_id != f"{late.request_id}#0" for c in rec.plans[-1].chunks)
+    assert all(c.seq_id != f"{late.request_id}#0" for c in rec.plans[-1].chunks)
     while engine.has_work:
         collect(results, engine.step())
     assert results[(other.request_id, 0)].finish_reason is FinishReason.LENGTH

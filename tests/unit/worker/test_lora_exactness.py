@@ -81,7 +81,7 @@ class ShiftedSlots:
     def execute(self, plan: StepPlan):
         slots = [c.adapter_slot for c in plan.chunks]
         slots = slots[1:] + slots[:1]
-        chunks = tuple(SeqChunk(c.request_id, c.token_ids, c.num_computed_tokens, c.block_table, s)
+        chunks = tuple(SeqChunk(c.seq_id, c.token_ids, c.num_computed_tokens, c.block_table, s)
                        for c, s in zip(plan.chunks, slots))
         return self.runner.execute(StepPlan(chunks, plan.block_copies))
 
@@ -126,7 +126,7 @@ def test_prefix_hit_only_under_the_same_adapter_revision(tiny_llama_dir, adapter
     assert cached == {first.request_id: 0, again.request_id: 16, other.request_id: 0,
                       base.request_id: 0}
     old_revision = residency.spec("qv").revision
-    residency.register(check_adapter("qv", adapters["qv2"], engine.runner.config, 16))
+    residency.register(check_adapter("qv", adapters["qv2"], engine.executor.config, 16))
     assert residency.spec("qv").revision != old_revision
     reloaded = with_adapter(request(shared, max_tokens=3), "qv")
     res = run(engine, [reloaded])[(reloaded.request_id, 0)]

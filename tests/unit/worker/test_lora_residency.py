@@ -102,8 +102,8 @@ def test_request_waits_while_its_adapter_loads_and_in_use_is_never_evicted(
     gate.set()
     results = run(engine, [])
     assert all(r.finish_reason is FinishReason.LENGTH for r in results.values())
-    first_steps = [i for i, p in enumerate(rec.plans) for c in p.chunks if c.request_id.startswith(first.request_id)]
-    second_steps = [i for i, p in enumerate(rec.plans) for c in p.chunks if c.request_id.startswith(second.request_id)]
+    first_steps = [i for i, p in enumerate(rec.plans) for c in p.chunks if c.seq_id.startswith(first.request_id)]
+    second_steps = [i for i, p in enumerate(rec.plans) for c in p.chunks if c.seq_id.startswith(second.request_id)]
     assert max(first_steps) < min(second_steps), "the slot in use was taken"
     for r, name in ((first, "qv"), (second, "all")):
         assert lora_error(tiny_llama_dir, tiny_adapters[name], rec, r, results[(r.request_id, 0)]) <= 1

@@ -45,7 +45,7 @@ def test_a_waiting_request_runs_on_the_revision_it_was_hashed_under(tiny_llama_d
     _step_until_running(engine, holder, results)
     engine.add_request(waiter)  # hashed under qv@rev1, waits: the one slot is held
     rev1 = res.spec("qv").revision
-    res.register(check_adapter("qv", tiny_adapters["qv2"], engine.runner.config, MAX_LORA_RANK))
+    res.register(check_adapter("qv", tiny_adapters["qv2"], engine.executor.config, MAX_LORA_RANK))
     assert res.spec("qv").revision != rev1
     later = with_adapter(request(prompt(18, seed=32), max_tokens=3), "qv")
     results.update(run(engine, {0: [later]}))
@@ -78,7 +78,7 @@ def test_adapter_files_changed_on_disk_are_refused_at_reload(tiny_llama_dir, tin
     code, message = status_of(out.last.error)
     assert code is grpc.StatusCode.FAILED_PRECONDITION
     assert str(qv / WEIGHTS_FILE) in message and "changed on disk" in message
-    res.register(check_adapter("qv", qv, engine.runner.config, MAX_LORA_RANK))  # load it again
+    res.register(check_adapter("qv", qv, engine.executor.config, MAX_LORA_RANK))  # load it again
     fresh = with_adapter(request(shared, max_tokens=2), "qv")
     got = run(engine, [fresh])[(fresh.request_id, 0)]
     assert got.last.usage.cached_prompt_tokens == 0

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from kvfleet.worker.runner.model_config import UnsupportedModel, load_model_config, parse_model_config
 
 BASE = {
@@ -62,12 +61,52 @@ def test_eos_ids_merge_generation_config_first() -> None:
 
 def test_old_qwen2_sliding_layers_from_max_window_layers() -> None:
     raw = {**BASE, "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 4,
-           "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 2}
+           "num_key_value_heads": 2, "use_sliding_window": True, "sliding_window": 16,
+           "max_window_layers": 2}
     assert parse_model_config(raw).sliding_windows == (None, None, 16, 16)
 
 
+@pytest.mark.parametrize("change", [
+    {"model_type": "qwen2", "num_key_value_heads": 2, "sliding_window": 16, "max_window_layers": 1},
+    {"model_type": "qwen2", "num_key_value_heads": 2, "use_sliding_window": False,
+     "sliding_window": 16, "layer_types": ["sliding_attention"] * 2},
+    {"model_type": "mistral", "num_key_value_heads": 2, "sliding_window": 4},
+    {"model_type": "mistral", "num_key_value_heads": 2, "sliding_window": 4,
+     "layer_types": ["full_attention", "sliding_attention"]},
+])
+def test_the_engine_reads_the_allocators_shape(change) -> None:
+    """One reader of config.json's shape: the engine's windows, heads and head width are the
+    KV budget's (kvfleet.allocator.model_spec), so the two cannot disagree on a window."""
+    from kvfleet.allocator.model_spec import spec_from_config
+
+    raw = {**BASE, **change}
+    c, kv = parse_model_config(raw), spec_from_config(raw)
+    assert c.sliding_windows == kv.windows
+    assert (c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim) == (
+        kv.num_hidden_layers, kv.num_attention_heads, kv.num_kv_heads, kv.layers[0].head_dim)
+
+
+def test_qwen2_windows_follow_transformers_defaults() -> None:
+    # Qwen2Config: use_sliding_window defaults to False (no window without it), and the flag
+    # overrides a layer_types list that names sliding layers.
+    raw = {**BASE, "model_type": "qwen2", "num_key_value_heads": 2, "sliding_window": 16}
+    assert parse_model_config(raw).sliding_windows == (None, None)
+    listed = {**raw, "use_sliding_window": False, "layer_types": ["sliding_attention"] * 2}
+    assert parse_model_config(listed).sliding_windows == (None, None)
+
+
+def test_a_shape_field_missing_is_named() -> None:
+    from kvfleet.allocator.model_spec import ConfigError
+
+    with pytest.raises(ConfigError, match="num_key_value_heads"):  # mistral documents no default
+        parse_model_config({**BASE, "model_type": "mistral"})
+    with pytest.raises(ConfigError, match="num_attention_heads"):
+        parse_model_config({k: v for k, v in BASE.items() if k != "num_attention_heads"})
+
+
 def test_architecture_from_model_type_when_absent() -> None:
-    raw = {**BASE, "architectures": None, "model_type": "mistral", "sliding_window": 4}
+    raw = {**BASE, "architectures": None, "model_type": "mistral", "num_key_value_heads": 2,
+           "sliding_window": 4}
     assert parse_model_config(raw).architecture == "MistralForCausalLM"
 
 
@@ -84,7 +123,6 @@ def test_unsupported_features_are_refused(change, match) -> None:
 
 def test_unknown_architecture_is_refused_at_build() -> None:
     import torch
-
     from kvfleet.worker.runner.models import build_model
 
     c = parse_model_config({**BASE, "architectures": ["Gemma2ForCausalLM"]})

@@ -8,7 +8,7 @@ import pytest
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
 from kvfleet.errors import ResourceExhausted
 from kvfleet.sampling_params import SamplingParams
-from kvfleet.worker.engine.request import Sequence, SeqStatus
+from kvfleet.worker.engine.request import SequenceState, SeqStatus
 from kvfleet.worker.engine.scheduler import Scheduler, SchedulerConfig
 
 BS = 4
@@ -21,15 +21,15 @@ def make(n_blocks=16, **cfg) -> Scheduler:
 _arrival = iter(range(10**6))
 
 
-def seq(prompt_len: int, max_tokens: int = 8, first: int = 1, sid: str | None = None) -> Sequence:
+def seq(prompt_len: int, max_tokens: int = 8, first: int = 1, sid: str | None = None) -> SequenceState:
     a = next(_arrival)
-    return Sequence(seq_id=sid or f"s{a}", request_id=sid or f"s{a}", index=0,
+    return SequenceState(seq_id=sid or f"s{a}", request_id=sid or f"s{a}", index=0,
                     prompt_token_ids=list(range(first, first + prompt_len)),
                     params=SamplingParams(max_tokens=max_tokens), root_hash=b"r" * 16,
                     block_size=BS, arrival_seq=a)
 
 
-def tenant_seq(tenant: str, prompt_len: int = 4) -> Sequence:
+def tenant_seq(tenant: str, prompt_len: int = 4) -> SequenceState:
     x = seq(prompt_len)
     x.tenant = tenant
     return x
@@ -173,9 +173,9 @@ def test_finish_returns_every_block():
     s.kv.check_invariants()
 
 
-def sibling_group(prompt_len: int, n: int, max_tokens: int = 8) -> list[Sequence]:
+def sibling_group(prompt_len: int, n: int, max_tokens: int = 8) -> list[SequenceState]:
     a = next(_arrival)
-    return [Sequence(seq_id=f"g{a}#{i}", request_id=f"g{a}", index=i,
+    return [SequenceState(seq_id=f"g{a}#{i}", request_id=f"g{a}", index=i,
                      prompt_token_ids=list(range(1, 1 + prompt_len)),
                      params=SamplingParams(max_tokens=max_tokens, n=n), root_hash=b"r" * 16,
                      block_size=BS, arrival_seq=a) for i in range(n)]

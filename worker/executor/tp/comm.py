@@ -6,38 +6,39 @@ groups at once (tests run many rank groups from one pytest process) and no globa
 touched. Gloo on CPU; on CUDA the forward's all-reduce runs on NCCL and the plan still travels
 over a gloo (CPU) group, so rank 0 never stages it on a device.
 
-Every collective has a finite timeout (``timeout_s``). A rank waiting for the next plan waits
-in a timed collective too, so an idle rank 0 sends keep-alive plans (see
-:mod:`.tp_runner`) more often than the timeout.
+Every collective has a finite timeout (``timeout_s``). A rank waiting for the next message waits
+in a timed collective too, so an idle rank 0 sends keep-alive barriers (see
+:mod:`kvfleet.worker.executor.tp_executor`) more often than the timeout.
 
-The plan travels as pickled bytes in one fixed-size broadcast (``PLAN_BUFFER_BYTES``, an
-8-byte length first); a plan larger than the buffer sends its remainder in a second one.
+A message is a flat int64 array (:mod:`.wire`: a fixed schema, never pickle). It travels in one
+fixed-size broadcast (``MESSAGE_BUFFER_BYTES``, an 8-byte length first); a message larger than
+the buffer sends its remainder in a second one.
 
 With ``GroupAddress.shm_name`` set (every rank on one host, gloo), the forward's all-reduces
-go through shared memory instead (:mod:`.shm_reduce`; ~5–50 µs per call here against gloo's
-~0.13–0.26 ms); the plan broadcast, barriers and anything that does not fit stay on gloo.
+go through shared memory instead (:mod:`.shm_reduce`); message broadcasts, barriers and
+anything that does not fit stay on gloo.
 
-``RankComm.times`` (:class:`CommTimes`) counts the seconds and calls this rank spent in
-:meth:`~RankComm.all_reduce` and :meth:`~RankComm.send`, always on: two ``perf_counter`` reads
-per call (~0.1 µs against a ~100 µs gloo all-reduce). ``bench/tp_bench.py`` reads them.
+``RankComm.times`` (:class:`CommTimes`) counts the seconds, calls and message bytes this rank
+spent in :meth:`~RankComm.all_reduce` and :meth:`~RankComm.send`, always on (two
+``perf_counter`` reads per call). ``bench/tp_bench.py`` reads them.
 """
 
 from __future__ import annotations
 
 import datetime
-import pickle
 import platform
 import struct
 import time
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
-
 from kvfleet.worker.executor.tp.shm_reduce import ShmAllReduce
 
-PLAN_BUFFER_BYTES = 64 << 10
+MESSAGE_BUFFER_BYTES = 8 << 10  # one broadcast holds a decode step of ~100 sequences
+MAX_MESSAGE_BYTES = 256 << 20  # a longer announced length is refused, not allocated
 # The shm all-reduce publishes a round after writing its slot, with plain stores: it relies on
 # x86-64's store ordering (TSO); elsewhere the group stays on gloo.
 _TSO_MACHINES = ("x86_64", "AMD64")
@@ -72,6 +73,7 @@ class CommTimes:
     all_reduce_calls: int = 0
     send_s: float = 0.0
     send_calls: int = 0
+    send_bytes: int = 0  # message bytes (the length prefix and buffer padding not counted)
 
     def snapshot(self) -> "CommTimes":
         """A copy (the counters keep running)."""
@@ -81,7 +83,8 @@ class CommTimes:
         """What was spent since ``earlier`` (a :meth:`snapshot`)."""
         return CommTimes(self.all_reduce_s - earlier.all_reduce_s,
                          self.all_reduce_calls - earlier.all_reduce_calls,
-                         self.send_s - earlier.send_s, self.send_calls - earlier.send_calls)
+                         self.send_s - earlier.send_s, self.send_calls - earlier.send_calls,
+                         self.send_bytes - earlier.send_bytes)
 
 
 def host_store(host: str, world_size: int, timeout_s: float) -> dist.TCPStore:
@@ -107,20 +110,21 @@ class RankComm:
         self.rank, self.world_size, self.device = rank, addr.world_size, torch.device(device)
         self.store = store or dist.TCPStore(addr.host, addr.port, addr.world_size, False,
                                             timeout=timeout)
-        opts = dist.ProcessGroupGloo._Options()
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         opts._timeout = timeout
         # Gloo's pairs listen on the group's own address (loopback for one host), not on
         # whatever interface the hostname resolves to.
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=addr.host)]
-        self.cpu = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", self.store), rank,
+        # Any: torch's stubs omit the process groups' collectives.
+        self.cpu: Any = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", self.store), rank,
                                          addr.world_size, opts)
-        self.dev = self.cpu
+        self.dev: Any = self.cpu
         if addr.backend == "nccl":
             nccl = dist.ProcessGroupNCCL.Options()
             nccl._timeout = timeout
             self.dev = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", self.store), rank,
                                              addr.world_size, nccl)
-        self._buf = torch.zeros(PLAN_BUFFER_BYTES, dtype=torch.uint8)
+        self._buf = torch.zeros(MESSAGE_BUFFER_BYTES, dtype=torch.uint8)
         self.times = CommTimes()
         self.shm: ShmAllReduce | None = None
         if addr.shm_name and addr.backend == "gloo" and platform.machine() in _TSO_MACHINES:
@@ -129,17 +133,18 @@ class RankComm:
     def _attach_shm(self, addr: GroupAddress) -> None:
         """Rank 0 creates the segment, the others map it, rank 0 unlinks its name."""
         def make(create: bool) -> ShmAllReduce:
+            assert addr.shm_name is not None
             return ShmAllReduce(addr.shm_name, self.rank, self.world_size, addr.shm_max_numel,
                                 addr.timeout_s, create)
 
-        if self.rank == 0:
-            self.shm = make(True)
+        shm = make(True) if self.rank == 0 else None
         self.barrier()
         if self.rank != 0:
-            self.shm = make(False)
+            shm = make(False)
         self.barrier()
-        if self.rank == 0:
-            self.shm.unlink()
+        if shm is not None and self.rank == 0:
+            shm.unlink()
+        self.shm = shm
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` over every rank, in place; returns ``t``."""
@@ -156,16 +161,11 @@ class RankComm:
         """Every rank reached this point (an all-reduce of one int on the CPU group)."""
         self.cpu.allreduce([torch.zeros(1, dtype=torch.int32)]).wait()
 
-    def send(self, obj: Any) -> None:
-        """Rank 0: broadcast ``obj`` (picklable) to every other rank."""
+    def send(self, msg: np.ndarray) -> None:
+        """Rank 0: broadcast ``msg`` (a 1-D int64 array, :mod:`.wire`) to every other rank."""
         start = time.perf_counter()
-        self._send(obj)
-        self.times.send_s += time.perf_counter() - start
-        self.times.send_calls += 1
-
-    def _send(self, obj: Any) -> None:
-        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        head = PLAN_BUFFER_BYTES - _LEN.size
+        data = np.ascontiguousarray(msg, dtype="<i8").tobytes()
+        head = MESSAGE_BUFFER_BYTES - _LEN.size
         self._buf[: _LEN.size] = torch.frombuffer(bytearray(_LEN.pack(len(data))), dtype=torch.uint8)
         first = data[:head]
         if first:
@@ -175,16 +175,27 @@ class RankComm:
         if len(data) > head:
             rest = torch.frombuffer(bytearray(data[head:]), dtype=torch.uint8)
             self.cpu.broadcast(rest, 0).wait()
+        self.times.send_s += time.perf_counter() - start
+        self.times.send_calls += 1
+        self.times.send_bytes += len(data)
 
-    def recv(self) -> Any:
-        """Ranks 1..T-1: the next object rank 0 sent."""
+    def recv(self) -> np.ndarray:
+        """Ranks 1..T-1: the next message rank 0 sent, as int64 (no object is decoded).
+
+        Raises:
+            ValueError: an announced length that is negative, not whole int64s or over
+                ``MAX_MESSAGE_BYTES``.
+        """
         self.cpu.broadcast(self._buf, 0).wait()
         raw = self._buf.numpy().tobytes()
         (n,) = _LEN.unpack_from(raw)
-        head = PLAN_BUFFER_BYTES - _LEN.size
+        if not 0 <= n <= MAX_MESSAGE_BYTES or n % 8:
+            raise ValueError(f"malformed message length {n} (whole int64s up to "
+                             f"{MAX_MESSAGE_BYTES} bytes)")
+        head = MESSAGE_BUFFER_BYTES - _LEN.size
         data = raw[_LEN.size: _LEN.size + min(n, head)]
         if n > head:
             rest = torch.empty(n - head, dtype=torch.uint8)
             self.cpu.broadcast(rest, 0).wait()
             data += rest.numpy().tobytes()
-        return pickle.loads(data)
+        return np.frombuffer(data, dtype="<i8")

@@ -24,8 +24,11 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
+from kvfleet.worker.executor.base import RankInfo
+from kvfleet.worker.executor.local import rank_info
 from kvfleet.worker.executor.tp.comm import GroupAddress, RankComm, host_store
-from kvfleet.worker.executor.tp.rank_worker import RankInfo, RankSpec, RankWorker, build_rank_runner, rank_info
+from kvfleet.worker.executor.tp.rank_worker import RankSpec, RankWorker, build_rank_runner
+from kvfleet.worker.runner.lora.adapter import AdapterSpec
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +50,8 @@ class TPSettings:
     start_timeout_s: float = 600.0
     # STRICT_PACK puts every rank of a replica on rank 0's node: the group meets on loopback.
     store_host: str = "127.0.0.1"
-    # CPU: the forward's all-reduces through shared memory (SmolLM2 tp=3 decode 3.1x faster
-    # than gloo on 2 shared cores, docs/tp_benchmark.md); False: gloo for everything.
+    # CPU: the forward's all-reduces through shared memory (faster than gloo for the small
+    # tensors of a decode step; docs/history/tp_benchmark.md); False: gloo for everything.
     shm_all_reduce: bool = True
 
     def __post_init__(self) -> None:
@@ -95,6 +98,7 @@ class RankGroup:
         self.failure: Optional[str] = None
         self.step_started: Optional[float] = None  # monotonic start of the step in flight
         self._serving: list = []
+        self._signalled: set[int] = set()  # rank pids SIGKILLed already (never twice)
         self._own_pg = None
         self._closed = threading.Event()
         self._fail_lock = threading.Lock()
@@ -130,7 +134,7 @@ class RankGroup:
         env = {"OMP_WAIT_POLICY": "passive",  # an idle rank must not spin on a shared core
                **{k: v for k, v in os.environ.items() if k.startswith(("GLOO_", "NCCL_"))}}
         self.actors = [cls.options(num_cpus=0 if cuda else self.settings.rank_num_cpus,
-                                   num_gpus=1 if cuda else 0, max_concurrency=2, max_restarts=0,
+                                   num_gpus=1 if cuda else 0, max_concurrency=3, max_restarts=0,
                                    scheduling_strategy=strategies[rank - 1],
                                    runtime_env={"env_vars": env}).remote(rank)
                        for rank in range(1, spec.tp)]
@@ -161,8 +165,10 @@ class RankGroup:
 
     def _placement(self, cuda: bool) -> list:
         """A scheduling strategy per rank 1..T-1 (see the module docstring)."""
-        import ray
-        from ray.util.placement_group import get_current_placement_group, placement_group
+        from ray.util.placement_group import (
+            get_current_placement_group,
+            placement_group,
+        )
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         tp = self.spec.tp
@@ -251,19 +257,38 @@ class RankGroup:
         """Every rank's node, device, pid and bytes (rank 0 first)."""
         return list(self.infos)
 
+    def prepare_adapter(self, prepared: int, spec: AdapterSpec) -> None:
+        """Ranks 1..T-1 each read their share of ``spec`` and hold it under id ``prepared``
+        (beside the step stream: steps keep running); a later step plan commits it.
+
+        Raises:
+            AdapterError, OSError, ray.exceptions.RayError: a rank could not read it (every
+                rank's prepared copy is dropped), or not within ``start_timeout_s``.
+        """
+        import ray
+
+        refs = [a.prepare_adapter.remote(prepared, spec) for a in self.actors]
+        try:
+            ray.get(refs, timeout=self.settings.start_timeout_s)
+        except BaseException:
+            for a in self.actors:
+                a.discard_adapter.remote(prepared)
+            raise
+
     # ---- stop ------------------------------------------------------------------------------
     def _release(self) -> None:
         """Kill every rank actor (SIGKILL by pid too: a stopped process cannot act on Ray's
-        kill request) and remove the placement group this group made."""
+        kill request) and remove the placement group this group made. Each pid is signalled
+        once: a later release (``close`` after ``fail``) must not hit a reused pid."""
         import ray
 
         me = self.infos[0].node_id if self.infos else None
-        for info in self.infos[1:]:
-            if info.node_id == me:
-                try:
-                    os.kill(info.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        for pid in [i.pid for i in self.infos[1:] if i.node_id == me and i.pid not in self._signalled]:
+            self._signalled.add(pid)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         for a in self.actors:
             try:
                 ray.kill(a, no_restart=True)

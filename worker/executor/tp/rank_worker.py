@@ -1,9 +1,14 @@
 """Ranks 1..T-1 of a tensor-parallel replica: a model shard and its KV cache, nothing else.
 
-A rank receives each step plan from rank 0 (one broadcast per step), runs the same forward
-(its all-reduces meet rank 0's) and computes no logits. It keeps no request state: block
-tables, scheduling and sampling live on rank 0. Wrap with ``ray.remote`` (see
-:mod:`.group`); ``max_concurrency=2`` lets :meth:`ping` answer while :meth:`serve` runs.
+A rank runs the calls rank 0 makes on every rank (:mod:`.wire`): ``step`` runs the same
+forward as rank 0, whose all-reduces meet its own, and computes no logits; ``barrier`` is the
+idle keep-alive; ``stop`` ends :meth:`RankWorker.serve`. It keeps no request state: block
+tables (beyond the last plan's, for the plan diff), scheduling and sampling live on rank 0.
+
+An adapter is read off the step path: rank 0 asks each rank to :meth:`RankWorker.prepare_adapter`
+(a Ray call beside :meth:`RankWorker.serve`, which keeps running steps meanwhile), then the next
+step plan commits it into its slot. Wrap with ``ray.remote`` (see :mod:`.group`);
+``max_concurrency=3`` lets :meth:`RankWorker.ping` and a prepare run while ``serve`` runs.
 """
 
 from __future__ import annotations
@@ -12,18 +17,19 @@ import logging
 import os
 import threading
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Callable, Optional
 
+import numpy as np
 import torch
 
-from kvfleet.worker.runner.model_runner import ModelRunner, Shard
+from kvfleet.worker.executor.local import rank_info
 from kvfleet.worker.executor.tp.comm import GroupAddress, RankComm
+from kvfleet.worker.executor.tp.wire import Commit, PlanDecoder, decode_call
+from kvfleet.worker.runner.lora.adapter import AdapterSpec, read_adapter
+from kvfleet.worker.runner.lora.slots import Weights as LoraWeights
+from kvfleet.worker.runner.model_runner import ModelRunner, Shard
 
 log = logging.getLogger(__name__)
-
-# Messages rank 0 sends (the first item of each tuple).
-STEP, PING, STOP = "step", "ping", "stop"
-LOAD_ADAPTER, UNLOAD_ADAPTER = "load_adapter", "unload_adapter"  # payload (slot, spec) / slot
 
 
 @dataclass(frozen=True)
@@ -41,19 +47,6 @@ class RankSpec:
     max_loras: int = 0  # LoRA adapter slots (see ModelRunner.load_adapter)
 
 
-@dataclass(frozen=True)
-class RankInfo:
-    """One rank as ``Stats``/``ClusterStatus`` report it (bytes are integers)."""
-
-    rank: int
-    node_id: str
-    device: str
-    pid: int
-    kv_bytes: int
-    num_blocks: int
-    weight_bytes: int
-
-
 def build_rank_runner(spec: RankSpec, rank: int, reduce) -> ModelRunner:
     """This rank's :class:`ModelRunner` (``reduce``: the group's in-place all-reduce)."""
     torch.set_num_threads(spec.num_threads)
@@ -62,71 +55,114 @@ def build_rank_runner(spec: RankSpec, rank: int, reduce) -> ModelRunner:
                        max_loras=spec.max_loras)
 
 
-def rank_info(runner: ModelRunner, rank: int) -> RankInfo:
-    node = ""
-    try:
-        import ray
-
-        if ray.is_initialized():
-            node = ray.get_runtime_context().get_node_id()
-    except Exception:  # outside Ray: no node id to report
-        pass
-    return RankInfo(rank, node, str(runner.device), os.getpid(), runner.kv_cache.nbytes,
-                    runner.num_blocks, runner.weight_nbytes())
-
-
 class RankWorker:
     """Rank ``rank`` (>= 1): :meth:`load`, then :meth:`connect`, then :meth:`serve` until
-    rank 0 sends STOP."""
+    rank 0 calls ``stop`` or the group is released (``exit_on_error``: a rank process exits
+    once ``serve`` fails; off for ranks run as threads of one process)."""
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, exit_on_error: bool = True) -> None:
         logging.basicConfig(level=logging.INFO,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        self.rank = rank
+        self.rank, self.exit_on_error = rank, exit_on_error
         self.comm: Optional[RankComm] = None
         self.runner: Optional[ModelRunner] = None
+        self._plans = PlanDecoder()
+        self._prepared: dict[int, LoraWeights] = {}  # prepared id -> this rank's adapter weights
+        self._prepared_lock = threading.Lock()
+        # The methods rank 0 may call (wire.METHODS), and nothing else.
+        self._calls: dict[str, Callable[..., None]] = {"step": self._step, "barrier": self._barrier,
+                                                       "stop": self._stop}
+        self._serving = False
 
-    def load(self, spec: RankSpec) -> RankInfo:
-        """Read this rank's weight slices and allocate its KV cache."""
+    @property
+    def _runner(self) -> ModelRunner:
+        assert self.runner is not None, "load() comes first"
+        return self.runner
+
+    @property
+    def _comm(self) -> RankComm:
+        assert self.comm is not None, "connect() comes first"
+        return self.comm
+
+    def load(self, spec: RankSpec):
+        """Read this rank's weight slices and allocate its KV cache; returns its
+        :class:`~kvfleet.worker.executor.base.RankInfo`."""
         if spec.device == "cuda":  # Ray gave this actor one GPU: it is cuda:0 here
             torch.cuda.set_device(0)
             spec = replace(spec, device="cuda:0")
-        self.runner = build_rank_runner(spec, self.rank, lambda t: self.comm.all_reduce(t))
+        self.runner = build_rank_runner(spec, self.rank, lambda t: self._comm.all_reduce(t))
         return rank_info(self.runner, self.rank)
 
     def connect(self, addr: GroupAddress) -> bool:
         """Join the group (blocks until every rank has)."""
-        self.comm = RankComm(addr, self.rank, device=self.runner.device)
+        self.comm = RankComm(addr, self.rank, device=self._runner.device)
         return True
 
     def serve(self) -> str:
-        """Run rank 0's plans until STOP; returns why it ended. A failed forward or
-        collective raises, which rank 0's watchdog sees as this call's error; the process
-        then exits a second later (a rank cut off from its group, e.g. by a hung rank 0, has
-        nothing left to do and must not linger)."""
+        """Run rank 0's calls until it calls ``stop``; returns ``"stopped"``. A failed forward,
+        collective or a malformed message raises, which rank 0's watchdog sees as this call's
+        error; the process then exits a second later (a rank cut off from its group, e.g. by a
+        hung rank 0, has nothing left to do and must not linger)."""
+        self._serving = True
         try:
-            while True:
-                kind, payload = self.comm.recv()
-                if kind == STEP:
-                    self.runner.execute(payload, validated=True)
-                elif kind == PING:
-                    self.comm.barrier()
-                elif kind == LOAD_ADAPTER:  # rank 0 read the same files first: they load
-                    self.runner.load_adapter(*payload)
-                elif kind == UNLOAD_ADAPTER:
-                    self.runner.unload_adapter(payload)
-                elif kind == STOP:
-                    return "stopped"
+            while self._serving:
+                method, args = decode_call(self._comm.recv())
+                self._calls[method](*args)
+            return "stopped"
         except Exception:
-            log.exception("rank %d left its group; exiting", self.rank)
-            threading.Timer(1.0, os._exit, (1,)).start()  # after Ray has the error
+            log.exception("rank %d left its group", self.rank)
+            if self.exit_on_error:
+                threading.Timer(1.0, os._exit, (1,)).start()  # after Ray has the error
             raise
+
+    def _step(self, msg: np.ndarray) -> None:
+        plan, commits = self._plans.decode(msg)
+        self._commit(commits)
+        self._runner.execute(plan, validated=True)  # rank 0 validated it before sending
+
+    def _barrier(self) -> None:
+        self._comm.barrier()
+
+    def _stop(self) -> None:
+        self._serving = False
+
+    def _commit(self, commits: list[Commit]) -> None:
+        for slot, prepared in commits:
+            if prepared == 0:
+                self._runner.unload_adapter(slot)
+                continue
+            with self._prepared_lock:
+                weights = self._prepared.pop(prepared, None)
+            if weights is None:
+                raise RuntimeError(f"rank {self.rank}: adapter {prepared} committed to slot "
+                                   f"{slot} was never prepared")
+            self._runner.lora_slots.install(slot, weights)
+
+    def prepare_adapter(self, prepared: int, spec: AdapterSpec) -> int:
+        """Read this rank's share of ``spec`` and hold it under id ``prepared`` until a step
+        commits it into a slot (runs beside :meth:`serve`; steps keep running). Returns this
+        rank's pid.
+
+        Raises:
+            AdapterError, OSError: the files could not be read here.
+            FailedPrecondition: the files are no longer the registered revision (this rank
+                checks the digest of the bytes it read: :func:`.verified_tensors`).
+        """
+        r = self._runner
+        weights = read_adapter(spec, r.config, r.layout, r.dtype, r.device)
+        with self._prepared_lock:
+            self._prepared[prepared] = weights
+        return os.getpid()
+
+    def discard_adapter(self, prepared: int) -> None:
+        """Drop a prepared adapter no step will commit (another rank failed to read it)."""
+        with self._prepared_lock:
+            self._prepared.pop(prepared, None)
 
     def comm_times(self):
         """This rank's :class:`~.comm.CommTimes` so far (answers while :meth:`serve` runs)."""
-        return self.comm.times.snapshot()
+        return self._comm.times.snapshot()
 
     def ping(self) -> int:
         """Answers while :meth:`serve` runs (a hung process does not): its pid."""
         return os.getpid()
-

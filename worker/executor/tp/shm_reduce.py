@@ -100,7 +100,7 @@ class ShmAllReduce:
             try:
                 os.kill(int(self._pids[r]), 0)
             except ProcessLookupError:
-                raise RuntimeError(f"shm all-reduce: rank {r} (pid {int(self._pids[r])}) is gone")
+                raise RuntimeError(f"shm all-reduce: rank {r} (pid {int(self._pids[r])}) is gone") from None
             except PermissionError:  # exists, another user's: alive
                 pass
         if time.monotonic() > deadline:

@@ -37,20 +37,20 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
-from kvfleet.worker.runner.lora.config import (
-    CONFIG_FILE,
-    MODULES,
-    AdapterConfig,
-    AdapterError,
-    parse_adapter_config,
-)
-from kvfleet.worker.runner.model_config import ModelConfig
-from kvfleet.worker.runner.tp.layout import ShardLayout
-from kvfleet.worker.runner.tp.shard_weights import _SPLITS, _span
 from safetensors import safe_open
 from safetensors.torch import load as load_safetensors
 
 from kvfleet.errors import FailedPrecondition
+from kvfleet.worker.runner.lora.config import (
+    CONFIG_FILE,
+    AdapterConfig,
+    AdapterError,
+    TargetSpec,
+    parse_adapter_config,
+)
+from kvfleet.worker.runner.model_config import ModelConfig
+from kvfleet.worker.runner.models import PROJECTIONS
+from kvfleet.worker.runner.tp.layout import COLUMN, SPLITS, ShardLayout
 
 WEIGHTS_FILE = "adapter_model.safetensors"
 _PREFIX = "base_model.model."
@@ -142,28 +142,23 @@ def check_adapter(name: str, adapter_dir: str | Path, model: ModelConfig,
     return AdapterSpec(name, str(d), revision_of(cfg.canonical, path), cfg)
 
 
-# Fused groups: member modules in output-column order.
-_MEMBERS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
-            "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
-
-
-def read_adapter(spec: AdapterSpec, model: ModelConfig, layout: ShardLayout | None,
+def read_adapter(spec: AdapterSpec, model: ModelConfig, layout: ShardLayout,
                  dtype: torch.dtype, device: torch.device | str
                  ) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
     """This rank's fused LoRA weights: ``(layer, group)`` → ``(A [in, R], B [R, out])`` with
-    in/out this rank's sizes of the fused projection (see the module docstring); groups the
-    adapter does not target are absent.
+    in/out this rank's sizes of the fused projection (see the module docstring); groups (the
+    model's ``PROJECTIONS``) the adapter does not target are absent.
 
-    ``model`` is the whole model's config; ``layout`` None = the whole model (tp=1).
+    ``model`` is the whole model's config, ``layout`` this rank's (tp=1: the whole model).
     """
-    local = layout.local_config(model) if layout is not None else model
-    by_layer: dict[int, dict[str, object]] = {}
+    local = layout.local_config(model)
+    by_layer: dict[int, dict[str, TargetSpec]] = {}
     for t in spec.config.targets:
         by_layer.setdefault(t.layer, {})[t.module] = t
     out = {}
     with verified_tensors(spec) as f:  # the verified bytes, never a second read of the file
         for layer, targets in by_layer.items():
-            for group, members in _MEMBERS.items():
+            for group, members in PROJECTIONS.items():
                 chosen = [m for m in members if m in targets]
                 if not chosen:
                     continue
@@ -171,7 +166,7 @@ def read_adapter(spec: AdapterSpec, model: ModelConfig, layout: ShardLayout | No
                 a_parts, b_parts = [], []
                 for m in chosen:
                     t = targets[m]
-                    a, b = _read_pair(f, t.key, MODULES[m][0], layout)
+                    a, b = _read_pair(f, t.key, m, layout)
                     a_parts.append(a.t())
                     col = sum(widths[: members.index(m)])
                     block = torch.zeros(t.rank, sum(widths), dtype=torch.float32)
@@ -183,17 +178,16 @@ def read_adapter(spec: AdapterSpec, model: ModelConfig, layout: ShardLayout | No
     return out
 
 
-def _read_pair(f, key: str, sub: str, layout: ShardLayout | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _read_pair(f, key: str, module: str, layout: ShardLayout) -> tuple[torch.Tensor, torch.Tensor]:
     """``(A [r, in_local], B [out_local, r])`` of one projection for this rank."""
     a_name, b_name = _tensor_name(key, "A"), _tensor_name(key, "B")
-    split = _SPLITS.get(sub + ".weight")
-    if layout is None or layout.tp == 1 or split is None:
+    split = SPLITS.get(module)
+    if layout.tp == 1 or split is None:
         return f.get_tensor(a_name), f.get_tensor(b_name)
-    axis, which = split
-    start, stop = _span(layout, which)
-    if axis == 0:  # column-parallel: B's output rows split, A replicated
-        return f.get_tensor(a_name), f.get_slice(b_name)[start:stop]
-    return f.get_slice(a_name)[:, start:stop], f.get_tensor(b_name)  # row-parallel: A's input
+    span = layout.span(split.part)
+    if split.axis == COLUMN:  # B's output rows split, A replicated
+        return f.get_tensor(a_name), f.get_slice(b_name)[span.start:span.stop]
+    return f.get_slice(a_name)[:, span.start:span.stop], f.get_tensor(b_name)  # row: A's input
 
 
 class _Tensors:

@@ -28,7 +28,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 CONFIG_FILE = "adapter_config.json"
 
@@ -112,27 +112,23 @@ def _targeted(targets: str | list[str], key: str, layer: int, layers: list[int] 
     return any(key.endswith("." + t) for t in targets) and (layers is None or layer in layers)
 
 
-def parse_adapter_config(adapter_dir: str | Path, num_layers: int) -> AdapterConfig:
-    """Read and resolve ``adapter_dir/adapter_config.json`` for a model of ``num_layers``
-    Llama-family layers.
-
-    Raises:
-        AdapterError: the file is missing or malformed, a field is refused (see the module
-            docstring), a target module names a module the model lacks, or it targets nothing.
-    """
-    path = Path(adapter_dir) / CONFIG_FILE
+def _read_json(path: Path) -> dict[str, Any]:
     try:
         raw = json.loads(path.read_text())
     except FileNotFoundError:
-        raise AdapterError(f"{path}: not found (a PEFT adapter directory holds {CONFIG_FILE})")
+        raise AdapterError(f"{path}: not found (a PEFT adapter directory holds {CONFIG_FILE})") from None
     except json.JSONDecodeError as exc:
         raise AdapterError(f"{path}: not valid JSON ({exc})") from exc
     if not isinstance(raw, dict):
         raise AdapterError(f"{path}: must hold a JSON object")
+    return raw
 
-    def bad(field: str, why: str) -> AdapterError:
-        return AdapterError(f"{path}: field {field!r} {why}")
 
+Bad = Callable[[str, str], AdapterError]  # (field, why) → the error naming the file
+
+
+def _check_fields(raw: dict[str, Any], bad: Bad) -> None:
+    """Refuse another PEFT type, a refused field that is set, or an unknown non-empty one."""
     if raw.get("peft_type", "LORA") != "LORA":
         raise bad("peft_type", f"is {raw['peft_type']!r}; only LORA adapters are served")
     for field, unused in _REFUSED.items():
@@ -143,13 +139,10 @@ def parse_adapter_config(adapter_dir: str | Path, num_layers: int) -> AdapterCon
         if field not in _HANDLED and field not in _IGNORED and field not in _REFUSED \
                 and value not in (None, [], {}, False, ""):
             raise bad(field, f"= {value!r} is unknown to kvfleet; refusing rather than ignoring it")
-    r, alpha = raw.get("r", 8), raw.get("lora_alpha", 8)
-    if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
-        raise bad("r", f"must be a positive integer, got {r!r}")
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
-        raise bad("lora_alpha", f"must be a number, got {alpha!r}")
-    rslora = bool(raw.get("use_rslora", False))
-    ranks, alphas = raw.get("rank_pattern") or {}, raw.get("alpha_pattern") or {}
+
+
+def _target_modules(raw: dict[str, Any], num_layers: int, bad: Bad) -> str | list[str]:
+    """``target_modules`` checked: a regex, or a list of module names or keys of this model."""
     targets = raw.get("target_modules")
     if isinstance(targets, str) and targets.lower() == "all-linear":
         targets = list(MODULES)
@@ -168,6 +161,13 @@ def parse_adapter_config(adapter_dir: str | Path, num_layers: int) -> AdapterCon
                       f"(LoRA targets here: {', '.join(MODULES)})")
     else:
         raise bad("target_modules", f"must be a list of names, a regex or 'all-linear', got {targets!r}")
+    return targets
+
+
+def _layers_to_transform(raw: dict[str, Any], targets: str | list[str], num_layers: int,
+                         bad: Bad) -> list[int] | None:
+    """``layers_to_transform`` checked (None: every layer), and ``layers_pattern`` refused
+    unless it names this model's ``layers``."""
     layers = raw.get("layers_to_transform")
     if layers is not None:
         if isinstance(layers, int) and not isinstance(layers, bool):
@@ -181,7 +181,33 @@ def parse_adapter_config(adapter_dir: str | Path, num_layers: int) -> AdapterCon
     pattern = raw.get("layers_pattern")
     if pattern not in (None, "", [], "layers", ["layers"]):
         raise bad("layers_pattern", f"= {pattern!r}; this model's layers are named 'layers'")
+    return layers
 
+
+def parse_adapter_config(adapter_dir: str | Path, num_layers: int) -> AdapterConfig:
+    """Read and resolve ``adapter_dir/adapter_config.json`` for a model of ``num_layers``
+    Llama-family layers.
+
+    Raises:
+        AdapterError: the file is missing or malformed, a field is refused (see the module
+            docstring), a target module names a module the model lacks, or it targets nothing.
+    """
+    path = Path(adapter_dir) / CONFIG_FILE
+    raw = _read_json(path)
+
+    def bad(field: str, why: str) -> AdapterError:
+        return AdapterError(f"{path}: field {field!r} {why}")
+
+    _check_fields(raw, bad)
+    r, alpha = raw.get("r", 8), raw.get("lora_alpha", 8)
+    if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
+        raise bad("r", f"must be a positive integer, got {r!r}")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+        raise bad("lora_alpha", f"must be a number, got {alpha!r}")
+    rslora = bool(raw.get("use_rslora", False))
+    ranks, alphas = raw.get("rank_pattern") or {}, raw.get("alpha_pattern") or {}
+    targets = _target_modules(raw, num_layers, bad)
+    layers = _layers_to_transform(raw, targets, num_layers, bad)
     specs = []
     for i in range(num_layers):
         for module, (sub, _, _) in MODULES.items():

@@ -7,16 +7,16 @@ Adding a family is one module with ``build_model(config, weights, dtype, device)
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
-
 from kvfleet.worker.runner.model_config import ModelConfig, UnsupportedModel
 
 if TYPE_CHECKING:
     from kvfleet.worker.runner.attention import AttentionMetadata
     from kvfleet.worker.runner.kv_cache import KVCache
+    from kvfleet.worker.runner.models.linear import Projection
 
 # Mistral and Qwen2 differ from Llama only in what ModelConfig carries (window, QKV bias).
 REGISTRY: dict[str, str] = {
@@ -26,8 +26,20 @@ REGISTRY: dict[str, str] = {
 }
 
 
+# The projections every family's decoder layer holds, by attribute name → the checkpoint's
+# modules fused into it, in output-column order. Each is a ``Projection`` ``(T, in) → (T, out)``
+# that the runner may replace by a wrapper of it (tensor parallelism, LoRA) after building.
+PROJECTIONS: dict[str, tuple[str, ...]] = {
+    "qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",),
+}
+
+
 class CausalLM(Protocol):
-    """What the model runner calls; the model knows nothing of paging beyond ``meta``."""
+    """What the model runner calls; the model knows nothing of paging beyond ``meta``, nor of
+    ranks or adapters (those wrap its projections, see :data:`PROJECTIONS`)."""
+
+    layers: Sequence[Any]  # decoder layers, each holding the PROJECTIONS as attributes
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
@@ -35,11 +47,16 @@ class CausalLM(Protocol):
         ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Hidden states ``(N, hidden_size)`` → logits ``(N, vocab_size)`` (final norm included)."""
+        """Hidden states ``(N, hidden_size)`` → logits ``(N, vocab_size)`` (final norm included);
+        ``(0, vocab_size)`` from a model built without an LM head."""
         ...
 
-    def set_reduce(self, reduce) -> None:
-        """Tensor parallelism: the in-place sum over ranks after each row-parallel projection."""
+    def projections(self) -> Iterator[Projection]:
+        """Every projection: each layer's, then the LM head."""
+        ...
+
+    def parameters(self) -> Iterator[torch.nn.Parameter]:
+        """The tensors held outside projections (embedding, norms)."""
         ...
 
     def weight_bytes_per_decode(self) -> int:
@@ -53,7 +70,7 @@ def build_model(config: ModelConfig, weights: Mapping[str, torch.Tensor],
     """Instantiate the family that implements ``config.architecture`` from HF-named weights
     (``one_row_copy``: keep a second copy of each weight for batch-1 decode steps, see
     :class:`~kvfleet.worker.runner.models.linear.Linear`; ``lm_head=False``: no LM head, for a
-    tensor-parallel rank that never computes logits).
+    model that only computes hidden states).
 
     Raises:
         UnsupportedModel: no registered family for the architecture.

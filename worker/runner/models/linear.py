@@ -2,26 +2,22 @@
 
 Through MKL, every ``mm`` call re-packs the whole weight into its blocked layout before
 multiplying; for the few rows of a decode step that re-packing costs as much as the product
-itself. oneDNN can take a weight packed once at load time. Measured on this project's 2-core
-CI machine (fp32, 2 threads, SmolLM2-135M's 30 layers of weights, cache-cold):
+itself. oneDNN can take a weight packed once at load time, which makes decode-sized products
+markedly faster and prefill chunks somewhat faster. So on CPU in fp32
+every projection runs on a packed weight (packed for a batch of ``PACK_BATCH_HINT`` rows, the
+best single choice over 1-512 rows); elsewhere, or where this torch build lacks the op, a plain
+``[in, out]`` matmul. The packed tensor is opaque: only :class:`Linear` may read it.
 
-=================  =========  =========  =========
-rows per matmul         1          4         16
-=================  =========  =========  =========
-``x @ W`` (MKL)     26.8 ms    51.8 ms    70.3 ms
-packed (oneDNN)     18.8 ms    15.1 ms    26.2 ms
-=================  =========  =========  =========
-
-and 15-20 % less for 512-row prefill chunks. So on CPU in fp32 every projection runs on a
-packed weight (packed for a batch of ``PACK_BATCH_HINT`` rows, the best single choice over
-1-512 rows here); elsewhere, or where this torch build lacks the op, a plain ``[in, out]``
-matmul. The packed tensor is opaque: only :func:`linear` may read it.
+:class:`Projection` is what a model calls; the tensor-parallel and LoRA layers
+(:mod:`kvfleet.worker.runner.tp.linear`, :mod:`kvfleet.worker.runner.lora.layer`) wrap a
+:class:`Linear` and are projections too.
 """
 
 from __future__ import annotations
 
-import torch
+from typing import Protocol
 
+import torch
 from kvfleet.worker.runner import cpu_kernels
 
 PACK_BATCH_HINT = 16
@@ -43,6 +39,22 @@ def pack_weight(weight_in_out: torch.Tensor) -> torch.Tensor | None:
     if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())):
         return None
     return packed
+
+
+class Projection(Protocol):
+    """``x`` ``(T, in)`` → ``(T, out)``, and the bytes of weight behind it."""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of weight (+ bias) one call reads."""
+        ...
+
+    @property
+    def held_nbytes(self) -> int:
+        """Bytes of weight held, every copy counted."""
+        ...
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
 class Linear:
@@ -76,9 +88,28 @@ class Linear:
         n = self.in_features * self.out_features * self.weight.element_size()
         return n + (self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)
 
+    @property
+    def held_nbytes(self) -> int:
+        """Bytes held: :attr:`nbytes` plus the one-row copy, if any."""
+        return self.nbytes + (self.rows.nbytes if self.rows is not None else 0)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.rows is not None and x.shape[0] == 1:
             return cpu_kernels.gemv(x, self.rows, self.bias, self._lib)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return torch.mm(x, self.weight) if self.bias is None else torch.addmm(self.bias, x, self.weight)
+
+
+class NoLinear:
+    """Stands in for a projection a model was built without (the LM head of a tensor-parallel
+    rank that computes no logits): holds no weight; ``x`` ``(T, in)`` → ``(0, out_features)``."""
+
+    __slots__ = ("out_features",)
+    nbytes = held_nbytes = 0
+
+    def __init__(self, out_features: int) -> None:
+        self.out_features = out_features
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x.new_empty(0, self.out_features)

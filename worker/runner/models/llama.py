@@ -2,10 +2,12 @@
 
 Differences between the families live in :class:`ModelConfig` (sliding window per layer,
 QKV/O bias, RoPE scaling), not in branches here. At load time Q/K/V and gate/up are fused
-into one matrix each, so a layer runs four matmuls, each a :class:`Linear` whose weight is
-packed once at load for the CPU's GEMM library (see :mod:`.linear`; a tied LM head gets its
-own packed copy, the embedding table stays for lookups). The forward calls torch ops directly
-(no per-op module dispatch). Numerics follow transformers' reference (RoPE tables in fp32 then
+into one matrix each, so a layer runs four projections (:data:`~.PROJECTIONS`), each a
+:class:`Linear` whose weight is packed once at load for the CPU's GEMM library (see
+:mod:`.linear`; a tied LM head gets its own packed copy, the embedding table stays for lookups).
+Tensor parallelism and LoRA wrap those projections after the model is built; the model itself
+is the plain single-device model. The forward calls torch ops directly (no per-op module
+dispatch). Numerics follow transformers' reference (RoPE tables in fp32 then
 cast, RMSNorm in fp32) so fp32 logits match it to ~1e-5.
 """
 
@@ -13,16 +15,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from typing import cast
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from kvfleet.worker.runner.attention import AttentionMetadata, paged_attention
 from kvfleet.worker.runner.kv_cache import KVCache
-from kvfleet.worker.runner.lora.slots import LoraBatch
 from kvfleet.worker.runner.model_config import ModelConfig, RopeScaling
-from kvfleet.worker.runner.models.linear import Linear
+from kvfleet.worker.runner.models import PROJECTIONS
+from kvfleet.worker.runner.models.linear import Linear, NoLinear, Projection
+from torch import nn
 
 
 def _llama3_scaling(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
@@ -79,13 +81,17 @@ class LlamaDecoderLayer(nn.Module):
     """One block. Loaded as ``[in, out]`` parameters (``qkv_weight`` columns q | k | v,
     ``gate_up_weight`` columns gate | up), then :meth:`pack` turns them into projections."""
 
+    qkv: Projection
+    o: Projection
+    gate_up: Projection
+    down: Projection
+
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         h, q, kv, ffn = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
         self.eps = config.rms_norm_eps
-        self.layer_idx = layer_idx
         self.window = config.sliding_windows[layer_idx]
         self.input_norm = _weight(h)
         self.qkv_weight = _weight(h, q + 2 * kv)
@@ -95,103 +101,91 @@ class LlamaDecoderLayer(nn.Module):
         self.post_norm = _weight(h)
         self.gate_up_weight = _weight(h, 2 * ffn)
         self.down_weight = _weight(ffn, h)
-        # Tensor parallelism: sums the row-parallel partial outputs over the ranks (in place).
-        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.gate_up_bias = self.down_bias = None  # the MLP has none
 
     def pack(self, one_row_copy: bool = False) -> None:
         """Replace the loaded matrices by :class:`Linear` projections (``one_row_copy``: see
         :class:`Linear`)."""
-        self.qkv = Linear(self.qkv_weight, self.qkv_bias, one_row_copy)
-        self.o_proj = Linear(self.o_weight, self.o_bias, one_row_copy)
-        self.gate_up = Linear(self.gate_up_weight, None, one_row_copy)
-        self.down = Linear(self.down_weight, None, one_row_copy)
-        for name in ("qkv_weight", "qkv_bias", "o_weight", "o_bias", "gate_up_weight", "down_weight"):
-            delattr(self, name)
+        for name in PROJECTIONS:
+            weight, bias = f"{name}_weight", f"{name}_bias"
+            setattr(self, name, Linear(getattr(self, weight), getattr(self, bias), one_row_copy))
+            delattr(self, weight)
+            delattr(self, bias)
 
-    def weight_bytes(self) -> int:
-        """Bytes of weights one forward reads (projections and norms)."""
-        norms = sum(p.numel() * p.element_size() for p in (self.input_norm, self.post_norm))
-        return norms + sum(p.nbytes for p in (self.qkv, self.o_proj, self.gate_up, self.down))
+    def projections(self) -> list[Projection]:
+        """The layer's projections, in :data:`~.PROJECTIONS` order."""
+        return [getattr(self, name) for name in PROJECTIONS]
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                lora: LoraBatch | None = None) -> torch.Tensor:
-        """``hidden`` ``(T, hidden_size)`` → ``(T, hidden_size)``; writes this layer's K/V.
-        ``lora``: the step's adapter rows, whose low-rank updates join each projection's
-        output (before the all-reduce of a row-parallel one)."""
+                meta: AttentionMetadata, key_cache: torch.Tensor, value_cache: torch.Tensor
+                ) -> torch.Tensor:
+        """``hidden`` ``(T, hidden_size)`` → ``(T, hidden_size)``; writes this layer's K/V."""
         t = hidden.shape[0]
         x = rms_norm(hidden, self.input_norm, self.eps)
         qkv = self.qkv(x)
-        if lora is not None:
-            lora.apply(self.layer_idx, "qkv", x, qkv)
         heads = self.num_heads + self.num_kv_heads
         # RoPE on Q and K together: one kernel for both.
         qk = apply_rope(qkv[:, : heads * self.head_dim].view(t, heads, self.head_dim), cos, sin)
         v = qkv[:, heads * self.head_dim :].view(t, self.num_kv_heads, self.head_dim)
         attn = paged_attention(qk[:, : self.num_heads], qk[:, self.num_heads :], v,
                                key_cache, value_cache, meta, self.window)
-        out = self.o_proj(attn)
-        if lora is not None:
-            lora.apply(self.layer_idx, "o", attn, out)
-        hidden = hidden + (out if self.reduce is None else self.reduce(out))
+        hidden = hidden + self.o(attn)
         x = rms_norm(hidden, self.post_norm, self.eps)
-        gate_up = self.gate_up(x)
-        if lora is not None:
-            lora.apply(self.layer_idx, "gate_up", x, gate_up)
-        gate, up = gate_up.chunk(2, dim=-1)
-        act = F.silu(gate).mul_(up)
-        mlp = self.down(act)
-        if lora is not None:
-            lora.apply(self.layer_idx, "down", act, mlp)
-        return hidden + (mlp if self.reduce is None else self.reduce(mlp))
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return hidden + self.down(F.silu(gate).mul_(up))
 
 
 class LlamaForCausalLM(nn.Module):
-    """The decoder stack plus LM head; see :class:`kvfleet.worker.runner.models.CausalLM`."""
+    """The decoder stack plus LM head; see :class:`kvfleet.worker.runner.models.CausalLM`.
 
-    def __init__(self, config: ModelConfig) -> None:
+    ``lm_head=False``: no head (:meth:`compute_logits` then returns no rows)."""
+
+    lm_head: Projection
+
+    def __init__(self, config: ModelConfig, lm_head: bool = True) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = _weight(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = _weight(config.hidden_size)
-        self.lm_head_weight = _weight(config.hidden_size, config.vocab_size)  # [in, out]; see pack
+        # [in, out]; see pack
+        self.lm_head_weight = _weight(config.hidden_size, config.vocab_size) if lm_head else None
         self.rope_cos = self.rope_sin = torch.empty(0)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata, kv_cache: KVCache, lora: LoraBatch | None = None
-                ) -> torch.Tensor:
+                meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
         """``input_ids``/``positions`` ``(T,)`` → hidden states ``(T, hidden_size)`` (pre final
-        norm); ``lora``: the step's adapters by token row (None: base model only)."""
+        norm)."""
         hidden = F.embedding(input_ids, self.embed_tokens)
         cos = self.rope_cos[positions].unsqueeze(1)  # (T, 1, head_dim)
         sin = self.rope_sin[positions].unsqueeze(1)
         for i, layer in enumerate(self.layers):
             key_cache, value_cache = kv_cache.layer(i)
-            hidden = layer.forward(hidden, cos, sin, meta, key_cache, value_cache, lora)
+            hidden = layer.forward(hidden, cos, sin, meta, key_cache, value_cache)
         return hidden
 
     def pack(self, one_row_copy: bool = False) -> None:
         """Turn every loaded matrix into a :class:`Linear` (packed where the platform allows;
         ``one_row_copy``: also a copy for batch-1 decode, see :class:`Linear`)."""
-        for layer in self.layers:
+        for layer in self._decoder_layers():
             layer.pack(one_row_copy)
-        if hasattr(self, "lm_head_weight"):  # absent on TP ranks that never compute logits
-            self.lm_head = Linear(self.lm_head_weight, None, one_row_copy)
-            del self.lm_head_weight
+        head = self.lm_head_weight
+        self.lm_head = (Linear(head, None, one_row_copy) if head is not None
+                        else NoLinear(self.config.vocab_size))
+        del self.lm_head_weight
+
+    def projections(self) -> list[Projection]:
+        """Every projection: each layer's (see :data:`~.PROJECTIONS`), then the LM head."""
+        return [p for layer in self._decoder_layers() for p in layer.projections()] + [self.lm_head]
+
+    def _decoder_layers(self) -> list[LlamaDecoderLayer]:
+        return cast("list[LlamaDecoderLayer]", list(self.layers))
 
     def weight_bytes_per_decode(self) -> int:
         """Bytes of weights one decode step reads: everything but the embedding table, of
         which it reads one row per token (a tied LM head counts through its own copy)."""
-        norm = self.norm.numel() * self.norm.element_size()
-        head = self.lm_head.nbytes if hasattr(self, "lm_head") else 0
-        return norm + head + sum(layer.weight_bytes() for layer in self.layers)
-
-    def set_reduce(self, reduce: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
-        """Tensor parallelism: ``reduce`` sums each row-parallel output (O, down) over the
-        ranks, in place, once per layer each; None at tp=1."""
-        for layer in self.layers:
-            layer.reduce = reduce
+        norms = sum(p.nbytes for name, p in self.named_parameters() if name != "embed_tokens")
+        return norms + sum(p.nbytes for p in self.projections())
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``(N, hidden_size)`` → ``(N, vocab_size)`` in the model dtype."""
@@ -205,7 +199,7 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 def fuse_hf_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor],
                     lm_head: bool = True) -> dict[str, torch.Tensor]:
     """HF tensor names → this module's state dict: q|k|v and gate|up fused, matrices ``[in, out]``
-    (``lm_head=False``: no LM head, for a tensor-parallel rank that never computes logits).
+    (``lm_head=False``: no LM head).
 
     Raises:
         KeyError: a tensor the config requires is missing.
@@ -254,9 +248,7 @@ def build_model(config: ModelConfig, weights: Mapping[str, torch.Tensor],
     """Build on the meta device (no throwaway init), then take the fused checkpoint tensors
     (``one_row_copy``: see :class:`Linear`; ``lm_head``: see :func:`fuse_hf_weights`)."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    if not lm_head:
-        del model.lm_head_weight
+        model = LlamaForCausalLM(config, lm_head)
     state = {k: v.to(device=device, dtype=dtype)
              for k, v in fuse_hf_weights(config, weights, lm_head).items()}
     model.load_state_dict(state, strict=True, assign=True)

@@ -1,20 +1,51 @@
-"""Which query heads, KV heads and MLP columns one tensor-parallel rank holds (DESIGN §3, §7).
+"""Which query heads, KV heads and MLP columns one tensor-parallel rank holds (docs/design.md §3).
 
 Query heads split evenly: rank ``r`` holds heads ``r * H/T .. (r + 1) * H/T - 1``. KV heads
 split evenly when ``num_kv_heads % T == 0``; when ``T % num_kv_heads == 0`` every rank holds one
 KV head, each replicated ``T / num_kv_heads`` times (rank ``r`` holds head ``r // (T / KV)``,
-the one its query heads read). The MLP's intermediate columns split evenly. The embedding,
-norms and LM head are replicated (see :mod:`.shard_weights` for why).
+the one its query heads read). The MLP's intermediate columns split evenly. The embedding and
+norms are replicated; the LM head is held by rank 0 alone (see :mod:`.shard_weights` for why).
+
+:data:`SPLITS` is the rule for each projection, read alike by the checkpoint loader
+(:mod:`.shard_weights`), the LoRA loader (:mod:`kvfleet.worker.runner.lora.adapter`) and
+:func:`kvfleet.worker.runner.tp.linear.parallelize`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Literal, NamedTuple
 
-from kvfleet.allocator.kv_bytes import (ShardingError, head_split_refusal, kv_heads_per_rank,
-                                        valid_tp_sizes)
+from kvfleet.allocator.kv_bytes import (
+    ShardingError,
+    head_split_refusal,
+    kv_heads_per_rank,
+    valid_tp_sizes,
+)
 from kvfleet.worker.runner.model_config import ModelConfig
+
+COLUMN, ROW = 0, 1  # the HF ``[out, in]`` weight dimension a projection splits along
+
+Part = Literal["q", "kv", "ffn"]
+
+
+class Split(NamedTuple):
+    """How one projection splits: along ``axis`` (:data:`COLUMN`: its outputs, every rank
+    computing its own columns; :data:`ROW`: its inputs, every rank a partial sum), in the
+    units of ``part`` (query heads, KV heads or MLP columns)."""
+
+    axis: int
+    part: Part
+
+
+# Projection (HF module name inside a decoder layer) → its split; anything absent is replicated.
+SPLITS: dict[str, Split] = {
+    "q_proj": Split(COLUMN, "q"), "k_proj": Split(COLUMN, "kv"), "v_proj": Split(COLUMN, "kv"),
+    "o_proj": Split(ROW, "q"),
+    "gate_proj": Split(COLUMN, "ffn"), "up_proj": Split(COLUMN, "ffn"),
+    "down_proj": Split(ROW, "ffn"),
+}
 
 
 @dataclass(frozen=True)
@@ -60,6 +91,24 @@ class ShardLayout:
         """This rank's slice of the MLP's intermediate dimension."""
         n = self.intermediate_size // self.tp
         return range(self.rank * n, (self.rank + 1) * n)
+
+    @property
+    def holds_lm_head(self) -> bool:
+        """Whether this rank holds the LM head and computes logits (rank 0 alone)."""
+        return self.rank == 0
+
+    def span(self, part: Part) -> range:
+        """This rank's ``[start, stop)``, in elements, of a split dimension of size
+        :meth:`full_size` (head ranges times ``head_dim`` for ``q``/``kv``)."""
+        if part == "ffn":
+            return self.ffn_columns
+        heads = self.q_heads if part == "q" else self.kv_heads
+        return range(heads.start * self.head_dim, heads.stop * self.head_dim)
+
+    def full_size(self, part: Part) -> int:
+        """The whole model's size, in elements, of a dimension split by ``part``."""
+        return {"q": self.num_heads * self.head_dim, "kv": self.num_kv_heads * self.head_dim,
+                "ffn": self.intermediate_size}[part]
 
     def local_config(self, config: ModelConfig) -> ModelConfig:
         """``config`` with this rank's head counts and MLP width: the model code, unchanged,

@@ -1,4 +1,4 @@
-"""Admission capacity: how many requests a replica's KV memory holds, per tensor-parallel rank.
+"""The KV budget: how many requests a replica's KV memory holds, per tensor-parallel rank.
 
 Reference lesson, "From payload bytes to admission capacity": the memory left for KV is the
 usable memory of a device minus its share of the weights, minus a *measured* non-KV reserve
@@ -16,19 +16,20 @@ from fractions import Fraction
 from typing import Iterable
 
 from kvfleet.allocator.kv_bytes import (
-    SCALE_BYTES, scales_per_token, bytes_per_token, dtype_bytes, rank_spec, recurrent_state_bytes,
+    SCALE_BYTES,
+    bytes_per_token,
+    dtype_bytes,
+    rank_spec,
+    recurrent_state_bytes,
     scale_bytes_per_token,
+    scales_per_token,
 )
 from kvfleet.allocator.model_spec import ModelKVSpec
+from kvfleet.allocator.units import cdiv
 
 
 class CapacityError(ValueError):
-    """An admission input out of range; the message names the flag."""
-
-
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    """ceil(num_tokens / block_size)."""
-    return -(-num_tokens // block_size)
+    """A budget input out of range; the message names the flag."""
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ def reserve_slots(lengths: Iterable[int], block_size: int) -> Reservation:
     lengths = list(lengths)
     if any(n < 0 for n in lengths):
         raise CapacityError(f"--context: token counts must be >= 0, got {lengths}")
-    reserved = sum(block_size * blocks_for(n, block_size) for n in lengths)
+    reserved = sum(block_size * cdiv(n, block_size) for n in lengths)
     return Reservation(reserved_tokens=reserved, live_tokens=sum(lengths))
 
 
@@ -73,7 +74,7 @@ def reserved_request_bytes(spec: ModelKVSpec, num_tokens: int, kv_dtype: str,
     scaled = scale_bytes_per_token(spec, kv_dtype) > 0
     total = 0
     for layer in spec.layers:
-        slots = block_size * blocks_for(layer.retained_tokens(num_tokens), block_size)
+        slots = block_size * cdiv(layer.retained_tokens(num_tokens), block_size)
         per_token = layer.elements_per_token * s
         if scaled:
             per_token += scales_per_token(layer) * SCALE_BYTES
@@ -136,7 +137,7 @@ def plan_capacity(spec: ModelKVSpec, *, memory_bytes: int, tokens_per_request: i
             raise CapacityError("--params: needed with --memory (the weights share the memory)")
         weights_bytes = weight_bytes(num_params, weight_dtype)
     rank = rank_spec(spec, tp)
-    per_rank_weights = -(-weights_bytes // tp)
+    per_rank_weights = cdiv(weights_bytes, tp)
     margin_bytes = _margin_bytes(memory_bytes, margin)
     left = memory_bytes - per_rank_weights - reserve_bytes - margin_bytes
     available = max(0, left)

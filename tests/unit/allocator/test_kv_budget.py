@@ -1,8 +1,8 @@
-"""admission: reservations, tail waste and the capacity of one rank (reference lesson numbers)."""
+"""kv_budget: reservations, tail waste and the capacity of one rank (reference lesson numbers)."""
 
 import pytest
 
-from kvfleet.allocator.admission import (
+from kvfleet.allocator.kv_budget import (
     CapacityError, plan_capacity, reserve_slots, reserved_request_bytes, weight_bytes,
 )
 from kvfleet.allocator.kv_bytes import ShardingError, rank_spec, request_kv_bytes

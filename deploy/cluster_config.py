@@ -1,0 +1,180 @@
+"""What a kvfleet cluster runs, declared once: :class:`ClusterConfig` composes the replica's
+and the router's own configs, and the two functions both ``kvfleet up`` and the Kubernetes
+manifests use turn it into what those processes are given — :func:`serve_application` (the
+replicas' Serve application) and :func:`router_args` (the router's command line).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Optional, Sequence
+
+from kvfleet.allocator.units import cdiv
+from kvfleet.deploy.ray_local import RAY_ENV
+from kvfleet.deploy.serve_app import Placement, app_config
+from kvfleet.router.main import RouterConfig, parse_args
+from kvfleet.worker.replica.replica import ReplicaConfig
+
+from kvfleet.stream_limits import StreamLimits
+
+# What the router shares with the replicas, as (RouterConfig field, ReplicaConfig field): set
+# on the replica only; the router's copy is filled from it (ClusterConfig.router_config).
+SHARED = (("model_name", "model_name"), ("model_dir", "model_dir"),
+          ("block_size", "block_size"), ("kv_dtype", "dtype"), ("namespace", "namespace"),
+          ("redis_url", "redis_url"), ("internal_tls_dir", "internal_tls_dir"),
+          ("telemetry", "telemetry"))
+_ROUTER_DEFAULTS = RouterConfig()
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """What ``kvfleet up`` starts: ``replicas`` copies of ``replica`` behind one ``router``.
+
+    Each setting is declared once, by the process that reads it:
+
+    - ``replica``: every worker replica's settings. Its ``replica_id`` is the stem of the
+      replicas' ids; per deployment, :func:`serve_application` sets the Redis URL, torch
+      threads and Prometheus port. ``replica.redis_url`` None: a private Redis is started.
+      ``replica.telemetry`` (OTLP export) is the router's too; leave its ``metrics_port``
+      unset and use ``metrics_port`` here.
+    - ``router``: the router's own settings; those in :data:`SHARED` (model, block size, KV
+      dtype, namespace, Redis, internal TLS, telemetry) are the replica's — leave them unset.
+    - the rest: how many, where (Ray), and the Serve deployment's lifecycle knobs.
+      ``metrics_port``: Prometheus on the router at this port, on each replica at a free one
+      (0: free ports everywhere; None: off). ``replica_num_cpus``: Ray CPUs per Serve
+      replica (default: half the free CPUs shared out, at most 1; 0 lets a second cluster
+      share a Ray whose CPUs another holds). ``replicas_per_host``: cost-model replicas one
+      Serve replica hosts. ``revision`` labels a rollout.
+
+    Raises:
+        ValueError: ``replicas`` < 1, a shared router field set unlike the replica's, or
+            ``replica.telemetry.metrics_port`` set (the message names the field).
+    """
+
+    replica: ReplicaConfig
+    router: RouterConfig = field(default_factory=RouterConfig)
+    replicas: int = 2
+    ray_address: Optional[str] = None
+    ray_num_cpus: Optional[int] = None
+    replica_num_cpus: Optional[float] = None
+    replicas_per_host: int = 64
+    metrics_port: Optional[int] = None
+    revision: str = ""
+    health_check_period_s: float = 1.0
+    health_check_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+        for mine, theirs in SHARED:
+            value, want = getattr(self.router, mine), getattr(self.replica, theirs)
+            if value != getattr(_ROUTER_DEFAULTS, mine) and value != want:
+                raise ValueError(f"router.{mine} ({value!r}) differs from replica.{theirs} "
+                                 f"({want!r}): the router takes the replica's; set it there")
+        if self.replica.telemetry.metrics_port is not None:
+            raise ValueError("replica.telemetry.metrics_port is set per replica: use "
+                             "ClusterConfig.metrics_port (the router on it, replicas on free ports)")
+
+    def router_config(self, redis_url: str, http_port: Optional[int] = None,
+                      metrics_port: Optional[int] = None) -> RouterConfig:
+        """The router's whole config: ``router`` with the :data:`SHARED` fields taken from
+        ``replica``. ``redis_url``: the cluster's Redis (maybe started after this config was
+        made); ``http_port`` / ``metrics_port``: ports the launcher resolved (None: the
+        declared ``router.http_port``, and ``metrics_port`` of this config)."""
+        shared = {mine: getattr(self.replica, theirs) for mine, theirs in SHARED}
+        metrics = self.metrics_port if metrics_port is None else metrics_port
+        shared.update(redis_url=redis_url,
+                      telemetry=replace(self.replica.telemetry, metrics_port=metrics),
+                      http_port=self.router.http_port if http_port is None else http_port)
+        return replace(self.router, **shared)
+
+
+def replicas_per_process(cfg: ClusterConfig) -> int:
+    """kvfleet replicas one Serve replica hosts: many cost-model ones, else 1."""
+    return max(1, cfg.replicas_per_host) if cfg.replica.executor == "cost-model" else 1
+
+
+def serve_hosts(cfg: ClusterConfig) -> int:
+    """Serve replicas (processes) that host ``cfg.replicas`` kvfleet replicas."""
+    return cdiv(cfg.replicas, replicas_per_process(cfg))
+
+
+def serve_application(cfg: ClusterConfig, redis_url: str, num_cpus: float, threads: int) -> dict:
+    """The Serve application config (``ServeApplicationSchema`` fields,
+    kvfleet.deploy.serve_app) that runs ``cfg``'s replicas: what ``kvfleet up`` applies, and
+    what the Kubernetes RayService's ``serveConfigV2`` holds (kvfleet.deploy.k8s), so the two
+    cannot drift. ``num_cpus``: Ray CPUs per Serve replica (rank 0 and, at tp > 1, a share
+    for the other ranks); ``threads``: torch threads per rank.
+
+    Raises ValueError for a config a replica refuses (see ReplicaConfig)."""
+    rep = cfg.replica
+    metrics = None if cfg.metrics_port is None else 0  # many replicas: free ports
+    base = replace(rep, redis_url=redis_url, num_threads=threads,
+                   telemetry=replace(rep.telemetry, metrics_port=metrics))
+    placement = Placement(num_cpus, rep.tensor_parallel_size, rep.device.startswith("cuda"),
+                          rep.tp.rank_num_cpus)
+    env = {**RAY_ENV, "OMP_WAIT_POLICY": "passive"}
+    return app_config(base, cfg.replicas, placement, replicas_per_process(cfg), cfg.revision,
+                      env, cfg.health_check_period_s, cfg.health_check_timeout_s)
+
+
+# The router's optional flags as (flag, RouterConfig field): rendered when not the default.
+_OPTIONAL_FLAGS = (("--http-max-connections", "http_max_connections"),
+                   ("--retry-pushback-ms", "retry_pushback_ms"),
+                   ("--log-level", "log_level"), ("--shutdown-grace-s", "shutdown_grace_s"))
+_POLICY_FLAGS = ("load_penalty_blocks", "max_imbalance", "popularity_window", "min_excess_load")
+
+
+def router_args(router: RouterConfig) -> list[str]:
+    """The command line (``python -m kvfleet.router.main ARGS``) whose parse is ``router``
+    (telemetry's OTLP settings travel as ``OTEL_*`` variables): what ``kvfleet up`` runs and
+    what the Kubernetes router Deployment runs (kvfleet.deploy.k8s).
+
+    Raises:
+        ValueError: a setting the router has no flag for (``replica_ttl_s`` not the
+            default), or an unknown policy option.
+    """
+    r = router
+    if r.replica_ttl_s != _ROUTER_DEFAULTS.replica_ttl_s:
+        raise ValueError("router.replica_ttl_s has no router flag: leave it at its default")
+    args = ["--redis-url", r.redis_url, "--model-name", r.model_name, "--model-dir", r.model_dir,
+            "--block-size", str(r.block_size), "--kv-dtype", r.kv_dtype,
+            "--host", r.host, "--port", str(r.port), "--policy", r.policy,
+            "--namespace", r.namespace]
+    if r.api_keys_file:
+        args += ["--api-keys", r.api_keys_file]
+    if r.tls_cert:
+        args += ["--tls-cert", r.tls_cert, "--tls-key", r.tls_key or ""]
+    if r.internal_tls_dir:
+        args += ["--internal-tls-dir", r.internal_tls_dir]
+    if not r.index_mirror:
+        args.append("--no-index-mirror")
+    for flag, name in _OPTIONAL_FLAGS:
+        if (value := getattr(r, name)) != getattr(_ROUTER_DEFAULTS, name):
+            args += [flag, _text(value)]
+    unknown = sorted(set(r.policy_options) - set(_POLICY_FLAGS))
+    if unknown:
+        raise ValueError(f"router.policy_options: unknown option(s) {unknown}")
+    for name, value in r.policy_options.items():
+        args += ["--" + name.replace("_", "-"), _text(value)]
+    if r.stream_limits != StreamLimits():
+        args += ["--stream-max-unread", str(r.stream_limits.max_unread),
+                 "--stream-stall-s", _text(r.stream_limits.stall_s)]
+    if r.http_port is not None:
+        args += ["--http-port", str(r.http_port)]
+    if r.telemetry.metrics_port is not None:
+        args += ["--metrics-port", str(r.telemetry.metrics_port)]
+    return args
+
+
+def router_from_flags(flags: Sequence[str]) -> RouterConfig:
+    """A router config of its own settings from router flags (``("--no-index-mirror",)``,
+    policy knobs), as benchmarks take them; the :data:`SHARED` fields stay unset. Raises
+    SystemExit (argparse) for a flag the router does not take."""
+    parsed = parse_args(["--redis-url", "", "--model-name", "", "--model-dir", "", *flags])
+    return replace(parsed, **{mine: getattr(_ROUTER_DEFAULTS, mine) for mine, _ in SHARED})
+
+
+def _text(value) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+

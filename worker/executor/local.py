@@ -1,0 +1,70 @@
+"""The in-process executor: one :class:`ModelRunner` holding the whole model (tp=1)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from kvfleet.worker.engine.step_plan import StepPlan
+from kvfleet.worker.executor.base import RankInfo
+from kvfleet.worker.runner.lora.adapter import AdapterSpec
+from kvfleet.worker.runner.model_config import ModelConfig
+from kvfleet.worker.runner.model_runner import ModelRunner
+
+
+def rank_info(runner: ModelRunner, rank: int) -> RankInfo:
+    """``runner``'s rank as reported: its Ray node (empty outside Ray), device, this pid,
+    KV and weight bytes."""
+    node = ""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            node = ray.get_runtime_context().get_node_id()
+    except Exception:  # outside Ray: no node id to report
+        pass
+    return RankInfo(rank, node, str(runner.device), os.getpid(), runner.kv_cache.nbytes,
+                    runner.num_blocks, runner.weight_nbytes())
+
+
+class LocalExecutor:
+    """:class:`~kvfleet.worker.executor.base.Executor` over one in-process ``runner``."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.runner.config
+
+    @property
+    def num_blocks(self) -> int:
+        return self.runner.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self.runner.block_size
+
+    def validate(self, plan: StepPlan) -> None:
+        """See :meth:`ModelRunner.validate`."""
+        self.runner.validate(plan)
+
+    def execute(self, plan: StepPlan) -> torch.Tensor:
+        """See :meth:`ModelRunner.execute`: float32 ``(len(plan.chunks), vocab_size)``."""
+        return self.runner.execute(plan)
+
+    def load_adapter(self, slot: int, spec: AdapterSpec) -> None:
+        """See :meth:`ModelRunner.load_adapter`."""
+        self.runner.load_adapter(slot, spec)
+
+    def unload_adapter(self, slot: int) -> None:
+        self.runner.unload_adapter(slot)
+
+    def ping(self) -> None:
+        """An in-process runner is healthy while this process runs."""
+
+    def ranks(self) -> list[RankInfo]:
+        return [rank_info(self.runner, 0)]
+
+    def close(self) -> None:
+        """Nothing to release (the runner's tensors go with it)."""

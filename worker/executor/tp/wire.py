@@ -1,0 +1,157 @@
+"""What rank 0 sends ranks 1..T-1, as flat little-endian int64 arrays: a fixed schema.
+
+Nothing in a message is code or an object graph: a rank reads integers and checks every count
+against the message's length (a malformed message raises ``ValueError``), so a process that
+joins the group's store can at worst send garbage, never run anything on decode.
+
+A call (:func:`encode_call`) is ``[method, nargs, len_0 .. len_{nargs-1}, arg_0, …]`` where
+``method`` indexes :data:`METHODS` (what a rank runs for it: see
+:class:`~kvfleet.worker.executor.tp.rank_worker.RankWorker`).
+
+A step plan travels as a diff against the previous plan. :class:`PlanEncoder` (rank 0) and
+each rank's :class:`PlanDecoder` both hold the block tables of the sequences of the last plan,
+by a small integer key. A sequence new to the plan is sent with its whole table once; after
+that each chunk carries how many leading blocks of its last table it keeps (all of them while
+it decodes) and the blocks appended after those; a sequence absent from a plan is forgotten
+(freed, preempted or not scheduled: it is sent whole if it comes back). Layout::
+
+    [n_chunks, n_copies, n_commits,
+     n_chunks × (key, num_computed_tokens, adapter_slot, n_tokens, keep, n_tail,
+                 token_ids × n_tokens, tail × n_tail),
+     n_copies × (src_block, dst_block),
+     n_commits × (slot, prepared)]
+
+``n_commits`` adapter slot changes to make before the forward: ``prepared`` > 0 installs the
+adapter a rank prepared under that id (off the step path); 0 empties the slot.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Sequence
+
+import numpy as np
+from kvfleet.worker.engine.step_plan import SeqChunk, StepPlan
+
+METHODS = ("step", "barrier", "stop")  # what rank 0 may call on the other ranks, by index
+_CHUNK_HEAD = 6
+Commit = tuple[int, int]  # (slot, prepared id; 0 = empty the slot)
+
+
+def encode_call(method: str, *args: np.ndarray) -> np.ndarray:
+    """One call of ``method`` (one of :data:`METHODS`) with int64 array ``args``.
+
+    Raises:
+        ValueError: an unknown method.
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown rank method {method!r}; known: {METHODS}")
+    head = [METHODS.index(method), len(args), *(len(a) for a in args)]
+    parts = [np.asarray(head, dtype="<i8"), *(np.asarray(a, dtype="<i8") for a in args)]
+    return np.concatenate(parts)
+
+
+def decode_call(msg: np.ndarray) -> tuple[str, list[np.ndarray]]:
+    """``(method, args)`` of a message from :func:`encode_call`.
+
+    Raises:
+        ValueError: an unknown method or counts that do not match the message's length.
+    """
+    if msg.ndim != 1 or len(msg) < 2:
+        raise ValueError(f"malformed rank call: {msg.shape}")
+    method, nargs = int(msg[0]), int(msg[1])
+    if not 0 <= method < len(METHODS) or not 0 <= nargs <= len(msg) - 2:
+        raise ValueError(f"malformed rank call: method {method}, {nargs} args")
+    lens = msg[2: 2 + nargs].tolist()
+    if min(lens, default=0) < 0 or 2 + nargs + sum(lens) != len(msg):
+        raise ValueError(f"malformed rank call: argument lengths {lens} for {len(msg)} ints")
+    args, at = [], 2 + nargs
+    for n in lens:
+        args.append(msg[at: at + n])
+        at += n
+    return METHODS[method], args
+
+
+def _kept(old: tuple[int, ...], new: tuple[int, ...]) -> int:
+    """Length of the common prefix of two block tables."""
+    if len(old) <= len(new) and new[: len(old)] == old:
+        return len(old)  # the usual case: blocks only appended
+    differs = (i for i, (a, b) in enumerate(zip(old, new, strict=False)) if a != b)
+    return next(differs, min(len(old), len(new)))
+
+
+class PlanEncoder:
+    """Rank 0's side of the plan diff: encodes each plan against the one before it."""
+
+    def __init__(self) -> None:
+        self._known: dict[str, tuple[int, tuple[int, ...]]] = {}  # seq id -> (key, table sent)
+        self._keys = itertools.count(1)
+
+    def encode(self, plan: StepPlan, commits: Sequence[Commit] = ()) -> np.ndarray:
+        """``plan`` (and adapter slot ``commits``) as an int64 message; every rank must decode
+        every message this encoder produced, in order."""
+        out = [len(plan.chunks), len(plan.block_copies), len(commits)]
+        known: dict[str, tuple[int, tuple[int, ...]]] = {}
+        for c in plan.chunks:
+            key, old = self._known.get(c.seq_id) or (next(self._keys), ())
+            keep = _kept(old, c.block_table)
+            tail = c.block_table[keep:]
+            out += (key, c.num_computed_tokens, c.adapter_slot, len(c.token_ids), keep, len(tail))
+            out += c.token_ids
+            out += tail
+            known[c.seq_id] = (key, c.block_table)
+        for src, dst in plan.block_copies:
+            out += (src, dst)
+        for slot, prepared in commits:
+            out += (slot, prepared)
+        self._known = known
+        return np.asarray(out, dtype="<i8")
+
+
+class _Reader:
+    def __init__(self, values: list[int]) -> None:
+        self.values, self.at = values, 0
+
+    def take(self, n: int) -> list[int]:
+        if n < 0 or self.at + n > len(self.values):
+            raise ValueError(f"malformed step plan: {n} ints wanted at {self.at} of "
+                             f"{len(self.values)}")
+        self.at += n
+        return self.values[self.at - n: self.at]
+
+
+class PlanDecoder:
+    """A rank's side of the plan diff: rebuilds each plan from its message (sequence ids
+    become the encoder's keys, as strings)."""
+
+    def __init__(self) -> None:
+        self._tables: dict[int, tuple[int, ...]] = {}
+
+    def decode(self, msg: np.ndarray) -> tuple[StepPlan, list[Commit]]:
+        """The plan and adapter slot commits of one :meth:`PlanEncoder.encode` message.
+
+        Raises:
+            ValueError: a malformed message (counts that do not fit, a repeated sequence,
+                more kept blocks than the sequence had); this decoder's state is unchanged.
+        """
+        r = _Reader(msg.tolist())
+        n_chunks, n_copies, n_commits = r.take(3)
+        chunks, tables = [], {}
+        for _ in range(n_chunks):
+            key, computed, slot, n_tokens, keep, n_tail = r.take(_CHUNK_HEAD)
+            tokens, tail = r.take(n_tokens), r.take(n_tail)
+            old = self._tables.get(key, ())
+            if key in tables or not 0 <= keep <= len(old):
+                raise ValueError(f"malformed step plan: sequence {key} keeps {keep} of "
+                                 f"{len(old)} blocks")
+            table = (old if keep == len(old) else old[:keep]) + tuple(tail)
+            tables[key] = table
+            chunks.append(SeqChunk(str(key), tuple(tokens), computed, table, slot))
+        pairs = r.take(2 * n_copies)
+        copies = tuple(zip(pairs[::2], pairs[1::2], strict=True))
+        pairs = r.take(2 * n_commits)
+        commits = list(zip(pairs[::2], pairs[1::2], strict=True))
+        if r.at != len(r.values):
+            raise ValueError(f"malformed step plan: {len(r.values) - r.at} trailing ints")
+        self._tables = tables
+        return StepPlan(tuple(chunks), copies), commits
