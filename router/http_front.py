@@ -85,7 +85,7 @@ class _SSEResponse(StreamingResponse):
 
 
 OPEN_PATHS = frozenset({"/health"})  # a load balancer's readiness probe carries no key
-TENANT_KEY = "kvfleet.tenant"  # the ASGI scope entry the endpoints read the tenant from
+TENANT_KEY = "kvfleet_tenant"  # the ASGI scope entry the endpoints read the tenant from
 
 
 class _Authenticate:

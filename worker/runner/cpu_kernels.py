@@ -122,9 +122,18 @@ def gemv(x: torch.Tensor, weight_out_in: torch.Tensor, bias: torch.Tensor | None
     if not weight_out_in.is_contiguous() or (bias is not None and not bias.is_contiguous()):
         raise ValueError("gemv: weight and bias must be contiguous")
     y = x.new_empty(1, out_features)
-    (lib or load()).gemv_rows(x.data_ptr(), weight_out_in.data_ptr(), None if bias is None else bias.data_ptr(),
-                     y.data_ptr(), in_features, out_features, torch.get_num_threads())
+    _loaded(lib).gemv_rows(x.data_ptr(), weight_out_in.data_ptr(),
+                           None if bias is None else bias.data_ptr(),
+                           y.data_ptr(), in_features, out_features, torch.get_num_threads())
     return y
+
+
+def _loaded(lib: ctypes.CDLL | None) -> ctypes.CDLL:
+    """``lib``, else the loaded library; callers check :func:`load` succeeded first."""
+    lib = lib or load()
+    if lib is None:
+        raise RuntimeError("the C kernels are not loaded (see cpu_kernels.load)")
+    return lib
 
 
 def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -147,7 +156,7 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     if not (key_cache.is_contiguous() and value_cache.is_contiguous()
             and query.stride()[1:] == (head_dim, 1) and out.stride()[1:] == (head_dim, 1)):
         raise ValueError("decode kernel: caches must be contiguous and rows (heads, head_dim) dense")
-    status = load().paged_decode_attention(
+    status = _loaded(None).paged_decode_attention(
         query.data_ptr(), query.stride(0), out.data_ptr(), out.stride(0),
         key_cache.data_ptr(), value_cache.data_ptr(), token.data_ptr(), tables.data_ptr(),
         table_start.data_ptr(), first.data_ptr(), ctx.data_ptr(), token.numel(), num_heads,
