@@ -88,6 +88,10 @@ FLAGS: tuple[Flag, ...] = (
          dest="adapter", action="append", default=[], metavar="NAME=DIR"),
     Flag("--adapter-dir", None, "serve every adapter subdirectory of DIR, named by it (repeatable)",
          dest="adapter_dir", action="append", default=[], metavar="DIR"),
+    Flag("--adapter-root", "replica.adapter_roots",
+         "`kvfleet adapter load` may read adapters under DIR (repeatable; the --adapter and "
+         "--adapter-dir directories are allowed too; any other path is refused PERMISSION_DENIED)",
+         action="append", default=[], metavar="DIR", convert=tuple),
     Flag("--max-loras", "replica.max_loras", "LoRA adapter slots per replica, LRU (default {default})",
          type=positive_int("--max-loras")),
     Flag("--max-lora-rank", "replica.max_lora_rank", "largest adapter rank accepted (default {default})",
@@ -199,6 +203,7 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
     """Build a ClusterConfig from parsed args (of :func:`add_cluster_args`' flags), checking
     what can be checked before anything starts. Raises ModelNotPrepared / ValueError."""
     from kvfleet.worker.executor.cost_model import MEASURED, CostModel
+    from kvfleet.worker.replica.adapter_catalog import adapter_roots
 
     name, model_dir = resolve_model(args.model)
     values = _field_values(args)
@@ -211,6 +216,12 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
 
         check_tp(load_model_config(model_dir), replica_values["tensor_parallel_size"])
     adapters = _checked_adapters(args, model_dir, replica_values["max_lora_rank"])
+    for root in replica_values["adapter_roots"]:
+        if not os.path.isdir(root):
+            raise ValueError(f"--adapter-root {root}: not a directory")
+    # A runtime load may read the start-time adapter directories too, besides --adapter-root's.
+    replica_values["adapter_roots"] = adapter_roots(adapters, args.adapter_dir,
+                                                    replica_values["adapter_roots"])
     cost = CostModel.load(args.cost_model) if args.cost_model else MEASURED
     if args.cost_model_scale != 1.0:
         cost = cost.scaled(args.cost_model_scale)

@@ -45,7 +45,7 @@ def replica_rows(serve_replicas: Iterable[dict], entries: Iterable[RegistryEntry
                      "serve_state": host["state"], "tp": tp, "ranks": [], "adapters": [],
                      "running": 0, "waiting": 0, "kv_blocks_used": 0, "kv_blocks_total": 0,
                      "prefix_hit_rate_1m": 0.0, "heartbeat_age_s": None, "address": "",
-                     "pid": host.get("pid")})
+                     "pid": host.get("pid"), "identity": ""})
     return sorted(rows, key=lambda r: r["replica_id"])
 
 
@@ -70,6 +70,7 @@ def _registered_row(e: RegistryEntry, host: Optional[dict]) -> dict:
         "prefix_hit_rate_1m": info.prefix_hit_rate,
         "heartbeat_age_s": None if e.heartbeat_age_s is None else round(e.heartbeat_age_s, 2),
         "address": info.address, "pid": host.get("pid") if host else None,
+        "identity": info.identity,
     }
 
 
@@ -111,6 +112,26 @@ def format_status(status: dict) -> str:
                      f"pid {r['pid']})")
     if not status["routers"]:
         lines.append("router: none present")
+    lines += identity_mismatches(status)
     redis = status["redis"]
     lines.append(f"redis {redis['address']}: {'up' if redis['up'] else 'UNREACHABLE'}")
     return "\n".join(lines)
+
+
+def identity_mismatches(status: dict) -> list[str]:
+    """One line per registered replica whose model identity no present router of its model
+    holds: those routers never dispatch to it (``kvfleet upgrade --model-dir`` changed the
+    replicas' model directory but not the routers')."""
+    held: dict[str, set[str]] = {}
+    for r in status["routers"]:
+        held.setdefault(r.get("model", ""), set()).add(r.get("identity", ""))
+    out = []
+    for app in status["applications"]:
+        routers = held.get(app["model"])
+        for r in app["replicas"]:
+            if routers and r["epoch"] and r.get("identity", "") not in routers:
+                out.append(f"IDENTITY MISMATCH: replica {r['replica_id']} serves {app['model']} "
+                           f"under identity {r.get('identity', '')[:16] or '(none)'}, the routers "
+                           f"hold {', '.join(sorted(i[:16] or '(none)' for i in routers))}: they do "
+                           f"not dispatch to it (restart the routers with the replicas' model)")
+    return out

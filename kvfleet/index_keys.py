@@ -8,12 +8,16 @@ Every key starts with a configurable namespace (default ``kvfleet:``)::
                                  encoding, whose HMGET is O(fields × entries))
     {ns}epochs            HASH   replica_id -> epoch        current epoch per replica id (never deleted)
     {ns}registry          HASH   replica_id -> JSON         address, model, epoch, block_size, started_at,
-                                 adapters (name, revision), resident_adapters
+                                 adapters (name, revision), resident_adapters, identity
     {ns}heartbeats        ZSET   replica_id @ last beat     score = Redis server time, milliseconds
     {ns}load:{replica_id} HASH   running, waiting, num_free_blocks, num_total_blocks, updated_at
                                  (PEXPIRE = the publisher's replica TTL)
     {ns}router:{id}       STRING JSON of one router: address, http_address, policy, pid, started_at
                                  (PEXPIRE: rewritten every few seconds, gone ~10 s after it stops)
+    {ns}adapters:{model}  HASH   adapter name -> JSON       runtime LoadAdapter / UnloadAdapter of one model:
+                                 {"path": DIR} or {"unloaded": true}; a replica applies it
+                                 over its start-time adapters when it starts (kept while the
+                                 cluster's namespace lives: it is configuration, not index)
     {ns}sweep_cursor      STRING SCAN cursor of the incremental garbage sweep, shared by all routers
     {ns}kv_events         STREAM the KV event log: one entry per index write of a replica, id
                                  ``{seq}-0``; fields o (the log's origin), k (reg | blk | dereg),
@@ -100,6 +104,9 @@ class ReplicaInfo:
     # (refreshed with every heartbeat).
     adapters: tuple[tuple[str, str], ...] = ()
     resident_adapters: tuple[str, ...] = ()
+    # The hex digest of the model's cache identity (DESIGN §2: weights, tokenizer, chat template,
+    # KV dtype, block size) the replica hashes with; routers dispatch only where it is theirs.
+    identity: str = ""
 
     def adapter_revision(self, name: str) -> str | None:
         """The revision it serves adapter ``name`` at, or None."""
@@ -115,7 +122,8 @@ class ReplicaInfo:
              "adapters": [list(a) for a in self.adapters],
              "resident_adapters": list(self.resident_adapters),
              "state": self.state, "serve_replica": self.serve_replica,
-             "metrics_address": self.metrics_address, "prefix_hit_rate": self.prefix_hit_rate},
+             "metrics_address": self.metrics_address, "prefix_hit_rate": self.prefix_hit_rate,
+             "identity": self.identity},
             separators=(",", ":"),
         )
 
@@ -132,7 +140,8 @@ class ReplicaInfo:
                    state=str(d.get("state", "serving")),
                    serve_replica=str(d.get("serve_replica", "")),
                    metrics_address=str(d.get("metrics_address", "")),
-                   prefix_hit_rate=float(d.get("prefix_hit_rate", 0.0)))
+                   prefix_hit_rate=float(d.get("prefix_hit_rate", 0.0)),
+                   identity=str(d.get("identity", "")))
 
 
 @dataclass(frozen=True)
@@ -178,6 +187,9 @@ class IndexKeys:
 
     def held(self, replica_id: str) -> str:
         return f"{self.held_prefix}{replica_id}"
+
+    def adapters(self, model: str) -> str:
+        return f"{self.namespace}adapters:{model}"
 
     @property
     def sweep_cursor(self) -> str:

@@ -212,7 +212,7 @@ class RouterCore:
         the caller has it). Raises Unavailable if none is live."""
         live = self.replicas.for_model(model) if live is None else live
         if not live:
-            raise Unavailable(f"no live replica serves model {model!r}")
+            raise Unavailable(self.replicas.none_reason(model))
         ledger, matched = self.replicas.ledger, matched or {}
         return [Candidate(info, load, matched.get(info.replica_id, 0),
                           ledger.inflight[info.replica_id], ledger.settled(info.replica_id))

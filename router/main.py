@@ -127,7 +127,8 @@ class RouterServer:
         port = bind_port(self._server, cfg.host, cfg.port, creds)
         self.address = f"{cfg.host}:{port}"
         internal = InternalTLS.load(cfg.internal_tls_dir) if cfg.internal_tls_dir else None
-        self.replicas = ReplicaSet(index, credentials=internal and internal.router_credentials())
+        self.replicas = ReplicaSet(index, credentials=internal and internal.router_credentials(),
+                                   identities={model.name: model.identity.digest().hex()})
         await self.replicas.start()
         self.telemetry = Telemetry(cfg.telemetry, "router")
         self.metrics_address = self.telemetry.metrics_address
@@ -150,7 +151,8 @@ class RouterServer:
         await mark_serving(health, [name])
         self.presence = RouterPresence(cfg.redis_url, cfg.namespace, {
             "address": self.address, "http_address": self.http_address or "",
-            "policy": cfg.policy, "model": cfg.model_name})
+            "policy": cfg.policy, "model": cfg.model_name,
+            "identity": model.identity.digest().hex()})
         self.presence.start()
         service.presence = self.presence
         return self.address

@@ -13,12 +13,12 @@ import time
 from typing import Optional
 
 import grpc
-
-from kvfleet.grpc_util import CHANNEL_OPTIONS, WORKER_KEEPALIVE_OPTIONS
-from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
 from kvfleet.router.inflight import InflightLedger
 from kvfleet.router.prefix_index import IndexUnavailable, PrefixIndex
 from kvfleet.router.worker_link import WorkerLink
+
+from kvfleet.grpc_util import CHANNEL_OPTIONS, WORKER_KEEPALIVE_OPTIONS
+from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
 from kvfleet.tls import WORKER_CHANNEL_OPTIONS
 
 log = logging.getLogger(__name__)
@@ -30,12 +30,19 @@ class ReplicaSet:
     re-register (an empty registry is far likelier a lost index than a fleet gone at once).
     ``unreachable_s``: a replica whose stream failed is left out of routing for this long
     (seconds), or until the registry lists it at another address or epoch, unless every
-    replica of the model is left out (its registry entry lives until the heartbeat TTL)."""
+    replica of the model is left out (its registry entry lives until the heartbeat TTL).
+    ``identities``: model → the hex cache-identity digest this router hashes with; a replica of
+    such a model that advertises another identity (another model directory, e.g. after
+    ``kvfleet upgrade --model-dir``, or none) is never routed to, and is logged once and listed
+    in :attr:`foreign` (its blocks would never match, its token ids could mean other tokens)."""
 
     def __init__(self, index: PrefixIndex, refresh_interval_s: float = 0.5,
                  empty_grace_s: float = 10.0, unreachable_s: float = 10.0,
-                 credentials: Optional[grpc.ChannelCredentials] = None) -> None:
+                 credentials: Optional[grpc.ChannelCredentials] = None,
+                 identities: Optional[dict[str, str]] = None) -> None:
         self.index = index
+        self.identities = dict(identities or {})
+        self.foreign: dict[str, tuple[str, str]] = {}  # replica id → (model, its identity)
         self.credentials = credentials  # mutual TLS to the workers (kvfleet.tls); None: plaintext
         self.refresh_interval_s = refresh_interval_s
         self.empty_grace_s = empty_grace_s
@@ -118,10 +125,38 @@ class ReplicaSet:
         (unless that is all)."""
         live = [r for r in self.replicas.values()
                 if r[0].model == model and r[0].state != "draining"]
+        expected = self.identities.get(model)
+        if expected is not None:
+            live = [r for r in live if self._holds_identity(r[0], expected)]
         if not self._unreachable:
             return live
         reachable = [r for r in live if not self._is_unreachable(r[0])]
         return reachable or live
+
+    def _holds_identity(self, info: ReplicaInfo, expected: str) -> bool:
+        if info.identity == expected:
+            self.foreign.pop(info.replica_id, None)
+            return True
+        if self.foreign.get(info.replica_id) != (info.model, info.identity):
+            log.warning("replica %s at %s serves model %s under identity %s, this router's is %s: "
+                        "not routing to it (router and replica load different model directories)",
+                        info.replica_id, info.address, info.model, info.identity[:16] or "(none)",
+                        expected[:16])
+        self.foreign[info.replica_id] = (info.model, info.identity)
+        return False
+
+    def none_reason(self, model: str) -> str:
+        """Why :meth:`for_model` is empty, for an UNAVAILABLE message: no replica at all, or
+        only replicas whose identity this router does not hold (naming both identities)."""
+        live_ids = {rid for rid, (info, _) in self.replicas.items() if info.model == model}
+        other = sorted({ident for rid, (m, ident) in self.foreign.items()
+                        if m == model and rid in live_ids})
+        if not other:
+            return f"no live replica serves model {model!r}"
+        return (f"no live replica serves model {model!r} under this router's identity "
+                f"{self.identities[model][:16]}: {len(live_ids)} replica(s) advertise identity "
+                f"{', '.join(o[:16] or '(none)' for o in other)} (the replicas load another model "
+                f"directory than this router: restart the routers with it)")
 
     def mark_unreachable(self, info: ReplicaInfo) -> None:
         """The stream to ``info`` failed, or it refused a request UNAVAILABLE (draining, a failed

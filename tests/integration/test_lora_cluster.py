@@ -121,12 +121,18 @@ def test_runtime_load_reload_and_unload(client, tiny_llama_dir, tiny_adapters) -
         _wait_revision(client, "qv", lambda r: r == original)
 
 
-def test_runtime_load_of_a_bad_adapter_is_refused_naming_it(client, tmp_path) -> None:
+def test_runtime_load_of_a_bad_adapter_is_refused_naming_it(client, tmp_path, tiny_adapters) -> None:
     _adapters(client)
+    broken = tiny_adapters["qv"].parent / "broken"
+    broken.mkdir(exist_ok=True)
     with pytest.raises(grpc.RpcError) as err:
-        client.load_adapter("broken", str(tmp_path))
+        client.load_adapter("broken", str(broken))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "adapter_config.json" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:  # outside the replicas' adapter directories
+        client.load_adapter("elsewhere", str(tmp_path))
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert str(tmp_path) in err.value.details()
     with pytest.raises(grpc.RpcError) as err:
         client.unload_adapter("never-loaded")
     assert err.value.code() == grpc.StatusCode.NOT_FOUND and "never-loaded" in err.value.details()

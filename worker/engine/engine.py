@@ -139,7 +139,8 @@ class Engine:
         grammar = req.grammar
         if req.constraint is not None and grammar is None:
             grammar = self.grammars.compile(req.constraint)
-        root = root_hash(self.lora.digest_for(req.adapter), req.cache_scope or req.tenant,
+        pinned = self.lora.pin(req.adapter)  # the revision hashed is the revision run
+        root = root_hash(self.lora.digest_for(pinned), req.cache_scope or req.tenant,
                          req.cache_salt)
         arrival = next(self._arrivals)
         seqs = [
@@ -149,8 +150,8 @@ class Engine:
                      deadline=req.deadline, tenant=req.tenant)
             for i in range(req.params.n)
         ]
-        if req.adapter:
-            self.lora.add(req.adapter, seqs)
+        if pinned is not None:
+            self.lora.add(pinned, seqs)
         else:
             self.scheduler.add(seqs)
         self._seqs[req.request_id] = seqs

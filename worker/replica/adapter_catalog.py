@@ -7,9 +7,11 @@ import re
 from pathlib import Path
 from typing import Sequence
 
-from kvfleet.worker.runner.lora.adapter import AdapterSpec, check_adapter
+from kvfleet.worker.runner.lora.adapter import WEIGHTS_FILE, AdapterSpec, check_adapter
 from kvfleet.worker.runner.lora.config import CONFIG_FILE, AdapterError
 from kvfleet.worker.runner.model_config import ModelConfig
+
+from kvfleet.errors import InvalidArgument, PermissionDenied
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
@@ -74,3 +76,39 @@ def check_catalog(adapters: Sequence[tuple[str, str]], model: ModelConfig, max_l
         except AdapterError as exc:
             raise AdapterError(f"adapter {name!r}: {exc}") from exc
     return catalog
+
+
+def adapter_roots(pairs: Sequence[tuple[str, str]], dirs: Sequence[str], roots: Sequence[str] = ()
+                  ) -> tuple[str, ...]:
+    """The directories a runtime ``LoadAdapter`` may read from: each ``--adapter`` directory,
+    each ``--adapter-dir`` and each ``--adapter-root``, resolved (symlinks followed), sorted."""
+    return tuple(sorted({str(Path(p).resolve()) for p in [*(d for _, d in pairs), *dirs, *roots]}))
+
+
+def confine(path: str, roots: Sequence[str]) -> Path:
+    """``path`` resolved, checked to lie inside one of ``roots`` (see :func:`adapter_roots`),
+    its adapter files too (a symlink out of a root is refused like a path out of it).
+
+    Raises:
+        InvalidArgument: ``path`` is empty or relative (field ``path``).
+        PermissionDenied: ``path`` holds a ``..`` component, or it or one of its adapter files
+            resolves outside every root, or no root is configured (the message names the path).
+    """
+    if not path or not Path(path).is_absolute():
+        raise InvalidArgument(f"path {path!r} must be an absolute directory on the replica",
+                              field="path")
+    if ".." in Path(path).parts:
+        raise PermissionDenied(f"path {path!r}: '..' is not allowed in an adapter path",
+                               field="path")
+    if not roots:
+        raise PermissionDenied(f"path {path!r}: this replica takes no adapters at run time "
+                               f"(start it with --adapter-root, --adapter-dir or --adapter)",
+                               field="path")
+    resolved = Path(path).resolve()
+    bases = [Path(r) for r in roots]
+    for target in (resolved, *(resolved / f for f in (CONFIG_FILE, WEIGHTS_FILE) if (resolved / f).exists())):
+        real = target.resolve()
+        if not any(real == b or b in real.parents for b in bases):
+            raise PermissionDenied(f"path {path!r}: {real} lies outside the adapter directories "
+                                   f"this replica was started with", field="path")
+    return resolved

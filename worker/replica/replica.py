@@ -32,7 +32,7 @@ from kvfleet.grpc_util import (
     bind_port,
     mark_serving,
 )
-from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
+from kvfleet.index_keys import REDIS_DOWN_ERRORS, ReplicaInfo, ReplicaLoad
 from kvfleet.stream_limits import StreamLimits
 from kvfleet.telemetry import Telemetry, TelemetryConfig
 from kvfleet.telemetry.worker_spans import WorkerTelemetry
@@ -49,6 +49,7 @@ from kvfleet.worker.executor.tp.rank_worker import RankSpec
 from kvfleet.worker.executor.tp_executor import TPExecutor
 from kvfleet.worker.replica.adapter_admin import AdapterAdmin
 from kvfleet.worker.replica.adapter_catalog import check_catalog
+from kvfleet.worker.replica.adapter_record import AdapterRecord
 from kvfleet.worker.replica.hit_window import HitWindow
 from kvfleet.worker.replica.kv_publisher import KvPublisher
 from kvfleet.worker.runner.kv_cache import num_blocks_for_memory
@@ -111,6 +112,8 @@ class ReplicaConfig:
     # LoRA: servable adapters as (name, directory), checked at start; max_loras slots per
     # replica (LRU, loaded on first use), max_lora_rank the largest rank accepted.
     adapters: tuple[tuple[str, str], ...] = ()
+    # The only directories a runtime LoadAdapter may read from (adapter_catalog.adapter_roots).
+    adapter_roots: tuple[str, ...] = ()
     max_loras: int = 4
     max_lora_rank: int = 64
     # The Ray Serve replica hosting this one ("" outside Serve), written to the registry.
@@ -208,6 +211,7 @@ class ReplicaServer:
         self.telemetry = telemetry  # built from cfg.telemetry at start unless given
         self._owns_telemetry = telemetry is None
         self.publisher: Optional[KvPublisher] = None
+        self._adapter_record: Optional[AdapterRecord] = None
         self._server: Optional[grpc.aio.Server] = None
         self._loop: Optional[EngineLoop] = None
         self.service: Optional[WorkerService] = None
@@ -228,6 +232,17 @@ class ReplicaServer:
         if self.telemetry is None:
             self.telemetry = Telemetry(self.cfg.telemetry, "worker", self.cfg.replica_id)
         self.metrics_address = self.telemetry.metrics_address
+        admin = self._adapter_admin()
+        if admin is not None and self.cfg.redis_url:
+            # Runtime loads/unloads of the model's adapters, before registering: a replica
+            # started after them (scale-up, replacement, upgrade) serves what its peers serve.
+            admin.record = self._adapter_record = AdapterRecord(
+                self.cfg.redis_url, self.cfg.model_name, self.cfg.namespace)
+            try:
+                await admin.apply_record()
+            except REDIS_DOWN_ERRORS as exc:
+                log.warning("replica %s: recorded adapter changes unreadable (%s); serving the "
+                            "start-time adapters", self.cfg.replica_id, exc)
         if self.cfg.redis_url:
             info = ReplicaInfo(self.cfg.replica_id, self.address, self.cfg.model_name, 0,
                                self.cfg.block_size, max_requests=self.cfg.scheduler.max_sequences,
@@ -235,6 +250,7 @@ class ReplicaServer:
                                ranks=tuple(dataclasses.asdict(r) for r in self.ranks()),
                                serve_replica=self.cfg.serve_replica,
                                metrics_address=self.metrics_address or "",
+                               identity=self.engine.identity_digest.hex(),
                                **self.adapter_fields())
             self.publisher = KvPublisher(self.cfg.redis_url, info, namespace=self.cfg.namespace,
                                          replica_ttl_s=self.cfg.replica_ttl_s,
@@ -248,7 +264,7 @@ class ReplicaServer:
         service = WorkerService(self._loop, self.cfg.replica_id, self.cfg.model_name,
                                 self.cfg.block_size, epoch_fn=self._epoch, telemetry=wt,
                                 ranks_fn=self.ranks, drain_fn=self.drain,
-                                limits=self.cfg.stream_limits, adapter_admin=self._adapter_admin())
+                                limits=self.cfg.stream_limits, adapter_admin=admin)
         self.service = service
         worker_pb2_grpc.add_WorkerServicer_to_server(service, self._server)
         name = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
@@ -307,7 +323,7 @@ class ReplicaServer:
     def _adapter_admin(self) -> Optional[AdapterAdmin]:
         res = self.engine.adapters
         return None if res is None else AdapterAdmin(res, self.engine.executor.config,
-                                                     self.cfg.max_lora_rank)
+                                                     self.cfg.max_lora_rank, self.cfg.adapter_roots)
 
     def adapter_fields(self) -> dict:
         """The registry's adapter fields: servable (name, revision) and resident names."""
@@ -396,6 +412,9 @@ class ReplicaServer:
         if self._server is not None:
             await self._server.stop(grace_s)
             self._server = None
+        if self._adapter_record is not None:
+            await self._adapter_record.close()
+            self._adapter_record = None
         if self._loop is not None:
             self._loop.stop()
             self._loop = None

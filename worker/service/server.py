@@ -103,6 +103,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                                            f"request {request.request_id}")
             except KvfleetError as exc:
                 await context.abort(*status_of(exc))
+            except Exception as exc:  # never a stream without a status: INTERNAL naming it
+                log.exception("request %s failed on replica %s", request.request_id, self.replica_id)
+                await context.abort(grpc.StatusCode.INTERNAL, self._internal(exc))
             # The router subtracts this from its dispatch time: network time.
             context.set_trailing_metadata(((MD_WORKER_DURATION_S, f"{trace.handler_done():.6f}"),))
 
@@ -176,16 +179,25 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                         else:
                             out.put_nowait(worker_pb2.GenerateStreamResponse(call_id=call_id,
                                                                              message=msg))
-            except KvfleetError as exc:
+            except Exception as exc:  # every failure ends the call with a status
+                if not isinstance(exc, KvfleetError):
+                    log.exception("call %s (request %s) failed on replica %s", call_id,
+                                  request.request_id, self.replica_id)
+                status = (status_of(exc) if isinstance(exc, KvfleetError)
+                          else (grpc.StatusCode.INTERNAL, self._internal(exc)))
                 if last is not None:
                     out.put_nowait(worker_pb2.GenerateStreamResponse(call_id=call_id, message=last))
-                out.put_nowait(_done(call_id, *status_of(exc)))
+                out.put_nowait(_done(call_id, *status))
                 return
             done = _done(call_id, grpc.StatusCode.OK, "")
             done.worker_duration_s = trace.handler_done()
             if last is not None:
                 done.message.CopyFrom(last)
             out.put_nowait(done)
+
+    def _internal(self, exc: BaseException) -> str:
+        """INTERNAL's message for an unexpected failure: the replica, the type and its text."""
+        return f"internal error on replica {self.replica_id}: {type(exc).__name__}: {exc}"
 
     async def _serve(self, request: worker_pb2.WorkerGenerateRequest, trace):
         """One Generate call's messages, for both transports.
@@ -233,7 +245,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
     async def UnloadAdapter(self, request, context):
         async def unload(admin):
-            admin.unload(request.name)
+            await admin.unload(request.name)
             return ""
         return await self._adapter_call(context, unload)
 

@@ -7,14 +7,19 @@ from __future__ import annotations
 import threading
 
 import pytest
-
 from kvfleet.allocator.hashing import block_hash_chain
-from kvfleet.errors import NotFound
 from kvfleet.router.served_model import ServedModel
 from kvfleet.worker.engine.adapter_residency import AdapterResidency
 from kvfleet.worker.engine.request import FinishReason
+
+from kvfleet.errors import FailedPrecondition, NotFound
 from tests.unit.worker.engine_harness import BLOCK_SIZE, prompt, request, run
-from tests.unit.worker.lora_harness import IDENTITY, lora_error, make_lora_engine, with_adapter
+from tests.unit.worker.lora_harness import (
+    IDENTITY,
+    lora_error,
+    make_lora_engine,
+    with_adapter,
+)
 
 
 class FakeRunner:
@@ -73,7 +78,7 @@ def test_lru_eviction_never_takes_a_slot_in_use() -> None:
 
 def test_a_failed_load_is_reported_to_the_request() -> None:
     res = AdapterResidency(FakeRunner(fail={"bad"}), {"bad": Spec("bad")}, max_loras=1)
-    with pytest.raises(RuntimeError, match="adapter 'bad' failed to load: cannot read bad"):
+    with pytest.raises(FailedPrecondition, match=r"adapter 'bad' \(revision r\) failed to load: cannot read bad"):
         _resident(res, "bad")
     res.close()
 

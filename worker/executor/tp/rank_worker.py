@@ -21,6 +21,7 @@ from typing import Callable, Optional
 
 import numpy as np
 import torch
+
 from kvfleet.worker.executor.local import rank_info
 from kvfleet.worker.executor.tp.comm import GroupAddress, RankComm
 from kvfleet.worker.executor.tp.wire import Commit, PlanDecoder, decode_call
@@ -144,6 +145,8 @@ class RankWorker:
 
         Raises:
             AdapterError, OSError: the files could not be read here.
+            FailedPrecondition: the files are no longer the registered revision (this rank
+                checks the digest of the bytes it read: :func:`.verified_tensors`).
         """
         r = self._runner
         weights = read_adapter(spec, r.config, r.layout, r.dtype, r.device)

@@ -8,7 +8,10 @@ them, ``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`` (``[r
 
 **Revision.** sha256 (128 bits, hex) of the canonical config JSON and every byte of the weights
 file, each tagged: the same files give the same revision on every replica whatever the order
-they were loaded in; new weights under the same name give a new one.
+they were loaded in; new weights under the same name give a new one. Every load (each slot
+(re)load, on every tensor-parallel rank) reads the files once, recomputes the revision from
+those very bytes and refuses them (FAILED_PRECONDITION naming the file) unless it is the
+registered one: files changed on disk never run under an old revision's block hashes.
 
 **Fusion.** The model runs fused Q|K|V and gate|up projections, so an adapter's updates to a
 fused group become one stacked ``A`` ``[in, R]`` (the members' ``A^T`` side by side, R = the
@@ -25,12 +28,19 @@ replicated. A row-parallel projection (o, down) splits its ``A`` by input rows a
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load as load_safetensors
+
+from kvfleet.errors import FailedPrecondition
 from kvfleet.worker.runner.lora.config import (
     CONFIG_FILE,
     AdapterConfig,
@@ -41,7 +51,6 @@ from kvfleet.worker.runner.lora.config import (
 from kvfleet.worker.runner.model_config import ModelConfig
 from kvfleet.worker.runner.models import PROJECTIONS
 from kvfleet.worker.runner.tp.layout import COLUMN, SPLITS, ShardLayout
-from safetensors import safe_open
 
 WEIGHTS_FILE = "adapter_model.safetensors"
 _PREFIX = "base_model.model."
@@ -80,11 +89,13 @@ def _weights_path(adapter_dir: Path) -> Path:
     return path
 
 
-def revision_of(canonical_config: str, weights_path: Path) -> str:
-    """The adapter's content revision (see the module docstring), 32 hex digits."""
+def revision_of(canonical_config: str, weights: Path | bytes) -> str:
+    """The adapter's content revision (see the module docstring), 32 hex digits; ``weights``
+    is the weights file or its bytes."""
     digest = hashlib.sha256()
+    weights_bytes = weights if isinstance(weights, bytes) else weights.read_bytes()
     for kind, payload in ((b"adapter_config", canonical_config.encode()),
-                          (b"adapter_weights", weights_path.read_bytes())):
+                          (b"adapter_weights", weights_bytes)):
         digest.update(struct.pack("<I", len(kind)) + kind + struct.pack("<Q", len(payload)))
         digest.update(payload)
     return digest.hexdigest()[:32]
@@ -145,7 +156,7 @@ def read_adapter(spec: AdapterSpec, model: ModelConfig, layout: ShardLayout,
     for t in spec.config.targets:
         by_layer.setdefault(t.layer, {})[t.module] = t
     out = {}
-    with safe_open(str(Path(spec.path) / WEIGHTS_FILE), framework="pt") as f:
+    with verified_tensors(spec) as f:  # the verified bytes, never a second read of the file
         for layer, targets in by_layer.items():
             for group, members in PROJECTIONS.items():
                 chosen = [m for m in members if m in targets]
@@ -177,3 +188,47 @@ def _read_pair(f, key: str, module: str, layout: ShardLayout) -> tuple[torch.Ten
     if split.axis == COLUMN:  # B's output rows split, A replicated
         return f.get_tensor(a_name), f.get_slice(b_name)[span.start:span.stop]
     return f.get_slice(a_name)[:, span.start:span.stop], f.get_tensor(b_name)  # row: A's input
+
+
+class _Tensors:
+    """Tensors by name with the two accessors :func:`_read_pair` uses (a safetensors file's
+    ``get_tensor`` / ``get_slice``), over tensors already in memory."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self._tensors = tensors
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self._tensors[name]
+
+    get_slice = get_tensor  # a tensor slices like a safetensors slice
+
+
+@contextlib.contextmanager
+def verified_tensors(spec: AdapterSpec) -> Iterator[_Tensors]:
+    """``spec``'s weights, read once and checked to be the registered revision (used like
+    ``safe_open``).
+
+    Raises:
+        FailedPrecondition: a file is gone, unreadable, or no longer what was registered
+            (the message names the file and both revisions).
+    """
+    d = Path(spec.path)
+    cfg_path, weights_path = d / CONFIG_FILE, d / WEIGHTS_FILE
+    try:
+        raw_config, data = cfg_path.read_text(), weights_path.read_bytes()
+    except OSError as exc:
+        raise FailedPrecondition(f"adapter {spec.name!r} revision {spec.revision}: "
+                                 f"{exc.filename or d}: cannot be read ({exc.strerror or exc})",
+                                 field="adapter") from None
+    try:
+        canonical = json.dumps(json.loads(raw_config), sort_keys=True, separators=(",", ":"))
+    except ValueError:
+        canonical = raw_config  # not JSON any more: a changed file, reported below
+    revision = revision_of(canonical, data)
+    if revision != spec.revision:
+        changed = cfg_path if canonical != spec.config.canonical else weights_path
+        raise FailedPrecondition(
+            f"adapter {spec.name!r}: {changed} changed on disk since it was registered "
+            f"(revision {spec.revision}, now {revision}); load it again to serve the new files",
+            field="adapter")
+    yield _Tensors(load_safetensors(data))

@@ -1,0 +1,78 @@
+"""Issue 24 item 12 (paths): a runtime LoadAdapter reads only inside the adapter directories
+the replica was started with — ``..``, a symlink out, an absolute path elsewhere, or no
+directory configured at all are refused PERMISSION_DENIED naming the path."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+
+import grpc
+import pytest
+from kvfleet.worker.engine.adapter_residency import AdapterResidency
+from kvfleet.worker.replica.adapter_admin import AdapterAdmin
+from kvfleet.worker.replica.adapter_catalog import adapter_roots
+from kvfleet.worker.runner.lora.adapter import WEIGHTS_FILE
+from kvfleet.worker.runner.model_config import load_model_config
+
+from kvfleet.errors import KvfleetError
+
+
+@pytest.fixture
+def layout(tmp_path, tiny_adapters):
+    """``root/`` holding a copy of ``qv`` (the configured directory) and ``outside/`` a copy
+    of ``all`` (not configured)."""
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    root.mkdir()
+    shutil.copytree(tiny_adapters["qv"], root / "qv")
+    shutil.copytree(tiny_adapters["all"], outside / "all")
+    return root, outside
+
+
+def _admin(tiny_llama_dir, roots) -> AdapterAdmin:
+    res = AdapterResidency(None, {}, max_loras=1)
+    return AdapterAdmin(res, load_model_config(tiny_llama_dir), 16, roots)
+
+
+def _refused(admin: AdapterAdmin, path: str) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(KvfleetError) as err:
+        asyncio.run(admin.load("x", path))
+    return err.value.code, str(err.value)
+
+
+def test_a_path_inside_a_configured_directory_loads(tiny_llama_dir, layout) -> None:
+    root, _ = layout
+    admin = _admin(tiny_llama_dir, adapter_roots((), [str(root)]))
+    assert asyncio.run(admin.load("qv", str(root / "qv")))
+    assert "qv" in admin.residency.catalog
+    admin.residency.close()
+
+
+def test_paths_out_of_the_adapter_directories_are_permission_denied(tiny_llama_dir, layout) -> None:
+    root, outside = layout
+    admin = _admin(tiny_llama_dir, adapter_roots((), [str(root)]))
+    (root / "escape").symlink_to(outside / "all", target_is_directory=True)
+    (root / "mixed").mkdir()
+    os.symlink(outside / "all" / "adapter_config.json", root / "mixed" / "adapter_config.json")
+    shutil.copyfile(outside / "all" / WEIGHTS_FILE, root / "mixed" / WEIGHTS_FILE)
+    for path in (str(outside / "all"),                 # absolute, elsewhere
+                 f"{root}/qv/../../outside/all",        # '..'
+                 f"{root}/qv/..",                       # '..' even when it stays inside
+                 str(root / "escape"),                  # a symlinked directory out
+                 str(root / "mixed")):                  # a symlinked file out
+        code, message = _refused(admin, path)
+        assert code is grpc.StatusCode.PERMISSION_DENIED, (path, message)
+        assert path in message
+    assert admin.residency.catalog == {}
+    code, message = _refused(admin, "qv")  # relative: where would it be?
+    assert code is grpc.StatusCode.INVALID_ARGUMENT and "absolute" in message
+    admin.residency.close()
+
+
+def test_no_configured_directory_refuses_every_runtime_load(tiny_llama_dir, layout) -> None:
+    root, _ = layout
+    admin = _admin(tiny_llama_dir, ())
+    code, message = _refused(admin, str(root / "qv"))
+    assert code is grpc.StatusCode.PERMISSION_DENIED and "--adapter-root" in message
+    admin.residency.close()
