@@ -15,11 +15,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+from kvfleet.client import AsyncClient, RequestStats
 from kvfleet.deploy.cluster_config import ClusterConfig
 from kvfleet.deploy.launcher import LocalCluster
 from kvfleet.deploy.trace_report import DEFAULT_JAEGER_URL, breakdown_table, jaeger_reachable
-
-from kvfleet.client import AsyncClient, RequestStats
 from kvfleet.telemetry import Telemetry
 
 SYSTEM_PROMPTS = {
@@ -159,8 +158,10 @@ def run_demo(cfg: ClusterConfig, trace: bool = False,
     telemetry = Telemetry(cfg.replica.telemetry, "client") if trace else None
     try:
         with LocalCluster(cfg) as cluster:
-            print(f"kvfleet ready: router at {cluster.router_address}", flush=True)
-            results = asyncio.run(_workload(cluster.router_address, telemetry))
+            address = cluster.router_address
+            assert address is not None  # set once the cluster has started
+            print(f"kvfleet ready: router at {address}", flush=True)
+            results = asyncio.run(_workload(address, telemetry))
     finally:
         if telemetry is not None:
             telemetry.shutdown()  # the cluster flushed its spans on stop; these are the client's

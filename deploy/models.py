@@ -131,7 +131,7 @@ def _convert(gguf: Path, out: Path, bar) -> None:
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     config.architectures = [type(gguf_model).__name__]
-    model = type(gguf_model)(config).to(torch.float32)
+    model = type(gguf_model)(config).float()
     model.load_state_dict(gguf_model.state_dict())
     del gguf_model
     bar.update(1)

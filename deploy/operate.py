@@ -13,7 +13,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from kvfleet.allocator.units import cdiv
 from kvfleet.deploy import serve_control
@@ -178,7 +178,7 @@ def cluster_status(namespace: Optional[str], model: Optional[str] = None) -> dic
         raise ValueError(f"kvfleet namespaces found: {namespaces or 'none'}: pass --namespace")
     statuses = serve_control.app_statuses()
     redis_url = refs[0].redis_url
-    out = {"namespace": namespaces[0], "applications": [], "routers": [],
+    out: dict[str, Any] = {"namespace": namespaces[0], "applications": [], "routers": [],
            "redis": {"address": redis_host(redis_url), "up": True}}
     try:
         entries = read_registry(redis_url, namespaces[0])

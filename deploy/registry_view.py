@@ -31,7 +31,7 @@ def read_registry(redis_url: str, namespace: str, timeout_s: float = 2.0) -> lis
     r = redis.Redis.from_url(redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
     try:
         raw = r.hgetall(keys.registry)
-        ids = sorted(k.decode() for k in raw)
+        ids = sorted(k.decode() if isinstance(k, bytes) else k for k in raw)
         pipe = r.pipeline()
         pipe.time()
         for rid in ids:

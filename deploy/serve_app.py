@@ -21,10 +21,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 from kvfleet.allocator.units import cdiv
+from kvfleet.config_codec import to_dict
 from kvfleet.deploy.serve_control import DEPLOYMENT, IMPORT_PATH, app_name
 from kvfleet.worker.replica.replica import ReplicaConfig
-
-from kvfleet.config_codec import to_dict
 
 SHUTDOWN_MARGIN_S = 15.0  # graceful_shutdown_timeout_s - drain timeout: the stop after a drain
 
@@ -97,8 +96,9 @@ def app_config(replica: ReplicaConfig, num_replicas: int, placement: Placement,
 def build(args: dict):
     """Serve's application builder: the worker deployment bound to ``args`` (see
     :func:`app_config`)."""
-    from kvfleet.worker.replica.serve_deployment import ServeReplica
     from ray import serve
 
-    return serve.deployment(ServeReplica, name=DEPLOYMENT).bind(
+    from kvfleet.worker.replica.serve_deployment import ServeReplica
+
+    return serve.deployment(name=DEPLOYMENT)(ServeReplica).bind(
         args["replica"], int(args.get("count", 1)), str(args.get("revision", "")))

@@ -45,7 +45,7 @@ def breakdown_table(rows: Sequence[tuple[str, RequestStats]],
         if s.worker_s is not None and t:
             queue = s.worker_s - t["prefill_s"] - t["decode_s"]
         other = None
-        if None not in (s.total_s, s.worker_s, s.network_s):
+        if s.total_s is not None and s.worker_s is not None and s.network_s is not None:
             other = s.total_s - s.worker_s - s.network_s
         line = (f"{label[:44]:<44} {s.replica_id[:16]:<16} "
                 f"{f'{s.cached_prompt_tokens}/{s.prompt_tokens}':>9} {_ms(s.ttft_s):>11} "

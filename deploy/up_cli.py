@@ -66,6 +66,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 def _record_cluster(cluster) -> None:
     """Tell other terminals (``kvfleet scale`` / ``status``) where this cluster is."""
     import ray
+
     from kvfleet.deploy.operate import write_cluster_file
 
     address = ray.get_runtime_context().gcs_address

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Iterator, Optional, Sequence
+from typing import AsyncIterator, Generator, Optional, Sequence
 
 import grpc
 
@@ -133,7 +133,7 @@ class Client:
         self._telemetry = ClientTelemetry(telemetry)  # client.Generate spans, client TTFT
 
     def stream(self, prompt: Optional[str] = None, *, timeout: Optional[float] = None,
-               stats: Optional[RequestStats] = None, **kwargs) -> Iterator[Chunk]:
+               stats: Optional[RequestStats] = None, **kwargs) -> Generator[Chunk, None, None]:
         """Yield chunks as they arrive (see :func:`build_request` for arguments).
 
         ``stats``, when given, is filled in: client-observed TTFT, the worker's timing, the

@@ -313,8 +313,8 @@ class HttpFront:
                    events: AsyncGenerator[tuple[int, common_pb2.GenerateResponse], None],
                    oreq: OpenAIRequest) -> AsyncGenerator[bytes, None]:
         try:
-            for chunk in builder.role_chunks(len(oreq.inputs)):
-                yield _sse(chunk)
+            for role in builder.role_chunks(len(oreq.inputs)):
+                yield _sse(role)
             prompt, msg = first
             chunk = builder.chunk(prompt, msg, oreq.include_usage)
             if chunk is not None:  # None: a tool-mode choice holds its text until it ends

@@ -123,7 +123,8 @@ class RouterServer:
         # Every RPC is authorised in one place (the service's authorize, on the core built below).
         self._server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[
             AuthInterceptor(self._authorize)])
-        creds = server_credentials(cfg.tls_cert, cfg.tls_key) if cfg.tls_cert else None
+        creds = (server_credentials(cfg.tls_cert, cfg.tls_key) if cfg.tls_cert and cfg.tls_key
+                 else None)
         port = bind_port(self._server, cfg.host, cfg.port, creds)
         self.address = f"{cfg.host}:{port}"
         internal = InternalTLS.load(cfg.internal_tls_dir) if cfg.internal_tls_dir else None

@@ -16,6 +16,8 @@ import secrets
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from kvfleet.constraint import Constraint
+from kvfleet.errors import InvalidArgument
 from kvfleet.router.core import GenerateInput, Prompt
 from kvfleet.router.openai_structured import (
     STRUCTURED_FIELDS,
@@ -23,9 +25,6 @@ from kvfleet.router.openai_structured import (
     parse_constraint,
     parse_tools,
 )
-
-from kvfleet.constraint import Constraint
-from kvfleet.errors import InvalidArgument
 from kvfleet.sampling_params import SamplingParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
@@ -186,6 +185,8 @@ def _message(i: int, m) -> dict:
 def _call_text(i: int, call) -> str:
     fn = call.get("function") if isinstance(call, dict) else None
     try:
+        if fn is None:
+            raise TypeError("no function")
         return json.dumps({"name": fn["name"], "arguments": json.loads(fn["arguments"])})
     except (TypeError, KeyError, ValueError):
         raise InvalidArgument(f"messages[{i}].tool_calls: each needs function.name and "

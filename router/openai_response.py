@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import grpc
-from kvfleet.router.openai_structured import parse_tool_call
 
 from kvfleet.errors import PromptTooLarge
+from kvfleet.router.openai_structured import parse_tool_call
 from kvfleet.v1 import common_pb2
 
 FINISH = {common_pb2.STOP: "stop", common_pb2.LENGTH: "length"}

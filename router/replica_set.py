@@ -13,12 +13,12 @@ import time
 from typing import Optional
 
 import grpc
-from kvfleet.router.inflight import InflightLedger
-from kvfleet.router.prefix_index import IndexUnavailable, PrefixIndex
-from kvfleet.router.worker_link import WorkerLink
 
 from kvfleet.grpc_util import CHANNEL_OPTIONS, WORKER_KEEPALIVE_OPTIONS
 from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
+from kvfleet.router.inflight import InflightLedger
+from kvfleet.router.prefix_index import IndexUnavailable, PrefixIndex
+from kvfleet.router.worker_link import WorkerLink
 from kvfleet.tls import WORKER_CHANNEL_OPTIONS
 
 log = logging.getLogger(__name__)

@@ -32,9 +32,8 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from kvfleet.worker.runner.lora.adapter import AdapterSpec
-
 from kvfleet.errors import FailedPrecondition, KvfleetError, NotFound, StatusError
+from kvfleet.worker.runner.lora.adapter import AdapterSpec
 
 log = logging.getLogger(__name__)
 

@@ -234,7 +234,7 @@ class Engine:
         seq.append_token(res.token_id)
         seq.timing.first_token = seq.timing.first_token or now
         seq.timing.last_token = now
-        lp = ()
+        lp: tuple[TokenLogprobs, ...] = ()
         if seq.params.logprobs is not None:
             lp = (TokenLogprobs(res.token_id, res.logprob, tuple(res.top_logprobs)),)
         is_stop_token = res.token_id in seq.params.stop_token_ids or (

@@ -256,7 +256,7 @@ class Sampler:
             return [SampleResult(t, None, ()) for t in chosen]
         logp = torch.log_softmax(raw[wanted], dim=1)  # (W, V)
         chosen_lp = logp.gather(1, token_ids[wanted].unsqueeze(1)).squeeze(1).tolist()
-        max_n = min(max(states[i].params.logprobs for i in wanted), raw.shape[1])
+        max_n = min(max(states[i].params.logprobs or 0 for i in wanted), raw.shape[1])
         top = logp.topk(max_n, dim=1)  # most likely first
         top_lp, top_ids = top.values.tolist(), top.indices.tolist()
         results = [SampleResult(t, None, ()) for t in chosen]

@@ -34,7 +34,7 @@ from typing import Iterable
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
 from kvfleet.allocator.units import cdiv
 from kvfleet.errors import ResourceExhausted
-from kvfleet.worker.engine.request import SequenceState, SeqStatus
+from kvfleet.worker.engine.request import SeqStatus, SequenceState
 from kvfleet.worker.engine.step_plan import SeqChunk, StepPlan
 
 POLICIES = ("watermark", "reserve")
@@ -273,8 +273,8 @@ class Scheduler:
         new = self.blocks_for(num_tokens) - self.kv.num_blocks(seq.seq_id)
         if new + cow > self.kv.num_free_blocks:
             return False
-        if cow:
-            copies.append(self.kv.copy_on_write(seq.seq_id))
+        if cow and (copy := self.kv.copy_on_write(seq.seq_id)) is not None:
+            copies.append(copy)
         allocated = self.kv.allocate_slots(seq.seq_id, num_tokens)
         assert allocated is not None, "free blocks were counted just above"
         return True

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
 from kvfleet.worker.engine.step_plan import StepPlan
 from kvfleet.worker.runner.lora.adapter import AdapterSpec
 from kvfleet.worker.runner.model_config import ModelConfig

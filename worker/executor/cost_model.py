@@ -28,10 +28,10 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from kvfleet.allocator.units import cdiv
-from kvfleet.worker.runner.model_config import ModelConfig
 from kvfleet.worker.engine.step_plan import StepPlan
 from kvfleet.worker.executor.base import RankInfo
 from kvfleet.worker.runner.lora.adapter import AdapterSpec
+from kvfleet.worker.runner.model_config import ModelConfig
 
 FILLER_LOGIT = 30.0  # the filler token's logit; every other token's is 0
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import torch
+
 from kvfleet.worker.engine.step_plan import StepPlan
 from kvfleet.worker.executor.base import RankInfo
 from kvfleet.worker.runner.lora.adapter import AdapterSpec

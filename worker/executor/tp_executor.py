@@ -24,6 +24,8 @@ from typing import Callable, TypeVar
 
 import numpy as np
 import torch
+
+from kvfleet.errors import Unavailable
 from kvfleet.worker.engine.step_plan import StepPlan
 from kvfleet.worker.executor.base import RankInfo
 from kvfleet.worker.executor.tp.group import RankGroup
@@ -31,8 +33,6 @@ from kvfleet.worker.executor.tp.wire import Commit, PlanEncoder, encode_call
 from kvfleet.worker.runner.lora.adapter import AdapterSpec
 from kvfleet.worker.runner.model_config import ModelConfig
 from kvfleet.worker.runner.model_runner import ModelRunner
-
-from kvfleet.errors import Unavailable
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

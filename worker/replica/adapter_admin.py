@@ -11,15 +11,14 @@ import logging
 from pathlib import Path
 from typing import Optional
 
+from kvfleet.errors import InvalidArgument, KvfleetError
+from kvfleet.index_keys import REDIS_DOWN_ERRORS
 from kvfleet.worker.engine.adapter_residency import AdapterResidency
 from kvfleet.worker.replica.adapter_catalog import check_name, confine
 from kvfleet.worker.replica.adapter_record import UNLOADED, AdapterRecord
 from kvfleet.worker.runner.lora.adapter import check_adapter
 from kvfleet.worker.runner.lora.config import AdapterError
 from kvfleet.worker.runner.model_config import ModelConfig
-
-from kvfleet.errors import InvalidArgument, KvfleetError
-from kvfleet.index_keys import REDIS_DOWN_ERRORS
 
 log = logging.getLogger(__name__)
 

@@ -7,11 +7,10 @@ import re
 from pathlib import Path
 from typing import Sequence
 
+from kvfleet.errors import InvalidArgument, PermissionDenied
 from kvfleet.worker.runner.lora.adapter import WEIGHTS_FILE, AdapterSpec, check_adapter
 from kvfleet.worker.runner.lora.config import CONFIG_FILE, AdapterError
 from kvfleet.worker.runner.model_config import ModelConfig
-
-from kvfleet.errors import InvalidArgument, PermissionDenied
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 

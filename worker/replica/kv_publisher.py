@@ -29,8 +29,17 @@ from redis.exceptions import RedisError
 
 from kvfleet.allocator.hashing import HASH_BYTES
 from kvfleet.index_keys import (
-    DEFAULT_NAMESPACE, DEFAULT_REPLICA_TTL_S, DEFAULT_TIMEOUT_S, EVENT_LOG_MAXLEN, LOAD_FIELDS,
-    REDIS_DOWN_ERRORS, IndexKeys, ReplicaInfo, ReplicaLoad, pack_chain, redis_client,
+    DEFAULT_NAMESPACE,
+    DEFAULT_REPLICA_TTL_S,
+    DEFAULT_TIMEOUT_S,
+    EVENT_LOG_MAXLEN,
+    LOAD_FIELDS,
+    REDIS_DOWN_ERRORS,
+    IndexKeys,
+    ReplicaInfo,
+    ReplicaLoad,
+    pack_chain,
+    redis_client,
     seconds_to_ms,
 )
 

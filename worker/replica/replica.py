@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from kvfleet.tls import ROUTER_NAME, needs_internal_tls, reloading_worker_creden
 from kvfleet.v1 import worker_pb2, worker_pb2_grpc
 from kvfleet.worker.engine.adapter_residency import AdapterResidency
 from kvfleet.worker.engine.engine import Engine
+from kvfleet.worker.engine.outputs import SeqOutput
 from kvfleet.worker.engine.scheduler import SchedulerConfig
 from kvfleet.worker.executor.base import Executor, RankInfo
 from kvfleet.worker.executor.cost_model import CostModel, cost_model_executor
@@ -59,6 +61,12 @@ from kvfleet.worker.service.engine_loop import EngineLoop
 from kvfleet.worker.service.server import WorkerService
 
 log = logging.getLogger(__name__)
+
+
+def _on_finish(telemetry: WorkerTelemetry, hits: HitWindow, out: SeqOutput) -> None:
+    """A sequence finished: its metrics and the prefix-hit window."""
+    telemetry.on_finished(out)
+    hits.record(out)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_KV_MEMORY_BYTES = 256 << 20  # 256 MiB of K/V per replica unless told otherwise
@@ -259,7 +267,7 @@ class ReplicaServer:
                              stats_fn=lambda: self._loop.stats if self._loop else {},
                              adapters_fn=lambda: self.engine.adapters.catalog if self.engine.adapters else ())
         self._loop = EngineLoop(self.engine, aio_loop, on_step=self._on_step(aio_loop),
-                                on_finish=lambda out: (wt.on_finished(out), self.hits.record(out)),
+                                on_finish=functools.partial(_on_finish, wt, self.hits),
                                 max_unread=self.cfg.stream_limits.max_unread)
         service = WorkerService(self._loop, self.cfg.replica_id, self.cfg.model_name,
                                 self.cfg.block_size, epoch_fn=self._epoch, telemetry=wt,
@@ -388,6 +396,7 @@ class ReplicaServer:
         return left
 
     async def _heartbeat(self) -> None:
+        assert self.publisher is not None  # started after the publisher
         while True:
             try:
                 # Adapter slots change too: re-published every beat ({} without adapters).

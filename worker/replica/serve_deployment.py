@@ -23,8 +23,8 @@ from typing import Optional
 
 from kvfleet.config_codec import from_dict
 from kvfleet.secrets import redis_url_from_env, telemetry_secrets_from_env
-from kvfleet.worker.replica.replica import ReplicaConfig
 from kvfleet.worker.replica.host import ThreadedHost
+from kvfleet.worker.replica.replica import ReplicaConfig
 
 log = logging.getLogger(__name__)
 

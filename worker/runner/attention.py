@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from kvfleet.allocator.units import cdiv
-from kvfleet.worker.runner import cpu_kernels
 from kvfleet.worker.engine.step_plan import SeqChunk
+from kvfleet.worker.runner import cpu_kernels
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,8 @@ def build_attention_metadata(
     positions: list[int] = []
     slots: list[int] = []
     starts = [0]
-    decode, prefill = [], []
+    decode: list[int] = []
+    prefill: list[int] = []
     for i, c in enumerate(chunks):
         n, start = len(c.token_ids), c.num_computed_tokens
         table = c.block_table
@@ -134,7 +135,7 @@ def build_attention_metadata(
         (decode if n == 1 else prefill).append(i)
 
     ctx = [chunks[i].num_computed_tokens + 1 for i in decode]
-    used = [chunks[i].block_table[: cdiv(n, block_size)] for i, n in zip(decode, ctx)]
+    used = [chunks[i].block_table[: cdiv(n, block_size)] for i, n in zip(decode, ctx, strict=True)]
     applies = (torch.device(device).type == "cpu" and dtype == torch.float32
                and cpu_kernels.load() is not None)
     use_kernel = applies if use_kernel is None else use_kernel and applies  # never on GPU memory

@@ -15,6 +15,7 @@ import torch
 
 from kvfleet.errors import InvalidArgument
 from kvfleet.sampling_params import check_context_length
+from kvfleet.worker.engine.step_plan import SeqChunk, StepPlan
 from kvfleet.worker.runner import attention
 from kvfleet.worker.runner.kv_cache import KVCache, kv_bytes_per_block
 from kvfleet.worker.runner.lora.adapter import AdapterSpec, read_adapter
@@ -25,8 +26,6 @@ from kvfleet.worker.runner.models import build_model
 from kvfleet.worker.runner.tp.layout import shard_layout
 from kvfleet.worker.runner.tp.linear import parallelize
 from kvfleet.worker.runner.tp.shard_weights import load_shard_weights
-from kvfleet.worker.engine.step_plan import SeqChunk, StepPlan
-
 
 
 @dataclass(frozen=True)

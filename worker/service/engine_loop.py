@@ -15,7 +15,7 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Optional
+from typing import AsyncGenerator, Callable, Optional
 
 from kvfleet.stream_limits import DEFAULT_MAX_UNREAD, Outbox
 from kvfleet.worker.engine.engine import Engine, EngineRequest
@@ -87,7 +87,7 @@ class EngineLoop:
         """Last stats snapshot taken by the engine thread (running, waiting, blocks)."""
         return dict(self._stats)
 
-    async def generate(self, req: EngineRequest) -> AsyncIterator[SeqOutput]:
+    async def generate(self, req: EngineRequest) -> AsyncGenerator[SeqOutput, None]:
         """Submit a request and yield its outputs until every sample has finished.
 
         Raises a :class:`~kvfleet.errors.KvfleetError` before the first output if refused,

@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 import uuid
-from typing import Optional
+from typing import Callable, Optional
 
 import grpc
 
@@ -37,6 +38,11 @@ log = logging.getLogger(__name__)
 _FINISH = {FinishReason.STOP: common_pb2.STOP, FinishReason.LENGTH: common_pb2.LENGTH}
 
 
+def _forget(ended: Callable[[int], None], call_id: int, _task: asyncio.Task) -> None:
+    """A call's task is done: drop it from the open calls (a done-callback)."""
+    ended(call_id)
+
+
 def output_to_proto(o: SeqOutput, replica_id: str) -> common_pb2.GenerateResponse:
     """Map one engine output to a stream message (finish fields on the last one only)."""
     msg = common_pb2.GenerateResponse(request_id=o.request_id, index=o.index,
@@ -45,6 +51,7 @@ def output_to_proto(o: SeqOutput, replica_id: str) -> common_pb2.GenerateRespons
         msg.logprobs.add(token_id=lp.token_id, logprob=lp.logprob,
                          top=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
     if o.finish_reason in _FINISH:
+        assert o.usage is not None and o.timing is not None  # set on every last output
         msg.finish_reason = _FINISH[o.finish_reason]
         msg.usage.CopyFrom(common_pb2.Usage(
             prompt_tokens=o.usage.prompt_tokens, cached_prompt_tokens=o.usage.cached_prompt_tokens,
@@ -109,7 +116,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             # The router subtracts this from its dispatch time: network time.
             context.set_trailing_metadata(((MD_WORKER_DURATION_S, f"{trace.handler_done():.6f}"),))
 
-    async def GenerateStream(self, frames, context):
+    async def GenerateStream(self, frames, context: grpc.aio.ServicerContext):
         """Calls multiplexed on one stream (see worker.proto); each runs as its own task and
         their frames are written by this handler alone (gRPC allows one write at a time)."""
         out: asyncio.Queue = asyncio.Queue()  # frames to write; None = re-check for the end
@@ -138,7 +145,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                     else:
                         task = asyncio.create_task(self._stream_call(frame, out))
                         calls[frame.call_id] = task
-                        task.add_done_callback(lambda _t, cid=frame.call_id: ended(cid))
+                        task.add_done_callback(functools.partial(_forget, ended, frame.call_id))
             finally:
                 reading = False  # the caller half-closed: open calls finish, then the stream ends
                 out.put_nowait(None)

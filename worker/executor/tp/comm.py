@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+
 from kvfleet.worker.executor.tp.shm_reduce import ShmAllReduce
 
 MESSAGE_BUFFER_BYTES = 8 << 10  # one broadcast holds a decode step of ~100 sequences

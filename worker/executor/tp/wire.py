@@ -31,6 +31,7 @@ import itertools
 from typing import Sequence
 
 import numpy as np
+
 from kvfleet.worker.engine.step_plan import SeqChunk, StepPlan
 
 METHODS = ("step", "barrier", "stop")  # what rank 0 may call on the other ranks, by index

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+
 from kvfleet.worker.runner.lora.slots import LoraBatch
 from kvfleet.worker.runner.models import PROJECTIONS, CausalLM
 from kvfleet.worker.runner.models.linear import Projection

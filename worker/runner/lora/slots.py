@@ -87,7 +87,9 @@ class LoraBatch:
                 rows: slice | torch.Tensor = slice(*spans[0])
             else:
                 rows = torch.cat([torch.arange(a, b) for a, b in spans]).to(device)
-            segments.append((slots.get(slot), rows))
+            weights = slots.get(slot)
+            assert weights is not None  # checked loaded above
+            segments.append((weights, rows))
         return cls(tuple(segments))
 
     def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:

@@ -11,6 +11,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+
 from kvfleet.worker.runner.model_config import ModelConfig, UnsupportedModel
 
 if TYPE_CHECKING:

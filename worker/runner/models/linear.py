@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+
 from kvfleet.worker.runner import cpu_kernels
 
 PACK_BATCH_HINT = 16

@@ -19,12 +19,13 @@ from typing import cast
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from kvfleet.worker.runner.attention import AttentionMetadata, paged_attention
 from kvfleet.worker.runner.kv_cache import KVCache
 from kvfleet.worker.runner.model_config import ModelConfig, RopeScaling
 from kvfleet.worker.runner.models import PROJECTIONS
 from kvfleet.worker.runner.models.linear import Linear, NoLinear, Projection
-from torch import nn
 
 
 def _llama3_scaling(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:

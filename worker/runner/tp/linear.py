@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+
 from kvfleet.worker.runner.models import PROJECTIONS, CausalLM
 from kvfleet.worker.runner.models.linear import Projection
 from kvfleet.worker.runner.tp.layout import ROW, SPLITS, ShardLayout

@@ -24,6 +24,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+
 from kvfleet.worker.runner.tp.layout import ROW, SPLITS, ShardLayout
 from kvfleet.worker.runner.weights import load_weights
 
