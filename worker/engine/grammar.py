@@ -99,10 +99,8 @@ class GrammarCache:
         """
         key = constraint.digest
         with self._lock:
-            if key in self._cache:
-                self._cache.move_to_end(key)
-                self.stats.hits += 1
-                return self._cache[key]
+            if (hit := self._hit(key)) is not None:
+                return hit
         start = time.monotonic()
         compiled = self._compile(constraint)
         took = time.monotonic() - start
@@ -115,6 +113,15 @@ class GrammarCache:
                     self._cache.popitem(last=False)
         return compiled
 
+    def _hit(self, key: str) -> Any:
+        """The cached grammar for ``key`` (counted as a hit, made most recent), else None.
+        Call with ``_lock`` held."""
+        compiled = self._cache.get(key)
+        if compiled is not None:
+            self._cache.move_to_end(key)
+            self.stats.hits += 1
+        return compiled
+
     async def compile_async(self, constraint: Constraint) -> Any:
         """:meth:`compile` on the cache's threads, waiting at most ``max_compile_s``.
 
@@ -123,10 +130,8 @@ class GrammarCache:
         """
         key = constraint.digest
         with self._lock:
-            if key in self._cache:
-                self._cache.move_to_end(key)
-                self.stats.hits += 1
-                return self._cache[key]
+            if (hit := self._hit(key)) is not None:
+                return hit
             fut = self._inflight.get(key)
             if fut is None:
                 fut = self._inflight[key] = self._pool.submit(self.compile, constraint)
