@@ -1,6 +1,6 @@
 """The real engine over real tensor-parallel rank groups (Ray rank actors, gloo) against
 transformers' full-prefix forward: the engine-exactness scenarios of
-``tests/unit/worker/test_engine_exactness.py`` rerun with rank 0's runner a
+``tests/unit/worker/engine/test_engine_exactness.py`` rerun with rank 0's runner a
 :class:`TPExecutor`, plus every sharding layout and SmolLM2 at tp=3.
 
 Each rank group starts once per test session (at most two alive at a time).
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-import tests.unit.worker.test_engine_exactness as exact
+import tests.unit.worker.engine.test_engine_exactness as exact
 from kvfleet.worker.executor.tp.group import RankGroup, TPSettings
 from kvfleet.worker.executor.tp.rank_worker import RankSpec
 from kvfleet.worker.executor.tp_executor import TPExecutor
@@ -160,6 +160,6 @@ def test_smollm2_tp3_greedy_equals_tp1(tp_groups, smollm2_dir) -> None:
 def test_tp2_mixed_lora_adapters_and_base(tp2, tiny_llama_dir, tiny_adapters) -> None:
     """Three adapters + base in one batch at tp=2: LoRA B split with column-parallel Q/K/V and
     gate/up, A split with row-parallel O and down (see worker/runner/lora/adapter.py)."""
-    import tests.unit.worker.test_lora_exactness as lora
+    import tests.unit.worker.runner.test_lora_exactness as lora
 
     lora.test_mixed_batch_of_three_adapters_and_base_equals_each_alone(tiny_llama_dir, tiny_adapters)

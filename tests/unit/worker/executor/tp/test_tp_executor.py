@@ -19,10 +19,10 @@ from kvfleet.worker.executor.tp.wire import decode_call
 from kvfleet.worker.runner.lora.adapter import check_adapter
 from kvfleet.worker.runner.model_runner import ModelRunner
 
-import tests.unit.worker.test_engine_exactness as exact
+import tests.unit.worker.engine.test_engine_exactness as exact
 from tests.unit.worker import engine_harness
-from tests.unit.worker.parallel.rank_threads import on_ranks
-from tests.unit.worker.parallel.thread_executor import thread_executor
+from tests.unit.worker.executor.tp.rank_threads import on_ranks
+from tests.unit.worker.executor.tp.thread_executor import thread_executor
 
 BLOCK = 4
 

@@ -11,7 +11,7 @@ import torch
 
 from kvfleet.worker.executor.tp.comm import RankComm
 from kvfleet.worker.executor.tp.shm_reduce import ShmAllReduce
-from tests.unit.worker.parallel.rank_threads import on_ranks
+from tests.unit.worker.executor.tp.rank_threads import on_ranks
 
 
 def _group(world: int, body, max_numel: int = 4096) -> list:

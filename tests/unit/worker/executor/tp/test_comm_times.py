@@ -6,7 +6,7 @@ import numpy as np
 import torch
 from kvfleet.worker.executor.tp.comm import CommTimes, RankComm
 
-from tests.unit.worker.parallel.rank_threads import on_ranks
+from tests.unit.worker.executor.tp.rank_threads import on_ranks
 
 
 def test_counts_all_reduces_and_sends_per_rank() -> None:
