@@ -14,6 +14,7 @@ import torch
 from tokenizers import Tokenizer
 
 from kvfleet.client import Client
+from kvfleet.v1 import worker_pb2, worker_pb2_grpc
 from tests.fixtures.adapters import peft_model
 from tests.unit.worker.paged_driver import random_prompt
 
@@ -155,3 +156,67 @@ def test_openai_http_names_an_adapter_as_the_model(tiny_cluster, client, tiny_ll
     assert reply["choices"][0]["text"] == tokenizer.decode(want, skip_special_tokens=False)
     missing = httpx.post(f"{base}/completions", json={**body, "model": "nope"}, timeout=60)
     assert missing.status_code == 404
+
+
+def _on_replica(address: str, prompt: list[int], adapter: str) -> list[int]:
+    """Greedy tokens of ``prompt`` under ``adapter`` from the replica at ``address`` itself."""
+    req = worker_pb2.WorkerGenerateRequest(request_id=f"direct-{address}-{adapter}",
+                                           prompt_token_ids=prompt, tenant="default", adapter=adapter)
+    req.sampling.max_tokens = 4
+    req.sampling.temperature = 0
+    req.sampling.ignore_eos = True
+    with grpc.insecure_channel(address) as channel:
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        return [t for m in stub.Generate(req, timeout=60) for t in m.token_ids]
+
+
+def _wait_listed(client: Client, want: dict[str, int]) -> None:
+    """Wait until ListModels lists exactly the adapters ``want`` names, each on that many
+    replicas."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        (model,) = client.list_models().models
+        if {a.name: a.replicas for a in model.adapters} == want:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"adapters never became {want}: {client.list_models()}")
+
+
+def test_runtime_adapter_changes_reach_replicas_serve_starts_later(tiny_cluster, client, tiny_llama_dir,
+                                                                    tiny_adapters) -> None:
+    """Issue 24 item 16 through Ray Serve: ``rs`` loaded at run time on 1 replica is served by
+    the one a scale 1 → 2 adds; once unloaded, a replica Serve starts later (2 → 1 → 2) lacks it.
+    Leaves the module's fleet as it found it: 2 replicas serving ``qv`` and ``all``."""
+    start_time = {"qv": 2, "all": 2}
+    prompt = random_prompt(20, seed=4242)
+    want = _greedy(tiny_llama_dir, tiny_adapters["rs"], prompt)
+    try:
+        (kept,) = tiny_cluster.scale(1)
+        _wait_listed(client, {"qv": 1, "all": 1})  # the router no longer counts the one gone
+        reply = client.load_adapter("rs", str(tiny_adapters["rs"]))
+        assert [r.replica_id for r in reply.results] == [kept.replica_id]
+        assert reply.results[0].revision and not reply.results[0].error
+
+        (added,) = [i for i in tiny_cluster.scale(2) if i.replica_id != kept.replica_id]
+        _wait_listed(client, {**start_time, "rs": 2})
+        assert _on_replica(added.address, prompt, "rs") == want
+        assert _run(client, prompt, adapter="rs")[0] == want
+
+        client.unload_adapter("rs")
+        _wait_listed(client, start_time)
+        before = {i.replica_id for i in tiny_cluster.scale(1)}
+        (fresh,) = [i for i in tiny_cluster.scale(2) if i.replica_id not in before]
+        _wait_listed(client, start_time)
+        with pytest.raises(grpc.RpcError) as err:
+            _on_replica(fresh.address, prompt, "rs")
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND and "rs" in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:
+            _run(client, prompt, adapter="rs")
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        assert _on_replica(fresh.address, prompt, "qv") == _greedy(tiny_llama_dir, tiny_adapters["qv"],
+                                                                   prompt)
+    finally:
+        tiny_cluster.scale(2)
+        (model,) = client.list_models().models
+        if "rs" in {a.name for a in model.adapters}:  # the test failed before unloading it
+            client.unload_adapter("rs")
