@@ -47,7 +47,7 @@ def test_cpu_run_from_bare_checkout_without_ray_redis_otel(tmp_path: Path) -> No
     out = tmp_path / "gpu_check.json"
     proc = subprocess.run(
         [sys.executable, "-S", "-c", _LAUNCH, str(_site_view(tmp_path)), str(SCRIPT),
-         "--device", "cpu", "--out", str(out)],
+         "--device", "cpu", "--batches", "1,4", "--repeats", "1", "--out", str(out)],
         cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -60,7 +60,7 @@ def test_cpu_run_from_bare_checkout_without_ray_redis_otel(tmp_path: Path) -> No
     assert fp32["max_abs_vs_hf_fp32"] <= 1e-4 * fp32["scale"]
     assert 0 < bf16["hf_bf16_vs_hf_fp32"] and bf16["max_abs_vs_hf_fp32"] <= bf16["tolerance"]
     rows = result["decode"]["rows"]
-    assert [r["batch"] for r in rows] == [1, 8, 32, 64]
+    assert [r["batch"] for r in rows] == [1, 4]
     for r in rows:
         for key in ("kvfleet_tokens_per_s", "hf_tokens_per_s", "kvfleet_step_ms", "hf_step_ms"):
             assert math.isfinite(r[key]) and r[key] > 0, (key, r)
