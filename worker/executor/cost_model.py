@@ -7,7 +7,7 @@ engine calibrates and corrects online, so simulator and engine agree)::
 
     step_s = step_base_s + prefill_token_s × (new tokens of chunks longer than one token)
                          + decode_token_s × (one-token chunks)
-                         + context_token_s × (KV positions those new tokens attend)
+                         + context_token_s × (KV positions the chunks attend)
 
 and :meth:`CostModelExecutor.execute` sleeps until that much time has passed since it was
 called (so the engine's own scheduling and sampling time counts inside the step when it is

@@ -53,9 +53,8 @@ def test_measured_constants_are_recorded(tmp_path):
 
 def test_the_context_term_charges_positions_attended():
     with_context = CostModel(0.01, 0.001, 0.002, "test", 1e-6)
-    p = plan((20, 900), (1, 50))  # 20 queries after 900 tokens; one decode row at 51 positions
-    assert with_context.step_seconds(p) == pytest.approx(
-        COST.step_seconds(p) + 1e-6 * (20 * 900 + 20 * 21 // 2 + 51))
+    p = plan((20, 900), (1, 50))  # 20 new tokens after 900; one decode row reading 51 positions
+    assert with_context.step_seconds(p) == pytest.approx(COST.step_seconds(p) + 1e-6 * (920 + 51))
 
 
 def test_runner_sleeps_the_modelled_time_and_returns_filler_logits(tiny_llama_dir):
