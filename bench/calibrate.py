@@ -6,7 +6,9 @@ Builds the real :class:`~kvfleet.worker.runner.model_runner.ModelRunner` on the 
 (fp32, one torch thread: what each of two replicas gets on a 2-core machine), times the step
 shapes the router benchmark produces (512-token prefill chunks from an empty and a half-full
 context, the 64-token suffix after a 1,024-token cached prefix, decode batches at ~1,088 tokens
-of context) and fits ``seconds ≈ a + b·prefill tokens + c·decode tokens`` by least squares.
+of context) plus decode batches at 64 and 2,048 tokens (so the context term varies on its own),
+and fits the step-cost model's form (``kvfleet.worker.engine.step_cost``: base + prefill
+tokens + decode rows + KV positions attended) by least squares in relative error.
 The samples, the fit, and the machine's load are written to one JSON file, which the benchmark
 reads and records; the constants are never edited by hand. Benchmarks that need the file
 call :func:`ensure_calibration`, which measures it on first use.
@@ -44,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch  # here: ensure_calibration's callers need no torch until they calibrate
 
     from kvfleet.deploy.models import prepare_model
-    from kvfleet.worker.executor.cost_model import calibration_plans, fit, measure
+    from kvfleet.worker.engine.step_calibration import calibration_plans, fit, measure
     from kvfleet.worker.runner.model_runner import ModelRunner
 
     torch.set_num_threads(a.threads)
@@ -56,14 +58,16 @@ def main(argv: list[str] | None = None) -> int:
     samples = []
     for sizes, contexts in (([512], [0, 512]), ([64], [0, 1024]), ([16, 128], [1024])):
         samples += measure(runner, calibration_plans(block_size, sizes, contexts, [], 0), a.repeats)
-    samples += measure(runner, calibration_plans(block_size, [], [], [1, 4, 8, 16], 1088), a.repeats)
+    for batches, context in (([1, 4, 8, 16], 1088), ([1, 8], 64), ([1], 2048)):
+        samples += measure(runner, calibration_plans(block_size, [], [], batches, context), a.repeats)
     source = (f"SmolLM2-135M-Instruct fp32, {a.threads} torch thread(s), {platform.node()} "
               f"({os.cpu_count()} CPUs), {time.strftime('%Y-%m-%d')}")
     cost = fit(samples, source)
     record = {
         "cost_model": cost.to_json(),
-        "samples": [asdict(s) | {"fitted_s": cost.step_base_s + cost.prefill_token_s * s.prefill_tokens
-                                 + cost.decode_token_s * s.decode_tokens} for s in samples],
+        "samples": [asdict(s) | {"fitted_s": cost.predict_step_s(s.decode_tokens, s.prefill_tokens,
+                                                                 s.context_tokens)}
+                    for s in samples],
         "machine": {"cpus": os.cpu_count(), "torch_threads": a.threads,
                     "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
                     "python": platform.python_version(), "torch": torch.__version__},
@@ -73,8 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     a.out.write_text(json.dumps(record, indent=2) + "\n")
     print(json.dumps(record["cost_model"], indent=2))
     for s in record["samples"]:
-        print(f"  prefill {s['prefill_tokens']:4d} decode {s['decode_tokens']:3d} ctx "
-              f"{s['context_tokens']:5d}: {s['seconds'] * 1e3:8.1f} ms (fit {s['fitted_s'] * 1e3:8.1f} ms)")
+        print(f"  prefill {s['prefill_tokens']:4d} decode {s['decode_tokens']:3d} attended "
+              f"{s['context_tokens']:7d}: {s['seconds'] * 1e3:8.1f} ms (fit {s['fitted_s'] * 1e3:8.1f} ms)")
     return 0
 
 

@@ -13,6 +13,7 @@ import torch
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
 from kvfleet.worker.engine.engine import Engine, EngineRequest
 from kvfleet.worker.engine.scheduler import SchedulerConfig
+from kvfleet.worker.engine.step_cost import StepCost
 from kvfleet.worker.engine.step_plan import SeqChunk, StepPlan
 from kvfleet.worker.executor.local import LocalExecutor
 from kvfleet.worker.runner.model_runner import ModelRunner
@@ -32,11 +33,12 @@ class EngineFactory:
         self.tokenizer = tokenizers.Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
         self.config = config
 
-    def engine(self, config: SchedulerConfig | None = None) -> Engine:
+    def engine(self, config: SchedulerConfig | None = None, step_cost: StepCost | None = None) -> Engine:
         c = self.runner.config
         kv = KVCacheManager(self.runner.num_blocks, BLOCK_SIZE)
         return Engine(LocalExecutor(self.runner), kv, self.tokenizer, b"bench", c.eos_token_ids,
-                      c.max_position_embeddings, c.vocab_size, config or self.config)
+                      c.max_position_embeddings, c.vocab_size, config or self.config,
+                      step_cost=step_cost)
 
 
 def _request(prompt: list[int], max_tokens: int) -> EngineRequest:
@@ -44,10 +46,13 @@ def _request(prompt: list[int], max_tokens: int) -> EngineRequest:
     return EngineRequest(f"bench{next(_ids)}", tuple(prompt), params)
 
 
-def run_engine(factory: EngineFactory, requests: list[tuple[list[int], int]]) -> RunResult:
+def run_engine(factory: EngineFactory, requests: list[tuple[list[int], int]],
+               config: SchedulerConfig | None = None, step_cost: StepCost | None = None) -> RunResult:
     """All requests submitted at t=0; step until done. Also measures KV-pool waste: after every
-    step, (slots in blocks held by live requests - tokens with KV) summed over steps, ÷ slots."""
-    engine = factory.engine()
+    step, (slots in blocks held by live requests - tokens with KV) summed over steps, ÷ slots.
+    ``config`` / ``step_cost``: the engine's (default: the factory's config)."""
+    engine = factory.engine(config, step_cost)
+    config = config or factory.config
     t0 = time.perf_counter()
     reqs = [_request(p, n) for p, n in requests]
     index = {r.request_id: i for i, r in enumerate(reqs)}
@@ -70,8 +75,9 @@ def run_engine(factory: EngineFactory, requests: list[tuple[list[int], int]]) ->
     itl = [b - a for s in stamps for a, b in zip(s, s[1:])]
     return RunResult("kvfleet engine", wall, tokens, [s[0] - t0 for s in stamps], itl,
                      extra={"kv_waste": 1 - live / reserved if reserved else 0.0,
-                            "max_num_seqs": factory.config.max_num_seqs,
-                            "max_num_batched_tokens": factory.config.max_num_batched_tokens})
+                            "max_num_seqs": config.max_num_seqs,
+                            "max_num_batched_tokens": config.max_num_batched_tokens,
+                            "itl_target_ms": config.itl_target_ms})
 
 
 def ttft_alone(factory: EngineFactory, engine: Engine, prompt: list[int]) -> tuple[float, int]:

@@ -25,15 +25,21 @@ def _save(fig, path: Path) -> Path:
 
 def plot_ttft_cdfs(ttfts: dict[str, Sequence[float]], path: Path, title: str) -> Path:
     """One CDF line per policy (TTFTs in seconds, log-scaled ms axis); writes a PNG."""
+    return plot_cdfs(ttfts, path, title, "time to first token (ms, client side)", "requests")
+
+
+def plot_cdfs(samples: dict[str, Sequence[float]], path: Path, title: str, xlabel: str,
+              what: str) -> Path:
+    """One CDF line per name (seconds, log-scaled ms axis; ``what`` the samples are); writes a PNG."""
     fig, ax = _pyplot().subplots(figsize=(7, 4.2), dpi=120)
-    for name, xs in ttfts.items():
+    for name, xs in samples.items():
         s = sorted(xs)
         if s:
             ax.step([x * 1e3 for x in s], [(i + 1) / len(s) for i in range(len(s))],
                     where="post", label=f"{name} (n={len(s)})")
     ax.set_xscale("log")
-    ax.set_xlabel("time to first token (ms, client side)")
-    ax.set_ylabel("fraction of requests")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(f"fraction of {what}")
     ax.set_title(title, fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(loc="lower right")

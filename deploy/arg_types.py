@@ -28,12 +28,21 @@ def positive_int(flag: str) -> Callable[[str], int]:
     return check
 
 
+def _positive_number(value: str, what: str) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{what} must be a number, got {value!r}") from None
+    if not 0 < x < float("inf"):
+        raise argparse.ArgumentTypeError(f"{what} must be > 0, got {value}")
+    return x
+
+
+def positive_float(flag: str) -> Callable[[str], float]:
+    """argparse type: a finite number > 0 (else a usage error naming ``flag``)."""
+    return lambda value: _positive_number(value, flag)
+
+
 def positive_seconds(value: str) -> float:
     """argparse type: a finite number of seconds > 0 (a deadline already past is a usage error)."""
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid number of seconds: {value!r}") from None
-    if not 0 < seconds < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {value}")
-    return seconds
+    return _positive_number(value, "seconds")

@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 
 from kvfleet.allocator.units import format_bytes, parse_size
 from kvfleet.constraint import GrammarConfig
-from kvfleet.deploy.arg_types import positive_int, positive_seconds
+from kvfleet.deploy.arg_types import positive_float, positive_int, positive_seconds
 from kvfleet.deploy.cluster_config import ClusterConfig, with_default_internal_tls
 from kvfleet.deploy.models import DEFAULT_MODEL, resolve_model
 from kvfleet.router.main import RouterConfig
@@ -100,6 +100,11 @@ FLAGS: tuple[Flag, ...] = (
          "sequences a replica runs at once (default {default})", type=int),
     Flag("--max-num-batched-tokens", "replica.scheduler.max_num_batched_tokens",
          "tokens one engine step computes (default {default})", type=int),
+    Flag("--itl-target-ms", "replica.scheduler.itl_target_ms",
+         "inter-token latency target: a step takes prefill tokens only while its predicted time "
+         "(the replica's calibrated step-cost model) stays under it; a waiting prompt still "
+         "advances every step (default: off, the token budget alone)",
+         type=positive_float("--itl-target-ms"), metavar="MS"),
     Flag("--max-grammar-compile-s", "replica.grammar.max_compile_s",
          "structured output: a schema, regex or grammar whose compile takes longer is refused "
          "with INVALID_ARGUMENT (default {default} s)", type=positive_seconds),

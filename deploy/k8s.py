@@ -49,6 +49,7 @@ from kvfleet.deploy.k8s_objects import (
 from kvfleet.deploy.serve_control import deploy_config
 from kvfleet.router.main import RouterConfig
 from kvfleet.telemetry import TelemetryConfig
+from kvfleet.worker.engine.scheduler import SchedulerConfig
 from kvfleet.worker.replica.replica import ReplicaConfig
 
 __all__ = ["GRPC_PORT", "HTTP_PORT", "REDIS_PORT", "K8sConfig", "cluster_config", "render",
@@ -66,6 +67,7 @@ def cluster_config(k: K8sConfig) -> ClusterConfig:
         model_dir=f"{k.models_mount}/{k.model_name}", kv_memory_bytes=k.kv_memory_bytes,
         dtype=k.dtype, host="0.0.0.0", redis_url=redis_url(k), tensor_parallel_size=k.tp,
         device="cuda", drain_timeout_s=k.drain_timeout_s, internal_tls_dir=INTERNAL_TLS_MOUNT,
+        scheduler=SchedulerConfig(itl_target_ms=k.itl_target_ms),
         telemetry=TelemetryConfig(otlp_endpoint=otlp, otlp_insecure=True))
     # A router pod told to stop lets its open streams finish as a draining replica does.
     router = RouterConfig(host="0.0.0.0", port=GRPC_PORT, http_port=HTTP_PORT,

@@ -31,6 +31,8 @@ FLAGS = {
     "--dtype": ("dtype", str, "weights and KV dtype"),
     "--drain-timeout": ("drain_timeout_s", float, "seconds a stopping replica or router lets "
                                                  "its streams run on"),
+    "--itl-target-ms": ("itl_target_ms", float, "the replicas' inter-token latency target "
+                                                "(kvfleet up --itl-target-ms; default off)"),
     "--revision": ("revision", str, "rollout label: a new one replaces every replica in "
                                     "place, one at a time"),
     "--traces-endpoint": ("traces_endpoint", str, "OTLP/gRPC endpoint the collector sends "

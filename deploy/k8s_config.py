@@ -5,6 +5,7 @@ pods run; kvfleet.deploy.k8s_objects builds the objects."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Optional
 
 from kvfleet.deploy.models import DEFAULT_MODEL
 from kvfleet.worker.replica.replica import ReplicaConfig
@@ -46,6 +47,7 @@ class K8sConfig:
     dtype: str = "bfloat16"
     drain_timeout_s: float = _REPLICA_DEFAULTS["drain_timeout_s"]  # the replica's own default
     revision: str = ""  # a new one rolls every replica in place, one at a time
+    itl_target_ms: Optional[float] = None  # the replicas' ITL target (None: token budget alone)
     ray_version: str = "2.60.0"
     redis_image: str = "redis:7.2"
     collector_image: str = "otel/opentelemetry-collector-contrib:0.120.0"
@@ -67,6 +69,8 @@ class K8sConfig:
                              f"({self.min_replicas}) and max_replicas ({self.max_replicas})")
         if self.tp < 1 or self.router_replicas < 1:
             raise ValueError("tp and router_replicas must be >= 1")
+        if self.itl_target_ms is not None and not 0 < self.itl_target_ms < float("inf"):
+            raise ValueError(f"--itl-target-ms must be > 0, got {self.itl_target_ms}")
 
     def service(self, part: str) -> str:
         """The Service (and object) name of ``part`` (``router``, ``redis``, …)."""

@@ -101,6 +101,11 @@ METRIC_PREFIX_HIT_TOKENS = "kvfleet.worker.prefix_cache.hit_tokens"
 METRIC_OUTPUT_TOKENS = "kvfleet.worker.output_tokens"
 METRIC_KV_CACHE_USAGE = "kvfleet.worker.kv_cache.usage"
 METRIC_REQUESTS = "kvfleet.worker.requests"
+# The step-cost model against the forwards it predicted (rate(measured) ÷ rate(predicted): drift).
+METRIC_STEP_PREDICTED = "kvfleet.worker.step.predicted_time"
+METRIC_STEP_MEASURED = "kvfleet.worker.step.measured_time"
+METRIC_STEPS = "kvfleet.worker.steps"
+METRIC_STEP_COST_SCALE = "kvfleet.worker.step.cost_scale"
 METRIC_NETWORK_DURATION = "kvfleet.router.network.duration"
 METRIC_ROUTE_DURATION = "kvfleet.router.route.duration"
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable, Collection, Optional
+from typing import Any, Callable, Collection, Optional
 
 import grpc
 from opentelemetry import metrics, trace
@@ -40,7 +40,8 @@ class WorkerTelemetry:
 
     def __init__(self, telemetry: Optional[Telemetry] = None, replica_id: str = "",
                  model: str = "", stats_fn: Optional[Callable[[], dict]] = None,
-                 adapters_fn: Callable[[], Collection[str]] = tuple) -> None:
+                 adapters_fn: Callable[[], Collection[str]] = tuple,
+                 step_cost: Any = None) -> None:
         self.telemetry = telemetry or Telemetry.disabled("worker")
         self.replica_id = replica_id
         self.model = model
@@ -74,6 +75,9 @@ class WorkerTelemetry:
                                       description="Fraction of KV blocks referenced by live requests")
             m.create_observable_gauge(n.METRIC_REQUESTS, [self._requests], unit="{request}",
                                       description="Requests running / waiting in the engine")
+        self._step_cost = step_cost  # the engine's StepCost (kvfleet.worker.engine.step_cost)
+        if step_cost is not None:
+            self._step_instruments(m)
 
     # ---- per request -----------------------------------------------------------------------
     def start(self, request, metadata) -> "WorkerRequestTrace":
@@ -97,6 +101,20 @@ class WorkerTelemetry:
             del self._open[rt.request_id]
 
     # ---- gauges ------------------------------------------------------------------------------
+    def _step_instruments(self, m) -> None:
+        """Predicted vs measured forward time, cumulative (read from the step-cost model)."""
+        counter = lambda name, attr, unit, what: m.create_observable_counter(  # noqa: E731
+            name, [lambda _o: self._step_value(attr)], unit=unit, description=what)
+        counter(n.METRIC_STEP_PREDICTED, "predicted_total_s", "s",
+                "Engine forwards: seconds the step-cost model predicted (before the step)")
+        counter(n.METRIC_STEP_MEASURED, "measured_total_s", "s", "Engine forwards: seconds measured")
+        counter(n.METRIC_STEPS, "steps", "{step}", "Engine forwards timed")
+        m.create_observable_gauge(n.METRIC_STEP_COST_SCALE, [lambda _o: self._step_value("scale")],
+                                  unit="1", description="Online correction: measured ÷ calibrated")
+
+    def _step_value(self, attr: str):
+        yield metrics.Observation(getattr(self._step_cost, attr), {n.GEN_AI_REQUEST_MODEL: self.model})
+
     def _kv_usage(self, _options):
         s = self._stats_fn()
         total = s.get("num_total_blocks", 0)

@@ -27,6 +27,7 @@ from kvfleet.worker.engine.outputs import Milestones, SeqOutput, Timing, TokenLo
 from kvfleet.worker.engine.request import FinishReason, SequenceState
 from kvfleet.worker.engine.sampling import Sampler, SampleState, make_generator
 from kvfleet.worker.engine.scheduler import Fork, Scheduler, SchedulerConfig, SchedulerOutput
+from kvfleet.worker.engine.step_cost import MEASURED, StepCost, plan_shape
 from kvfleet.worker.engine.stop_checker import StopChecker
 from kvfleet.worker.executor.base import Executor
 
@@ -83,6 +84,9 @@ class Engine:
             chain root is keyed by its adapter's name and revision.
         grammar: bounds of structured-output compilation (:class:`GrammarConfig`); a
             constrained row's logits are masked to its grammar before sampling.
+        step_cost: the replica's step-cost model (``engine.step_cost``), told every
+            forward's measured seconds; the scheduler's ITL target budgets with it. Default:
+            the constants measured on SmolLM2 (CPU), corrected online from the first step.
     """
 
     def __init__(self, executor: Executor, kv: KVCacheManager, tokenizer: tokenizers.Tokenizer,
@@ -90,7 +94,8 @@ class Engine:
                  vocab_size: int, config: SchedulerConfig = SchedulerConfig(),
                  adapters: AdapterResidency | None = None,
                  identity: CacheIdentity | None = None,
-                 grammar: GrammarConfig = _GRAMMAR_DEFAULTS) -> None:
+                 grammar: GrammarConfig = _GRAMMAR_DEFAULTS,
+                 step_cost: StepCost | None = None) -> None:
         self.executor = executor
         self.adapters = adapters
         self.kv = kv
@@ -99,7 +104,8 @@ class Engine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
-        self.scheduler = Scheduler(config, kv)
+        self.step_cost = step_cost or StepCost(MEASURED)
+        self.scheduler = Scheduler(config, kv, self.step_cost)
         self.lora = AdapterQueue(adapters, identity, identity_digest, self.scheduler)
         self.sampler = Sampler()
         # Structured output: compiled off this thread by the service, cached by digest.
@@ -178,7 +184,7 @@ class Engine:
         outputs = self._expire_deadlines()
         if self.lora.has_waiting:
             outputs += self.lora.admit(lambda seq, exc: self._finish(seq, FinishReason.ERROR, exc))
-        out = self.scheduler.schedule()
+        out = self.scheduler.schedule(time.monotonic())
         if not out.scheduled:
             if self.lora.has_waiting and not outputs:
                 self.lora.wait(0.01)  # nothing to run but a load: do not spin
@@ -189,6 +195,7 @@ class Engine:
                 s.seq.timing.first_scheduled = now
             if s.seq.num_computed_tokens < s.seq.num_prompt_tokens:  # a prefill chunk (tracing)
                 s.seq.timing.prefill_chunks.append((now, s.num_new_tokens))
+        start = time.perf_counter()
         try:
             logits = self.executor.execute(out.plan)
         except Exception as exc:  # a failed forward fails the requests in it, not the replica
@@ -196,6 +203,7 @@ class Engine:
             failed = dict.fromkeys(s.seq.request_id for s in out.scheduled)
             return outputs + [o for rid in failed
                               for o in self.abort(rid, FinishReason.ERROR, exc)]
+        self.step_cost.observe(plan_shape(out.plan), time.perf_counter() - start)
         forks = self.scheduler.on_step_done(out)
         outputs += self._sample_and_emit(out, forks, logits)
         return outputs

@@ -2,8 +2,9 @@
 
 Each step: running sequences first (decodes, and prefills still catching up), then waiting
 sequences (FCFS, fair among tenants: see below) with chunked prefill filling the remaining token budget
-(``max_num_batched_tokens``) up to ``max_num_seqs``. Admission follows the replica's policy
-(docs/design.md §3):
+(``max_num_batched_tokens``) up to ``max_num_seqs``. With ``itl_target_ms`` set, the step's
+predicted time is budgeted too (:mod:`~kvfleet.worker.engine.step_budget`). Admission follows
+the replica's policy (docs/design.md §3):
 
 * ``watermark`` (default): admit when the uncached prompt fits and a free-block watermark
   stays free; when a running sequence cannot grow, preempt the newest running sequence by
@@ -27,14 +28,17 @@ before a sequence writes into a shared block, the scheduler gives it a private c
 
 from __future__ import annotations
 
+import time
 from collections import Counter, deque
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Optional
 
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
 from kvfleet.allocator.units import cdiv
 from kvfleet.errors import ResourceExhausted
 from kvfleet.worker.engine.request import SeqStatus, SequenceState
+from kvfleet.worker.engine.step_budget import StepBudget, floor_tokens
+from kvfleet.worker.engine.step_cost import StepCostModel
 from kvfleet.worker.engine.step_plan import SeqChunk, StepPlan
 
 POLICIES = ("watermark", "reserve")
@@ -49,6 +53,8 @@ class SchedulerConfig:
     ``max_waiting``: sequences that may wait beside a full running set; the replica holds at
     most ``max_sequences`` = ``max_num_seqs + max_waiting`` unfinished sequences in all (the
     same bound the worker's arrival count applies, so the engine never refuses one it let in).
+    ``itl_target_ms``: a step's predicted forward time (ms) that prefill chunks may fill up to,
+    beside the token budget (None: the token budget alone).
     """
 
     max_num_seqs: int = 16
@@ -59,6 +65,7 @@ class SchedulerConfig:
     # Fraction of max_sequences (waiting + running, refused on arrival past it) and of
     # max_num_seqs (running) one tenant may hold on this replica (1.0: no per-tenant cap).
     tenant_share: float = 1.0
+    itl_target_ms: Optional[float] = None
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -67,6 +74,8 @@ class SchedulerConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be > 0, max_waiting >= 0")
         if not 0 < self.tenant_share <= 1:
             raise ValueError(f"tenant_share must be in (0, 1], got {self.tenant_share}")
+        if self.itl_target_ms is not None and not 0 < self.itl_target_ms < float("inf"):
+            raise ValueError(f"itl_target_ms must be > 0, got {self.itl_target_ms}")
 
     @property
     def max_sequences(self) -> int:
@@ -101,11 +110,21 @@ class Fork:
 
 
 class Scheduler:
-    """Owns the waiting queue, the running set and the KV cache manager of one replica."""
+    """Owns the waiting queue, the running set and the KV cache manager of one replica.
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    ``step_cost`` predicts a step's seconds; required when ``config.itl_target_ms`` is set.
+
+    Raises:
+        ValueError: an ITL target without a step-cost model.
+    """
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
+                 step_cost: Optional[StepCostModel] = None) -> None:
+        if config.itl_target_ms is not None and step_cost is None:
+            raise ValueError("itl_target_ms needs a step-cost model")
         self.config = config
         self.kv = kv
+        self.step_cost = step_cost
         self.waiting: deque[SequenceState] = deque()
         self.running: list[SequenceState] = []
         # leader seq_id -> siblings waiting for its prompt to be computed (n > 1)
@@ -179,9 +198,10 @@ class Scheduler:
         return self.num_queued + len(self.running)
 
     # ---- one step ----------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
-        """Plan one engine step. Never returns a plan whose blocks are not allocated."""
-        budget = self.config.max_num_batched_tokens
+    def schedule(self, now: Optional[float] = None) -> SchedulerOutput:
+        """Plan one engine step at monotonic time ``now`` (default: the clock's). Never
+        returns a plan whose blocks are not allocated."""
+        budget = self._budget(time.monotonic() if now is None else now)
         scheduled: list[ScheduledSeq] = []
         preempted: list[SequenceState] = []
         copies: list[tuple[int, int]] = []
@@ -189,9 +209,10 @@ class Scheduler:
         # 1. Running sequences, oldest first (decodes and prefills in progress).
         i = 0
         self.running.sort(key=lambda s: s.arrival_seq)
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget.has_room:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            n = budget.grant(seq.num_computed_tokens, remaining, reserved=remaining == 1)
             if n <= 0:
                 i += 1
                 continue
@@ -206,7 +227,7 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted itself; it is the last one, loop ends
             scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens + n == seq.num_tokens))
-            budget -= n
+            budget.take(seq.num_computed_tokens, n, reserved=remaining == 1)
             i += 1
 
         # 2. Waiting sequences, fair among tenants (FCFS within one); stop at the first that
@@ -215,7 +236,7 @@ class Scheduler:
         seats = len(self.running) + sum(len(self.pending_forks.get(s.seq_id, ()))
                                         for s in self.running)
         running_by_tenant = Counter(s.tenant for s in self.running)
-        while self.waiting and budget > 0:
+        while self.waiting and budget.has_room:
             seq = self._next_waiting(running_by_tenant)
             group = 1 + len(self.pending_forks.get(seq.seq_id, ()))
             if seats + group > self.config.max_num_seqs:
@@ -225,7 +246,9 @@ class Scheduler:
                 break  # every waiting tenant holds its share of the running slots
             computed = self.kv.get_computed_blocks(seq.block_hashes, seq.num_tokens)
             num_cached = len(computed) * self.kv.block_size
-            n = min(seq.num_tokens - num_cached, budget)
+            n = budget.grant(num_cached, seq.num_tokens - num_cached)
+            if n <= 0:
+                break  # the step's time is spent (its floor too)
             if not self._admissible(seq, computed, num_cached + n):
                 break
             if self.kv.allocate_slots(seq.seq_id, num_cached + n, computed) is None:
@@ -239,7 +262,7 @@ class Scheduler:
             self.running.append(seq)
             seats += group
             scheduled.append(ScheduledSeq(seq, n, num_cached + n == seq.num_tokens))
-            budget -= n
+            budget.take(num_cached, n)
 
         chunks = tuple(
             SeqChunk(
@@ -253,6 +276,22 @@ class Scheduler:
             for s in scheduled
         )
         return SchedulerOutput(StepPlan(chunks, tuple(copies)), tuple(scheduled), tuple(preempted))
+
+    def _budget(self, now: float) -> StepBudget:
+        """This step's allowance; under an ITL target the running decode rows are counted
+        first and the floor follows the oldest request still without a first token."""
+        target_ms = self.config.itl_target_ms
+        if target_ms is None:
+            return StepBudget(self.config.max_num_batched_tokens, self.kv.block_size)
+        target_s = target_ms / 1e3
+        unstarted = [s.timing.arrival for s in self.waiting]
+        unstarted += [s.timing.arrival for s in self.running if not s.output_token_ids]
+        wait = now - min(unstarted) if unstarted else None
+        budget = StepBudget(self.config.max_num_batched_tokens, self.kv.block_size,
+                            self.step_cost, target_s, floor_tokens(self.kv.block_size, target_s, wait))
+        budget.reserve_decodes(s.num_computed_tokens for s in self.running
+                               if s.num_tokens - s.num_computed_tokens == 1)
+        return budget
 
     def _next_waiting(self, running_by_tenant: Counter) -> SequenceState:
         """The oldest waiting sequence of the tenant with the fewest running sequences."""

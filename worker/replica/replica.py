@@ -43,6 +43,8 @@ from kvfleet.worker.engine.adapter_residency import AdapterResidency
 from kvfleet.worker.engine.engine import Engine
 from kvfleet.worker.engine.outputs import SeqOutput
 from kvfleet.worker.engine.scheduler import SchedulerConfig
+from kvfleet.worker.engine.step_calibration import CalibrationKey, device_name, load_or_calibrate
+from kvfleet.worker.engine.step_cost import MEASURED, StepCost
 from kvfleet.worker.executor.base import Executor, RankInfo
 from kvfleet.worker.executor.cost_model import CostModel, cost_model_executor
 from kvfleet.worker.executor.local import LocalExecutor
@@ -129,10 +131,17 @@ class ReplicaConfig:
     # A drain (scale-down, Worker.Drain, SIGTERM) waits this long for in-flight streams, then
     # ends the rest UNAVAILABLE naming the drain.
     drain_timeout_s: float = 30.0
+    # The step-cost model's start-up calibration (kvfleet.worker.engine.step_calibration):
+    # cached here per model/device/tp/dtype/threads (None: <kvfleet cache dir>/step_cost;
+    # "" = never cached), measured for about calibration_budget_s seconds when not cached.
+    step_cost_dir: Optional[str] = None
+    calibration_budget_s: float = 20.0
 
     def __post_init__(self) -> None:
         if not self.drain_timeout_s > 0:
             raise ValueError(f"drain_timeout_s must be > 0, got {self.drain_timeout_s}")
+        if not self.calibration_budget_s > 0:
+            raise ValueError(f"calibration_budget_s must be > 0, got {self.calibration_budget_s}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.tensor_parallel_size > 1 and self.executor != "model":
@@ -202,7 +211,26 @@ def build_engine(cfg: ReplicaConfig, on_rank_failure: Callable[[str], None] = la
     residency = AdapterResidency(executor, catalog, max_loras) if max_loras else None
     return Engine(executor, kv, tokenizer, identity.digest(), mc.eos_token_ids,
                   mc.max_position_embeddings, mc.vocab_size, cfg.scheduler,
-                  adapters=residency, identity=identity, grammar=cfg.grammar)
+                  adapters=residency, identity=identity, grammar=cfg.grammar,
+                  step_cost=_step_cost(cfg, executor, identity))
+
+
+def _step_cost(cfg: ReplicaConfig, executor: Executor, identity: CacheIdentity) -> StepCost:
+    """The replica's step-cost model: a cost-model executor's own constants, or the real
+    executor's start-up calibration (from the cache when this model/device/tp/dtype/threads
+    was calibrated before)."""
+    if cfg.executor == "cost-model":
+        return StepCost(cfg.cost_model or MEASURED)
+    tp = cfg.tensor_parallel_size
+    key = CalibrationKey(identity.digest().hex(), device_name(cfg.device), tp, cfg.dtype,
+                         cfg.num_threads if tp == 1 else 1)
+    if cfg.step_cost_dir is None:
+        from kvfleet.deploy.models import default_cache_dir  # the one kvfleet cache location
+
+        cache: Optional[Path] = default_cache_dir() / "step_cost"
+    else:
+        cache = Path(cfg.step_cost_dir) if cfg.step_cost_dir else None
+    return StepCost(load_or_calibrate(executor, key, cache, cfg.calibration_budget_s))
 
 
 class ReplicaServer:
@@ -265,7 +293,8 @@ class ReplicaServer:
                                          block_ttl_s=self.cfg.block_ttl_s)
         wt = WorkerTelemetry(self.telemetry, self.cfg.replica_id, self.cfg.model_name,
                              stats_fn=lambda: self._loop.stats if self._loop else {},
-                             adapters_fn=lambda: self.engine.adapters.catalog if self.engine.adapters else ())
+                             adapters_fn=lambda: self.engine.adapters.catalog if self.engine.adapters else (),
+                             step_cost=self.engine.step_cost)
         self._loop = EngineLoop(self.engine, aio_loop, on_step=self._on_step(aio_loop),
                                 on_finish=functools.partial(_on_finish, wt, self.hits),
                                 max_unread=self.cfg.stream_limits.max_unread)

@@ -73,3 +73,22 @@ def test_router_shutdown_grace_is_checked():
     assert router_args(base + ["--shutdown-grace-s", "45"]).shutdown_grace_s == 45.0
     with pytest.raises(SystemExit):
         router_args(base + ["--shutdown-grace-s", "-1"])
+
+
+@pytest.mark.parametrize("bad", ["0", "-5", "inf", "nan", "fast"])
+def test_a_bad_itl_target_is_a_usage_error_naming_the_flag(bad, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.build_parser().parse_args(["up", "--itl-target-ms", bad])
+    assert exit_.value.code == 2 and "--itl-target-ms" in capsys.readouterr().err
+
+
+def test_the_itl_target_reaches_the_replicas_scheduler_and_serve_config(tiny_llama_dir):
+    from kvfleet.deploy.cluster_config import serve_application
+
+    off = cluster_config(cli.build_parser().parse_args(["up", "--model", str(tiny_llama_dir)]))
+    assert off.replica.scheduler.itl_target_ms is None  # default: the token budget alone
+    cfg = cluster_config(cli.build_parser().parse_args(
+        ["up", "--model", str(tiny_llama_dir), "--itl-target-ms", "80"]))
+    assert cfg.replica.scheduler.itl_target_ms == 80.0
+    app = serve_application(cfg, "redis://127.0.0.1:1/0", num_cpus=0.5, threads=1)
+    assert app["args"]["replica"]["scheduler"]["itl_target_ms"] == 80.0

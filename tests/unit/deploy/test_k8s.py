@@ -168,3 +168,9 @@ def test_the_raycluster_kuberay_makes_of_the_rayservice_validates():
     del cluster["spec"]["headGroupSpec"]
     with pytest.raises(InvalidManifest, match="headGroupSpec"):
         validate(cluster)
+
+
+def test_the_itl_target_reaches_the_rendered_serve_config(tmp_path):
+    serve = k8s.render(k8s.K8sConfig(itl_target_ms=120))["serve/serve-config.yaml"][0]
+    assert serve["applications"][0]["args"]["replica"]["scheduler"]["itl_target_ms"] == 120
+    assert k8s_main(["render", "--out", str(tmp_path), "--itl-target-ms", "0"]) == 2

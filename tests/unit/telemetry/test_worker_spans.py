@@ -173,3 +173,18 @@ async def test_adapter_is_a_span_attribute_and_a_bounded_metric_label(worker_cap
     labels = {p.attributes.get(n.KVFLEET_ADAPTER)
               for p in worker_capture.points(n.METRIC_WORKER_REQUEST_DURATION)}
     assert labels == {"sql", None}  # an adapter the replica was not configured with: no label
+
+
+def test_predicted_and_measured_step_time_are_exported(worker_capture):
+    from kvfleet.worker.engine.step_cost import CostModel, StepCost
+
+    cost = StepCost(CostModel(0.01, 0.001, 0.002, "fake"), alpha=0.5)
+    WorkerTelemetry(worker_capture.telemetry, "replica-a", "tiny", step_cost=cost)
+    cost.observe((2, 10, 0), 0.048)  # predicted 0.024 s, measured twice that
+    cost.observe((0, 0, 0), 1.0)     # an empty step: not a forward
+    (predicted,) = worker_capture.points(n.METRIC_STEP_PREDICTED)
+    (measured,) = worker_capture.points(n.METRIC_STEP_MEASURED)
+    assert predicted.value == pytest.approx(0.024) and measured.value == pytest.approx(0.048)
+    assert predicted.attributes[n.GEN_AI_REQUEST_MODEL] == "tiny"
+    assert worker_capture.points(n.METRIC_STEPS)[0].value == 1
+    assert worker_capture.points(n.METRIC_STEP_COST_SCALE)[0].value == pytest.approx(2 ** 0.5)

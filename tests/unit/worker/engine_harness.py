@@ -24,6 +24,7 @@ from kvfleet.worker.engine.engine import Engine, EngineRequest
 from kvfleet.worker.engine.outputs import SeqOutput
 from kvfleet.worker.engine.request import FinishReason
 from kvfleet.worker.engine.scheduler import SchedulerConfig
+from kvfleet.worker.engine.step_cost import CostModel, StepCost
 from kvfleet.worker.engine.step_plan import StepPlan
 from kvfleet.worker.executor.base import Executor
 from kvfleet.worker.executor.local import LocalExecutor
@@ -34,6 +35,11 @@ from tests.unit.worker.paged_driver import random_prompt, reference_logits, runn
 
 BLOCK_SIZE = 4
 _ids = itertools.count()
+# An ITL target that changes chunk boundaries, with a fixed (never corrected) cost model: 10 s
+# a token against a 65 s target leaves 6 tokens a step, decode rows included; the floor (one
+# block) only grows after a request has waited 65 s, so chunking does not depend on the clock.
+ITL_TARGET = {"itl_target_ms": 65_000.0,
+              "step_cost": StepCost(CostModel(0.0, 10.0, 10.0, "test: 10 s a token"), alpha=0.0)}
 
 
 def as_executor(runner: ModelRunner | Executor) -> Executor:
@@ -77,9 +83,11 @@ class Result:
 
 
 def make_engine(model_dir: Path, num_blocks: int = 150, runner: ModelRunner | Executor | None = None,
-                adapters=None, identity=None, **scheduler) -> tuple[Engine, RecordingExecutor]:
+                adapters=None, identity=None, step_cost: StepCost | None = None,
+                **scheduler) -> tuple[Engine, RecordingExecutor]:
     """A fresh engine (new KV cache manager) over the session's shared runner for ``model_dir``
-    (``adapters``, ``identity``: see :class:`Engine`).
+    (``adapters``, ``identity``, ``step_cost``: see :class:`Engine`; ``scheduler``: the
+    :class:`SchedulerConfig` fields, e.g. ``**ITL_TARGET``'s).
 
     Sharing the runner's KV tensor across tests is safe: a new manager has no cached blocks,
     so every slot a test reads was written by that test.
@@ -93,7 +101,7 @@ def make_engine(model_dir: Path, num_blocks: int = 150, runner: ModelRunner | Ex
     digest = identity.digest() if identity is not None else b"engine-test-identity"
     engine = Engine(rec, kv, tok, digest, cfg.eos_token_ids, cfg.max_position_embeddings,
                     cfg.vocab_size, SchedulerConfig(**scheduler), adapters=adapters,
-                    identity=identity)
+                    identity=identity, step_cost=step_cost)
     return engine, rec
 
 

@@ -3,22 +3,33 @@
 fp32; every logits row the engine computed (captured by ``RecordingExecutor``) within
 1e-4 x max(1, max|ref|) of transformers on the sequence's own tokens (``scaled_error <= 1``).
 Block size 4, so chunk widths and prefix lengths below are deliberately not multiples of it.
+Every scenario runs twice: with the token budget alone, and with an ITL target whose (fixed,
+fake) cost model allows 6 tokens a step, which moves the chunk boundaries (``budget``).
 """
 
 from __future__ import annotations
 
-from tests.unit.worker.engine_harness import (BLOCK_SIZE, by_position, make_engine, positions, prompt,
-                                              reference_error, request, run, seq_tokens)
+import pytest
+
+from tests.unit.worker.engine_harness import (BLOCK_SIZE, ITL_TARGET, by_position, make_engine, positions,
+                                              prompt, reference_error, request, run, seq_tokens)
 from tests.unit.worker.paged_driver import scaled_error
+
+
+@pytest.fixture(params=["tokens", "itl-target"])
+def budget(request) -> dict:
+    """``make_engine`` arguments of the step budget under test."""
+    return ITL_TARGET if request.param == "itl-target" else {}
+
 
 def _check(model_dir, rec, req, res, index: int = 0) -> None:
     err = reference_error(model_dir, rec, f"{req.request_id}#{index}", seq_tokens(req, res))
     assert err <= 1, f"{req.request_id}#{index}: {err:.2f}x the tolerance"
 
 
-def test_token_by_token(model_dir) -> None:
+def test_token_by_token(model_dir, budget) -> None:
     """A budget of one token per step: the prompt is fed one token at a time, then decodes."""
-    engine, rec = make_engine(model_dir, max_num_batched_tokens=1)
+    engine, rec = make_engine(model_dir, max_num_batched_tokens=1, **budget)
     req = request(prompt(13, seed=1), max_tokens=8)
     res = run(engine, [req])[(req.request_id, 0)]
     assert len(res.token_ids) == 8
@@ -26,20 +37,28 @@ def test_token_by_token(model_dir) -> None:
     _check(model_dir, rec, req, res)
 
 
-def test_uneven_chunks(model_dir) -> None:
+def test_uneven_chunks(model_dir, budget) -> None:
     widths = [5, 11, 3, 7, 2, 6]  # 34 prompt tokens, none a multiple of the block size of 4
-    engine, rec = make_engine(model_dir)
+    engine, rec = make_engine(model_dir, **budget)
     req = request(prompt(34, seed=2), max_tokens=6)
     res = run(engine, [req], budgets=lambda k: widths[k] if k < len(widths) else 64)[(req.request_id, 0)]
     chunks = [len(p.chunks[0].token_ids) for p in rec.plans]
-    assert chunks[:6] == widths and chunks[6:] == [1] * 5
+    if budget:  # at most 6 tokens a step, cut back to block boundaries where they can be
+        starts = [p.chunks[0].num_computed_tokens for p in rec.plans]
+        prefill = [(c, n, w) for c, n, w in zip(starts, chunks, widths + [64] * 99) if c < 34]
+        assert sum(n for _, n, _ in prefill) == 34 and chunks[len(prefill):] == [1] * 5
+        assert chunks[:len(widths)] != widths
+        for c, n, w in prefill[:-1]:
+            assert n <= min(w, 6) and ((c + n) % BLOCK_SIZE == 0 or (c + n) // BLOCK_SIZE * BLOCK_SIZE <= c)
+    else:
+        assert chunks[:6] == widths and chunks[6:] == [1] * 5
     _check(model_dir, rec, req, res)
 
 
-def test_prefix_hits_full_and_mid_block(tiny_llama_dir) -> None:
+def test_prefix_hits_full_and_mid_block(tiny_llama_dir, budget) -> None:
     """A second request reuses the cached full blocks of the first; a third whose shared prefix
     ends mid-block reuses only the full blocks before it and computes the rest."""
-    engine, rec = make_engine(tiny_llama_dir)
+    engine, rec = make_engine(tiny_llama_dir, **budget)
     base = prompt(22, seed=3)
     first = request(base, max_tokens=4)
     same_16 = request(base[:16] + prompt(9, seed=4), max_tokens=5)    # 4 full blocks shared
@@ -57,14 +76,14 @@ def test_prefix_hits_full_and_mid_block(tiny_llama_dir) -> None:
         _check(tiny_llama_dir, rec, r, results[(r.request_id, 0)])
 
 
-def test_mixed_batch_of_eight_joining_and_leaving_equals_each_alone(model_dir) -> None:
+def test_mixed_batch_of_eight_joining_and_leaving_equals_each_alone(model_dir, budget) -> None:
     """Eight requests of different lengths arrive at different steps and finish at different
     steps; prefill chunks share steps with decodes. Each request's logits equal those it gets
     alone (batch invariance) and transformers'."""
     lengths = [(5, 9), (23, 4), (14, 12), (3, 7), (31, 5), (9, 10), (18, 3), (11, 8)]
     reqs = [request(prompt(p, seed=10 + i), max_tokens=m) for i, (p, m) in enumerate(lengths)]
     arrivals = {0: reqs[:2], 1: [reqs[2]], 3: reqs[3:5], 6: [reqs[5]], 9: reqs[6:]}
-    engine, rec = make_engine(model_dir, max_num_batched_tokens=24)
+    engine, rec = make_engine(model_dir, max_num_batched_tokens=24, **budget)
     results = run(engine, arrivals)
     assert max(len(p.chunks) for p in rec.plans) >= 5
     assert any(len({len(c.token_ids) > 1 for c in p.chunks}) == 2 for p in rec.plans), \
@@ -83,11 +102,11 @@ def test_mixed_batch_of_eight_joining_and_leaving_equals_each_alone(model_dir) -
         assert scaled_error(common, solo) <= 1, req.request_id
 
 
-def test_preempted_then_resumed(tiny_llama_dir) -> None:
+def test_preempted_then_resumed(tiny_llama_dir, budget) -> None:
     """Eight blocks of four tokens for three growing requests: the newest is preempted by
     recompute, resumes later, and ends with exactly the tokens and logits it gets alone."""
     reqs = [request(prompt(6, seed=20 + i), max_tokens=12) for i in range(3)]
-    engine, rec = make_engine(tiny_llama_dir, num_blocks=10, watermark=0.0)
+    engine, rec = make_engine(tiny_llama_dir, num_blocks=10, watermark=0.0, **budget)
     preempted = []
 
     def watch(k, eng):
@@ -104,21 +123,23 @@ def test_preempted_then_resumed(tiny_llama_dir) -> None:
     assert max(widths[widths.index(1):]) > 1, "the preempted sequence recomputed after decoding"
 
 
-def test_n2_siblings_after_copy_on_write(tiny_llama_dir) -> None:
+def test_n2_siblings_after_copy_on_write(tiny_llama_dir, budget) -> None:
     """n=2 sampled siblings fork one prompt (10 tokens: 2 full blocks + a half-full one): the
     prompt is computed once, the shared partial block is copied before a sibling writes into
     it, and each sibling's logits equal transformers' on its own tokens."""
-    engine, rec = make_engine(tiny_llama_dir)
+    engine, rec = make_engine(tiny_llama_dir, **budget)
     req = request(prompt(10, seed=30), max_tokens=9, n=2, temperature=1.0, seed=7)
     results = run(engine, [req])
     a, b = results[(req.request_id, 0)], results[(req.request_id, 1)]
     assert a.token_ids != b.token_ids, "seeded siblings must diverge"
     prompt_chunks = [c for p in rec.plans for c in p.chunks if c.num_computed_tokens < 10]
-    assert [c.seq_id for c in prompt_chunks] == [f"{req.request_id}#0"], "prompt computed once"
+    assert {c.seq_id for c in prompt_chunks} == {f"{req.request_id}#0"}, "prompt computed once"
+    assert sum(len(c.token_ids) for c in prompt_chunks) == 10
+    assert len(prompt_chunks) == (2 if budget else 1)  # 6 tokens a step under the target: 4 + 6
     copies = [cp for p in rec.plans for cp in p.block_copies]
     assert len(copies) == 1
     src, dst = copies[0]
-    assert src == prompt_chunks[0].block_table[10 // BLOCK_SIZE] and dst != src
+    assert src == prompt_chunks[-1].block_table[10 // BLOCK_SIZE] and dst != src
     for index, res in enumerate((a, b)):
         _check(tiny_llama_dir, rec, req, res, index)
         assert b.last.usage.prompt_tokens == 10

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from kvfleet.sampling_params import SamplingParams
-from kvfleet.worker.executor.cost_model import (MEASURED, CostModel, CostModelExecutor, StepSample, fit,
-                                       split_tokens)
+from kvfleet.worker.engine.step_calibration import StepSample, fit
+from kvfleet.worker.engine.step_cost import plan_shape
+from kvfleet.worker.executor.cost_model import MEASURED, CostModel, CostModelExecutor
 from kvfleet.worker.engine.engine import EngineRequest
 from kvfleet.worker.runner.model_config import load_model_config
 from kvfleet.worker.replica.replica import ReplicaConfig, build_engine
@@ -28,7 +29,7 @@ def plan(*chunks: tuple[int, int]) -> StepPlan:
 
 def test_step_time_counts_prefill_and_decode_tokens_not_cached_ones():
     p = plan((100, 0), (20, 900), (1, 50), (1, 7))
-    assert split_tokens(p) == (120, 2)  # the 900 cached tokens cost nothing
+    assert plan_shape(p)[:2] == (2, 120)  # the 900 cached tokens are not computed
     assert COST.step_seconds(p) == pytest.approx(0.01 + 0.120 + 0.004)
     assert COST.step_seconds(StepPlan(())) == 0.0
     assert COST.scaled(0.5).step_seconds(p) == pytest.approx(COST.step_seconds(p) / 2)
@@ -48,6 +49,12 @@ def test_measured_constants_are_recorded(tmp_path):
     path = tmp_path / "cal.json"
     path.write_text('{"cost_model": {"step_base_s": 1, "prefill_token_s": 2, "decode_token_s": 3}}')
     assert CostModel.load(path).decode_token_s == 3.0
+
+
+def test_the_context_term_charges_positions_attended():
+    with_context = CostModel(0.01, 0.001, 0.002, "test", 1e-6)
+    p = plan((20, 900), (1, 50))  # 20 new tokens after 900; one decode row reading 51 positions
+    assert with_context.step_seconds(p) == pytest.approx(COST.step_seconds(p) + 1e-6 * (920 + 51))
 
 
 def test_runner_sleeps_the_modelled_time_and_returns_filler_logits(tiny_llama_dir):
@@ -91,3 +98,15 @@ def test_cached_prompt_tokens_equal_the_real_engines(tiny_llama_dir):
                     batches)
     assert modelled == real
     assert sum(real.values()) > 0 and min(real.values()) == 0  # hits and misses both happened
+
+
+def test_a_replica_calibrates_its_step_cost_once_and_a_cost_model_replica_uses_its_own(tiny_llama_dir,
+                                                                                      tmp_path):
+    base = ReplicaConfig(replica_id="x", model_name="tiny", model_dir=str(tiny_llama_dir),
+                         block_size=16, num_blocks=64, step_cost_dir=str(tmp_path))
+    first = build_engine(base).step_cost.prior
+    assert first.source.startswith("start-up calibration") and first.step_base_s > 0
+    (cached,) = tmp_path.glob("*.json")
+    assert build_engine(base).step_cost.prior == CostModel.load(cached) == first  # read, not re-timed
+    modelled = build_engine(replace(base, executor="cost-model", cost_model=COST))
+    assert modelled.step_cost.prior == COST  # the simulator's engine predicts what it sleeps

@@ -1,0 +1,165 @@
+"""The step-cost model: its features, the online correction on synthetic step times, the
+non-negative fit, and the start-up calibration's cache (keyed by model/device/tp/dtype)."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvfleet.worker.engine.step_calibration import (CalibrationKey, StepSample, fit, load_or_calibrate,
+                                                    startup_plans)
+from kvfleet.worker.engine.step_cost import CostModel, StepCost, attended, plan_shape
+from kvfleet.worker.engine.step_plan import SeqChunk, StepPlan
+
+TRUE = CostModel(0.01, 0.001, 0.002, "synthetic", 1e-6)
+
+
+def plan(*chunks: tuple[int, int]) -> StepPlan:
+    """Chunks as (new tokens, computed tokens)."""
+    return StepPlan(tuple(SeqChunk(f"r{i}", (5,) * n, c, tuple(range(64)))
+                          for i, (n, c) in enumerate(chunks)))
+
+
+def test_shape_counts_decode_rows_prefill_tokens_and_positions_attended():
+    assert attended(0, 1) == 1 and attended(9, 1) == 10  # a decode row: its context
+    assert attended(4, 3) == 7                            # a chunk reads its prefix and itself
+    assert plan_shape(plan((100, 0), (20, 900), (1, 50))) == (1, 120, 100 + 920 + 51)
+    assert plan_shape(StepPlan(())) == (0, 0, 0)
+
+
+def test_prediction_is_the_linear_form_and_loads_older_files(tmp_path):
+    p = plan((100, 0), (1, 50))
+    want = 0.01 + 0.002 * 1 + 0.001 * 100 + 1e-6 * (100 + 51)
+    assert TRUE.step_seconds(p) == pytest.approx(want)
+    assert TRUE.predict_step_s(0, 0, 0) == 0.0
+    assert TRUE.scaled(2).step_seconds(p) == pytest.approx(2 * want)
+    path = tmp_path / "old.json"  # written before the context term existed
+    path.write_text('{"cost_model": {"step_base_s": 1, "prefill_token_s": 2, "decode_token_s": 3}}')
+    assert CostModel.load(path).context_token_s == 0.0
+    assert CostModel.from_json(TRUE.to_json()) == TRUE
+    with pytest.raises(ValueError, match=">= 0"):
+        CostModel(0.1, 0.0, 0.0, "", -1.0)
+
+
+def _shapes(rng: random.Random, n: int):
+    for _ in range(n):
+        rows = rng.randrange(1, 16)
+        chunk = rng.choice([0, 16, 64, 256])
+        ctx = rng.randrange(0, 2048)
+        yield (rows, chunk, rows * (ctx + 1) + attended(rng.randrange(0, 1024), chunk))
+
+
+def test_online_correction_converges_to_the_machines_speed_and_follows_drift():
+    rng = random.Random(5)
+    cost = StepCost(TRUE, alpha=0.05)
+    for shape in _shapes(rng, 300):  # this machine is 1.8x slower than calibrated, ±10 % noise
+        cost.observe(shape, TRUE.predict_step_s(*shape) * 1.8 * math.exp(rng.gauss(0, 0.1)))
+    assert cost.scale == pytest.approx(1.8, rel=0.05)
+    assert cost.predict_step_s(4, 64, 5000) == pytest.approx(1.8 * TRUE.predict_step_s(4, 64, 5000),
+                                                            rel=0.05)
+    for shape in _shapes(rng, 300):  # then a neighbour leaves: 0.9x
+        cost.observe(shape, TRUE.predict_step_s(*shape) * 0.9)
+    assert cost.scale == pytest.approx(0.9, rel=0.02)
+    assert cost.steps == 600 and cost.measured_total_s > 0 and cost.predicted_total_s > 0
+
+
+def test_one_outlier_moves_the_correction_by_a_bounded_step():
+    cost = StepCost(TRUE, alpha=0.05)
+    cost.observe((1, 0, 100), 1000.0)  # a step 10^4 x its prediction (a swap storm)
+    assert cost.scale == pytest.approx(4 ** 0.05)
+    assert cost.last_measured_s == 1000.0
+    cost.observe((0, 0, 0), 1.0)  # an empty step tells nothing
+    assert cost.steps == 1
+
+
+def test_alpha_zero_keeps_the_prior():
+    cost = StepCost(TRUE, alpha=0.0)
+    cost.observe((1, 0, 100), 5.0)
+    assert cost.scale == 1.0 and cost.predict_plan_s(plan((1, 99))) == TRUE.step_seconds(plan((1, 99)))
+    with pytest.raises(ValueError, match="alpha"):
+        StepCost(TRUE, alpha=1.5)
+
+
+def test_fit_recovers_all_four_constants_in_relative_error():
+    samples = [StepSample(p, d, c, TRUE.predict_step_s(d, p, c))
+               for d, p, c in [(1, 0, 17), (8, 0, 136), (1, 0, 1025), (0, 64, attended(0, 64)),
+                               (0, 64, attended(1024, 64)), (0, 256, attended(0, 256)), (16, 0, 16400)]]
+    got = fit(samples, "test")
+    assert (got.step_base_s, got.prefill_token_s, got.decode_token_s, got.context_token_s) == pytest.approx(
+        (TRUE.step_base_s, TRUE.prefill_token_s, TRUE.decode_token_s, TRUE.context_token_s), rel=1e-6)
+
+
+def test_fit_never_returns_a_negative_constant():
+    # Decode steps that get *faster* with context: unconstrained, the context term is negative.
+    samples = [StepSample(0, 1, 10, 0.030), StepSample(0, 1, 2000, 0.028), StepSample(0, 8, 80, 0.050),
+               StepSample(64, 0, 64, 0.100), StepSample(256, 0, 256, 0.300)]
+    got = fit(samples)
+    assert got.context_token_s == 0.0 and min(got.step_base_s, got.prefill_token_s, got.decode_token_s) >= 0
+    with pytest.raises(ValueError, match="no samples"):
+        fit([])
+
+
+class FakeExecutor:
+    """Counts forwards; answers with zero logits at once (timing values are not asserted)."""
+
+    def __init__(self, num_blocks: int = 200, block_size: int = 16) -> None:
+        self.config = SimpleNamespace(max_position_embeddings=2048, vocab_size=1000)
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.plans: list[StepPlan] = []
+
+    def execute(self, p: StepPlan) -> torch.Tensor:
+        for c in p.chunks:  # the plans stay inside the pool and the context
+            assert max(c.block_table) < self.num_blocks
+            assert c.num_computed_tokens + len(c.token_ids) <= self.config.max_position_embeddings
+            assert len(c.block_table) * self.block_size >= c.num_computed_tokens + len(c.token_ids)
+        self.plans.append(p)
+        return torch.zeros(len(p.chunks), self.config.vocab_size)
+
+
+KEY = CalibrationKey("ab" * 16, "cpu:x86_64:2", 1, "float32", 2)
+
+
+def test_calibration_is_cached_per_key(tmp_path):
+    ex = FakeExecutor()
+    first = load_or_calibrate(ex, KEY, tmp_path)
+    calls = len(ex.plans)
+    assert calls >= 4 * 3  # >= 4 shapes (one per constant), each warmed up and timed twice
+    shapes = {plan_shape(p) for p in ex.plans}
+    assert len({s.decode_rows for s in shapes}) >= 2 and len({s.prefill_tokens for s in shapes}) >= 2
+    record = json.loads((tmp_path / f"{KEY.digest()}.json").read_text())
+    assert record["key"]["tp"] == 1 and record["key"]["model_digest"] == KEY.model_digest
+    assert len(record["samples"]) == len(shapes)
+    assert load_or_calibrate(ex, KEY, tmp_path) == first
+    assert len(ex.plans) == calls  # served from the cache: no forward ran
+    for other in (CalibrationKey(KEY.model_digest, KEY.device, 2, KEY.dtype, KEY.threads),
+                  CalibrationKey(KEY.model_digest, "cuda:H100", 1, KEY.dtype, KEY.threads),
+                  CalibrationKey(KEY.model_digest, KEY.device, 1, "bfloat16", KEY.threads),
+                  CalibrationKey("cd" * 16, KEY.device, 1, KEY.dtype, KEY.threads)):
+        assert other.digest() != KEY.digest()
+        load_or_calibrate(ex, other, tmp_path)
+        assert len(ex.plans) > calls, other
+        calls = len(ex.plans)
+    assert len(list(tmp_path.glob("*.json"))) == 5
+
+
+def test_a_corrupt_cache_file_only_costs_a_recalibration(tmp_path):
+    (tmp_path / f"{KEY.digest()}.json").write_text("{not json")
+    ex = FakeExecutor()
+    load_or_calibrate(ex, KEY, tmp_path)
+    assert ex.plans and json.loads((tmp_path / f"{KEY.digest()}.json").read_text())["key"]["dtype"] == "float32"
+    ex2 = FakeExecutor()
+    load_or_calibrate(ex2, KEY, None)  # no cache dir: calibrates, writes nothing
+    assert ex2.plans
+
+
+@pytest.mark.parametrize("num_blocks,block_size", [(150, 4), (40, 16), (2000, 16)])
+def test_startup_plans_fit_small_pools(num_blocks, block_size):
+    ex = FakeExecutor(num_blocks, block_size)
+    for p in startup_plans(num_blocks, block_size, 2048, 1000):
+        ex.execute(p)
+    assert len(ex.plans) >= 4

@@ -1,0 +1,129 @@
+"""One engine step's allowance: a token count, and with an ITL target a predicted time.
+
+Without a target (``itl_target_ms`` unset) a step holds up to ``max_num_batched_tokens`` new
+tokens, first come first served — the scheduler as it always was. With one, the step's
+*predicted* forward time (:class:`~kvfleet.worker.engine.step_cost.StepCostModel`) must also
+stay within the target:
+
+* every running decode row is counted first (:meth:`StepBudget.reserve_decodes`): the rows a
+  target protects always run, whatever their order among the step's chunks;
+* a prefill chunk gets the most tokens that keep the prediction within the target, and ends
+  on a KV block boundary when it stops short of its prompt's end (a whole block is what the
+  prefix cache can share);
+* a **floor** of prefill tokens runs each step even past the target, so a waiting prompt
+  always advances: ``block_size × (1 + ⌊oldest wait ÷ target⌋)``, the wait being that of the
+  oldest request still without its first token. A request that has waited ten targets
+  gets eleven blocks a step, so TTFT cannot starve behind a full decode batch.
+
+Decode rows alone may predict more than the target (many rows, long contexts): the target
+then only keeps prefill to its floor. The token count stays a hard limit throughout.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+from kvfleet.worker.engine.step_cost import StepCostModel, attended
+
+
+def floor_tokens(block_size: int, target_s: float, oldest_wait_s: Optional[float]) -> int:
+    """Prefill tokens a step runs past the target: one block, plus one per target waited by
+    the oldest request without a first token (0 when there is none)."""
+    if oldest_wait_s is None:
+        return 0
+    return block_size * (1 + int(max(0.0, oldest_wait_s) // target_s))
+
+
+class StepBudget:
+    """What is left of one step's allowance while the scheduler fills it.
+
+    :meth:`grant` says how many of a chunk's tokens fit (it changes nothing); :meth:`take`
+    commits a chunk that was scheduled. ``reserved`` marks a running decode row already
+    counted by :meth:`reserve_decodes`.
+
+    Args:
+        max_tokens: ``max_num_batched_tokens``.
+        block_size: tokens per KV block (chunk ends are aligned to it under a target).
+        cost: the replica's step-cost model; with ``target_s`` None it is not consulted.
+        target_s: the ITL target in seconds (None: tokens only).
+        floor: prefill tokens this step runs even past the target (:func:`floor_tokens`).
+    """
+
+    def __init__(self, max_tokens: int, block_size: int, cost: Optional[StepCostModel] = None,
+                 target_s: Optional[float] = None, floor: int = 0) -> None:
+        if target_s is not None and cost is None:
+            raise ValueError("an ITL target needs a step-cost model")
+        self.tokens_left = max_tokens
+        self.block_size = block_size
+        self.cost = cost
+        self.target_s = target_s
+        self.floor_left = floor
+        self.decode_rows = 0
+        self.prefill_tokens = 0
+        self.context_tokens = 0
+
+    @property
+    def timed(self) -> bool:
+        return self.target_s is not None
+
+    @property
+    def has_room(self) -> bool:
+        return self.tokens_left > 0
+
+    def predicted_s(self) -> float:
+        """The step's predicted seconds so far (0 without a cost model)."""
+        if self.cost is None:
+            return 0.0
+        return self.cost.predict_step_s(self.decode_rows, self.prefill_tokens, self.context_tokens)
+
+    def reserve_decodes(self, contexts: Iterable[int]) -> None:
+        """Count the running decode rows (their computed tokens each) before any chunk."""
+        if self.timed:
+            for c in contexts:
+                self._add(c, 1)
+
+    def grant(self, num_computed: int, want: int, reserved: bool = False) -> int:
+        """Tokens (0..``want``) of a chunk starting after ``num_computed`` tokens that fit."""
+        cap = min(want, self.tokens_left)
+        if not self.timed or cap <= 0 or reserved:
+            return max(cap, 0)
+        n = max(self._fits(num_computed, cap), min(cap, self.floor_left))
+        if 0 < n < want:  # stopping short of the prompt's end: end on a block boundary
+            aligned = (num_computed + n) // self.block_size * self.block_size - num_computed
+            n = aligned if aligned > 0 else n
+        return n
+
+    def take(self, num_computed: int, n: int, reserved: bool = False) -> None:
+        """Commit a scheduled chunk of ``n`` tokens after ``num_computed``."""
+        self.tokens_left -= n
+        if self.timed and not reserved:
+            self._add(num_computed, n)
+            self.floor_left = max(0, self.floor_left - n)
+
+    # ---- helpers -------------------------------------------------------------------------
+    def _add(self, num_computed: int, n: int) -> None:
+        if n == 1:
+            self.decode_rows += 1
+        else:
+            self.prefill_tokens += n
+        self.context_tokens += attended(num_computed, n)
+
+    def _with(self, num_computed: int, n: int) -> float:
+        """Predicted seconds with a chunk of ``n`` more tokens."""
+        assert self.cost is not None
+        rows, prefill = (1, 0) if n == 1 else (0, n)
+        return self.cost.predict_step_s(self.decode_rows + rows, self.prefill_tokens + prefill,
+                                        self.context_tokens + attended(num_computed, n))
+
+    def _fits(self, num_computed: int, cap: int) -> int:
+        """The most tokens (<= ``cap``) whose chunk keeps the prediction within the target
+        (the prediction grows with ``n``: binary search)."""
+        assert self.target_s is not None
+        lo, hi = 0, cap
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._with(num_computed, mid) <= self.target_s:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo

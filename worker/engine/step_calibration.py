@@ -1,0 +1,196 @@
+"""Fitting the step-cost model (:mod:`kvfleet.worker.engine.step_cost`) from timed steps.
+
+Two users: a replica at start-up (:func:`load_or_calibrate`: a few timed steps on its own
+executor, bounded in seconds, cached on disk) and ``python -m bench.calibrate`` (the constants
+the cost-model executor runs with). Both time plans with :func:`measure` and fit them with
+:func:`fit`.
+
+**Cache.** One JSON file per :class:`CalibrationKey` — the served model's cache-identity
+digest (weights, tokenizer, dtype, block size), the device (``cpu:<processor>:<cpus>`` or the
+CUDA device name), ``tp``, dtype, torch threads and :data:`FORMAT` — named by the key's
+digest: ``<cache dir>/<digest>.json``, holding the key itself, the fitted constants and the
+samples. A changed model, device or setting is a new file; delete one to recalibrate.
+
+Calibration writes KV into blocks of the (still empty) pool: no request owns or has cached
+them, so nothing reads what it wrote before a request overwrites it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass
+from hashlib import sha256
+from pathlib import Path
+from typing import Iterable, Iterator, Protocol, Sequence
+
+import torch
+
+from kvfleet.allocator.units import cdiv
+from kvfleet.worker.engine.step_cost import CostModel, plan_shape
+from kvfleet.worker.engine.step_plan import SeqChunk, StepPlan
+
+log = logging.getLogger(__name__)
+FORMAT = 1  # bump when the model form or the plans change: old cache files stop matching
+DEFAULT_BUDGET_S = 20.0
+
+
+class _Runs(Protocol):
+    def execute(self, plan: StepPlan) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """One measured forward: its shape (see :class:`~.step_cost.StepShape`) and seconds."""
+
+    prefill_tokens: int
+    decode_tokens: int
+    context_tokens: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class CalibrationKey:
+    """What a calibration is valid for (module docstring); :meth:`digest` names its file."""
+
+    model_digest: str  # hex of the served model's CacheIdentity digest
+    device: str
+    tp: int
+    dtype: str
+    threads: int
+    format: int = FORMAT
+
+    def digest(self) -> str:
+        return sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:32]
+
+
+def device_name(device: str) -> str:
+    """The device a calibration was timed on: the CUDA device's name, or the CPU's."""
+    if device.startswith("cuda"):
+        return f"cuda:{torch.cuda.get_device_name(torch.device(device))}"
+    return f"cpu:{platform.processor() or platform.machine()}:{os.cpu_count()}"
+
+
+def fit(samples: Sequence[StepSample], source: str = "") -> CostModel:
+    """Least squares of ``seconds ≈ base + prefill·p + decode·d + context·c`` in *relative*
+    error (each row divided by its seconds: a 30 ms decode step counts as much as a 5 s
+    prefill), constrained to constants >= 0 (a term fitted negative is dropped and the rest
+    refitted). Terms no sample varies are 0.
+
+    Raises:
+        ValueError: no samples.
+    """
+    if not samples:
+        raise ValueError("no samples to fit")
+    x = torch.tensor([[1.0, s.prefill_tokens, s.decode_tokens, s.context_tokens] for s in samples],
+                     dtype=torch.float64)
+    y = torch.tensor([s.seconds for s in samples], dtype=torch.float64)
+    w = 1.0 / y.clamp(min=1e-9)
+    active = [j for j in range(4) if j == 0 or bool((x[:, j] != 0).any())]
+    coef = torch.zeros(4, dtype=torch.float64)
+    while active:
+        xa = x[:, active] * w[:, None]
+        sol = torch.linalg.lstsq(xa, (y * w)[:, None]).solution.flatten()
+        if bool((sol >= 0).all()):
+            coef[active] = sol
+            break
+        active.pop(int(torch.argmin(sol)))
+    base, prefill, decode, context = (float(v) for v in coef)
+    return CostModel(base, prefill, decode, source, context)
+
+
+def _chunk(rid: str, n: int, ctx: int, first_block: int, block_size: int, vocab: int) -> SeqChunk:
+    blocks = cdiv(ctx + n, block_size)
+    return SeqChunk(rid, tuple(1 + (i % (vocab - 1)) for i in range(n)), ctx,
+                    tuple(range(first_block, first_block + blocks)))
+
+
+def calibration_plans(block_size: int, prefill_sizes: Iterable[int], contexts: Iterable[int],
+                      decode_batches: Iterable[int], decode_context: int, vocab: int = 1100
+                      ) -> Iterator[StepPlan]:
+    """Plans of one prefill chunk per (context, size), then decode batches at
+    ``decode_context``; block tables are disjoint ranges from block 0."""
+    for ctx in contexts:
+        for n in prefill_sizes:
+            yield StepPlan((_chunk("p", n, ctx, 0, block_size, vocab),))
+    for batch in decode_batches:
+        per = cdiv(decode_context + 1, block_size)
+        yield StepPlan(tuple(_chunk(f"d{i}", 1, decode_context, i * per, block_size, vocab)
+                             for i in range(batch)))
+
+
+def startup_plans(num_blocks: int, block_size: int, max_model_len: int, vocab: int) -> list[StepPlan]:
+    """The start-up calibration's shapes, cheapest first, sized to fit the KV pool and the
+    context: decode batches at a short and a long context, prefill chunks from an empty and
+    a long prefix (so base, decode, prefill and context terms each vary on their own)."""
+    slots = num_blocks * block_size
+    long_ctx = max(1, min(1024, max_model_len - 257, slots // 2 - 256))
+    short_ctx = min(16, long_ctx)
+    batch = max(2, min(8, num_blocks // max(1, cdiv(short_ctx + 1, block_size))))
+    plans: list[StepPlan] = []
+    for b, ctx in ((1, short_ctx), (batch, short_ctx), (1, long_ctx)):
+        plans += calibration_plans(block_size, [], [], [b], ctx, vocab)
+    for n, ctx in ((64, 0), (64, long_ctx), (256, 0)):
+        plans += calibration_plans(block_size, [n], [ctx], [], 0, vocab)
+    return [p for p in plans  # a pool or context too small for a shape skips it
+            if all(max(c.block_table) < num_blocks
+                   and c.num_computed_tokens + len(c.token_ids) <= max_model_len for c in p.chunks)]
+
+
+def measure(runner: _Runs, plans: Iterable[StepPlan], repeats: int = 3,
+            budget_s: float = float("inf")) -> list[StepSample]:
+    """Median wall time of ``runner.execute`` per plan, after one warm-up call. Stops before
+    a plan once ``budget_s`` has passed (at least 4 plans run: one per constant)."""
+    out: list[StepSample] = []
+    start = time.perf_counter()
+    for plan in plans:
+        if len(out) >= 4 and time.perf_counter() - start > budget_s:
+            break
+        runner.execute(plan)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            runner.execute(plan)
+            times.append(time.perf_counter() - t0)
+        shape = plan_shape(plan)
+        out.append(StepSample(shape.prefill_tokens, shape.decode_rows, shape.context_tokens,
+                              sorted(times)[len(times) // 2]))
+    return out
+
+
+def load_or_calibrate(executor, key: CalibrationKey, cache_dir: Path | None,
+                      budget_s: float = DEFAULT_BUDGET_S) -> CostModel:
+    """The cached calibration for ``key`` under ``cache_dir``, else a fresh one (a few timed
+    steps on ``executor``, about ``budget_s`` seconds at most), written there. ``cache_dir``
+    None: calibrate, cache nothing. An unreadable or unwritable cache only costs a
+    recalibration (logged), never a failed start."""
+    path = cache_dir / f"{key.digest()}.json" if cache_dir is not None else None
+    if path is not None and path.exists():
+        try:
+            data = json.loads(path.read_text())
+            if data.get("key") == asdict(key):
+                return CostModel.from_json(data["cost_model"], str(path))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("step-cost cache %s unreadable (%s): recalibrating", path, exc)
+    cfg = executor.config
+    plans = startup_plans(executor.num_blocks, executor.block_size,
+                          cfg.max_position_embeddings, cfg.vocab_size)
+    t0 = time.perf_counter()
+    samples = measure(executor, plans, repeats=2, budget_s=budget_s)
+    cost = fit(samples, f"start-up calibration {key.device} tp={key.tp} {key.dtype} "
+                        f"{key.threads} thread(s), {time.strftime('%Y-%m-%d')}")
+    log.info("step cost calibrated in %.1f s over %d shapes: %s", time.perf_counter() - t0,
+             len(samples), cost)
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"key": asdict(key), "cost_model": cost.to_json(),
+                                       "samples": [asdict(s) for s in samples]}, indent=2) + "\n")
+            tmp.replace(path)
+        except OSError as exc:
+            log.warning("step-cost cache %s not written (%s)", path, exc)
+    return cost
