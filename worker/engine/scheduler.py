@@ -304,9 +304,11 @@ class Scheduler:
             return
         seq = self.waiting[0]
         group = 1 + len(self.pending_forks.get(seq.seq_id, ()))
-        held = sum(1 for s in self.running if s.tenant == seq.tenant)
-        if held and held + group > self._tenant_seats:
-            return  # its tenant's share, not the class, holds it back
+        if self.config.tenant_share < 1:  # its tenant's share, not the class, may hold it back
+            victims = self.rules.victims(seq, self.running)
+            held = sum(1 for s in self.running if s.tenant == seq.tenant and s not in victims)
+            if held and held + group > self._tenant_seats:
+                return
         while True:
             computed = self.kv.get_computed_blocks(seq.block_hashes, seq.num_tokens)
             num_cached = len(computed) * self.kv.block_size
