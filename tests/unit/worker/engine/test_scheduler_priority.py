@@ -9,6 +9,7 @@ from kvfleet.sampling_params import SamplingParams
 from kvfleet.worker.engine.priority_queue import PriorityRules
 from kvfleet.worker.engine.request import SeqStatus, SequenceState
 from kvfleet.worker.engine.scheduler import Scheduler, SchedulerConfig
+from tests.unit.worker.engine.test_scheduler import run_step as step
 
 BS = 4
 _arrival = iter(range(10**6))
@@ -24,16 +25,6 @@ def seq(level: int, prompt_len: int = 4, tenant: str = "t", max_tokens: int = 8)
                          prompt_token_ids=list(range(100 * a + 1, 100 * a + 1 + prompt_len)),
                          params=SamplingParams(max_tokens=max_tokens), root_hash=b"r" * 16,
                          block_size=BS, arrival_seq=a, tenant=tenant, priority=level)
-
-
-def step(s: Scheduler, token: int = 7):
-    out = s.schedule()
-    s.on_step_done(out)
-    for x in out.scheduled:
-        if x.sample and x.seq.status is SeqStatus.RUNNING:
-            x.seq.append_token(token)
-    s.kv.check_invariants()
-    return out
 
 
 def ids(seqs) -> list[str]:
