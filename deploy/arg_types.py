@@ -43,6 +43,30 @@ def positive_float(flag: str) -> Callable[[str], float]:
     return lambda value: _positive_number(value, flag)
 
 
+def fraction(flag: str) -> Callable[[str], float]:
+    """argparse type: a number in (0, 1] (else a usage error naming ``flag``)."""
+    def check(value: str) -> float:
+        try:
+            x = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} must be a number, got {value!r}") from None
+        if not 0 < x <= 1:
+            raise argparse.ArgumentTypeError(f"{flag} must be in (0, 1], got {value}")
+        return x
+    return check
+
+
+def priority_admit(value: str) -> dict[str, float]:
+    """argparse type of ``--priority-admit`` (kvfleet.priority.parse_admit), a usage error
+    naming the flag when malformed."""
+    from kvfleet.priority import parse_admit
+
+    try:
+        return parse_admit(value, "--priority-admit")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def positive_seconds(value: str) -> float:
     """argparse type: a finite number of seconds > 0 (a deadline already past is a usage error)."""
     return _positive_number(value, "seconds")

@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 from kvfleet.allocator.units import cdiv
 from kvfleet.deploy.ray_local import RAY_ENV
 from kvfleet.deploy.serve_app import Placement, app_config
+from kvfleet.priority import format_admit
 from kvfleet.router.main import RouterConfig, parse_args
 from kvfleet.secrets import (
     REDIS_PASSWORD_ENV,
@@ -169,6 +170,8 @@ def router_args(router: RouterConfig) -> list[str]:
         raise ValueError(f"router.policy_options: unknown option(s) {unknown}")
     for name, value in r.policy_options.items():
         args += ["--" + name.replace("_", "-"), _text(value)]
+    if r.priority_admit != _ROUTER_DEFAULTS.priority_admit:
+        args += ["--priority-admit", format_admit(r.priority_admit)]
     if r.stream_limits != StreamLimits():
         args += ["--stream-max-unread", str(r.stream_limits.max_unread),
                  "--stream-stall-s", _text(r.stream_limits.stall_s)]

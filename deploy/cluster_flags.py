@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 
 from kvfleet.allocator.units import format_bytes, parse_size
 from kvfleet.constraint import GrammarConfig
-from kvfleet.deploy.arg_types import positive_float, positive_int, positive_seconds
+from kvfleet.deploy.arg_types import fraction, positive_float, positive_int, positive_seconds, priority_admit
 from kvfleet.deploy.cluster_config import ClusterConfig, with_default_internal_tls
 from kvfleet.deploy.models import DEFAULT_MODEL, resolve_model
 from kvfleet.router.main import RouterConfig
@@ -140,6 +140,16 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--tenant-share", "replica.scheduler.tenant_share",
          "fraction of a replica's running + waiting slots one tenant may hold (default "
          "{default}: no per-tenant cap)", type=float),
+    Flag("--batch-share", "replica.scheduler.batch_share",
+         "fraction of a replica's running slots the batch priority class may hold (default "
+         "{default}: no cap)", type=fraction("--batch-share")),
+    Flag("--preempt-streaming", "replica.scheduler.preempt_streaming",
+         "a higher priority class may also preempt (by recompute) lower-class requests that "
+         "have streamed tokens (default: only those that have not)", action="store_true"),
+    Flag("--priority-admit", "router.priority_admit",
+         "CLASS=FRACTION,...: refuse a priority class's requests once the fleet holds this "
+         "fraction of its capacity, keeping the rest for higher classes (default "
+         "interactive=1,default=1,batch=0.8)", type=priority_admit, metavar="CLASS=FRACTION,..."),
     Flag("--http-port", "router.http_port",
          "the router's OpenAI-compatible HTTP API (default {default}; 0 = a free port, -1 = off)",
          type=int, default=8000, only=("up",), convert=lambda port: None if port < 0 else port),

@@ -19,6 +19,11 @@ names the tenants that may load and unload adapters at run time (with a key file
 may; an open router lets anyone). Adapter listings (``ListModels``, ``/v1/models``) show a
 tenant only the adapters it may use.
 
+Priority: a key's value may be an object instead of the tenant's name,
+``{"tenant": "<tenant>", "priority": "batch"}``: requests with that key that set no
+``priority`` of their own get that class (or number, see :mod:`kvfleet.priority`); other keys'
+default is ``default``. A bad class fails the whole file (the router keeps its previous keys).
+
 Cluster admins: ``"admins": ["<tenant>", ...]`` may call ``Router.ClusterStatus`` (replica
 addresses, pids, the Redis host); with a key file nobody else may.
 
@@ -38,7 +43,8 @@ import json
 from pathlib import Path
 from typing import Optional, Sequence
 
-from kvfleet.errors import NotFound, PermissionDenied, Unauthenticated
+from kvfleet import priority
+from kvfleet.errors import InvalidArgument, NotFound, PermissionDenied, Unauthenticated
 
 DEFAULT_TENANT = "default"
 _OBJECT_FIELDS = {"keys", "shared_namespaces", "tenant_limits", "default_tenant_share",
@@ -58,8 +64,13 @@ class Authenticator:
                  tenant_limits: Optional[dict[str, int]] = None,
                  default_tenant_share: float = 1.0,
                  adapter_tenants: Optional[dict[str, Sequence[str]]] = None,
-                 adapter_admins: Sequence[str] = (), admins: Sequence[str] = ()) -> None:
+                 adapter_admins: Sequence[str] = (), admins: Sequence[str] = (),
+                 key_priorities: Optional[dict[str, int]] = None) -> None:
         self._keys = dict(keys or {})
+        # API key → its default priority (kvfleet.priority); keys not listed: none.
+        self._key_priorities = dict(key_priorities or {})
+        if set(self._key_priorities) - set(self._keys):
+            raise ValueError("key_priorities names keys that are not in keys")
         self.adapter_tenants = {a: frozenset(ts) for a, ts in (adapter_tenants or {}).items()}
         self.adapter_admins = frozenset(adapter_admins)
         self.admins = frozenset(admins)
@@ -109,9 +120,9 @@ class Authenticator:
                 raise ValueError(f"{path}: unknown fields {sorted(set(data) - _OBJECT_FIELDS)}")
         else:
             keys = data
-        if not isinstance(keys, dict) or not all(isinstance(k, str) and isinstance(v, str)
-                                                 for k, v in keys.items()):
+        if not isinstance(keys, dict):
             raise ValueError(f"{path}: expected a JSON object mapping API keys to tenant names")
+        keys, key_priorities = _split_key_entries(keys, path)
         if not keys:  # fail closed: a named file that holds no key must not open the router
             raise ValueError(f"{path}: no API keys (a key file must hold at least one; run "
                              f"without --api-keys for an open router)")
@@ -125,7 +136,8 @@ class Authenticator:
             if not isinstance(names, list) or not all(isinstance(t, str) for t in names):
                 raise ValueError(f"{path}: {field_name} must be a list of tenants")
         try:
-            return cls(keys, shared, limits, share, adapters, admins, cluster_admins)
+            return cls(keys, shared, limits, share, adapters, admins, cluster_admins,
+                       key_priorities)
         except ValueError as exc:
             raise ValueError(f"{path}: {exc}") from None
 
@@ -137,13 +149,24 @@ class Authenticator:
         """The tenant for a request's metadata. Raises Unauthenticated."""
         if self.open:
             return DEFAULT_TENANT
+        return self._keys[self._api_key(metadata)]
+
+    def key_priority(self, metadata: Sequence[tuple[str, str]]) -> Optional[int]:
+        """The default priority of the request's API key (None: the key sets none, or the
+        router is open). Raises Unauthenticated, as :meth:`tenant` does."""
+        if self.open or not self._key_priorities:
+            return None
+        return self._key_priorities.get(self._api_key(metadata))
+
+    def _api_key(self, metadata: Sequence[tuple[str, str]]) -> str:
+        """The known API key the metadata carries. Raises Unauthenticated."""
         auth = dict(metadata or ()).get("authorization", "")
         scheme, _, key = auth.partition(" ")
         if scheme.lower() != "bearer" or not key:
             raise Unauthenticated("missing 'authorization: Bearer <api key>' metadata")
-        for known, tenant in self._keys.items():
+        for known in self._keys:
             if hmac.compare_digest(known.encode(), key.strip().encode()):
-                return tenant
+                return known
         raise Unauthenticated("unknown API key")
 
     def tenant_limit(self, tenant: str, fleet_capacity: int) -> Optional[int]:
@@ -182,6 +205,32 @@ class Authenticator:
     def cache_scope(self, tenant: str) -> str:
         """The scope a tenant's KV blocks are keyed by: itself, or ``@<shared namespace>``."""
         return self._scope.get(tenant, tenant)
+
+
+def _split_key_entries(entries: dict, path: str) -> tuple[dict[str, str], dict[str, int]]:
+    """A key file's ``keys`` → (API key → tenant, API key → default priority). A value is a
+    tenant name or ``{"tenant": ..., "priority": ...}``. Raises ValueError naming the field
+    and the tenant (never the key: it is a secret)."""
+    keys: dict[str, str] = {}
+    priorities: dict[str, int] = {}
+    for key, value in entries.items():
+        if isinstance(value, dict):
+            tenant = value.get("tenant")
+            if not isinstance(key, str) or not isinstance(tenant, str) or set(value) - {
+                    "tenant", "priority"}:
+                raise ValueError(f"{path}: keys: an object value needs a string 'tenant' and "
+                                 f"may hold only 'priority' besides, got fields {sorted(value)}")
+            if "priority" in value:
+                try:
+                    priorities[key] = priority.parse(value["priority"], "priority")
+                except InvalidArgument as exc:
+                    raise ValueError(f"{path}: keys: the priority of a key of tenant "
+                                     f"{tenant!r}: {exc}") from None
+            value = tenant
+        if not (isinstance(key, str) and isinstance(value, str)):
+            raise ValueError(f"{path}: expected a JSON object mapping API keys to tenant names")
+        keys[key] = value
+    return keys, priorities
 
 
 def _check_name(name: str, kind: str) -> None:

@@ -8,12 +8,18 @@ hint, the ``grpc-retry-pushback-ms`` trailer, instead of waiting for a worker to
 A replica with no advertised limit always counts as having room (its worker decides).
 A tenant's own limit (``Authenticator.tenant_limit``: the key file's, per router) is checked
 first, so a tenant that floods is refused before it fills the fleet.
+
+Priority classes keep headroom for the classes above them (:func:`check_class_room`): a
+request whose band (``kvfleet.priority.band``) is admitted at fraction ``f`` of the fleet's
+advertised capacity is refused once the candidates hold ``f ×`` that capacity (by default
+``batch`` at 80 %, ``default`` and ``interactive`` at 100 %). Every refusal names the class.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
+from kvfleet import priority
 from kvfleet.errors import ResourceExhausted
 from kvfleet.router.policy import Candidate
 
@@ -46,10 +52,30 @@ def check_tenant(tenant: str, inflight: int, limit: Optional[int]) -> None:
                                 f"requests on this router")
 
 
-def check_room(candidates: Sequence[Candidate], model: str) -> None:
-    """Raises ResourceExhausted (naming the limit) when every candidate is at its limit."""
+def check_room(candidates: Sequence[Candidate], model: str,
+               level: int = priority.DEFAULT) -> None:
+    """Raises ResourceExhausted (naming the limit and the class of priority ``level``)
+    when every candidate is at its limit."""
     if candidates and not any(has_room(c) for c in candidates):
         limits = sorted({c.info.max_requests for c in candidates})
         raise ResourceExhausted(
             f"every replica of model {model!r} is at its limit of "
-            f"{'/'.join(map(str, limits))} running + waiting sequences")
+            f"{'/'.join(map(str, limits))} running + waiting sequences (refused: "
+            f"{priority.describe(level)} request)")
+
+
+def check_class_room(candidates: Sequence[Candidate], model: str, level: int,
+                     admit: Mapping[str, float]) -> None:
+    """Raises ResourceExhausted, naming the class, when the candidates hold at least
+    ``admit[band(level)]`` of the fleet's capacity (a fraction of 1, or an unknown capacity,
+    never refuses here: :func:`check_room` decides)."""
+    fraction = admit[priority.band(level)]
+    capacity = fleet_capacity(candidates)
+    if fraction >= 1 or capacity <= 0:
+        return
+    held, limit = sum(c.load for c in candidates), max(1, int(fraction * capacity))
+    if held >= limit:
+        raise ResourceExhausted(
+            f"{priority.describe(level)} requests to model {model!r} are refused while its "
+            f"replicas hold {held} of {capacity} running + waiting sequences (this class is "
+            f"admitted up to {fraction:.0%}; the rest is kept for higher classes)")

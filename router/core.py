@@ -21,6 +21,7 @@ from typing import AsyncGenerator, Optional, Sequence
 
 import grpc
 
+from kvfleet import priority
 from kvfleet.allocator.hashing import block_hash_chain
 from kvfleet.constraint import Constraint
 from kvfleet.errors import (
@@ -36,6 +37,7 @@ from kvfleet.router.adapter_routing import adapter_revision, prefer_resident, se
 from kvfleet.router.auth import Authenticator
 from kvfleet.router.capacity import (
     DEFAULT_RETRY_PUSHBACK_MS,
+    check_class_room,
     check_room,
     check_tenant,
     fleet_capacity,
@@ -109,6 +111,9 @@ class GenerateInput:
     deadline_unix_s: Optional[float] = None
     fill_context: bool = False
     constraint: Optional[Constraint] = None  # structured output (validated by the edge)
+    # kvfleet.priority number (lower runs first): the request's own, else its API key's
+    # default (the edge resolves both); None = "default".
+    priority: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -131,7 +136,8 @@ class RouterCore:
                  retry_pushback_ms: int = DEFAULT_RETRY_PUSHBACK_MS,
                  stream_limits: StreamLimits = StreamLimits(),
                  call_idle_s: float = DEFAULT_CALL_IDLE_S,
-                 prompt_limits: PromptLimits = PromptLimits()) -> None:
+                 prompt_limits: PromptLimits = PromptLimits(),
+                 priority_admit: Optional[dict[str, float]] = None) -> None:
         self.models = models
         self.default_model = default_model
         self.replicas = replicas
@@ -142,6 +148,9 @@ class RouterCore:
         self.stream_limits = stream_limits  # slow readers: the relay's bounds (both edges)
         self.call_idle_s = call_idle_s  # a worker call with no frame this long fails INTERNAL
         self.prompt_limits = prompt_limits
+        # Per class: the fraction of fleet capacity past which its requests are refused.
+        self.priority_admit = dict(priority_admit or priority.DEFAULT_ADMIT)
+        priority.check_admit(self.priority_admit)
         self._tokenizers = concurrent.futures.ThreadPoolExecutor(
             prompt_limits.tokenizer_threads, thread_name_prefix="kvfleet-tokenize")
         self._live_ids: set[tuple[str, str]] = set()  # (tenant, client request_id) in flight
@@ -272,6 +281,9 @@ class RouterCore:
                 status). The caller records it on ``trace`` and answers it in its own shape.
         """
         model = self.model(req.model)
+        level = priority.resolve(req.priority, None)  # the edge applied the key's default
+        if req.priority is None:
+            req = replace(req, priority=level)
         # A stale view with no routable replica re-reads the registry first.
         candidates = self._candidates(model.name, live=await self.replicas.routable(model.name))
         limit = self.auth.tenant_limit(tenant, fleet_capacity(candidates))
@@ -285,9 +297,10 @@ class RouterCore:
                 adapter = (req.adapter, adapter_revision([c.info for c in candidates], req.adapter,
                                                          model.name))
                 candidates = serving(candidates, adapter)
-            check_room(candidates, model.name)
+            check_room(candidates, model.name, level)
+            check_class_room(candidates, model.name, level, self.priority_admit)
             params = req.sampling.check_vocab(model.vocab_size)
-            trace.on_request(model.name, params, tenant, req.adapter)
+            trace.on_request(model.name, params, tenant, req.adapter, level)
             with trace.tokenize() as tokenized:
                 tokens = await self.prompt_tokens(req.prompt, model)
                 tokenized["tokens"] = len(tokens)
@@ -397,6 +410,8 @@ class RouterCore:
         worker_req.tenant = request_id.partition("/")[0]
         worker_req.cache_salt, worker_req.adapter = req.cache_salt, req.adapter
         worker_req.prompt_token_ids.extend(tokens)
+        if req.priority is not None:
+            worker_req.priority = req.priority
         params.to_proto(worker_req.sampling)
         if req.constraint is not None:
             req.constraint.to_proto(worker_req)

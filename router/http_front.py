@@ -116,6 +116,14 @@ class _Authenticate:
         await self.app(scope, receive, send)
 
 
+def _with_key_priority(oreq: OpenAIRequest, default: Optional[int]) -> OpenAIRequest:
+    """``oreq`` with the API key's default priority on inputs whose body set none."""
+    if default is None:
+        return oreq
+    return replace(oreq, inputs=tuple(i if i.priority is not None else replace(i, priority=default)
+                                      for i in oreq.inputs))
+
+
 def _tenant(request: Request) -> str:
     """The tenant :class:`_Authenticate` set. Raises KeyError without it (fail closed)."""
     return request.scope[TENANT_KEY]
@@ -252,6 +260,7 @@ class HttpFront:
         try:
             tenant = _tenant(request)
             rid, oreq = self._with_ids(parse(await self._json(request)), request)
+            oreq = _with_key_priority(oreq, self.core.auth.key_priority(headers))
             max_prompts = self.core.prompt_limits.max_prompts
             if len(oreq.inputs) > max_prompts:
                 raise PromptTooLarge(f"prompt: {len(oreq.inputs)} prompts exceed the limit of "

@@ -19,6 +19,7 @@ from typing import Optional
 
 import grpc
 
+from kvfleet import priority
 from kvfleet.grpc_auth import AuthInterceptor
 from kvfleet.grpc_util import SERVER_OPTIONS, add_health_and_reflection, bind_port, mark_serving
 from kvfleet.index_keys import DEFAULT_NAMESPACE
@@ -85,8 +86,12 @@ class RouterConfig:
     call_idle_s: float = DEFAULT_CALL_IDLE_S
     # What one request may ask to tokenize (bytes, messages, prompts), and the threads doing it.
     prompt_limits: PromptLimits = field(default_factory=PromptLimits)
+    # Per priority class: the fraction of fleet capacity past which its requests are refused
+    # (kvfleet.priority.DEFAULT_ADMIT: batch at 80 %, the others at 100 %).
+    priority_admit: dict = field(default_factory=lambda: dict(priority.DEFAULT_ADMIT))
 
     def __post_init__(self) -> None:
+        priority.check_admit(self.priority_admit, "--priority-admit")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("--tls-cert and --tls-key go together")
 
@@ -137,7 +142,8 @@ class RouterServer:
                                telemetry=RouterTelemetry(self.telemetry),
                                retry_pushback_ms=cfg.retry_pushback_ms,
                                stream_limits=cfg.stream_limits, call_idle_s=cfg.call_idle_s,
-                               prompt_limits=cfg.prompt_limits)
+                               prompt_limits=cfg.prompt_limits,
+                               priority_admit=cfg.priority_admit)
         service = RouterService(self.core)
         self.service = service
         router_pb2_grpc.add_RouterServicer_to_server(service, self._server)
@@ -258,6 +264,10 @@ def parse_args(argv: list[str]) -> RouterConfig:
                    help="cluster CA + router certificate (kvfleet.tls): mutual TLS to workers")
     p.add_argument("--retry-pushback-ms", type=int, default=DEFAULT_RETRY_PUSHBACK_MS,
                    help="retry hint (grpc-retry-pushback-ms trailer) sent with RESOURCE_EXHAUSTED")
+    p.add_argument("--priority-admit", default="", metavar="CLASS=FRACTION,...",
+                   help="refuse a priority class's requests once the fleet holds this fraction "
+                        "of its capacity, keeping the rest for higher classes (default "
+                        f"{priority.format_admit(priority.DEFAULT_ADMIT)})")
     p.add_argument("--stream-max-unread", type=int, default=DEFAULT_MAX_UNREAD,
                    help="messages one response stream may buffer for a client that does not "
                         "read before it is cancelled")
@@ -318,6 +328,7 @@ def _config(a: argparse.Namespace, telemetry: TelemetryConfig, stream_limits: St
                         tls_cert=a.tls_cert, tls_key=a.tls_key,
                         internal_tls_dir=a.internal_tls_dir, stream_limits=stream_limits,
                         call_idle_s=a.call_idle_s, prompt_limits=prompt_limits,
+                        priority_admit=priority.parse_admit(a.priority_admit),
                         policy_options={
                             k: v for k in ("load_penalty_blocks", "max_imbalance",
                                            "popularity_window", "min_excess_load")

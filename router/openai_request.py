@@ -2,7 +2,8 @@
 
 OpenAI's defaults apply, not gRPC's: ``temperature`` 1, completions ``max_tokens`` 16, chat
 bounded only by the context. kvfleet extras keep their own names as vLLM's do (``top_k``,
-``repetition_penalty``, ``cache_salt``, ``ignore_eos``, ``stop_token_ids``, ``guided_*``).
+``repetition_penalty``, ``cache_salt``, ``ignore_eos``, ``stop_token_ids``, ``guided_*``,
+``priority``: a class name or an integer, :mod:`kvfleet.priority`).
 Structured output and tools: :mod:`kvfleet.router.openai_structured`. A field kvfleet
 does not support (``echo``, ``logit_bias``, …, or any unknown name) is an
 :class:`~kvfleet.errors.InvalidArgument` naming it unless it holds its "off" value (null,
@@ -16,6 +17,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from kvfleet import priority
 from kvfleet.constraint import Constraint
 from kvfleet.errors import InvalidArgument
 from kvfleet.router.core import GenerateInput, Prompt
@@ -32,7 +34,8 @@ MAX_PROMPTS = 64  # prompts in one completions array
 
 _COMMON = {"model", "stream", "stream_options", "n", "stop", "seed", "temperature", "top_p",
            "presence_penalty", "frequency_penalty", "max_tokens", "user",
-           "top_k", "repetition_penalty", "cache_salt", "ignore_eos", "stop_token_ids"}
+           "top_k", "repetition_penalty", "cache_salt", "ignore_eos", "stop_token_ids",
+           "priority"}
 CHAT_FIELDS = _COMMON | STRUCTURED_FIELDS | TOOL_FIELDS | {"messages", "max_completion_tokens",
                                                           "logprobs", "top_logprobs"}
 COMPLETION_FIELDS = _COMMON | STRUCTURED_FIELDS | {"prompt", "logprobs"}
@@ -148,7 +151,9 @@ def _base(body: dict, allowed: set[str]) -> dict:
     return {"model": _type(body, "model", str, "a string") or "",
             "cache_salt": _type(body, "cache_salt", str, "a string") or "",
             "stream": stream, "include_usage": bool(include_usage),
-            "user": _type(body, "user", str, "a string") or ""}
+            "user": _type(body, "user", str, "a string") or "",
+            # None (absent or null): the API key's default, else "default".
+            "priority": None if body.get("priority") is None else priority.parse(body["priority"])}
 
 
 def _message(i: int, m) -> dict:
@@ -234,7 +239,7 @@ def parse_chat(body: dict) -> OpenAIRequest:
         raise
     req = GenerateInput(Prompt("messages", messages=msgs), params, model=base["model"],
                         cache_salt=base["cache_salt"], fill_context=max_tokens is None,
-                        constraint=constraint)
+                        constraint=constraint, priority=base["priority"])
     return OpenAIRequest(True, (req,), base["stream"], base["include_usage"], logprobs,
                          params.n, base["user"], aliases, constraint, plan.names)
 
@@ -267,7 +272,7 @@ def parse_completion(body: dict) -> OpenAIRequest:
                        logprobs)
     constraint = parse_constraint(body)
     inputs = tuple(GenerateInput(p, params, model=base["model"], cache_salt=base["cache_salt"],
-                                 constraint=constraint)
+                                 constraint=constraint, priority=base["priority"])
                    for p in prompts)
     return OpenAIRequest(False, inputs, base["stream"], base["include_usage"], logprobs,
                          params.n, base["user"], constraint=constraint)

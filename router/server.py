@@ -9,6 +9,7 @@ from typing import Optional
 
 import grpc
 
+from kvfleet import priority
 from kvfleet.constraint import Constraint
 from kvfleet.errors import InvalidArgument, KvfleetError, status_of
 from kvfleet.grpc_auth import caller
@@ -38,6 +39,14 @@ def prompt_from_proto(request: router_pb2.GenerateRequest) -> Prompt:
     return Prompt("")
 
 
+def priority_from_proto(request: router_pb2.GenerateRequest) -> Optional[int]:
+    """The request's own priority (None: unset). Raises InvalidArgument naming the field."""
+    kind = request.WhichOneof("priority")
+    if kind is None:
+        return None
+    return priority.parse(getattr(request, kind), kind)
+
+
 _RANK_FIELDS = frozenset(common_pb2.RankStatus.DESCRIPTOR.fields_by_name)
 
 
@@ -45,6 +54,10 @@ def rank_status(rank: dict) -> common_pb2.RankStatus:
     """A registry rank dict as ``RankStatus``; fields this router does not know (a newer
     worker's) are left out rather than failing the whole status."""
     return common_pb2.RankStatus(**{k: v for k, v in rank.items() if k in _RANK_FIELDS})
+
+
+def _or(value: Optional[int], default: Optional[int]) -> Optional[int]:
+    return default if value is None else value
 
 
 class RouterService(router_pb2_grpc.RouterServicer):
@@ -77,7 +90,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
                     adapter=request.adapter, cache_salt=request.cache_salt,
                     request_id=request.request_id,
                     deadline_unix_s=None if remaining is None else time.time() + remaining,
-                    constraint=Constraint.from_proto(request))
+                    constraint=Constraint.from_proto(request),
+                    priority=_or(priority_from_proto(request),
+                                 self.core.auth.key_priority(metadata)))
                 # gRPC cancels this handler at the client's deadline, which cancels the relay.
                 async with contextlib.aclosing(self.core.generate(req, tenant, trace)) as out:
                     async for msg in out:

@@ -58,6 +58,10 @@ KVFLEET_COMPONENT = "kvfleet.component"            # router | worker | client (r
 KVFLEET_REQUEST_ID = "kvfleet.request.id"
 KVFLEET_TENANT = "kvfleet.tenant"
 KVFLEET_REPLICA_ID = "kvfleet.replica.id"
+# The request's priority (kvfleet.priority): its number on spans, and its class as a metric
+# label (interactive | default | batch | other: bounded).
+KVFLEET_PRIORITY = "kvfleet.request.priority"
+KVFLEET_PRIORITY_CLASS = "kvfleet.request.priority_class"
 # The request's LoRA adapter (gen_ai.request.model stays the base model). As a metric label
 # only for adapters the process was configured with: the label's values stay bounded.
 KVFLEET_ADAPTER = "kvfleet.lora.adapter"

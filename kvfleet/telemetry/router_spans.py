@@ -20,6 +20,7 @@ import grpc
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
+from kvfleet import priority
 from kvfleet.telemetry import names as n
 from kvfleet.telemetry.provider import Telemetry
 from kvfleet.telemetry.status import finish_reason_of_code, set_failure
@@ -95,13 +96,17 @@ class RouterRequestTrace:
                                       n.GEN_AI_PROVIDER_NAME: n.PROVIDER})
 
     # ---- phases -----------------------------------------------------------------------------
-    def on_request(self, model: str, params, tenant: str, adapter: str = "") -> None:
-        """The validated request: model, sampling, tenant and LoRA adapter (one the replicas
-        serve: the router checked it, so it may label metrics)."""
+    def on_request(self, model: str, params, tenant: str, adapter: str = "",
+                   level: Optional[int] = None) -> None:
+        """The validated request: model, sampling, tenant, LoRA adapter (one the replicas
+        serve: the router checked it, so it may label metrics) and priority number."""
         self.model, self.adapter = model, adapter
         if self.recording:
             attrs = {n.GEN_AI_REQUEST_MODEL: model, n.GEN_AI_REQUEST_MAX_TOKENS: params.max_tokens,
                      n.GEN_AI_REQUEST_TEMPERATURE: params.temperature, n.KVFLEET_TENANT: tenant}
+            if level is not None:
+                attrs[n.KVFLEET_PRIORITY] = level
+                attrs[n.KVFLEET_PRIORITY_CLASS] = priority.label(level)
             if adapter:
                 attrs[n.KVFLEET_ADAPTER] = adapter
             if params.top_p != 1.0:  # sampling controls only when they differ from the default

@@ -22,6 +22,7 @@ import grpc
 from opentelemetry import metrics, trace
 from opentelemetry.trace import SpanKind
 
+from kvfleet import priority
 from kvfleet.telemetry import names as n
 from kvfleet.telemetry.provider import Telemetry
 from kvfleet.telemetry.status import set_failure
@@ -139,6 +140,7 @@ class WorkerRequestTrace:
         self.request_id = request.request_id
         self.n = request.sampling.n if request.sampling.HasField("n") and request.sampling.n > 0 else 1
         self.adapter = request.adapter
+        self.priority = request.priority if request.HasField("priority") else priority.DEFAULT
         self.finals: list = []
         self.handler_end: Optional[float] = None
         self._failure: Optional[tuple[grpc.StatusCode, str]] = None
@@ -152,7 +154,8 @@ class WorkerRequestTrace:
             # Few attributes on purpose: encoding them dominates what tracing costs per request.
             attrs = {n.RPC_SYSTEM: "grpc", n.GEN_AI_REQUEST_MODEL: wt.model,
                      n.KVFLEET_REQUEST_ID: self.request_id, n.KVFLEET_REPLICA_ID: wt.replica_id,
-                     n.GEN_AI_USAGE_INPUT_TOKENS: len(request.prompt_token_ids)}
+                     n.GEN_AI_USAGE_INPUT_TOKENS: len(request.prompt_token_ids),
+                     n.KVFLEET_PRIORITY: self.priority}
             if self.n != 1:
                 attrs[n.GEN_AI_REQUEST_CHOICE_COUNT] = self.n
             if request.adapter:
@@ -227,10 +230,12 @@ class WorkerRequestTrace:
         wt.hit_tokens.add(sum(u.cached_prompt_tokens for u in usage), attrs)
         wt.output_tokens.add(sum(u.completion_tokens for u in usage), attrs)
         if abnormal is None and first is not None:  # GenAI conventions: successful responses
-            wt.ttft.record(first - self.start, attrs)
+            # Per class (a bounded label): whether the classes' latency targets hold.
+            by_class = {**attrs, n.KVFLEET_PRIORITY_CLASS: priority.label(self.priority)}
+            wt.ttft.record(first - self.start, by_class)
             tpot = self._tpot()
             if tpot is not None:
-                wt.tpot.record(tpot, attrs)
+                wt.tpot.record(tpot, by_class)
 
     def _tpot(self) -> Optional[float]:
         o = self.finals[0]

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvfleet.v1 import common_pb2 as kvfleet_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvfleet/v1/router.proto\x12\nkvfleet.v1\x1a\x17kvfleet/v1/common.proto\"\xda\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x03 \x01(\t\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x0e\n\x04text\x18\x05 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x06 \x01(\x0b\x32\x14.kvfleet.v1.TokenIdsH\x00\x12,\n\x08messages\x18\x07 \x01(\x0b\x32\x18.kvfleet.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x08 \x01(\x0b\x32\x1a.kvfleet.v1.SamplingParams\x12\x15\n\x0bjson_object\x18\x14 \x01(\x08H\x01\x12\x15\n\x0bjson_schema\x18\x15 \x01(\tH\x01\x12\x0f\n\x05regex\x18\x16 \x01(\tH\x01\x12\x11\n\x07grammar\x18\x17 \x01(\tH\x01\x42\x08\n\x06promptB\x0c\n\nconstraint\"h\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\x08messages\x18\x03 \x01(\x0b\x32\x18.kvfleet.v1.ChatMessagesH\x00\x42\x08\n\x06prompt\"R\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x12\n\nblock_size\x18\x02 \x01(\x05\x12\x17\n\x0fnum_full_blocks\x18\x03 \x01(\x05\"\x13\n\x11ListModelsRequest\"\x7f\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0bmax_context\x18\x02 \x01(\x05\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x10\n\x08identity\x18\x04 \x01(\t\x12)\n\x08\x61\x64\x61pters\x18\x05 \x03(\x0b\x32\x17.kvfleet.v1.AdapterInfo\"Z\n\x0b\x41\x64\x61pterInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\t\x12\x10\n\x08replicas\x18\x03 \x01(\x05\x12\x19\n\x11resident_replicas\x18\x04 \x01(\x05\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.kvfleet.v1.ModelInfo\"\x16\n\x14\x43lusterStatusRequest\"\xb6\x02\n\rReplicaStatus\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x03\x12\x0f\n\x07running\x18\x05 \x01(\x05\x12\x0f\n\x07waiting\x18\x06 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x07 \x01(\x05\x12\x18\n\x10num_total_blocks\x18\x08 \x01(\x05\x12\x17\n\x0fheartbeat_age_s\x18\t \x01(\x01\x12\x1c\n\x14tensor_parallel_size\x18\n \x01(\x05\x12%\n\x05ranks\x18\x0b \x03(\x0b\x32\x16.kvfleet.v1.RankStatus\x12/\n\tlifecycle\x18\x14 \x01(\x0b\x32\x1c.kvfleet.v1.ReplicaLifecycle\"j\n\x10ReplicaLifecycle\x12\r\n\x05state\x18\x01 \x01(\t\x12\x17\n\x0fprefix_hit_rate\x18\x02 \x01(\x01\x12\x15\n\rserve_replica\x18\x03 \x01(\t\x12\x17\n\x0fmetrics_address\x18\x04 \x01(\t\"\x80\x01\n\x0cRouterStatus\x12\x11\n\trouter_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x14\n\x0chttp_address\x18\x03 \x01(\t\x12\x0e\n\x06policy\x18\x04 \x01(\t\x12\x0b\n\x03pid\x18\x05 \x01(\x03\x12\x19\n\x11started_at_unix_s\x18\x06 \x01(\x01\"\xa7\x01\n\x15\x43lusterStatusResponse\x12+\n\x08replicas\x18\x01 \x03(\x0b\x32\x19.kvfleet.v1.ReplicaStatus\x12\x0e\n\x06policy\x18\x02 \x01(\t\x12\x17\n\x0findex_available\x18\x03 \x01(\x08\x12)\n\x07routers\x18\x14 \x03(\x0b\x32\x18.kvfleet.v1.RouterStatus\x12\r\n\x05redis\x18\x15 \x01(\t2\xd1\x03\n\x06Router\x12G\n\x08Generate\x12\x1b.kvfleet.v1.GenerateRequest\x1a\x1c.kvfleet.v1.GenerateResponse0\x01\x12\x45\n\x08Tokenize\x12\x1b.kvfleet.v1.TokenizeRequest\x1a\x1c.kvfleet.v1.TokenizeResponse\x12K\n\nListModels\x12\x1d.kvfleet.v1.ListModelsRequest\x1a\x1e.kvfleet.v1.ListModelsResponse\x12T\n\rClusterStatus\x12 .kvfleet.v1.ClusterStatusRequest\x1a!.kvfleet.v1.ClusterStatusResponse\x12G\n\x0bLoadAdapter\x12\x1e.kvfleet.v1.LoadAdapterRequest\x1a\x18.kvfleet.v1.AdapterReply\x12K\n\rUnloadAdapter\x12 .kvfleet.v1.UnloadAdapterRequest\x1a\x18.kvfleet.v1.AdapterReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvfleet/v1/router.proto\x12\nkvfleet.v1\x1a\x17kvfleet/v1/common.proto\"\x9a\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x03 \x01(\t\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x0e\n\x04text\x18\x05 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x06 \x01(\x0b\x32\x14.kvfleet.v1.TokenIdsH\x00\x12,\n\x08messages\x18\x07 \x01(\x0b\x32\x18.kvfleet.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x08 \x01(\x0b\x32\x1a.kvfleet.v1.SamplingParams\x12\x18\n\x0epriority_class\x18\t \x01(\tH\x01\x12\x18\n\x0epriority_level\x18\n \x01(\x11H\x01\x12\x15\n\x0bjson_object\x18\x14 \x01(\x08H\x02\x12\x15\n\x0bjson_schema\x18\x15 \x01(\tH\x02\x12\x0f\n\x05regex\x18\x16 \x01(\tH\x02\x12\x11\n\x07grammar\x18\x17 \x01(\tH\x02\x42\x08\n\x06promptB\n\n\x08priorityB\x0c\n\nconstraint\"h\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\x08messages\x18\x03 \x01(\x0b\x32\x18.kvfleet.v1.ChatMessagesH\x00\x42\x08\n\x06prompt\"R\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x12\n\nblock_size\x18\x02 \x01(\x05\x12\x17\n\x0fnum_full_blocks\x18\x03 \x01(\x05\"\x13\n\x11ListModelsRequest\"\x7f\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0bmax_context\x18\x02 \x01(\x05\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x10\n\x08identity\x18\x04 \x01(\t\x12)\n\x08\x61\x64\x61pters\x18\x05 \x03(\x0b\x32\x17.kvfleet.v1.AdapterInfo\"Z\n\x0b\x41\x64\x61pterInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\t\x12\x10\n\x08replicas\x18\x03 \x01(\x05\x12\x19\n\x11resident_replicas\x18\x04 \x01(\x05\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.kvfleet.v1.ModelInfo\"\x16\n\x14\x43lusterStatusRequest\"\xb6\x02\n\rReplicaStatus\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x03\x12\x0f\n\x07running\x18\x05 \x01(\x05\x12\x0f\n\x07waiting\x18\x06 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x07 \x01(\x05\x12\x18\n\x10num_total_blocks\x18\x08 \x01(\x05\x12\x17\n\x0fheartbeat_age_s\x18\t \x01(\x01\x12\x1c\n\x14tensor_parallel_size\x18\n \x01(\x05\x12%\n\x05ranks\x18\x0b \x03(\x0b\x32\x16.kvfleet.v1.RankStatus\x12/\n\tlifecycle\x18\x14 \x01(\x0b\x32\x1c.kvfleet.v1.ReplicaLifecycle\"j\n\x10ReplicaLifecycle\x12\r\n\x05state\x18\x01 \x01(\t\x12\x17\n\x0fprefix_hit_rate\x18\x02 \x01(\x01\x12\x15\n\rserve_replica\x18\x03 \x01(\t\x12\x17\n\x0fmetrics_address\x18\x04 \x01(\t\"\x80\x01\n\x0cRouterStatus\x12\x11\n\trouter_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x14\n\x0chttp_address\x18\x03 \x01(\t\x12\x0e\n\x06policy\x18\x04 \x01(\t\x12\x0b\n\x03pid\x18\x05 \x01(\x03\x12\x19\n\x11started_at_unix_s\x18\x06 \x01(\x01\"\xa7\x01\n\x15\x43lusterStatusResponse\x12+\n\x08replicas\x18\x01 \x03(\x0b\x32\x19.kvfleet.v1.ReplicaStatus\x12\x0e\n\x06policy\x18\x02 \x01(\t\x12\x17\n\x0findex_available\x18\x03 \x01(\x08\x12)\n\x07routers\x18\x14 \x03(\x0b\x32\x18.kvfleet.v1.RouterStatus\x12\r\n\x05redis\x18\x15 \x01(\t2\xd1\x03\n\x06Router\x12G\n\x08Generate\x12\x1b.kvfleet.v1.GenerateRequest\x1a\x1c.kvfleet.v1.GenerateResponse0\x01\x12\x45\n\x08Tokenize\x12\x1b.kvfleet.v1.TokenizeRequest\x1a\x1c.kvfleet.v1.TokenizeResponse\x12K\n\nListModels\x12\x1d.kvfleet.v1.ListModelsRequest\x1a\x1e.kvfleet.v1.ListModelsResponse\x12T\n\rClusterStatus\x12 .kvfleet.v1.ClusterStatusRequest\x1a!.kvfleet.v1.ClusterStatusResponse\x12G\n\x0bLoadAdapter\x12\x1e.kvfleet.v1.LoadAdapterRequest\x1a\x18.kvfleet.v1.AdapterReply\x12K\n\rUnloadAdapter\x12 .kvfleet.v1.UnloadAdapterRequest\x1a\x18.kvfleet.v1.AdapterReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,29 +33,29 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvfleet.v1.router_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=65
-  _globals['_GENERATEREQUEST']._serialized_end=411
-  _globals['_TOKENIZEREQUEST']._serialized_start=413
-  _globals['_TOKENIZEREQUEST']._serialized_end=517
-  _globals['_TOKENIZERESPONSE']._serialized_start=519
-  _globals['_TOKENIZERESPONSE']._serialized_end=601
-  _globals['_LISTMODELSREQUEST']._serialized_start=603
-  _globals['_LISTMODELSREQUEST']._serialized_end=622
-  _globals['_MODELINFO']._serialized_start=624
-  _globals['_MODELINFO']._serialized_end=751
-  _globals['_ADAPTERINFO']._serialized_start=753
-  _globals['_ADAPTERINFO']._serialized_end=843
-  _globals['_LISTMODELSRESPONSE']._serialized_start=845
-  _globals['_LISTMODELSRESPONSE']._serialized_end=904
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=906
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=928
-  _globals['_REPLICASTATUS']._serialized_start=931
-  _globals['_REPLICASTATUS']._serialized_end=1241
-  _globals['_REPLICALIFECYCLE']._serialized_start=1243
-  _globals['_REPLICALIFECYCLE']._serialized_end=1349
-  _globals['_ROUTERSTATUS']._serialized_start=1352
-  _globals['_ROUTERSTATUS']._serialized_end=1480
-  _globals['_CLUSTERSTATUSRESPONSE']._serialized_start=1483
-  _globals['_CLUSTERSTATUSRESPONSE']._serialized_end=1650
-  _globals['_ROUTER']._serialized_start=1653
-  _globals['_ROUTER']._serialized_end=2118
+  _globals['_GENERATEREQUEST']._serialized_end=475
+  _globals['_TOKENIZEREQUEST']._serialized_start=477
+  _globals['_TOKENIZEREQUEST']._serialized_end=581
+  _globals['_TOKENIZERESPONSE']._serialized_start=583
+  _globals['_TOKENIZERESPONSE']._serialized_end=665
+  _globals['_LISTMODELSREQUEST']._serialized_start=667
+  _globals['_LISTMODELSREQUEST']._serialized_end=686
+  _globals['_MODELINFO']._serialized_start=688
+  _globals['_MODELINFO']._serialized_end=815
+  _globals['_ADAPTERINFO']._serialized_start=817
+  _globals['_ADAPTERINFO']._serialized_end=907
+  _globals['_LISTMODELSRESPONSE']._serialized_start=909
+  _globals['_LISTMODELSRESPONSE']._serialized_end=968
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=970
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=992
+  _globals['_REPLICASTATUS']._serialized_start=995
+  _globals['_REPLICASTATUS']._serialized_end=1305
+  _globals['_REPLICALIFECYCLE']._serialized_start=1307
+  _globals['_REPLICALIFECYCLE']._serialized_end=1413
+  _globals['_ROUTERSTATUS']._serialized_start=1416
+  _globals['_ROUTERSTATUS']._serialized_end=1544
+  _globals['_CLUSTERSTATUSRESPONSE']._serialized_start=1547
+  _globals['_CLUSTERSTATUSRESPONSE']._serialized_end=1714
+  _globals['_ROUTER']._serialized_start=1717
+  _globals['_ROUTER']._serialized_end=2182
 # @@protoc_insertion_point(module_scope)

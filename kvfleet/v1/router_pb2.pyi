@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "adapter", "cache_salt", "text", "token_ids", "messages", "sampling", "json_object", "json_schema", "regex", "grammar")
+    __slots__ = ("request_id", "model", "adapter", "cache_salt", "text", "token_ids", "messages", "sampling", "priority_class", "priority_level", "json_object", "json_schema", "regex", "grammar")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,8 @@ class GenerateRequest(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_CLASS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_LEVEL_FIELD_NUMBER: _ClassVar[int]
     JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
     JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
     REGEX_FIELD_NUMBER: _ClassVar[int]
@@ -29,11 +31,13 @@ class GenerateRequest(_message.Message):
     token_ids: _common_pb2.TokenIds
     messages: _common_pb2.ChatMessages
     sampling: _common_pb2.SamplingParams
+    priority_class: str
+    priority_level: int
     json_object: bool
     json_schema: str
     regex: str
     grammar: str
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., adapter: _Optional[str] = ..., cache_salt: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., messages: _Optional[_Union[_common_pb2.ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., json_object: _Optional[bool] = ..., json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., grammar: _Optional[str] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., adapter: _Optional[str] = ..., cache_salt: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., messages: _Optional[_Union[_common_pb2.ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority_class: _Optional[str] = ..., priority_level: _Optional[int] = ..., json_object: _Optional[bool] = ..., json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., grammar: _Optional[str] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("model", "text", "messages")

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "cache_scope", "cache_salt", "adapter", "sampling", "deadline_unix_s", "tenant", "json_object", "json_schema", "regex", "grammar")
+    __slots__ = ("request_id", "prompt_token_ids", "cache_scope", "cache_salt", "adapter", "sampling", "deadline_unix_s", "tenant", "priority", "json_object", "json_schema", "regex", "grammar")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SCOPE_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class WorkerGenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
     JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
     REGEX_FIELD_NUMBER: _ClassVar[int]
@@ -29,11 +30,12 @@ class WorkerGenerateRequest(_message.Message):
     sampling: _common_pb2.SamplingParams
     deadline_unix_s: float
     tenant: str
+    priority: int
     json_object: bool
     json_schema: str
     regex: str
     grammar: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_scope: _Optional[str] = ..., cache_salt: _Optional[str] = ..., adapter: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., deadline_unix_s: _Optional[float] = ..., tenant: _Optional[str] = ..., json_object: _Optional[bool] = ..., json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., grammar: _Optional[str] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_scope: _Optional[str] = ..., cache_salt: _Optional[str] = ..., adapter: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., deadline_unix_s: _Optional[float] = ..., tenant: _Optional[str] = ..., priority: _Optional[int] = ..., json_object: _Optional[bool] = ..., json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., grammar: _Optional[str] = ...) -> None: ...
 
 class GenerateStreamRequest(_message.Message):
     __slots__ = ("call_id", "generate", "cancel", "trace_context")

@@ -18,6 +18,7 @@ from kvfleet.allocator.hashing import CacheIdentity, root_hash
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
 from kvfleet.constraint import Constraint, GrammarConfig
 from kvfleet.errors import AlreadyExists, InvalidArgument
+from kvfleet.priority import DEFAULT as DEFAULT_PRIORITY
 from kvfleet.sampling_params import SamplingParams, check_context_length
 from kvfleet.worker.engine.adapter_queue import AdapterQueue
 from kvfleet.worker.engine.adapter_residency import AdapterResidency
@@ -43,6 +44,7 @@ class EngineRequest:
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     tenant: str = "default"  # whose request: fair admission counts it
+    priority: int = DEFAULT_PRIORITY  # kvfleet.priority: lower runs first
     cache_salt: str = ""
     adapter: str = ""
     deadline: Optional[float] = None  # monotonic seconds
@@ -153,7 +155,7 @@ class Engine:
             SequenceState(seq_id=f"{req.request_id}#{i}", request_id=req.request_id, index=i,
                      prompt_token_ids=list(req.prompt_token_ids), params=req.params,
                      root_hash=root, block_size=self.kv.block_size, arrival_seq=arrival,
-                     deadline=req.deadline, tenant=req.tenant)
+                     deadline=req.deadline, tenant=req.tenant, priority=req.priority)
             for i in range(req.params.n)
         ]
         if pinned is not None:

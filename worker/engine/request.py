@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from kvfleet.allocator.hashing import block_hash_chain
+from kvfleet.priority import DEFAULT as DEFAULT_PRIORITY
 from kvfleet.sampling_params import SamplingParams
 
 
@@ -56,6 +57,7 @@ class SequenceState:
     arrival_seq: int  # FCFS order; also "newest" for preemption
     deadline: Optional[float] = None  # monotonic seconds
     tenant: str = "default"  # whose request (not its cache scope): fair admission among tenants
+    priority: int = DEFAULT_PRIORITY  # kvfleet.priority: lower runs first (class, then FCFS)
     adapter_slot: int = 0  # the runner's LoRA slot (0 = base model), set once resident
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

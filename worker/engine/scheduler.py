@@ -18,6 +18,13 @@ tenant that floods the queue does not hold another tenant's requests behind its 
 ``tenant_share`` below 1 a tenant also runs at most that share of ``max_num_seqs`` sequences
 (one with nothing running may always start one request).
 
+Priority classes (``kvfleet.worker.engine.priority_queue``): the waiting queue and the running
+set are ordered by class first (lower ``priority`` first), FCFS within a class, and the tenant
+rule above applies within the best waiting class. Before a step, a waiting sequence that finds
+no seat or too few blocks may preempt running sequences of a lower class (by recompute: those
+that have not streamed a token yet, all with ``preempt_streaming``); ``batch_share`` caps the
+seats the ``batch`` band may hold.
+
 Parallel sampling (``n > 1``): only sample 0 (the *leader*) is queued; its siblings wait
 beside it. When the leader's prompt is fully computed they fork its block table (one more
 reference per block, no KV computed twice) and join the running set, each sampling its first
@@ -36,6 +43,14 @@ from typing import Iterable, Optional
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
 from kvfleet.allocator.units import cdiv
 from kvfleet.errors import ResourceExhausted
+from kvfleet.priority import BATCH
+from kvfleet.worker.engine.priority_queue import (
+    PriorityRules,
+    batch_held,
+    head_class,
+    insert_waiting,
+    order_key,
+)
 from kvfleet.worker.engine.request import SeqStatus, SequenceState
 from kvfleet.worker.engine.step_budget import StepBudget, floor_tokens
 from kvfleet.worker.engine.step_cost import StepCostModel
@@ -66,6 +81,10 @@ class SchedulerConfig:
     # max_num_seqs (running) one tenant may hold on this replica (1.0: no per-tenant cap).
     tenant_share: float = 1.0
     itl_target_ms: Optional[float] = None
+    # Priority classes: the fraction of max_num_seqs the batch band may run (1.0: no cap), and
+    # whether a higher class may preempt lower-class sequences that have streamed tokens.
+    batch_share: float = 1.0
+    preempt_streaming: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -76,6 +95,7 @@ class SchedulerConfig:
             raise ValueError(f"tenant_share must be in (0, 1], got {self.tenant_share}")
         if self.itl_target_ms is not None and not 0 < self.itl_target_ms < float("inf"):
             raise ValueError(f"itl_target_ms must be > 0, got {self.itl_target_ms}")
+        PriorityRules(self.max_num_seqs, self.batch_share, self.preempt_streaming)  # checks
 
     @property
     def max_sequences(self) -> int:
@@ -133,6 +153,8 @@ class Scheduler:
         # Running slots one tenant may hold (tenant_share < 1 keeps the rest for the others,
         # so a newly arrived tenant starts at the next step, not when a flood's requests end).
         self._tenant_seats = max(1, int(config.max_num_seqs * config.tenant_share))
+        self.rules = PriorityRules(config.max_num_seqs, config.batch_share,
+                                   config.preempt_streaming)
 
     # ---- admission -------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
@@ -186,7 +208,7 @@ class Scheduler:
         for leader, *siblings in groups.values():
             if siblings:
                 self.pending_forks[leader.seq_id] = siblings
-            self.waiting.append(leader)
+            insert_waiting(self.waiting, leader)
 
     @property
     def num_queued(self) -> int:
@@ -205,10 +227,12 @@ class Scheduler:
         scheduled: list[ScheduledSeq] = []
         preempted: list[SequenceState] = []
         copies: list[tuple[int, int]] = []
+        if self.config.policy == "watermark":
+            self._preempt_for_higher_class(preempted)
 
-        # 1. Running sequences, oldest first (decodes and prefills in progress).
+        # 1. Running sequences, best class first, oldest first (decodes and prefills in progress).
         i = 0
-        self.running.sort(key=lambda s: s.arrival_seq)
+        self.running.sort(key=order_key)
         while i < len(self.running) and budget.has_room:
             seq = self.running[i]
             remaining = seq.num_tokens - seq.num_computed_tokens
@@ -230,17 +254,18 @@ class Scheduler:
             budget.take(seq.num_computed_tokens, n, reserved=remaining == 1)
             i += 1
 
-        # 2. Waiting sequences, fair among tenants (FCFS within one); stop at the first that
-        # does not fit (no starvation).
-        # A running leader's unforked siblings hold their places in max_num_seqs.
-        seats = len(self.running) + sum(len(self.pending_forks.get(s.seq_id, ()))
-                                        for s in self.running)
+        # 2. Waiting sequences by class, fair among tenants within it (FCFS within one); stop
+        # at the first that does not fit (no starvation).
+        seats = self._seats()
+        batch_seats = batch_held(self.running, self.pending_forks)
         running_by_tenant = Counter(s.tenant for s in self.running)
         while self.waiting and budget.has_room:
             seq = self._next_waiting(running_by_tenant)
             group = 1 + len(self.pending_forks.get(seq.seq_id, ()))
             if seats + group > self.config.max_num_seqs:
                 break
+            if self.rules.batch_capped(seq, group, batch_seats):
+                break  # the batch band holds its share; every sequence behind is batch too
             held = running_by_tenant[seq.tenant]  # the fewest of any waiting tenant
             if held and held + group > self._tenant_seats:
                 break  # every waiting tenant holds its share of the running slots
@@ -255,6 +280,7 @@ class Scheduler:
                 break
             self.waiting.remove(seq)
             running_by_tenant[seq.tenant] += group
+            batch_seats += group if seq.priority >= BATCH else 0
             seq.status = SeqStatus.RUNNING
             seq.num_computed_tokens = num_cached
             if seq.num_cached_tokens is None:
@@ -294,14 +320,46 @@ class Scheduler:
         return budget
 
     def _next_waiting(self, running_by_tenant: Counter) -> SequenceState:
-        """The oldest waiting sequence of the tenant with the fewest running sequences."""
+        """Of the best waiting class, the oldest waiting sequence of the tenant with the
+        fewest running sequences."""
         best, seen = self.waiting[0], {self.waiting[0].tenant}
-        for s in self.waiting:  # arrival order: each tenant's first is its oldest
+        for s in head_class(self.waiting):  # arrival order: each tenant's first is its oldest
             if s.tenant not in seen:
                 seen.add(s.tenant)
                 if running_by_tenant[s.tenant] < running_by_tenant[best.tenant]:
                     best = s
         return best
+
+    def _seats(self) -> int:
+        """Running seats taken: a running leader's unforked siblings hold theirs too."""
+        return len(self.running) + sum(len(self.pending_forks.get(s.seq_id, ()))
+                                       for s in self.running)
+
+    def _preempt_for_higher_class(self, preempted: list[SequenceState]) -> None:
+        """Let the oldest sequence of the best waiting class take a seat and blocks for its
+        first chunk from running sequences of a lower class (:meth:`PriorityRules.victims`),
+        preempting them one at a time until it fits; appends each victim to ``preempted``."""
+        if not self.waiting:
+            return
+        seq = self.waiting[0]
+        group = 1 + len(self.pending_forks.get(seq.seq_id, ()))
+        if self.config.tenant_share < 1:  # its tenant's share, not the class, may hold it back
+            victims = self.rules.victims(seq, self.running)
+            held = sum(1 for s in self.running if s.tenant == seq.tenant and s not in victims)
+            if held and held + group > self._tenant_seats:
+                return
+        while True:
+            computed = self.kv.get_computed_blocks(seq.block_hashes, seq.num_tokens)
+            num_cached = len(computed) * self.kv.block_size
+            first_chunk = min(seq.num_tokens - num_cached, self.config.max_num_batched_tokens)
+            if (self._seats() + group <= self.config.max_num_seqs
+                    and self._admissible(seq, computed, num_cached + first_chunk)):
+                return
+            victims = self.rules.victims(seq, self.running)
+            if not victims:
+                return
+            self._preempt(victims[0])
+            preempted.append(victims[0])
 
     def _grow(self, seq: SequenceState, num_tokens: int, copies: list[tuple[int, int]]) -> bool:
         """Make ``seq``'s table cover ``num_tokens`` positions; first, if the block its next
@@ -367,10 +425,7 @@ class Scheduler:
         self._requeue(seq)
 
     def _requeue(self, seq: SequenceState) -> None:
-        pos = 0
-        while pos < len(self.waiting) and self.waiting[pos].arrival_seq < seq.arrival_seq:
-            pos += 1
-        self.waiting.insert(pos, seq)
+        insert_waiting(self.waiting, seq)  # back at its class and FCFS position
 
     # ---- after the forward ---------------------------------------------------------------
     def on_step_done(self, out: SchedulerOutput) -> list[Fork]:

@@ -91,6 +91,9 @@ class StepBudget:
         if 0 < n < want:  # stopping short of the prompt's end: end on a block boundary
             aligned = (num_computed + n) // self.block_size * self.block_size - num_computed
             n = aligned if aligned > 0 else n
+        floor = min(cap, self.floor_left)
+        if n > floor and self._with(num_computed, n) > self.target_s:
+            return floor  # aligned down to one token: a 1-token chunk costs a decode row
         return n
 
     def take(self, num_computed: int, n: int, reserved: bool = False) -> None:

@@ -13,6 +13,7 @@ from typing import Callable, Optional
 
 import grpc
 
+from kvfleet import priority
 from kvfleet.constraint import Constraint
 from kvfleet.errors import (
     FailedPrecondition,
@@ -304,4 +305,7 @@ def _engine_request(request: worker_pb2.WorkerGenerateRequest) -> EngineRequest:
         tenant=request.tenant or request.cache_scope or "default",
         cache_scope=request.cache_scope or request.tenant or "default",
         cache_salt=request.cache_salt,
-        adapter=request.adapter, deadline=deadline, constraint=Constraint.from_proto(request))
+        adapter=request.adapter, deadline=deadline, constraint=Constraint.from_proto(request),
+        # The router resolved it; checked again here (fail closed: INVALID_ARGUMENT if out of range).
+        priority=(priority.parse(request.priority) if request.HasField("priority")
+                  else priority.DEFAULT))

@@ -35,14 +35,21 @@ def tp2_threads(tiny_llama_dir, monkeypatch):
         yield ex
 
 
-def test_preempted_then_resumed_through_the_plan_diff(tp2_threads, tiny_llama_dir) -> None:
+@pytest.fixture(params=["tokens", "itl-target"])
+def budget(request) -> dict:
+    """The step budgets of the exactness scenarios (their chunk boundaries differ)."""
+    return exact.ITL_TARGET if request.param == "itl-target" else {}
+
+
+def test_preempted_then_resumed_through_the_plan_diff(tp2_threads, tiny_llama_dir, budget) -> None:
     """Sequences leave (preempted) and come back with new tables: rank 1 rebuilds each table."""
-    exact.test_preempted_then_resumed(tiny_llama_dir)
+    exact.test_preempted_then_resumed(tiny_llama_dir, budget)
 
 
-def test_copy_on_write_and_mixed_batch_through_the_plan_diff(tp2_threads, tiny_llama_dir) -> None:
-    exact.test_n2_siblings_after_copy_on_write(tiny_llama_dir)
-    exact.test_mixed_batch_of_eight_joining_and_leaving_equals_each_alone(tiny_llama_dir)
+def test_copy_on_write_and_mixed_batch_through_the_plan_diff(tp2_threads, tiny_llama_dir,
+                                                             budget) -> None:
+    exact.test_n2_siblings_after_copy_on_write(tiny_llama_dir, budget)
+    exact.test_mixed_batch_of_eight_joining_and_leaving_equals_each_alone(tiny_llama_dir, budget)
 
 
 def _decode_plans(context: int, steps: int, slot: int = 0, block: int = BLOCK) -> list[StepPlan]:

@@ -1,0 +1,64 @@
+"""Priority classes through a real router and worker: a key's default class travels to the
+scheduler, an interactive request preempts a streaming batch one (``preempt_streaming``) and
+finishes first, the batch one still finishes whole, and a second batch request is refused
+with its class named while the fleet keeps headroom for higher classes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import replace
+
+import grpc
+
+from kvfleet.v1 import router_pb2, router_pb2_grpc
+from tests.integration.routing_fleet import prompt
+from tests.integration.test_overload import SLOW, TIGHT, _outcome
+from tests.integration.test_worker_stream import idle
+
+ONE_SEAT = replace(TIGHT, max_num_seqs=1, preempt_streaming=True)  # 1 running + 4 waiting
+
+
+def _request(seed: int, max_tokens: int, **priority) -> router_pb2.GenerateRequest:
+    req = router_pb2.GenerateRequest(**priority)
+    req.token_ids.ids.extend(prompt(seed, 24))
+    req.sampling.max_tokens, req.sampling.ignore_eos = max_tokens, True
+    return req
+
+
+async def test_interactive_preempts_streaming_batch_and_batch_is_refused_first(fleet, tmp_path):
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"keys": {"k-night": {"tenant": "acme", "priority": "batch"}}}))
+    server = await fleet.add_replica("rep-a", cost_model=SLOW, scheduler=ONE_SEAT)
+    # Fleet capacity 5 sequences; batch is admitted up to 20 %: one batch request at a time.
+    router = await fleet.add_router(api_keys_file=str(keys),
+                                    priority_admit={"interactive": 1.0, "default": 1.0,
+                                                    "batch": 0.2})
+    await fleet.wait_replicas(1)
+    md = (("authorization", "Bearer k-night"),)
+    finished: list[str] = []
+    async with grpc.aio.insecure_channel(router.address) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        batch_call = stub.Generate(_request(1, 30), metadata=md)  # the key's default: batch
+        first = await batch_call.read()  # it runs and has streamed a token
+        assert first.token_ids
+
+        async def rest_of_batch() -> tuple[str, int]:
+            tokens = 0
+            while (msg := await batch_call.read()) is not grpc.aio.EOF:
+                tokens += len(msg.token_ids)
+            finished.append("batch")
+            return (await batch_call.code()).name, tokens
+
+        batch_task = asyncio.create_task(rest_of_batch())
+        refused = await _outcome(stub.Generate(_request(2, 5), metadata=md))
+        assert refused[0] == "RESOURCE_EXHAUSTED" and "batch requests" in refused[1]
+        chat = await _outcome(stub.Generate(_request(3, 3, priority_class="interactive"),
+                                            metadata=md))
+        finished.append("interactive")
+        code, tokens = await batch_task
+    assert chat[0] == "OK" and chat[3] == 3
+    assert code == "OK" and tokens + len(first.token_ids) == 30  # recomputed, nothing lost
+    assert finished == ["interactive", "batch"]
+    stats = await idle(server)
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]

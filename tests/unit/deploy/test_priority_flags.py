@@ -1,0 +1,44 @@
+"""Priority-class flags: they land in the replica's and router's configs; bad values exit 2
+naming the flag."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvfleet.deploy import cli
+from kvfleet.deploy.cluster_config import router_args
+from kvfleet.deploy.cluster_flags import cluster_config
+from kvfleet.router.main import RouterConfig, parse_args
+
+
+def test_priority_flags_land_in_the_configs(tiny_llama_dir) -> None:
+    cfg = cluster_config(cli.build_parser().parse_args(
+        ["up", "--model", str(tiny_llama_dir), "--batch-share", "0.5", "--preempt-streaming",
+         "--priority-admit", "batch=0.6,default=0.9"]))
+    assert cfg.replica.scheduler.batch_share == 0.5 and cfg.replica.scheduler.preempt_streaming
+    assert cfg.router.priority_admit == {"interactive": 1.0, "default": 0.9, "batch": 0.6}
+    plain = cluster_config(cli.build_parser().parse_args(["up", "--model", str(tiny_llama_dir)]))
+    assert plain.replica.scheduler.batch_share == 1.0
+    assert not plain.replica.scheduler.preempt_streaming
+    assert plain.router.priority_admit == RouterConfig().priority_admit
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--batch-share", "0"], "--batch-share"), (["--batch-share", "x"], "--batch-share"),
+    (["--priority-admit", "urgent=1"], "--priority-admit"),
+    (["--priority-admit", "batch=2"], "--priority-admit"),
+])
+def test_bad_priority_flags_exit_2_naming_the_flag(argv, flag, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        cli.build_parser().parse_args(["up", *argv])
+    assert exit_.value.code == 2 and flag in capsys.readouterr().err
+
+
+def test_the_router_command_carries_its_class_fractions(capsys) -> None:
+    base = ["--redis-url", "redis://r", "--model-name", "m", "--model-dir", "/m"]
+    cfg = parse_args([*base, "--priority-admit", "batch=0.5"])
+    assert cfg.priority_admit["batch"] == 0.5
+    assert parse_args(router_args(cfg)) == cfg
+    with pytest.raises(SystemExit) as exit_:
+        parse_args([*base, "--priority-admit", "batch=1.5"])
+    assert exit_.value.code == 2 and "--priority-admit" in capsys.readouterr().err
