@@ -87,12 +87,12 @@ class StepBudget:
         cap = min(want, self.tokens_left)
         if not self.timed or cap <= 0 or reserved:
             return max(cap, 0)
-        n = max(self._fits(num_computed, cap), min(cap, self.floor_left))
+        floor = min(cap, self.floor_left)
+        n = max(self._fits(num_computed, cap), floor)
         if 0 < n < want:  # stopping short of the prompt's end: end on a block boundary
             aligned = (num_computed + n) // self.block_size * self.block_size - num_computed
             n = aligned if aligned > 0 else n
-        floor = min(cap, self.floor_left)
-        if n > floor and self._with(num_computed, n) > self.target_s:
+        if n > floor and self._with(num_computed, n) > self._target():
             return floor  # aligned down to one token: a 1-token chunk costs a decode row
         return n
 
@@ -117,6 +117,10 @@ class StepBudget:
         rows, prefill = (1, 0) if n == 1 else (0, n)
         return self.cost.predict_step_s(self.decode_rows + rows, self.prefill_tokens + prefill,
                                         self.context_tokens + attended(num_computed, n))
+
+    def _target(self) -> float:
+        assert self.target_s is not None, "only a timed budget has a target"
+        return self.target_s
 
     def _fits(self, num_computed: int, cap: int) -> int:
         """The most tokens (<= ``cap``) whose chunk keeps the prediction within the target
