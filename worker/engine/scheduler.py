@@ -11,11 +11,13 @@ sequences (FCFS, fair among tenants: see below) with chunked prefill filling the
   later recomputes prompt + output, reusing whatever prefix blocks are still cached).
 * ``reserve``: admit only when blocks for ``prompt + max_tokens`` are free; never preempts.
 
-Among tenants the waiting queue is fair: the next sequence admitted is the oldest waiting one
-of the tenant with the fewest running sequences (FCFS within a tenant and among equals), so a
-tenant that floods the queue does not hold another tenant's requests behind its own. With
-``tenant_share`` below 1 a tenant also runs at most that share of ``max_num_seqs`` sequences
-(one with nothing running may always start one request).
+Among tenants the waiting queue is fair by service, not by count: the next sequence admitted
+is the oldest waiting one of the tenant that has been served least — weighted prefill tokens
+computed (prefix-cache hits are free) plus decode tokens (:mod:`.tenant_service`, a VTC-style
+counter charged after every step) — so a tenant that floods the queue, or sends long prompts,
+does not hold another tenant's requests behind its own. With ``tenant_share`` below 1 a tenant
+also runs at most that share of ``max_num_seqs`` sequences (one with nothing running may always
+start one request); a tenant at its share is passed over for the next.
 
 Parallel sampling (``n > 1``): only sample 0 (the *leader*) is queued; its siblings wait
 beside it. When the leader's prompt is fully computed they fork its block table (one more
@@ -29,13 +31,14 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Optional
 
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
 from kvfleet.allocator.units import cdiv
 from kvfleet.errors import ResourceExhausted
 from kvfleet.worker.engine.request import SeqStatus, SequenceState
 from kvfleet.worker.engine.step_plan import SeqChunk, StepPlan
+from kvfleet.worker.engine.tenant_service import TenantService
 
 POLICIES = ("watermark", "reserve")
 
@@ -114,6 +117,7 @@ class Scheduler:
         # Running slots one tenant may hold (tenant_share < 1 keeps the rest for the others,
         # so a newly arrived tenant starts at the next step, not when a flood's requests end).
         self._tenant_seats = max(1, int(config.max_num_seqs * config.tenant_share))
+        self.service = TenantService()  # per-tenant service: who is admitted next
 
     # ---- admission -------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
@@ -168,6 +172,7 @@ class Scheduler:
             if siblings:
                 self.pending_forks[leader.seq_id] = siblings
             self.waiting.append(leader)
+            self.service.arrive(leader.tenant, 1 + len(siblings))
 
     @property
     def num_queued(self) -> int:
@@ -209,20 +214,20 @@ class Scheduler:
             budget -= n
             i += 1
 
-        # 2. Waiting sequences, fair among tenants (FCFS within one); stop at the first that
-        # does not fit (no starvation).
+        # 2. Waiting sequences, least-served tenant first (FCFS within one); stop at the first
+        # that does not fit (no starvation).
         # A running leader's unforked siblings hold their places in max_num_seqs.
         seats = len(self.running) + sum(len(self.pending_forks.get(s.seq_id, ()))
                                         for s in self.running)
         running_by_tenant = Counter(s.tenant for s in self.running)
+        planned: dict[str, float] = {}  # service admitted this step, charged after it
         while self.waiting and budget > 0:
-            seq = self._next_waiting(running_by_tenant)
+            if (picked := self._next_waiting(running_by_tenant, planned)) is None:
+                break  # every waiting tenant holds its share of the running slots
+            seq = picked
             group = 1 + len(self.pending_forks.get(seq.seq_id, ()))
             if seats + group > self.config.max_num_seqs:
                 break
-            held = running_by_tenant[seq.tenant]  # the fewest of any waiting tenant
-            if held and held + group > self._tenant_seats:
-                break  # every waiting tenant holds its share of the running slots
             computed = self.kv.get_computed_blocks(seq.block_hashes, seq.num_tokens)
             num_cached = len(computed) * self.kv.block_size
             n = min(seq.num_tokens - num_cached, budget)
@@ -239,6 +244,7 @@ class Scheduler:
             self.running.append(seq)
             seats += group
             scheduled.append(ScheduledSeq(seq, n, num_cached + n == seq.num_tokens))
+            planned[seq.tenant] = planned.get(seq.tenant, 0.0) + self.service.cost(prefill_tokens=n)
             budget -= n
 
         chunks = tuple(
@@ -254,15 +260,20 @@ class Scheduler:
         )
         return SchedulerOutput(StepPlan(chunks, tuple(copies)), tuple(scheduled), tuple(preempted))
 
-    def _next_waiting(self, running_by_tenant: Counter) -> SequenceState:
-        """The oldest waiting sequence of the tenant with the fewest running sequences."""
-        best, seen = self.waiting[0], {self.waiting[0].tenant}
+    def _next_waiting(self, running_by_tenant: Counter, planned: dict[str, float]
+                      ) -> Optional[SequenceState]:
+        """The oldest waiting sequence of the least-served tenant (service + ``planned`` this
+        step) among those below their share of running slots; None when every waiting tenant
+        holds its share."""
+        oldest: dict[str, SequenceState] = {}
         for s in self.waiting:  # arrival order: each tenant's first is its oldest
-            if s.tenant not in seen:
-                seen.add(s.tenant)
-                if running_by_tenant[s.tenant] < running_by_tenant[best.tenant]:
-                    best = s
-        return best
+            if s.tenant not in oldest:
+                held = running_by_tenant[s.tenant]
+                group = 1 + len(self.pending_forks.get(s.seq_id, ()))
+                if not held or held + group <= self._tenant_seats:
+                    oldest[s.tenant] = s
+        tenant = self.service.pick(oldest, planned)
+        return None if tenant is None else oldest[tenant]
 
     def _grow(self, seq: SequenceState, num_tokens: int, copies: list[tuple[int, int]]) -> bool:
         """Make ``seq``'s table cover ``num_tokens`` positions; first, if the block its next
@@ -347,6 +358,11 @@ class Scheduler:
                 continue
             before = seq.num_computed_tokens
             seq.num_computed_tokens += s.num_new_tokens
+            # Only computed tokens are charged: prefix-cache hits never appear in a chunk.
+            if s.num_new_tokens == 1:  # a one-token chunk is a decode (as in the cost model)
+                self.service.charge(seq.tenant, decode_tokens=1)
+            else:
+                self.service.charge(seq.tenant, prefill_tokens=s.num_new_tokens)
             self.kv.cache_full_blocks(seq.seq_id, seq.block_hashes, seq.num_computed_tokens,
                                       from_token=before)
             if s.sample and seq.seq_id in self.pending_forks:
@@ -367,16 +383,21 @@ class Scheduler:
     def finish(self, seq: SequenceState) -> None:
         """Remove a sequence wherever it is and return its blocks (idempotent). A leader that
         ends before its prompt was computed leaves its siblings to run on their own."""
+        held = True  # by this scheduler (not, say, still waiting for its adapter)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         else:
+            held = False
             for leader_id, siblings in list(self.pending_forks.items()):
                 if seq in siblings:
+                    held = True
                     siblings.remove(seq)
                     if not siblings:
                         del self.pending_forks[leader_id]
+        if held:
+            self.service.leave(seq.tenant)
         for orphan in reversed(self.pending_forks.pop(seq.seq_id, [])):
             self._requeue(orphan)
         self.kv.free(seq.seq_id)
