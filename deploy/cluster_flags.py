@@ -135,6 +135,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--tenant-share", "replica.scheduler.tenant_share",
          "fraction of a replica's running + waiting slots one tenant may hold (default "
          "{default}: no per-tenant cap)", type=float),
+    Flag("--tenant-max-inflight", "router.tenant_max_inflight",
+         "in-flight requests one tenant (without its own key-file limit) may hold across every "
+         "router of the cluster, counted in Redis (default: no limit beyond the key file's)",
+         type=positive_int("--tenant-max-inflight")),
     Flag("--http-port", "router.http_port",
          "the router's OpenAI-compatible HTTP API (default {default}; 0 = a free port, -1 = off)",
          type=int, default=8000, only=("up",), convert=lambda port: None if port < 0 else port),

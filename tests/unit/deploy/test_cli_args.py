@@ -73,3 +73,18 @@ def test_router_shutdown_grace_is_checked():
     assert router_args(base + ["--shutdown-grace-s", "45"]).shutdown_grace_s == 45.0
     with pytest.raises(SystemExit):
         router_args(base + ["--shutdown-grace-s", "-1"])
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "many"])
+def test_a_bad_tenant_max_inflight_is_a_usage_error_naming_the_flag(value, tiny_llama_dir, capsys):
+    base = ["--redis-url", "r", "--model-name", "m", "--model-dir", "/x"]
+    assert router_args(base + ["--tenant-max-inflight", "8"]).tenant_max_inflight == 8
+    for parse in (lambda: router_args(base + ["--tenant-max-inflight", value]),
+                  lambda: cli.build_parser().parse_args(
+                      ["up", "--model", str(tiny_llama_dir), "--tenant-max-inflight", value])):
+        with pytest.raises(SystemExit) as exit_:
+            parse()
+        assert exit_.value.code == 2 and "--tenant-max-inflight" in capsys.readouterr().err
+    cfg = cluster_config(cli.build_parser().parse_args(
+        ["up", "--model", str(tiny_llama_dir), "--tenant-max-inflight", "5"]))
+    assert cfg.router.tenant_max_inflight == 5
