@@ -272,7 +272,9 @@ class Scheduler:
                 group = 1 + len(self.pending_forks.get(s.seq_id, ()))
                 if not held or held + group <= self._tenant_seats:
                     oldest[s.tenant] = s
-        tenant = self.service.pick(oldest, planned)
+        # Ties (a tenant just back from idle starts at the others' minimum) go to the tenant
+        # running fewer sequences, then to the oldest waiting (sorted is stable).
+        tenant = self.service.pick(sorted(oldest, key=running_by_tenant.__getitem__), planned)
         return None if tenant is None else oldest[tenant]
 
     def _grow(self, seq: SequenceState, num_tokens: int, copies: list[tuple[int, int]]) -> bool:

@@ -13,8 +13,9 @@ compute); a fork's siblings share the leader's prompt and pay only their own dec
 The next waiting request comes from the backlogged tenant with the least service (the Virtual
 Token Counter of Sheng et al., "Fairness in Serving Large Language Models", OSDI '24). A tenant
 that becomes backlogged (arrives, or returns from idle) starts at least at the smallest counter
-of the tenants already backlogged, so idle time is not banked: it cannot come back and hold the
-replica for as long as it was away.
+of the tenants already backlogged — or, when none is, at the highest counter yet (the tenant
+that ran alone meanwhile) — so idle time is not banked: it cannot come back and hold the
+replica for as long as it was away, nor for as long as another ran alone.
 
 Weights: decode 2, prefill 1 (the paper's choice). A decode token costs a whole row of the
 batch for one token; on the calibrated CPU model (``MEASURED``: 12.5 ms per prefill token,
@@ -45,18 +46,17 @@ class TenantService:
         self.prefill_weight = prefill_weight
         self.decode_weight = decode_weight
         self.service: dict[str, float] = {}  # tenant -> weighted tokens computed
+        self._high = 0.0  # the highest counter yet: where a tenant starts on an idle replica
         self._backlog: dict[str, int] = {}    # tenant -> unfinished sequences
 
     def arrive(self, tenant: str, num_seqs: int = 1) -> None:
         """``num_seqs`` sequences of ``tenant`` were queued. A tenant not backlogged until now
-        starts at the least service of those that are (its own if higher)."""
+        starts at the least service of those that are, or the highest yet when none is (its
+        own if higher)."""
         if tenant not in self._backlog:
-            floor = min((self.service.get(t, 0.0) for t in self._backlog), default=None)
-            own = self.service.get(tenant, 0.0)
-            if floor is not None:
-                self._forget_idle(floor)
-                own = max(own, floor)
-            self.service[tenant] = own
+            floor = min((self.service.get(t, 0.0) for t in self._backlog), default=self._high)
+            self._forget_idle(floor)
+            self.service[tenant] = max(self.service.get(tenant, 0.0), floor)
             self._backlog[tenant] = 0
         self._backlog[tenant] += num_seqs
 
@@ -71,8 +71,9 @@ class TenantService:
 
     def charge(self, tenant: str, prefill_tokens: int = 0, decode_tokens: int = 0) -> None:
         """Add computed tokens (cached prompt tokens are never passed here)."""
-        self.service[tenant] = (self.service.get(tenant, 0.0) + self.cost(prefill_tokens,
-                                                                          decode_tokens))
+        s = self.service.get(tenant, 0.0) + self.cost(prefill_tokens, decode_tokens)
+        self.service[tenant] = s
+        self._high = max(self._high, s)
 
     def cost(self, prefill_tokens: int = 0, decode_tokens: int = 0) -> float:
         """The service ``prefill_tokens`` computed and ``decode_tokens`` generated are worth."""

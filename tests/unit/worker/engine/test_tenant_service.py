@@ -69,6 +69,20 @@ def test_a_new_or_returning_tenant_starts_at_the_backlogged_minimum():
     ts.check_invariants()
 
 
+def test_a_tenant_back_on_an_idle_replica_starts_at_the_highest_counter():
+    ts = TenantService()
+    ts.arrive("b")
+    ts.charge("b", prefill_tokens=5)
+    ts.leave("b")  # b idles while a runs alone
+    ts.arrive("a")  # starts at b's 5, the highest yet
+    ts.charge("a", prefill_tokens=300)
+    ts.leave("a")
+    ts.arrive("b")  # nobody backlogged: b has not earned a's 300 by idling
+    assert ts.service["b"] == 305
+    ts.arrive("a")
+    assert ts.pick(["b", "a"]) == "b" and ts.service["a"] == 305
+
+
 def test_idle_tenants_below_the_floor_are_forgotten():
     ts = TenantService()
     for t in ("x", "y"):
@@ -95,8 +109,9 @@ def test_a_tenant_whose_prompts_hit_the_cache_is_charged_less_and_gets_more_turn
     # (16 per request) pays 4x what cached pays: cached takes 4 turns per fresh turn, where
     # counting running sequences would alternate. Ties go to the oldest waiting request.
     assert order == ["fresh", "cached", "cached", "cached", "cached", "fresh", "cached", "cached"]
-    assert s.service.service["cached"] == 6 * 4 * PREFILL_WEIGHT
-    assert s.service.service["fresh"] == 2 * 16 * PREFILL_WEIGHT
+    # Both started at warmer's 16 (the highest counter: it ran alone), then paid their own.
+    assert s.service.service["cached"] == 16 + 6 * 4 * PREFILL_WEIGHT
+    assert s.service.service["fresh"] == 16 + 2 * 16 * PREFILL_WEIGHT
     assert all(x.num_cached_tokens == 12 for x in cached)
 
 
