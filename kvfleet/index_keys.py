@@ -25,7 +25,8 @@ Every key starts with a configurable namespace (default ``kvfleet:``)::
                                  dropped at each admission; PEXPIRE = the lease: a key no router
                                  renews is gone a lease later) — kvfleet.router.tenant_limits
     {ns}tenant_service    HASH   tenant -> service: weighted tokens the fleet computed for it
-                                 (uncached prompt × 1 + output × 2; PEXPIRE a day after the last)
+                                 (uncached prompt × 1 + output × 2), added by each router every
+                                 few seconds; PEXPIRE a day after the last addition
     {ns}sweep_cursor      STRING SCAN cursor of the incremental garbage sweep, shared by all routers
     {ns}kv_events         STREAM the KV event log: one entry per index write of a replica, id
                                  ``{seq}-0``; fields o (the log's origin), k (reg | blk | dereg),

@@ -15,9 +15,10 @@ background loop, trying every ``down_retry_s``, reaches Redis again — no reque
 Redis that is down, past the one that found it down. Requests admitted meanwhile are added
 to the shared set by that renewal, so they count once Redis is back.
 
-On release the router also adds the request's service — uncached prompt tokens × 1 + output
-tokens × 2, the worker scheduler's weights (:mod:`kvfleet.worker.engine.tenant_service`) — to
-``{ns}tenant_service`` (a HASH, tenant → service): the fleet's per-tenant account.
+Each finished request's service — uncached prompt tokens × 1 + output tokens × 2, the worker
+scheduler's weights (:mod:`kvfleet.worker.engine.tenant_service`) — is summed per tenant here
+and added to ``{ns}tenant_service`` (a HASH, tenant → service: the fleet's per-tenant account)
+by the next renewal, so the account costs no call per request.
 """
 
 from __future__ import annotations
@@ -65,27 +66,27 @@ return {1, n + 1}
 """
 
 RENEW_LUA = _NOW_MS + """
--- KEYS: in-flight ZSETs; ARGV[1] lease (ms), then for each key: its member count, the members.
+-- KEYS[1] the service HASH, KEYS[2..] in-flight ZSETs; ARGV[1] lease (ms), ARGV[2] the service
+-- hash's TTL (ms), ARGV[3] n: then n (tenant, service to add) pairs, then for each ZSET: its
+-- member count and the members.
 local lease = tonumber(ARGV[1])
-local i = 2
-for _, key in ipairs(KEYS) do
-  local n = tonumber(ARGV[i])
-  for j = 1, n do redis.call('ZADD', key, now + lease, ARGV[i + j]) end
-  i = i + n + 1
-  redis.call('PEXPIRE', key, lease)
+local n = tonumber(ARGV[3])
+for j = 0, n - 1 do redis.call('HINCRBYFLOAT', KEYS[1], ARGV[4 + 2 * j], ARGV[5 + 2 * j]) end
+if n > 0 then redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+local i = 4 + 2 * n
+for k = 2, #KEYS do
+  local m = tonumber(ARGV[i])
+  for j = 1, m do redis.call('ZADD', KEYS[k], now + lease, ARGV[i + j]) end
+  i = i + m + 1
+  redis.call('PEXPIRE', KEYS[k], lease)
 end
-return #KEYS
+return #KEYS - 1
 """
 
 RELEASE_LUA = """
--- KEYS[1] the tenant's in-flight ZSET, KEYS[2] the service HASH; ARGV[1] member, ARGV[2]
--- tenant, ARGV[3] service to add (0: none), ARGV[4] the service hash's TTL (ms).
+-- KEYS[1] the tenant's in-flight ZSET; ARGV[1] the member. The key goes with its last member.
 redis.call('ZREM', KEYS[1], ARGV[1])
 if redis.call('ZCARD', KEYS[1]) == 0 then redis.call('DEL', KEYS[1]) end
-if tonumber(ARGV[3]) > 0 then
-  redis.call('HINCRBYFLOAT', KEYS[2], ARGV[2], ARGV[3])
-  redis.call('PEXPIRE', KEYS[2], ARGV[4])
-end
 return 1
 """
 
@@ -126,6 +127,7 @@ class TenantLimiter:
         self._down_retry_s = down_retry_s
         self._down = False  # set by a failed call, cleared by the background loop's success
         self._held: dict[str, set[str]] = {}  # tenant -> this router's members (limited ones)
+        self._unsent: dict[str, float] = {}  # tenant -> service not yet added to the account
         self._releases: set[asyncio.Task] = set()
         self._renewer: Optional[asyncio.Task] = None
         self._redis = redis_client(redis_url, timeout_s) if redis_url else None
@@ -184,27 +186,31 @@ class TenantLimiter:
         """Give ``lease`` back: call it once, in a ``finally``. Never blocks or raises: the
         Redis update runs in the background, and if it fails the member expires with its
         lease. ``service``: the request's weighted tokens (:func:`request_service`), added to
-        the tenant's account."""
+        the tenant's account with the next renewal."""
         self._forget_local(lease.tenant)
         held = self._held.get(lease.tenant)
         if held is not None:
             held.discard(lease.member)
             if not held:
                 del self._held[lease.tenant]
-        if self._redis is None or (not lease.member and service <= 0):
+        if service > 0 and self._redis is not None:
+            self._unsent[lease.tenant] = self._unsent.get(lease.tenant, 0.0) + service
+        if self._redis is None or not lease.member:
             return
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # finalized off the loop: the member expires with its lease
             return
-        task = loop.create_task(self._release_in_redis(lease, service))
+        task = loop.create_task(self._release_in_redis(lease))
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
 
     async def settle(self) -> None:
-        """Until every release so far has reached Redis (or failed)."""
+        """Until every release so far has reached Redis (or failed), and the account too."""
         while self._releases:
             await asyncio.gather(*list(self._releases), return_exceptions=True)
+        if self._unsent and self._redis is not None:
+            await self.renew()
 
     async def service(self) -> dict[str, float]:
         """The fleet's per-tenant service account. Raises the Redis client's errors."""
@@ -235,33 +241,37 @@ class TenantLimiter:
                         "until it does", type(exc).__name__)
         self._down = True
 
-    async def _release_in_redis(self, lease: Lease, service: float) -> None:
-        # An unlimited lease has no member: ZREM of "" changes nothing, the account is added.
-        keys = [self._keys.tenant_inflight(lease.tenant), self._keys.tenant_service]
+    async def _release_in_redis(self, lease: Lease) -> None:
         try:
-            await self._release(keys=keys, args=[lease.member, lease.tenant, service,
-                                                 seconds_to_ms(SERVICE_TTL_S)])
+            await self._release(keys=[self._keys.tenant_inflight(lease.tenant)],
+                                args=[lease.member])
         except REDIS_FAILED as exc:
             self._mark_down(exc)  # the member expires with its lease
 
     async def _renew_forever(self) -> None:
         while True:
             await asyncio.sleep(self._down_retry_s if self._down else self._renew_s)
-            if self._held or self._down:
+            if self._held or self._down or self._unsent:
                 await self.renew()
 
     async def renew(self) -> None:
         """Extend the lease of every member this router holds (adding those admitted while
-        Redis was down); a success ends a Redis outage. Never raises for Redis."""
+        Redis was down) and add the service summed since the last call to the account; a
+        success ends a Redis outage. Never raises for Redis (the service is kept to retry)."""
         assert self._redis is not None
-        keys: list[str] = []
-        args: list[int | str] = [self._lease_ms]
+        unsent, self._unsent = self._unsent, {}
+        keys: list[str] = [self._keys.tenant_service]
+        args: list[int | float | str] = [self._lease_ms, seconds_to_ms(SERVICE_TTL_S), len(unsent)]
+        for tenant, service in unsent.items():
+            args += [tenant, service]
         for tenant, members in self._held.items():
             keys.append(self._keys.tenant_inflight(tenant))
             args += [len(members), *sorted(members)]
         try:
             await self._renew(keys=keys, args=args)
         except REDIS_FAILED as exc:
+            for tenant, service in unsent.items():  # kept for the next try
+                self._unsent[tenant] = self._unsent.get(tenant, 0.0) + service
             self._mark_down(exc)
             return
         if self._down:
