@@ -13,7 +13,12 @@ request at the same instant; ``open`` first measures the fleet's capacity in a c
 of the burst is refused: the router's CPU per refused request. ``fair``: tenant ``steady``
 alone at ``--steady-share`` of capacity (its unloaded TTFT), then the same stream while
 tenant ``flood`` sends ``factor ×`` capacity (key file with ``default_tenant_share`` =
-``--tenant-share``, replicas with the same ``tenant_share``).
+``--tenant-share``, replicas with ``tenant_share`` = ``--seat-share``, default the same);
+then ``backlogged``: both tenants in closed loops that each could fill the fleet alone,
+flood's prompts ``--flood-prompt-factor ×`` longer, and each tenant's share of the tokens the
+replicas computed (uncached prompt + output, from the final messages' usage) and of the
+weighted service (prompt × 1 + output × 2, the scheduler's fairness counter) over the middle
+half of the phase: with two backlogged tenants the fair share is 1/2.
 Reported: requests by final status, refusal (RESOURCE_EXHAUSTED) latency p50/p99 from the
 client's send, TTFT p50/p99 of the admitted (and the worker's own queue and TTFT quantiles:
 the rest of the client's TTFT is router, client and network), the router's CPU per request over the phase, and
@@ -56,6 +61,8 @@ class Outcome:
     details: str = ""
     worker_queue_s: Optional[float] = None  # the worker's own timing (final message)
     worker_ttft_s: Optional[float] = None
+    computed_tokens: int = 0  # uncached prompt + output tokens the worker computed
+    service: float = 0.0      # the same, weighted as the scheduler's fairness counts them
 
 
 @dataclass(frozen=True)
@@ -68,7 +75,7 @@ class Run:
     max_tokens: int = 16
     router_args: tuple[str, ...] = ()
     api_keys: dict = field(default_factory=dict)  # key -> tenant (empty: open router)
-    tenant_share: float = 1.0  # replicas' SchedulerConfig.tenant_share and the key file's default
+    tenant_share: float = 1.0  # replicas' SchedulerConfig.tenant_share (--seat-share)
 
 
 def _prompt(rng: random.Random, n: int) -> list[int]:
@@ -77,10 +84,12 @@ def _prompt(rng: random.Random, n: int) -> list[int]:
 
 async def send(stub, run: Run, rng: random.Random, tenant: str = "",
                key: Optional[str] = None, timeout_s: float = 120.0,
-               max_tokens: Optional[int] = None) -> Outcome:
+               max_tokens: Optional[int] = None, prompt_tokens: Optional[int] = None) -> Outcome:
     """One ``Router.Generate`` of a fresh random prompt; never raises."""
+    from kvfleet.router.tenant_limits import request_service
+
     req = router_pb2.GenerateRequest()
-    req.token_ids.ids.extend(_prompt(rng, run.prompt_tokens))
+    req.token_ids.ids.extend(_prompt(rng, prompt_tokens or run.prompt_tokens))
     req.sampling.max_tokens = max_tokens or run.max_tokens
     req.sampling.ignore_eos = True
     md = (("authorization", f"Bearer {key}"),) if key else None
@@ -91,6 +100,11 @@ async def send(stub, run: Run, rng: random.Random, tenant: str = "",
                 out.first = time.monotonic()
             if m.finish_reason:
                 out.worker_queue_s, out.worker_ttft_s = m.timing.queue_s, m.timing.ttft_s
+                u = m.usage
+                out.computed_tokens = (u.prompt_tokens - u.cached_prompt_tokens
+                                       + u.completion_tokens)
+                out.service = request_service(u.prompt_tokens, u.cached_prompt_tokens,
+                                              u.completion_tokens)
     except grpc.aio.AioRpcError as exc:
         out.code, out.details = exc.code().name, exc.details() or ""
     out.end = time.monotonic()
@@ -200,6 +214,37 @@ async def open_loop(stub, run: Run, rate: float, seconds: float, router: ProcSta
     return s
 
 
+async def backlogged(stub, run: Run, seconds: float, clients: int,
+                     tenants: dict[str, tuple[str, int]]) -> dict:
+    """Every tenant (name → (api key, prompt tokens)) in ``clients`` closed-loop clients for
+    ``seconds`` (a refusal is retried after 20 ms): each tenant's share of computed tokens
+    and of weighted service among the requests that finished in the middle half."""
+    rng = random.Random(4)
+    start = time.monotonic()
+    stop_at = start + seconds
+    done: list[Outcome] = []
+
+    async def client(name: str, key: str, prompt_tokens: int) -> None:
+        while time.monotonic() < stop_at:
+            out = await send(stub, run, rng, name, key, prompt_tokens=prompt_tokens)
+            done.append(out)
+            if out.code != "OK":
+                await asyncio.sleep(0.02)
+
+    await asyncio.gather(*(client(name, key, n) for name, (key, n) in tenants.items()
+                           for _ in range(clients)))
+    window = [o for o in done if o.code == "OK"
+              and start + seconds / 4 <= o.end <= start + 3 * seconds / 4]
+    tokens = {t: sum(o.computed_tokens for o in window if o.tenant == t) for t in tenants}
+    service = {t: sum(o.service for o in window if o.tenant == t) for t in tenants}
+    return {"prompt_tokens": {t: n for t, (_, n) in tenants.items()},
+            "by_status": dict(Counter(f"{o.tenant}:{o.code}" for o in done)),
+            "computed_tokens": tokens, "service": service,
+            "computed_share": {t: v / max(1, sum(tokens.values())) for t, v in tokens.items()},
+            "service_share": {t: v / max(1e-9, sum(service.values())) for t, v in service.items()},
+            "fair_share": 1 / len(tenants)}
+
+
 def start_cluster(run: Run, redis_url: str, api_keys_file: Optional[str]):
     from dataclasses import replace
 
@@ -233,7 +278,8 @@ def actor_pids(cluster) -> list[int]:
 async def drive(a: argparse.Namespace, run: Run, cluster) -> dict:
     from bench.router_bench import wait_registered
 
-    await wait_registered(cluster.router_address, run.replicas)
+    admin = "key-admin" if run.api_keys else None  # ClusterStatus is for admins only
+    await wait_registered(cluster.router_address, run.replicas, key=admin)
     router = ProcStats(cluster.router_proc.pid)
     async with grpc.aio.insecure_channel(cluster.router_address, options=CHANNEL_OPTIONS) as ch:
         stub = router_pb2_grpc.RouterStub(ch)
@@ -252,8 +298,16 @@ async def drive(a: argparse.Namespace, run: Run, cluster) -> dict:
         await asyncio.sleep(2.0)  # the fleet drains
         both = await open_loop(stub, run, 0, a.duration_s, router,
                                {"flood": (a.factor * cap, "key-flood"), **steady})
+        await asyncio.sleep(2.0)
+        flood_prompt = int(run.prompt_tokens * a.flood_prompt_factor)
+        shares = await backlogged(stub, run, a.duration_s, run.replicas * run.max_num_seqs,
+                                  {"flood": ("key-flood", flood_prompt),
+                                   "steady": ("key-steady", run.prompt_tokens)})
+        alone_p99 = alone["per_tenant"]["steady"].get("ttft_p99_ms")
+        both_p99 = both["per_tenant"]["steady"].get("ttft_p99_ms")
         return {"capacity_per_s": cap, "steady_alone": alone["per_tenant"]["steady"],
-                "with_flood": both}
+                "with_flood": both, "backlogged": shares,
+                "steady_ttft_p99_ratio": both_p99 / alone_p99 if alone_p99 and both_p99 else None}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -269,7 +323,11 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--steady-share", type=float, default=0.2,
                    help="tenant steady's rate as a fraction of capacity")
     f.add_argument("--tenant-share", type=float, default=0.5,
-                   help="replicas' tenant_share and the key file's default_tenant_share")
+                   help="the key file's default_tenant_share (and, by default, --seat-share)")
+    f.add_argument("--seat-share", type=float, default=None,
+                   help="replicas' tenant_share: a tenant's share of running slots")
+    f.add_argument("--flood-prompt-factor", type=float, default=4.0,
+                   help="backlogged phase: flood's prompts are this many times steady's")
     for q in (o, f):
         q.add_argument("--factor", type=float, default=10.0)
         q.add_argument("--duration-s", type=float, default=30.0)
@@ -280,10 +338,12 @@ def main(argv: list[str] | None = None) -> int:
         q.add_argument("--tag", default="")
         q.add_argument("--router-arg", action="append", default=[], dest="router_args")
     a = p.parse_args(argv)
-    keys = {"key-flood": "flood", "key-steady": "steady"} if a.cmd == "fair" else {}
+    keys = ({"key-flood": "flood", "key-steady": "steady", "key-admin": "bench-admin"}
+            if a.cmd == "fair" else {})
     share = a.tenant_share if a.cmd == "fair" else 1.0
+    seats = a.seat_share if a.cmd == "fair" and a.seat_share is not None else share
     run = Run(replicas=a.replicas, scale=a.scale, router_args=tuple(a.router_args), api_keys=keys,
-              tenant_share=share)
+              tenant_share=seats)
     from kvfleet.deploy.ray_local import init_ray, shutdown_ray
     from kvfleet.deploy.redis_server import start_redis
 
@@ -291,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     keys_file = None
     if keys:
         keys_file = RESULTS / "overload-keys.json"
-        keys_file.write_text(json.dumps({"keys": keys, "default_tenant_share": share}))
+        keys_file.write_text(json.dumps({"keys": keys, "default_tenant_share": share,
+                                         "admins": ["bench-admin"]}))
     redis = start_redis()
     init_ray(num_cpus=2)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

@@ -86,7 +86,10 @@ def start_fleets(run: Run, redis_url: str) -> dict:
     return fleets
 
 
-async def wait_registered(address: str, n: int, timeout_s: float = 60.0) -> list[str]:
+async def wait_registered(address: str, n: int, timeout_s: float = 60.0,
+                          key: str | None = None) -> list[str]:
+    """Until the router lists ``n`` replicas (``key``: an admin's API key, when the router
+    has a key file: ClusterStatus is for admins only); returns their ids."""
     import grpc
 
     from kvfleet.v1 import router_pb2, router_pb2_grpc
@@ -95,7 +98,8 @@ async def wait_registered(address: str, n: int, timeout_s: float = 60.0) -> list
         stub = router_pb2_grpc.RouterStub(ch)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            s = await stub.ClusterStatus(router_pb2.ClusterStatusRequest())
+            md = (("authorization", f"Bearer {key}"),) if key else None
+            s = await stub.ClusterStatus(router_pb2.ClusterStatusRequest(), metadata=md)
             if len(s.replicas) == n:
                 return [r.replica_id for r in s.replicas]
             await asyncio.sleep(0.2)

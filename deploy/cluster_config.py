@@ -132,7 +132,8 @@ def serve_application(cfg: ClusterConfig, redis_url: str, num_cpus: float, threa
 # The router's optional flags as (flag, RouterConfig field): rendered when not the default.
 _OPTIONAL_FLAGS = (("--http-max-connections", "http_max_connections"),
                    ("--retry-pushback-ms", "retry_pushback_ms"),
-                   ("--log-level", "log_level"), ("--shutdown-grace-s", "shutdown_grace_s"))
+                   ("--log-level", "log_level"), ("--shutdown-grace-s", "shutdown_grace_s"),
+                   ("--tenant-max-inflight", "tenant_max_inflight"))
 _POLICY_FLAGS = ("load_penalty_blocks", "max_imbalance", "popularity_window", "min_excess_load")
 
 

@@ -150,6 +150,10 @@ FLAGS: tuple[Flag, ...] = (
          "CLASS=FRACTION,...: refuse a priority class's requests once the fleet holds this "
          "fraction of its capacity, keeping the rest for higher classes (default "
          "interactive=1,default=1,batch=0.8)", type=priority_admit, metavar="CLASS=FRACTION,..."),
+    Flag("--tenant-max-inflight", "router.tenant_max_inflight",
+         "in-flight requests one tenant (without its own key-file limit) may hold across every "
+         "router of the cluster, counted in Redis (default: no limit beyond the key file's)",
+         type=positive_int("--tenant-max-inflight")),
     Flag("--http-port", "router.http_port",
          "the router's OpenAI-compatible HTTP API (default {default}; 0 = a free port, -1 = off)",
          type=int, default=8000, only=("up",), convert=lambda port: None if port < 0 else port),

@@ -18,6 +18,15 @@ Every key starts with a configurable namespace (default ``kvfleet:``)::
                                  {"path": DIR} or {"unloaded": true}; a replica applies it
                                  over its start-time adapters when it starts (kept while the
                                  cluster's namespace lives: it is configuration, not index)
+    {ns}tenant_inflight:{tenant}
+                          ZSET   "{router_id}/{request_id}" @ lease end: one tenant's in-flight
+                                 requests over every router (score = Redis time + lease, ms;
+                                 renewed by the holding router, ZREM on finish, expired members
+                                 dropped at each admission; PEXPIRE = the lease: a key no router
+                                 renews is gone a lease later) — kvfleet.router.tenant_limits
+    {ns}tenant_service    HASH   tenant -> service: weighted tokens the fleet computed for it
+                                 (uncached prompt × 1 + output × 2), added by each router every
+                                 few seconds; PEXPIRE a day after the last addition
     {ns}sweep_cursor      STRING SCAN cursor of the incremental garbage sweep, shared by all routers
     {ns}kv_events         STREAM the KV event log: one entry per index write of a replica, id
                                  ``{seq}-0``; fields o (the log's origin), k (reg | blk | dereg),
@@ -190,6 +199,13 @@ class IndexKeys:
 
     def adapters(self, model: str) -> str:
         return f"{self.namespace}adapters:{model}"
+
+    def tenant_inflight(self, tenant: str) -> str:
+        return f"{self.namespace}tenant_inflight:{tenant}"
+
+    @property
+    def tenant_service(self) -> str:
+        return f"{self.namespace}tenant_service"
 
     @property
     def sweep_cursor(self) -> str:

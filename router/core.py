@@ -39,7 +39,6 @@ from kvfleet.router.capacity import (
     DEFAULT_RETRY_PUSHBACK_MS,
     check_class_room,
     check_room,
-    check_tenant,
     fleet_capacity,
     with_room,
 )
@@ -47,6 +46,7 @@ from kvfleet.router.policy import Candidate, RoutingPolicy
 from kvfleet.router.prefix_index import IndexUnavailable
 from kvfleet.router.replica_set import ReplicaSet
 from kvfleet.router.served_model import ServedModel
+from kvfleet.router.tenant_limits import TenantLimiter, request_service
 from kvfleet.router.worker_link import DEFAULT_CALL_IDLE_S, LinkCall, WorkerCallError
 from kvfleet.sampling_params import SamplingParams, check_context_length
 from kvfleet.stream_limits import StreamLimits
@@ -137,7 +137,10 @@ class RouterCore:
                  stream_limits: StreamLimits = StreamLimits(),
                  call_idle_s: float = DEFAULT_CALL_IDLE_S,
                  prompt_limits: PromptLimits = PromptLimits(),
-                 priority_admit: Optional[dict[str, float]] = None) -> None:
+                 priority_admit: Optional[dict[str, float]] = None,
+
+                 tenant_limiter: Optional[TenantLimiter] = None,
+                 tenant_max_inflight: Optional[int] = None) -> None:
         self.models = models
         self.default_model = default_model
         self.replicas = replicas
@@ -154,7 +157,24 @@ class RouterCore:
         self._tokenizers = concurrent.futures.ThreadPoolExecutor(
             prompt_limits.tokenizer_threads, thread_name_prefix="kvfleet-tokenize")
         self._live_ids: set[tuple[str, str]] = set()  # (tenant, client request_id) in flight
-        self.tenant_inflight: collections.Counter[str] = collections.Counter()
+        # Tenant limits, fleet-wide through Redis when the limiter has it (else this router's).
+        self.tenant_limiter = tenant_limiter or TenantLimiter()
+        # Limit of a tenant without its own in the key file (None: the key file's share only).
+        self.tenant_max_inflight = tenant_max_inflight
+
+    @property
+    def tenant_inflight(self) -> collections.Counter[str]:
+        """This router's open requests by tenant."""
+        return self.tenant_limiter.inflight
+
+    def tenant_limit(self, tenant: str, candidates: Sequence[Candidate]) -> Optional[int]:
+        """In-flight requests ``tenant`` may hold across the fleet: the key file's own limit,
+        else the smaller of its default share of the fleet's capacity and
+        ``tenant_max_inflight`` (None: unlimited)."""
+        limit = self.auth.tenant_limit(tenant, fleet_capacity(candidates))
+        if self.tenant_max_inflight is None or tenant in self.auth.tenant_limits:
+            return limit
+        return self.tenant_max_inflight if limit is None else min(limit, self.tenant_max_inflight)
 
     def authenticate(self, metadata) -> str:
         """The tenant for gRPC metadata or HTTP headers (lower-case keys). Raises Unauthenticated."""
@@ -286,10 +306,10 @@ class RouterCore:
             req = replace(req, priority=level)
         # A stale view with no routable replica re-reads the registry first.
         candidates = self._candidates(model.name, live=await self.replicas.routable(model.name))
-        limit = self.auth.tenant_limit(tenant, fleet_capacity(candidates))
-        check_tenant(tenant, self.tenant_inflight[tenant], limit)  # before tokenizing: cheap
-        # Reserved at the check: a burst would otherwise all pass it across the awaits below.
-        self.tenant_inflight[tenant] += 1
+        # Before tokenizing (cheap: one Redis call when limited); reserved at the check, so a
+        # burst cannot all pass it across the awaits below.
+        lease = await self.tenant_limiter.acquire(tenant, self.tenant_limit(tenant, candidates))
+        service = 0.0  # the tenant's weighted tokens, for the fleet's account
         try:
             adapter = None
             if req.adapter:
@@ -320,11 +340,15 @@ class RouterCore:
                         req, trace, model, chain, decision, (client_id, request_id), params,
                         tokens, scope)) as relay:
                     async for msg in relay:
+                        if msg.finish_reason:
+                            u = msg.usage
+                            service += request_service(u.prompt_tokens, u.cached_prompt_tokens,
+                                                       u.completion_tokens)
                         yield msg
             finally:
                 self._live_ids.discard((tenant, req.request_id))
         finally:
-            self.tenant_inflight[tenant] -= 1
+            self.tenant_limiter.release(lease, service)  # done, failed or cancelled
 
     async def _dispatch(self, req: GenerateInput, trace, model: ServedModel, chain, decision,
                         ids: tuple[str, str], params: SamplingParams, tokens, scope: str

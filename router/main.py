@@ -34,6 +34,7 @@ from kvfleet.router.presence import RouterPresence
 from kvfleet.router.replica_set import ReplicaSet
 from kvfleet.router.served_model import ServedModel
 from kvfleet.router.server import RouterService
+from kvfleet.router.tenant_limits import TenantLimiter
 from kvfleet.router.worker_link import DEFAULT_CALL_IDLE_S
 from kvfleet.secrets import REDIS_PASSWORD_ENV, with_redis_password
 from kvfleet.stream_limits import DEFAULT_MAX_UNREAD, DEFAULT_STALL_S, StreamLimits
@@ -89,11 +90,18 @@ class RouterConfig:
     # Per priority class: the fraction of fleet capacity past which its requests are refused
     # (kvfleet.priority.DEFAULT_ADMIT: batch at 80 %, the others at 100 %).
     priority_admit: dict = field(default_factory=lambda: dict(priority.DEFAULT_ADMIT))
+    # In-flight requests a tenant without its own key-file limit may hold across every router
+    # of the namespace (kvfleet.router.tenant_limits); None = the key file's share only.
+    tenant_max_inflight: Optional[int] = None
 
     def __post_init__(self) -> None:
         priority.check_admit(self.priority_admit, "--priority-admit")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("--tls-cert and --tls-key go together")
+        if self.tenant_max_inflight is not None and not (
+                isinstance(self.tenant_max_inflight, int) and self.tenant_max_inflight >= 1):
+            raise ValueError(f"--tenant-max-inflight must be an integer >= 1, got "
+                             f"{self.tenant_max_inflight!r}")
 
 
 class RouterServer:
@@ -138,12 +146,15 @@ class RouterServer:
         await self.replicas.start()
         self.telemetry = Telemetry(cfg.telemetry, "router")
         self.metrics_address = self.telemetry.metrics_address
+        limiter = TenantLimiter(cfg.redis_url, cfg.namespace)  # tenant limits, fleet-wide
+        limiter.start()
         self.core = RouterCore({model.name: model}, model.name, self.replicas, policy, auth,
                                telemetry=RouterTelemetry(self.telemetry),
                                retry_pushback_ms=cfg.retry_pushback_ms,
                                stream_limits=cfg.stream_limits, call_idle_s=cfg.call_idle_s,
                                prompt_limits=cfg.prompt_limits,
-                               priority_admit=cfg.priority_admit)
+                               priority_admit=cfg.priority_admit, tenant_limiter=limiter,
+                               tenant_max_inflight=cfg.tenant_max_inflight)
         service = RouterService(self.core)
         self.service = service
         router_pb2_grpc.add_RouterServicer_to_server(service, self._server)
@@ -219,6 +230,7 @@ class RouterServer:
         await asyncio.gather(*stopping)
         if self.core is not None:
             self.core.close()
+            await self.core.tenant_limiter.close()
         if self.replicas is not None:
             await self.replicas.close()
             self.replicas = None
@@ -262,6 +274,9 @@ def parse_args(argv: list[str]) -> RouterConfig:
     p.add_argument("--tls-key", help="PEM private key of --tls-cert")
     p.add_argument("--internal-tls-dir",
                    help="cluster CA + router certificate (kvfleet.tls): mutual TLS to workers")
+    p.add_argument("--tenant-max-inflight", type=int, default=None,
+                   help="in-flight requests a tenant without its own key-file limit may hold "
+                        "across every router sharing this Redis namespace (default: none)")
     p.add_argument("--retry-pushback-ms", type=int, default=DEFAULT_RETRY_PUSHBACK_MS,
                    help="retry hint (grpc-retry-pushback-ms trailer) sent with RESOURCE_EXHAUSTED")
     p.add_argument("--priority-admit", default="", metavar="CLASS=FRACTION,...",
@@ -329,6 +344,7 @@ def _config(a: argparse.Namespace, telemetry: TelemetryConfig, stream_limits: St
                         internal_tls_dir=a.internal_tls_dir, stream_limits=stream_limits,
                         call_idle_s=a.call_idle_s, prompt_limits=prompt_limits,
                         priority_admit=priority.parse_admit(a.priority_admit),
+                        tenant_max_inflight=a.tenant_max_inflight,
                         policy_options={
                             k: v for k in ("load_penalty_blocks", "max_imbalance",
                                            "popularity_window", "min_excess_load")

@@ -76,6 +76,10 @@ class WorkerTelemetry:
                                       description="Fraction of KV blocks referenced by live requests")
             m.create_observable_gauge(n.METRIC_REQUESTS, [self._requests], unit="{request}",
                                       description="Requests running / waiting in the engine")
+            m.create_observable_counter(
+                n.METRIC_TENANT_SERVICE, [self._tenant_service], unit="{token}",
+                description="Service per tenant: weighted prefill tokens computed (prefix-cache "
+                            "hits free) + decode tokens, as the scheduler's fairness counts it")
         self._step_cost = step_cost  # the engine's StepCost (kvfleet.worker.engine.step_cost)
         if step_cost is not None:
             self._step_instruments(m)
@@ -121,6 +125,12 @@ class WorkerTelemetry:
         total = s.get("num_total_blocks", 0)
         used = total - s.get("num_free_blocks", 0)
         yield metrics.Observation(used / total if total else 0.0, {n.GEN_AI_REQUEST_MODEL: self.model})
+
+    def _tenant_service(self, _options):
+        # Tenants the scheduler keeps: backlogged ones and those ahead of them (bounded).
+        for tenant, service in self._stats_fn().get("tenant_service", {}).items():
+            yield metrics.Observation(service, {n.KVFLEET_TENANT: tenant,
+                                                n.GEN_AI_REQUEST_MODEL: self.model})
 
     def _requests(self, _options):
         s = self._stats_fn()

@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import grpc
 
+from kvfleet.index_keys import redis_client
 from kvfleet.v1 import router_pb2, router_pb2_grpc
 from tests.integration.routing_fleet import prompt
 from tests.integration.test_overload import SLOW, TIGHT, _outcome
@@ -114,3 +115,46 @@ async def test_members_of_a_shared_namespace_each_get_their_own_share(fleet, tmp
             last = msg  # another member: its own share, and the namespace's cached blocks
         assert last.usage.cached_prompt_tokens > 0
         assert [c for c, *_ in await asyncio.gather(*holders)] == ["OK"] * share
+
+
+async def test_two_routers_enforce_one_tenant_limit_between_them(fleet, tmp_path):
+    # Issue 25 §3: the limit is counted in Redis ({ns}tenant_inflight:{tenant}), so a burst
+    # split over two routers gets the limit once, not once per router.
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"keys": {"key-burst": "burst"}, "tenant_limits": {"burst": 2}}))
+    await fleet.add_replica("rep-a", cost_model=SLOW)
+    routers = [await fleet.add_router(api_keys_file=str(keys)) for _ in range(2)]
+    await fleet.wait_replicas(1)
+    md = (("authorization", "Bearer key-burst"),)
+    channels = [grpc.aio.insecure_channel(r.address) for r in routers]
+    try:
+        stubs = [router_pb2_grpc.RouterStub(c) for c in channels]
+        outs = await asyncio.gather(*(_outcome(stubs[i % 2].Generate(_request(i, 10), metadata=md))
+                                      for i in range(8)))
+        codes = collections.Counter(code for code, *_ in outs)
+        assert codes == {"OK": 2, "RESOURCE_EXHAUSTED": 6}, codes
+        assert any("across the fleet" in details for _, details, *_ in outs)
+        # A stream cancelled mid-way and a request refused after admission give theirs back.
+        call = stubs[0].Generate(_request(50, 40), metadata=md)
+        async for _ in call:
+            break
+        call.cancel()
+        bad = router_pb2.GenerateRequest()
+        bad.token_ids.ids.extend([10**9])  # outside the vocabulary: INVALID_ARGUMENT
+        code, *_ = await _outcome(stubs[1].Generate(bad, metadata=md))
+        assert code == "INVALID_ARGUMENT"
+    finally:
+        for c in channels:
+            await c.close()
+    for r in routers:
+        while r.core.tenant_inflight["burst"]:
+            await asyncio.sleep(0.01)
+        await r.core.tenant_limiter.settle()
+    redis = redis_client(fleet.redis_url)
+    try:
+        left = [k async for k in redis.scan_iter(match=fleet.namespace + "tenant_inflight:*")]
+        account = await redis.hgetall(fleet.namespace + "tenant_service")
+    finally:
+        await redis.aclose()
+    assert left == []
+    assert float(account["burst"]) > 0  # the finished requests' service, fleet-wide

@@ -291,10 +291,11 @@ class Engine:
                          timing, error, milestones)
 
     # ---- observability --------------------------------------------------------------------
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict:
         return {
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "num_free_blocks": self.kv.num_free_blocks,
             "num_total_blocks": self.kv.num_total_blocks,
+            "tenant_service": dict(self.scheduler.service.service),  # a copy: read off-thread
         }

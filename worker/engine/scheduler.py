@@ -12,11 +12,13 @@ the replica's policy (docs/design.md §3):
   later recomputes prompt + output, reusing whatever prefix blocks are still cached).
 * ``reserve``: admit only when blocks for ``prompt + max_tokens`` are free; never preempts.
 
-Among tenants the waiting queue is fair: the next sequence admitted is the oldest waiting one
-of the tenant with the fewest running sequences (FCFS within a tenant and among equals), so a
-tenant that floods the queue does not hold another tenant's requests behind its own. With
-``tenant_share`` below 1 a tenant also runs at most that share of ``max_num_seqs`` sequences
-(one with nothing running may always start one request).
+Among tenants the waiting queue is fair by service, not by count: the next sequence admitted
+is the oldest waiting one of the tenant that has been served least — weighted prefill tokens
+computed (prefix-cache hits are free) plus decode tokens (:mod:`.tenant_service`, a VTC-style
+counter charged after every step) — so a tenant that floods the queue, or sends long prompts,
+does not hold another tenant's requests behind its own. With ``tenant_share`` below 1 a tenant
+also runs at most that share of ``max_num_seqs`` sequences (one with nothing running may always
+start one request); a tenant at its share is passed over for the next.
 
 Priority classes (``kvfleet.worker.engine.priority_queue``): the waiting queue and the running
 set are ordered by class first (lower ``priority`` first), FCFS within a class, and the tenant
@@ -55,6 +57,7 @@ from kvfleet.worker.engine.request import SeqStatus, SequenceState
 from kvfleet.worker.engine.step_budget import StepBudget, floor_tokens
 from kvfleet.worker.engine.step_cost import StepCostModel
 from kvfleet.worker.engine.step_plan import SeqChunk, StepPlan
+from kvfleet.worker.engine.tenant_service import TenantService
 
 POLICIES = ("watermark", "reserve")
 
@@ -155,6 +158,7 @@ class Scheduler:
         self._tenant_seats = max(1, int(config.max_num_seqs * config.tenant_share))
         self.rules = PriorityRules(config.max_num_seqs, config.batch_share,
                                    config.preempt_streaming)
+        self.service = TenantService()  # per-tenant service: who is admitted next
 
     # ---- admission -------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
@@ -209,6 +213,7 @@ class Scheduler:
             if siblings:
                 self.pending_forks[leader.seq_id] = siblings
             insert_waiting(self.waiting, leader)
+            self.service.arrive(leader.tenant, 1 + len(siblings))
 
     @property
     def num_queued(self) -> int:
@@ -254,21 +259,21 @@ class Scheduler:
             budget.take(seq.num_computed_tokens, n, reserved=remaining == 1)
             i += 1
 
-        # 2. Waiting sequences by class, fair among tenants within it (FCFS within one); stop
-        # at the first that does not fit (no starvation).
+        # 2. Waiting sequences by class, the least-served tenant first within it (FCFS within
+        # one); stop at the first that does not fit (no starvation).
         seats = self._seats()
         batch_seats = batch_held(self.running, self.pending_forks)
         running_by_tenant = Counter(s.tenant for s in self.running)
+        planned: dict[str, float] = {}  # service admitted this step, charged after it
         while self.waiting and budget.has_room:
-            seq = self._next_waiting(running_by_tenant)
+            if (picked := self._next_waiting(running_by_tenant, planned)) is None:
+                break  # every waiting tenant holds its share of the running slots
+            seq = picked
             group = 1 + len(self.pending_forks.get(seq.seq_id, ()))
             if seats + group > self.config.max_num_seqs:
                 break
             if self.rules.batch_capped(seq, group, batch_seats):
                 break  # the batch band holds its share; every sequence behind is batch too
-            held = running_by_tenant[seq.tenant]  # the fewest of any waiting tenant
-            if held and held + group > self._tenant_seats:
-                break  # every waiting tenant holds its share of the running slots
             computed = self.kv.get_computed_blocks(seq.block_hashes, seq.num_tokens)
             num_cached = len(computed) * self.kv.block_size
             n = budget.grant(num_cached, seq.num_tokens - num_cached)
@@ -289,6 +294,7 @@ class Scheduler:
             seats += group
             scheduled.append(ScheduledSeq(seq, n, num_cached + n == seq.num_tokens))
             budget.take(num_cached, n)
+            planned[seq.tenant] = planned.get(seq.tenant, 0.0) + self.service.cost(prefill_tokens=n)
 
         chunks = tuple(
             SeqChunk(
@@ -319,16 +325,22 @@ class Scheduler:
                                if s.num_tokens - s.num_computed_tokens == 1)
         return budget
 
-    def _next_waiting(self, running_by_tenant: Counter) -> SequenceState:
-        """Of the best waiting class, the oldest waiting sequence of the tenant with the
-        fewest running sequences."""
-        best, seen = self.waiting[0], {self.waiting[0].tenant}
+    def _next_waiting(self, running_by_tenant: Counter, planned: dict[str, float]
+                      ) -> Optional[SequenceState]:
+        """Of the best waiting class, the oldest waiting sequence of its least-served tenant
+        (service + ``planned`` this step) among those below their share of running slots;
+        None when every such tenant holds its share."""
+        oldest: dict[str, SequenceState] = {}
         for s in head_class(self.waiting):  # arrival order: each tenant's first is its oldest
-            if s.tenant not in seen:
-                seen.add(s.tenant)
-                if running_by_tenant[s.tenant] < running_by_tenant[best.tenant]:
-                    best = s
-        return best
+            if s.tenant not in oldest:
+                held = running_by_tenant[s.tenant]
+                group = 1 + len(self.pending_forks.get(s.seq_id, ()))
+                if not held or held + group <= self._tenant_seats:
+                    oldest[s.tenant] = s
+        # Ties (a tenant just back from idle starts at the others' minimum) go to the tenant
+        # running fewer sequences, then to the oldest waiting (sorted is stable).
+        tenant = self.service.pick(sorted(oldest, key=running_by_tenant.__getitem__), planned)
+        return None if tenant is None else oldest[tenant]
 
     def _seats(self) -> int:
         """Running seats taken: a running leader's unforked siblings hold theirs too."""
@@ -441,6 +453,11 @@ class Scheduler:
                 continue
             before = seq.num_computed_tokens
             seq.num_computed_tokens += s.num_new_tokens
+            # Only computed tokens are charged: prefix-cache hits never appear in a chunk.
+            if s.num_new_tokens == 1:  # a one-token chunk is a decode (as in the cost model)
+                self.service.charge(seq.tenant, decode_tokens=1)
+            else:
+                self.service.charge(seq.tenant, prefill_tokens=s.num_new_tokens)
             self.kv.cache_full_blocks(seq.seq_id, seq.block_hashes, seq.num_computed_tokens,
                                       from_token=before)
             if s.sample and seq.seq_id in self.pending_forks:
@@ -461,16 +478,21 @@ class Scheduler:
     def finish(self, seq: SequenceState) -> None:
         """Remove a sequence wherever it is and return its blocks (idempotent). A leader that
         ends before its prompt was computed leaves its siblings to run on their own."""
+        held = True  # by this scheduler (not, say, still waiting for its adapter)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         else:
+            held = False
             for leader_id, siblings in list(self.pending_forks.items()):
                 if seq in siblings:
+                    held = True
                     siblings.remove(seq)
                     if not siblings:
                         del self.pending_forks[leader_id]
+        if held:
+            self.service.leave(seq.tenant)
         for orphan in reversed(self.pending_forks.pop(seq.seq_id, [])):
             self._requeue(orphan)
         self.kv.free(seq.seq_id)

@@ -92,3 +92,18 @@ def test_the_itl_target_reaches_the_replicas_scheduler_and_serve_config(tiny_lla
     assert cfg.replica.scheduler.itl_target_ms == 80.0
     app = serve_application(cfg, "redis://127.0.0.1:1/0", num_cpus=0.5, threads=1)
     assert app["args"]["replica"]["scheduler"]["itl_target_ms"] == 80.0
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "many"])
+def test_a_bad_tenant_max_inflight_is_a_usage_error_naming_the_flag(value, tiny_llama_dir, capsys):
+    base = ["--redis-url", "r", "--model-name", "m", "--model-dir", "/x"]
+    assert router_args(base + ["--tenant-max-inflight", "8"]).tenant_max_inflight == 8
+    for parse in (lambda: router_args(base + ["--tenant-max-inflight", value]),
+                  lambda: cli.build_parser().parse_args(
+                      ["up", "--model", str(tiny_llama_dir), "--tenant-max-inflight", value])):
+        with pytest.raises(SystemExit) as exit_:
+            parse()
+        assert exit_.value.code == 2 and "--tenant-max-inflight" in capsys.readouterr().err
+    cfg = cluster_config(cli.build_parser().parse_args(
+        ["up", "--model", str(tiny_llama_dir), "--tenant-max-inflight", "5"]))
+    assert cfg.router.tenant_max_inflight == 5

@@ -108,7 +108,8 @@ def test_the_router_command_line_parses_back_to_its_config(monkeypatch) -> None:
         api_keys_file="/keys.json", index_mirror=False, log_level="DEBUG",
         policy_options={"load_penalty_blocks": 2.5, "popularity_window": 64},
         retry_pushback_ms=77, shutdown_grace_s=30.0, tls_cert="/c.pem", tls_key="/k.pem",
-        stream_limits=StreamLimits(max_unread=5, stall_s=1.5)), metrics_port=9100)
+        stream_limits=StreamLimits(max_unread=5, stall_s=1.5), tenant_max_inflight=12),
+        metrics_port=9100)
     router = cfg.router_config("redis://r:6379/0", http_port=8000)
     assert parse_args(router_args(router)) == router
     plain = ClusterConfig(_replica()).router_config("redis://r")

@@ -41,3 +41,22 @@ def test_a_tenant_at_its_limit_is_refused_and_the_fleet_capacity_is_the_sum_of_l
     check_tenant("acme", 400, None)  # no limit
     with pytest.raises(ResourceExhausted, match="tenant 'acme' is at its limit of 5 in-flight"):
         check_tenant("acme", 5, 5)
+
+
+def test_tenant_max_inflight_caps_tenants_without_their_own_limit():
+    from kvfleet.router.auth import Authenticator
+    from kvfleet.router.core import RouterCore
+
+    auth = Authenticator({"k1": "acme", "k2": "globex"}, tenant_limits={"acme": 50},
+                         default_tenant_share=0.5)
+    core = RouterCore({}, "", replicas=None, policy=None, auth=auth,  # type: ignore[arg-type]
+                      tenant_max_inflight=8)
+    try:
+        fleet = [cand("a", 12), cand("b", 12)]  # 24 in all: half is 12
+        assert core.tenant_limit("acme", fleet) == 50  # its own limit wins
+        assert core.tenant_limit("globex", fleet) == 8  # min(12, 8)
+        assert core.tenant_limit("globex", [cand("a", 0)]) == 8  # capacity unknown: the flag
+        core.tenant_max_inflight = None
+        assert core.tenant_limit("globex", fleet) == 12
+    finally:
+        core.close()
