@@ -101,6 +101,7 @@ METRIC_PREFIX_HIT_TOKENS = "kvfleet.worker.prefix_cache.hit_tokens"
 METRIC_OUTPUT_TOKENS = "kvfleet.worker.output_tokens"
 METRIC_KV_CACHE_USAGE = "kvfleet.worker.kv_cache.usage"
 METRIC_REQUESTS = "kvfleet.worker.requests"
+METRIC_QUEUE_DELAY = "kvfleet.worker.queue_delay"  # predicted (the load report's queue_delay_s)
 METRIC_NETWORK_DURATION = "kvfleet.router.network.duration"
 METRIC_ROUTE_DURATION = "kvfleet.router.route.duration"
 

@@ -74,6 +74,9 @@ class WorkerTelemetry:
                                       description="Fraction of KV blocks referenced by live requests")
             m.create_observable_gauge(n.METRIC_REQUESTS, [self._requests], unit="{request}",
                                       description="Requests running / waiting in the engine")
+            m.create_observable_gauge(
+                n.METRIC_QUEUE_DELAY, [self._queue_delay], unit="s",
+                description="Predicted wait before a request arriving now starts its prefill")
 
     # ---- per request -----------------------------------------------------------------------
     def start(self, request, metadata) -> "WorkerRequestTrace":
@@ -102,6 +105,11 @@ class WorkerTelemetry:
         total = s.get("num_total_blocks", 0)
         used = total - s.get("num_free_blocks", 0)
         yield metrics.Observation(used / total if total else 0.0, {n.GEN_AI_REQUEST_MODEL: self.model})
+
+    def _queue_delay(self, _options):
+        delay = self._stats_fn().get("queue_delay_s")
+        if delay is not None:
+            yield metrics.Observation(delay, {n.GEN_AI_REQUEST_MODEL: self.model})
 
     def _requests(self, _options):
         s = self._stats_fn()
