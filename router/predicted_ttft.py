@@ -12,8 +12,13 @@ its matched leading blocks of a prompt of ``P`` tokens:
 *unreported* is this router's open streams the report cannot count (its in-flight count
 beyond ``reported − settled``, as ``prefix_aware``'s load), each costed at the exponential
 average of the prefill seconds this policy predicted for its recent requests to that replica.
-``P`` is known to the block: the chain's full blocks plus half a block. The lowest wins; ties
-go to the deeper match, then the least loaded, then rendezvous hashing on the first block.
+``P`` is known to the block: the chain's full blocks plus half a block. The lowest of
+``predicted TTFT + miss_weight × own prefill`` wins: the uncached tokens' work also delays the
+requests queued behind it and evicts other prefixes, which a greedy TTFT does not see (with
+``miss_weight`` 0 the fleet copies prefixes until the cache thrashes). Ties go to the deeper
+match, then the least loaded, then rendezvous hashing on the first block. A request no replica
+holds any block of (a new family) is placed as ``prefix_aware`` places it — by load, not by
+speed — so a slower replica still holds its share of the fleet's prefixes.
 
 What ``prefix_aware`` adds stays: the KV-saturation skip and the bounded imbalance (a hot
 prefix gets another holder — here the one with the lowest predicted TTFT among those lacking
@@ -30,6 +35,7 @@ from kvfleet.index_keys import ReplicaLoad
 from kvfleet.router.policy import Candidate, PrefixAware, rendezvous_desc
 
 MAX_REPORT_AGE_S = 10.0  # older is a clock offset between hosts, not drained work
+DEFAULT_MISS_WEIGHT = 3.0  # see the module docstring (bench.ttft_routing: 0, 1, 3, 6 tried)
 PENDING_KEEP = 0.75  # weight of the old value in the per-replica average of sent prefill seconds
 
 
@@ -47,8 +53,11 @@ class PredictedTTFT(PrefixAware):
 
     name = "predicted_ttft"
 
-    def __init__(self, **options) -> None:
+    def __init__(self, miss_weight: float = DEFAULT_MISS_WEIGHT, **options) -> None:
+        if miss_weight < 0:
+            raise ValueError(f"miss_weight must be >= 0, got {miss_weight}")
         super().__init__(**options)
+        self.miss_weight = miss_weight
         self.pending_s: dict[str, float] = {}  # replica → average predicted prefill seconds sent
 
     def choose(self, candidates: Sequence[Candidate], chain: Sequence[bytes]) -> Candidate:
@@ -81,7 +90,8 @@ class PredictedTTFT(PrefixAware):
         return uncached * forecast.prefill_token_s
 
     def _best_score(self, candidates: Sequence[Candidate], chain: Sequence[bytes]) -> Candidate:
-        if not all(_forecast(c) is not None for c in candidates):
+        if not all(_forecast(c) is not None for c in candidates) \
+                or not any(c.matched_blocks for c in candidates):
             return super()._best_score(candidates, chain)
         return min(candidates, key=lambda c: self._order(c, chain))
 
@@ -92,7 +102,8 @@ class PredictedTTFT(PrefixAware):
         return min(others, key=lambda c: self._order(c, chain))
 
     def _order(self, c: Candidate, chain: Sequence[bytes]) -> tuple:
-        return (self.predicted_ttft_s(c, chain), -c.matched_blocks, c.load,
+        extra = self.miss_weight * self.own_prefill_s(c, chain)
+        return (self.predicted_ttft_s(c, chain) + extra, -c.matched_blocks, c.load,
                 rendezvous_desc(chain[0] if chain else b"", c))
 
 

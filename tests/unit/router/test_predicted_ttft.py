@@ -30,19 +30,28 @@ def test_the_score_is_queue_delay_plus_uncached_tokens_times_cost():
 
 
 def test_a_half_speed_replica_loses_at_equal_queues_and_wins_when_the_other_is_backed_up():
-    fast, slow = cand("fast"), cand("slow", per_token=2 * FAST)
-    assert PredictedTTFT().choose([slow, fast], chain(b"x")) is fast
+    fast, slow = cand("fast", matched=1), cand("slow", matched=1, per_token=2 * FAST)
+    assert PredictedTTFT(miss_weight=0).choose([slow, fast], chain(b"x")) is fast
     # The fast one has 2 s of backlog; the slow one's whole prefill (1,032 tokens) is ~2.06 s.
-    busy_fast = cand("fast", delay=2.5)
-    assert PredictedTTFT().choose([slow, busy_fast], chain(b"x")) is slow
+    busy_fast = cand("fast", matched=1, delay=2.5)
+    assert PredictedTTFT(miss_weight=0).choose([slow, busy_fast], chain(b"x")) is slow
 
 
 def test_queue_depth_against_prefix_match():
     # The holder saves 1,024 tokens (~1 s): worth 0.5 s of queue, not 3 s.
     holder, idle = cand("a", matched=64, delay=0.5), cand("b")
-    assert PredictedTTFT().choose([idle, holder], chain(b"x")) is holder
+    assert PredictedTTFT(miss_weight=0).choose([idle, holder], chain(b"x")) is holder
     backed_up = cand("a", matched=64, delay=3.0)
-    assert PredictedTTFT().choose([idle, backed_up], chain(b"x")).info.replica_id == "b"
+    assert PredictedTTFT(miss_weight=0).choose([idle, backed_up], chain(b"x")).info.replica_id == "b"
+    # miss_weight 3 counts the miss's 1,024 extra tokens 4×: 3 s of queue is then worth it.
+    assert PredictedTTFT(miss_weight=3).choose([idle, backed_up], chain(b"x")) is backed_up
+    with pytest.raises(ValueError, match="miss_weight"):
+        PredictedTTFT(miss_weight=-1)
+
+
+def test_a_new_family_is_placed_by_load_not_speed():
+    fast, slow = cand("fast", running=3), cand("slow", per_token=2 * FAST)
+    assert PredictedTTFT().choose([fast, slow], chain(b"new")) is slow
 
 
 def test_drained_time_and_own_unreported_requests_count():
@@ -51,11 +60,13 @@ def test_drained_time_and_own_unreported_requests_count():
     assert PredictedTTFT().choose([cand("b"), old], chain(b"x")) is old
     # Two requests this router sent since the report (in flight, not counted in it) each
     # bring the prefill this policy predicted for its last requests there.
-    policy = PredictedTTFT()
+    policy = PredictedTTFT(miss_weight=0)
     for _ in range(3):
-        assert policy.choose([cand("a"), cand("b", delay=0.01)], chain(b"x")).info.replica_id == "a"
-    unreported = cand("a", inflight=2)
-    assert policy.choose([unreported, cand("b", delay=0.01)], chain(b"x")).info.replica_id == "b"
+        got = policy.choose([cand("a", matched=1), cand("b", matched=1, delay=0.01)], chain(b"x"))
+        assert got.info.replica_id == "a"
+    unreported = cand("a", matched=1, inflight=2)
+    got = policy.choose([unreported, cand("b", matched=1, delay=0.01)], chain(b"x"))
+    assert got.info.replica_id == "b"
 
 
 def test_report_age_is_clamped():
