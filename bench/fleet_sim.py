@@ -17,7 +17,7 @@ import json
 import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from kvfleet.allocator.hashing import block_hash_chain, root_hash
 from kvfleet.router.policy import Candidate, RoutingPolicy, make_policy
@@ -56,7 +56,10 @@ class Result:
 class SimFleet:
     def __init__(self, n: int, model_dir: str, num_blocks: int, cost: CostModel,
                  policy: RoutingPolicy, scheduler: SchedulerConfig = SchedulerConfig(),
-                 block_size: int = 16, model_name: str = "sim") -> None:
+                 block_size: int = 16, model_name: str = "sim",
+                 scales: Sequence[float] = ()) -> None:
+        """``scales``: per replica, a factor on ``cost``'s step times (2 = half speed); the
+        replicas past its end run at ``cost``."""
         self.policy, self.block_size = policy, block_size
         self.clock = 0.0
         self.index = InMemoryPrefixIndex(replica_ttl_s=1e12, clock=lambda: self.clock)
@@ -68,7 +71,8 @@ class SimFleet:
             rid = f"r{i:03d}"
             eng = build_engine(replace(base, replica_id=rid))
             r = eng.executor
-            eng.executor = CostModelExecutor(r.config, cost, int(r._row.argmax()), num_blocks,
+            own = cost.scaled(scales[i]) if i < len(scales) else cost
+            eng.executor = CostModelExecutor(r.config, own, int(r._row.argmax()), num_blocks,
                                              block_size, sleep=lambda s: None)
             self.engines[rid] = eng
             self.pubs[rid] = self.index.publisher(ReplicaInfo(rid, rid, model_name, 0, block_size))
@@ -99,7 +103,8 @@ class SimFleet:
     def _arrive(self, r: Request, results: dict, output_tokens: int) -> None:
         chain = block_hash_chain(self.root, r.token_ids, self.block_size)
         matched = run_sync(self.index.match(chain))
-        cands = [Candidate(p.replica, self.report[rid], matched.get(rid, 0), self.inflight[rid])
+        cands = [Candidate(p.replica, self.report[rid], matched.get(rid, 0), self.inflight[rid],
+                           report_age_s=self.clock - self.report[rid].updated_at)
                  for rid, p in self.pubs.items()]
         rid = self.policy.choose(cands, chain).info.replica_id
         params = SamplingParams.from_proto(_sampling(output_tokens))
@@ -135,7 +140,8 @@ class SimFleet:
         run_sync(self.pubs[rid].publish(stored, removed))
         s = eng.stats()
         self.report[rid] = ReplicaLoad(s["running"], s["waiting"], s["num_free_blocks"],
-                                       s["num_total_blocks"], self.clock)
+                                       s["num_total_blocks"], self.clock, s["queue_delay_s"],
+                                       s["prefill_token_s"])
         self.busy[rid] = False
         if eng.has_work:
             self._start_step(rid)
@@ -164,7 +170,8 @@ def summarize(results: list[Result], warmup: int, replicas: int, duration_s: flo
     return {
         "n": len(rs),
         "max_load_over_mean": max(loads) / statistics.mean(loads),
-        "ttft_p50_s": ttft[len(ttft) // 2], "ttft_p99_s": ttft[int(len(ttft) * 0.99)],
+        "ttft_p50_s": ttft[len(ttft) // 2], "ttft_p90_s": ttft[int(len(ttft) * 0.9)],
+        "ttft_p99_s": ttft[int(len(ttft) * 0.99)],
         "hit_rate": sum(r.cached_tokens for r in rs) / sum(r.prompt_tokens for r in rs),
         "max_share_over_mean": max(counts) / statistics.mean(counts),
         "e2e_mean_s": statistics.mean(r.e2e_s for r in rs),
@@ -191,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     w = Workload(zipf_s=a.zipf)
     reqs = requests(w, a.rate, a.count)
     for name in a.policies.split(","):
-        opts = json.loads(a.options) if name == "prefix_aware" else {}
+        opts = json.loads(a.options) if name in ("prefix_aware", "predicted_ttft") else {}
         fleet = SimFleet(a.replicas, str(prepare_model(progress=False)), a.blocks, cost,
                          make_policy(name, **opts))
         res = fleet.run(reqs, w.output_tokens, a.concurrency)

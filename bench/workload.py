@@ -74,3 +74,50 @@ def stream(w: Workload, seed: int = 0) -> Iterator[Request]:
     while True:
         yield from requests(w, float("inf"), 256, seed=seed * 1_000_003 + i)
         i += 1
+
+
+@dataclass(frozen=True)
+class B2BWorkload:
+    """The llm-d "B2B" shape: ``groups`` customers, each with a long system prompt shared by its
+    ``users_per_group`` users; a user's requests repeat their own context after it, then a
+    unique question. ``prompt = system + user context + question`` tokens."""
+
+    groups: int = 8
+    users_per_group: int = 4
+    system_tokens: int = 2048
+    user_tokens: int = 256
+    question_tokens: int = 64
+    output_tokens: int = 16
+    seed: int = 0
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.system_tokens + self.user_tokens + self.question_tokens
+
+    def cache_blocks(self, block_size: int) -> int:
+        """KV blocks the shared parts take (system prompts + user contexts)."""
+        per_group = self.system_tokens + self.users_per_group * self.user_tokens
+        return self.groups * per_group // block_size
+
+
+def b2b_requests(w: B2BWorkload, phases: list[tuple[float, int]], seed: int | None = None
+                 ) -> list[Request]:
+    """Poisson arrivals in ``phases`` of (rate per second, requests), one after another (a
+    ramp); a request picks a group and a user uniformly. ``Request.group`` is the group."""
+    rng = random.Random(w.seed if seed is None else seed)
+    shared = random.Random(w.seed * 7919 + 29)
+
+    def tokens(n: int, r: random.Random) -> tuple[int, ...]:
+        return tuple(r.randrange(*TOKEN_RANGE) for _ in range(n))
+
+    systems = [tokens(w.system_tokens, shared) for _ in range(w.groups)]
+    users = [[tokens(w.user_tokens, shared) for _ in range(w.users_per_group)]
+             for _ in range(w.groups)]
+    out: list[Request] = []
+    t = 0.0
+    for rate, count in phases:
+        for _ in range(count):
+            t += rng.expovariate(rate)
+            g, u = rng.randrange(w.groups), rng.randrange(w.users_per_group)
+            out.append(Request(len(out), g, systems[g] + users[g][u] + tokens(w.question_tokens, rng), t))
+    return out

@@ -10,8 +10,9 @@ Every key starts with a configurable namespace (default ``kvfleet:``)::
     {ns}registry          HASH   replica_id -> JSON         address, model, epoch, block_size, started_at,
                                  adapters (name, revision), resident_adapters, identity
     {ns}heartbeats        ZSET   replica_id @ last beat     score = Redis server time, milliseconds
-    {ns}load:{replica_id} HASH   running, waiting, num_free_blocks, num_total_blocks, updated_at
-                                 (PEXPIRE = the publisher's replica TTL)
+    {ns}load:{replica_id} HASH   running, waiting, num_free_blocks, num_total_blocks, updated_at,
+                                 queue_delay_s, prefill_token_s (PEXPIRE = the publisher's
+                                 replica TTL; the last two absent in older replicas' records)
     {ns}router:{id}       STRING JSON of one router: address, http_address, policy, pid, started_at
                                  (PEXPIRE: rewritten every few seconds, gone ~10 s after it stops)
     {ns}adapters:{model}  HASH   adapter name -> JSON       runtime LoadAdapter / UnloadAdapter of one model:
@@ -68,7 +69,7 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -82,7 +83,11 @@ DEFAULT_NAMESPACE = "kvfleet:"
 DEFAULT_REPLICA_TTL_S = 10.0
 DEFAULT_TIMEOUT_S = 0.5
 EVENT_LOG_MAXLEN = 10_000  # entries kept in {ns}kv_events (~); a reader further behind resnapshots
-LOAD_FIELDS = ("running", "waiting", "num_free_blocks", "num_total_blocks", "updated_at")
+# Appended fields only (a rolling upgrade reads records written by older replicas, which lack
+# the tail: ReplicaLoad.from_fields takes them as absent).
+LOAD_FIELDS = ("running", "waiting", "num_free_blocks", "num_total_blocks", "updated_at",
+               "queue_delay_s", "prefill_token_s")
+REQUIRED_LOAD_FIELDS = 5  # the leading fields every record carries
 
 
 @dataclass(frozen=True)
@@ -155,26 +160,57 @@ class ReplicaInfo:
 
 @dataclass(frozen=True)
 class ReplicaLoad:
-    """A replica's latest load report; ``updated_at`` is unix seconds (the worker's clock)."""
+    """A replica's latest load report; ``updated_at`` is unix seconds (the worker's clock).
+
+    ``queue_delay_s``: predicted seconds until a request arriving at report time could start its
+    prefill; ``prefill_token_s``: the replica's marginal seconds per uncached prompt token
+    (``worker/engine/queue_delay.py``). Both ``None`` when not advertised (an older replica).
+    """
 
     running: int
     waiting: int
     num_free_blocks: int
     num_total_blocks: int
     updated_at: float
+    queue_delay_s: Optional[float] = None
+    prefill_token_s: Optional[float] = None
+
+    @property
+    def has_forecast(self) -> bool:
+        """Both forecast fields are advertised."""
+        return self.queue_delay_s is not None and self.prefill_token_s is not None
 
     def to_fields(self) -> list[str]:
-        """Values in ``LOAD_FIELDS`` order, as strings for Redis."""
+        """Values in ``LOAD_FIELDS`` order, as strings for Redis ("" = not advertised)."""
         return [str(self.running), str(self.waiting), str(self.num_free_blocks),
-                str(self.num_total_blocks), repr(float(self.updated_at))]
+                str(self.num_total_blocks), repr(float(self.updated_at)),
+                _optional_float(self.queue_delay_s), _optional_float(self.prefill_token_s)]
 
     @classmethod
     def from_fields(cls, values: list) -> "ReplicaLoad | None":
-        """Inverse of ``to_fields``; ``None`` when the record is missing or expired."""
-        if not values or any(v is None or v is False for v in values):
+        """Inverse of ``to_fields``; ``None`` when the record is missing or expired. The
+        forecast fields may be missing (``None``/``False``/"", or a shorter list: an older
+        replica's record). Raises ValueError for a non-numeric or negative forecast."""
+        head = list(values[:REQUIRED_LOAD_FIELDS]) if values else []
+        if len(head) < REQUIRED_LOAD_FIELDS or any(v is None or v is False for v in head):
             return None
-        r, w, free, total, at = values
-        return cls(int(r), int(w), int(free), int(total), float(at))
+        r, w, free, total, at = head
+        delay, per_token = (_parse_optional(v) for v in
+                            (list(values[REQUIRED_LOAD_FIELDS:]) + [None, None])[:2])
+        return cls(int(r), int(w), int(free), int(total), float(at), delay, per_token)
+
+
+def _optional_float(value: Optional[float]) -> str:
+    return "" if value is None else repr(float(value))
+
+
+def _parse_optional(value) -> Optional[float]:
+    if value is None or value is False or value == "" or value == b"":
+        return None
+    out = float(value)
+    if not out >= 0:  # also NaN
+        raise ValueError(f"load forecast must be a number >= 0, got {value!r}")
+    return out
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ from kvfleet.router.capacity import (
     with_room,
 )
 from kvfleet.router.policy import Candidate, RoutingPolicy
+from kvfleet.router.predicted_ttft import report_age
 from kvfleet.router.prefix_index import IndexUnavailable
 from kvfleet.router.replica_set import ReplicaSet
 from kvfleet.router.served_model import ServedModel
@@ -243,8 +244,10 @@ class RouterCore:
         if not live:
             raise Unavailable(self.replicas.none_reason(model))
         ledger, matched = self.replicas.ledger, matched or {}
+        now = ledger.clock()
         return [Candidate(info, load, matched.get(info.replica_id, 0),
-                          ledger.inflight[info.replica_id], ledger.settled(info.replica_id))
+                          ledger.inflight[info.replica_id], ledger.settled(info.replica_id),
+                          report_age(load, now))
                 for info, load in live]
 
     def _claim_id(self, tenant: str, client_id: str) -> tuple[str, str]:
@@ -271,7 +274,7 @@ class RouterCore:
         index_used, source = False, ""
         # During an outage skip the lookup (each would wait for a timeout): route by load until
         # the background refresh sees Redis answer again.
-        if chain and self.policy.name == "prefix_aware" and self.replicas.index_available:
+        if chain and getattr(self.policy, "uses_index", False) and self.replicas.index_available:
             source = "mirror" if self.replicas.index.local else "redis"
             try:
                 matched = await self.replicas.index.match(chain)
@@ -286,7 +289,7 @@ class RouterCore:
             if not candidates:
                 raise Unavailable(f"no live replica serves adapter {adapter[0]!r}")
         roomy = with_room(candidates)
-        if adapter is not None and self.policy.name == "prefix_aware":
+        if adapter is not None and getattr(self.policy, "uses_index", False):
             roomy = prefer_resident(roomy, adapter[0])
         return RouteDecision(self.policy.choose(roomy, chain), len(chain), redis_s, index_used,
                              source if index_used else "", tuple(candidates), adapter)

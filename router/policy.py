@@ -35,6 +35,7 @@ count, so a burst counts before the next heartbeat and a finished one stops coun
 3. **KV saturation.** A replica whose KV blocks are ``kv_saturation`` or more in use by live
    requests (last report) is skipped while another is not: it could not admit the request.
 
+``predicted_ttft`` keeps 2 and 3 and scores in seconds instead (``router/predicted_ttft.py``).
 ``least_loaded`` and ``round_robin`` are the baselines benchmarks compare against.
 """
 
@@ -44,7 +45,7 @@ import hashlib
 import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Optional, Protocol, Sequence
+from typing import Any, Optional, Protocol, Sequence
 
 from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
 
@@ -67,6 +68,7 @@ class Candidate:
     matched_blocks: int
     inflight: int  # this router's own open streams to the replica
     settled: int = 0  # this router's requests the report still counts that have finished
+    report_age_s: float = 0.0  # seconds since the report was taken (this router's clock)
 
     @property
     def reported(self) -> Optional[int]:
@@ -144,6 +146,7 @@ class PrefixAware:
     replica, and copies started but not yet visible in the index."""
 
     name = "prefix_aware"
+    uses_index = True  # the router looks the chain up in the prefix index for it
 
     def __init__(self, load_penalty_blocks: float = DEFAULT_LOAD_PENALTY_BLOCKS,
                  max_imbalance: float = DEFAULT_MAX_IMBALANCE,
@@ -183,11 +186,15 @@ class PrefixAware:
         if self._needs_holder(fair_shares, holders, avg):
             others = [c for c in usable if c.info.replica_id not in holders]
             if others:
-                target = min(others, key=lambda c: (c.load, avg[c.info.replica_id],
-                                                    _rdv_desc(chain[0], c)))
+                target = self._copy_target(others, chain, avg)
                 self._copies.setdefault(key, {})[target.info.replica_id] = self._decisions
                 return target
         return self._best_score(usable, chain)
+
+    def _copy_target(self, others: Sequence[Candidate], chain: Sequence[bytes],
+                     avg: dict[str, float]) -> Candidate:
+        """Where a prefix's new holder goes: the least-loaded replica that lacks it."""
+        return min(others, key=lambda c: (c.load, avg[c.info.replica_id], rendezvous_desc(chain[0], c)))
 
     def _needs_holder(self, fair_shares: float, holders: set[str], avg: dict[str, float]) -> bool:
         """Another holder is needed when the prefix's own traffic gives each holder more than
@@ -241,7 +248,7 @@ class PrefixAware:
         return set(pending)
 
 
-def _rdv_desc(key: bytes, c: Candidate) -> bytes:
+def rendezvous_desc(key: bytes, c: Candidate) -> bytes:
     """Rendezvous score inverted, for ``min``: the highest score sorts first."""
     return bytes(255 - b for b in rendezvous_score(key, c.info.replica_id))
 
@@ -265,11 +272,17 @@ class RoundRobin:
         return ordered[next(self._counter) % len(ordered)]
 
 
-POLICIES = {"prefix_aware": PrefixAware, "least_loaded": LeastLoaded, "round_robin": RoundRobin}
+# After PrefixAware, which it extends.
+from kvfleet.router.predicted_ttft import PredictedTTFT  # noqa: E402
+
+POLICIES: dict[str, Any] = {"prefix_aware": PrefixAware, "predicted_ttft": PredictedTTFT,
+                             "least_loaded": LeastLoaded, "round_robin": RoundRobin}
 
 
 def make_policy(name: str, **options) -> RoutingPolicy:
-    """Raises ValueError naming the valid policies. ``options`` go to ``prefix_aware`` only."""
+    """Raises ValueError naming the valid policies. ``options`` go to ``prefix_aware`` and
+    ``predicted_ttft`` only (the knobs they share)."""
     if name not in POLICIES:
         raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {name!r}")
-    return POLICIES[name](**options) if name == "prefix_aware" else POLICIES[name]()
+    cls = POLICIES[name]
+    return cls(**options) if issubclass(cls, PrefixAware) else cls()

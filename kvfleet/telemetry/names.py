@@ -111,6 +111,7 @@ METRIC_STEP_MEASURED = "kvfleet.worker.step.measured_time"
 METRIC_STEPS = "kvfleet.worker.steps"
 METRIC_STEP_COST_SCALE = "kvfleet.worker.step.cost_scale"
 METRIC_TENANT_SERVICE = "kvfleet.worker.tenant.service"  # weighted tokens computed per tenant
+METRIC_QUEUE_DELAY = "kvfleet.worker.queue_delay"  # predicted (the load report's queue_delay_s)
 METRIC_NETWORK_DURATION = "kvfleet.router.network.duration"
 METRIC_ROUTE_DURATION = "kvfleet.router.route.duration"
 

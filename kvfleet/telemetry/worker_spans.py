@@ -80,6 +80,9 @@ class WorkerTelemetry:
                 n.METRIC_TENANT_SERVICE, [self._tenant_service], unit="{token}",
                 description="Service per tenant: weighted prefill tokens computed (prefix-cache "
                             "hits free) + decode tokens, as the scheduler's fairness counts it")
+            m.create_observable_gauge(
+                n.METRIC_QUEUE_DELAY, [self._queue_delay], unit="s",
+                description="Predicted wait before a request arriving now starts its prefill")
         self._step_cost = step_cost  # the engine's StepCost (kvfleet.worker.engine.step_cost)
         if step_cost is not None:
             self._step_instruments(m)
@@ -131,6 +134,11 @@ class WorkerTelemetry:
         for tenant, service in self._stats_fn().get("tenant_service", {}).items():
             yield metrics.Observation(service, {n.KVFLEET_TENANT: tenant,
                                                 n.GEN_AI_REQUEST_MODEL: self.model})
+
+    def _queue_delay(self, _options):
+        delay = self._stats_fn().get("queue_delay_s")
+        if delay is not None:
+            yield metrics.Observation(delay, {n.GEN_AI_REQUEST_MODEL: self.model})
 
     def _requests(self, _options):
         s = self._stats_fn()

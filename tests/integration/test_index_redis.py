@@ -354,3 +354,22 @@ async def test_a_malformed_registry_entry_is_skipped_not_fatal(redis_backend, sy
     sync_redis.hset(keys.registry, "bad-field", json.dumps({"address": "x:1", "model": "m"}))
     ix = redis_backend.index(ttl_s=10.0)
     assert [i.replica_id for i, _ in await ix.replicas()] == ["good"]
+
+
+async def test_load_forecast_fields_and_an_older_replicas_record(backend, redis_namespace,
+                                                                 request):
+    a = await backend.start("a", CHAIN)
+    forecast = ReplicaLoad(3, 1, 40, 64, 1.7e9, queue_delay_s=0.75, prefill_token_s=0.0005)
+    await a.heartbeat(forecast)
+    ix = backend.index()
+    assert [load for _, load in await ix.replicas()] == [forecast]
+    if backend.kind != "redis":
+        return  # only Redis holds records an older replica wrote
+    # An older replica writes the five leading fields only (rolling upgrade).
+    r = request.getfixturevalue("sync_redis")
+    key = IndexKeys(redis_namespace).load("a")
+    r.delete(key)
+    r.hset(key, mapping=dict(zip(("running", "waiting", "num_free_blocks", "num_total_blocks",
+                                  "updated_at"), ("3", "1", "40", "64", "1700000000.0"))))
+    r.pexpire(key, 60_000)
+    assert [load for _, load in await ix.replicas()] == [LOAD]

@@ -25,6 +25,7 @@ from kvfleet.worker.engine.adapter_residency import AdapterResidency
 from kvfleet.worker.engine.detokenizer import IncrementalDetokenizer
 from kvfleet.worker.engine.grammar import GrammarCache, RowMatcher, mask_logits
 from kvfleet.worker.engine.outputs import Milestones, SeqOutput, Timing, TokenLogprobs, Usage
+from kvfleet.worker.engine.queue_delay import load_forecast
 from kvfleet.worker.engine.request import FinishReason, SequenceState
 from kvfleet.worker.engine.sampling import Sampler, SampleState, make_generator
 from kvfleet.worker.engine.scheduler import Fork, Scheduler, SchedulerConfig, SchedulerOutput
@@ -291,11 +292,14 @@ class Engine:
                          timing, error, milestones)
 
     # ---- observability --------------------------------------------------------------------
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
+        """Counts (running, waiting, blocks) and the load forecast a router routes on
+        (``queue_delay_s``, ``prefill_token_s``: :mod:`kvfleet.worker.engine.queue_delay`)."""
         return {
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "num_free_blocks": self.kv.num_free_blocks,
             "num_total_blocks": self.kv.num_total_blocks,
             "tenant_service": dict(self.scheduler.service.service),  # a copy: read off-thread
+            **load_forecast(self.scheduler, self.step_cost),
         }

@@ -355,7 +355,9 @@ class ReplicaServer:
         s = self._loop.stats if self._loop else self.engine.stats()
         return ReplicaLoad(running=s["running"], waiting=s["waiting"],
                            num_free_blocks=s["num_free_blocks"],
-                           num_total_blocks=s["num_total_blocks"], updated_at=time.time())
+                           num_total_blocks=s["num_total_blocks"], updated_at=time.time(),
+                           queue_delay_s=s.get("queue_delay_s"),
+                           prefill_token_s=s.get("prefill_token_s"))
 
     def _adapter_admin(self) -> Optional[AdapterAdmin]:
         res = self.engine.adapters

@@ -22,7 +22,8 @@ def _entry(rid: str, host: str, state: str = "serving") -> RegistryEntry:
     info = ReplicaInfo(rid, f"127.0.0.1:{len(rid)}", "m", 3, 16, state=state, serve_replica=host,
                        prefix_hit_rate=0.5,
                        ranks=({"rank": 0, "node_id": "abcdef123456", "device": "cpu", "pid": 7},))
-    return RegistryEntry(info, ReplicaLoad(2, 1, 10, 64, 0.0), 0.4)
+    return RegistryEntry(info, ReplicaLoad(2, 1, 10, 64, 0.0, queue_delay_s=1.25,
+                                           prefill_token_s=0.001), 0.4)
 
 
 def test_rows_join_serve_and_registry_states() -> None:
@@ -46,6 +47,8 @@ def test_rows_join_serve_and_registry_states() -> None:
               "routers": [], "redis": {"address": "127.0.0.1:6379", "up": False}}
     text = format_status(status)
     assert "m-a" in text and "draining" in text and "UNREACHABLE" in text and "50%" in text
+    assert "QDELAY" in text and "1.25s" in text  # each replica's predicted queue delay
+    assert rows["m-a"]["queue_delay_s"] == 1.25 and rows["(serve b)"]["queue_delay_s"] is None
 
 
 def test_replica_config_survives_the_application_config_as_json() -> None:

@@ -1,0 +1,113 @@
+"""``predicted_ttft``: route to the replica where the request's first token comes soonest.
+
+Each replica advertises, with its load, ``queue_delay_s`` (seconds before a request arriving
+now starts its prefill) and ``prefill_token_s`` (its seconds per uncached prompt token), both
+from its own step-cost model (``worker/engine/queue_delay.py``). Per candidate, with ``m``
+its matched leading blocks of a prompt of ``P`` tokens:
+
+    predicted TTFT = max(0, queue_delay_s − report age)       the report's backlog, drained since
+                   + unreported × pending_s                   this router's requests it misses
+                   + (P − m × block_size) × prefill_token_s   the request's own prefill
+
+*unreported* is this router's open streams the report cannot count (its in-flight count
+beyond ``reported − settled``, as ``prefix_aware``'s load), each costed at the exponential
+average of the prefill seconds this policy predicted for its recent requests to that replica.
+``P`` is known to the block: the chain's full blocks plus half a block. The lowest of
+``predicted TTFT + miss_weight × own prefill`` wins: the uncached tokens' work also delays the
+requests queued behind it and evicts other prefixes, which a greedy TTFT does not see (with
+``miss_weight`` 0 the fleet copies prefixes until the cache thrashes). Ties go to the deeper
+match, then the least loaded, then rendezvous hashing on the first block. A request no replica
+holds any block of (a new family) is placed as ``prefix_aware`` places it — by load, not by
+speed — so a slower replica still holds its share of the fleet's prefixes.
+
+What ``prefix_aware`` adds stays: the KV-saturation skip and the bounded imbalance (a hot
+prefix gets another holder — here the one with the lowest predicted TTFT among those lacking
+it). When any candidate's report lacks the forecast (an older replica during a rolling
+upgrade, or no report), seconds and counts cannot be compared, so that decision falls back to
+``prefix_aware``'s score for every candidate.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from kvfleet.index_keys import ReplicaLoad
+from kvfleet.router.policy import Candidate, PrefixAware, rendezvous_desc
+
+MAX_REPORT_AGE_S = 10.0  # older is a clock offset between hosts, not drained work
+DEFAULT_MISS_WEIGHT = 3.0  # see the module docstring (bench.ttft_routing: 0, 1, 3, 6 tried)
+PENDING_KEEP = 0.75  # weight of the old value in the per-replica average of sent prefill seconds
+
+
+def report_age(load: Optional[ReplicaLoad], now: float) -> float:
+    """Seconds from ``load.updated_at`` (the worker's unix clock) to ``now`` (the router's),
+    clamped to [0, ``MAX_REPORT_AGE_S``]; 0 without a report."""
+    if load is None:
+        return 0.0
+    return min(MAX_REPORT_AGE_S, max(0.0, now - load.updated_at))
+
+
+class PredictedTTFT(PrefixAware):
+    """See the module docstring; takes ``prefix_aware``'s options (``load_penalty_blocks``
+    only matters in the fallback)."""
+
+    name = "predicted_ttft"
+
+    def __init__(self, miss_weight: float = DEFAULT_MISS_WEIGHT, **options) -> None:
+        if miss_weight < 0:
+            raise ValueError(f"miss_weight must be >= 0, got {miss_weight}")
+        super().__init__(**options)
+        self.miss_weight = miss_weight
+        self.pending_s: dict[str, float] = {}  # replica → average predicted prefill seconds sent
+
+    def choose(self, candidates: Sequence[Candidate], chain: Sequence[bytes]) -> Candidate:
+        chosen = super().choose(candidates, chain)
+        if _forecast(chosen) is not None:
+            rid, own = chosen.info.replica_id, self.own_prefill_s(chosen, chain)
+            old = self.pending_s.get(rid, own)
+            self.pending_s[rid] = PENDING_KEEP * old + (1 - PENDING_KEEP) * own
+        return chosen
+
+    def predicted_ttft_s(self, c: Candidate, chain: Sequence[bytes]) -> float:
+        """Predicted seconds to ``c``'s first token for ``chain`` (module docstring).
+        Raises ValueError when ``c``'s report has no forecast."""
+        forecast = _forecast(c)
+        if forecast is None:
+            raise ValueError(f"replica {c.info.replica_id} advertises no queue delay")
+        queued = max(0.0, forecast.queue_delay_s - c.report_age_s)  # type: ignore[operator]
+        own = self.own_prefill_s(c, chain)
+        reported = 0 if c.reported is None else max(0, c.reported - c.settled)
+        unreported = max(0, c.inflight - reported)
+        return queued + unreported * self.pending_s.get(c.info.replica_id, own) + own
+
+    @staticmethod
+    def own_prefill_s(c: Candidate, chain: Sequence[bytes]) -> float:
+        """Seconds of the request's uncached prompt tokens on ``c``."""
+        forecast = _forecast(c)
+        assert forecast is not None and forecast.prefill_token_s is not None
+        bs = c.info.block_size
+        uncached = (len(chain) - min(c.matched_blocks, len(chain))) * bs + bs // 2
+        return uncached * forecast.prefill_token_s
+
+    def _best_score(self, candidates: Sequence[Candidate], chain: Sequence[bytes]) -> Candidate:
+        if not all(_forecast(c) is not None for c in candidates) \
+                or not any(c.matched_blocks for c in candidates):
+            return super()._best_score(candidates, chain)
+        return min(candidates, key=lambda c: self._order(c, chain))
+
+    def _copy_target(self, others: Sequence[Candidate], chain: Sequence[bytes],
+                     avg: dict[str, float]) -> Candidate:
+        if not all(_forecast(c) is not None for c in others):
+            return super()._copy_target(others, chain, avg)
+        return min(others, key=lambda c: self._order(c, chain))
+
+    def _order(self, c: Candidate, chain: Sequence[bytes]) -> tuple:
+        extra = self.miss_weight * self.own_prefill_s(c, chain)
+        return (self.predicted_ttft_s(c, chain) + extra, -c.matched_blocks, c.load,
+                rendezvous_desc(chain[0] if chain else b"", c))
+
+
+def _forecast(c: Candidate) -> Optional[ReplicaLoad]:
+    """``c``'s report when it carries the forecast fields, else None."""
+    r = c.load_report
+    return r if r is not None and r.has_forecast else None

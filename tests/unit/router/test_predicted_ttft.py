@@ -1,0 +1,104 @@
+"""``predicted_ttft`` scoring with synthetic candidates: queue delay and per-token prefill cost
+per replica, against the prefix match; its fallback and the bounds it keeps from prefix_aware."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
+from kvfleet.router.policy import Candidate, PrefixAware, make_policy
+from kvfleet.router.predicted_ttft import MAX_REPORT_AGE_S, PredictedTTFT, report_age
+
+FAST = 0.001  # seconds per uncached prompt token
+
+
+def cand(rid: str, matched: int = 0, delay: float | None = 0.0, per_token: float | None = FAST,
+         inflight: int = 0, running: int = 0, free: int = 10, age: float = 0.0) -> Candidate:
+    load = ReplicaLoad(running, 0, free, 10, 100.0, delay, per_token)
+    return Candidate(ReplicaInfo(rid, f"127.0.0.1:{len(rid)}", "m", 1, 16), load, matched,
+                     inflight, report_age_s=age)
+
+
+def chain(name: bytes, n: int = 64) -> list[bytes]:
+    return [name + b"-%d" % i for i in range(n)]
+
+
+def test_the_score_is_queue_delay_plus_uncached_tokens_times_cost():
+    c = cand("a", matched=60, delay=0.25)
+    # 64 blocks + half a block of prompt, 60 cached: 4 × 16 + 8 = 72 uncached tokens.
+    assert PredictedTTFT().predicted_ttft_s(c, chain(b"x")) == pytest.approx(0.25 + 72 * FAST)
+
+
+def test_a_half_speed_replica_loses_at_equal_queues_and_wins_when_the_other_is_backed_up():
+    fast, slow = cand("fast", matched=1), cand("slow", matched=1, per_token=2 * FAST)
+    assert PredictedTTFT(miss_weight=0).choose([slow, fast], chain(b"x")) is fast
+    # The fast one has 2 s of backlog; the slow one's whole prefill (1,032 tokens) is ~2.06 s.
+    busy_fast = cand("fast", matched=1, delay=2.5)
+    assert PredictedTTFT(miss_weight=0).choose([slow, busy_fast], chain(b"x")) is slow
+
+
+def test_queue_depth_against_prefix_match():
+    # The holder saves 1,024 tokens (~1 s): worth 0.5 s of queue, not 3 s.
+    holder, idle = cand("a", matched=64, delay=0.5), cand("b")
+    assert PredictedTTFT(miss_weight=0).choose([idle, holder], chain(b"x")) is holder
+    backed_up = cand("a", matched=64, delay=3.0)
+    assert PredictedTTFT(miss_weight=0).choose([idle, backed_up], chain(b"x")).info.replica_id == "b"
+    # miss_weight 3 counts the miss's 1,024 extra tokens 4×: 3 s of queue is then worth it.
+    assert PredictedTTFT(miss_weight=3).choose([idle, backed_up], chain(b"x")) is backed_up
+    with pytest.raises(ValueError, match="miss_weight"):
+        PredictedTTFT(miss_weight=-1)
+
+
+def test_a_new_family_is_placed_by_load_not_speed():
+    fast, slow = cand("fast", running=3), cand("slow", per_token=2 * FAST)
+    assert PredictedTTFT().choose([fast, slow], chain(b"new")) is slow
+
+
+def test_drained_time_and_own_unreported_requests_count():
+    # A 3 s old report of 3 s backlog: drained since.
+    old = cand("a", matched=64, delay=3.0, age=3.0)
+    assert PredictedTTFT().choose([cand("b"), old], chain(b"x")) is old
+    # Two requests this router sent since the report (in flight, not counted in it) each
+    # bring the prefill this policy predicted for its last requests there.
+    policy = PredictedTTFT(miss_weight=0)
+    for _ in range(3):
+        got = policy.choose([cand("a", matched=1), cand("b", matched=1, delay=0.01)], chain(b"x"))
+        assert got.info.replica_id == "a"
+    unreported = cand("a", matched=1, inflight=2)
+    got = policy.choose([unreported, cand("b", matched=1, delay=0.01)], chain(b"x"))
+    assert got.info.replica_id == "b"
+
+
+def test_report_age_is_clamped():
+    load = ReplicaLoad(0, 0, 1, 1, 100.0, 0.0, FAST)
+    assert report_age(load, 101.5) == pytest.approx(1.5)
+    assert report_age(load, 99.0) == 0.0  # a clock offset, not negative work
+    assert report_age(load, 1e9) == MAX_REPORT_AGE_S
+    assert report_age(None, 5.0) == 0.0
+
+
+def test_without_the_forecast_fields_it_decides_as_prefix_aware():
+    old_a = cand("a", matched=3, delay=None, per_token=None, inflight=5)
+    new_b = cand("b", delay=9.0)  # one new replica: seconds and counts do not compare
+    pa = PrefixAware().choose([old_a, new_b], chain(b"x", 8))
+    assert PredictedTTFT().choose([old_a, new_b], chain(b"x", 8)).info.replica_id == pa.info.replica_id == "b"
+    no_report = Candidate(ReplicaInfo("c", "127.0.0.1:1", "m", 1, 16), None, 8, 0)
+    assert PredictedTTFT().choose([no_report, cand("d", delay=0.0)], chain(b"x", 8)) is no_report
+    with pytest.raises(ValueError, match="advertises no queue delay"):
+        PredictedTTFT().predicted_ttft_s(old_a, chain(b"x"))
+
+
+def test_a_hot_prefix_still_gets_more_holders():
+    policy = PredictedTTFT(max_imbalance=1.25, popularity_window=64)
+    fleet, hot, holders = ["a", "b", "c", "d"], chain(b"hot"), {"a"}
+    for _ in range(200):  # the holders' queues stay empty: only the bound adds holders
+        cands = [cand(r, matched=64 if r in holders else 0) for r in fleet]
+        holders.add(policy.choose(cands, hot).info.replica_id)
+    assert holders == set(fleet)
+
+
+def test_a_saturated_replica_is_skipped_and_options_pass_through():
+    full, free = cand("a", matched=64, free=0), cand("b", delay=5.0)
+    assert PredictedTTFT().choose([full, free], chain(b"x")) is free
+    policy = make_policy("predicted_ttft", max_imbalance=2.0)
+    assert isinstance(policy, PredictedTTFT) and policy.max_imbalance == 2.0 and policy.uses_index
