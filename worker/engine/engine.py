@@ -28,7 +28,9 @@ from kvfleet.worker.engine.request import FinishReason, SequenceState
 from kvfleet.worker.engine.sampling import Sampler, SampleState, make_generator
 from kvfleet.worker.engine.scheduler import Fork, Scheduler, SchedulerConfig, SchedulerOutput
 from kvfleet.worker.engine.stop_checker import StopChecker
+from kvfleet.worker.engine.tier_step import move_blocks
 from kvfleet.worker.executor.base import Executor
+from kvfleet.worker.kv_tier.lookup import TierLookup
 
 log = logging.getLogger(__name__)
 _GRAMMAR_DEFAULTS = GrammarConfig()
@@ -83,6 +85,8 @@ class Engine:
             chain root is keyed by its adapter's name and revision.
         grammar: bounds of structured-output compilation (:class:`GrammarConfig`); a
             constrained row's logits are masked to its grammar before sampling.
+        tier: the node's host KV tier as admission looks it up (None: no tier); ``executor``
+            then writes evicted blocks back and restores hits (``transfer_blocks``).
     """
 
     def __init__(self, executor: Executor, kv: KVCacheManager, tokenizer: tokenizers.Tokenizer,
@@ -90,7 +94,8 @@ class Engine:
                  vocab_size: int, config: SchedulerConfig = SchedulerConfig(),
                  adapters: AdapterResidency | None = None,
                  identity: CacheIdentity | None = None,
-                 grammar: GrammarConfig = _GRAMMAR_DEFAULTS) -> None:
+                 grammar: GrammarConfig = _GRAMMAR_DEFAULTS,
+                 tier: TierLookup | None = None) -> None:
         self.executor = executor
         self.adapters = adapters
         self.kv = kv
@@ -99,7 +104,7 @@ class Engine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
-        self.scheduler = Scheduler(config, kv)
+        self.scheduler = Scheduler(config, kv, tier)
         self.lora = AdapterQueue(adapters, identity, identity_digest, self.scheduler)
         self.sampler = Sampler()
         # Structured output: compiled off this thread by the service, cached by digest.
@@ -179,6 +184,8 @@ class Engine:
         if self.lora.has_waiting:
             outputs += self.lora.admit(lambda seq, exc: self._finish(seq, FinishReason.ERROR, exc))
         out = self.scheduler.schedule()
+        if out.plan.block_saves or out.plan.block_restores:
+            out = move_blocks(self.executor, self.scheduler, out)
         if not out.scheduled:
             if self.lora.has_waiting and not outputs:
                 self.lora.wait(0.01)  # nothing to run but a load: do not spin

@@ -36,6 +36,8 @@ from kvfleet.allocator.units import cdiv
 from kvfleet.errors import ResourceExhausted
 from kvfleet.worker.engine.request import SeqStatus, SequenceState
 from kvfleet.worker.engine.step_plan import SeqChunk, StepPlan
+from kvfleet.worker.engine.tier_admission import TierAdmission
+from kvfleet.worker.kv_tier.lookup import TierLookup
 
 POLICIES = ("watermark", "reserve")
 
@@ -103,9 +105,14 @@ class Fork:
 class Scheduler:
     """Owns the waiting queue, the running set and the KV cache manager of one replica."""
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
+                 tier: TierLookup | None = None) -> None:
         self.config = config
         self.kv = kv
+        # The host tier: admission restores the blocks it holds after the device pool's.
+        self.tier = TierAdmission(kv, tier) if tier is not None else None
+        if tier is not None:
+            kv.pool.record_evictions = True  # evicted blocks are written back first
         self.waiting: deque[SequenceState] = deque()
         self.running: list[SequenceState] = []
         # leader seq_id -> siblings waiting for its prompt to be computed (n > 1)
@@ -224,12 +231,15 @@ class Scheduler:
             if held and held + group > self._tenant_seats:
                 break  # every waiting tenant holds its share of the running slots
             computed = self.kv.get_computed_blocks(seq.block_hashes, seq.num_tokens)
-            num_cached = len(computed) * self.kv.block_size
+            hits = self.tier.hits(seq, len(computed)) if self.tier else ()
+            num_cached = (len(computed) + len(hits)) * self.kv.block_size
             n = min(seq.num_tokens - num_cached, budget)
             if not self._admissible(seq, computed, num_cached + n):
                 break
             if self.kv.allocate_slots(seq.seq_id, num_cached + n, computed) is None:
                 break
+            if self.tier:
+                self.tier.admitted(seq, len(computed), hits)
             self.waiting.remove(seq)
             running_by_tenant[seq.tenant] += group
             seq.status = SeqStatus.RUNNING
@@ -252,7 +262,10 @@ class Scheduler:
             )
             for s in scheduled
         )
-        return SchedulerOutput(StepPlan(chunks, tuple(copies)), tuple(scheduled), tuple(preempted))
+        saves, restores = ((tuple(self.kv.take_evictions()), self.tier.take_restores())
+                           if self.tier else ((), ()))
+        return SchedulerOutput(StepPlan(chunks, tuple(copies), saves, restores),
+                               tuple(scheduled), tuple(preempted))
 
     def _next_waiting(self, running_by_tenant: Counter) -> SequenceState:
         """The oldest waiting sequence of the tenant with the fewest running sequences."""
@@ -318,14 +331,21 @@ class Scheduler:
                           - sib.num_prompt_tokens // self.kv.block_size)
         return total
 
-    def _preempt(self, seq: SequenceState) -> None:
-        """Preempt by recompute: free its blocks and put it back in FCFS order."""
+    def _preempt(self, seq: SequenceState, count: bool = True) -> None:
+        """Preempt by recompute: free its blocks and put it back in FCFS order (``count``:
+        as a preemption; a failed tier restore's undo is not one)."""
         self.running.remove(seq)
         self.kv.free(seq.seq_id)
         seq.status = SeqStatus.WAITING
         seq.num_computed_tokens = 0
-        seq.num_preemptions += 1
+        seq.num_preemptions += count
         self._requeue(seq)
+
+    def undo_restores(self) -> None:
+        """The last plan's tier restores failed on some rank: its restoring sequences wait
+        again, to recompute (call :meth:`schedule` again for the step)."""
+        if self.tier:
+            self.tier.undo(lambda seq: self._preempt(seq, count=False))
 
     def _requeue(self, seq: SequenceState) -> None:
         pos = 0

@@ -7,9 +7,19 @@ Block size 4, so chunk widths and prefix lengths below are deliberately not mult
 
 from __future__ import annotations
 
-from tests.unit.worker.engine_harness import (BLOCK_SIZE, by_position, make_engine, positions, prompt,
-                                              reference_error, request, run, seq_tokens)
+from tests.unit.worker.engine_harness import (
+    BLOCK_SIZE,
+    by_position,
+    make_engine,
+    positions,
+    prompt,
+    reference_error,
+    request,
+    run,
+    seq_tokens,
+)
 from tests.unit.worker.paged_driver import scaled_error
+
 
 def _check(model_dir, rec, req, res, index: int = 0) -> None:
     err = reference_error(model_dir, rec, f"{req.request_id}#{index}", seq_tokens(req, res))
