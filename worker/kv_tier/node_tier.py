@@ -102,3 +102,26 @@ def node_tier(capacity_bytes: int, node_id: Optional[str] = None,
     stats: TierStats = ray.get(actor.stats.remote(),  # type: ignore[attr-defined,assignment]
                                timeout=60.0)  # started (or found)
     return RayTier(actor, stats.capacity_bytes, timeout_s)
+
+
+def node_tiers(timeout_s: float = 2.0) -> list[dict]:
+    """Every node tier of the connected Ray cluster: node id and :class:`TierStats` fields
+    (what ``kvfleet status`` shows); a tier that does not answer in time is listed with
+    ``"error"``."""
+    import dataclasses
+
+    import ray
+
+    prefix = tier_actor_name("")
+    out = []
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry["namespace"] != NAMESPACE or not entry["name"].startswith(prefix):
+            continue
+        row: dict = {"node": entry["name"][len(prefix):]}
+        try:
+            actor = ray.get_actor(entry["name"], namespace=NAMESPACE)
+            row.update(dataclasses.asdict(ray.get(actor.stats.remote(), timeout=timeout_s)))
+        except Exception as exc:  # a dead or busy tier: shown, not raised
+            row["error"] = str(exc).splitlines()[0]
+        out.append(row)
+    return sorted(out, key=lambda r: r["node"])

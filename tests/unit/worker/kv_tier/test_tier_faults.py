@@ -85,3 +85,19 @@ def test_actor_killed_mid_transfer_the_request_recomputes_and_nothing_leaks(
     fresh = node_tier(CAPACITY)
     assert fresh.stats().bytes_used == 0
     ray_session.kill(fresh.actor)
+
+
+def test_a_replica_with_kv_host_memory_uses_its_nodes_tier(ray_session, ray_tier,
+                                                           tiny_llama_dir) -> None:
+    from kvfleet.worker.replica.replica import build_engine
+    from tests.fixtures.cluster import tiny_replica
+
+    cfg = tiny_replica(tiny_llama_dir, "redis://127.0.0.1:1/0", "kvtest-tier:",
+                       kv_host_memory_bytes=CAPACITY)
+    engine = build_engine(cfg)
+    try:
+        assert engine.scheduler.tier is not None and engine.kv.pool.record_evictions
+        store = engine.executor.tier.store
+        assert isinstance(store, RayTier) and store.actor._actor_id == ray_tier.actor._actor_id
+    finally:
+        engine.executor.close()
