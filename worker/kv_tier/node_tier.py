@@ -120,7 +120,9 @@ def node_tiers(timeout_s: float = 2.0) -> list[dict]:
         row: dict = {"node": entry["name"][len(prefix):]}
         try:
             actor = ray.get_actor(entry["name"], namespace=NAMESPACE)
-            row.update(dataclasses.asdict(ray.get(actor.stats.remote(), timeout=timeout_s)))
+            stats: TierStats = ray.get(actor.stats.remote(),  # type: ignore[assignment]
+                                       timeout=timeout_s)
+            row.update(dataclasses.asdict(stats))
         except Exception as exc:  # a dead or busy tier: shown, not raised
             row["error"] = str(exc).splitlines()[0]
         out.append(row)
