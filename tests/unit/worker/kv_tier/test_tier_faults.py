@@ -8,7 +8,7 @@ import gc
 
 import pytest
 
-from kvfleet.worker.kv_tier.node_tier import RayTier, node_tier
+from kvfleet.worker.kv_tier.node_tier import RayTier, node_tier, node_tiers
 from tests.unit.worker.engine_harness import prompt, request
 from tests.unit.worker.kv_tier.tier_harness import (
     evict_then_ask_again,
@@ -43,6 +43,9 @@ def test_restore_through_the_node_actor_equals_recompute(ray_tier, tiny_llama_di
     stats = ray_tier.stats()
     assert stats.blocks >= 5 and stats.bytes_used == stats.blocks * tier.stats.bytes_restored // 5
     assert stats.bytes_used <= CAPACITY
+    (row,) = node_tiers()  # what kvfleet status shows
+    assert (row["blocks"], row["bytes_used"], row["capacity_bytes"]) == (
+        stats.blocks, stats.bytes_used, CAPACITY)
 
 
 class _KilledMidTransfer:
