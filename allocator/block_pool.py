@@ -147,6 +147,14 @@ class BlockPool:
         self._removed.clear()
         return stored, removed
 
+    def hot_blocks(self) -> list[tuple[int, bytes]]:
+        """``(block, hash)`` of every registered block, hottest first: those in use, then the
+        evictable ones from the most to the least recently released (a drain hands them
+        over in this order)."""
+        in_use = [(b, h) for b, h in self._block_to_hash.items() if self._ref_counts[b] > 0]
+        idle = [(b, self._block_to_hash[b]) for b in reversed(self._evictable)]
+        return in_use + idle
+
     def take_evictions(self) -> list[tuple[int, bytes]]:
         """``(block, hash)`` of every registered block evicted since the last call (in
         eviction order; empty unless ``record_evictions``), then cleared."""

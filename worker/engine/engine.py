@@ -287,6 +287,23 @@ class Engine:
         return SeqOutput(seq.request_id, seq.index, token_ids, text, logprobs, reason, usage,
                          timing, error, milestones)
 
+    def hand_over(self, max_blocks: int, timeout_s: float = 10.0) -> int:
+        """Write up to ``max_blocks`` of the hottest cached blocks back to the host tier (a
+        drain: the node's other replicas then restore them), waiting up to ``timeout_s`` for
+        rank 0's puts. Engine thread only. Returns the blocks handed over (0 without a tier).
+
+        Raises:
+            Unavailable: the executor can no longer run (a rank died).
+        """
+        if self.scheduler.tier is None or max_blocks <= 0:
+            return 0
+        saves = self.kv.pool.hot_blocks()[:max_blocks]
+        self.executor.transfer_blocks(saves, ())
+        tier = getattr(self.executor, "tier", None)  # rank 0's writer (the others: best effort)
+        if tier is not None:
+            tier.flush(timeout_s)
+        return len(saves)
+
     # ---- observability --------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
         return {

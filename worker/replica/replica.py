@@ -395,6 +395,13 @@ class ReplicaServer:
             end = time.monotonic() + 5.0  # the ends reach their streams at the next step
             while held.count and time.monotonic() < end:
                 await asyncio.sleep(0.02)
+        if self._loop is not None and self.cfg.kv_host_memory_bytes:
+            # Hand the hottest cached blocks to the node's tier within what is left of the
+            # drain's time (at least a second): the node's other replicas restore them.
+            n = await self._loop.hand_over(self.engine.kv.num_total_blocks,
+                                           max(1.0, deadline - time.monotonic()))
+            log.info("replica %s handed %d blocks over to the node's kv tier",
+                     self.cfg.replica_id, n)
         for t in self._tasks:
             t.cancel()
         self._tasks.clear()

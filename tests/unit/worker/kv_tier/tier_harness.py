@@ -51,7 +51,7 @@ def evict_then_ask_again(engine, tier: RankTier, base: list[int] | EngineRequest
     run(engine, [first])
     run(engine, [request(prompt(40, seed=90), max_tokens=2)])
     run(engine, [request(prompt(40, seed=91), max_tokens=2)])
-    assert all(engine.kv.pool.lookup(h) is None for h in _chain(engine, first)), "not evicted"
+    assert all(engine.kv.pool.lookup(h) is None for h in chain_of(engine, first)), "not evicted"
     for t in (tier, *flush_ranks):
         assert t.flush(), "write-backs did not finish"
     if between is not None:
@@ -59,7 +59,7 @@ def evict_then_ask_again(engine, tier: RankTier, base: list[int] | EngineRequest
     return run(engine, [again])
 
 
-def _chain(engine, req: EngineRequest) -> list[bytes]:
+def chain_of(engine, req: EngineRequest) -> list[bytes]:
     from kvfleet.allocator.hashing import block_hash_chain, root_hash
 
     root = root_hash(engine.lora.digest_for(engine.lora.pin(req.adapter)), req.tenant,
