@@ -5,11 +5,11 @@ from them (cached prompt tokens it never computed)."""
 from __future__ import annotations
 
 import grpc
+
+from kvfleet.v1 import worker_pb2, worker_pb2_grpc
 from kvfleet.worker.engine.scheduler import SchedulerConfig
 from kvfleet.worker.kv_tier.node_tier import node_tier
 from kvfleet.worker.replica.replica import ReplicaConfig, ReplicaServer
-
-from kvfleet.v1 import worker_pb2, worker_pb2_grpc
 
 PROMPT = [(7 * i + 3) % 1000 + 5 for i in range(40)]  # 2 full blocks of 16 reusable
 
