@@ -45,3 +45,10 @@ def test_status_shows_the_tier_of_each_node() -> None:
     assert ("kv host tier on node abcdef01: 3 MiB of 1 GiB (4 block shards), 9 written back, "
             "2 restored, 5 evicted") in text
     assert "kv host tier on node 99999999: timed out" in text
+
+
+def test_kuberay_render_carries_the_host_tier(tmp_path) -> None:
+    from kvfleet.deploy.k8s_cli import main as k8s
+
+    assert k8s(["render", "--out", str(tmp_path), "--kv-host-memory-bytes", str(2 << 30)]) == 0
+    assert f"kv_host_memory_bytes: {2 << 30}" in (tmp_path / "rayservice.yaml").read_text()
