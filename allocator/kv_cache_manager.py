@@ -23,13 +23,14 @@ class KVCacheManager:
     LRU eviction)."""
 
     def __init__(self, num_blocks: int, block_size: int,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True, record_evictions: bool = False) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
         self.num_total_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching,
+                              record_evictions=record_evictions)
         self._tables: dict[str, list[int]] = {}
 
     @staticmethod
@@ -169,6 +170,11 @@ class KVCacheManager:
 
         Net changes: the lists are disjoint (see :mod:`kvfleet.allocator.block_pool`)."""
         return self.pool.take_events()
+
+    def take_evictions(self) -> list[tuple[int, bytes]]:
+        """``(block, hash)`` of the cached blocks evicted since the last call (see
+        :meth:`BlockPool.take_evictions`); their KV is intact until the next forward."""
+        return self.pool.take_evictions()
 
     def cached_hashes(self) -> set[bytes]:
         """Every hash currently registered (referenced or evictable)."""

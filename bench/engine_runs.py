@@ -10,16 +10,16 @@ from pathlib import Path
 
 import tokenizers
 import torch
+
+from bench.engine_baselines import RunResult
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
+from kvfleet.sampling_params import SamplingParams
 from kvfleet.worker.engine.engine import Engine, EngineRequest
 from kvfleet.worker.engine.scheduler import SchedulerConfig
 from kvfleet.worker.engine.step_cost import StepCost
 from kvfleet.worker.engine.step_plan import SeqChunk, StepPlan
 from kvfleet.worker.executor.local import LocalExecutor
 from kvfleet.worker.runner.model_runner import ModelRunner
-
-from bench.engine_baselines import RunResult
-from kvfleet.sampling_params import SamplingParams
 
 BLOCK_SIZE = 16
 _ids = itertools.count()

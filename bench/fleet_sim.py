@@ -19,19 +19,18 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
+from bench.calibrate import DEFAULT_OUT as CALIBRATION
+from bench.calibrate import ensure_calibration
+from bench.workload import Request, Workload, requests
 from kvfleet.allocator.hashing import block_hash_chain, root_hash
+from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
 from kvfleet.router.policy import Candidate, RoutingPolicy, make_policy
 from kvfleet.router.prefix_index import InMemoryPrefixIndex
+from kvfleet.sampling_params import SamplingParams
 from kvfleet.worker.engine.engine import EngineRequest
 from kvfleet.worker.engine.scheduler import SchedulerConfig
 from kvfleet.worker.executor.cost_model import CostModel, CostModelExecutor
 from kvfleet.worker.replica.replica import ReplicaConfig, build_engine
-
-from bench.calibrate import DEFAULT_OUT as CALIBRATION
-from bench.calibrate import ensure_calibration
-from bench.workload import Request, Workload, requests
-from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
-from kvfleet.sampling_params import SamplingParams
 
 
 def run_sync(coro):

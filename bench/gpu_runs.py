@@ -20,9 +20,9 @@ import torch
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
 from kvfleet.sampling_params import SamplingParams
 from kvfleet.worker.engine.engine import Engine, EngineRequest
-from kvfleet.worker.runner.model_runner import ModelRunner
 from kvfleet.worker.engine.scheduler import SchedulerConfig
 from kvfleet.worker.engine.step_plan import StepPlan
+from kvfleet.worker.runner.model_runner import ModelRunner
 
 _ids = itertools.count()
 # Parity workload: prompt lengths (block size 16: partial, mid-block and multi-block prompts),

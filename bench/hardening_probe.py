@@ -31,11 +31,11 @@ ROOT = Path(__file__).resolve().parents[1]
 async def _tokenize(model_dir: str, on_loop: bool) -> dict:
     import grpc
     import httpx
+
     from kvfleet.deploy.redis_server import start_redis
     from kvfleet.router.core import RouterCore
-    from kvfleet.worker.executor.cost_model import CostModel
-
     from kvfleet.v1 import router_pb2, router_pb2_grpc
+    from kvfleet.worker.executor.cost_model import CostModel
     from tests.integration.routing_fleet import Fleet
 
     if on_loop:  # what the router did before: the tokenizer called inline, on the loop
@@ -124,8 +124,8 @@ async def _merge(rev: str) -> dict:
 
 async def _idle(idle_s: float) -> dict:
     import grpc
-    from kvfleet.router.worker_link import WorkerCallError, WorkerLink
 
+    from kvfleet.router.worker_link import WorkerCallError, WorkerLink
     from kvfleet.v1 import worker_pb2_grpc
 
     class Silent(worker_pb2_grpc.WorkerServicer):

@@ -50,11 +50,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from kvfleet.deploy.cluster_config import ClusterConfig
     from kvfleet.deploy.launcher import LocalCluster
+    from kvfleet.deploy.models import DEFAULT_MODEL, resolve_model
     from kvfleet.deploy.ray_local import init_ray, shutdown_ray
+    from kvfleet.deploy.redis_server import start_redis
     from kvfleet.router.main import RouterConfig
     from kvfleet.worker.replica.replica import ReplicaConfig
-    from kvfleet.deploy.models import DEFAULT_MODEL, resolve_model
-    from kvfleet.deploy.redis_server import start_redis
 
     name, model_dir = resolve_model(DEFAULT_MODEL)
     redis = start_redis()

@@ -28,6 +28,7 @@ import random
 import time
 from pathlib import Path
 
+import tokenizers
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -36,17 +37,15 @@ from kvfleet.allocator.hashing import CacheIdentity
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
 from kvfleet.deploy.models import prepare_model
 from kvfleet.sampling_params import SamplingParams
+from kvfleet.worker.engine.adapter_residency import AdapterResidency
 from kvfleet.worker.engine.engine import Engine, EngineRequest
+from kvfleet.worker.engine.scheduler import SchedulerConfig
 from kvfleet.worker.runner.lora import slots as lora_slots
 from kvfleet.worker.runner.lora.adapter import check_adapter
 from kvfleet.worker.runner.lora.config import MODULES
-from kvfleet.worker.engine.adapter_residency import AdapterResidency
 from kvfleet.worker.runner.model_runner import ModelRunner
 from kvfleet.worker.runner.models import build_model
-from kvfleet.worker.engine.scheduler import SchedulerConfig
 from kvfleet.worker.runner.weights import load_weights
-
-import tokenizers
 
 NUM_ADAPTERS, PER_ADAPTER, OUTPUT_TOKENS, BLOCK_SIZE = 4, 4, 64, 16
 TINY = dict(vocab_size=32000, hidden_size=256, num_hidden_layers=4, num_attention_heads=8,

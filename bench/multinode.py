@@ -31,10 +31,10 @@ from bench.raylets import RayletCluster
 from kvfleet.client import Client
 from kvfleet.deploy.cluster_config import ClusterConfig
 from kvfleet.deploy.launcher import LocalCluster
+from kvfleet.deploy.models import prepare_model
 from kvfleet.deploy.ray_local import init_ray
 from kvfleet.router.main import RouterConfig
 from kvfleet.worker.replica.replica import ReplicaConfig
-from kvfleet.deploy.models import prepare_model
 
 
 def _placement(client: Client, names: dict[str, str]) -> dict[str, str]:

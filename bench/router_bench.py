@@ -25,7 +25,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.calibrate import DEFAULT_OUT as CALIBRATION, ensure_calibration
+from bench.calibrate import DEFAULT_OUT as CALIBRATION
+from bench.calibrate import ensure_calibration
 from bench.load import Target, closed_loop, open_loop
 from bench.plots import plot_ttft_cdfs
 from bench.report import ratio_spread, summarize, throughput

@@ -15,9 +15,9 @@ import signal
 import sys
 
 from kvfleet.stream_limits import StreamLimits
+from kvfleet.worker.engine.scheduler import SchedulerConfig
 from kvfleet.worker.executor.cost_model import MEASURED
 from kvfleet.worker.replica.replica import ReplicaConfig, ReplicaServer
-from kvfleet.worker.engine.scheduler import SchedulerConfig
 
 
 def config(argv: list[str]) -> ReplicaConfig:

@@ -24,13 +24,13 @@ import time
 from pathlib import Path
 
 import tokenizers
+
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
+from kvfleet.constraint import Constraint
+from kvfleet.sampling_params import SamplingParams
 from kvfleet.worker.engine.engine import Engine, EngineRequest
 from kvfleet.worker.engine.scheduler import SchedulerConfig
 from kvfleet.worker.runner.model_runner import ModelRunner
-
-from kvfleet.constraint import Constraint
-from kvfleet.sampling_params import SamplingParams
 
 BLOCK_SIZE = 16
 _ids = itertools.count()

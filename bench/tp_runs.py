@@ -19,9 +19,9 @@ from typing import Any, Optional
 import torch
 
 from bench.seeded import seeded_llama_dir as seeded_llama_dir_for
-from kvfleet.worker.runner.model_runner import ModelRunner
-from kvfleet.worker.executor.tp.comm import CommTimes
 from kvfleet.worker.engine.step_plan import SeqChunk, StepPlan
+from kvfleet.worker.executor.tp.comm import CommTimes
+from kvfleet.worker.runner.model_runner import ModelRunner
 
 BLOCK_SIZE = 16
 # hidden 1024, 8 layers, 16 query / 8 KV heads (head_dim 64), FFN 2816, vocab 32000: 162 M

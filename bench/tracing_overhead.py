@@ -42,13 +42,13 @@ from kvfleet.client import AsyncClient
 from kvfleet.deploy.cluster_config import ClusterConfig
 from kvfleet.deploy.launcher import LocalCluster
 from kvfleet.deploy.ray_local import init_ray, shutdown_ray
-from kvfleet.router.main import RouterConfig
-from kvfleet.worker.replica.replica import ReplicaConfig
 from kvfleet.deploy.redis_server import start_redis
+from kvfleet.router.main import RouterConfig
 from kvfleet.telemetry import Telemetry, TelemetryConfig
 from kvfleet.telemetry.collector import OtlpSink
 from kvfleet.telemetry.names import MD_WORKER_DURATION_S
 from kvfleet.worker.engine.scheduler import SchedulerConfig
+from kvfleet.worker.replica.replica import ReplicaConfig
 
 RESULTS = Path(__file__).parent / "results"
 TOKEN_RANGE = (1000, 40000)  # plain tokens of SmolLM2's vocabulary
@@ -91,15 +91,15 @@ def server_pids(cluster: LocalCluster) -> list[int]:
 
 def micro_cost_us(n: int, sink_endpoint: str) -> dict:
     """CPU µs per request that router + worker telemetry add, exporting vs no-op."""
+    from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
+    from kvfleet.router.core import RouteDecision
+    from kvfleet.router.policy import Candidate
+    from kvfleet.sampling_params import SamplingParams
     from kvfleet.telemetry.router_spans import RouterTelemetry
     from kvfleet.telemetry.worker_spans import WorkerTelemetry
     from kvfleet.v1 import common_pb2, worker_pb2
     from kvfleet.worker.engine.outputs import Milestones, SeqOutput, Usage
     from kvfleet.worker.engine.request import FinishReason
-    from kvfleet.sampling_params import SamplingParams
-    from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
-    from kvfleet.router.policy import Candidate
-    from kvfleet.router.core import RouteDecision
 
     candidates = tuple(Candidate(ReplicaInfo(f"r{i}", "a", "m", 1, 16),
                                  ReplicaLoad(1, 0, 10, 10, 0.0), 3 if i == 0 else 0, 0)

@@ -70,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "projection targeted, in --weight-dtype (default 0)")
     p.add_argument("--max-lora-rank", type=int, default=64, metavar="R",
                    help="largest adapter rank a slot holds (default 64)")
+    p.add_argument("--kv-host-memory", metavar="SIZE",
+                   help="host KV tier per node (kvfleet up --kv-host-memory): blocks it holds")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -171,6 +173,11 @@ def compute_budget(args: argparse.Namespace) -> dict[str, Any]:
             max_concurrent_requests=plan.max_concurrent_requests)
     elif args.params is not None:
         raise UsageError("--params: only used with --memory (capacity needs the device size)")
+    if args.kv_host_memory is not None:
+        host = parse_size(args.kv_host_memory, "--kv-host-memory")
+        block = args.block_size * bytes_per_token(spec, dtype)  # every rank's shard of a block
+        report.update(kv_host_memory_bytes=host, host_tier_blocks=host // block,
+                      host_tier_tokens=host // block * args.block_size)
     return report
 
 
@@ -216,6 +223,10 @@ def format_table(r: dict[str, Any]) -> str:
         rows.append(("capacity", f"{r['max_concurrent_requests']} requests of {r['context']} "
                                  f"tokens ({r['num_blocks']} blocks of {r['block_size']} tokens,"
                                  f" {format_bytes(r['block_bytes'])} each)"))
+    if "kv_host_memory_bytes" in r:
+        rows.append(("host KV tier", f"{describe_bytes(r['kv_host_memory_bytes'])} per node: "
+                                     f"{r['host_tier_blocks']} blocks "
+                                     f"({r['host_tier_tokens']} tokens, every rank's shard)"))
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
 

@@ -77,6 +77,10 @@ FLAGS: tuple[Flag, ...] = (
          f"KV memory per replica rank, e.g. 256MiB (default "
          f"{format_bytes(DEFAULT_KV_MEMORY_BYTES).replace(' ', '')})", type=str,
          exclusive="kv-size", convert=lambda text: parse_size(text, "--kv-memory")),
+    Flag("--kv-host-memory", "replica.kv_host_memory_bytes",
+         "host KV tier per node, e.g. 1GiB (default: none): evicted blocks are written back "
+         "there and restored on a prefix hit; shared by the node's replicas, LRU",
+         type=str, convert=lambda text: parse_size(text, "--kv-host-memory")),
     Flag("--policy", "router.policy", "routing policy (default {default})",
          choices=tuple(ROUTING_POLICIES)),
     Flag("--admission", "replica.scheduler.policy", "worker admission policy (default {default})",

@@ -28,6 +28,8 @@ FLAGS = {
     "--worker-cpus": ("worker_cpus", int, "CPUs per worker pod"),
     "--worker-memory": ("worker_memory", str, "memory per worker pod (a Kubernetes quantity)"),
     "--kv-memory-bytes": ("kv_memory_bytes", int, "KV-cache bytes per rank"),
+    "--kv-host-memory-bytes": ("kv_host_memory_bytes", int, "host KV tier bytes per node "
+                                                          "(default: none; inside --worker-memory)"),
     "--dtype": ("dtype", str, "weights and KV dtype"),
     "--drain-timeout": ("drain_timeout_s", float, "seconds a stopping replica or router lets "
                                                  "its streams run on"),

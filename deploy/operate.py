@@ -167,6 +167,13 @@ def find_app(namespace: Optional[str], model: Optional[str]) -> AppRef:
     return AppRef.from_config(name, app)
 
 
+def node_tiers() -> list[dict]:
+    """The host KV tier of every node (:func:`kvfleet.worker.kv_tier.node_tier.node_tiers`)."""
+    from kvfleet.worker.kv_tier.node_tier import node_tiers as tiers
+
+    return tiers()
+
+
 def cluster_status(namespace: Optional[str], model: Optional[str] = None) -> dict:
     """Every application of one kvfleet namespace with its replicas, routers and Redis (the
     dict ``kvfleet status --json`` prints). Raises ValueError when nothing (or more than one
@@ -194,6 +201,7 @@ def cluster_status(namespace: Optional[str], model: Optional[str] = None) -> dic
             "target_replicas": app["deployments"][0].get("num_replicas", 1) * ref.per_host,
             "replicas": replica_rows(serve_control.serve_replicas(ref.name), mine, ref.tp),
             "internal_tls": internal_tls_status(app["args"]["replica"].get("internal_tls_dir"))})
+    out["kv_tiers"] = node_tiers()
     return out
 
 

@@ -110,6 +110,14 @@ def format_status(status: dict) -> str:
                 f"{name} " + (f"expires in {c['days_left']:g} days ({c['expires'][:10]})"
                               if "days_left" in c else f"unreadable here ({c['error']})")
                 for name, c in tls["certificates"].items()))
+    for t in status.get("kv_tiers", ()):
+        if "error" in t:
+            lines.append(f"kv host tier on node {t['node'][:8]}: {t['error']}")
+            continue
+        lines.append(f"kv host tier on node {t['node'][:8]}: {format_bytes(t['bytes_used'])} of "
+                     f"{format_bytes(t['capacity_bytes'])} ({t['blocks']} block shards), "
+                     f"{t['stored']} written back, {t['restored']} restored, "
+                     f"{t['evicted']} evicted")
     for r in status["routers"]:
         http = f", HTTP {r['http_address']}" if r.get("http_address") else ""
         lines.append(f"router {r['router_id']} at {r['address']}{http} (policy {r['policy']}, "

@@ -31,7 +31,9 @@ from kvfleet.worker.engine.sampling import Sampler, SampleState, make_generator
 from kvfleet.worker.engine.scheduler import Fork, Scheduler, SchedulerConfig, SchedulerOutput
 from kvfleet.worker.engine.step_cost import MEASURED, StepCost, plan_shape
 from kvfleet.worker.engine.stop_checker import StopChecker
+from kvfleet.worker.engine.tier_step import move_blocks
 from kvfleet.worker.executor.base import Executor
+from kvfleet.worker.kv_tier.lookup import TierLookup
 
 log = logging.getLogger(__name__)
 _GRAMMAR_DEFAULTS = GrammarConfig()
@@ -90,6 +92,8 @@ class Engine:
         step_cost: the replica's step-cost model (``engine.step_cost``), told every
             forward's measured seconds; the scheduler's ITL target budgets with it. Default:
             the constants measured on SmolLM2 (CPU), corrected online from the first step.
+        tier: the node's host KV tier as admission looks it up (None: no tier); ``executor``
+            then writes evicted blocks back and restores hits (``transfer_blocks``).
     """
 
     def __init__(self, executor: Executor, kv: KVCacheManager, tokenizer: tokenizers.Tokenizer,
@@ -98,7 +102,8 @@ class Engine:
                  adapters: AdapterResidency | None = None,
                  identity: CacheIdentity | None = None,
                  grammar: GrammarConfig = _GRAMMAR_DEFAULTS,
-                 step_cost: StepCost | None = None) -> None:
+                 step_cost: StepCost | None = None,
+                 tier: TierLookup | None = None) -> None:
         self.executor = executor
         self.adapters = adapters
         self.kv = kv
@@ -108,7 +113,7 @@ class Engine:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.step_cost = step_cost or StepCost(MEASURED)
-        self.scheduler = Scheduler(config, kv, self.step_cost)
+        self.scheduler = Scheduler(config, kv, self.step_cost, tier)
         self.lora = AdapterQueue(adapters, identity, identity_digest, self.scheduler)
         self.sampler = Sampler()
         # Structured output: compiled off this thread by the service, cached by digest.
@@ -188,6 +193,8 @@ class Engine:
         if self.lora.has_waiting:
             outputs += self.lora.admit(lambda seq, exc: self._finish(seq, FinishReason.ERROR, exc))
         out = self.scheduler.schedule(time.monotonic())
+        if out.plan.block_saves or out.plan.block_restores:
+            out = move_blocks(self.executor, self.scheduler, out)
         if not out.scheduled:
             if self.lora.has_waiting and not outputs:
                 self.lora.wait(0.01)  # nothing to run but a load: do not spin
@@ -290,6 +297,23 @@ class Engine:
                                 time.monotonic(), tuple(t.prefill_chunks))
         return SeqOutput(seq.request_id, seq.index, token_ids, text, logprobs, reason, usage,
                          timing, error, milestones)
+
+    def hand_over(self, max_blocks: int, timeout_s: float = 10.0) -> int:
+        """Write up to ``max_blocks`` of the hottest cached blocks back to the host tier (a
+        drain: the node's other replicas then restore them), waiting up to ``timeout_s`` for
+        rank 0's puts. Engine thread only. Returns the blocks handed over (0 without a tier).
+
+        Raises:
+            Unavailable: the executor can no longer run (a rank died).
+        """
+        if self.scheduler.tier is None or max_blocks <= 0:
+            return 0
+        saves = self.kv.pool.hot_blocks()[:max_blocks]
+        self.executor.transfer_blocks(saves, ())
+        tier = getattr(self.executor, "tier", None)  # rank 0's writer (the others: best effort)
+        if tier is not None:
+            tier.flush(timeout_s)
+        return len(saves)
 
     # ---- observability --------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

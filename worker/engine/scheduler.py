@@ -58,6 +58,8 @@ from kvfleet.worker.engine.step_budget import StepBudget, floor_tokens
 from kvfleet.worker.engine.step_cost import StepCostModel
 from kvfleet.worker.engine.step_plan import SeqChunk, StepPlan
 from kvfleet.worker.engine.tenant_service import TenantService
+from kvfleet.worker.engine.tier_admission import TierAdmission
+from kvfleet.worker.kv_tier.lookup import TierLookup
 
 POLICIES = ("watermark", "reserve")
 
@@ -136,18 +138,24 @@ class Scheduler:
     """Owns the waiting queue, the running set and the KV cache manager of one replica.
 
     ``step_cost`` predicts a step's seconds; required when ``config.itl_target_ms`` is set.
+    ``tier``: the node's host KV tier, looked up after the device pool at admission.
 
     Raises:
         ValueError: an ITL target without a step-cost model.
     """
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
-                 step_cost: Optional[StepCostModel] = None) -> None:
+                 step_cost: Optional[StepCostModel] = None,
+                 tier: TierLookup | None = None) -> None:
         if config.itl_target_ms is not None and step_cost is None:
             raise ValueError("itl_target_ms needs a step-cost model")
         self.config = config
         self.kv = kv
         self.step_cost = step_cost
+        # The host tier: admission restores the blocks it holds after the device pool's.
+        self.tier = TierAdmission(kv, tier) if tier is not None else None
+        if tier is not None:
+            kv.pool.record_evictions = True  # evicted blocks are written back first
         self.waiting: deque[SequenceState] = deque()
         self.running: list[SequenceState] = []
         # leader seq_id -> siblings waiting for its prompt to be computed (n > 1)
@@ -275,7 +283,8 @@ class Scheduler:
             if self.rules.batch_capped(seq, group, batch_seats):
                 break  # the batch band holds its share; every sequence behind is batch too
             computed = self.kv.get_computed_blocks(seq.block_hashes, seq.num_tokens)
-            num_cached = len(computed) * self.kv.block_size
+            hits = self.tier.hits(seq, len(computed)) if self.tier else ()
+            num_cached = (len(computed) + len(hits)) * self.kv.block_size
             n = budget.grant(num_cached, seq.num_tokens - num_cached)
             if n <= 0:
                 break  # the step's time is spent (its floor too)
@@ -283,6 +292,8 @@ class Scheduler:
                 break
             if self.kv.allocate_slots(seq.seq_id, num_cached + n, computed) is None:
                 break
+            if self.tier:
+                self.tier.admitted(seq, len(computed), hits)
             self.waiting.remove(seq)
             running_by_tenant[seq.tenant] += group
             batch_seats += group if seq.priority >= BATCH else 0
@@ -307,7 +318,10 @@ class Scheduler:
             )
             for s in scheduled
         )
-        return SchedulerOutput(StepPlan(chunks, tuple(copies)), tuple(scheduled), tuple(preempted))
+        saves, restores = ((tuple(self.kv.take_evictions()), self.tier.take_restores())
+                           if self.tier else ((), ()))
+        return SchedulerOutput(StepPlan(chunks, tuple(copies), saves, restores),
+                               tuple(scheduled), tuple(preempted))
 
     def _budget(self, now: float) -> StepBudget:
         """This step's allowance; under an ITL target the running decode rows are counted
@@ -427,14 +441,21 @@ class Scheduler:
                           - sib.num_prompt_tokens // self.kv.block_size)
         return total
 
-    def _preempt(self, seq: SequenceState) -> None:
-        """Preempt by recompute: free its blocks and put it back in FCFS order."""
+    def _preempt(self, seq: SequenceState, count: bool = True) -> None:
+        """Preempt by recompute: free its blocks and put it back in FCFS order (``count``:
+        as a preemption; a failed tier restore's undo is not one)."""
         self.running.remove(seq)
         self.kv.free(seq.seq_id)
         seq.status = SeqStatus.WAITING
         seq.num_computed_tokens = 0
-        seq.num_preemptions += 1
+        seq.num_preemptions += count
         self._requeue(seq)
+
+    def undo_restores(self) -> None:
+        """The last plan's tier restores failed on some rank: its restoring sequences wait
+        again, to recompute (call :meth:`schedule` again for the step)."""
+        if self.tier:
+            self.tier.undo(lambda seq: self._preempt(seq, count=False))
 
     def _requeue(self, seq: SequenceState) -> None:
         insert_waiting(self.waiting, seq)  # back at its class and FCFS position

@@ -33,10 +33,19 @@ class StepPlan:
 
     ``block_copies`` holds ``(src_block, dst_block)`` pairs: the runner copies every layer's
     K and V of ``src`` into ``dst`` before writing new KV.
+
+    With a host tier (:mod:`kvfleet.worker.kv_tier`) the engine moves blocks before it
+    executes the plan (:meth:`~kvfleet.worker.executor.base.Executor.transfer_blocks`, on
+    every rank): ``block_saves`` lists ``(block, chain hash)`` of cached blocks this step's
+    allocations evicted, written back before anything overwrites them; ``block_restores``
+    lists ``(block, chain hash)`` of fresh blocks to fill from the tier (the chunks already
+    count those tokens as computed).
     """
 
     chunks: tuple[SeqChunk, ...]
     block_copies: tuple[tuple[int, int], ...] = ()
+    block_saves: tuple[tuple[int, bytes], ...] = ()
+    block_restores: tuple[tuple[int, bytes], ...] = ()
 
     @property
     def num_tokens(self) -> int:

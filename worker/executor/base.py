@@ -17,7 +17,7 @@ running sequence uses); the replica calls :meth:`Executor.ranks`, :meth:`Executo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, Sequence
 
 import torch
 
@@ -77,6 +77,22 @@ class Executor(Protocol):
         Raises:
             OutOfRange, InvalidArgument, ValueError: see :meth:`validate` (nothing ran).
             Unavailable: the executor can no longer run steps (a rank died or hung).
+        """
+        ...
+
+    def transfer_blocks(self, saves: Sequence[tuple[int, bytes]],
+                        restores: Sequence[tuple[int, bytes]]) -> bool:
+        """Host-tier moves before a step (``StepPlan.block_saves`` / ``block_restores``,
+        ``(block, chain hash)`` pairs) on every rank: snapshot each evicted block for
+        write-back, then copy each restored block's K/V from the tier into its pool block.
+
+        Returns:
+            True when every rank restored every block; False otherwise (the engine then
+            recomputes those blocks; what was restored is never used). An executor without a
+            tier returns ``not restores``.
+
+        Raises:
+            Unavailable: the executor can no longer run steps.
         """
         ...
 

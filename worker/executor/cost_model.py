@@ -72,6 +72,10 @@ class CostModelExecutor:
                 raise ValueError(f"sequence {c.seq_id}: block_table of {len(c.block_table)} "
                                  f"blocks does not cover position {last}")
 
+    def transfer_blocks(self, saves, restores) -> bool:
+        """No KV to move: succeeds only when nothing is to be restored."""
+        return not restores
+
     def execute(self, plan: StepPlan) -> torch.Tensor:
         """Wait the modelled step time; returns float32 ``(len(plan.chunks), vocab_size)``.
 

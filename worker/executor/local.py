@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+from typing import Sequence
 
 import torch
 
 from kvfleet.worker.engine.step_plan import StepPlan
 from kvfleet.worker.executor.base import RankInfo
+from kvfleet.worker.kv_tier.rank_tier import RankTier, transfer
 from kvfleet.worker.runner.lora.adapter import AdapterSpec
 from kvfleet.worker.runner.model_config import ModelConfig
 from kvfleet.worker.runner.model_runner import ModelRunner
@@ -29,10 +31,12 @@ def rank_info(runner: ModelRunner, rank: int) -> RankInfo:
 
 
 class LocalExecutor:
-    """:class:`~kvfleet.worker.executor.base.Executor` over one in-process ``runner``."""
+    """:class:`~kvfleet.worker.executor.base.Executor` over one in-process ``runner``
+    (``tier``: its host-tier side, over ``runner.kv_cache``)."""
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, tier: RankTier | None = None) -> None:
         self.runner = runner
+        self.tier = tier
 
     @property
     def config(self) -> ModelConfig:
@@ -54,6 +58,11 @@ class LocalExecutor:
         """See :meth:`ModelRunner.execute`: float32 ``(len(plan.chunks), vocab_size)``."""
         return self.runner.execute(plan)
 
+    def transfer_blocks(self, saves: Sequence[tuple[int, bytes]],
+                        restores: Sequence[tuple[int, bytes]]) -> bool:
+        """See :meth:`~kvfleet.worker.executor.base.Executor.transfer_blocks`."""
+        return transfer(self.tier, saves, restores)
+
     def load_adapter(self, slot: int, spec: AdapterSpec) -> None:
         """See :meth:`ModelRunner.load_adapter`."""
         self.runner.load_adapter(slot, spec)
@@ -68,4 +77,6 @@ class LocalExecutor:
         return [rank_info(self.runner, 0)]
 
     def close(self) -> None:
-        """Nothing to release (the runner's tensors go with it)."""
+        """Stop the tier's writer thread (the runner's tensors go with it)."""
+        if self.tier is not None:
+            self.tier.close()

@@ -20,7 +20,7 @@ import itertools
 import logging
 import threading
 import time
-from typing import Callable, TypeVar
+from typing import Callable, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -29,7 +29,8 @@ from kvfleet.errors import Unavailable
 from kvfleet.worker.engine.step_plan import StepPlan
 from kvfleet.worker.executor.base import RankInfo
 from kvfleet.worker.executor.tp.group import RankGroup
-from kvfleet.worker.executor.tp.wire import Commit, PlanEncoder, encode_call
+from kvfleet.worker.executor.tp.wire import Commit, PlanEncoder, encode_call, encode_moves
+from kvfleet.worker.kv_tier.rank_tier import RankTier, transfer
 from kvfleet.worker.runner.lora.adapter import AdapterSpec
 from kvfleet.worker.runner.model_config import ModelConfig
 from kvfleet.worker.runner.model_runner import ModelRunner
@@ -40,10 +41,13 @@ T = TypeVar("T")
 
 class TPExecutor:
     """:class:`~kvfleet.worker.executor.base.Executor` of rank 0 over a started
-    :class:`RankGroup` (``local``: rank 0's shard, from :meth:`RankGroup.start`)."""
+    :class:`RankGroup` (``local``: rank 0's shard, from :meth:`RankGroup.start`; with
+    ``group.spec.tier`` every rank writes back and restores its own KV heads)."""
 
     def __init__(self, local: ModelRunner, group: RankGroup) -> None:
         self.local, self.group = local, group
+        spec_tier = group.spec.tier
+        self.tier = RankTier(spec_tier, 0, local.kv_cache) if spec_tier is not None else None
         self.tensor_parallel_size = group.spec.tp
         self._lock = threading.Lock()  # one call on the ranks at a time, in plan order
         self._plans = PlanEncoder()
@@ -89,6 +93,24 @@ class TPExecutor:
             return encode_call("step", self._plans.encode(plan, commits))
 
         return self._call(message, lambda: self.local.execute(plan, validated=True))
+
+    def transfer_blocks(self, saves: Sequence[tuple[int, bytes]],
+                        restores: Sequence[tuple[int, bytes]]) -> bool:
+        """Every rank moves its own shard of the blocks; True only if every rank restored
+        every block (a sum of failures over the group). See
+        :meth:`~kvfleet.worker.executor.base.Executor.transfer_blocks`.
+
+        Raises:
+            Unavailable: the group has failed.
+        """
+        def local() -> bool:
+            ok = transfer(self.tier, saves, restores)
+            assert self.group.comm is not None
+            failures = self.group.comm.all_reduce(torch.tensor([0.0 if ok else 1.0]))
+            return float(failures[0]) == 0.0
+
+        return self._call(lambda: encode_call("transfer", encode_moves(saves),
+                                              encode_moves(restores)), local)
 
     def load_adapter(self, slot: int, spec: AdapterSpec) -> None:
         """Read ``spec`` into ``slot`` on every rank without entering the step stream: rank 0
@@ -175,3 +197,5 @@ class TPExecutor:
         if self._thread is not threading.current_thread():
             self._thread.join(1.0)  # a keep-alive barrier in flight ends first (bounded)
         self.group.close()
+        if self.tier is not None:
+            self.tier.close()

@@ -51,6 +51,9 @@ from kvfleet.worker.executor.local import LocalExecutor
 from kvfleet.worker.executor.tp.group import RankGroup, TPSettings
 from kvfleet.worker.executor.tp.rank_worker import RankSpec
 from kvfleet.worker.executor.tp_executor import TPExecutor
+from kvfleet.worker.kv_tier.lookup import TierLookup
+from kvfleet.worker.kv_tier.node_tier import node_tier
+from kvfleet.worker.kv_tier.rank_tier import RankTier
 from kvfleet.worker.replica.adapter_admin import AdapterAdmin
 from kvfleet.worker.replica.adapter_catalog import check_catalog
 from kvfleet.worker.replica.adapter_record import AdapterRecord
@@ -90,6 +93,8 @@ class ReplicaConfig:
     block_size: int = 16
     num_blocks: Optional[int] = None
     kv_memory_bytes: Optional[int] = None
+    # The node's host KV tier (kvfleet.worker.kv_tier), bytes per node; None: no tier.
+    kv_host_memory_bytes: Optional[int] = None
     dtype: str = "float32"
     # A second copy of each weight for batch-1 decode (see worker/runner/models/linear.py): ~20 %
     # lower batch-1 ITL on CPU for twice the weight memory.
@@ -190,19 +195,22 @@ def build_engine(cfg: ReplicaConfig, on_rank_failure: Callable[[str], None] = la
         num_blocks = num_blocks_for_memory(mc, cfg.block_size, dtype,
                                            cfg.kv_memory_bytes or DEFAULT_KV_MEMORY_BYTES, tp)
     tokenizer = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    # The node's host tier (Ray: the replica runs in it); the cost model has no KV to keep.
+    tier = (node_tier(cfg.kv_host_memory_bytes)
+            if cfg.kv_host_memory_bytes and cfg.executor == "model" else None)
     if cfg.executor == "cost-model":
         executor: Executor = cost_model_executor(load_model_config(model_dir), tokenizer,
                                                  num_blocks, cfg.block_size, cfg.cost_model)
     elif tp > 1:
         spec = RankSpec(str(model_dir), tp, num_blocks, cfg.block_size, dtype,
-                        cfg.one_row_weights, cfg.device, max_loras=max_loras)
+                        cfg.one_row_weights, cfg.device, max_loras=max_loras, tier=tier)
         group = RankGroup(spec, cfg.tp, cfg.replica_id, on_rank_failure)
         executor = TPExecutor(group.start(), group)
     else:
-        executor = LocalExecutor(ModelRunner(model_dir, num_blocks=num_blocks,
-                                             block_size=cfg.block_size, dtype=dtype,
-                                             device=cfg.device, one_row_weights=cfg.one_row_weights,
-                                             max_loras=max_loras))
+        runner = ModelRunner(model_dir, num_blocks=num_blocks, block_size=cfg.block_size,
+                             dtype=dtype, device=cfg.device, one_row_weights=cfg.one_row_weights,
+                             max_loras=max_loras)
+        executor = LocalExecutor(runner, RankTier(tier, 0, runner.kv_cache) if tier else None)
     kv = KVCacheManager(num_blocks, cfg.block_size)
     identity = cache_identity(cfg.model_name, model_dir, cfg.dtype, cfg.block_size)
     mc = executor.config
@@ -212,7 +220,8 @@ def build_engine(cfg: ReplicaConfig, on_rank_failure: Callable[[str], None] = la
     return Engine(executor, kv, tokenizer, identity.digest(), mc.eos_token_ids,
                   mc.max_position_embeddings, mc.vocab_size, cfg.scheduler,
                   adapters=residency, identity=identity, grammar=cfg.grammar,
-                  step_cost=_step_cost(cfg, executor, identity))
+                  step_cost=_step_cost(cfg, executor, identity),
+                  tier=TierLookup(tier, tp) if tier else None)
 
 
 def _step_cost(cfg: ReplicaConfig, executor: Executor, identity: CacheIdentity) -> StepCost:
@@ -417,6 +426,13 @@ class ReplicaServer:
             end = time.monotonic() + 5.0  # the ends reach their streams at the next step
             while held.count and time.monotonic() < end:
                 await asyncio.sleep(0.02)
+        if self._loop is not None and self.cfg.kv_host_memory_bytes:
+            # Hand the hottest cached blocks to the node's tier within what is left of the
+            # drain's time (at least a second): the node's other replicas restore them.
+            n = await self._loop.hand_over(self.engine.kv.num_total_blocks,
+                                           max(1.0, deadline - time.monotonic()))
+            log.info("replica %s handed %d blocks over to the node's kv tier",
+                     self.cfg.replica_id, n)
         for t in self._tasks:
             t.cancel()
         self._tasks.clear()

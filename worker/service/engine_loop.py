@@ -47,6 +47,13 @@ class _FailAll:
     error: BaseException
 
 
+@dataclass
+class _HandOver:
+    max_blocks: int
+    timeout_s: float
+    done: asyncio.Future
+
+
 class EngineLoop:
     """Thread-safe, asyncio-facing wrapper of one :class:`Engine`."""
 
@@ -123,6 +130,17 @@ class EngineLoop:
         """Ask the engine thread to end a request at its next step boundary."""
         self._inbox.put(_Abort(request_id, reason))
 
+    async def hand_over(self, max_blocks: int, timeout_s: float) -> int:
+        """Run :meth:`Engine.hand_over` on the engine thread at its next step boundary;
+        returns the blocks handed over (0 if it failed: a drain goes on regardless)."""
+        done = self.loop.create_future()
+        self._inbox.put(_HandOver(max_blocks, timeout_s, done))
+        try:
+            return await asyncio.wait_for(done, timeout_s + 1.0)
+        except Exception:
+            log.exception("kv hand-over failed")
+            return 0
+
     def fail(self, error: BaseException) -> None:
         """The replica can no longer compute (a tensor-parallel rank died): end every request
         with ``error`` at the next step boundary and refuse new ones (any thread)."""
@@ -158,10 +176,20 @@ class EngineLoop:
             elif isinstance(item, _FailAll):
                 for rid in list(self._streams):
                     self._deliver(self.engine.abort(rid, FinishReason.ERROR, item.error))
+            elif isinstance(item, _HandOver):
+                self._hand_over(item)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 break
+
+    def _hand_over(self, item: _HandOver) -> None:
+        try:
+            n = self.engine.hand_over(item.max_blocks, item.timeout_s)
+        except Exception as exc:
+            self.loop.call_soon_threadsafe(_set_exception, item.done, exc)
+            return
+        self.loop.call_soon_threadsafe(_set_result, item.done, n)
 
     def _add(self, item: _Add) -> None:
         try:

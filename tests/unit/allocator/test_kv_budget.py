@@ -3,7 +3,11 @@
 import pytest
 
 from kvfleet.allocator.kv_budget import (
-    CapacityError, plan_capacity, reserve_slots, reserved_request_bytes, weight_bytes,
+    CapacityError,
+    plan_capacity,
+    reserve_slots,
+    reserved_request_bytes,
+    weight_bytes,
 )
 from kvfleet.allocator.kv_bytes import ShardingError, rank_spec, request_kv_bytes
 from kvfleet.allocator.units import GB, GiB, MiB

@@ -3,8 +3,16 @@
 import pytest
 
 from kvfleet.allocator.kv_bytes import (
-    DtypeError, ShardingError, bytes_per_token, dtype_bytes, kv_bytes, kv_heads_per_rank,
-    rank_spec, recurrent_state_bytes, request_kv_bytes, request_scale_bytes,
+    DtypeError,
+    ShardingError,
+    bytes_per_token,
+    dtype_bytes,
+    kv_bytes,
+    kv_heads_per_rank,
+    rank_spec,
+    recurrent_state_bytes,
+    request_kv_bytes,
+    request_scale_bytes,
     scale_bytes_per_token,
 )
 from kvfleet.allocator.model_spec import spec_from_config

@@ -3,7 +3,15 @@
 import pytest
 
 from kvfleet.allocator.units import (
-    GB, GiB, KiB, MiB, UnitError, describe_bytes, format_bytes, parse_count, parse_size,
+    GB,
+    GiB,
+    KiB,
+    MiB,
+    UnitError,
+    describe_bytes,
+    format_bytes,
+    parse_count,
+    parse_size,
 )
 
 

@@ -73,10 +73,10 @@ def test_cpu_run_from_bare_checkout_without_ray_redis_otel(tmp_path: Path) -> No
 def test_parity_check_fails_on_a_top_left_causal_mask(tmp_path: Path, monkeypatch) -> None:
     """Negative control: the classic paged-attention bug (a continued chunk masked with the
     top-left square instead of the mask offset by its cached tokens) must fail the check."""
+    import tokenizers
+
     from bench import gpu_check
     from kvfleet.worker.runner import attention
-
-    import tokenizers
 
     hf = gpu_check.build_model("tiny", torch.device("cpu"), tmp_path)
     tok = tokenizers.Tokenizer.from_file(str(tmp_path / "tokenizer.json"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+
 from kvfleet.deploy import cli
 from kvfleet.deploy.cluster_config import router_args as router_command
 from kvfleet.deploy.cluster_flags import cluster_config

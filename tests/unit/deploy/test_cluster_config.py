@@ -10,14 +10,14 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+
 from kvfleet.deploy import cli
 from kvfleet.deploy.cluster_config import SHARED, ClusterConfig, router_args, router_from_flags
 from kvfleet.deploy.cluster_flags import FLAGS, OWNERS, cluster_config, declared_default
 from kvfleet.router.main import RouterConfig, parse_args
-from kvfleet.worker.replica.replica import ReplicaConfig
-
 from kvfleet.stream_limits import StreamLimits
 from kvfleet.telemetry import TelemetryConfig
+from kvfleet.worker.replica.replica import ReplicaConfig
 
 DEPLOY = Path(__file__).resolve().parents[3] / "deploy"
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from kvfleet.deploy import k8s
 from kvfleet.deploy.k8s_cli import main as k8s_main
-
 from tests.fixtures.manifests import InvalidManifest, validate
 
 COMMITTED = Path(__file__).resolve().parents[3] / "deploy" / "k8s"

@@ -6,16 +6,16 @@ from __future__ import annotations
 import json
 
 import pytest
+
+from kvfleet.config_codec import from_dict, to_dict
 from kvfleet.deploy.registry_view import RegistryEntry
 from kvfleet.deploy.serve_app import Placement, app_config
 from kvfleet.deploy.status import format_status, replica_rows
+from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
+from kvfleet.telemetry import TelemetryConfig
 from kvfleet.worker.executor.cost_model import MEASURED
 from kvfleet.worker.replica.replica import ReplicaConfig
 from kvfleet.worker.replica.serve_deployment import replica_configs
-
-from kvfleet.config_codec import from_dict, to_dict
-from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
-from kvfleet.telemetry import TelemetryConfig
 
 
 def _entry(rid: str, host: str, state: str = "serving") -> RegistryEntry:
@@ -117,7 +117,6 @@ def test_status_shows_days_to_expiry_of_the_internal_certificates(tmp_path) -> N
     """Item 15: the replicas' internal TLS directory (from the application config) and the
     days each certificate in it has left."""
     from kvfleet.deploy.operate import internal_tls_status
-
     from kvfleet.tls import generate_internal_tls
 
     assert internal_tls_status(None) is None

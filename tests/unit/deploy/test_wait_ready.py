@@ -8,6 +8,7 @@ import sys
 import threading
 
 import pytest
+
 from kvfleet.deploy.process_relay import wait_ready
 
 

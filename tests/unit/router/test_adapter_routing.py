@@ -5,8 +5,7 @@ import pytest
 
 from kvfleet.errors import NotFound
 from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
-from kvfleet.router.adapter_routing import (adapter_revision, prefer_resident, served_adapters,
-                                            serving)
+from kvfleet.router.adapter_routing import adapter_revision, prefer_resident, served_adapters, serving
 from kvfleet.router.policy import Candidate
 
 

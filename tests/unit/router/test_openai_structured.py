@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from kvfleet.router.openai_request import parse_chat, parse_completion
-from kvfleet.router.openai_response import ResponseBuilder
 
 from kvfleet.errors import InvalidArgument
+from kvfleet.router.openai_request import parse_chat, parse_completion
+from kvfleet.router.openai_response import ResponseBuilder
 from kvfleet.v1 import common_pb2
 
 HI = [{"role": "user", "content": "hi"}]

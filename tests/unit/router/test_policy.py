@@ -3,8 +3,15 @@
 import pytest
 
 from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
-from kvfleet.router.policy import (Candidate, LeastLoaded, PrefixAware, PrefixPopularity,
-                                   RoundRobin, make_policy, rendezvous_score)
+from kvfleet.router.policy import (
+    Candidate,
+    LeastLoaded,
+    PrefixAware,
+    PrefixPopularity,
+    RoundRobin,
+    make_policy,
+    rendezvous_score,
+)
 
 
 def cand(rid: str, matched: int = 0, inflight: int = 0, running: int = 0, waiting: int = 0,

@@ -10,10 +10,9 @@ import logging
 
 from kvfleet.deploy.registry_view import RegistryEntry
 from kvfleet.deploy.status import format_status, replica_rows
+from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
 from kvfleet.router.prefix_index import InMemoryPrefixIndex
 from kvfleet.router.replica_set import ReplicaSet
-
-from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
 
 LOAD = ReplicaLoad(running=0, waiting=0, num_free_blocks=64, num_total_blocks=64, updated_at=1.7e9)
 MINE, THEIRS = "a1" * 16, "b2" * 16

@@ -19,7 +19,9 @@ from typing import Callable, Iterable
 
 import tokenizers
 import torch
+
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
+from kvfleet.sampling_params import SamplingParams
 from kvfleet.worker.engine.engine import Engine, EngineRequest
 from kvfleet.worker.engine.outputs import SeqOutput
 from kvfleet.worker.engine.request import FinishReason
@@ -29,8 +31,6 @@ from kvfleet.worker.engine.step_plan import StepPlan
 from kvfleet.worker.executor.base import Executor
 from kvfleet.worker.executor.local import LocalExecutor
 from kvfleet.worker.runner.model_runner import ModelRunner
-
-from kvfleet.sampling_params import SamplingParams
 from tests.unit.worker.paged_driver import random_prompt, reference_logits, runner_for, scaled_error
 
 BLOCK_SIZE = 4
@@ -84,9 +84,10 @@ class Result:
 
 def make_engine(model_dir: Path, num_blocks: int = 150, runner: ModelRunner | Executor | None = None,
                 adapters=None, identity=None, step_cost: StepCost | None = None,
+                tier=None,
                 **scheduler) -> tuple[Engine, RecordingExecutor]:
     """A fresh engine (new KV cache manager) over the session's shared runner for ``model_dir``
-    (``adapters``, ``identity``, ``step_cost``: see :class:`Engine`; ``scheduler``: the
+    (``adapters``, ``identity``, ``step_cost``, ``tier``: see :class:`Engine`; ``scheduler``: the
     :class:`SchedulerConfig` fields, e.g. ``**ITL_TARGET``'s).
 
     Sharing the runner's KV tensor across tests is safe: a new manager has no cached blocks,
@@ -101,7 +102,7 @@ def make_engine(model_dir: Path, num_blocks: int = 150, runner: ModelRunner | Ex
     digest = identity.digest() if identity is not None else b"engine-test-identity"
     engine = Engine(rec, kv, tok, digest, cfg.eos_token_ids, cfg.max_position_embeddings,
                     cfg.vocab_size, SchedulerConfig(**scheduler), adapters=adapters,
-                    identity=identity, step_cost=step_cost)
+                    identity=identity, step_cost=step_cost, tier=tier)
     return engine, rec
 
 

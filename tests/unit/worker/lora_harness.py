@@ -9,9 +9,9 @@ import functools
 from pathlib import Path
 
 from kvfleet.allocator.hashing import CacheIdentity
+from kvfleet.worker.engine.adapter_residency import AdapterResidency
 from kvfleet.worker.engine.engine import EngineRequest
 from kvfleet.worker.runner.lora.adapter import check_adapter
-from kvfleet.worker.engine.adapter_residency import AdapterResidency
 from kvfleet.worker.runner.model_runner import ModelRunner
 from tests.fixtures.adapters import peft_logits
 from tests.unit.worker import engine_harness

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from kvfleet.worker.runner.model_runner import ModelRunner
 from kvfleet.worker.engine.step_plan import SeqChunk, StepPlan
+from kvfleet.worker.runner.model_runner import ModelRunner
 
 RTOL = 1e-4
 

@@ -24,7 +24,9 @@ import torch
 
 from kvfleet.worker.executor.local import rank_info
 from kvfleet.worker.executor.tp.comm import GroupAddress, RankComm
-from kvfleet.worker.executor.tp.wire import Commit, PlanDecoder, decode_call
+from kvfleet.worker.executor.tp.wire import Commit, PlanDecoder, decode_call, decode_moves
+from kvfleet.worker.kv_tier.rank_tier import RankTier, transfer
+from kvfleet.worker.kv_tier.store import TierStore
 from kvfleet.worker.runner.lora.adapter import AdapterSpec, read_adapter
 from kvfleet.worker.runner.lora.slots import Weights as LoraWeights
 from kvfleet.worker.runner.model_runner import ModelRunner, Shard
@@ -45,6 +47,7 @@ class RankSpec:
     device: str = "cpu"
     num_threads: int = 1
     max_loras: int = 0  # LoRA adapter slots (see ModelRunner.load_adapter)
+    tier: Optional[TierStore] = None  # the node's host KV tier (a RayTier across processes)
 
 
 def build_rank_runner(spec: RankSpec, rank: int, reduce) -> ModelRunner:
@@ -71,7 +74,9 @@ class RankWorker:
         self._prepared_lock = threading.Lock()
         # The methods rank 0 may call (wire.METHODS), and nothing else.
         self._calls: dict[str, Callable[..., None]] = {"step": self._step, "barrier": self._barrier,
-                                                       "stop": self._stop}
+                                                       "stop": self._stop,
+                                                       "transfer": self._transfer}
+        self.tier: Optional[RankTier] = None
         self._serving = False
 
     @property
@@ -91,6 +96,8 @@ class RankWorker:
             torch.cuda.set_device(0)
             spec = replace(spec, device="cuda:0")
         self.runner = build_rank_runner(spec, self.rank, lambda t: self._comm.all_reduce(t))
+        if spec.tier is not None:
+            self.tier = RankTier(spec.tier, self.rank, self.runner.kv_cache)
         return rank_info(self.runner, self.rank)
 
     def connect(self, addr: GroupAddress) -> bool:
@@ -123,8 +130,15 @@ class RankWorker:
     def _barrier(self) -> None:
         self._comm.barrier()
 
+    def _transfer(self, saves: np.ndarray, restores: np.ndarray) -> None:
+        """This rank's block moves; every rank then sums its failures (rank 0 reads them)."""
+        ok = transfer(self.tier, decode_moves(saves), decode_moves(restores))
+        self._comm.all_reduce(torch.tensor([0.0 if ok else 1.0]))
+
     def _stop(self) -> None:
         self._serving = False
+        if self.tier is not None:
+            self.tier.close()
 
     def _commit(self, commits: list[Commit]) -> None:
         for slot, prepared in commits:

@@ -23,6 +23,9 @@ it decodes) and the blocks appended after those; a sequence absent from a plan i
 
 ``n_commits`` adapter slot changes to make before the forward: ``prepared`` > 0 installs the
 adapter a rank prepared under that id (off the step path); 0 empties the slot.
+
+Host-tier block moves (``transfer``, before a step's forward) travel as two arguments, the
+saves and the restores, each ``n × (block, hash[0:8], hash[8:16])`` (:func:`encode_moves`).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import numpy as np
 
 from kvfleet.worker.engine.step_plan import SeqChunk, StepPlan
 
-METHODS = ("step", "barrier", "stop")  # what rank 0 may call on the other ranks, by index
+METHODS = ("step", "barrier", "stop", "transfer")  # what rank 0 may call on the other ranks, by index
 _CHUNK_HEAD = 6
 Commit = tuple[int, int]  # (slot, prepared id; 0 = empty the slot)
 
@@ -71,6 +74,33 @@ def decode_call(msg: np.ndarray) -> tuple[str, list[np.ndarray]]:
         args.append(msg[at: at + n])
         at += n
     return METHODS[method], args
+
+
+def encode_moves(moves: Sequence[tuple[int, bytes]]) -> np.ndarray:
+    """``(block, 16-byte chain hash)`` pairs as int64 triples (the hash as two words).
+
+    Raises:
+        ValueError: a hash that is not 16 bytes.
+    """
+    out = np.empty((len(moves), 3), dtype="<i8")
+    for i, (block, h) in enumerate(moves):
+        if len(h) != 16:
+            raise ValueError(f"block hash of {len(h)} bytes, want 16")
+        out[i, 0] = block
+        out[i, 1:] = np.frombuffer(h, dtype="<i8")
+    return out.reshape(-1)
+
+
+def decode_moves(arr: np.ndarray) -> list[tuple[int, bytes]]:
+    """The pairs of :func:`encode_moves`.
+
+    Raises:
+        ValueError: a length that is not a multiple of 3.
+    """
+    if len(arr) % 3:
+        raise ValueError(f"malformed block moves: {len(arr)} ints")
+    rows = np.asarray(arr, dtype="<i8").reshape(-1, 3)
+    return [(int(r[0]), r[1:].tobytes()) for r in rows]
 
 
 def _kept(old: tuple[int, ...], new: tuple[int, ...]) -> int:

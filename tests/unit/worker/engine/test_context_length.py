@@ -6,9 +6,9 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from kvfleet.router.core import RouterCore
 
 from kvfleet.errors import OutOfRange
+from kvfleet.router.core import RouterCore
 from kvfleet.sampling_params import check_context_length
 from tests.unit.worker.engine_harness import make_engine, prompt, request
 

@@ -11,8 +11,18 @@ from __future__ import annotations
 
 import pytest
 
-from tests.unit.worker.engine_harness import (BLOCK_SIZE, ITL_TARGET, by_position, make_engine, positions,
-                                              prompt, reference_error, request, run, seq_tokens)
+from tests.unit.worker.engine_harness import (
+    BLOCK_SIZE,
+    ITL_TARGET,
+    by_position,
+    make_engine,
+    positions,
+    prompt,
+    reference_error,
+    request,
+    run,
+    seq_tokens,
+)
 from tests.unit.worker.paged_driver import scaled_error
 
 

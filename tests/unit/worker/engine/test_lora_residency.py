@@ -7,12 +7,12 @@ from __future__ import annotations
 import threading
 
 import pytest
+
 from kvfleet.allocator.hashing import block_hash_chain
+from kvfleet.errors import FailedPrecondition, NotFound
 from kvfleet.router.served_model import ServedModel
 from kvfleet.worker.engine.adapter_residency import AdapterResidency
 from kvfleet.worker.engine.request import FinishReason
-
-from kvfleet.errors import FailedPrecondition, NotFound
 from tests.unit.worker.engine_harness import BLOCK_SIZE, prompt, request, run
 from tests.unit.worker.lora_harness import (
     IDENTITY,

@@ -9,12 +9,12 @@ import shutil
 import grpc
 import pytest
 import torch
+
+from kvfleet.errors import FailedPrecondition, status_of
 from kvfleet.worker.engine.request import FinishReason
 from kvfleet.worker.runner.lora.adapter import WEIGHTS_FILE, check_adapter, read_adapter
 from kvfleet.worker.runner.model_config import load_model_config
 from kvfleet.worker.runner.tp.layout import shard_layout
-
-from kvfleet.errors import FailedPrecondition, status_of
 from tests.unit.worker.engine_harness import collect, prompt, request, run
 from tests.unit.worker.lora_harness import (
     MAX_LORA_RANK,

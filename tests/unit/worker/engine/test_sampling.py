@@ -11,8 +11,8 @@ import torch
 
 from kvfleet.sampling_params import SamplingParams
 from kvfleet.worker.engine.sampling import (
-    SampleResult,
     Sampler,
+    SampleResult,
     SampleState,
     apply_penalties,
     make_generator,

@@ -8,7 +8,7 @@ import pytest
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
 from kvfleet.errors import ResourceExhausted
 from kvfleet.sampling_params import SamplingParams
-from kvfleet.worker.engine.request import SequenceState, SeqStatus
+from kvfleet.worker.engine.request import SeqStatus, SequenceState
 from kvfleet.worker.engine.scheduler import Scheduler, SchedulerConfig
 
 BS = 4

@@ -12,10 +12,10 @@ import re
 
 import jsonschema
 import pytest
-from kvfleet.worker.engine.request import FinishReason
 
 from kvfleet.constraint import Constraint
 from kvfleet.errors import InvalidArgument
+from kvfleet.worker.engine.request import FinishReason
 from tests.unit.worker.engine_harness import make_engine, prompt, request, run
 
 # Finite languages: the random model completes them well within max_tokens.

@@ -10,13 +10,13 @@ import shutil
 
 import grpc
 import pytest
+
+from kvfleet.errors import KvfleetError
 from kvfleet.worker.engine.adapter_residency import AdapterResidency
 from kvfleet.worker.replica.adapter_admin import AdapterAdmin
 from kvfleet.worker.replica.adapter_catalog import adapter_roots
 from kvfleet.worker.runner.lora.adapter import WEIGHTS_FILE
 from kvfleet.worker.runner.model_config import load_model_config
-
-from kvfleet.errors import KvfleetError
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """The per-replica prefix-hit rate over the last minute (``kvfleet status``)."""
 
-from kvfleet.worker.replica.hit_window import HitWindow
 from kvfleet.worker.engine.outputs import SeqOutput, Usage
+from kvfleet.worker.replica.hit_window import HitWindow
 
 
 def _done(prompt: int, cached: int, index: int = 0) -> SeqOutput:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvfleet.worker.engine.step_plan import SeqChunk
 from kvfleet.worker.runner import cpu_kernels
 from kvfleet.worker.runner.attention import build_attention_metadata, causal_mask, paged_attention
-from kvfleet.worker.engine.step_plan import SeqChunk
 
 HEADS, KV_HEADS, DIM, BLOCK = 6, 2, 8, 4
 

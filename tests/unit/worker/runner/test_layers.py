@@ -4,6 +4,7 @@ and that a LoRA update is summed over the ranks with its projection's partial pr
 from __future__ import annotations
 
 import torch
+
 from kvfleet.worker.runner.lora.layer import AdapterMapping, LoraLinear, apply_lora
 from kvfleet.worker.runner.lora.slots import LoraBatch, LoraSlots
 from kvfleet.worker.runner.model_runner import ModelRunner

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvfleet.worker.engine.step_plan import SeqChunk
 from kvfleet.worker.runner import cpu_kernels
 from kvfleet.worker.runner.attention import build_attention_metadata
 from kvfleet.worker.runner.models.linear import Linear
-from kvfleet.worker.engine.step_plan import SeqChunk
 
 
 @pytest.mark.parametrize("bias", [False, True])

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from kvfleet.worker.runner.lora.adapter import check_adapter
 from kvfleet.worker.replica.adapter_catalog import check_catalog, expand_adapter_dirs, parse_adapter_arg
+from kvfleet.worker.runner.lora.adapter import check_adapter
 from kvfleet.worker.runner.lora.config import AdapterError
 from kvfleet.worker.runner.model_config import load_model_config
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from kvfleet.worker.runner.model_config import UnsupportedModel, load_model_config, parse_model_config
 
 BASE = {
@@ -123,6 +124,7 @@ def test_unsupported_features_are_refused(change, match) -> None:
 
 def test_unknown_architecture_is_refused_at_build() -> None:
     import torch
+
     from kvfleet.worker.runner.models import build_model
 
     c = parse_model_config({**BASE, "architectures": ["Gemma2ForCausalLM"]})

@@ -24,6 +24,7 @@ from tests.unit.worker.paged_driver import (
     step,
 )
 
+
 def new_seq(pool: BlockPool, rid: str, prompt_len: int, seed: int, max_len: int = 64) -> Seq:
     return Seq(rid, random_prompt(prompt_len, seed), pool.take(-(-max_len // 4)))
 

@@ -10,10 +10,10 @@ import torch
 
 from kvfleet.allocator.kv_bytes import bytes_per_token
 from kvfleet.allocator.model_spec import spec_from_config
+from kvfleet.worker.engine.step_plan import SeqChunk, StepPlan
 from kvfleet.worker.runner.kv_cache import KVCache, kv_bytes_per_block, num_blocks_for_memory
 from kvfleet.worker.runner.model_config import load_model_config
 from kvfleet.worker.runner.model_runner import ModelRunner
-from kvfleet.worker.engine.step_plan import SeqChunk, StepPlan
 from kvfleet.worker.runner.weights import load_weights, weight_files
 
 

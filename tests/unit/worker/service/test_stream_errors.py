@@ -7,10 +7,10 @@ import asyncio
 import types
 
 import grpc
-from kvfleet.worker.engine.scheduler import SchedulerConfig
-from kvfleet.worker.service.server import WorkerService
 
 from kvfleet.v1 import worker_pb2
+from kvfleet.worker.engine.scheduler import SchedulerConfig
+from kvfleet.worker.service.server import WorkerService
 
 
 class FailingLoop:

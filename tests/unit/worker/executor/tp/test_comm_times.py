@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from kvfleet.worker.executor.tp.comm import CommTimes, RankComm
 
+from kvfleet.worker.executor.tp.comm import CommTimes, RankComm
 from tests.unit.worker.executor.tp.rank_threads import on_ranks
 
 

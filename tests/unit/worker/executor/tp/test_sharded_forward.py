@@ -8,12 +8,12 @@ import torch
 
 from kvfleet.allocator.kv_bytes import ShardingError
 from kvfleet.deploy.budget import build_parser, compute_budget
+from kvfleet.worker.runner.kv_cache import kv_bytes_per_block
 from kvfleet.worker.runner.model_config import load_model_config
 from kvfleet.worker.runner.model_runner import ModelRunner
-from kvfleet.worker.runner.kv_cache import kv_bytes_per_block
 from kvfleet.worker.runner.tp.layout import ShardLayout, shard_layout
-from tests.unit.worker.paged_driver import random_prompt, reference_logits, scaled_error
 from tests.unit.worker.executor.tp.threaded_group import BLOCK_SIZE, prefill_plans, run_group
+from tests.unit.worker.paged_driver import random_prompt, reference_logits, scaled_error
 
 TOKENS = random_prompt(23, seed=11)
 

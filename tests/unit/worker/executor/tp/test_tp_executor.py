@@ -7,10 +7,12 @@ from __future__ import annotations
 import pickle
 import threading
 
-import kvfleet.worker.runner.model_runner as model_runner_module
 import numpy as np
 import pytest
 import torch
+
+import kvfleet.worker.runner.model_runner as model_runner_module
+import tests.unit.worker.engine.test_engine_exactness as exact
 from kvfleet.worker.engine.step_plan import SeqChunk, StepPlan
 from kvfleet.worker.executor.local import LocalExecutor
 from kvfleet.worker.executor.tp import rank_worker
@@ -18,8 +20,6 @@ from kvfleet.worker.executor.tp.comm import RankComm
 from kvfleet.worker.executor.tp.wire import decode_call
 from kvfleet.worker.runner.lora.adapter import check_adapter
 from kvfleet.worker.runner.model_runner import ModelRunner
-
-import tests.unit.worker.engine.test_engine_exactness as exact
 from tests.unit.worker import engine_harness
 from tests.unit.worker.executor.tp.rank_threads import on_ranks
 from tests.unit.worker.executor.tp.thread_executor import thread_executor

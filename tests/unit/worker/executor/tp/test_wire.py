@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from kvfleet.worker.engine.step_plan import SeqChunk, StepPlan
 from kvfleet.worker.executor.tp.wire import PlanDecoder, PlanEncoder, decode_call, encode_call
 

@@ -11,9 +11,9 @@ from typing import Callable, Optional
 
 import torch
 
-from kvfleet.worker.runner.model_runner import ModelRunner, Shard
-from kvfleet.worker.executor.tp.comm import RankComm
 from kvfleet.worker.engine.step_plan import SeqChunk, StepPlan
+from kvfleet.worker.executor.tp.comm import RankComm
+from kvfleet.worker.runner.model_runner import ModelRunner, Shard
 from tests.unit.worker.executor.tp.rank_threads import on_ranks
 
 BLOCK_SIZE = 4

@@ -1,0 +1,52 @@
+"""Issue 26 §3 on real replicas: two replicas of one node share its host KV tier (a Ray actor);
+draining the first hands its cached blocks over, and the second then serves the same prompt
+from them (cached prompt tokens it never computed)."""
+
+from __future__ import annotations
+
+import grpc
+
+from kvfleet.v1 import worker_pb2, worker_pb2_grpc
+from kvfleet.worker.engine.scheduler import SchedulerConfig
+from kvfleet.worker.kv_tier.node_tier import node_tier
+from kvfleet.worker.replica.replica import ReplicaConfig, ReplicaServer
+
+PROMPT = [(7 * i + 3) % 1000 + 5 for i in range(40)]  # 2 full blocks of 16 reusable
+
+
+def _config(rid: str, model_dir, redis_url: str, namespace: str) -> ReplicaConfig:
+    return ReplicaConfig(replica_id=rid, model_name="tiny", model_dir=str(model_dir), block_size=16,
+                         num_blocks=32, one_row_weights=False, redis_url=redis_url,
+                         namespace=namespace, heartbeat_interval_s=0.2, drain_timeout_s=5.0,
+                         kv_host_memory_bytes=16 << 20,
+                         scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64))
+
+
+async def _cached_tokens(server: ReplicaServer, rid: str) -> int:
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        req = worker_pb2.WorkerGenerateRequest(request_id=rid, prompt_token_ids=PROMPT,
+                                               tenant="default")
+        req.sampling.max_tokens = 2
+        req.sampling.ignore_eos = True
+        last = None
+        async for m in worker_pb2_grpc.WorkerStub(channel).Generate(req):
+            last = m
+        assert last is not None and last.HasField("usage")
+        return last.usage.cached_prompt_tokens
+
+
+async def test_a_drained_replicas_prefix_is_served_from_the_node_tier_by_a_survivor(
+        ray_session, tiny_llama_dir, redis_server, redis_namespace) -> None:
+    first = ReplicaServer(_config("a", tiny_llama_dir, redis_server.url, redis_namespace))
+    second = ReplicaServer(_config("b", tiny_llama_dir, redis_server.url, redis_namespace))
+    try:
+        await first.start()
+        await second.start()
+        assert await _cached_tokens(first, "a-1") == 0
+        await first.drain()
+        assert await _cached_tokens(second, "b-1") == 32  # restored, never computed on b
+        assert second.engine.executor.tier.stats.restores == 2
+    finally:
+        await first.stop()
+        await second.stop()
+        ray_session.kill(node_tier(16 << 20).actor)

@@ -1,0 +1,54 @@
+"""``--kv-host-memory``: parsed like ``--kv-memory`` into the replica's config (bad values exit 2
+naming the flag); ``kvfleet budget`` says how many blocks the host tier holds; ``kvfleet
+status`` shows each node's tier."""
+
+from __future__ import annotations
+
+import json
+
+from kvfleet.deploy import cli
+from kvfleet.deploy.budget import main as budget
+from kvfleet.deploy.cluster_flags import cluster_config
+from kvfleet.deploy.status import format_status
+
+
+def test_the_flag_lands_in_the_replica_config_and_bad_values_exit_2(tiny_llama_dir, capsys) -> None:
+    cfg = cluster_config(cli.build_parser().parse_args(
+        ["up", "--model", str(tiny_llama_dir), "--kv-host-memory", "64MiB"]))
+    assert cfg.replica.kv_host_memory_bytes == 64 << 20
+    default = cluster_config(cli.build_parser().parse_args(["up", "--model", str(tiny_llama_dir)]))
+    assert default.replica.kv_host_memory_bytes is None
+    assert cli.main(["up", "--model", str(tiny_llama_dir), "--kv-host-memory", "lots"]) == 2
+    assert "--kv-host-memory" in capsys.readouterr().err
+
+
+def test_budget_counts_the_blocks_of_every_rank_the_host_tier_holds(tiny_llama_dir, capsys) -> None:
+    assert budget([str(tiny_llama_dir), "--kv-dtype", "fp32", "--block-size", "16",
+                   "--kv-host-memory", "1MiB", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    block = 16 * r["bytes_per_token"]  # all ranks' shards of one block
+    assert r["kv_host_memory_bytes"] == 1 << 20
+    assert r["host_tier_blocks"] == (1 << 20) // block and r["host_tier_tokens"] == 16 * (
+        (1 << 20) // block)
+    assert budget([str(tiny_llama_dir), "--kv-host-memory", "1MiB", "--tp", "1"]) == 0
+    assert "host KV tier" in capsys.readouterr().out
+    assert budget([str(tiny_llama_dir), "--kv-host-memory", "1M"]) == 2
+    assert "--kv-host-memory" in capsys.readouterr().err
+
+
+def test_status_shows_the_tier_of_each_node() -> None:
+    tiers = [{"node": "abcdef0123", "capacity_bytes": 1 << 30, "bytes_used": 3 << 20,
+              "blocks": 4, "stored": 9, "evicted": 5, "restored": 2},
+             {"node": "99999999ff", "error": "timed out"}]
+    text = format_status({"applications": [], "routers": [], "kv_tiers": tiers,
+                          "redis": {"address": "r:6379", "up": True}})
+    assert ("kv host tier on node abcdef01: 3 MiB of 1 GiB (4 block shards), 9 written back, "
+            "2 restored, 5 evicted") in text
+    assert "kv host tier on node 99999999: timed out" in text
+
+
+def test_kuberay_render_carries_the_host_tier(tmp_path) -> None:
+    from kvfleet.deploy.k8s_cli import main as k8s
+
+    assert k8s(["render", "--out", str(tmp_path), "--kv-host-memory-bytes", str(2 << 30)]) == 0
+    assert f"kv_host_memory_bytes: {2 << 30}" in (tmp_path / "rayservice.yaml").read_text()

@@ -1,0 +1,106 @@
+"""The node tier as a real Ray actor: a restore through the object store equals recompute;
+the actor killed mid-transfer leaves the request to complete by recomputation, and nothing
+leaks (pool blocks, the rank's queued write-backs, object references, the tier's bytes)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from kvfleet.worker.kv_tier.node_tier import RayTier, node_tier, node_tiers
+from tests.unit.worker.engine_harness import prompt, request
+from tests.unit.worker.kv_tier.tier_harness import (
+    evict_then_ask_again,
+    parity_error,
+    restored_blocks,
+    tier_engine,
+)
+
+CAPACITY = 32 << 20
+
+
+@pytest.fixture
+def ray_tier(ray_session):
+    tier = node_tier(CAPACITY)
+    yield tier
+    ray_session.kill(tier.actor)
+
+
+def _live_refs(ray) -> int:
+    """Object references this process holds (after collecting cycles through tracebacks)."""
+    gc.collect()
+    return len(ray._private.worker.global_worker.core_worker.get_all_reference_counts())
+
+
+def test_restore_through_the_node_actor_equals_recompute(ray_tier, tiny_llama_dir) -> None:
+    engine, rec, tier, _ = tier_engine(tiny_llama_dir, ray_tier)
+    base = prompt(22, seed=31)
+    again = request(base + prompt(3, seed=32), max_tokens=3)
+    results = evict_then_ask_again(engine, tier, base, again)
+    assert restored_blocks(rec, again.request_id) == 5
+    assert parity_error(tiny_llama_dir, rec, again, results) <= 1
+    stats = ray_tier.stats()
+    assert stats.blocks >= 5 and stats.bytes_used == stats.blocks * tier.stats.bytes_restored // 5
+    assert stats.bytes_used <= CAPACITY
+    (row,) = node_tiers()  # what kvfleet status shows
+    assert (row["blocks"], row["bytes_used"], row["capacity_bytes"]) == (
+        stats.blocks, stats.bytes_used, CAPACITY)
+
+
+class _KilledMidTransfer:
+    """The node tier, whose actor is killed when a restore asks it for a run."""
+
+    def __init__(self, tier: RayTier) -> None:
+        self.tier = tier
+        self.put, self.lookup = tier.put, tier.lookup
+
+    def get(self, rank, hashes):
+        import ray
+
+        ray.kill(self.tier.actor)
+        with pytest.raises(ray.exceptions.RayActorError):  # dead before the get reaches it
+            for _ in range(200):
+                ray.get(self.tier.actor.stats.remote(), timeout=5)
+        return self.tier.get(rank, hashes)
+
+
+def test_actor_killed_mid_transfer_the_request_recomputes_and_nothing_leaks(
+        ray_session, ray_tier, tiny_llama_dir) -> None:
+    store = _KilledMidTransfer(ray_tier)
+    engine, rec, tier, _ = tier_engine(tiny_llama_dir, store)
+    refs_before = _live_refs(ray_session)
+    base = prompt(22, seed=33)
+    again = request(base + prompt(3, seed=34), max_tokens=3)
+    results = evict_then_ask_again(engine, tier, base, again)
+    got = results[(again.request_id, 0)]
+    assert len(got.token_ids) == 3 and got.last.error is None
+    assert got.last.usage.cached_prompt_tokens == 0  # recomputed, not restored
+    assert tier.stats.failed_restores == 1 and tier.stats.restores == 0
+    assert restored_blocks(rec, again.request_id) == 0  # the plan that ran restores nothing
+    assert parity_error(tiny_llama_dir, rec, again, results) <= 1
+    # Nothing leaks: every pool block free again, no write-back queued, no reference held.
+    engine.kv.check_invariants()
+    assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
+    assert tier.flush() and tier.pending_bytes == 0
+    assert _live_refs(ray_session) <= refs_before
+    # The node's next tier starts empty (the dead actor's bytes went with it).
+    fresh = node_tier(CAPACITY)
+    assert fresh.stats().bytes_used == 0
+    ray_session.kill(fresh.actor)
+
+
+def test_a_replica_with_kv_host_memory_uses_its_nodes_tier(ray_session, ray_tier,
+                                                           tiny_llama_dir) -> None:
+    from kvfleet.worker.replica.replica import build_engine
+    from tests.fixtures.cluster import tiny_replica
+
+    cfg = tiny_replica(tiny_llama_dir, "redis://127.0.0.1:1/0", "kvtest-tier:",
+                       kv_host_memory_bytes=CAPACITY)
+    engine = build_engine(cfg)
+    try:
+        assert engine.scheduler.tier is not None and engine.kv.pool.record_evictions
+        store = engine.executor.tier.store
+        assert isinstance(store, RayTier) and store.actor._actor_id == ray_tier.actor._actor_id
+    finally:
+        engine.executor.close()

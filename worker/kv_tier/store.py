@@ -1,0 +1,133 @@
+"""The host KV tier's bookkeeping: a byte-budgeted LRU of KV blocks keyed by chain hash and rank.
+
+A key is ``(chain hash, rank)``: the chain hash (:mod:`kvfleet.allocator.hashing`) already
+carries the model identity, adapter revision, tenant and salt, so a block can only ever be
+found again by a request whose own chain yields the same hash; the rank keeps each
+tensor-parallel rank's KV-head shard apart. Blocks move as *runs* (one array per call, one
+object in Ray's object store), never one object per block: see docs/kv_tier.md.
+
+One store serves every replica of a node (:mod:`.node_tier` wraps it in a Ray actor); this
+class is also the in-process implementation the tests and benchmarks use directly.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Optional, Protocol, Sequence
+
+import numpy as np
+
+Key = tuple[bytes, int]  # (chain hash, rank)
+
+
+class TierStore(Protocol):
+    """What a rank calls: :class:`HostTierStore` in process, or
+    :class:`~.node_tier.RayTier` on the node's actor (may raise on a dead actor)."""
+
+    def put(self, rank: int, hashes: Sequence[bytes], run: np.ndarray) -> int: ...
+
+    def lookup(self, hashes: Sequence[bytes], ranks: Sequence[int]) -> int: ...
+
+    def get(self, rank: int, hashes: Sequence[bytes]) -> Optional[np.ndarray]: ...
+
+
+@dataclass(frozen=True)
+class TierStats:
+    """Counters of one store (bytes are integers)."""
+
+    capacity_bytes: int
+    bytes_used: int
+    blocks: int
+    stored: int    # blocks written (write-backs accepted)
+    evicted: int   # blocks dropped to stay within capacity
+    restored: int  # blocks served by get
+
+
+class HostTierStore:
+    """LRU over ``capacity_bytes`` of block arrays. Thread-safe.
+
+    Raises:
+        ValueError: a capacity below 0.
+    """
+
+    def __init__(self, capacity_bytes: int) -> None:
+        if capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+        self._blocks: OrderedDict[Key, np.ndarray] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self._stored = self._evicted = self._restored = 0
+
+    def put(self, rank: int, hashes: Sequence[bytes], run: np.ndarray) -> int:
+        """Store ``run[i]`` under ``(hashes[i], rank)`` (a run of blocks, block-major: shape
+        ``(len(hashes), ...)``), each as its own copy (``run`` may be a read-only view into
+        the object store), evicting least recently used blocks to fit. A block larger than
+        the whole capacity is not stored. Returns the blocks stored.
+
+        Raises:
+            ValueError: ``run``'s first dimension differs from ``len(hashes)``.
+        """
+        if run.shape[0] != len(hashes):
+            raise ValueError(f"run holds {run.shape[0]} blocks for {len(hashes)} hashes")
+        stored = 0
+        with self._lock:
+            for h, block in zip(hashes, run, strict=True):
+                key = (bytes(h), rank)
+                if key in self._blocks:
+                    self._blocks.move_to_end(key)
+                    continue
+                if block.nbytes > self.capacity_bytes:
+                    continue
+                while self._bytes + block.nbytes > self.capacity_bytes:
+                    _, old = self._blocks.popitem(last=False)
+                    self._bytes -= old.nbytes
+                    self._evicted += 1
+                self._blocks[key] = np.array(block, copy=True)
+                self._bytes += block.nbytes
+                stored += 1
+            self._stored += stored
+        return stored
+
+    def lookup(self, hashes: Sequence[bytes], ranks: Sequence[int]) -> int:
+        """How many leading ``hashes`` are held for every rank in ``ranks`` (marked recently
+        used, so a restore that follows finds them)."""
+        with self._lock:
+            for i, h in enumerate(hashes):
+                keys = [(bytes(h), r) for r in ranks]
+                if not all(k in self._blocks for k in keys):
+                    return i
+                for k in keys:
+                    self._blocks.move_to_end(k)
+            return len(hashes)
+
+    def get(self, rank: int, hashes: Sequence[bytes]) -> np.ndarray | None:
+        """The run ``(len(hashes), ...)`` of ``rank``'s blocks under ``hashes``, stacked into
+        one array; None when any of them is missing (evicted since the lookup)."""
+        with self._lock:
+            keys = [(bytes(h), rank) for h in hashes]
+            if not keys or not all(k in self._blocks for k in keys):
+                return None
+            for k in keys:
+                self._blocks.move_to_end(k)
+            self._restored += len(keys)
+            return np.stack([self._blocks[k] for k in keys])
+
+    def clear(self) -> None:
+        """Drop every block (counters are kept)."""
+        with self._lock:
+            self._blocks.clear()
+            self._bytes = 0
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            return TierStats(self.capacity_bytes, self._bytes, len(self._blocks), self._stored,
+                             self._evicted, self._restored)
+
+    def check_invariants(self) -> None:
+        """Bytes used equal the sum of the blocks held and stay within capacity."""
+        with self._lock:
+            assert self._bytes == sum(b.nbytes for b in self._blocks.values()), "bytes drifted"
+            assert self._bytes <= self.capacity_bytes, "over capacity"
