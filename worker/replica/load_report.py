@@ -1,0 +1,142 @@
+"""What a replica reports to Ray Serve's autoscaler every metrics interval (the Serve
+deployment's ``record_autoscaling_stats``; the signals are named in
+:mod:`kvfleet.worker.replica.autoscale`).
+
+The predicted queue delay is "tokens × calibrated cost": the prefill tokens queued on the
+replica, computed in chunks of what one step leaves beside its decode rows, each step priced
+by a step-time predictor (:class:`CostModelPredictor` over the cost model's measured
+constants until a finer step-cost model replaces it through the same
+``predict_step_s`` method).
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+import zlib
+from typing import Iterable, Mapping, Optional, Protocol
+
+from kvfleet.worker.engine.scheduler import SchedulerConfig
+from kvfleet.worker.executor.cost_model import CostModel
+from kvfleet.worker.replica import autoscale as a
+
+
+class StepPredictor(Protocol):
+    def predict_step_s(self, decode_rows: int, prefill_tokens: int, context_tokens: int) -> float:
+        """Seconds one engine step takes with ``decode_rows`` one-token rows and
+        ``prefill_tokens`` prompt tokens, over ``context_tokens`` tokens of KV."""
+        ...
+
+
+class CostModelPredictor:
+    """:class:`StepPredictor` from a :class:`CostModel` (context length not modelled)."""
+
+    def __init__(self, cost: CostModel) -> None:
+        self.cost = cost
+
+    def predict_step_s(self, decode_rows: int, prefill_tokens: int, context_tokens: int) -> float:
+        if decode_rows <= 0 and prefill_tokens <= 0:
+            return 0.0
+        c = self.cost
+        return c.step_base_s + c.prefill_token_s * prefill_tokens + c.decode_token_s * decode_rows
+
+
+def predict_queue_delay_s(stats: Mapping[str, int], sched: SchedulerConfig,
+                          predictor: StepPredictor) -> float:
+    """Seconds before a request arriving now gets its prefill scheduled: the steps that
+    compute the ``prefill_tokens_queued`` ahead of it, ``max_num_batched_tokens`` minus the
+    decode rows per step (decode first, chunked prefill fills the rest), priced by
+    ``predictor``. ``stats``: ``Engine.stats()``."""
+    queued = int(stats.get("prefill_tokens_queued", 0))
+    if queued <= 0:
+        return 0.0
+    decode = min(int(stats.get("running", 0)), sched.max_num_seqs)
+    context = int(stats.get("context_tokens", 0))
+    chunk = max(1, sched.max_num_batched_tokens - decode)
+    full, last = divmod(queued, chunk)
+    delay = full * predictor.predict_step_s(decode, chunk, context)
+    if last:
+        delay += predictor.predict_step_s(decode, last, context)
+    return delay
+
+
+class LatencyWindow:
+    """TTFT and inter-token latency of the requests that finished in the last ``window_s``
+    seconds (sample 0 of each; ITL = decode time / (output tokens - 1)). Fed by the engine
+    loop's finish hook, read by the load report."""
+
+    def __init__(self, window_s: float = 30.0) -> None:
+        if window_s <= 0:
+            raise ValueError(f"window_s must be > 0, got {window_s}")
+        self.window_s = window_s
+        self._events: collections.deque[tuple[float, float, Optional[float]]] = collections.deque()
+
+    def record(self, out, now: Optional[float] = None) -> None:
+        """Count a finished :class:`~kvfleet.worker.engine.outputs.SeqOutput` (others ignored)."""
+        if out.index != 0 or out.timing is None or out.usage is None or not out.usage.completion_tokens:
+            return
+        now = time.monotonic() if now is None else now
+        n = out.usage.completion_tokens
+        itl = out.timing.decode_s / (n - 1) if n > 1 else None
+        self._events.append((now, out.timing.ttft_s, itl))
+        self._expire(now)
+
+    def p90(self, now: Optional[float] = None) -> tuple[float, float]:
+        """(TTFT p90, ITL p90) in seconds over the window; 0.0 where nothing finished."""
+        self._expire(time.monotonic() if now is None else now)
+        ttft = [e[1] for e in self._events]
+        itl = [e[2] for e in self._events if e[2] is not None]
+        return _p90(ttft), _p90(itl)
+
+    def _expire(self, now: float) -> None:
+        while self._events and self._events[0][0] < now - self.window_s:
+            self._events.popleft()
+
+
+def _p90(values: list[float]) -> float:
+    if not values:
+        return 0.0
+    values = sorted(values)
+    return values[min(len(values) - 1, int(0.9 * len(values)))]
+
+
+def revision_id(revision: str) -> float:
+    """A revision label as a number Serve's metrics can carry (crc32)."""
+    return float(zlib.crc32(revision.encode()))
+
+
+def replica_report(stats: Mapping[str, int], sched: SchedulerConfig, predictor: StepPredictor,
+                   latency: LatencyWindow, hit_rate: float, revision: str = "") -> dict[str, float]:
+    """One replica's signals (:data:`kvfleet.worker.replica.autoscale.SIGNALS`)."""
+    total = int(stats.get("num_total_blocks", 0))
+    ttft, itl = latency.p90()
+    return {
+        a.KV_BLOCKS_USED: float(total - int(stats.get("num_free_blocks", 0))),
+        a.KV_BLOCKS_TOTAL: float(total),
+        a.WAITING: float(stats.get("waiting", 0)),
+        a.RUNNING: float(stats.get("running", 0)),
+        a.PREFILL_TOKENS_QUEUED: float(stats.get("prefill_tokens_queued", 0)),
+        a.QUEUE_DELAY_S: predict_queue_delay_s(stats, sched, predictor),
+        a.TTFT_P90_S: ttft,
+        a.ITL_P90_S: itl,
+        a.PREFIX_HIT_RATE: hit_rate,
+        a.MAX_NUM_SEQS: float(sched.max_num_seqs),
+        a.REVISION_ID: revision_id(revision),
+    }
+
+
+_SUMMED = (a.KV_BLOCKS_USED, a.KV_BLOCKS_TOTAL, a.WAITING, a.RUNNING, a.PREFILL_TOKENS_QUEUED,
+           a.MAX_NUM_SEQS)
+
+
+def combine(reports: Iterable[Mapping[str, float]]) -> dict[str, float]:
+    """The report of a process hosting several replicas (cost-model hosts): counts summed,
+    delays and latencies the worst, hit rate the mean. Raises ValueError when empty."""
+    rows = list(reports)
+    if not rows:
+        raise ValueError("no replica reports to combine")
+    out = {k: sum(r[k] for r in rows) for k in _SUMMED}
+    for k in (a.QUEUE_DELAY_S, a.TTFT_P90_S, a.ITL_P90_S, a.REVISION_ID):
+        out[k] = max(r[k] for r in rows)
+    out[a.PREFIX_HIT_RATE] = sum(r[a.PREFIX_HIT_RATE] for r in rows) / len(rows)
+    return out
