@@ -173,11 +173,17 @@ def _shown(value: Any) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def add_cluster_args(p: argparse.ArgumentParser, command: str) -> None:
-    """Add :data:`FLAGS` (those ``command`` takes) to ``p``."""
+# The flags `kvfleet k8s render` takes from this table too (its other flags are its own).
+AUTOSCALE_FLAGS = ("--autoscale", "--slo-ttft-ms", "--slo-itl-ms", "--target-kv-utilisation",
+                   "--upscale-delay", "--downscale-delay")
+
+
+def add_cluster_args(p: argparse.ArgumentParser, command: str,
+                     names: Optional[tuple[str, ...]] = None) -> None:
+    """Add :data:`FLAGS` (those ``command`` takes; only ``names`` when given) to ``p``."""
     groups: dict[str, Any] = {}
     for f in FLAGS:
-        if f.only and command not in f.only:
+        if (f.only and command not in f.only) or (names is not None and f.flag not in names):
             continue
         default = f.default
         if default is DECLARED:
