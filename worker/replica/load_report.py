@@ -75,10 +75,13 @@ class LatencyWindow:
         """Count a finished :class:`~kvfleet.worker.engine.outputs.SeqOutput` (others ignored)."""
         if out.index != 0 or out.timing is None or out.usage is None or not out.usage.completion_tokens:
             return
-        now = time.monotonic() if now is None else now
         n = out.usage.completion_tokens
-        itl = out.timing.decode_s / (n - 1) if n > 1 else None
-        self._events.append((now, out.timing.ttft_s, itl))
+        self.add(out.timing.ttft_s, out.timing.decode_s / (n - 1) if n > 1 else None, now)
+
+    def add(self, ttft_s: float, itl_s: Optional[float], now: Optional[float] = None) -> None:
+        """Count one finished request's TTFT and ITL (None: one output token) at ``now``."""
+        now = time.monotonic() if now is None else now
+        self._events.append((now, ttft_s, itl_s))
         self._expire(now)
 
     def p90(self, now: Optional[float] = None) -> tuple[float, float]:
@@ -106,10 +109,12 @@ def revision_id(revision: str) -> float:
 
 
 def replica_report(stats: Mapping[str, int], sched: SchedulerConfig, predictor: StepPredictor,
-                   latency: LatencyWindow, hit_rate: float, revision: str = "") -> dict[str, float]:
-    """One replica's signals (:data:`kvfleet.worker.replica.autoscale.SIGNALS`)."""
+                   latency: LatencyWindow, hit_rate: float, revision: str = "",
+                   now: Optional[float] = None) -> dict[str, float]:
+    """One replica's signals (:data:`kvfleet.worker.replica.autoscale.SIGNALS`); ``now``:
+    the latency window's clock (default: monotonic)."""
     total = int(stats.get("num_total_blocks", 0))
-    ttft, itl = latency.p90()
+    ttft, itl = latency.p90(now)
     return {
         a.KV_BLOCKS_USED: float(total - int(stats.get("num_free_blocks", 0))),
         a.KV_BLOCKS_TOTAL: float(total),

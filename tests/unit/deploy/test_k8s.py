@@ -170,7 +170,6 @@ def test_the_raycluster_kuberay_makes_of_the_rayservice_validates():
         validate(cluster)
 
 
-
 def test_autoscale_renders_serves_policy_and_a_worker_group_over_min_max(tmp_path, capsys):
     from kvfleet.deploy.autoscale_serve import POLICY_PATH
 
