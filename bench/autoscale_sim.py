@@ -34,6 +34,7 @@ from ray.serve.config import AutoscalingConfig
 
 from bench.fleet_sim import Result, SimFleet, _sampling
 from bench.workload import Request, Workload
+from kvfleet.errors import ResourceExhausted
 from bench.workload import requests as make_requests
 from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
 from kvfleet.router.policy import make_policy
@@ -166,9 +167,12 @@ class ElasticFleet(SimFleet):
                            self.inflight[x.rid]) for x in self.serving()]
         rid = self.policy.choose(cands, chain).info.replica_id
         params = SamplingParams.from_proto(_sampling(output_tokens))
-        self.engines[rid].add_request(EngineRequest(str(r.index), r.token_ids, params))
-        self.inflight[rid] += 1
         results[str(r.index)] = Result(r, rid, len(r.token_ids))
+        try:
+            self.engines[rid].add_request(EngineRequest(str(r.index), r.token_ids, params))
+        except ResourceExhausted:  # refused as a full replica refuses: never within the SLO
+            return
+        self.inflight[rid] += 1
         if not self.busy[rid]:
             self._start_step(rid)
 
@@ -276,6 +280,7 @@ def summarize(fleet: ElasticFleet, timeline: list[tuple], slo_s: float, day_s: f
         "slo_windows": good / len(windows),
         "replica_hours": fleet.replica_hours() / day_s * 24,
         "scale_events": sum(a != b for a, b in zip(targets, targets[1:])),
+        "refused": sum(r.ttft_s is None for r in rs),
         "hit_rate": sum(r.cached_tokens for r in rs) / sum(r.prompt_tokens for r in rs),
         "ttft_p99_s": _p99(ttft),
     }

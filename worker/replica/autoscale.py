@@ -13,14 +13,16 @@ The signals (:data:`SIGNALS`, one value per replica per metrics interval, from
 - ``queue_delay``: predicted wait before a new request's prefill starts / TTFT SLO;
 - ``ttft_p90``: measured TTFT p90 of recent requests / TTFT SLO;
 - ``itl_p90``: measured inter-token latency p90 / ITL SLO;
-- ``kv_utilisation``: KV blocks used / total, over the target utilisation.
+- ``kv_utilisation``: KV blocks used / total, over the target utilisation;
+- ``seq_slots``: running + waiting sequences / ``max_num_seqs`` (always on: load in
+  proportion, where latency stays flat until the slots run out and then climbs at once).
 
 Each ratio is the mean over the replicas that reported (the router spreads load; one hot
 replica is the router's to fix, not a reason to buy one more). The largest is the fleet's
 pressure. At or above ``headroom`` the policy scales up in proportion (``n·pressure/headroom``
 replicas). It scales down by one only while every latency ratio stays below ``margin``, the
 KV ratio spread over one replica fewer stays below ``margin`` too, and the survivors' sequence
-slots (running + waiting over ``max_num_seqs``) would stay below ``headroom`` — the band between
+slots would stay below ``headroom`` — the band between
 ``margin`` and ``headroom`` holds the count (hysteresis); Serve's ``downscale_delay_s`` makes
 the margin a sustained one. It never goes below ``min_replicas``, and holds the count while a
 rollout runs (replicas report different revisions) or replicas still start or stop.
@@ -49,7 +51,7 @@ SIGNALS = (KV_BLOCKS_USED, KV_BLOCKS_TOTAL, WAITING, RUNNING, PREFILL_TOKENS_QUE
 
 # Decision reasons (the ``reason`` label of kvfleet_autoscale_target); docs/operating.md
 # says what each means.
-REASONS = ("queue_delay", "ttft_p90", "itl_p90", "kv_utilisation", "sustained_margin",
+REASONS = ("queue_delay", "ttft_p90", "itl_p90", "kv_utilisation", "seq_slots", "sustained_margin",
            "within_band", "at_min", "at_max", "rollout", "starting", "no_metrics")
 
 
@@ -128,7 +130,12 @@ def ratios(targets: AutoscaleTargets, reports: Reports) -> dict[str, float]:
         out["itl_p90"] = mean(lambda r: r.get(ITL_P90_S, 0.0)) / targets.slo_itl_s
     if targets.target_kv_utilisation is not None:
         out["kv_utilisation"] = mean(_kv_used) / targets.target_kv_utilisation
+    # Sequence slots: load in proportion (latency only rises once slots run out).
+    out["seq_slots"] = mean(_seats_used)
     return out
+
+
+_LOAD = ("kv_utilisation", "seq_slots")  # signals linear in load (the rest: latencies)
 
 
 def _kv_used(r: Mapping[str, float]) -> float:
@@ -173,10 +180,9 @@ def decide(targets: AutoscaleTargets, current: int, target: int, reports: Report
     if current <= lo:
         return Decision(lo, "at_min", pressure, detail)
     spread = current / (current - 1)  # each survivor takes this much more load
-    seats = sum(_seats_used(x) for x in reports.values()) / len(reports)
-    latency = max((v for k, v in r.items() if k != "kv_utilisation"), default=0.0)
+    latency = max((v for k, v in r.items() if k not in _LOAD), default=0.0)
     if (latency < targets.margin and r.get("kv_utilisation", 0.0) * spread < targets.margin
-            and seats * spread < targets.headroom):
+            and r["seq_slots"] * spread < targets.headroom):
         return Decision(current - 1, "sustained_margin", pressure, detail)
     return Decision(current, "within_band", pressure, detail)
 

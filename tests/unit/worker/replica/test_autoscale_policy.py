@@ -132,3 +132,9 @@ def test_serve_reports_keep_replicas_that_reported_every_signal():
     del full[a.TTFT_P90_S][ids[1]]
     assert list(serve_reports(full, ids)) == ["a"]
     assert serve_reports(None, ids) == {}
+
+
+def test_full_sequence_slots_scale_up_before_latency_climbs():
+    d = decide(T, 2, 2, fleet(2, running=16, waiting=4))  # slots 1.25 of max_num_seqs
+    assert (d.target, d.reason) == (4, "seq_slots")
+    assert decide(T, 2, 2, fleet(2, running=8)).reason == "within_band"
