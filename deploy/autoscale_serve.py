@@ -84,6 +84,7 @@ class KvfleetPolicy:
         self._recorded_at = 0.0
         self._reasons: set[str] = set()
         self._gauge: Any = None
+        self._last_change: Optional[dict] = None  # the last decision that moved the target
 
     def __call__(self, ctx) -> tuple[int, dict]:
         reports = serve_reports(ctx.aggregated_metrics, ctx.running_replicas)
@@ -97,6 +98,9 @@ class KvfleetPolicy:
     def _publish(self, ctx, d: Decision) -> None:
         now = time.time()
         changed = self._last != (d.target, d.reason)
+        if d.target != ctx.target_num_replicas:
+            self._last_change = {"from": ctx.target_num_replicas, "to": d.target,
+                                 "reason": d.reason, "at": now}
         if changed:
             log.info("kvfleet autoscale %s: target %d (running %d) reason %s: %s", ctx.app_name,
                      d.target, ctx.current_num_replicas, d.reason, d.detail)
@@ -109,7 +113,7 @@ class KvfleetPolicy:
             record = {"target": d.target, "current": ctx.current_num_replicas,
                       "reason": d.reason, "detail": d.detail, "pressure": round(d.pressure, 3),
                       "at": now, "min": self.targets.min_replicas,
-                      "max": self.targets.max_replicas}
+                      "max": self.targets.max_replicas, "last_change": self._last_change}
             internal_kv._internal_kv_put(decision_key(ctx.app_name or ""), json.dumps(record),
                                          overwrite=True, namespace=KV_NAMESPACE)
             self._recorded_at = now
@@ -133,7 +137,8 @@ class KvfleetPolicy:
 
 def read_decision(app_name: str) -> Optional[dict]:
     """The last decision :class:`KvfleetPolicy` recorded for ``app_name`` (target, current,
-    reason, detail, pressure, at = Unix time), or None (not autoscaled, or no decision yet).
+    reason, detail, pressure, at = Unix time, last_change = the last one that asked for a
+    new count: from, to, reason, at), or None (not autoscaled, or no decision yet).
     Needs a connected Ray driver."""
     from ray.experimental import internal_kv
 

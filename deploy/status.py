@@ -146,5 +146,9 @@ def autoscale_lines(auto: Optional[dict]) -> list[str]:
     d = auto.get("decision")
     if d is None:
         return [head + ": no decision yet (replicas report every metrics interval)"]
-    return [head + f": target {d['target']}, current {d['current']}; last decision "
-                   f"{d['reason']} ({d['detail']}) {d['age_s']:g} s ago"]
+    line = (head + f": target {d['target']}, current {d['current']}; last decision "
+                   f"{d['reason']} ({d['detail']}) {d['age_s']:g} s ago")
+    change = d.get("last_change")
+    if change:
+        line += f"; last change {change['from']} → {change['to']} ({change['reason']})"
+    return [line]

@@ -147,3 +147,7 @@ def test_status_shows_the_autoscale_target_current_and_last_decision() -> None:
             "ttft_p90 1.02) 4.5 s ago") in format_status(status)
     del app["autoscale"]
     assert "autoscale" not in format_status(status)
+    app["autoscale"] = {"min": 1, "max": 4, "decision": {
+        "target": 2, "current": 2, "reason": "within_band", "detail": "ttft_p90 0.50",
+        "age_s": 1.0, "last_change": {"from": 3, "to": 2, "reason": "sustained_margin"}}}
+    assert "; last change 3 → 2 (sustained_margin)" in format_status(status)
