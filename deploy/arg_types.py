@@ -70,3 +70,18 @@ def priority_admit(value: str) -> dict[str, float]:
 def positive_seconds(value: str) -> float:
     """argparse type: a finite number of seconds > 0 (a deadline already past is a usage error)."""
     return _positive_number(value, "seconds")
+
+
+def int_range(flag: str) -> Callable[[str], tuple[int, int]]:
+    """argparse type: ``MIN..MAX`` as a pair of integers (else a usage error naming ``flag``;
+    their order is checked where they are used)."""
+    def check(value: str) -> tuple[int, int]:
+        lo, sep, hi = value.partition("..")
+        try:
+            if not sep:
+                raise ValueError(value)
+            return int(lo), int(hi)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} takes MIN..MAX (e.g. 1..4), "
+                                             f"got {value!r}") from None
+    return check

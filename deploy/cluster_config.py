@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
 from kvfleet.allocator.units import cdiv
+from kvfleet.deploy.autoscale_serve import AutoscaleConfig
 from kvfleet.deploy.ray_local import RAY_ENV
 from kvfleet.deploy.serve_app import Placement, app_config
 from kvfleet.priority import format_admit
@@ -51,7 +52,9 @@ class ClusterConfig:
       (0: free ports everywhere; None: off). ``replica_num_cpus``: Ray CPUs per Serve
       replica (default: half the free CPUs shared out, at most 1; 0 lets a second cluster
       share a Ray whose CPUs another holds). ``replicas_per_host``: cost-model replicas one
-      Serve replica hosts. ``revision`` labels a rollout.
+      Serve replica hosts. ``revision`` labels a rollout. ``autoscale``: Serve scales the
+      replicas between its MIN and MAX with kvfleet's policy (kvfleet.deploy.autoscale_serve),
+      starting at MIN (= ``replicas``), one kvfleet replica per Serve replica.
 
     Raises:
         ValueError: ``replicas`` < 1, a shared router field set unlike the replica's, or
@@ -69,10 +72,14 @@ class ClusterConfig:
     revision: str = ""
     health_check_period_s: float = 1.0
     health_check_timeout_s: float = 10.0
+    autoscale: Optional[AutoscaleConfig] = None
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+        if self.autoscale is not None and self.replicas != self.autoscale.targets.min_replicas:
+            raise ValueError(f"replicas ({self.replicas}) must be the autoscale MIN "
+                             f"({self.autoscale.targets.min_replicas}): it starts there")
         for mine, theirs in SHARED:
             value, want = getattr(self.router, mine), getattr(self.replica, theirs)
             if value != getattr(_ROUTER_DEFAULTS, mine) and value != want:
@@ -97,8 +104,11 @@ class ClusterConfig:
 
 
 def replicas_per_process(cfg: ClusterConfig) -> int:
-    """kvfleet replicas one Serve replica hosts: many cost-model ones, else 1."""
-    return max(1, cfg.replicas_per_host) if cfg.replica.executor == "cost-model" else 1
+    """kvfleet replicas one Serve replica hosts: many cost-model ones, else 1 (and 1 when
+    autoscaled: Serve's count is the replicas' count)."""
+    if cfg.autoscale is not None or cfg.replica.executor != "cost-model":
+        return 1
+    return max(1, cfg.replicas_per_host)
 
 
 def serve_hosts(cfg: ClusterConfig) -> int:
@@ -124,9 +134,10 @@ def serve_application(cfg: ClusterConfig, redis_url: str, num_cpus: float, threa
     placement = Placement(num_cpus, rep.tensor_parallel_size, rep.device.startswith("cuda"),
                           rep.tp.rank_num_cpus)
     env = {**RAY_ENV, "OMP_WAIT_POLICY": "passive", **secret_env(password),
-           **telemetry_secrets}
+           **telemetry_secrets, **(cfg.autoscale.env() if cfg.autoscale else {})}
     return app_config(base, cfg.replicas, placement, replicas_per_process(cfg), cfg.revision,
-                      env, cfg.health_check_period_s, cfg.health_check_timeout_s)
+                      env, cfg.health_check_period_s, cfg.health_check_timeout_s,
+                      cfg.autoscale.serve_config() if cfg.autoscale else None)
 
 
 # The router's optional flags as (flag, RouterConfig field): rendered when not the default.

@@ -16,7 +16,15 @@ from typing import Any, Callable, Optional
 
 from kvfleet.allocator.units import format_bytes, parse_size
 from kvfleet.constraint import GrammarConfig
-from kvfleet.deploy.arg_types import fraction, positive_float, positive_int, positive_seconds, priority_admit
+from kvfleet.deploy.arg_types import (
+    fraction,
+    int_range,
+    positive_float,
+    positive_int,
+    positive_seconds,
+    priority_admit,
+)
+from kvfleet.deploy.autoscale_serve import AutoscaleConfig
 from kvfleet.deploy.cluster_config import ClusterConfig, with_default_internal_tls
 from kvfleet.deploy.models import DEFAULT_MODEL, resolve_model
 from kvfleet.router.main import RouterConfig
@@ -62,7 +70,24 @@ class Flag:
 FLAGS: tuple[Flag, ...] = (
     Flag("--model", None, "served model name or HF-format directory (default {default})",
          dest="model", default=DEFAULT_MODEL),
-    Flag("--replicas", "replicas", "worker replicas (default {default})", type=int),
+    Flag("--replicas", None, "worker replicas (default %s; not with --autoscale)"
+         % ClusterConfig.__dataclass_fields__["replicas"].default, dest="replicas", type=int,
+         default=None),
+    Flag("--autoscale", None, "let Ray Serve scale the replicas between MIN and MAX with "
+         "kvfleet's policy (targets: --slo-ttft-ms, --slo-itl-ms, --target-kv-utilisation)",
+         dest="autoscale", type=int_range("--autoscale"), metavar="MIN..MAX"),
+    Flag("--slo-ttft-ms", None, "autoscale: time-to-first-token SLO (ms) that the predicted "
+         "queue delay and the replicas' TTFT p90 are held under", dest="slo_ttft_ms", type=float),
+    Flag("--slo-itl-ms", None, "autoscale: inter-token latency SLO (ms) the replicas' ITL p90 "
+         "is held under", dest="slo_itl_ms", type=float),
+    Flag("--target-kv-utilisation", None, "autoscale: KV-block utilisation (0..1] to hold the "
+         "replicas' mean under", dest="target_kv_utilisation", type=float),
+    Flag("--upscale-delay", None, "autoscale: seconds a scale-up decision must persist before "
+         "Serve applies it (default %g)" % AutoscaleConfig.upscale_delay_s,
+         dest="upscale_delay_s", type=float),
+    Flag("--downscale-delay", None, "autoscale: seconds the margin must hold before Serve "
+         "removes a replica (default %g)" % AutoscaleConfig.downscale_delay_s,
+         dest="downscale_delay_s", type=float),
     Flag("--tp", "replica.tensor_parallel_size",
          "tensor-parallel ranks per replica (default {default}): each rank holds 1/T of the "
          "projections and of the KV heads; --num-blocks/--kv-memory are per rank",
@@ -178,11 +203,17 @@ def _shown(value: Any) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def add_cluster_args(p: argparse.ArgumentParser, command: str) -> None:
-    """Add :data:`FLAGS` (those ``command`` takes) to ``p``."""
+# The flags `kvfleet k8s render` takes from this table too (its other flags are its own).
+AUTOSCALE_FLAGS = ("--autoscale", "--slo-ttft-ms", "--slo-itl-ms", "--target-kv-utilisation",
+                   "--upscale-delay", "--downscale-delay")
+
+
+def add_cluster_args(p: argparse.ArgumentParser, command: str,
+                     names: Optional[tuple[str, ...]] = None) -> None:
+    """Add :data:`FLAGS` (those ``command`` takes; only ``names`` when given) to ``p``."""
     groups: dict[str, Any] = {}
     for f in FLAGS:
-        if f.only and command not in f.only:
+        if (f.only and command not in f.only) or (names is not None and f.flag not in names):
             continue
         default = f.default
         if default is DECLARED:
@@ -257,7 +288,40 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
     # -vv: the router logs each routing decision (candidates' matches and loads) too
     log_level = "DEBUG" if getattr(args, "verbose", 0) >= 2 else "INFO"
     router = RouterConfig(log_level=log_level, **values["router"])
-    return ClusterConfig(replica, router, **values[""])
+    autoscale = autoscale_config(args)
+    replicas = autoscale.targets.min_replicas if autoscale else args.replicas
+    if replicas is None:
+        replicas = declared_default("replicas")
+    return ClusterConfig(replica, router, replicas=replicas, autoscale=autoscale, **values[""])
+
+
+_TARGET_FLAGS = (("slo_ttft_ms", "--slo-ttft-ms"), ("slo_itl_ms", "--slo-itl-ms"),
+                 ("target_kv_utilisation", "--target-kv-utilisation"),
+                 ("upscale_delay_s", "--upscale-delay"), ("downscale_delay_s", "--downscale-delay"))
+
+
+def autoscale_config(args: argparse.Namespace) -> Optional[AutoscaleConfig]:
+    """``--autoscale`` and its targets as an AutoscaleConfig (None without ``--autoscale``).
+    Raises ValueError naming the flag: ``--replicas`` beside it, a target flag without it,
+    MIN > MAX, an SLO <= 0 (kvfleet.worker.replica.autoscale.AutoscaleTargets)."""
+    from kvfleet.worker.replica.autoscale import AutoscaleTargets
+
+    given = [flag for name, flag in _TARGET_FLAGS if getattr(args, name, None) is not None]
+    if getattr(args, "autoscale", None) is None:
+        if given:
+            raise ValueError(f"{given[0]} needs --autoscale MIN..MAX")
+        return None
+    if getattr(args, "replicas", None) is not None:
+        raise ValueError("--replicas and --autoscale exclude each other: the autoscaler sets "
+                         "the count (it starts at MIN)")
+    lo, hi = args.autoscale
+    ms = lambda v: None if v is None else v / 1000.0  # noqa: E731
+    targets = AutoscaleTargets(lo, hi, slo_ttft_s=ms(args.slo_ttft_ms),
+                               slo_itl_s=ms(args.slo_itl_ms),
+                               target_kv_utilisation=args.target_kv_utilisation)
+    delays = {k: getattr(args, k) for k in ("upscale_delay_s", "downscale_delay_s")
+              if getattr(args, k) is not None}
+    return AutoscaleConfig(targets, **delays)
 
 
 def _check_device(device: str) -> None:

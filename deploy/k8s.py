@@ -11,7 +11,9 @@ the command ``kvfleet up`` starts. Objects:
 - ``RayService``: a head group without GPUs (``num-cpus: 0``, so no replica lands there) and
   one GPU worker group whose pods hold ``tp`` GPUs each (a replica's ``STRICT_PACK``
   placement group must fit one pod), ``minReplicas``..``maxReplicas`` pods; the in-tree
-  autoscaler adds a pod when the Serve config asks for more replicas than the pods hold;
+  autoscaler adds a pod when the Serve config asks for more replicas than the pods hold
+  (with ``--autoscale`` Serve itself moves that count with kvfleet's policy, and the pods
+  follow it over MIN..MAX);
 - the router: a Deployment of ``router_replicas`` pods sharing Redis, and its Service;
 - Redis (the prefix index and registry; no persistence: replicas republish what they hold);
 - an OpenTelemetry Collector receiving every process's OTLP traces and metrics;
@@ -74,7 +76,8 @@ def cluster_config(k: K8sConfig) -> ClusterConfig:
     router = RouterConfig(host="0.0.0.0", port=GRPC_PORT, http_port=HTTP_PORT,
                           shutdown_grace_s=k.drain_timeout_s,
                           api_keys_file=f"{API_KEYS_MOUNT}/{API_KEYS_FILE}")
-    return ClusterConfig(replica, router, replicas=k.replicas, revision=k.revision)
+    return ClusterConfig(replica, router, replicas=k.replicas, revision=k.revision,
+                         autoscale=k.autoscale)
 
 
 def redis_url(k: K8sConfig) -> str:

@@ -11,6 +11,7 @@ import sys
 from dataclasses import fields
 from typing import Optional
 
+from kvfleet.deploy.cluster_flags import AUTOSCALE_FLAGS, add_cluster_args, autoscale_config
 from kvfleet.deploy.k8s import write
 from kvfleet.deploy.k8s_config import K8sConfig
 
@@ -49,15 +50,37 @@ def build_parser() -> argparse.ArgumentParser:
     render = sub.add_parser("render", help="write the manifests into --out")
     render.add_argument("--out", default="deploy/k8s", help="directory (default deploy/k8s)")
     for flag, (name, kind, text) in FLAGS.items():
-        render.add_argument(flag, dest=name, type=kind, default=defaults[name],
+        # Fleet sizes default to None here: --autoscale must know whether they were given.
+        sized = name in _SIZES
+        render.add_argument(flag, dest=name, type=kind, default=None if sized else defaults[name],
                             help=f"{text} (default {defaults[name]})")
+    add_cluster_args(render, "k8s", AUTOSCALE_FLAGS)
     return p
+
+
+_SIZES = ("replicas", "min_replicas", "max_replicas")
+
+
+def k8s_config(args: argparse.Namespace) -> K8sConfig:
+    """The K8sConfig of parsed ``render`` flags. Raises ValueError naming the flag."""
+    values = {name: getattr(args, name) for name, _, _ in FLAGS.values()}
+    autoscale = autoscale_config(args)
+    if autoscale is not None:
+        given = [f for f, (name, _, _) in FLAGS.items() if name in _SIZES and values[name] is not None]
+        if given:
+            raise ValueError(f"{given[0]} and --autoscale exclude each other: the replicas start "
+                             f"at MIN and the worker pods range over MIN..MAX")
+        t = autoscale.targets
+        values.update(replicas=t.min_replicas, min_replicas=t.min_replicas,
+                      max_replicas=t.max_replicas)
+    values = {k: v for k, v in values.items() if v is not None}
+    return K8sConfig(autoscale=autoscale, **values)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        k = K8sConfig(**{name: getattr(args, name) for name, _, _ in FLAGS.values()})
+        k = k8s_config(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Optional
 
+from kvfleet.deploy.autoscale_serve import AutoscaleConfig
 from kvfleet.deploy.models import DEFAULT_MODEL
 from kvfleet.worker.replica.replica import ReplicaConfig
 
@@ -60,6 +61,9 @@ class K8sConfig:
     otlp_headers_secret: str = "kvfleet-otlp"  # optional: OTLP headers (a collector's token)
     # Pods of the KubeRay operator (any namespace), the one caller of the Ray dashboard.
     operator_labels: tuple[tuple[str, str], ...] = (("app.kubernetes.io/name", "kuberay-operator"),)
+    # Serve scales the replicas with kvfleet's policy (--autoscale MIN..MAX): the Serve config
+    # carries it, and the worker group's pods follow (one replica per pod, MIN..MAX pods).
+    autoscale: Optional[AutoscaleConfig] = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_replicas <= self.max_replicas:
@@ -68,6 +72,12 @@ class K8sConfig:
         if not self.min_replicas <= self.replicas <= self.max_replicas:
             raise ValueError(f"replicas ({self.replicas}) must be within min_replicas "
                              f"({self.min_replicas}) and max_replicas ({self.max_replicas})")
+        a = self.autoscale
+        if a is not None and (self.replicas, self.min_replicas, self.max_replicas) != (
+                a.targets.min_replicas, a.targets.min_replicas, a.targets.max_replicas):
+            raise ValueError("with --autoscale MIN..MAX the replicas start at MIN and the worker "
+                             "pods range over MIN..MAX: leave --replicas, --min-replicas and "
+                             "--max-replicas unset")
         if self.tp < 1 or self.router_replicas < 1:
             raise ValueError("tp and router_replicas must be >= 1")
         if self.itl_target_ms is not None and not 0 < self.itl_target_ms < float("inf"):

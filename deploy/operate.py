@@ -195,14 +195,33 @@ def cluster_status(namespace: Optional[str], model: Optional[str] = None) -> dic
     for ref in refs:
         app = apps[ref.name]
         mine = [e for e in entries if e.info.model == ref.model]
+        dep = app["deployments"][0]
+        target = dep.get("num_replicas", 1)
+        auto = None
+        if dep.get("autoscaling_config"):
+            target = serve_control.target_replicas(ref.name) or 0
+            auto = autoscale_status(ref.name, dep["autoscaling_config"])
         out["applications"].append({
             "app": ref.name, "model": ref.model, "revision": app["args"].get("revision", ""),
             "serve_status": statuses.get(ref.name, "NOT_STARTED"),
-            "target_replicas": app["deployments"][0].get("num_replicas", 1) * ref.per_host,
+            "target_replicas": target * ref.per_host, "autoscale": auto,
             "replicas": replica_rows(serve_control.serve_replicas(ref.name), mine, ref.tp),
             "internal_tls": internal_tls_status(app["args"]["replica"].get("internal_tls_dir"))})
     out["kv_tiers"] = node_tiers()
     return out
+
+
+def autoscale_status(app_name: str, serve_autoscaling: dict) -> dict:
+    """An autoscaled application's bounds and the policy's last decision (target, current,
+    reason, detail, age_s; kvfleet.deploy.autoscale_serve.read_decision); ``decision`` None
+    before the first one."""
+    from kvfleet.deploy.autoscale_serve import read_decision
+
+    decision = read_decision(app_name)
+    if decision is not None:
+        decision["age_s"] = round(max(0.0, time.time() - decision.pop("at", time.time())), 1)
+    return {"min": serve_autoscaling.get("min_replicas"),
+            "max": serve_autoscaling.get("max_replicas"), "decision": decision}
 
 
 def internal_tls_status(directory: Optional[str]) -> Optional[dict]:

@@ -57,11 +57,14 @@ class Placement:
 
 def app_config(replica: ReplicaConfig, num_replicas: int, placement: Placement,
                per_host: int = 1, revision: str = "", env: Optional[dict] = None,
-               health_check_period_s: float = 1.0, health_check_timeout_s: float = 10.0) -> dict:
+               health_check_period_s: float = 1.0, health_check_timeout_s: float = 10.0,
+               autoscaling: Optional[dict] = None) -> dict:
     """The declarative config (``ServeApplicationSchema`` fields) of ``replica.model_name``'s
     application: ``num_replicas`` kvfleet replicas, ``per_host`` to a Serve replica (the
     cost-model executor; 1 otherwise). ``replica.replica_id`` is the stem of the replicas'
-    ids. ``env``: environment variables of every replica process.
+    ids. ``env``: environment variables of every replica process. ``autoscaling``: the
+    deployment's ``autoscaling_config`` (kvfleet.deploy.autoscale_serve), which then sets the
+    count instead of ``num_replicas``.
 
     Raises ValueError for ``num_replicas`` or ``per_host`` < 1."""
     if num_replicas < 1 or per_host < 1:
@@ -79,6 +82,9 @@ def app_config(replica: ReplicaConfig, num_replicas: int, placement: Placement,
         # drains: 1 % of the target, rounded up: one at a time for up to 100 replicas.
         "max_surge_percent": 1,
     }
+    if autoscaling is not None:
+        del deployment["num_replicas"]
+        deployment["autoscaling_config"] = autoscaling
     bundles = placement.bundles()
     if bundles:
         deployment["placement_group_bundles"] = bundles

@@ -153,6 +153,15 @@ def app_message(name: str) -> str:
     return "; ".join(p for p in parts if p)
 
 
+def target_replicas(name: str) -> Optional[int]:
+    """The replica count Serve is moving application ``name``'s deployment to (an autoscaled
+    one's current target), or None when Serve does not know the application."""
+    app = client().get_serve_details().get("applications", {}).get(name) or {}
+    for dep in app.get("deployments", {}).values():
+        return int(dep.get("target_num_replicas", 0))
+    return None
+
+
 def serve_replicas(name: str) -> list[dict]:
     """Serve's replicas of application ``name``: dicts with ``replica_id``, ``state``
     (``STARTING``, ``RUNNING``, ``STOPPING``, ``RECOVERING``, …), ``pid``, ``node_id``,

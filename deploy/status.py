@@ -83,6 +83,7 @@ def format_status(status: dict) -> str:
         lines.append(f"{app['model']} (Serve application {app['app']}, revision "
                      f"{app['revision'] or '-'}, {app['serve_status']}): "
                      f"{app['target_replicas']} replicas wanted")
+        lines += autoscale_lines(app.get("autoscale"))
         lines.append(f"  {'REPLICA':<28} {'EPOCH':>5} {'STATE':<9} {'TP':>2} {'RUN':>4} "
                      f"{'WAIT':>4} {'QDELAY':>7} {'KV USED':>11} {'HIT 1m':>6} {'BEAT':>6}  RANKS")
         for r in app["replicas"]:
@@ -147,3 +148,19 @@ def identity_mismatches(status: dict) -> list[str]:
                            f"hold {', '.join(sorted(i[:16] or '(none)' for i in routers))}: they do "
                            f"not dispatch to it (restart the routers with the replicas' model)")
     return out
+
+
+def autoscale_lines(auto: Optional[dict]) -> list[str]:
+    """``kvfleet status``'s autoscaling line of one application ([] when not autoscaled)."""
+    if not auto:
+        return []
+    head = f"  autoscale {auto['min']}..{auto['max']}"
+    d = auto.get("decision")
+    if d is None:
+        return [head + ": no decision yet (replicas report every metrics interval)"]
+    line = (head + f": target {d['target']}, current {d['current']}; last decision "
+                   f"{d['reason']} ({d['detail']}) {d['age_s']:g} s ago")
+    change = d.get("last_change")
+    if change:
+        line += f"; last change {change['from']} → {change['to']} ({change['reason']})"
+    return [line]

@@ -317,13 +317,24 @@ class Engine:
 
     # ---- observability --------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        """Counts (running, waiting, blocks) and the load forecast a router routes on
-        (``queue_delay_s``, ``prefill_token_s``: :mod:`kvfleet.worker.engine.queue_delay`)."""
+        """Counts for load reports: sequences running / waiting, free / total KV blocks,
+        ``prefill_tokens_queued`` (tokens of waiting and running sequences still to compute
+        before their next sample: prompts, recompute after preemption), ``context_tokens``
+        (tokens with KV of the running sequences), per-tenant service, and the load forecast
+        a router routes on (``queue_delay_s``, ``prefill_token_s``:
+        :mod:`kvfleet.worker.engine.queue_delay`)."""
+        sched = self.scheduler
+        running = sched.running
+        queued = sum(s.num_tokens - s.num_computed_tokens for s in sched.waiting)
+        left = (s.num_tokens - s.num_computed_tokens for s in running)
+        queued += sum(n for n in left if n > 1)  # 1 left: a decode row, not prefill
         return {
-            "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
+            "running": len(running),
+            "waiting": len(sched.waiting),
             "num_free_blocks": self.kv.num_free_blocks,
             "num_total_blocks": self.kv.num_total_blocks,
             "tenant_service": dict(self.scheduler.service.service),  # a copy: read off-thread
             **load_forecast(self.scheduler, self.step_cost),
+            "prefill_tokens_queued": queued,
+            "context_tokens": sum(s.num_computed_tokens for s in running),
         }

@@ -59,6 +59,7 @@ from kvfleet.worker.replica.adapter_catalog import check_catalog
 from kvfleet.worker.replica.adapter_record import AdapterRecord
 from kvfleet.worker.replica.hit_window import HitWindow
 from kvfleet.worker.replica.kv_publisher import KvPublisher
+from kvfleet.worker.replica.load_report import LatencyWindow, replica_report
 from kvfleet.worker.runner.kv_cache import num_blocks_for_memory
 from kvfleet.worker.runner.model_config import load_model_config
 from kvfleet.worker.runner.model_runner import ModelRunner
@@ -68,10 +69,12 @@ from kvfleet.worker.service.server import WorkerService
 log = logging.getLogger(__name__)
 
 
-def _on_finish(telemetry: WorkerTelemetry, hits: HitWindow, out: SeqOutput) -> None:
-    """A sequence finished: its metrics and the prefix-hit window."""
+def _on_finish(telemetry: WorkerTelemetry, hits: HitWindow, latency: LatencyWindow,
+               out: SeqOutput) -> None:
+    """A sequence finished: its metrics, the prefix-hit and the latency windows."""
     telemetry.on_finished(out)
     hits.record(out)
+    latency.record(out)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_KV_MEMORY_BYTES = 256 << 20  # 256 MiB of K/V per replica unless told otherwise
@@ -262,6 +265,8 @@ class ReplicaServer:
         self.service: Optional[WorkerService] = None
         self._tasks: list[asyncio.Task] = []
         self.hits = HitWindow()
+        self.latency = LatencyWindow()
+        # The queue-delay prediction's step prices: the cost model's calibrated constants.
         self.drained = False  # a drain completed: deregistered, refusing every request
 
     async def start(self) -> str:
@@ -305,7 +310,7 @@ class ReplicaServer:
                              adapters_fn=lambda: self.engine.adapters.catalog if self.engine.adapters else (),
                              step_cost=self.engine.step_cost)
         self._loop = EngineLoop(self.engine, aio_loop, on_step=self._on_step(aio_loop),
-                                on_finish=functools.partial(_on_finish, wt, self.hits),
+                                on_finish=functools.partial(_on_finish, wt, self.hits, self.latency),
                                 max_unread=self.cfg.stream_limits.max_unread)
         service = WorkerService(self._loop, self.cfg.replica_id, self.cfg.model_name,
                                 self.cfg.block_size, epoch_fn=self._epoch, telemetry=wt,
@@ -367,6 +372,13 @@ class ReplicaServer:
                            num_total_blocks=s["num_total_blocks"], updated_at=time.time(),
                            queue_delay_s=s.get("queue_delay_s"),
                            prefill_token_s=s.get("prefill_token_s"))
+
+    def autoscale_report(self, revision: str = "") -> dict[str, float]:
+        """This replica's signals for Serve's autoscaler (kvfleet.worker.replica.load_report);
+        call on the replica's event loop."""
+        stats = self._loop.stats if self._loop else self.engine.stats()
+        return replica_report(stats, self.cfg.scheduler, self.latency,
+                              self.hits.rate(), revision)
 
     def _adapter_admin(self) -> Optional[AdapterAdmin]:
         res = self.engine.adapters

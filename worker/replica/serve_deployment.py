@@ -10,7 +10,9 @@ per rank (``STRICT_PACK``); Serve puts this process in bundle 0 and
 :class:`~kvfleet.worker.executor.tp.group.RankGroup` starts ranks 1..T-1 in the others.
 
 Serve's own proxy and request path are unused: routers reach the replica's gRPC server,
-found in the Redis registry, so Serve sees no load and must not autoscale on its own metrics.
+found in the Redis registry, so Serve sees no load of its own: with ``--autoscale`` the
+replica reports kvfleet's signals through ``record_autoscaling_stats`` and kvfleet's policy
+(kvfleet.deploy.autoscale_serve) decides on them.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Optional
 from kvfleet.config_codec import from_dict
 from kvfleet.secrets import redis_url_from_env, telemetry_secrets_from_env
 from kvfleet.worker.replica.host import ThreadedHost
+from kvfleet.worker.replica.load_report import combine
 from kvfleet.worker.replica.replica import ReplicaConfig
 
 log = logging.getLogger(__name__)
@@ -80,6 +83,7 @@ class ServeReplica:
             self._host.close()
             raise
         self._stopped = False
+        self._revision = revision
         log.info("Serve replica %s (revision %r): kvfleet replicas %s at %s", me, revision,
                  [c.replica_id for c in self.cfgs], self.addresses)
 
@@ -89,6 +93,14 @@ class ServeReplica:
             why = server.healthy()
             if why is not None:
                 raise RuntimeError(why)
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metrics, every metrics interval: the hosted replicas'
+        signals (kvfleet.worker.replica.autoscale.SIGNALS), combined when several."""
+        return await asyncio.wrap_future(self._host.submit(self._report()))
+
+    async def _report(self) -> dict[str, float]:
+        return combine(s.autoscale_report(self._revision) for s in self._host.servers)
 
     async def drain(self, timeout_s: Optional[float] = None) -> int:
         """Drain every hosted replica (see ``ReplicaServer.drain``); returns the sequences

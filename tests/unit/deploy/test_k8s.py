@@ -174,3 +174,27 @@ def test_the_itl_target_reaches_the_rendered_serve_config(tmp_path):
     serve = k8s.render(k8s.K8sConfig(itl_target_ms=120))["serve/serve-config.yaml"][0]
     assert serve["applications"][0]["args"]["replica"]["scheduler"]["itl_target_ms"] == 120
     assert k8s_main(["render", "--out", str(tmp_path), "--itl-target-ms", "0"]) == 2
+
+
+def test_autoscale_renders_serves_policy_and_a_worker_group_over_min_max(tmp_path, capsys):
+    from kvfleet.deploy.autoscale_serve import POLICY_PATH
+
+    assert k8s_main(["render", "--out", str(tmp_path), "--autoscale", "2..6",
+                     "--slo-ttft-ms", "1500", "--slo-itl-ms", "100"]) == 0
+    service = yaml.safe_load((tmp_path / "rayservice.yaml").read_text())
+    validate(service)
+    group = service["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
+    assert (group["replicas"], group["minReplicas"], group["maxReplicas"]) == (2, 2, 6)
+    serve = yaml.safe_load(service["spec"]["serveConfigV2"])
+    dep = serve["applications"][0]["deployments"][0]
+    assert "num_replicas" not in dep
+    auto = dep["autoscaling_config"]
+    assert (auto["min_replicas"], auto["max_replicas"]) == (2, 6)
+    assert auto["policy"]["policy_function"] == POLICY_PATH
+    assert auto["policy"]["policy_kwargs"]["slo_ttft_s"] == 1.5
+    assert k8s_main(["render", "--out", str(tmp_path), "--autoscale", "1..3",
+                     "--slo-ttft-ms", "900", "--max-replicas", "5"]) == 2
+    assert "--max-replicas and --autoscale" in capsys.readouterr().err
+    assert k8s_main(["render", "--out", str(tmp_path), "--autoscale", "4..3",
+                     "--slo-ttft-ms", "900"]) == 2
+    assert "--autoscale" in capsys.readouterr().err

@@ -134,3 +134,22 @@ def test_status_shows_days_to_expiry_of_the_internal_certificates(tmp_path) -> N
     app["internal_tls"] = missing
     assert "unreadable here" in format_status({"applications": [app], "routers": [],
                                                "redis": {"address": "r:6379", "up": True}})
+
+
+
+def test_status_shows_the_autoscale_target_current_and_last_decision() -> None:
+    app = {"app": "ns.m", "model": "m", "revision": "", "serve_status": "RUNNING",
+           "target_replicas": 3, "replicas": [], "internal_tls": None,
+           "autoscale": {"min": 1, "max": 4, "decision": None}}
+    status = {"applications": [app], "routers": [], "redis": {"address": "r:6379", "up": True}}
+    assert "autoscale 1..4: no decision yet" in format_status(status)
+    app["autoscale"]["decision"] = {"target": 3, "current": 2, "reason": "ttft_p90",
+                                    "detail": "queue_delay 0.41, ttft_p90 1.02", "age_s": 4.5}
+    assert ("autoscale 1..4: target 3, current 2; last decision ttft_p90 (queue_delay 0.41, "
+            "ttft_p90 1.02) 4.5 s ago") in format_status(status)
+    del app["autoscale"]
+    assert "autoscale" not in format_status(status)
+    app["autoscale"] = {"min": 1, "max": 4, "decision": {
+        "target": 2, "current": 2, "reason": "within_band", "detail": "ttft_p90 0.50",
+        "age_s": 1.0, "last_change": {"from": 3, "to": 2, "reason": "sustained_margin"}}}
+    assert "; last change 3 → 2 (sustained_margin)" in format_status(status)

@@ -1,0 +1,79 @@
+"""Serve's autoscaler running kvfleet's policy on what the replicas report: load fills the
+sequence slots of one cost-model replica and Serve adds a second; the load stops and, the
+margin held for the downscale delay, Serve goes back to one. No request fails. Short
+intervals (metrics every 0.5 s, look-back 2 s, delays 0 / 2 s) keep it to seconds."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from kvfleet.deploy import serve_control
+from kvfleet.deploy.autoscale_serve import AutoscaleConfig, read_decision
+from kvfleet.deploy.cluster_config import ClusterConfig
+from kvfleet.router.main import RouterConfig
+from kvfleet.worker.engine.scheduler import SchedulerConfig
+from kvfleet.worker.executor.cost_model import CostModel
+from kvfleet.worker.replica.autoscale import AutoscaleTargets
+from tests.fixtures.cluster import cluster_with_client, tiny_replica
+
+UP = {"queue_delay", "ttft_p90", "seq_slots"}
+
+
+def _watch(app: str, want: int, timeout_s: float, seen: set[str]) -> bool:
+    """Poll Serve's target and the policy's recorded reason until the target is ``want``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        decision = read_decision(app)
+        if decision:
+            seen.add(decision["reason"])
+            if decision.get("last_change"):
+                seen.add(decision["last_change"]["reason"])
+        if serve_control.target_replicas(app) == want:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_reported_metrics_scale_one_replica_up_and_back_down(ray_session, redis_server,
+                                                             tiny_llama_dir) -> None:
+    replica = tiny_replica(tiny_llama_dir, redis_server.url, "kvtest-auto:",
+                           executor="cost-model", cost_model=CostModel(0.02, 0.0005, 0.005),
+                           drain_timeout_s=5.0,
+                           scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=128))
+    auto = AutoscaleConfig(AutoscaleTargets(1, 2, slo_ttft_s=2.0), upscale_delay_s=0.0,
+                           downscale_delay_s=2.0, look_back_period_s=2.0, metrics_interval_s=0.5)
+    cfg = ClusterConfig(replica, RouterConfig(port=0), replicas=1, autoscale=auto,
+                        replica_num_cpus=0.25)
+    with cluster_with_client(cfg) as (cluster, client):
+        app = cluster.app_name
+        assert app is not None and serve_control.target_replicas(app) == 1
+        stop, failed, done = threading.Event(), [], []
+
+        def load() -> None:
+            while not stop.is_set():
+                try:
+                    client.generate("the autoscaler test", max_tokens=16, ignore_eos=True,
+                                    timeout=60)
+                    done.append(1)
+                except Exception as exc:  # noqa: BLE001 - every failure is reported
+                    failed.append(repr(exc))
+
+        threads = [threading.Thread(target=load, daemon=True) for _ in range(6)]
+        for t in threads:
+            t.start()
+        seen: set[str] = set()
+        try:
+            up = _watch(app, 2, 90.0, seen)
+            if up:
+                cluster.wait_serving(2, 90.0)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(70)
+        assert up, f"no scale-up; reasons seen: {seen}"
+        assert seen & UP, seen
+        down = _watch(app, 1, 90.0, seen)
+        assert down and "sustained_margin" in seen, seen
+        cluster.wait_serving(1, 90.0)
+        assert failed == [] and done

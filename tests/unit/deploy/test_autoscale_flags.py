@@ -1,0 +1,59 @@
+"""``--autoscale`` and its targets: the one flag table → ClusterConfig → the Serve config
+(validated by Serve's own schema, policy import included); bad values exit 2 naming the flag."""
+
+from __future__ import annotations
+
+import pytest
+from ray.serve.schema import ServeDeploySchema
+
+from kvfleet.deploy import cli
+from kvfleet.deploy.autoscale_serve import POLICY_PATH, PUSH_INTERVAL_ENV
+from kvfleet.deploy.cluster_config import serve_application
+from kvfleet.deploy.cluster_flags import cluster_config
+from kvfleet.deploy.serve_control import deploy_config
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--autoscale", "3..2", "--slo-ttft-ms", "500"], "--autoscale"),
+    (["--autoscale", "0..2", "--slo-ttft-ms", "500"], "--autoscale"),
+    (["--autoscale", "1..3", "--slo-ttft-ms", "0"], "--slo-ttft-ms"),
+    (["--autoscale", "1..3", "--slo-itl-ms", "-4"], "--slo-itl-ms"),
+    (["--autoscale", "1..3", "--target-kv-utilisation", "2"], "--target-kv-utilisation"),
+    (["--autoscale", "1..3", "--slo-ttft-ms", "500", "--replicas", "2"], "--replicas"),
+    (["--autoscale", "1..3"], "needs a target"),
+    (["--slo-ttft-ms", "500"], "needs --autoscale")])
+def test_bad_autoscale_config_exits_2_naming_the_flag(tiny_llama_dir, flags, named, capsys):
+    assert cli.main(["up", "--model", str(tiny_llama_dir), *flags]) == 2
+    assert named in capsys.readouterr().err
+
+
+def test_a_malformed_range_is_a_usage_error(tiny_llama_dir, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["up", "--model", str(tiny_llama_dir), "--autoscale", "3"])
+    assert exit_.value.code == 2 and "--autoscale takes MIN..MAX" in capsys.readouterr().err
+
+
+def test_autoscale_reaches_the_serve_config(tiny_llama_dir):
+    cfg = cluster_config(cli.build_parser().parse_args(
+        ["up", "--model", str(tiny_llama_dir), "--executor", "cost-model", "--autoscale", "1..3",
+         "--slo-ttft-ms", "800", "--slo-itl-ms", "150", "--downscale-delay", "20"]))
+    assert cfg.replicas == 1 and cfg.autoscale is not None
+    assert cfg.autoscale.targets.slo_ttft_s == 0.8 and cfg.autoscale.downscale_delay_s == 20
+    app = serve_application(cfg, "redis://127.0.0.1:1", num_cpus=0.5, threads=1)
+    dep = app["deployments"][0]
+    assert "num_replicas" not in dep and app["args"]["count"] == 1  # one replica per Serve replica
+    auto = dep["autoscaling_config"]
+    assert (auto["min_replicas"], auto["max_replicas"], auto["initial_replicas"]) == (1, 3, 1)
+    assert auto["policy"] == {"policy_function": POLICY_PATH, "policy_kwargs": {
+        "min_replicas": 1, "max_replicas": 3, "slo_ttft_s": 0.8, "slo_itl_s": 0.15,
+        "headroom": 0.8, "margin": 0.4}}
+    assert app["runtime_env"]["env_vars"][PUSH_INTERVAL_ENV] == "2"
+    schema = ServeDeploySchema.model_validate(deploy_config([app]))  # imports the policy
+    assert schema.applications[0].deployments[0].autoscaling_config["max_replicas"] == 3
+
+
+def test_without_autoscale_the_count_is_fixed(tiny_llama_dir):
+    cfg = cluster_config(cli.build_parser().parse_args(["up", "--model", str(tiny_llama_dir)]))
+    assert cfg.autoscale is None and cfg.replicas == 2
+    dep = serve_application(cfg, "redis://127.0.0.1:1", 0.5, 1)["deployments"][0]
+    assert dep["num_replicas"] == 2 and "autoscaling_config" not in dep

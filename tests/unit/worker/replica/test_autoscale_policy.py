@@ -1,0 +1,140 @@
+"""kvfleet's autoscaling policy on synthetic reports and synthetic Serve contexts: scale up
+near the SLO or above the KV target, hold in the band, scale down only with margin, never
+below MIN or above MAX, never during a rollout; and through Serve's own wrapper (delays,
+bounds), as the controller runs it."""
+
+from __future__ import annotations
+
+import pytest
+from ray.serve._private.common import DeploymentID, ReplicaID
+from ray.serve.autoscaling_policy import _apply_autoscaling_config
+from ray.serve.config import AutoscalingConfig, AutoscalingContext
+
+from kvfleet.deploy.autoscale_serve import POLICY_PATH, AutoscaleConfig, KvfleetPolicy
+from kvfleet.worker.replica import autoscale as a
+from kvfleet.worker.replica.autoscale import AutoscaleTargets, decide, serve_reports
+
+T = AutoscaleTargets(min_replicas=1, max_replicas=6, slo_ttft_s=1.0, slo_itl_s=0.2,
+                     target_kv_utilisation=0.8)
+
+
+def report(delay=0.0, ttft=0.0, itl=0.0, kv=0.0, running=0, waiting=0, revision=0.0):
+    return {a.QUEUE_DELAY_S: delay, a.TTFT_P90_S: ttft, a.ITL_P90_S: itl,
+            a.KV_BLOCKS_USED: kv * 100, a.KV_BLOCKS_TOTAL: 100.0, a.RUNNING: running,
+            a.WAITING: waiting, a.PREFILL_TOKENS_QUEUED: 0.0, a.PREFIX_HIT_RATE: 0.5,
+            a.MAX_NUM_SEQS: 16.0, a.REVISION_ID: revision}
+
+
+def fleet(n, **signals):
+    return {f"r{i}": report(**signals) for i in range(n)}
+
+
+@pytest.mark.parametrize("signals, reason", [
+    (dict(delay=0.9), "queue_delay"), (dict(ttft=0.85), "ttft_p90"),
+    (dict(itl=0.19), "itl_p90"), (dict(kv=0.7), "kv_utilisation")])
+def test_each_signal_near_its_target_scales_up_naming_it(signals, reason):
+    d = decide(T, 2, 2, fleet(2, **signals))
+    assert d.target == 3 and d.reason == reason and d.pressure >= T.headroom
+
+
+def test_scale_up_is_proportional_to_the_pressure_and_capped_at_max():
+    assert decide(T, 2, 2, fleet(2, ttft=1.6)).target == 4  # 2 × 1.6 / 0.8
+    d = decide(T, 3, 3, fleet(3, ttft=20.0))
+    assert (d.target, d.reason) == (6, "ttft_p90")
+    assert decide(T, 6, 6, fleet(6, ttft=20.0)).reason == "at_max"
+
+
+def test_no_second_step_while_the_first_one_starts():
+    d = decide(T, 2, 4, fleet(2, ttft=1.6))  # Serve is already starting 2 more
+    assert (d.target, d.reason) == (4, "starting")
+    assert decide(T, 2, 4, fleet(2)).target == 4  # quiet meanwhile: no scale-down either
+
+
+def test_hysteresis_band_holds_and_margin_scales_down_by_one():
+    assert decide(T, 3, 3, fleet(3, ttft=0.6)).reason == "within_band"
+    d = decide(T, 3, 3, fleet(3, ttft=0.2, itl=0.02, kv=0.1, running=2))
+    assert (d.target, d.reason) == (2, "sustained_margin")
+    # Low latency but the survivors' slots would fill up: hold.
+    assert decide(T, 3, 3, fleet(3, ttft=0.1, running=10)).reason == "within_band"
+    # KV spread over one fewer would cross the margin: hold.
+    assert decide(T, 2, 2, fleet(2, kv=0.2)).reason == "within_band"
+
+
+def test_never_below_min_and_targets_outside_the_bounds_are_clamped():
+    t = AutoscaleTargets(min_replicas=2, max_replicas=4, slo_ttft_s=1.0)
+    assert decide(t, 2, 2, fleet(2)).target == 2 and decide(t, 2, 2, fleet(2)).reason == "at_min"
+    assert decide(t, 5, 5, {}).target == 4
+
+
+def test_rollout_and_missing_reports_hold_the_count():
+    reports = {"old": report(revision=1.0), "new": report(ttft=5.0, revision=2.0)}
+    d = decide(T, 2, 2, reports)
+    assert (d.target, d.reason) == (2, "rollout")
+    assert decide(T, 3, 3, {}).reason == "no_metrics"
+
+
+def test_kv_only_target_ignores_latency():
+    t = AutoscaleTargets(min_replicas=1, max_replicas=3, target_kv_utilisation=0.5)
+    assert decide(t, 1, 1, fleet(1, ttft=50.0, kv=0.1)).reason == "at_min"
+    assert decide(t, 1, 1, fleet(1, kv=0.45)).reason == "kv_utilisation"
+
+
+@pytest.mark.parametrize("kwargs, flag", [
+    (dict(min_replicas=3, max_replicas=2, slo_ttft_s=1.0), "MIN"),
+    (dict(min_replicas=0, max_replicas=2, slo_ttft_s=1.0), "MIN"),
+    (dict(min_replicas=1, max_replicas=2, slo_ttft_s=0.0), "--slo-ttft-ms"),
+    (dict(min_replicas=1, max_replicas=2, slo_itl_s=-1.0), "--slo-itl-ms"),
+    (dict(min_replicas=1, max_replicas=2, target_kv_utilisation=1.5), "--target-kv-utilisation"),
+    (dict(min_replicas=1, max_replicas=2), "needs a target")])
+def test_bad_targets_name_the_flag(kwargs, flag):
+    with pytest.raises(ValueError, match=flag):
+        AutoscaleTargets(**kwargs)
+
+
+def context(policy_config: AutoscalingConfig, current: int, target: int, reports: dict,
+            state: dict, now: float) -> AutoscalingContext:
+    """An AutoscalingContext as Serve's controller builds one (aggregated_metrics: signal →
+    replica → value)."""
+    ids = [ReplicaID(rid, DeploymentID("KvfleetReplica", "app")) for rid in reports]
+    metrics = {name: {rid: reports[rid.unique_id][name] for rid in ids} for name in a.SIGNALS}
+    return AutoscalingContext(
+        deployment_id=ids[0].deployment_id if ids else DeploymentID("KvfleetReplica", "app"),
+        deployment_name="KvfleetReplica", app_name="app", current_num_replicas=current,
+        target_num_replicas=target, running_replicas=ids, total_num_requests=0.0,
+        total_queued_requests=0.0, aggregated_metrics=metrics, raw_metrics={},
+        capacity_adjusted_min_replicas=policy_config.min_replicas,
+        capacity_adjusted_max_replicas=policy_config.max_replicas, policy_state=state,
+        last_scale_up_time=None, last_scale_down_time=None, current_time=now,
+        config=policy_config)
+
+
+def test_serve_runs_the_policy_with_its_delays_and_bounds(monkeypatch):
+    cfg = AutoscaleConfig(AutoscaleTargets(1, 3, slo_ttft_s=1.0), upscale_delay_s=0.0,
+                          downscale_delay_s=30.0)
+    serve_cfg = AutoscalingConfig(**cfg.serve_config())
+    assert serve_cfg.policy.policy_function == POLICY_PATH
+    policy = _apply_autoscaling_config(KvfleetPolicy(**serve_cfg.policy.policy_kwargs))
+    clock = [1000.0]
+    monkeypatch.setattr("time.time", lambda: clock[0])
+    target, state = policy(context(serve_cfg, 1, 1, fleet(1, ttft=1.2), {}, clock[0]))
+    assert target == 2 and state["kvfleet_reason"] == "ttft_p90"  # no upscale delay
+    quiet = fleet(2, ttft=0.1)
+    target, state = policy(context(serve_cfg, 2, 2, quiet, state, clock[0]))
+    assert target == 2 and state["kvfleet_reason"] == "sustained_margin"  # delay running
+    clock[0] += 31.0
+    target, state = policy(context(serve_cfg, 2, 2, quiet, state, clock[0]))
+    assert target == 1  # the margin held for downscale_delay_s
+
+
+def test_serve_reports_keep_replicas_that_reported_every_signal():
+    ids = [ReplicaID("a", DeploymentID("d", "x")), ReplicaID("b", DeploymentID("d", "x"))]
+    full = {name: {ids[0]: 1.0, ids[1]: 2.0} for name in a.SIGNALS}
+    del full[a.TTFT_P90_S][ids[1]]
+    assert list(serve_reports(full, ids)) == ["a"]
+    assert serve_reports(None, ids) == {}
+
+
+def test_full_sequence_slots_scale_up_before_latency_climbs():
+    d = decide(T, 2, 2, fleet(2, running=16, waiting=4))  # slots 1.25 of max_num_seqs
+    assert (d.target, d.reason) == (4, "seq_slots")
+    assert decide(T, 2, 2, fleet(2, running=8)).reason == "within_band"
