@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -76,6 +77,7 @@ class Run:
     router_args: tuple[str, ...] = ()
     api_keys: dict = field(default_factory=dict)  # key -> tenant (empty: open router)
     tenant_share: float = 1.0  # replicas' SchedulerConfig.tenant_share (--seat-share)
+    scheduler: dict = field(default_factory=dict)  # more SchedulerConfig fields (bench.priority)
 
 
 def _prompt(rng: random.Random, n: int) -> list[int]:
@@ -84,11 +86,15 @@ def _prompt(rng: random.Random, n: int) -> list[int]:
 
 async def send(stub, run: Run, rng: random.Random, tenant: str = "",
                key: Optional[str] = None, timeout_s: float = 120.0,
-               max_tokens: Optional[int] = None, prompt_tokens: Optional[int] = None) -> Outcome:
-    """One ``Router.Generate`` of a fresh random prompt; never raises."""
+               max_tokens: Optional[int] = None, prompt_tokens: Optional[int] = None,
+               priority: str = "") -> Outcome:
+    """One ``Router.Generate`` of a fresh random prompt (``priority``: its class, "" = the
+    key's default); never raises."""
     from kvfleet.router.tenant_limits import request_service
 
     req = router_pb2.GenerateRequest()
+    if priority:
+        req.priority_class = priority
     req.token_ids.ids.extend(_prompt(rng, prompt_tokens or run.prompt_tokens))
     req.sampling.max_tokens = max_tokens or run.max_tokens
     req.sampling.ignore_eos = True
@@ -262,13 +268,33 @@ def start_cluster(run: Run, redis_url: str, api_keys_file: Optional[str]):
         scheduler=SchedulerConfig(max_num_seqs=run.max_num_seqs, max_num_batched_tokens=512,
                                   # only when set: a checkout before tenant shares runs too (A/B)
                                   **({"tenant_share": run.tenant_share}
-                                     if run.tenant_share != 1.0 else {})),
+                                     if run.tenant_share != 1.0 else {}), **run.scheduler),
         executor="cost-model", cost_model=MEASURED.scaled(run.scale))
     router = replace(router_from_flags(run.router_args), port=0, api_keys_file=api_keys_file)
     cfg = ClusterConfig(replica, router, replicas=run.replicas, replica_num_cpus=0)
     cluster = LocalCluster(cfg)
     cluster.start()
     return cluster
+
+
+@contextlib.contextmanager
+def local_cluster(run: Run, api_keys_file: Optional[str]):
+    """A private Redis, a local Ray and :func:`start_cluster`'s cluster, stopped on exit."""
+    from kvfleet.deploy.ray_local import init_ray, shutdown_ray
+    from kvfleet.deploy.redis_server import start_redis
+
+    redis = start_redis()
+    init_ray(num_cpus=2)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    cluster = None
+    try:
+        cluster = start_cluster(run, redis.url, api_keys_file)
+        yield cluster
+    finally:
+        if cluster is not None:
+            cluster.stop()
+        redis.stop()
+        shutdown_ray()
 
 
 def actor_pids(cluster) -> list[int]:
@@ -344,31 +370,18 @@ def main(argv: list[str] | None = None) -> int:
     seats = a.seat_share if a.cmd == "fair" and a.seat_share is not None else share
     run = Run(replicas=a.replicas, scale=a.scale, router_args=tuple(a.router_args), api_keys=keys,
               tenant_share=seats)
-    from kvfleet.deploy.ray_local import init_ray, shutdown_ray
-    from kvfleet.deploy.redis_server import start_redis
-
     RESULTS.mkdir(parents=True, exist_ok=True)
     keys_file = None
     if keys:
         keys_file = RESULTS / "overload-keys.json"
         keys_file.write_text(json.dumps({"keys": keys, "default_tenant_share": share,
                                          "admins": ["bench-admin"]}))
-    redis = start_redis()
-    init_ray(num_cpus=2)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    cluster = None
     load_before = os.getloadavg()
-    try:
-        cluster = start_cluster(run, redis.url, str(keys_file) if keys_file else None)
+    with local_cluster(run, str(keys_file) if keys_file else None) as cluster:
         result = asyncio.run(drive(a, run, cluster))
         result["peak_rss_bytes"] = {
             "router": ProcStats(cluster.router_proc.pid).peak_rss_bytes(),
             "replica_hosts": [ProcStats(pid).peak_rss_bytes() for pid in actor_pids(cluster)]}
-    finally:
-        if cluster is not None:
-            cluster.stop()
-        redis.stop()
-        shutdown_ray()
     record = {"cmd": a.cmd, "args": vars(a), "run": asdict(run), **result,
               "machine": {"cpus": os.cpu_count(), "loadavg_before": load_before,
                           "loadavg_after": os.getloadavg()}}

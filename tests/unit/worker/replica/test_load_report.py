@@ -59,7 +59,7 @@ def test_engine_stats_count_queued_prefill_and_context(tiny_llama_dir):
     report = replica_report(s, cfg.scheduler, LatencyWindow(), 0.25, "v2")
     assert set(report) == set(a.SIGNALS)
     assert report[a.KV_BLOCKS_TOTAL] == 64 and report[a.KV_BLOCKS_USED] == 2
-    assert report[a.QUEUE_DELAY_S] == s["queue_delay_s"] > 0  # the engine's forecast, as routed on
+    assert report[a.QUEUE_DELAY_S] == s["queue_delay_s"]  # the forecast routers route on
     assert report[a.REVISION_ID] == revision_id("v2") != revision_id("")
 
 
