@@ -69,27 +69,27 @@ FAMILIES = ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_mistral_dir"]
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tp2_uneven_chunks(tp2, request, family) -> None:
-    exact.test_uneven_chunks(request.getfixturevalue(family))
+    exact.test_uneven_chunks(request.getfixturevalue(family), {})
 
 
 def test_tp2_token_by_token(tp2, tiny_llama_dir) -> None:
-    exact.test_token_by_token(tiny_llama_dir)
+    exact.test_token_by_token(tiny_llama_dir, {})
 
 
 def test_tp2_prefix_hits_full_and_mid_block(tp2, tiny_llama_dir) -> None:
-    exact.test_prefix_hits_full_and_mid_block(tiny_llama_dir)
+    exact.test_prefix_hits_full_and_mid_block(tiny_llama_dir, {})
 
 
 def test_tp2_mixed_batch_of_eight(tp2, tiny_llama_dir) -> None:
-    exact.test_mixed_batch_of_eight_joining_and_leaving_equals_each_alone(tiny_llama_dir)
+    exact.test_mixed_batch_of_eight_joining_and_leaving_equals_each_alone(tiny_llama_dir, {})
 
 
 def test_tp2_preempted_then_resumed(tp2, tiny_llama_dir) -> None:
-    exact.test_preempted_then_resumed(tiny_llama_dir)
+    exact.test_preempted_then_resumed(tiny_llama_dir, {})
 
 
 def test_tp2_n2_after_copy_on_write(tp2, tiny_llama_dir) -> None:
-    exact.test_n2_siblings_after_copy_on_write(tiny_llama_dir)
+    exact.test_n2_siblings_after_copy_on_write(tiny_llama_dir, {})
 
 
 def test_tp2_sliding_window(tp2, tiny_mistral_dir) -> None:
