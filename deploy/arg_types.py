@@ -28,11 +28,15 @@ def positive_int(flag: str) -> Callable[[str], int]:
     return check
 
 
-def _positive_number(value: str, what: str) -> float:
+def _number(value: str, what: str) -> float:
     try:
-        x = float(value)
+        return float(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{what} must be a number, got {value!r}") from None
+
+
+def _positive_number(value: str, what: str) -> float:
+    x = _number(value, what)
     if not 0 < x < float("inf"):
         raise argparse.ArgumentTypeError(f"{what} must be > 0, got {value}")
     return x
@@ -46,10 +50,7 @@ def positive_float(flag: str) -> Callable[[str], float]:
 def fraction(flag: str) -> Callable[[str], float]:
     """argparse type: a number in (0, 1] (else a usage error naming ``flag``)."""
     def check(value: str) -> float:
-        try:
-            x = float(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} must be a number, got {value!r}") from None
+        x = _number(value, flag)
         if not 0 < x <= 1:
             raise argparse.ArgumentTypeError(f"{flag} must be in (0, 1], got {value}")
         return x
