@@ -20,9 +20,10 @@ import json
 import time
 
 from bench.load import HttpTarget, Target, closed_loop
-from bench.router_cost import RESULTS, added_ttft, cpu_seconds
+from bench.result_file import write_json
+from bench.router_cost import added_ttft, cpu_seconds
 from bench.workload import Workload, requests
-from kvfleet.worker.executor.cost_model import ZERO
+from bench.zero_fleet import zero_fleet
 
 
 async def throughput(target, pid: int, concurrency: int, seconds: float) -> dict:
@@ -48,23 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=10.0, help="per throughput phase")
     a = p.parse_args(argv)
 
-    from kvfleet.deploy.cluster_config import ClusterConfig
-    from kvfleet.deploy.launcher import LocalCluster
-    from kvfleet.deploy.models import DEFAULT_MODEL, resolve_model
-    from kvfleet.deploy.ray_local import init_ray, shutdown_ray
-    from kvfleet.deploy.redis_server import start_redis
-    from kvfleet.router.main import RouterConfig
-    from kvfleet.worker.replica.replica import ReplicaConfig
-
-    name, model_dir = resolve_model(DEFAULT_MODEL)
-    redis = start_redis()
-    init_ray(num_cpus=2)
-    cluster = LocalCluster(ClusterConfig(
-        ReplicaConfig(name, name, str(model_dir), num_blocks=4096, redis_url=redis.url,
-                      namespace="bench-http:", executor="cost-model", cost_model=ZERO),
-        RouterConfig(port=0, http_port=0), replicas=1, replica_num_cpus=0))
-    try:
-        cluster.start()
+    with zero_fleet("bench-http:", http=True) as fleet:
+        cluster = fleet.cluster
 
         async def run() -> dict:
             from bench.router_bench import wait_registered
@@ -91,14 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             return out
 
         out = asyncio.run(run())
-    finally:
-        cluster.stop()
-        shutdown_ray()
-        redis.stop()
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / "http_front.json"
-    path.write_text(json.dumps(out, indent=1))
-    print(f"wrote {path}")
+    write_json("http_front.json", out, indent=1)
     return 0
 
 

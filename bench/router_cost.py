@@ -31,10 +31,9 @@ from pathlib import Path
 
 from bench.load import Target, open_loop
 from bench.report import quantile
+from bench.result_file import write_json
 from bench.workload import Request, Workload, requests
-from kvfleet.worker.executor.cost_model import ZERO
-
-RESULTS = Path(__file__).parent / "results"
+from bench.zero_fleet import ZeroFleet, zero_fleet
 
 
 def cpu_seconds(pid: int) -> float:
@@ -178,27 +177,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--segment", type=int, default=400)
     p.add_argument("--rounds", type=int, default=6, help="segments per target and rate")
     a = p.parse_args(argv)
-
-    from kvfleet.deploy.cluster_config import ClusterConfig
-    from kvfleet.deploy.launcher import LocalCluster
-    from kvfleet.deploy.models import DEFAULT_MODEL, resolve_model
-    from kvfleet.deploy.process_relay import wait_ready
-    from kvfleet.deploy.ray_local import init_ray, shutdown_ray
-    from kvfleet.deploy.redis_server import start_redis
-    from kvfleet.router.main import RouterConfig
-    from kvfleet.worker.replica.replica import ReplicaConfig
-
-    name, model_dir = resolve_model(DEFAULT_MODEL)
-    redis = start_redis()
-    init_ray(num_cpus=2)
-    cluster = LocalCluster(ClusterConfig(
-        ReplicaConfig(name, name, str(model_dir), num_blocks=4096, redis_url=redis.url,
-                      namespace="bench-cost:", executor="cost-model", cost_model=ZERO),
-        RouterConfig(port=0), replicas=1, replica_num_cpus=0))
     load_before = os.getloadavg()
+    with zero_fleet("bench-cost:") as fleet:
+        out = _measure(a, fleet)
+    out["machine"] = {"cpus": os.cpu_count(), "loadavg_before": load_before,
+                      "loadavg_after": os.getloadavg()}
+    write_json("router-cost.json", out)
+    return 0
+
+
+def _measure(a: argparse.Namespace, fleet: ZeroFleet) -> dict:
+    """The four measurements on a started fleet, beside a null relay and a second router
+    that looks every prompt up in Redis (both stopped on the way out)."""
+    from kvfleet.deploy.process_relay import wait_ready
+
+    cluster, redis = fleet.cluster, fleet.redis
     relay_proc = redis_router = None
     try:
-        cluster.start()
         relay_proc = subprocess.Popen(
             [sys.executable, "-m", "bench.null_relay", cluster.replica_addresses[0]],
             stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parent.parent)
@@ -206,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         # The same router looking every prompt up in Redis: the mirror's A/B in the same run.
         redis_router = subprocess.Popen(
             [sys.executable, "-m", "kvfleet.router.main", "--redis-url", redis.url,
-             "--model-name", name, "--model-dir", str(model_dir), "--port", "0",
+             "--model-name", fleet.name, "--model-dir", fleet.model_dir, "--port", "0",
              "--namespace", "bench-cost:", "--no-index-mirror"], stdout=subprocess.PIPE, text=True)
         redis_router_address = wait_ready(redis_router, "router ready ", 120.0)
 
@@ -241,22 +236,12 @@ def main(argv: list[str] | None = None) -> int:
                 await t.close()
             return out
 
-        out = asyncio.run(run())
+        return asyncio.run(run())
     finally:
         for proc in (relay_proc, redis_router):
             if proc is not None:
                 proc.kill()
                 proc.wait()
-        cluster.stop()
-        redis.stop()
-        shutdown_ray()
-    out["machine"] = {"cpus": os.cpu_count(), "loadavg_before": load_before,
-                      "loadavg_after": os.getloadavg()}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / "router-cost.json"
-    path.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {path}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -27,12 +27,12 @@ from pathlib import Path
 from bench.calibrate import DEFAULT_OUT as CALIBRATION
 from bench.calibrate import ensure_calibration
 from bench.fleet_sim import SimFleet, summarize
+from bench.result_file import write_json
 from bench.workload import B2BWorkload, Request, Workload, b2b_requests, requests
 from kvfleet.router.policy import make_policy
 from kvfleet.worker.engine.scheduler import SchedulerConfig
 from kvfleet.worker.executor.cost_model import CostModel
 
-RESULTS = Path(__file__).parent / "results"
 POLICIES = ("predicted_ttft", "prefix_aware", "round_robin")
 RAMP = (0.3, 0.55, 0.8, 1.05, 1.3)  # b2b: phases, × prefix_aware's saturation throughput
 
@@ -131,10 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{s['hit_rate']:.3f}  sat {r['saturation_rps'][pol]:.2f} req/s  "
                   f"p90 ÷ prefix_aware {ratio:.2f}", flush=True)
         print(f"{name}: {time.monotonic() - t0:.0f} s wall", flush=True)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / "ttft_routing.json"
-    path.write_text(json.dumps(record, indent=1) + "\n")
-    print(f"wrote {path}")
+    write_json("ttft_routing.json", record, indent=1)
     return 0
 
 

@@ -155,6 +155,27 @@ def run(engine: Engine, arrivals: dict[int, list[EngineRequest]] | list[EngineRe
     return results
 
 
+def run_alone(model_dir: Path, req: EngineRequest) -> Result:
+    """``req`` run to the end on a fresh engine of its own (default settings): what a batch
+    must reproduce."""
+    engine, _ = make_engine(model_dir)
+    return run(engine, [req])[(req.request_id, 0)]
+
+
+def run_preempting(engine: Engine, reqs: list[EngineRequest]
+                   ) -> tuple[dict[tuple[str, int], Result], list[str]]:
+    """:func:`run` ``reqs``, also listing the seq ids seen waiting after a preemption (before
+    each step, repeats kept); asserts the workload forced at least one."""
+    preempted: list[str] = []
+
+    def watch(k: int, eng: Engine) -> None:
+        preempted.extend(s.seq_id for s in eng.scheduler.waiting if s.num_preemptions)
+
+    results = run(engine, reqs, on_step=watch)
+    assert preempted, "the workload must force a preemption"
+    return results, preempted
+
+
 def seq_tokens(req: EngineRequest, res: Result) -> list[int]:
     return list(req.prompt_token_ids) + res.token_ids
 

@@ -21,6 +21,8 @@ from tests.unit.worker.engine_harness import (
     reference_error,
     request,
     run,
+    run_alone,
+    run_preempting,
     seq_tokens,
 )
 from tests.unit.worker.paged_driver import scaled_error
@@ -117,18 +119,11 @@ def test_preempted_then_resumed(tiny_llama_dir, budget) -> None:
     recompute, resumes later, and ends with exactly the tokens and logits it gets alone."""
     reqs = [request(prompt(6, seed=20 + i), max_tokens=12) for i in range(3)]
     engine, rec = make_engine(tiny_llama_dir, num_blocks=10, watermark=0.0, **budget)
-    preempted = []
-
-    def watch(k, eng):
-        preempted.extend(s.seq_id for s in eng.scheduler.waiting if s.num_preemptions)
-
-    results = run(engine, reqs, on_step=watch)
-    assert preempted, "the workload must force a preemption"
+    results, preempted = run_preempting(engine, reqs)
     for req in reqs:
         res = results[(req.request_id, 0)]
         _check(tiny_llama_dir, rec, req, res)
-        alone_engine, _ = make_engine(tiny_llama_dir)
-        assert run(alone_engine, [req])[(req.request_id, 0)].token_ids == res.token_ids
+        assert run_alone(tiny_llama_dir, req).token_ids == res.token_ids
     widths = [len(c.token_ids) for p in rec.plans for c in p.chunks if c.seq_id == preempted[0]]
     assert max(widths[widths.index(1):]) > 1, "the preempted sequence recomputed after decoding"
 

@@ -10,7 +10,7 @@ import pytest
 
 from kvfleet.errors import InvalidArgument, OutOfRange, ResourceExhausted
 from kvfleet.worker.engine.request import FinishReason
-from tests.unit.worker.engine_harness import collect, make_engine, prompt, request, run
+from tests.unit.worker.engine_harness import collect, make_engine, prompt, request, run, run_alone
 
 
 def _active_ids(engine) -> set[str]:
@@ -42,8 +42,7 @@ def test_cancel_running_waiting_and_unforked_samples(tiny_llama_dir) -> None:
             assert results[(rid, i)].finish_reason is FinishReason.CANCELLED
     assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
     engine.kv.check_invariants()
-    alone_engine, _ = make_engine(tiny_llama_dir)
-    assert run(alone_engine, [keep])[(keep.request_id, 0)].token_ids == results[(keep.request_id, 0)].token_ids
+    assert run_alone(tiny_llama_dir, keep).token_ids == results[(keep.request_id, 0)].token_ids
 
 
 def test_deadline_expires_at_the_next_step(tiny_llama_dir) -> None:
@@ -90,8 +89,7 @@ def test_a_failing_request_fails_alone(tiny_llama_dir) -> None:
     for g in good:
         res = results[(g.request_id, 0)]
         assert res.finish_reason is FinishReason.LENGTH
-        alone_engine, _ = make_engine(tiny_llama_dir)
-        assert run(alone_engine, [g])[(g.request_id, 0)].token_ids == res.token_ids
+        assert run_alone(tiny_llama_dir, g).token_ids == res.token_ids
 
 
 def test_a_failed_forward_fails_its_requests_and_the_engine_goes_on(tiny_llama_dir) -> None:

@@ -24,25 +24,25 @@ from tests.unit.worker.lora_harness import (
 )
 
 
-def _step_until_running(engine, req, results, limit: int = 200) -> None:
-    """Step ``engine`` until ``req`` computed a token (its adapter is loaded and held)."""
+def _one_slot_held_by(model_dir, adapters, holder, limit: int = 200):
+    """A one-slot engine serving adapters qv and all, stepped until ``holder`` computed a token
+    (its adapter is loaded and holds the slot): ``(engine, recorder, residency, results)``."""
+    engine, rec, res = make_lora_engine(model_dir, {n: adapters[n] for n in ("qv", "all")}, max_loras=1)
+    results: dict = {}
+    engine.add_request(holder)
     for _ in range(limit):
         collect(results, engine.step())
-        if engine._seqs[req.request_id][0].num_computed_tokens > 0:
-            return
-    raise AssertionError(f"{req.request_id} never ran")
+        if engine._seqs[holder.request_id][0].num_computed_tokens > 0:
+            return engine, rec, res, results
+    raise AssertionError(f"{holder.request_id} never ran")
 
 
 def test_a_waiting_request_runs_on_the_revision_it_was_hashed_under(tiny_llama_dir, tiny_adapters) -> None:
     """qv@rev1 waits for the only slot; qv@rev2 is registered meanwhile: the waiting request
     still runs rev1's weights (exact against peft with rev1), a new one runs rev2."""
-    engine, rec, res = make_lora_engine(tiny_llama_dir, {n: tiny_adapters[n] for n in ("qv", "all")},
-                                        max_loras=1)
     holder = with_adapter(request(prompt(9, seed=31), max_tokens=6), "all")
     waiter = with_adapter(request(prompt(18, seed=32), max_tokens=3), "qv")
-    results: dict = {}
-    engine.add_request(holder)
-    _step_until_running(engine, holder, results)
+    engine, rec, res, results = _one_slot_held_by(tiny_llama_dir, tiny_adapters, holder)
     engine.add_request(waiter)  # hashed under qv@rev1, waits: the one slot is held
     rev1 = res.spec("qv").revision
     res.register(check_adapter("qv", tiny_adapters["qv2"], engine.executor.config, MAX_LORA_RANK))
@@ -113,13 +113,9 @@ def test_steady_traffic_on_resident_adapters_does_not_starve_another(tiny_llama_
 def test_a_wait_for_an_adapter_slot_is_bounded(tiny_llama_dir, tiny_adapters) -> None:
     """Past the residency's ``max_wait_s`` a waiting request ends RESOURCE_EXHAUSTED naming
     its adapter and the bound."""
-    engine, _, res = make_lora_engine(tiny_llama_dir, {n: tiny_adapters[n] for n in ("qv", "all")},
-                                      max_loras=1)
     holder = with_adapter(request(prompt(9, seed=61), max_tokens=8), "all")
     waiter = with_adapter(request(prompt(9, seed=62), max_tokens=2), "qv")
-    results: dict = {}
-    engine.add_request(holder)
-    _step_until_running(engine, holder, results)
+    engine, _, res, results = _one_slot_held_by(tiny_llama_dir, tiny_adapters, holder)
     res.max_wait_s = 1e-6  # (after the holder's own wait for its load)
     results.update(run(engine, {0: [waiter]}))
     got = results[(waiter.request_id, 0)]

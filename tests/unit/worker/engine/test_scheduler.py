@@ -5,45 +5,24 @@ from __future__ import annotations
 
 import pytest
 
-from kvfleet.allocator.kv_cache_manager import KVCacheManager
 from kvfleet.errors import ResourceExhausted
 from kvfleet.sampling_params import SamplingParams
 from kvfleet.worker.engine.request import SeqStatus, SequenceState
-from kvfleet.worker.engine.scheduler import Scheduler, SchedulerConfig
-
-BS = 4
+from kvfleet.worker.engine.scheduler import Scheduler
+from tests.unit.worker.scheduler_harness import ARRIVALS, BS, make_scheduler, new_seq, run_step
 
 
 def make(n_blocks=16, **cfg) -> Scheduler:
-    return Scheduler(SchedulerConfig(**cfg), KVCacheManager(n_blocks, BS))
-
-
-_arrival = iter(range(10**6))
+    return make_scheduler(n_blocks, **cfg)
 
 
 def seq(prompt_len: int, max_tokens: int = 8, first: int = 1, sid: str | None = None) -> SequenceState:
-    a = next(_arrival)
-    return SequenceState(seq_id=sid or f"s{a}", request_id=sid or f"s{a}", index=0,
-                    prompt_token_ids=list(range(first, first + prompt_len)),
-                    params=SamplingParams(max_tokens=max_tokens), root_hash=b"r" * 16,
-                    block_size=BS, arrival_seq=a)
+    """A sequence whose prompt is ``first, first + 1, …``: equal ``first`` share a prefix."""
+    return new_seq(list(range(first, first + prompt_len)), max_tokens=max_tokens, sid=sid)
 
 
 def tenant_seq(tenant: str, prompt_len: int = 4) -> SequenceState:
-    x = seq(prompt_len)
-    x.tenant = tenant
-    return x
-
-
-def run_step(s: Scheduler, token: int = 7):
-    """One step as the engine does it: schedule, 'compute', append a token where sampled."""
-    out = s.schedule()
-    s.on_step_done(out)
-    for x in out.scheduled:
-        if x.sample and x.seq.status is SeqStatus.RUNNING:
-            x.seq.append_token(token)
-    s.kv.check_invariants()
-    return out
+    return new_seq(list(range(1, 1 + prompt_len)), tenant=tenant)
 
 
 def test_chunked_prefill_respects_the_token_budget_and_decodes_go_first():
@@ -174,7 +153,7 @@ def test_finish_returns_every_block():
 
 
 def sibling_group(prompt_len: int, n: int, max_tokens: int = 8) -> list[SequenceState]:
-    a = next(_arrival)
+    a = next(ARRIVALS)
     return [SequenceState(seq_id=f"g{a}#{i}", request_id=f"g{a}", index=i,
                      prompt_token_ids=list(range(1, 1 + prompt_len)),
                      params=SamplingParams(max_tokens=max_tokens, n=n), root_hash=b"r" * 16,

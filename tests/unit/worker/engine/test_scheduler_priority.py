@@ -3,28 +3,21 @@ fairness within a class, which running sequences a higher class may preempt, the
 
 from __future__ import annotations
 
-from kvfleet.allocator.kv_cache_manager import KVCacheManager
 from kvfleet.priority import BATCH, DEFAULT, INTERACTIVE
-from kvfleet.sampling_params import SamplingParams
 from kvfleet.worker.engine.priority_queue import PriorityRules
 from kvfleet.worker.engine.request import SeqStatus, SequenceState
-from kvfleet.worker.engine.scheduler import Scheduler, SchedulerConfig
-from tests.unit.worker.engine.test_scheduler import run_step as step
-
-BS = 4
-_arrival = iter(range(10**6))
+from kvfleet.worker.engine.scheduler import Scheduler
+from tests.unit.worker.scheduler_harness import make_scheduler, new_seq
+from tests.unit.worker.scheduler_harness import run_step as step
 
 
 def make(n_blocks: int = 32, **cfg) -> Scheduler:
-    return Scheduler(SchedulerConfig(**cfg), KVCacheManager(n_blocks, BS))
+    return make_scheduler(n_blocks, **cfg)
 
 
 def seq(level: int, prompt_len: int = 4, tenant: str = "t", max_tokens: int = 8) -> SequenceState:
-    a = next(_arrival)
-    return SequenceState(seq_id=f"s{a}", request_id=f"s{a}", index=0,
-                         prompt_token_ids=list(range(100 * a + 1, 100 * a + 1 + prompt_len)),
-                         params=SamplingParams(max_tokens=max_tokens), root_hash=b"r" * 16,
-                         block_size=BS, arrival_seq=a, tenant=tenant, priority=level)
+    """A sequence of priority ``level`` with a prompt no other sequence shares."""
+    return new_seq(prompt_len=prompt_len, max_tokens=max_tokens, tenant=tenant, priority=level)
 
 
 def ids(seqs) -> list[str]:

@@ -16,7 +16,7 @@ import pytest
 from kvfleet.constraint import Constraint
 from kvfleet.errors import InvalidArgument
 from kvfleet.worker.engine.request import FinishReason
-from tests.unit.worker.engine_harness import make_engine, prompt, request, run
+from tests.unit.worker.engine_harness import make_engine, prompt, request, run, run_alone, run_preempting
 
 # Finite languages: the random model completes them well within max_tokens.
 SCHEMA = {"type": "object",
@@ -54,9 +54,8 @@ def test_mixed_batch_rows_match_their_solo_runs(tiny_llama_dir) -> None:
     engine, _ = make_engine(tiny_llama_dir)
     together = run(engine, [free[0], js, free[1], date])
     for req in [*free, js, date]:
-        alone, _ = make_engine(tiny_llama_dir)
-        solo = run(alone, [req])[(req.request_id, 0)]
-        assert together[(req.request_id, 0)].token_ids == solo.token_ids, req.request_id
+        assert together[(req.request_id, 0)].token_ids == run_alone(tiny_llama_dir, req).token_ids, \
+            req.request_id
     out = together[(js.request_id, 0)]
     assert out.finish_reason is FinishReason.STOP and valid_json(out.text), out.text
     out = together[(date.request_id, 0)]
@@ -101,17 +100,9 @@ def test_preempted_constrained_request_resumes_its_grammar(tiny_llama_dir) -> No
     the same tokens as alone, and a valid output."""
     reqs = [constrained(prompt(6, seed=80 + i), schema_constraint(), max_tokens=40) for i in range(3)]
     engine, _ = make_engine(tiny_llama_dir, num_blocks=12, watermark=0.0)
-    preempted = []
-
-    def watch(k, eng):
-        preempted.extend(s.seq_id for s in eng.scheduler.waiting if s.num_preemptions)
-
-    results = run(engine, reqs, on_step=watch)
-    assert preempted, "the workload must force a preemption"
+    results, _ = run_preempting(engine, reqs)
     for req in reqs:
-        alone, _ = make_engine(tiny_llama_dir)
-        assert run(alone, [req])[(req.request_id, 0)].token_ids == \
-            results[(req.request_id, 0)].token_ids
+        assert run_alone(tiny_llama_dir, req).token_ids == results[(req.request_id, 0)].token_ids
         assert valid_json(results[(req.request_id, 0)].text)
 
 

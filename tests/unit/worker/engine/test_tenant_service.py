@@ -4,22 +4,14 @@ backlogged tenants' minimum."""
 
 from __future__ import annotations
 
-from kvfleet.allocator.kv_cache_manager import KVCacheManager
-from kvfleet.sampling_params import SamplingParams
 from kvfleet.worker.engine.request import SeqStatus, SequenceState
-from kvfleet.worker.engine.scheduler import Scheduler, SchedulerConfig
+from kvfleet.worker.engine.scheduler import Scheduler
 from kvfleet.worker.engine.tenant_service import DECODE_WEIGHT, PREFILL_WEIGHT, TenantService
-
-BS = 4
-_arrival = iter(range(10**6))
+from tests.unit.worker.scheduler_harness import make_scheduler, new_seq
 
 
 def tseq(tenant: str, prompt: list[int], max_tokens: int = 1) -> SequenceState:
-    a = next(_arrival)
-    s = SequenceState(seq_id=f"s{a}", request_id=f"s{a}", index=0, prompt_token_ids=list(prompt),
-                      params=SamplingParams(max_tokens=max_tokens), root_hash=b"r" * 16,
-                      block_size=BS, arrival_seq=a, tenant=tenant)
-    return s
+    return new_seq(list(prompt), max_tokens=max_tokens, tenant=tenant)
 
 
 def step_and_finish(s: Scheduler) -> list[SequenceState]:
@@ -96,8 +88,7 @@ def test_idle_tenants_below_the_floor_are_forgotten():
 
 def test_a_tenant_whose_prompts_hit_the_cache_is_charged_less_and_gets_more_turns():
     # One slot, budget for one 16-token prompt per step: each step admits one request.
-    s = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=16),
-                  KVCacheManager(64, BS))
+    s = make_scheduler(64, max_num_seqs=1, max_num_batched_tokens=16)
     shared = list(range(100, 116))  # cached's prompts all share these 16 tokens
     s.add([tseq("warmer", shared)])  # a third tenant puts them in the prefix cache, then idles
     step_and_finish(s)
@@ -121,8 +112,7 @@ def test_a_tenant_whose_prompts_hit_the_cache_is_charged_less_and_gets_more_turn
 def test_counting_running_sequences_would_alternate_but_service_favours_the_cheap_tenant():
     # Two tenants, one slot: short prompts (4 tokens) vs long ones (16): by count they
     # would alternate; by service the short one gets ~4 turns per long one.
-    s = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=16),
-                  KVCacheManager(256, BS))
+    s = make_scheduler(256, max_num_seqs=1, max_num_batched_tokens=16)
     longs = [tseq("long", list(range(2000 * i, 2000 * i + 16))) for i in range(1, 5)]
     shorts = [tseq("short", list(range(3000 * i, 3000 * i + 4))) for i in range(1, 13)]
     s.add([x for pair in zip(longs, shorts) for x in pair] + shorts[4:])
@@ -132,7 +122,7 @@ def test_counting_running_sequences_would_alternate_but_service_favours_the_chea
 
 
 def test_tenant_share_still_caps_and_a_capped_tenant_is_passed_over():
-    s = Scheduler(SchedulerConfig(max_num_seqs=4, tenant_share=0.5), KVCacheManager(64, BS))
+    s = make_scheduler(64, max_num_seqs=4, tenant_share=0.5)
     flood = [tseq("acme", [1, 2, 3, 4], max_tokens=8) for _ in range(6)]
     s.add(flood)
     s.on_step_done(s.schedule())
@@ -145,7 +135,7 @@ def test_tenant_share_still_caps_and_a_capped_tenant_is_passed_over():
 
 
 def test_finish_of_every_sequence_empties_the_backlog():
-    s = Scheduler(SchedulerConfig(max_num_seqs=2), KVCacheManager(64, BS))
+    s = make_scheduler(64, max_num_seqs=2)
     seqs = [tseq(t, [1, 2, 3, 4, 5], max_tokens=4) for t in ("a", "b", "a")]
     s.add(seqs)
     s.on_step_done(s.schedule())
@@ -157,7 +147,7 @@ def test_finish_of_every_sequence_empties_the_backlog():
 
 
 def test_each_step_charges_prefill_chunks_and_decodes_by_their_weights():
-    s = Scheduler(SchedulerConfig(max_num_batched_tokens=4), KVCacheManager(64, BS))
+    s = make_scheduler(64, max_num_batched_tokens=4)
     x = tseq("a", list(range(1, 7)), max_tokens=8)
     s.add([x])
     for _ in range(4):  # chunks of 4 and 2 prompt tokens, then two decodes
