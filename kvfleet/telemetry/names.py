@@ -82,6 +82,7 @@ KVFLEET_TTFT_S = "kvfleet.ttft_s"                  # worker-measured time to fir
 KVFLEET_TPOT_S = "kvfleet.time_per_output_token_s"
 KVFLEET_CLIENT_TTFT_S = "kvfleet.client.ttft_s"    # client-observed time to first token
 KVFLEET_REQUEST_STATE = "kvfleet.request.state"    # running | waiting (gauge attribute)
+KVFLEET_KV_TIER = "kvfleet.kv.tier"                # device | host: where a prefix hit came from
 
 # ---- finish reasons (gen_ai.response.finish_reasons values)
 FINISH_STOP = "stop"
@@ -112,6 +113,17 @@ METRIC_STEPS = "kvfleet.worker.steps"
 METRIC_STEP_COST_SCALE = "kvfleet.worker.step.cost_scale"
 METRIC_TENANT_SERVICE = "kvfleet.worker.tenant.service"  # weighted tokens computed per tenant
 METRIC_QUEUE_DELAY = "kvfleet.worker.queue_delay"  # predicted (the load report's queue_delay_s)
+# The host KV tier (kvfleet.telemetry.tier_metrics): blocks moved, bytes held, hits by tier.
+METRIC_TIER_BYTES_USED = "kvfleet.worker.kv_tier.bytes_used"
+METRIC_TIER_CAPACITY = "kvfleet.worker.kv_tier.capacity"
+METRIC_TIER_WRITE_BACKS = "kvfleet.worker.kv_tier.write_backs"
+METRIC_TIER_DROPPED_WRITE_BACKS = "kvfleet.worker.kv_tier.dropped_write_backs"
+METRIC_TIER_RESTORES = "kvfleet.worker.kv_tier.restores"
+METRIC_TIER_FAILED_RESTORES = "kvfleet.worker.kv_tier.failed_restores"
+METRIC_TIER_BYTES_WRITTEN = "kvfleet.worker.kv_tier.bytes_written"
+METRIC_TIER_BYTES_RESTORED = "kvfleet.worker.kv_tier.bytes_restored"
+METRIC_PREFIX_HIT_TOKENS_BY_TIER = "kvfleet.worker.prefix_cache.tier_hit_tokens"
+METRIC_PREFIX_HIT_RATE_BY_TIER = "kvfleet.worker.prefix_cache.tier_hit_rate"
 METRIC_NETWORK_DURATION = "kvfleet.router.network.duration"
 METRIC_ROUTE_DURATION = "kvfleet.router.route.duration"
 

@@ -468,6 +468,8 @@ class ReplicaServer:
                 # Adapter slots change too: re-published every beat ({} without adapters).
                 self.publisher.describe(prefix_hit_rate=round(self.hits.rate(), 4),
                                         **self.adapter_fields())
+                if (tier := self.engine.scheduler.tier) is not None:  # the tier metrics' bytes
+                    await asyncio.to_thread(tier.lookup.refresh_node_stats)
                 await self.publisher.heartbeat(self.load())
             except Exception:
                 log.exception("heartbeat failed")
