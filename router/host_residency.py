@@ -24,16 +24,23 @@ def count_host(chain: Sequence[bytes], starts: HostStarts, tiers: TierSets) -> d
     """Per replica of ``starts``, the blocks of ``chain`` after its device prefix that its
     tier holds, up to the first miss; replicas with none are left out."""
     out: dict[str, int] = {}
-    for rid, (tier, start) in starts.items():
-        entry = tiers.get(tier)
-        if entry is None:
-            continue
-        held, k = entry[1], start
-        while k < len(chain) and chain[k] in held:
-            k += 1
-        if k > start:
-            out[rid] = k - start
+    counted: dict[tuple[str, int], int] = {}  # replicas of one node mostly share a start
+    for rid, key in starts.items():
+        if key not in counted:
+            counted[key] = _run_length(chain, key[1], tiers.get(key[0]))
+        if counted[key]:
+            out[rid] = counted[key]
     return out
+
+
+def _run_length(chain: Sequence[bytes], start: int,
+                entry: tuple[int, set[bytes]] | None) -> int:
+    if entry is None:
+        return 0
+    held, k = entry[1], start
+    while k < len(chain) and chain[k] in held:
+        k += 1
+    return k - start
 
 
 def apply_tier_event(tiers: TierSets, kind: bytes, tier: str, epoch: int,
