@@ -68,6 +68,7 @@ KVFLEET_ADAPTER = "kvfleet.lora.adapter"
 KVFLEET_ROUTE_POLICY = "kvfleet.route.policy"
 KVFLEET_ROUTE_PROMPT_BLOCKS = "kvfleet.route.prompt_blocks"    # full blocks hashed
 KVFLEET_ROUTE_MATCHED_BLOCKS = "kvfleet.route.matched_blocks"  # index's match on the choice
+KVFLEET_ROUTE_HOST_BLOCKS = "kvfleet.route.host_blocks"  # … and its node host tier's after it
 KVFLEET_ROUTE_REDIS_S = "kvfleet.route.redis_s"          # the index lookup (≈0 from the mirror)
 KVFLEET_ROUTE_INDEX_USED = "kvfleet.route.index_used"  # false: Redis down or not consulted
 KVFLEET_ROUTE_INDEX_SOURCE = "kvfleet.route.index_source"  # mirror | redis | "" (not consulted)
