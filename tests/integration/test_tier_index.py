@@ -125,3 +125,19 @@ async def test_the_router_prefers_the_replica_whose_node_tier_holds_the_prefix(t
         for pub in pubs:
             await pub.deregister()
             await pub.close()
+
+
+def test_an_unreachable_index_never_raises_into_the_tier(caplog):
+    store = HostTierStore(4 * BLOCK.nbytes)
+    pub = TierPublisher("redis://127.0.0.1:1", TIER, store.held_hashes, timeout_s=0.2,
+                        retry_interval_s=0.0)
+    store.listener = pub.record
+    try:
+        with caplog.at_level("WARNING", logger="kvfleet.worker.kv_tier.tier_publisher"):
+            for i in range(3):
+                store.put(0, [h(i)], BLOCK)
+                pub.flush()
+        assert pub.epoch == 0 and store.held_hashes() == [h(0), h(1), h(2)]
+        assert sum("unreachable" in r.getMessage() for r in caplog.records) == 1
+    finally:
+        pub.close()
