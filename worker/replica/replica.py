@@ -76,6 +76,7 @@ def _on_finish(telemetry: WorkerTelemetry, hits: HitWindow, latency: LatencyWind
     hits.record(out)
     latency.record(out)
 
+
 def _kv_tier_id(engine: Engine) -> str:
     """The index's name of the node tier the engine restores from ("" without one)."""
     tier = engine.scheduler.tier
