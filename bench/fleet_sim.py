@@ -101,17 +101,25 @@ class SimFleet:
 
     def _arrive(self, r: Request, results: dict, output_tokens: int) -> None:
         chain = block_hash_chain(self.root, r.token_ids, self.block_size)
-        matched = run_sync(self.index.match(chain))
-        cands = [Candidate(p.replica, self.report[rid], matched.get(rid, 0), self.inflight[rid],
-                           report_age_s=self.clock - self.report[rid].updated_at)
-                 for rid, p in self.pubs.items()]
-        rid = self.policy.choose(cands, chain).info.replica_id
+        rid = self.policy.choose(self._candidates(chain), chain).info.replica_id
         params = SamplingParams.from_proto(_sampling(output_tokens))
         self.engines[rid].add_request(EngineRequest(str(r.index), r.token_ids, params))
         self.inflight[rid] += 1
         results[str(r.index)] = Result(r, rid, len(r.token_ids))
         if not self.busy[rid]:
             self._start_step(rid)
+
+    def _candidates(self, chain: list[bytes]) -> list[Candidate]:
+        """Every replica with its load and its device (and node-tier) hits, as the router's
+        core builds them."""
+        matched = run_sync(self.index.match(chain))
+        starts = {rid: (p.replica.kv_tier, matched.get(rid, 0))
+                  for rid, p in self.pubs.items() if p.replica.kv_tier}
+        host = run_sync(self.index.host_match(chain, starts)) if starts else {}
+        return [Candidate(p.replica, self.report[rid], matched.get(rid, 0), self.inflight[rid],
+                          report_age_s=self.clock - self.report[rid].updated_at,
+                          host_blocks=host.get(rid, 0))
+                for rid, p in self.pubs.items()]
 
     def _start_step(self, rid: str) -> None:
         eng = self.engines[rid]

@@ -145,7 +145,8 @@ _OPTIONAL_FLAGS = (("--http-max-connections", "http_max_connections"),
                    ("--retry-pushback-ms", "retry_pushback_ms"),
                    ("--log-level", "log_level"), ("--shutdown-grace-s", "shutdown_grace_s"),
                    ("--tenant-max-inflight", "tenant_max_inflight"))
-_POLICY_FLAGS = ("load_penalty_blocks", "max_imbalance", "popularity_window", "min_excess_load")
+_POLICY_FLAGS = ("load_penalty_blocks", "max_imbalance", "popularity_window", "min_excess_load",
+                 "host_hit_weight")
 
 
 def router_args(router: RouterConfig) -> list[str]:

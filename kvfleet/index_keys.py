@@ -29,10 +29,18 @@ Every key starts with a configurable namespace (default ``kvfleet:``)::
                                  (uncached prompt × 1 + output × 2), added by each router every
                                  few seconds; PEXPIRE a day after the last addition
     {ns}sweep_cursor      STRING SCAN cursor of the incremental garbage sweep, shared by all routers
-    {ns}kv_events         STREAM the KV event log: one entry per index write of a replica, id
-                                 ``{seq}-0``; fields o (the log's origin), k (reg | blk | dereg),
-                                 r (replica_id), e (epoch), rm / st (removed / stored hashes,
-                                 concatenated); MAXLEN ~ 10,000
+    {ns}tier_epochs       HASH   tier_id -> epoch           current epoch of each node's host KV tier
+                                 (tier_id = "tier:{ray node id}"; HINCRBY when a tier's
+                                 publisher (re)registers: a restarted tier starts empty)
+    {ns}tier_held:{tier_id}
+                          HASH   block hash -> epoch        blocks a node's host tier holds (rank 0's
+                                 shard written; the same "~" padding field as held:); PEXPIRE
+                                 refreshed by the tier's heartbeat: gone soon after its node
+    {ns}kv_events         STREAM the KV event log: one entry per index write of a replica or a
+                                 tier, id ``{seq}-0``; fields o (the log's origin), k (reg |
+                                 blk | dereg for a replica; treg | tblk for a tier), r
+                                 (replica_id or tier_id), e (epoch), rm / st (removed / stored
+                                 hashes, concatenated); MAXLEN ~ 10,000
     {ns}kv_events_seq     STRING seq of the last entry (INCR); 1 starts a new log (stream reset)
     {ns}kv_events_origin  STRING Redis TIME when the current log started: a reader that sees it
                                  change knows the log restarted (Redis restarted or was flushed)
@@ -53,6 +61,14 @@ call): the lookup reads the first block's key to find the replicas holding the c
 then one ``HMGET`` of the whole chain per such replica — ``1 + holders`` commands inside one
 script call, whatever the prompt length. ``register()`` deletes the replica's ``held`` hash
 (the new epoch republishes it), ``deregister()`` and the sweep of silent replicas too.
+
+**Host tier.** A replica with a host tier names it in its registry entry (``kv_tier``); the
+tier (one Ray actor per node, :mod:`kvfleet.worker.kv_tier.tier_publisher`) is the only writer
+of its own entries, so its write-backs and LRU evictions reach the index in the order they
+happened. A block in a replica's node tier is reachable by that replica after its device
+prefix (admission restores it): routers count it as a host hit
+(:meth:`kvfleet.router.prefix_index.PrefixIndex.host_match`). Readers that predate tiers skip
+``treg``/``tblk`` entries (an unknown ``r`` that no registry entry names).
 
 **Event log.** The same script call that changes a replica's entries appends one entry to
 ``{ns}kv_events``, so the log and the hashes never disagree. Routers keep an in-memory mirror of
@@ -121,6 +137,8 @@ class ReplicaInfo:
     # The hex digest of the model's cache identity (DESIGN §2: weights, tokenizer, chat template,
     # KV dtype, block size) the replica hashes with; routers dispatch only where it is theirs.
     identity: str = ""
+    # Its node's host KV tier ("tier:{node id}"; index_keys "Host tier"), "" without one.
+    kv_tier: str = ""
 
     def adapter_revision(self, name: str) -> str | None:
         """The revision it serves adapter ``name`` at, or None."""
@@ -137,7 +155,7 @@ class ReplicaInfo:
              "resident_adapters": list(self.resident_adapters),
              "state": self.state, "serve_replica": self.serve_replica,
              "metrics_address": self.metrics_address, "prefix_hit_rate": self.prefix_hit_rate,
-             "identity": self.identity},
+             "identity": self.identity, "kv_tier": self.kv_tier},
             separators=(",", ":"),
         )
 
@@ -155,7 +173,8 @@ class ReplicaInfo:
                    serve_replica=str(d.get("serve_replica", "")),
                    metrics_address=str(d.get("metrics_address", "")),
                    prefix_hit_rate=float(d.get("prefix_hit_rate", 0.0)),
-                   identity=str(d.get("identity", "")))
+                   identity=str(d.get("identity", "")),
+                   kv_tier=str(d.get("kv_tier", "")))
 
 
 @dataclass(frozen=True)
@@ -233,6 +252,13 @@ class IndexKeys:
     def held(self, replica_id: str) -> str:
         return f"{self.held_prefix}{replica_id}"
 
+    @property
+    def tier_epochs(self) -> str:
+        return f"{self.namespace}tier_epochs"
+
+    def tier_held(self, tier_id: str) -> str:
+        return f"{self.namespace}tier_held:{tier_id}"
+
     def adapters(self, model: str) -> str:
         return f"{self.namespace}adapters:{model}"
 
@@ -284,6 +310,14 @@ class IndexKeys:
 
     def router(self, router_id: str) -> str:
         return f"{self.router_prefix}{router_id}"
+
+
+TIER_ID_PREFIX = "tier:"
+
+
+def tier_id(node_id: str) -> str:
+    """The index's name for the host KV tier of Ray node ``node_id``."""
+    return f"{TIER_ID_PREFIX}{node_id}"
 
 
 def pack_chain(hashes: Sequence[bytes]) -> bytes:

@@ -237,17 +237,19 @@ class RouterCore:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizers, fn, arg)
 
     def _candidates(self, model: str, matched: Optional[dict[str, int]] = None,
-                    live: Optional[list] = None) -> list[Candidate]:
+                    live: Optional[list] = None,
+                    host: Optional[dict[str, int]] = None) -> list[Candidate]:
         """Every live replica of ``model`` with its load (``live``: ``for_model``'s answer, if
-        the caller has it). Raises Unavailable if none is live."""
+        the caller has it; ``matched`` / ``host``: its device / host-tier hits). Raises
+        Unavailable if none is live."""
         live = self.replicas.for_model(model) if live is None else live
         if not live:
             raise Unavailable(self.replicas.none_reason(model))
-        ledger, matched = self.replicas.ledger, matched or {}
+        ledger, matched, host = self.replicas.ledger, matched or {}, host or {}
         now = ledger.clock()
         return [Candidate(info, load, matched.get(info.replica_id, 0),
                           ledger.inflight[info.replica_id], ledger.settled(info.replica_id),
-                          report_age(load, now))
+                          report_age(load, now), host.get(info.replica_id, 0))
                 for info, load in live]
 
     def _claim_id(self, tenant: str, client_id: str) -> tuple[str, str]:
@@ -268,8 +270,9 @@ class RouterCore:
         """Pick a replica with room for a chain of block hashes (``adapter``: (name,
         revision), among the replicas serving it; ``prefix_aware`` prefers those where it is
         resident). Raises Unavailable if none is live."""
-        self._candidates(model.name)  # Unavailable before any lookup
+        live = self._candidates(model.name)  # Unavailable before any lookup
         matched: dict[str, int] = {}
+        host: dict[str, int] = {}
         t0 = time.perf_counter()
         index_used, source = False, ""
         # During an outage skip the lookup (each would wait for a timeout): route by load until
@@ -278,12 +281,17 @@ class RouterCore:
             source = "mirror" if self.replicas.index.local else "redis"
             try:
                 matched = await self.replicas.index.match(chain)
+                # Replicas with a node tier: the blocks after their device match it holds.
+                starts = {c.info.replica_id: (c.info.kv_tier, matched.get(c.info.replica_id, 0))
+                          for c in live if c.info.kv_tier}
+                if starts:
+                    host = await self.replicas.index.host_match(chain, starts)
                 index_used = True
                 self.replicas.mark_index_up()
             except IndexUnavailable as exc:
                 self.replicas.mark_index_down(exc)
         redis_s = time.perf_counter() - t0
-        candidates = self._candidates(model.name, matched)
+        candidates = self._candidates(model.name, matched, host=host)
         if adapter is not None:
             candidates = serving(candidates, adapter)
             if not candidates:

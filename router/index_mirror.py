@@ -37,6 +37,13 @@ from kvfleet.index_keys import (
     redis_client,
     unpack_chain,
 )
+from kvfleet.router.host_residency import (
+    HostStarts,
+    TierSets,
+    apply_tier_event,
+    count_host,
+    snapshot_tiers,
+)
 from kvfleet.router.prefix_index import PRUNE_AFTER_TTLS, RedisPrefixIndex
 
 log = logging.getLogger(__name__)
@@ -78,6 +85,7 @@ class MirroredPrefixIndex:
         # Any: redis-py types each reply as sync-or-async, and binary replies as str-or-bytes.
         self._redis: Any = redis_client(url, timeout_s, binary=True, read_timeout_s=block_s + timeout_s)
         self._held: dict[str, tuple[int, set[bytes]]] = {}  # replica → (epoch, block hashes)
+        self._tiers: TierSets = {}  # node tier → (epoch, block hashes): host residency
         self._live: dict[str, int] = {}        # replica → epoch, from the last registry read
         self._last_live: dict[str, float] = {}  # replica → monotonic s it was last listed live
         self._seq = 0                  # last log entry applied
@@ -114,6 +122,12 @@ class MirroredPrefixIndex:
                 k += 1
             out[rid] = k
         return out
+
+    async def host_match(self, chain: Sequence[bytes], starts: HostStarts) -> dict[str, int]:
+        """As :meth:`PrefixIndex.host_match`; from memory when :attr:`local`, else from Redis."""
+        if not self.local:
+            return await self.fallback.host_match(chain, starts)
+        return count_host(chain, starts, self._tiers)
 
     async def replicas(self) -> list[tuple[ReplicaInfo, ReplicaLoad | None]]:
         """The registry read (from Redis); also the liveness and epochs ``match`` uses, and the
@@ -189,7 +203,8 @@ class MirroredPrefixIndex:
             if epoch is not None:
                 held[rid] = (int(epoch), {h for h, e in entries.items()
                                           if e == epoch and len(h) == HASH_BYTES})
-        self._held, self._seq, self._origin = held, int(seq or 0), origin
+        tiers = await snapshot_tiers(self._redis, k)
+        self._held, self._tiers, self._seq, self._origin = held, tiers, int(seq or 0), origin
         self.snapshots += 1
         log.info("prefix index mirror: snapshot of %d replicas, %d entries, log at %d",
                  len(held), sum(len(s) for _, s in held.values()), self._seq)
@@ -225,8 +240,13 @@ class MirroredPrefixIndex:
 
     def _apply(self, fields: dict[bytes, bytes]) -> None:
         """One log entry: ``reg`` (a new epoch starts empty), ``blk`` (removed, then stored),
-        ``dereg`` (entries gone). Entries of an epoch older than the mirror's are ignored."""
+        ``dereg`` (entries gone); ``treg`` / ``tblk`` the same for a node tier. Entries of an
+        epoch older than the mirror's are ignored."""
         rid, epoch, kind = fields[b"r"].decode(), int(fields[b"e"]), fields[b"k"]
+        if kind in (b"treg", b"tblk"):
+            apply_tier_event(self._tiers, kind, rid, epoch, unpack_chain(fields[b"rm"]),
+                             unpack_chain(fields[b"st"]))
+            return
         entry = self._held.get(rid)
         if entry is not None and epoch < entry[0]:
             return

@@ -73,7 +73,8 @@ class RouterConfig:
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)  # OTLP / Prometheus
     log_level: str = "INFO"  # DEBUG adds a line per routing decision
     # prefix_aware knobs (kvfleet.router.policy): load_penalty_blocks, max_imbalance,
-    # popularity_window, kv_saturation, min_excess_load; empty = the documented defaults.
+    # popularity_window, kv_saturation, min_excess_load, host_hit_weight; empty = the
+    # documented defaults.
     policy_options: dict = field(default_factory=dict)
     retry_pushback_ms: int = DEFAULT_RETRY_PUSHBACK_MS  # RESOURCE_EXHAUSTED's retry hint
     # On SIGTERM/SIGINT: new calls are refused at once, open streams get this long to end.
@@ -266,6 +267,10 @@ def parse_args(argv: list[str]) -> RouterConfig:
     p.add_argument("--min-excess-load", type=float, default=None,
                    help="prefix_aware: requests over the fleet's mean load a holder must carry, "
                         "besides --max-imbalance times the mean, before its prefixes get copies")
+    p.add_argument("--host-hit-weight", type=float, default=None,
+                   help="prefix_aware / predicted_ttft: what a block in a replica's node host "
+                        "KV tier is worth next to one in its device pool, 0..1 (default: 0.95, "
+                        "from restore vs prefill seconds per block: router/tier_credit.py)")
     p.add_argument("--no-index-mirror", dest="index_mirror", action="store_false",
                    help="look every prompt up in Redis (one round trip per request) instead of "
                         "an in-memory mirror of the index fed by the workers' KV event log")
@@ -347,7 +352,8 @@ def _config(a: argparse.Namespace, telemetry: TelemetryConfig, stream_limits: St
                         tenant_max_inflight=a.tenant_max_inflight,
                         policy_options={
                             k: v for k in ("load_penalty_blocks", "max_imbalance",
-                                           "popularity_window", "min_excess_load")
+                                           "popularity_window", "min_excess_load",
+                                           "host_hit_weight")
                             if (v := getattr(a, k)) is not None})
 
 

@@ -5,7 +5,8 @@
 requests that report counts but that have finished since, and this router's own in-flight
 count, so a burst counts before the next heartbeat and a finished one stops counting at once):
 
-1. **Score** ``m − load_penalty_blocks × load``; the highest wins. Ties go to the deeper match
+1. **Score** ``m − load_penalty_blocks × load``; the highest wins. ``m`` includes a replica's
+   host-tier hits at ``host_hit_weight`` each (``router/tier_credit.py``). Ties go to the deeper match
    (a report one heartbeat old can still count another router's finished request: a holder
    that looks one request busier than a replica with one block less keeps the conversation),
    then to the least loaded;
@@ -48,6 +49,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Protocol, Sequence
 
 from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
+from kvfleet.router.tier_credit import DEFAULT_HOST_HIT_WEIGHT, host_credit_blocks
 
 DEFAULT_LOAD_PENALTY_BLOCKS = 1.0
 DEFAULT_MAX_IMBALANCE = 1.25
@@ -69,6 +71,8 @@ class Candidate:
     inflight: int  # this router's own open streams to the replica
     settled: int = 0  # this router's requests the report still counts that have finished
     report_age_s: float = 0.0  # seconds since the report was taken (this router's clock)
+    # Blocks after the device match that its node's host tier holds (restored, not computed).
+    host_blocks: int = 0
 
     @property
     def reported(self) -> Optional[int]:
@@ -87,7 +91,8 @@ class Candidate:
         """``"<id> matched=<blocks> load=<requests> (reported=R settled=S inflight=I)"``: the
         decision's inputs, for the ``kvfleet.route.candidates`` span attribute and debug logs."""
         reported = "none" if self.reported is None else self.reported
-        return (f"{self.info.replica_id} matched={self.matched_blocks} load={self.load} "
+        host = f" host={self.host_blocks}" if self.host_blocks else ""
+        return (f"{self.info.replica_id} matched={self.matched_blocks}{host} load={self.load} "
                 f"(reported={reported} settled={self.settled} inflight={self.inflight})")
 
     @property
@@ -153,11 +158,15 @@ class PrefixAware:
                  popularity_window: int = DEFAULT_POPULARITY_WINDOW,
                  load_window: int = DEFAULT_LOAD_WINDOW,
                  kv_saturation: float = DEFAULT_KV_SATURATION,
-                 min_excess_load: float = DEFAULT_MIN_EXCESS_LOAD) -> None:
+                 min_excess_load: float = DEFAULT_MIN_EXCESS_LOAD,
+                 host_hit_weight: float = DEFAULT_HOST_HIT_WEIGHT) -> None:
         if load_penalty_blocks < 0 or max_imbalance < 1 or load_window < 1 \
-                or not 0 < kv_saturation <= 1 or min_excess_load < 0:
+                or not 0 < kv_saturation <= 1 or min_excess_load < 0 \
+                or not 0 <= host_hit_weight <= 1:
             raise ValueError("need load_penalty_blocks >= 0, max_imbalance >= 1, "
-                             "load_window >= 1, 0 < kv_saturation <= 1, min_excess_load >= 0")
+                             "load_window >= 1, 0 < kv_saturation <= 1, min_excess_load >= 0, "
+                             "0 <= host_hit_weight <= 1")
+        self.host_hit_weight = host_hit_weight
         self.load_window = load_window
         self.min_excess_load = min_excess_load
         self.load_penalty_blocks = load_penalty_blocks
@@ -215,8 +224,11 @@ class PrefixAware:
         least loaded; holders then by recent load (the one with less other work takes the
         shared family's traffic); then rendezvous on the first block."""
         first = chain[0] if chain else b""
+        cached = {c.info.replica_id: c.matched_blocks + host_credit_blocks(c, self.host_hit_weight)
+                  for c in candidates}  # host-tier hits at their weight (router/tier_credit.py)
         return max(candidates, key=lambda c: (
-            c.matched_blocks - self.load_penalty_blocks * c.load, c.matched_blocks, -c.load,
+            cached[c.info.replica_id] - self.load_penalty_blocks * c.load,
+            cached[c.info.replica_id], -c.load,
             -self.recent_load.get(c.info.replica_id, 0.0) if c.matched_blocks else 0.0,
             rendezvous_score(first, c.info.replica_id)))
 

@@ -3,7 +3,8 @@
 Each replica advertises, with its load, ``queue_delay_s`` (seconds before a request arriving
 now starts its prefill) and ``prefill_token_s`` (its seconds per uncached prompt token), both
 from its own step-cost model (``worker/engine/queue_delay.py``). Per candidate, with ``m``
-its matched leading blocks of a prompt of ``P`` tokens:
+its matched leading blocks of a prompt of ``P`` tokens (blocks its node's host tier holds
+after those cost their restore instead of their prefill: ``router/tier_credit.py``):
 
     predicted TTFT = max(0, queue_delay_s − report age)       the report's backlog, drained since
                    + unreported × pending_s                   this router's requests it misses
@@ -33,6 +34,7 @@ from typing import Optional, Sequence
 
 from kvfleet.index_keys import ReplicaLoad
 from kvfleet.router.policy import Candidate, PrefixAware, rendezvous_desc
+from kvfleet.router.tier_credit import host_credit_s
 
 MAX_REPORT_AGE_S = 10.0  # older is a clock offset between hosts, not drained work
 DEFAULT_MISS_WEIGHT = 3.0  # see the module docstring (bench.ttft_routing: 0, 1, 3, 6 tried)
@@ -80,18 +82,18 @@ class PredictedTTFT(PrefixAware):
         unreported = max(0, c.inflight - reported)
         return queued + unreported * self.pending_s.get(c.info.replica_id, own) + own
 
-    @staticmethod
-    def own_prefill_s(c: Candidate, chain: Sequence[bytes]) -> float:
+    def own_prefill_s(self, c: Candidate, chain: Sequence[bytes]) -> float:
         """Seconds of the request's uncached prompt tokens on ``c``."""
         forecast = _forecast(c)
         assert forecast is not None and forecast.prefill_token_s is not None
         bs = c.info.block_size
         uncached = (len(chain) - min(c.matched_blocks, len(chain))) * bs + bs // 2
-        return uncached * forecast.prefill_token_s
+        per_token = forecast.prefill_token_s
+        return uncached * per_token - host_credit_s(c, per_token, self.host_hit_weight)
 
     def _best_score(self, candidates: Sequence[Candidate], chain: Sequence[bytes]) -> Candidate:
         if not all(_forecast(c) is not None for c in candidates) \
-                or not any(c.matched_blocks for c in candidates):
+                or not any(c.matched_blocks or c.host_blocks for c in candidates):
             return super()._best_score(candidates, chain)
         return min(candidates, key=lambda c: self._order(c, chain))
 

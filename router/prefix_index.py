@@ -31,6 +31,14 @@ from kvfleet.index_keys import (
     redis_client,
     seconds_to_ms,
 )
+from kvfleet.router.host_residency import (
+    HOST_MATCH_LUA,
+    HostStarts,
+    InMemoryTierPublisher,
+    TierSets,
+    count_host,
+    host_match_args,
+)
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +54,13 @@ class PrefixIndex(Protocol):
         Counting stops at a replica's first miss (holding blocks 0, 1, 3 → 2). Replicas absent from
         the result hold 0. Raises :class:`IndexUnavailable` when the index cannot be read.
         """
+        ...
+
+    async def host_match(self, chain: Sequence[bytes], starts: HostStarts) -> dict[str, int]:
+        """Per replica of ``starts`` (replica_id → (its node tier's id, the leading blocks of
+        ``chain`` it holds on device)), how many of the chain's next blocks its node's host
+        tier holds, up to the first miss: blocks the replica restores instead of computing.
+        Replicas absent from the result: 0. Raises :class:`IndexUnavailable`."""
         ...
 
     async def replicas(self) -> list[tuple[ReplicaInfo, ReplicaLoad | None]]:
@@ -172,6 +187,7 @@ class RedisPrefixIndex:
         self._sweep_count = sweep_count
         self._redis = redis_client(url, timeout_s)
         self._match = self._redis.register_script(_MATCH_LUA)
+        self._host_match = self._redis.register_script(HOST_MATCH_LUA)
         self._replicas = self._redis.register_script(_REPLICAS_LUA)
         self._bad_entries: set = set()  # replica ids whose malformed entry was logged
 
@@ -190,6 +206,13 @@ class RedisPrefixIndex:
         k = self._keys
         flat = await self._run(self._match, [k.heartbeats, k.epochs],
                                [self._ttl_ms, k.block_prefix, pack_chain(chain), k.held_prefix])
+        return {flat[i]: int(flat[i + 1]) for i in range(0, len(flat), 2)}
+
+    async def host_match(self, chain: Sequence[bytes], starts: HostStarts) -> dict[str, int]:
+        if not chain or not starts:
+            return {}
+        keys, args = host_match_args(self._keys, pack_chain(chain), starts)
+        flat = await self._run(self._host_match, keys, args)
         return {flat[i]: int(flat[i + 1]) for i in range(0, len(flat), 2)}
 
     async def replicas(self) -> list[tuple[ReplicaInfo, ReplicaLoad | None]]:
@@ -231,8 +254,17 @@ class InMemoryPrefixIndex:
         self.registry: dict[str, ReplicaInfo] = {}
         self.beats: dict[str, float] = {}
         self.loads: dict[str, tuple[ReplicaLoad, float]] = {}  # load, expiry (clock seconds)
+        self.tiers: TierSets = {}  # node tier id -> (epoch, held block hashes)
 
     local = True
+
+    def tier_publisher(self, tier_id: str) -> InMemoryTierPublisher:
+        """A writer of node tier ``tier_id``'s residency (a store listener)."""
+        return InMemoryTierPublisher(self.tiers, tier_id)
+
+    async def host_match(self, chain: Sequence[bytes], starts: HostStarts) -> dict[str, int]:
+        self._live_epochs()  # raises while marked unavailable
+        return count_host(chain, starts, self.tiers)
 
     def publisher(self, replica: ReplicaInfo,
                   replica_ttl_s: float = DEFAULT_REPLICA_TTL_S) -> "InMemoryKvPublisher":

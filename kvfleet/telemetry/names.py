@@ -68,6 +68,7 @@ KVFLEET_ADAPTER = "kvfleet.lora.adapter"
 KVFLEET_ROUTE_POLICY = "kvfleet.route.policy"
 KVFLEET_ROUTE_PROMPT_BLOCKS = "kvfleet.route.prompt_blocks"    # full blocks hashed
 KVFLEET_ROUTE_MATCHED_BLOCKS = "kvfleet.route.matched_blocks"  # index's match on the choice
+KVFLEET_ROUTE_HOST_BLOCKS = "kvfleet.route.host_blocks"  # … and its node host tier's after it
 KVFLEET_ROUTE_REDIS_S = "kvfleet.route.redis_s"          # the index lookup (≈0 from the mirror)
 KVFLEET_ROUTE_INDEX_USED = "kvfleet.route.index_used"  # false: Redis down or not consulted
 KVFLEET_ROUTE_INDEX_SOURCE = "kvfleet.route.index_source"  # mirror | redis | "" (not consulted)
@@ -82,6 +83,7 @@ KVFLEET_TTFT_S = "kvfleet.ttft_s"                  # worker-measured time to fir
 KVFLEET_TPOT_S = "kvfleet.time_per_output_token_s"
 KVFLEET_CLIENT_TTFT_S = "kvfleet.client.ttft_s"    # client-observed time to first token
 KVFLEET_REQUEST_STATE = "kvfleet.request.state"    # running | waiting (gauge attribute)
+KVFLEET_KV_TIER = "kvfleet.kv.tier"                # device | host: where a prefix hit came from
 
 # ---- finish reasons (gen_ai.response.finish_reasons values)
 FINISH_STOP = "stop"
@@ -112,6 +114,17 @@ METRIC_STEPS = "kvfleet.worker.steps"
 METRIC_STEP_COST_SCALE = "kvfleet.worker.step.cost_scale"
 METRIC_TENANT_SERVICE = "kvfleet.worker.tenant.service"  # weighted tokens computed per tenant
 METRIC_QUEUE_DELAY = "kvfleet.worker.queue_delay"  # predicted (the load report's queue_delay_s)
+# The host KV tier (kvfleet.telemetry.tier_metrics): blocks moved, bytes held, hits by tier.
+METRIC_TIER_BYTES_USED = "kvfleet.worker.kv_tier.bytes_used"
+METRIC_TIER_CAPACITY = "kvfleet.worker.kv_tier.capacity"
+METRIC_TIER_WRITE_BACKS = "kvfleet.worker.kv_tier.write_backs"
+METRIC_TIER_DROPPED_WRITE_BACKS = "kvfleet.worker.kv_tier.dropped_write_backs"
+METRIC_TIER_RESTORES = "kvfleet.worker.kv_tier.restores"
+METRIC_TIER_FAILED_RESTORES = "kvfleet.worker.kv_tier.failed_restores"
+METRIC_TIER_BYTES_WRITTEN = "kvfleet.worker.kv_tier.bytes_written"
+METRIC_TIER_BYTES_RESTORED = "kvfleet.worker.kv_tier.bytes_restored"
+METRIC_PREFIX_HIT_TOKENS_BY_TIER = "kvfleet.worker.prefix_cache.tier_hit_tokens"
+METRIC_PREFIX_HIT_RATE_BY_TIER = "kvfleet.worker.prefix_cache.tier_hit_rate"
 METRIC_NETWORK_DURATION = "kvfleet.router.network.duration"
 METRIC_ROUTE_DURATION = "kvfleet.router.route.duration"
 

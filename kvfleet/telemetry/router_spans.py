@@ -139,6 +139,7 @@ class RouterRequestTrace:
                 n.KVFLEET_ROUTE_POLICY: policy, n.KVFLEET_REPLICA_ID: info.replica_id,
                 n.KVFLEET_ROUTE_PROMPT_BLOCKS: decision.num_blocks,
                 n.KVFLEET_ROUTE_MATCHED_BLOCKS: decision.candidate.matched_blocks,
+                n.KVFLEET_ROUTE_HOST_BLOCKS: decision.candidate.host_blocks,
                 n.KVFLEET_ROUTE_REDIS_S: decision.redis_s,
                 n.KVFLEET_ROUTE_INDEX_USED: decision.index_used,
                 n.KVFLEET_ROUTE_INDEX_SOURCE: decision.index_source,

@@ -26,6 +26,7 @@ from kvfleet import priority
 from kvfleet.telemetry import names as n
 from kvfleet.telemetry.provider import Telemetry
 from kvfleet.telemetry.status import set_failure
+from kvfleet.telemetry.tier_metrics import register_tier_metrics
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,7 @@ class WorkerTelemetry:
             m.create_observable_gauge(
                 n.METRIC_QUEUE_DELAY, [self._queue_delay], unit="s",
                 description="Predicted wait before a request arriving now starts its prefill")
+            register_tier_metrics(m, model, stats_fn)
         self._step_cost = step_cost  # the engine's StepCost (kvfleet.worker.engine.step_cost)
         if step_cost is not None:
             self._step_instruments(m)

@@ -4,11 +4,16 @@ from them (cached prompt tokens it never computed)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
+from kvfleet.allocator.hashing import block_hash_chain, root_hash
+from kvfleet.router.index_mirror import MirroredPrefixIndex
+from kvfleet.router.prefix_index import RedisPrefixIndex
 from kvfleet.v1 import worker_pb2, worker_pb2_grpc
 from kvfleet.worker.engine.scheduler import SchedulerConfig
-from kvfleet.worker.kv_tier.node_tier import node_tier
+from kvfleet.worker.kv_tier.node_tier import NAMESPACE, node_tier, tier_actor_name
 from kvfleet.worker.replica.replica import ReplicaConfig, ReplicaServer
 
 PROMPT = [(7 * i + 3) % 1000 + 5 for i in range(40)]  # 2 full blocks of 16 reusable
@@ -35,8 +40,19 @@ async def _cached_tokens(server: ReplicaServer, rid: str) -> int:
         return last.usage.cached_prompt_tokens
 
 
+def _no_tier_actor(ray) -> None:
+    """Kill a tier actor an earlier test left on this node: it publishes to that test's
+    namespace (the first replica on a node names the tier's index)."""
+    name = tier_actor_name(ray.get_runtime_context().get_node_id())
+    try:
+        ray.kill(ray.get_actor(name, namespace=NAMESPACE))
+    except ValueError:
+        pass
+
+
 async def test_a_drained_replicas_prefix_is_served_from_the_node_tier_by_a_survivor(
         ray_session, tiny_llama_dir, redis_server, redis_namespace) -> None:
+    _no_tier_actor(ray_session)
     first = ReplicaServer(_config("a", tiny_llama_dir, redis_server.url, redis_namespace))
     second = ReplicaServer(_config("b", tiny_llama_dir, redis_server.url, redis_namespace))
     try:
@@ -44,6 +60,24 @@ async def test_a_drained_replicas_prefix_is_served_from_the_node_tier_by_a_survi
         await second.start()
         assert await _cached_tokens(first, "a-1") == 0
         await first.drain()
+        # The index shows the handed-over blocks in b's node tier (routers credit them to b).
+        tier = second.publisher.replica.kv_tier
+        assert tier.startswith("tier:")
+        chain = block_hash_chain(root_hash(second.engine.identity_digest, "default", ""),
+                                 PROMPT, 16)[:2]
+        mirror = MirroredPrefixIndex(RedisPrefixIndex(redis_server.url, namespace=redis_namespace),
+                                     redis_server.url, namespace=redis_namespace)
+        mirror.start()
+        try:
+            for _ in range(100):  # the tier actor publishes every 50 ms
+                await mirror.sync()
+                if await mirror.host_match(chain, {"b": (tier, 0)}) == {"b": 2}:
+                    break
+                await asyncio.sleep(0.05)
+            assert await mirror.host_match(chain, {"b": (tier, 0)}) == {"b": 2}
+            assert await mirror.fallback.host_match(chain, {"b": (tier, 0)}) == {"b": 2}
+        finally:
+            await mirror.close()
         assert await _cached_tokens(second, "b-1") == 32  # restored, never computed on b
         assert second.engine.executor.tier.stats.restores == 2
     finally:

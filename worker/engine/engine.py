@@ -34,6 +34,7 @@ from kvfleet.worker.engine.stop_checker import StopChecker
 from kvfleet.worker.engine.tier_step import move_blocks
 from kvfleet.worker.executor.base import Executor
 from kvfleet.worker.kv_tier.lookup import TierLookup
+from kvfleet.worker.kv_tier.tier_stats import tier_stats
 
 log = logging.getLogger(__name__)
 _GRAMMAR_DEFAULTS = GrammarConfig()
@@ -337,4 +338,6 @@ class Engine:
             **load_forecast(self.scheduler, self.step_cost),
             "prefill_tokens_queued": queued,
             "context_tokens": sum(s.num_computed_tokens for s in running),
+            **tier_stats(sched.hits, sched.tier.lookup if sched.tier else None,
+                         getattr(self.executor, "tier", None)),
         }

@@ -46,6 +46,7 @@ from kvfleet.allocator.kv_cache_manager import KVCacheManager
 from kvfleet.allocator.units import cdiv
 from kvfleet.errors import ResourceExhausted
 from kvfleet.priority import BATCH
+from kvfleet.worker.engine.hit_counts import HitCounts
 from kvfleet.worker.engine.priority_queue import (
     PriorityRules,
     batch_held,
@@ -154,6 +155,7 @@ class Scheduler:
         self.step_cost = step_cost
         # The host tier: admission restores the blocks it holds after the device pool's.
         self.tier = TierAdmission(kv, tier) if tier is not None else None
+        self.hits = HitCounts()  # prompt tokens admitted, hits by tier (metrics)
         if tier is not None:
             kv.pool.record_evictions = True  # evicted blocks are written back first
         self.waiting: deque[SequenceState] = deque()
@@ -301,6 +303,8 @@ class Scheduler:
             seq.num_computed_tokens = num_cached
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = num_cached
+                self.hits.admitted(seq.num_tokens, len(computed) * self.kv.block_size,
+                                   len(hits) * self.kv.block_size)
             self.running.append(seq)
             seats += group
             scheduled.append(ScheduledSeq(seq, n, num_cached + n == seq.num_tokens))

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
-from kvfleet.worker.kv_tier.store import TierStore
+from kvfleet.worker.kv_tier.store import TierStats, TierStore
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +23,19 @@ class TierLookup:
         self._clock = clock
         self._down_until = 0.0
         self.lookups = self.hits = 0  # calls, and blocks they found
+        self.node_stats: Optional[TierStats] = None  # the node tier's, as last refreshed
+
+    def refresh_node_stats(self) -> Optional[TierStats]:
+        """Read the node tier's counters (a Ray call when the tier is the node's actor: off
+        the engine thread, e.g. from the heartbeat); keeps the last answer on failure."""
+        stats = getattr(self.store, "stats", None)
+        if stats is None:
+            return self.node_stats
+        try:
+            self.node_stats = stats()
+        except Exception as exc:  # a dead or slow tier: the metrics keep their last values
+            log.debug("kv tier stats unavailable: %s", exc)
+        return self.node_stats
 
     def lookup(self, hashes: Sequence[bytes]) -> int:
         """Leading ``hashes`` held for every rank (0 while backing off, or on any error)."""

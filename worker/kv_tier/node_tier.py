@@ -10,22 +10,41 @@ recomputing (never an error for a request).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
 
+from kvfleet.index_keys import DEFAULT_NAMESPACE, tier_id
 from kvfleet.worker.kv_tier.store import HostTierStore, TierStats
+from kvfleet.worker.kv_tier.tier_publisher import TierPublisher
 
 NAMESPACE = "kvfleet"
 CALL_TIMEOUT_S = 5.0
 
 
+@dataclass(frozen=True)
+class TierIndex:
+    """Where a node tier publishes its residency: the prefix index's Redis and namespace."""
+
+    redis_url: str
+    namespace: str = DEFAULT_NAMESPACE
+
+
 class NodeTierActor:
     """The actor's body (wrapped with ``ray.remote`` by :func:`node_tier`): a
-    :class:`HostTierStore` of ``capacity_bytes``."""
+    :class:`HostTierStore` of ``capacity_bytes``, whose residency goes to ``index`` under
+    ``tier_id`` when given (:mod:`.tier_publisher`)."""
 
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, tier_id: str = "",
+                 index: Optional[TierIndex] = None) -> None:
         self.store = HostTierStore(capacity_bytes)
+        self.publisher: Optional[TierPublisher] = None
+        if index is not None and tier_id:
+            self.publisher = TierPublisher(index.redis_url, tier_id, self.store.held_hashes,
+                                           index.namespace)
+            self.store.listener = self.publisher.record
+            self.publisher.start()
 
     def put(self, rank: int, hashes: list[bytes], run: np.ndarray) -> int:
         return self.store.put(rank, hashes, run)
@@ -51,8 +70,10 @@ class RayTier:
         ray.exceptions.RayError, TimeoutError: the actor died, or did not answer in time.
     """
 
-    def __init__(self, actor, capacity_bytes: int, timeout_s: float = CALL_TIMEOUT_S) -> None:
+    def __init__(self, actor, capacity_bytes: int, timeout_s: float = CALL_TIMEOUT_S,
+                 tier_id: str = "") -> None:
         self.actor, self.capacity_bytes, self.timeout_s = actor, capacity_bytes, timeout_s
+        self.tier_id = tier_id  # the index's name for it (index_keys.tier_id)
 
     def _get(self, ref):
         import ray
@@ -80,10 +101,11 @@ def tier_actor_name(node_id: str) -> str:
 
 
 def node_tier(capacity_bytes: int, node_id: Optional[str] = None,
-              timeout_s: float = CALL_TIMEOUT_S) -> RayTier:
+              timeout_s: float = CALL_TIMEOUT_S, index: Optional[TierIndex] = None) -> RayTier:
     """The tier actor of ``node_id`` (default: this process's node), started with
-    ``capacity_bytes`` if the node has none yet (an existing one keeps its capacity: the
-    first replica on a node sizes it). Detached: it outlives the replicas that use it.
+    ``capacity_bytes`` if the node has none yet (an existing one keeps its capacity and its
+    ``index``: the first replica on a node sizes it and names where its residency is
+    published). Detached: it outlives the replicas that use it.
 
     Raises:
         ValueError: ``capacity_bytes`` not positive.
@@ -98,10 +120,10 @@ def node_tier(capacity_bytes: int, node_id: Optional[str] = None,
         name=tier_actor_name(node_id), namespace=NAMESPACE, get_if_exists=True,
         lifetime="detached", num_cpus=0, max_concurrency=4,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-    ).remote(capacity_bytes)
+    ).remote(capacity_bytes, tier_id(node_id), index)
     stats: TierStats = ray.get(actor.stats.remote(),  # type: ignore[attr-defined,assignment]
                                timeout=60.0)  # started (or found)
-    return RayTier(actor, stats.capacity_bytes, timeout_s)
+    return RayTier(actor, stats.capacity_bytes, timeout_s, tier_id(node_id))
 
 
 def node_tiers(timeout_s: float = 2.0) -> list[dict]:

@@ -15,11 +15,13 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Optional, Protocol, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
 import numpy as np
 
 Key = tuple[bytes, int]  # (chain hash, rank)
+# Told rank 0's residency changes in order, under the store's lock: (chain hash, held now).
+ResidencyListener = Callable[[list[tuple[bytes, bool]]], None]
 
 
 class TierStore(Protocol):
@@ -48,14 +50,19 @@ class TierStats:
 class HostTierStore:
     """LRU over ``capacity_bytes`` of block arrays. Thread-safe.
 
+    ``listener``, when given, is told every change of rank 0's residency (blocks stored,
+    blocks evicted or cleared) under the store's lock, so it sees them in the order they
+    happened (:mod:`.tier_publisher` puts them in the prefix index); it must be quick.
+
     Raises:
         ValueError: a capacity below 0.
     """
 
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, listener: Optional[ResidencyListener] = None) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
+        self.listener = listener
         self._blocks: OrderedDict[Key, np.ndarray] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
@@ -74,6 +81,7 @@ class HostTierStore:
             raise ValueError(f"run holds {run.shape[0]} blocks for {len(hashes)} hashes")
         stored = 0
         with self._lock:
+            changes: list[tuple[bytes, bool]] = []
             for h, block in zip(hashes, run, strict=True):
                 key = (bytes(h), rank)
                 if key in self._blocks:
@@ -82,14 +90,28 @@ class HostTierStore:
                 if block.nbytes > self.capacity_bytes:
                     continue
                 while self._bytes + block.nbytes > self.capacity_bytes:
-                    _, old = self._blocks.popitem(last=False)
+                    (old_hash, old_rank), old = self._blocks.popitem(last=False)
                     self._bytes -= old.nbytes
                     self._evicted += 1
+                    if old_rank == 0:
+                        changes.append((old_hash, False))
                 self._blocks[key] = np.array(block, copy=True)
                 self._bytes += block.nbytes
                 stored += 1
+                if rank == 0:
+                    changes.append((key[0], True))
             self._stored += stored
+            self._tell(changes)
         return stored
+
+    def _tell(self, changes: list[tuple[bytes, bool]]) -> None:
+        if self.listener is not None and changes:
+            self.listener(changes)
+
+    def held_hashes(self) -> list[bytes]:
+        """Chain hashes of every block whose rank-0 shard is held (what the index shows)."""
+        with self._lock:
+            return [h for h, r in self._blocks if r == 0]
 
     def lookup(self, hashes: Sequence[bytes], ranks: Sequence[int]) -> int:
         """How many leading ``hashes`` are held for every rank in ``ranks`` (marked recently
@@ -118,6 +140,7 @@ class HostTierStore:
     def clear(self) -> None:
         """Drop every block (counters are kept)."""
         with self._lock:
+            self._tell([(h, False) for h, r in self._blocks if r == 0])
             self._blocks.clear()
             self._bytes = 0
 

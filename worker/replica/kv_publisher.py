@@ -53,24 +53,31 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
-# Every script gets the keys of ``KvPublisher._replica_keys``: epochs, heartbeats, registry, load
-# key, held key, event log, event seq, event log origin. ``emit`` appends one event-log entry
-# (index_keys: "Event log") in the same call as the change it describes.
-_EMIT = """
+
+def emit_lua(log: int, seq: int, origin: int) -> str:
+    """Lua ``emit(kind, id, epoch, removed, stored)``: append one event-log entry
+    (index_keys: "Event log"), with the log, its seq and its origin at these KEYS positions."""
+    return """
 local function emit(kind, rid, epoch, removed, stored)
-  local seq, origin = redis.call('INCR', KEYS[7]), redis.call('GET', KEYS[8])
+  local seq, origin = redis.call('INCR', KEYS[%(seq)d]), redis.call('GET', KEYS[%(origin)d])
   if seq == 1 or not origin then  -- a new log (first write, or Redis lost it): readers resnapshot
-    redis.call('DEL', KEYS[6])
-    redis.call('SET', KEYS[7], 1)
+    redis.call('DEL', KEYS[%(log)d])
+    redis.call('SET', KEYS[%(seq)d], 1)
     seq = 1
     local t = redis.call('TIME')
     origin = t[1] .. '.' .. t[2]
-    redis.call('SET', KEYS[8], origin)
+    redis.call('SET', KEYS[%(origin)d], origin)
   end
-  redis.call('XADD', KEYS[6], 'MAXLEN', '~', %(maxlen)d, seq .. '-0', 'o', origin, 'k', kind,
+  redis.call('XADD', KEYS[%(log)d], 'MAXLEN', '~', %(maxlen)d, seq .. '-0', 'o', origin, 'k', kind,
              'r', rid, 'e', epoch, 'rm', removed, 'st', stored)
 end
-""" % {"maxlen": EVENT_LOG_MAXLEN}
+""" % {"maxlen": EVENT_LOG_MAXLEN, "log": log, "seq": seq, "origin": origin}
+
+
+# Every script gets the keys of ``KvPublisher._replica_keys``: epochs, heartbeats, registry, load
+# key, held key, event log, event seq, event log origin. ``emit`` appends one event-log entry
+# (index_keys: "Event log") in the same call as the change it describes.
+_EMIT = emit_lua(6, 7, 8)
 
 _REGISTER_LUA = _NOW_MS + _EMIT + """
 -- ARGV: replica_id, registry JSON (epoch filled here)

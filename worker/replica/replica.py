@@ -52,7 +52,7 @@ from kvfleet.worker.executor.tp.group import RankGroup, TPSettings
 from kvfleet.worker.executor.tp.rank_worker import RankSpec
 from kvfleet.worker.executor.tp_executor import TPExecutor
 from kvfleet.worker.kv_tier.lookup import TierLookup
-from kvfleet.worker.kv_tier.node_tier import node_tier
+from kvfleet.worker.kv_tier.node_tier import TierIndex, node_tier
 from kvfleet.worker.kv_tier.rank_tier import RankTier
 from kvfleet.worker.replica.adapter_admin import AdapterAdmin
 from kvfleet.worker.replica.adapter_catalog import check_catalog
@@ -75,6 +75,13 @@ def _on_finish(telemetry: WorkerTelemetry, hits: HitWindow, latency: LatencyWind
     telemetry.on_finished(out)
     hits.record(out)
     latency.record(out)
+
+
+def _kv_tier_id(engine: Engine) -> str:
+    """The index's name of the node tier the engine restores from ("" without one)."""
+    tier = engine.scheduler.tier
+    return getattr(tier.lookup.store, "tier_id", "") if tier is not None else ""
+
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_KV_MEMORY_BYTES = 256 << 20  # 256 MiB of K/V per replica unless told otherwise
@@ -199,7 +206,8 @@ def build_engine(cfg: ReplicaConfig, on_rank_failure: Callable[[str], None] = la
                                            cfg.kv_memory_bytes or DEFAULT_KV_MEMORY_BYTES, tp)
     tokenizer = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     # The node's host tier (Ray: the replica runs in it); the cost model has no KV to keep.
-    tier = (node_tier(cfg.kv_host_memory_bytes)
+    index = TierIndex(cfg.redis_url, cfg.namespace) if cfg.redis_url else None
+    tier = (node_tier(cfg.kv_host_memory_bytes, index=index)
             if cfg.kv_host_memory_bytes and cfg.executor == "model" else None)
     if cfg.executor == "cost-model":
         executor: Executor = cost_model_executor(load_model_config(model_dir), tokenizer,
@@ -301,7 +309,7 @@ class ReplicaServer:
                                serve_replica=self.cfg.serve_replica,
                                metrics_address=self.metrics_address or "",
                                identity=self.engine.identity_digest.hex(),
-                               **self.adapter_fields())
+                               kv_tier=_kv_tier_id(self.engine), **self.adapter_fields())
             self.publisher = KvPublisher(self.cfg.redis_url, info, namespace=self.cfg.namespace,
                                          replica_ttl_s=self.cfg.replica_ttl_s,
                                          block_ttl_s=self.cfg.block_ttl_s)
@@ -461,6 +469,8 @@ class ReplicaServer:
                 # Adapter slots change too: re-published every beat ({} without adapters).
                 self.publisher.describe(prefix_hit_rate=round(self.hits.rate(), 4),
                                         **self.adapter_fields())
+                if (tier := self.engine.scheduler.tier) is not None:  # the tier metrics' bytes
+                    await asyncio.to_thread(tier.lookup.refresh_node_stats)
                 await self.publisher.heartbeat(self.load())
             except Exception:
                 log.exception("heartbeat failed")

@@ -106,7 +106,8 @@ def test_the_router_command_line_parses_back_to_its_config(monkeypatch) -> None:
     cfg = ClusterConfig(_replica(namespace="ns:", internal_tls_dir="/tls"), RouterConfig(
         host="0.0.0.0", port=7000, http_max_connections=9, policy="prefix_aware",
         api_keys_file="/keys.json", index_mirror=False, log_level="DEBUG",
-        policy_options={"load_penalty_blocks": 2.5, "popularity_window": 64},
+        policy_options={"load_penalty_blocks": 2.5, "popularity_window": 64,
+                        "host_hit_weight": 0.75},
         retry_pushback_ms=77, shutdown_grace_s=30.0, tls_cert="/c.pem", tls_key="/k.pem",
         stream_limits=StreamLimits(max_unread=5, stall_s=1.5), tenant_max_inflight=12),
         metrics_port=9100)

@@ -18,7 +18,8 @@ from kvfleet.telemetry.router_spans import RouterTelemetry
 from kvfleet.v1 import common_pb2
 
 CHOSEN = Candidate(ReplicaInfo("replica-b", "127.0.0.1:9", "tiny", 1, 16),
-                   ReplicaLoad(1, 0, 10, 10, 0.0), matched_blocks=3, inflight=0, settled=1)
+                   ReplicaLoad(1, 0, 10, 10, 0.0), matched_blocks=3, inflight=0, settled=1,
+                   host_blocks=2)
 OTHER = Candidate(ReplicaInfo("replica-a", "127.0.0.1:8", "tiny", 1, 16), None, 1, 2)
 DECISION = SimpleNamespace(candidate=CHOSEN, num_blocks=5, redis_s=0.0002, index_used=True,
                            index_source="mirror", candidates=(OTHER, CHOSEN))
@@ -64,11 +65,12 @@ def test_a_request_makes_the_tree_and_network_time(router_capture):
     r = spans[n.ROUTER_ROUTE].attributes
     assert (r[n.KVFLEET_ROUTE_POLICY], r[n.KVFLEET_REPLICA_ID], r[n.KVFLEET_ROUTE_MATCHED_BLOCKS],
             r[n.KVFLEET_ROUTE_PROMPT_BLOCKS], r[n.KVFLEET_ROUTE_INDEX_USED],
-            r[n.KVFLEET_ROUTE_INDEX_SOURCE]) == ("prefix_aware", "replica-b", 3, 5, True, "mirror")
+            r[n.KVFLEET_ROUTE_INDEX_SOURCE], r[n.KVFLEET_ROUTE_HOST_BLOCKS]) == (
+        "prefix_aware", "replica-b", 3, 5, True, "mirror", 2)
     # Every candidate's inputs, so a surprising choice can be explained from the trace alone.
     assert r[n.KVFLEET_ROUTE_CANDIDATES] == (
         "replica-a matched=1 load=2 (reported=none settled=0 inflight=2)",
-        "replica-b matched=3 load=0 (reported=1 settled=1 inflight=0)")
+        "replica-b matched=3 host=2 load=0 (reported=1 settled=1 inflight=0)")
     assert spans[n.ROUTER_TOKENIZE].attributes[n.GEN_AI_USAGE_INPUT_TOKENS] == 40
     assert router_capture.count(n.METRIC_NETWORK_DURATION) == 1
     assert router_capture.count(n.GEN_AI_SERVER_REQUEST_DURATION) == 1
