@@ -60,7 +60,8 @@ class TierExports:
             done(())
             return 0
         owner = f"{next(self._ids)}#export"  # a sequence id ends in "#<sample index>"
-        self.kv.allocate_slots(owner, len(blocks) * self.kv.block_size, blocks)
+        taken = self.kv.allocate_slots(owner, len(blocks) * self.kv.block_size, blocks)
+        assert taken == [], "cached blocks are free or referenced: taking them needs none"
         # The hash each block is registered under (not an echo of the request): what a peer
         # checks against its own chain.
         moves = tuple((b, self.kv.pool.block_hash(b)) for b in blocks)

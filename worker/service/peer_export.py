@@ -1,4 +1,5 @@
-"""``Worker.ExportBlocks``: a peer asks this replica for blocks of a prefix (issue 26 §2).
+"""``Worker.ExportBlocks``: a peer asks this replica for blocks of a prefix (issue 26 §2); and
+the same call in process (:class:`InProcessPeer`).
 
 The proto request is checked here; the engine loop references the blocks, writes them back to
 the node's host tier with its next step and waits for rank 0's put
@@ -8,10 +9,12 @@ the node's host tier with its next step and waits for rank 0's put
 from __future__ import annotations
 
 import asyncio
+from typing import Sequence
 
 from kvfleet.allocator.hashing import HASH_BYTES
 from kvfleet.errors import DeadlineExceeded, InvalidArgument
 from kvfleet.v1 import worker_pb2
+from kvfleet.worker.kv_tier.peer_pull import Exported, PeerHint
 from kvfleet.worker.service.engine_loop import EngineLoop
 
 DEFAULT_TIMEOUT_S = 5.0
@@ -55,3 +58,18 @@ async def export_blocks(loop: EngineLoop, request: worker_pb2.ExportBlocksReques
         raise DeadlineExceeded(f"export of {len(hashes)} blocks not done in {timeout_s:.3f} s"
                                ) from exc
     return worker_pb2.ExportBlocksResponse(block_hashes=list(exported), node_id=node_id)
+
+
+class InProcessPeer:
+    """A :class:`~kvfleet.worker.kv_tier.peer_pull.PeerClient` over a peer's engine loop in this
+    process: what its ``ExportBlocks`` handler does, without the gRPC hop (tests, benchmarks).
+    ``node_id``: the node it reports (the tier the blocks went to)."""
+
+    def __init__(self, loop: EngineLoop, node_id: str = "") -> None:
+        self.loop, self.node_id = loop, node_id
+
+    async def export(self, hint: PeerHint, hashes: Sequence[bytes], timeout_s: float) -> Exported:
+        return Exported(await self.loop.export_blocks(tuple(hashes), timeout_s), self.node_id)
+
+    async def close(self) -> None:
+        """Nothing to release."""

@@ -9,6 +9,7 @@ from typing import Callable, Sequence
 from kvfleet.worker.engine.step_cost import CostModel, StepCost
 from kvfleet.worker.kv_tier.peer_pull import Exported, PeerHint, PeerPuller, PullCost
 from kvfleet.worker.service.engine_loop import EngineLoop
+from kvfleet.worker.service.peer_export import InProcessPeer
 from tests.unit.worker.engine_harness import BLOCK_SIZE
 
 # Recompute priced high (10 s a token) so every hinted pull is worth it whatever the load.
@@ -16,23 +17,17 @@ SLOW_PREFILL = StepCost(CostModel(1.0, 10.0, 10.0, "test: 10 s a token"), alpha=
 NODE = "node-a"
 
 
-class LoopPeer:
-    """A :class:`~kvfleet.worker.kv_tier.peer_pull.PeerClient` calling an exporting replica's
-    engine loop directly (what its ``Worker.ExportBlocks`` handler does); ``answer`` may
-    rewrite its answer (a peer that lies)."""
+class LoopPeer(InProcessPeer):
+    """The exporting replica in process; ``answer`` may rewrite its answer (a peer that lies)."""
 
     def __init__(self, loop: EngineLoop,
                  answer: Callable[[tuple[bytes, ...]], tuple[bytes, ...]] = lambda h: h) -> None:
-        self.loop, self.answer = loop, answer
-        self.calls = 0
+        super().__init__(loop, NODE)
+        self.answer = answer
 
     async def export(self, hint: PeerHint, hashes: Sequence[bytes], timeout_s: float) -> Exported:
-        self.calls += 1
-        exported = await self.loop.export_blocks(tuple(hashes), timeout_s)
-        return Exported(self.answer(exported), NODE)
-
-    async def close(self) -> None:
-        pass
+        exported = await super().export(hint, hashes, timeout_s)
+        return exported._replace(hashes=self.answer(exported.hashes))
 
 
 def puller(client, engine, max_timeout_s: float = 5.0) -> PeerPuller:
