@@ -1,7 +1,8 @@
 """Issue 26 §2 on real replicas: replica B, told by a hint that replica A holds a prompt's
 prefix, pulls it through Ray (A writes it to the node's host tier actor, B restores it) and
 serves the prompt with cached tokens it never computed; with A stalled mid-transfer, then
-gone, B recomputes, and neither pool blocks nor object references leak."""
+gone, B recomputes, and neither pool blocks nor object references leak. Through a real
+router: a request routed away from its busy holder carries the hint, and is served pulled."""
 
 from __future__ import annotations
 
@@ -13,8 +14,13 @@ from kvfleet.v1 import worker_pb2, worker_pb2_grpc
 from kvfleet.worker.engine.step_cost import CostModel, StepCost
 from kvfleet.worker.kv_tier.node_tier import node_tier
 from kvfleet.worker.replica.replica import ReplicaServer
+from tests.integration.routing_fleet import prompt, running_fleet
 from tests.integration.test_kv_hand_over import _config
 from tests.unit.worker.kv_tier.test_tier_faults import _live_refs
+
+# The tiny model prefills 32 tokens in milliseconds: price recompute high so the pull is
+# worth it, as it is for a long prefix of a real model.
+EXPENSIVE = StepCost(CostModel(1.0, 1.0, 1.0, "test: 1 s a token"), alpha=0.0)
 
 
 def _prompt(seed: int) -> list[int]:
@@ -46,9 +52,7 @@ async def test_a_replica_pulls_a_peers_prefix_and_recomputes_when_the_peer_fails
         await b.start()
         puller = b.service.puller
         assert puller is not None
-        # The tiny model prefills 32 tokens in milliseconds: price recompute high so the
-        # pull is worth it, as it is for a long prefix of a real model.
-        puller.step_cost = StepCost(CostModel(1.0, 1.0, 1.0, "test: 1 s a token"), alpha=0.0)
+        puller.step_cost = EXPENSIVE
         assert await _cached_tokens(a, "a-1", _prompt(3)) == 0
         assert await _cached_tokens(b, "b-1", _prompt(3), peer=a) == 32  # pulled, restored
         assert puller.stats.pulls == 1 and puller.stats.pulled_blocks == 2
@@ -85,3 +89,27 @@ async def _idle(server: ReplicaServer) -> bool:
 def _never_done(hashes, done) -> int:
     """An export that reached the engine and never finishes (its replica hung)."""
     return 0
+
+
+async def test_the_router_hints_the_holder_it_routes_away_from_and_the_replica_pulls(
+        ray_session, tiny_llama_dir, redis_server, redis_namespace) -> None:
+    tier = {"executor": "model", "cost_model": None, "kv_host_memory_bytes": 16 << 20}
+    async with running_fleet(redis_server.url, redis_namespace, str(tiny_llama_dir)) as fleet:
+        try:
+            await fleet.add_replica("rep-a", **tier)
+            b = await fleet.add_replica("rep-b", **tier)
+            router = await fleet.add_router()
+            await fleet.wait_replicas(2)
+            b.service.puller.step_cost = EXPENSIVE
+            tokens = prompt(11, 40)
+            await fleet.direct("rep-a", tokens)  # A holds the prompt's 2 full blocks
+            await fleet.wait_match(fleet.chain(tokens), {"rep-a": 2})
+            router.core.replicas.ledger.inflight["rep-a"] += 50  # A looks busy: go to B
+            final = await fleet.generate(tokens, max_tokens=2)
+            router.core.replicas.ledger.inflight["rep-a"] -= 50
+            assert final.replica_id == "rep-b"
+            assert final.usage.cached_prompt_tokens == 32  # pulled from A, never computed on B
+            assert b.service.puller.stats.pulls == 1
+        finally:
+            await fleet.stop()
+            ray_session.kill(node_tier(16 << 20).actor)
