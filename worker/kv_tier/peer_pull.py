@@ -80,14 +80,18 @@ class PeerClient(Protocol):
 
 # Copies a peer node's blocks into this node's tier: (source node, hashes) -> blocks copied.
 Relay = Callable[[str, Sequence[bytes]], Awaitable[int]]
+# Leading hashes this node's tier holds for every rank of this replica (TierStore.lookup).
+Landed = Callable[[Sequence[bytes]], int]
+LANDED_POLL_S = 0.005
 
 
 @dataclass
 class PullCost:
-    """Predicted seconds of one pull: ``overhead_s`` + ``seconds_per_byte`` × bytes. The seed
-    is the SmolLM2 measurement in docs/kv_tier.md (snapshot + put + restore of 64 blocks,
-    ~245 ms for 47 MB); every pull that lands moves ``seconds_per_byte`` towards what it
-    measured (weight ``alpha``)."""
+    """Predicted seconds of one pull: ``overhead_s`` + ``seconds_per_byte`` × bytes (of rank
+    0's shard). The seed is the SmolLM2 measurement in docs/kv_tier.md (snapshot + put +
+    restore of 64 blocks, ~245 ms for 47 MB); every pull that lands moves ``seconds_per_byte``
+    towards the wait it measured (export and put; the restore after it, a few ms per block,
+    is left out), weight ``alpha``."""
 
     block_bytes: int
     overhead_s: float = 0.02
@@ -130,17 +134,21 @@ class PeerPuller:
             node's tier into this node's (None: such a pull counts as failed).
         min_timeout_s, max_timeout_s: bounds of a pull's wait, which is otherwise the
             predicted recompute time.
+        landed: under tensor parallelism, how many of the exported blocks the tier holds for
+            every rank (the peer awaits only its rank 0's put): the pull waits for all of them.
     """
 
     def __init__(self, client: PeerClient, step_cost: StepCostModel, identity_digest: bytes,
                  block_size: int, max_batched_tokens: int, cost: PullCost,
                  node_id: str = "", relay: Optional[Relay] = None,
                  max_timeout_s: float = MAX_PULL_TIMEOUT_S,
-                 min_timeout_s: float = MIN_PULL_TIMEOUT_S) -> None:
+                 min_timeout_s: float = MIN_PULL_TIMEOUT_S,
+                 landed: Optional[Landed] = None) -> None:
         self.client, self.step_cost, self.cost = client, step_cost, cost
         self.identity_digest, self.node_id, self.relay = identity_digest, node_id, relay
         self.block_size, self.max_batched_tokens = block_size, max_batched_tokens
         self.max_timeout_s, self.min_timeout_s = max_timeout_s, min_timeout_s
+        self.landed = landed
         self.stats = PullStats()
 
     def recompute_s(self, first_block: int, num_blocks: int) -> float:
@@ -203,4 +211,8 @@ class PeerPuller:
             if self.relay is None:
                 raise RuntimeError(f"blocks landed on node {exported.node_id}, no relay")
             await self.relay(exported.node_id, hashes)
+        while self.landed is not None and hashes:  # the other ranks' puts (bounded by the caller)
+            if await asyncio.to_thread(self.landed, hashes) >= len(hashes):
+                break
+            await asyncio.sleep(LANDED_POLL_S)
         return len(hashes)

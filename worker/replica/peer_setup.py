@@ -21,8 +21,11 @@ def build_puller(engine: Engine, enabled: bool, internal_tls: bool,
         return None
     ranks = engine.executor.ranks()
     node_id = ranks[0].node_id if ranks else ""
-    relay = NodeRelay(tier.store, range(max(1, len(ranks))), capacity_bytes)
+    all_ranks = list(range(max(1, len(ranks))))
+    relay = NodeRelay(tier.store, all_ranks, capacity_bytes)
     sched = engine.scheduler.config
     return PeerPuller(GrpcPeerClient(), engine.step_cost, engine.identity_digest,
                       engine.kv.block_size, sched.max_num_batched_tokens,
-                      PullCost(int(np.prod(tier.block_shape))), node_id, relay)
+                      PullCost(int(np.prod(tier.block_shape))), node_id, relay,
+                      landed=((lambda hashes: tier.store.lookup(hashes, all_ranks))
+                              if len(all_ranks) > 1 else None))

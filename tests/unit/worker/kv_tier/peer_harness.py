@@ -30,11 +30,11 @@ class LoopPeer(InProcessPeer):
         return exported._replace(hashes=self.answer(exported.hashes))
 
 
-def puller(client, engine, max_timeout_s: float = 5.0) -> PeerPuller:
+def puller(client, engine, max_timeout_s: float = 5.0, landed=None) -> PeerPuller:
     """A puller for ``engine`` (its identity, block size and budget) over ``client``."""
     return PeerPuller(client, SLOW_PREFILL, engine.identity_digest, BLOCK_SIZE,
                       engine.scheduler.config.max_num_batched_tokens, PullCost(1 << 16), NODE,
-                      max_timeout_s=max_timeout_s)
+                      max_timeout_s=max_timeout_s, landed=landed)
 
 
 def hint(num_blocks: int, first_block: int = 0) -> PeerHint:
