@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from kvfleet.worker.kv_tier.store import HostTierStore
 from tests.unit.worker.engine_harness import prompt, request, run
 from tests.unit.worker.kv_tier.peer_harness import LoopPeer, hint, puller, with_loop
@@ -183,3 +185,40 @@ def test_an_export_whose_transfer_fails_reports_nothing_and_releases_its_blocks(
     assert results[(again.request_id, 0)].last.usage.cached_prompt_tokens == 0
     assert parity_error(tiny_llama_dir, rec, again, results) <= 1
     _idle(b)
+
+
+def test_exported_blocks_stay_referenced_until_the_step_copies_them(tiny_llama_dir) -> None:
+    """A request that needs nearly all of A's pool arrives with the export: the exported
+    blocks are referenced (so not evictable) until the step's moves copied them, the request
+    then evicts some of them, and the copies in the tier give B the logits of recomputation."""
+    base = prompt(22, seed=62)
+    a, b, rec, store = _two_replicas(tiny_llama_dir, base)
+    chain = chain_of(a, request(base))[:5]
+    answers: list[tuple[bytes, ...]] = []
+    assert a.export_blocks(chain, answers.append) == 5
+    blocks = [a.kv.pool.lookup(h) for h in chain]
+    assert all(a.kv.ref_count(x) == 1 for x in blocks)  # referenced by the export alone
+    filler = request(prompt(40, seed=63), max_tokens=2)  # 11 of the pool's 12 blocks
+    run(a, [filler])  # its first step moves the export; then it evicts exported blocks
+    assert answers == [tuple(chain)]
+    assert any(a.kv.pool.lookup(h) is None for h in chain), "none evicted"
+    assert store.lookup(chain, [0]) == 5
+    again = request(base + prompt(3, seed=64), max_tokens=3)
+    results = run(b, [again])
+    assert restored_blocks(rec, again.request_id) == 5
+    assert parity_error(tiny_llama_dir, rec, again, results) <= 1
+    _idle(a)
+
+
+def test_a_replica_without_a_host_tier_refuses_to_export(tiny_llama_dir) -> None:
+    from kvfleet.errors import FailedPrecondition
+    from tests.unit.worker.engine_harness import make_engine
+
+    engine, _ = make_engine(tiny_llama_dir, num_blocks=12)
+
+    async def export(loop):
+        with pytest.raises(FailedPrecondition, match="no host KV tier"):
+            await loop.export_blocks((bytes(16),), 5.0)
+
+    asyncio.run(with_loop(engine, export))
+    _idle(engine)
