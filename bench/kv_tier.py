@@ -9,7 +9,9 @@ One run measures, on the same model and machine:
   (``RankTier.restore`` after a ``TierLookup``), from the in-process store and from the node's
   Ray actor (one object per run through the object store);
 - write-back: the engine thread's part (the snapshot copy) and the background put;
-- the layout decision: Ray object store put+get one object per block vs one per run.
+- the layout decision: Ray object store put+get one object per block vs one per run;
+- peer pull vs recompute of a 1,024-token prefix between two engines (``bench/kv_peer.py``),
+  through the in-process store and through the node's Ray actor.
 
 Targets: restore ÷ prefill ≤ 0.1 per block and per prefix (``TARGET``). Medians of ``rounds``.
 """
@@ -26,6 +28,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from bench.kv_peer import pull_vs_recompute
 from kvfleet.deploy.models import prepare_model
 from kvfleet.worker.engine.step_plan import SeqChunk, StepPlan
 from kvfleet.worker.kv_tier.lookup import TierLookup
@@ -36,6 +39,7 @@ from kvfleet.worker.runner.model_runner import ModelRunner
 BLOCK = 16
 PREFIX_BLOCKS = 64  # 1,024 tokens
 TARGET = 0.1
+PROMPT_TAIL = 8  # tokens after the pulled prefix (bench/kv_peer.py), computed by the receiver
 
 
 def _median(f: Callable[[], object], rounds: int) -> float:
@@ -109,13 +113,14 @@ def main(argv: list[str]) -> int:
     a = p.parse_args(argv)
     rounds = 3 if a.quick else a.rounds
     torch.set_num_threads(2)
-    runner = ModelRunner(prepare_model(progress=False), num_blocks=2 * PREFIX_BLOCKS + 1,
-                         block_size=BLOCK)
+    model_dir = prepare_model(progress=False)
+    runner = ModelRunner(model_dir, num_blocks=2 * PREFIX_BLOCKS + 1, block_size=BLOCK)
     block_bytes = runner.kv_bytes_per_block(runner.config, BLOCK, runner.dtype)
     r: dict = {"model": runner.config.model_type, "block_size": BLOCK, "block_bytes": block_bytes,
                "rounds": rounds, "prefill_s_1": _prefill(runner, 1, rounds),
                f"prefill_s_{PREFIX_BLOCKS}": _prefill(runner, PREFIX_BLOCKS, rounds),
-               "tiers": {"in_process": _tier_times(runner, HostTierStore(1 << 30), rounds)}}
+               "tiers": {"in_process": _tier_times(runner, HostTierStore(1 << 30), rounds)},
+               "peer": {"in_process": pull_vs_recompute(model_dir, HostTierStore(1 << 30), 0)}}
     if not a.quick:
         import ray
 
@@ -126,6 +131,9 @@ def main(argv: list[str]) -> int:
         try:
             tier = node_tier(256 << 20)
             r["tiers"]["ray_actor"] = _tier_times(runner, tier, rounds)
+            ray.kill(tier.actor)
+            tier = node_tier(256 << 20)
+            r["peer"]["ray_actor"] = pull_vs_recompute(model_dir, tier, 1)
             ray.kill(tier.actor)
             r["layout"] = _object_store_layout(rounds, block_bytes)
         finally:
@@ -146,6 +154,15 @@ def main(argv: list[str]) -> int:
                   f"= {t[f'ratio_{n}']:.3f} x prefill (target <= {TARGET}); write-back "
                   f"{t[f'snapshot_s_{n}'] * 1e3:.2f} ms on the step, "
                   f"{t[f'write_back_s_{n}'] * 1e3:.1f} ms to the tier")
+    for name, peer in r["peer"].items():
+        peer["ratio"] = (peer["pull_s"] + peer["restore_and_tail_s"]) / peer["recompute_s"]
+        ok &= peer["pulled"] and peer["same_first_token"]
+        print(f"  peer pull, {name:10s}: pull {peer['pull_s'] * 1e3:.0f} ms + restore and last "
+              f"{PROMPT_TAIL} tokens {peer['restore_and_tail_s'] * 1e3:.0f} ms vs recompute "
+              f"{peer['recompute_s'] * 1e3:.0f} ms = {peer['ratio']:.3f}x (pulled: "
+              f"{peer['pulled']}, predicted {peer['predicted_pull_s'] * 1e3:.0f} vs "
+              f"{peer['predicted_recompute_s'] * 1e3:.0f} ms; same first token: "
+              f"{peer['same_first_token']})")
     if "layout" in r:
         lay = r["layout"]
         print(f"  object store, 64 blocks: one object per block "

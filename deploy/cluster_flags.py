@@ -106,6 +106,10 @@ FLAGS: tuple[Flag, ...] = (
          "host KV tier per node, e.g. 1GiB (default: none): evicted blocks are written back "
          "there and restored on a prefix hit; shared by the node's replicas, LRU",
          type=str, convert=lambda text: parse_size(text, "--kv-host-memory")),
+    Flag("--no-kv-peer-pull", "replica.kv_peer_pull",
+         "never pull a prefix the router says another replica holds (default: with "
+         "--kv-host-memory, pull it through the node tier when that beats recomputing it)",
+         action="store_false"),
     Flag("--policy", "router.policy", "routing policy (default {default})",
          choices=tuple(ROUTING_POLICIES)),
     Flag("--admission", "replica.scheduler.policy", "worker admission policy (default {default})",

@@ -42,6 +42,7 @@ from kvfleet.router.capacity import (
     fleet_capacity,
     with_room,
 )
+from kvfleet.router.peer_hint import best_holder, set_hint
 from kvfleet.router.policy import Candidate, RoutingPolicy
 from kvfleet.router.predicted_ttft import report_age
 from kvfleet.router.prefix_index import IndexUnavailable
@@ -374,6 +375,9 @@ class RouterCore:
             if req.fill_context:
                 params = self._fill_context(model, len(tokens), params, decision.candidate)
             call = self._worker_call(req, request_id, params, tokens, scope, info, trace)
+            holder = best_holder(decision.candidates, decision.candidate)
+            if holder is not None:  # routed away from a longer match: the replica may pull it
+                set_hint(call.request, holder, decision.candidate)
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("request %s: %d tokens → %s (%s); candidates: %s", request_id,
                           len(tokens), info.replica_id, self.policy.name,

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "cache_scope", "cache_salt", "adapter", "sampling", "deadline_unix_s", "tenant", "priority", "json_object", "json_schema", "regex", "grammar")
+    __slots__ = ("request_id", "prompt_token_ids", "cache_scope", "cache_salt", "adapter", "sampling", "deadline_unix_s", "tenant", "priority", "peer", "json_object", "json_schema", "regex", "grammar")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SCOPE_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class WorkerGenerateRequest(_message.Message):
     DEADLINE_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
     JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
     JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
     REGEX_FIELD_NUMBER: _ClassVar[int]
@@ -31,11 +32,24 @@ class WorkerGenerateRequest(_message.Message):
     deadline_unix_s: float
     tenant: str
     priority: int
+    peer: PeerHint
     json_object: bool
     json_schema: str
     regex: str
     grammar: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_scope: _Optional[str] = ..., cache_salt: _Optional[str] = ..., adapter: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., deadline_unix_s: _Optional[float] = ..., tenant: _Optional[str] = ..., priority: _Optional[int] = ..., json_object: _Optional[bool] = ..., json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., grammar: _Optional[str] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_scope: _Optional[str] = ..., cache_salt: _Optional[str] = ..., adapter: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., deadline_unix_s: _Optional[float] = ..., tenant: _Optional[str] = ..., priority: _Optional[int] = ..., peer: _Optional[_Union[PeerHint, _Mapping]] = ..., json_object: _Optional[bool] = ..., json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., grammar: _Optional[str] = ...) -> None: ...
+
+class PeerHint(_message.Message):
+    __slots__ = ("replica_id", "address", "num_blocks", "first_block")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    address: str
+    num_blocks: int
+    first_block: int
+    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., num_blocks: _Optional[int] = ..., first_block: _Optional[int] = ...) -> None: ...
 
 class GenerateStreamRequest(_message.Message):
     __slots__ = ("call_id", "generate", "cancel", "trace_context")
@@ -131,3 +145,19 @@ class DrainResponse(_message.Message):
     running: int
     ended_by_timeout: int
     def __init__(self, running: _Optional[int] = ..., ended_by_timeout: _Optional[int] = ...) -> None: ...
+
+class ExportBlocksRequest(_message.Message):
+    __slots__ = ("block_hashes", "timeout_s")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    timeout_s: float
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class ExportBlocksResponse(_message.Message):
+    __slots__ = ("block_hashes", "node_id")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    node_id: str
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., node_id: _Optional[str] = ...) -> None: ...

@@ -70,6 +70,11 @@ class WorkerStub:
                 request_serializer=kvfleet_dot_v1_dot_common__pb2.UnloadAdapterRequest.SerializeToString,
                 response_deserializer=kvfleet_dot_v1_dot_common__pb2.AdapterReply.FromString,
                 _registered_method=True)
+        self.ExportBlocks = channel.unary_unary(
+                '/kvfleet.v1.Worker/ExportBlocks',
+                request_serializer=kvfleet_dot_v1_dot_worker__pb2.ExportBlocksRequest.SerializeToString,
+                response_deserializer=kvfleet_dot_v1_dot_worker__pb2.ExportBlocksResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -129,6 +134,17 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExportBlocks(self, request, context):
+        """Issue 26 §2, called by a peer replica: write the leading run of these blocks that this
+        replica holds in its device pool to its node's host KV tier (the blocks are referenced
+        until their KV is copied, so an eviction cannot tear the read), and answer once rank 0's
+        write-back has landed. The peer then restores them from the tier like any tier hit.
+        FAILED_PRECONDITION: this replica has no host tier; INVALID_ARGUMENT: a malformed hash.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -166,6 +182,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.UnloadAdapter,
                     request_deserializer=kvfleet_dot_v1_dot_common__pb2.UnloadAdapterRequest.FromString,
                     response_serializer=kvfleet_dot_v1_dot_common__pb2.AdapterReply.SerializeToString,
+            ),
+            'ExportBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExportBlocks,
+                    request_deserializer=kvfleet_dot_v1_dot_worker__pb2.ExportBlocksRequest.FromString,
+                    response_serializer=kvfleet_dot_v1_dot_worker__pb2.ExportBlocksResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -357,6 +378,33 @@ class Worker:
             '/kvfleet.v1.Worker/UnloadAdapter',
             kvfleet_dot_v1_dot_common__pb2.UnloadAdapterRequest.SerializeToString,
             kvfleet_dot_v1_dot_common__pb2.AdapterReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvfleet.v1.Worker/ExportBlocks',
+            kvfleet_dot_v1_dot_worker__pb2.ExportBlocksRequest.SerializeToString,
+            kvfleet_dot_v1_dot_worker__pb2.ExportBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -17,7 +17,7 @@ import tokenizers
 from kvfleet.allocator.hashing import CacheIdentity, root_hash
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
 from kvfleet.constraint import Constraint, GrammarConfig
-from kvfleet.errors import AlreadyExists, InvalidArgument
+from kvfleet.errors import AlreadyExists, FailedPrecondition, InvalidArgument
 from kvfleet.priority import DEFAULT as DEFAULT_PRIORITY
 from kvfleet.sampling_params import SamplingParams, check_context_length
 from kvfleet.worker.engine.adapter_queue import AdapterQueue
@@ -31,6 +31,7 @@ from kvfleet.worker.engine.sampling import Sampler, SampleState, make_generator
 from kvfleet.worker.engine.scheduler import Fork, Scheduler, SchedulerConfig, SchedulerOutput
 from kvfleet.worker.engine.step_cost import MEASURED, StepCost, plan_shape
 from kvfleet.worker.engine.stop_checker import StopChecker
+from kvfleet.worker.engine.tier_export import ExportDone, TierExports
 from kvfleet.worker.engine.tier_step import move_blocks
 from kvfleet.worker.executor.base import Executor
 from kvfleet.worker.kv_tier.lookup import TierLookup
@@ -57,6 +58,8 @@ class EngineRequest:
     # off the engine thread (GrammarCache.compile_async); else add_request compiles it.
     constraint: Optional[Constraint] = None
     grammar: Any = None
+    # Never restore from the host tier (a peer pull for it was refused: recompute instead).
+    tier_skip: bool = False
 
 
 class _SeqIO:
@@ -115,6 +118,7 @@ class Engine:
         self.vocab_size = vocab_size
         self.step_cost = step_cost or StepCost(MEASURED)
         self.scheduler = Scheduler(config, kv, self.step_cost, tier)
+        self.exports = TierExports(kv)  # blocks a peer asked for, moved with the next step
         self.lora = AdapterQueue(adapters, identity, identity_digest, self.scheduler)
         self.sampler = Sampler()
         # Structured output: compiled off this thread by the service, cached by digest.
@@ -162,7 +166,8 @@ class Engine:
             SequenceState(seq_id=f"{req.request_id}#{i}", request_id=req.request_id, index=i,
                      prompt_token_ids=list(req.prompt_token_ids), params=req.params,
                      root_hash=root, block_size=self.kv.block_size, arrival_seq=arrival,
-                     deadline=req.deadline, tenant=req.tenant, priority=req.priority)
+                     deadline=req.deadline, tenant=req.tenant, priority=req.priority,
+                     tier_skip=req.tier_skip)
             for i in range(req.params.n)
         ]
         if pinned is not None:
@@ -185,7 +190,8 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.num_unfinished > 0 or self.lora.has_waiting
+        return (self.scheduler.num_unfinished > 0 or self.lora.has_waiting
+                or self.exports.pending)
 
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[SeqOutput]:
@@ -193,9 +199,10 @@ class Engine:
         outputs = self._expire_deadlines()
         if self.lora.has_waiting:
             outputs += self.lora.admit(lambda seq, exc: self._finish(seq, FinishReason.ERROR, exc))
-        out = self.scheduler.schedule(time.monotonic())
+        out, saved = self.exports.attach(self.scheduler.schedule(time.monotonic())), True
         if out.plan.block_saves or out.plan.block_restores:
-            out = move_blocks(self.executor, self.scheduler, out)
+            out, saved = move_blocks(self.executor, self.scheduler, out)
+        self.exports.moved(saved)  # the first transfer snapshotted them, or failed: unreference
         if not out.scheduled:
             if self.lora.has_waiting and not outputs:
                 self.lora.wait(0.01)  # nothing to run but a load: do not spin
@@ -315,6 +322,19 @@ class Engine:
         if tier is not None:
             tier.flush(timeout_s)
         return len(saves)
+
+    def export_blocks(self, hashes: Sequence[bytes], done: ExportDone) -> int:
+        """A peer asks for the blocks under ``hashes`` (issue 26 §2): reference the leading
+        run held in the pool; the next step writes them back to the host tier, then calls
+        ``done(exported hashes)`` (:class:`~.tier_export.TierExports`). Engine thread only.
+        Returns the blocks found (0: ``done(())`` was called already).
+
+        Raises:
+            FailedPrecondition: this replica has no host tier to export through.
+        """
+        if self.scheduler.tier is None:
+            raise FailedPrecondition("this replica has no host KV tier (kv_host_memory)")
+        return self.exports.request(hashes, done)
 
     # ---- observability --------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

@@ -18,22 +18,30 @@ log = logging.getLogger(__name__)
 _MAX_REPLANS = 3
 
 
-def _transfer(executor: Executor, out: SchedulerOutput) -> bool:
+def _transfer(executor: Executor, out: SchedulerOutput) -> bool | None:
+    """True: every rank restored; False: some restore failed (the saves were snapshotted);
+    None: the call itself failed (nothing is known to have moved)."""
     try:
         return executor.transfer_blocks(out.plan.block_saves, out.plan.block_restores)
     except Exception:  # the forward that follows fails the same way and reports it
         log.exception("kv tier transfer failed")
-        return False
+        return None
 
 
-def move_blocks(executor: Executor, scheduler: Scheduler, out: SchedulerOutput) -> SchedulerOutput:
-    """Run ``out``'s saves and restores on every rank; the plan to execute is returned (``out``
-    itself, or a new plan without the restores that failed)."""
+def move_blocks(executor: Executor, scheduler: Scheduler, out: SchedulerOutput
+                ) -> tuple[SchedulerOutput, bool]:
+    """Run ``out``'s saves and restores on every rank. Returns the plan to execute (``out``
+    itself, or a new plan without the restores that failed) and whether ``out``'s saves were
+    snapshotted (False when the first transfer call itself failed)."""
     copies = out.plan.block_copies
-    for _ in range(_MAX_REPLANS):
+    saved = True
+    for attempt in range(_MAX_REPLANS):
         if not (out.plan.block_saves or out.plan.block_restores):
             break
-        if _transfer(executor, out):
+        ok = _transfer(executor, out)
+        if attempt == 0:
+            saved = ok is not None
+        if ok:
             if scheduler.tier is not None:
                 scheduler.tier.restored()
             break
@@ -45,4 +53,4 @@ def move_blocks(executor: Executor, scheduler: Scheduler, out: SchedulerOutput) 
         out = scheduler.schedule()
         copies += out.plan.block_copies
         out = replace(out, plan=replace(out.plan, block_copies=copies))
-    return out
+    return out, saved

@@ -60,6 +60,7 @@ from kvfleet.worker.replica.adapter_record import AdapterRecord
 from kvfleet.worker.replica.hit_window import HitWindow
 from kvfleet.worker.replica.kv_publisher import KvPublisher
 from kvfleet.worker.replica.load_report import LatencyWindow, replica_report
+from kvfleet.worker.replica.peer_setup import build_puller
 from kvfleet.worker.runner.kv_cache import num_blocks_for_memory
 from kvfleet.worker.runner.model_config import load_model_config
 from kvfleet.worker.runner.model_runner import ModelRunner
@@ -105,6 +106,9 @@ class ReplicaConfig:
     kv_memory_bytes: Optional[int] = None
     # The node's host KV tier (kvfleet.worker.kv_tier), bytes per node; None: no tier.
     kv_host_memory_bytes: Optional[int] = None
+    # Pull a prefix the router says a peer holds when that beats recomputing it (issue 26 §2;
+    # needs the host tier, which the blocks travel through).
+    kv_peer_pull: bool = True
     dtype: str = "float32"
     # A second copy of each weight for batch-1 decode (see worker/runner/models/linear.py): ~20 %
     # lower batch-1 ITL on CPU for twice the weight memory.
@@ -323,7 +327,10 @@ class ReplicaServer:
         service = WorkerService(self._loop, self.cfg.replica_id, self.cfg.model_name,
                                 self.cfg.block_size, epoch_fn=self._epoch, telemetry=wt,
                                 ranks_fn=self.ranks, drain_fn=self.drain,
-                                limits=self.cfg.stream_limits, adapter_admin=admin)
+                                limits=self.cfg.stream_limits, adapter_admin=admin,
+                                puller=build_puller(self.engine, self.cfg.kv_peer_pull,
+                                                    bool(self.cfg.internal_tls_dir),
+                                                    self.cfg.kv_host_memory_bytes))
         self.service = service
         worker_pb2_grpc.add_WorkerServicer_to_server(service, self._server)
         name = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
@@ -496,6 +503,8 @@ class ReplicaServer:
         if self._loop is not None:
             self._loop.stop()
             self._loop = None
+        if self.service is not None and self.service.puller is not None:
+            await self.service.puller.client.close()
         if self.engine.adapters is not None:
             self.engine.adapters.close()
         self.engine.executor.close()  # releases ranks 1..T-1

@@ -48,6 +48,12 @@ class _FailAll:
 
 
 @dataclass
+class _Export:
+    hashes: tuple[bytes, ...]
+    done: asyncio.Future
+
+
+@dataclass
 class _HandOver:
     max_blocks: int
     timeout_s: float
@@ -141,6 +147,25 @@ class EngineLoop:
             log.exception("kv hand-over failed")
             return 0
 
+    async def export_blocks(self, hashes: tuple[bytes, ...], timeout_s: float) -> tuple[bytes, ...]:
+        """Export the leading run of ``hashes`` held in the pool to the node's host tier for a
+        peer (:meth:`Engine.export_blocks`), and wait, at most ``timeout_s`` in all, until rank
+        0's write-back of them has landed. Returns the hashes exported (in order).
+
+        Raises:
+            FailedPrecondition: no host tier. TimeoutError: not done within ``timeout_s``.
+        """
+        deadline = self.loop.time() + timeout_s
+        done = self.loop.create_future()
+        self._inbox.put(_Export(hashes, done))
+        exported = await asyncio.wait_for(done, timeout_s)
+        tier = getattr(self.engine.executor, "tier", None)  # rank 0's writer
+        if exported and tier is not None:
+            left = max(0.0, deadline - self.loop.time())
+            if not await asyncio.to_thread(tier.flush, left):
+                raise TimeoutError(f"write-back of {len(exported)} blocks not done in time")
+        return exported
+
     def fail(self, error: BaseException) -> None:
         """The replica can no longer compute (a tensor-parallel rank died): end every request
         with ``error`` at the next step boundary and refuse new ones (any thread)."""
@@ -178,6 +203,8 @@ class EngineLoop:
                     self._deliver(self.engine.abort(rid, FinishReason.ERROR, item.error))
             elif isinstance(item, _HandOver):
                 self._hand_over(item)
+            elif isinstance(item, _Export):
+                self._export(item)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
@@ -190,6 +217,15 @@ class EngineLoop:
             self.loop.call_soon_threadsafe(_set_exception, item.done, exc)
             return
         self.loop.call_soon_threadsafe(_set_result, item.done, n)
+
+    def _export(self, item: _Export) -> None:
+        def done(hashes: tuple[bytes, ...]) -> None:
+            self.loop.call_soon_threadsafe(_set_result, item.done, hashes)
+
+        try:
+            self.engine.export_blocks(item.hashes, done)
+        except Exception as exc:
+            self.loop.call_soon_threadsafe(_set_exception, item.done, exc)
 
     def _add(self, item: _Add) -> None:
         try:

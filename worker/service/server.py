@@ -30,8 +30,10 @@ from kvfleet.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from kvfleet.worker.engine.engine import EngineRequest
 from kvfleet.worker.engine.outputs import SeqOutput
 from kvfleet.worker.engine.request import FinishReason
+from kvfleet.worker.kv_tier.peer_pull import PeerHint, PeerPuller
 from kvfleet.worker.replica.adapter_admin import AdapterAdmin
 from kvfleet.worker.service.engine_loop import EngineLoop
+from kvfleet.worker.service.peer_export import export_blocks
 from kvfleet.worker.service.reservations import Reservations
 
 log = logging.getLogger(__name__)
@@ -85,8 +87,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                  epoch_fn=lambda: 0, telemetry: Optional[WorkerTelemetry] = None,
                  ranks_fn=lambda: [], drain_fn=None,
                  limits: StreamLimits = StreamLimits(),
-                 adapter_admin: Optional[AdapterAdmin] = None) -> None:
+                 adapter_admin: Optional[AdapterAdmin] = None,
+                 puller: Optional[PeerPuller] = None) -> None:
         self.loop = loop
+        self.puller = puller  # pulls a hinted prefix from a peer (None: never)
         self.limits = limits
         self.adapter_admin = adapter_admin  # None: this replica serves no adapters
         self.ranks_fn = ranks_fn  # -> [RankInfo], rank 0 first
@@ -218,6 +222,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             if self.draining:
                 raise Unavailable(f"replica {self.replica_id} is draining")
             engine_request = _engine_request(request)
+            hint = PeerHint.from_proto(request.peer) if request.HasField("peer") else None
             if engine_request.constraint is not None:
                 # Off the engine thread; only this request waits (INVALID_ARGUMENT if it fails).
                 grammar = await self.loop.engine.grammars.compile_async(engine_request.constraint)
@@ -226,6 +231,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             self.reservations.take(request.request_id, engine_request.params.n,
                                    engine_request.tenant)
             try:
+                if self.puller is not None and hint is not None:  # lands in the host tier
+                    engine_request = await self.puller.prepare(engine_request, hint)
                 stream = self.loop.generate(engine_request)
                 try:
                     async for out in stream:
@@ -247,6 +254,17 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         found = self.loop.engine.is_active(request.request_id)
         self.loop.abort(request.request_id)
         return worker_pb2.AbortResponse(found=found)
+
+    async def ExportBlocks(self, request, context):
+        """A peer's pull (see ``peer_export``): these blocks, into the node's host tier."""
+        try:
+            if self.draining:
+                raise Unavailable(f"replica {self.replica_id} is draining")
+            ranks = self.ranks_fn()
+            return await export_blocks(self.loop, request, ranks[0].node_id if ranks else "",
+                                       context.time_remaining())
+        except KvfleetError as exc:
+            await context.abort(*status_of(exc))
 
     async def LoadAdapter(self, request, context):
         return await self._adapter_call(context, lambda a: a.load(request.name, request.path))

@@ -1,0 +1,86 @@
+"""How a replica reaches a peer for a prefix pull: ``Worker.ExportBlocks`` over gRPC, and the
+copy of an export that landed in another node's host tier into this node's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from typing import Optional, Sequence
+
+import grpc
+
+from kvfleet.v1 import worker_pb2, worker_pb2_grpc
+from kvfleet.worker.kv_tier.peer_pull import Exported, PeerHint
+from kvfleet.worker.kv_tier.store import TierStore
+
+MAX_CHANNELS = 16  # peers this replica keeps a channel open to (least recently used closed)
+
+
+class GrpcPeerClient:
+    """:class:`~.peer_pull.PeerClient` over plaintext gRPC (a replica with internal TLS does
+    not pull: its peers accept only the router's certificate). One channel per peer address,
+    at most ``max_channels`` open."""
+
+    def __init__(self, max_channels: int = MAX_CHANNELS) -> None:
+        self.max_channels = max_channels
+        self._channels: OrderedDict[str, grpc.aio.Channel] = OrderedDict()
+
+    def _stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
+        channel = self._channels.pop(address, None) or grpc.aio.insecure_channel(address)
+        self._channels[address] = channel
+        while len(self._channels) > self.max_channels:
+            _, old = self._channels.popitem(last=False)
+            asyncio.ensure_future(old.close())
+        return worker_pb2_grpc.WorkerStub(channel)
+
+    async def export(self, hint: PeerHint, hashes: Sequence[bytes], timeout_s: float) -> Exported:
+        """Ask ``hint.address`` to export ``hashes``; its answer.
+
+        Raises:
+            grpc.aio.AioRpcError: the peer refused, failed, or did not answer in time.
+        """
+        req = worker_pb2.ExportBlocksRequest(block_hashes=list(hashes), timeout_s=timeout_s)
+        resp = await self._stub(hint.address).ExportBlocks(req, timeout=timeout_s)
+        return Exported(tuple(resp.block_hashes), resp.node_id)
+
+    async def close(self) -> None:
+        channels, self._channels = list(self._channels.values()), OrderedDict()
+        for channel in channels:
+            await channel.close()
+
+
+class NodeRelay:
+    """Copies blocks from another node's host tier into ``local`` (this node's), every rank's
+    shard (``ranks``), each call bounded by the tiers' own timeouts."""
+
+    def __init__(self, local: TierStore, ranks: Sequence[int],
+                 capacity_bytes: int, timeout_s: Optional[float] = None) -> None:
+        self.local, self.ranks = local, list(ranks)
+        self.capacity_bytes, self.timeout_s = capacity_bytes, timeout_s
+
+    def source(self, node_id: str) -> TierStore:
+        """The tier of ``node_id`` (a :class:`~.node_tier.RayTier`)."""
+        import ray
+
+        from kvfleet.worker.kv_tier.node_tier import NAMESPACE, RayTier, tier_actor_name
+
+        actor = ray.get_actor(tier_actor_name(node_id), namespace=NAMESPACE)
+        return RayTier(actor, self.capacity_bytes, *(() if self.timeout_s is None
+                                                     else (self.timeout_s,)))
+
+    def copy(self, source: TierStore, hashes: Sequence[bytes]) -> int:
+        """Copy ``hashes`` of every rank from ``source``; returns the blocks copied.
+
+        Raises:
+            LookupError: ``source`` no longer holds them all.
+        """
+        for rank in self.ranks:
+            run = source.get(rank, hashes)
+            if run is None:
+                raise LookupError(f"rank {rank}'s blocks left the source tier")
+            self.local.put(rank, hashes, run)
+        return len(hashes)
+
+    async def __call__(self, node_id: str, hashes: Sequence[bytes]) -> int:
+        return await asyncio.to_thread(lambda: self.copy(self.source(node_id), hashes))

@@ -1,0 +1,31 @@
+"""A replica's peer pulls (issue 26 §2): built when it has a host tier to land them in."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from kvfleet.worker.engine.engine import Engine
+from kvfleet.worker.kv_tier.peer_client import GrpcPeerClient, NodeRelay
+from kvfleet.worker.kv_tier.peer_pull import PeerPuller, PullCost
+
+
+def build_puller(engine: Engine, enabled: bool, internal_tls: bool,
+                 capacity_bytes: Optional[int]) -> Optional[PeerPuller]:
+    """The puller of ``engine``'s replica, or None: pulls off (``enabled`` false), no host
+    tier (``capacity_bytes``: its size), or internal TLS (a peer's Worker port accepts only
+    the router's certificate)."""
+    tier = getattr(engine.executor, "tier", None)  # rank 0's side of the host tier
+    if not enabled or internal_tls or tier is None or not capacity_bytes:
+        return None
+    ranks = engine.executor.ranks()
+    node_id = ranks[0].node_id if ranks else ""
+    all_ranks = list(range(max(1, len(ranks))))
+    relay = NodeRelay(tier.store, all_ranks, capacity_bytes)
+    sched = engine.scheduler.config
+    return PeerPuller(GrpcPeerClient(), engine.step_cost, engine.identity_digest,
+                      engine.kv.block_size, sched.max_num_batched_tokens,
+                      PullCost(int(np.prod(tier.block_shape))), node_id, relay,
+                      landed=((lambda hashes: tier.store.lookup(hashes, all_ranks))
+                              if len(all_ranks) > 1 else None))
