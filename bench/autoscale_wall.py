@@ -7,9 +7,9 @@ with short Serve intervals so a run takes minutes. The ramp is sized from one re
 saturated throughput on this workload, measured in virtual time on the same cost model
 (``bench.autoscale_sim.capacity_rps``): it holds at ``--peak`` × MAX of it, more than MAX − 1
 replicas carry at the load target. Every second the bench records Serve's target, the
-replicas serving (registered, not draining) and the policy's last reason; every 10 s window
-gets the TTFT p99 of the requests sent in it. Printed, and written to
-``bench/results/autoscale_wall.{json,png}``.
+replicas serving (Serve's RUNNING ones: started, not stopping) and the policy's last reason;
+every 10 s window gets the TTFT p99 of the requests sent in it. Printed, and written to
+``bench/results/autoscale_wall.{json,png}``. Exit status 1 when a request failed.
 
     .venv/bin/python -m bench autoscale_wall
 """
@@ -149,9 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peak", type=float, default=0.8,
                    help="held load, × MAX × one replica's saturated throughput")
     p.add_argument("--low", type=float, default=0.1, help="start and tail load, × the peak")
-    p.add_argument("--up-s", type=float, default=40.0)
+    p.add_argument("--up-s", type=float, default=90.0)
     p.add_argument("--hold-s", type=float, default=60.0)
-    p.add_argument("--down-s", type=float, default=30.0)
+    p.add_argument("--down-s", type=float, default=40.0)
     p.add_argument("--tail-s", type=float, default=30.0)
     p.add_argument("--settle-s", type=float, default=120.0,
                    help="after the ramp, wait at most this long for the fleet to reach 1")
