@@ -45,27 +45,34 @@ class AutoscaleConfig:
     targets: AutoscaleTargets
     upscale_delay_s: float = 5.0
     downscale_delay_s: float = 60.0
-    look_back_period_s: float = 12.0  # above Serve's deprecated metrics_interval_s (10)
+    look_back_period_s: float = 12.0
     metrics_interval_s: float = 2.0
 
     def __post_init__(self) -> None:
         if self.upscale_delay_s < 0 or self.downscale_delay_s < 0:
             raise ValueError("--upscale-delay and --downscale-delay must be >= 0 seconds")
         if not 0 < self.metrics_interval_s < self.look_back_period_s:
-            raise ValueError(f"--autoscale-interval ({self.metrics_interval_s:g} s) must be > 0 "
-                             f"and below the look-back window ({self.look_back_period_s:g} s)")
+            raise ValueError(f"metrics_interval_s ({self.metrics_interval_s:g} s) must be > 0 and "
+                             f"below look_back_period_s ({self.look_back_period_s:g} s)")
 
     def serve_config(self) -> dict:
-        """The deployment's ``autoscaling_config`` (``AutoscalingConfig`` fields)."""
+        """The deployment's ``autoscaling_config`` (``AutoscalingConfig`` fields).
+
+        ``metrics_interval_s`` is set although Serve calls it deprecated: Serve 2.60's
+        replicas still push their metrics to the controller every ``metrics_interval_s``
+        (default 10 s) and ignore :data:`PUSH_INTERVAL_ENV`. Left out, the controller sees
+        a report every 10 s that holds only the last ``look_back_period_s`` of samples."""
         t = self.targets
         return {"min_replicas": t.min_replicas, "initial_replicas": t.min_replicas,
                 "max_replicas": t.max_replicas, "upscale_delay_s": self.upscale_delay_s,
                 "downscale_delay_s": self.downscale_delay_s,
                 "look_back_period_s": self.look_back_period_s,
+                "metrics_interval_s": self.metrics_interval_s,
                 "policy": {"policy_function": POLICY_PATH, "policy_kwargs": t.to_kwargs()}}
 
     def env(self) -> dict[str, str]:
-        """Replica environment: Serve's replica metrics push interval."""
+        """Replica environment: Serve's replica metrics push interval (the variable later
+        Serve releases read instead of ``metrics_interval_s``)."""
         return {PUSH_INTERVAL_ENV: f"{self.metrics_interval_s:g}"}
 
 

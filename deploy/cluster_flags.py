@@ -32,6 +32,7 @@ from kvfleet.router.policy import POLICIES as ROUTING_POLICIES
 from kvfleet.telemetry import TelemetryConfig
 from kvfleet.worker.engine.scheduler import POLICIES as ADMISSION_POLICIES
 from kvfleet.worker.engine.scheduler import SchedulerConfig
+from kvfleet.worker.replica.autoscale import AutoscaleTargets
 from kvfleet.worker.replica.replica import DEFAULT_KV_MEMORY_BYTES, EXECUTORS, ReplicaConfig
 
 DECLARED: Any = object()  # the field's default in its dataclass
@@ -82,6 +83,9 @@ FLAGS: tuple[Flag, ...] = (
          "is held under", dest="slo_itl_ms", type=float),
     Flag("--target-kv-utilisation", None, "autoscale: KV-block utilisation (0..1] to hold the "
          "replicas' mean under", dest="target_kv_utilisation", type=float),
+    Flag("--target-load", None, "autoscale: share (0..1] of each replica's decode throughput "
+         "to run at; the rest absorbs bursts shorter than a replica's start (default %g)"
+         % AutoscaleTargets.target_load, dest="target_load", type=float),
     Flag("--upscale-delay", None, "autoscale: seconds a scale-up decision must persist before "
          "Serve applies it (default %g)" % AutoscaleConfig.upscale_delay_s,
          dest="upscale_delay_s", type=float),
@@ -301,15 +305,14 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
 
 _TARGET_FLAGS = (("slo_ttft_ms", "--slo-ttft-ms"), ("slo_itl_ms", "--slo-itl-ms"),
                  ("target_kv_utilisation", "--target-kv-utilisation"),
-                 ("upscale_delay_s", "--upscale-delay"), ("downscale_delay_s", "--downscale-delay"))
+                 ("target_load", "--target-load"), ("upscale_delay_s", "--upscale-delay"),
+                 ("downscale_delay_s", "--downscale-delay"))
 
 
 def autoscale_config(args: argparse.Namespace) -> Optional[AutoscaleConfig]:
     """``--autoscale`` and its targets as an AutoscaleConfig (None without ``--autoscale``).
     Raises ValueError naming the flag: ``--replicas`` beside it, a target flag without it,
     MIN > MAX, an SLO <= 0 (kvfleet.worker.replica.autoscale.AutoscaleTargets)."""
-    from kvfleet.worker.replica.autoscale import AutoscaleTargets
-
     given = [flag for name, flag in _TARGET_FLAGS if getattr(args, name, None) is not None]
     if getattr(args, "autoscale", None) is None:
         if given:
@@ -320,9 +323,11 @@ def autoscale_config(args: argparse.Namespace) -> Optional[AutoscaleConfig]:
                          "the count (it starts at MIN)")
     lo, hi = args.autoscale
     ms = lambda v: None if v is None else v / 1000.0  # noqa: E731
+    load = getattr(args, "target_load", None)
+    extra = {} if load is None else {"target_load": load}
     targets = AutoscaleTargets(lo, hi, slo_ttft_s=ms(args.slo_ttft_ms),
                                slo_itl_s=ms(args.slo_itl_ms),
-                               target_kv_utilisation=args.target_kv_utilisation)
+                               target_kv_utilisation=args.target_kv_utilisation, **extra)
     delays = {k: getattr(args, k) for k in ("upscale_delay_s", "downscale_delay_s")
               if getattr(args, k) is not None}
     return AutoscaleConfig(targets, **delays)

@@ -85,6 +85,7 @@ def replica_report(stats: Mapping[str, Any], sched: SchedulerConfig, latency: La
         a.PREFIX_HIT_RATE: hit_rate,
         a.MAX_NUM_SEQS: float(sched.max_num_seqs),
         a.REVISION_ID: revision_id(revision),
+        a.THROUGHPUT_LOAD: float(stats.get("throughput_load") or 0.0),
     }
 
 
@@ -94,12 +95,14 @@ _SUMMED = (a.KV_BLOCKS_USED, a.KV_BLOCKS_TOTAL, a.WAITING, a.RUNNING, a.PREFILL_
 
 def combine(reports: Iterable[Mapping[str, float]]) -> dict[str, float]:
     """The report of a process hosting several replicas (cost-model hosts): counts summed,
-    delays and latencies the worst, hit rate the mean. Raises ValueError when empty."""
+    delays and latencies the worst, hit rate and throughput load the mean. Raises ValueError
+    when empty."""
     rows = list(reports)
     if not rows:
         raise ValueError("no replica reports to combine")
     out = {k: sum(r[k] for r in rows) for k in _SUMMED}
     for k in (a.QUEUE_DELAY_S, a.TTFT_P90_S, a.ITL_P90_S, a.REVISION_ID):
         out[k] = max(r[k] for r in rows)
-    out[a.PREFIX_HIT_RATE] = sum(r[a.PREFIX_HIT_RATE] for r in rows) / len(rows)
+    for k in (a.PREFIX_HIT_RATE, a.THROUGHPUT_LOAD):
+        out[k] = sum(r[k] for r in rows) / len(rows)
     return out

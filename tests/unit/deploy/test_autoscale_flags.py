@@ -19,6 +19,8 @@ from kvfleet.deploy.serve_control import deploy_config
     (["--autoscale", "1..3", "--slo-ttft-ms", "0"], "--slo-ttft-ms"),
     (["--autoscale", "1..3", "--slo-itl-ms", "-4"], "--slo-itl-ms"),
     (["--autoscale", "1..3", "--target-kv-utilisation", "2"], "--target-kv-utilisation"),
+    (["--autoscale", "1..3", "--slo-ttft-ms", "500", "--target-load", "0"], "--target-load"),
+    (["--target-load", "0.8"], "needs --autoscale"),
     (["--autoscale", "1..3", "--slo-ttft-ms", "500", "--replicas", "2"], "--replicas"),
     (["--autoscale", "1..3"], "needs a target"),
     (["--slo-ttft-ms", "500"], "needs --autoscale")])
@@ -36,7 +38,8 @@ def test_a_malformed_range_is_a_usage_error(tiny_llama_dir, capsys):
 def test_autoscale_reaches_the_serve_config(tiny_llama_dir):
     cfg = cluster_config(cli.build_parser().parse_args(
         ["up", "--model", str(tiny_llama_dir), "--executor", "cost-model", "--autoscale", "1..3",
-         "--slo-ttft-ms", "800", "--slo-itl-ms", "150", "--downscale-delay", "20"]))
+         "--slo-ttft-ms", "800", "--slo-itl-ms", "150", "--downscale-delay", "20",
+         "--target-load", "0.8"]))
     assert cfg.replicas == 1 and cfg.autoscale is not None
     assert cfg.autoscale.targets.slo_ttft_s == 0.8 and cfg.autoscale.downscale_delay_s == 20
     app = serve_application(cfg, "redis://127.0.0.1:1", num_cpus=0.5, threads=1)
@@ -46,7 +49,8 @@ def test_autoscale_reaches_the_serve_config(tiny_llama_dir):
     assert (auto["min_replicas"], auto["max_replicas"], auto["initial_replicas"]) == (1, 3, 1)
     assert auto["policy"] == {"policy_function": POLICY_PATH, "policy_kwargs": {
         "min_replicas": 1, "max_replicas": 3, "slo_ttft_s": 0.8, "slo_itl_s": 0.15,
-        "headroom": 0.8, "margin": 0.4}}
+        "target_load": 0.8, "load_band": 0.15, "headroom": 0.8, "margin": 0.4}}
+    assert auto["metrics_interval_s"] == 2  # Serve 2.60's replicas push on this, not the env
     assert app["runtime_env"]["env_vars"][PUSH_INTERVAL_ENV] == "2"
     schema = ServeDeploySchema.model_validate(deploy_config([app]))  # imports the policy
     assert schema.applications[0].deployments[0].autoscaling_config["max_replicas"] == 3

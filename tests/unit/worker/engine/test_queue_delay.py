@@ -9,7 +9,7 @@ import pytest
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
 from kvfleet.sampling_params import SamplingParams
 from kvfleet.worker.engine.queue_delay import (QueueState, load_forecast, predict_queue_delay_s,
-                                               prefill_token_s)
+                                               prefill_token_s, throughput_load)
 from kvfleet.worker.engine.step_cost import StepCost
 from kvfleet.worker.engine.request import SequenceState
 from kvfleet.worker.engine.scheduler import Scheduler, SchedulerConfig
@@ -129,4 +129,33 @@ def test_load_forecast_and_the_predictor_wiring():
     s.add([seq(list(range(100, 150)))])
     fake = FakeStepCost()
     forecast = load_forecast(s, fake)
-    assert forecast == {"queue_delay_s": pytest.approx(1 + 0.5), "prefill_token_s": pytest.approx(0.01)}
+    assert forecast == {"queue_delay_s": pytest.approx(1 + 0.5), "prefill_token_s": pytest.approx(0.01),
+                        # its 50 prompt tokens are the next step's work; it waits for a seat
+                        "throughput_load": pytest.approx(1 - 1.0 / 1.5 + 1 / 16)}
+
+
+def test_throughput_load_is_the_share_of_full_batch_tokens_per_second():
+    # Fake: s(n) = 1 + 0.1 n. 4 of 16 seats: 4/1.4 tokens/s of 16/2.6 at most.
+    fake = FakeStepCost()
+    assert throughput_load(state(running=(5,) * 4, decode_rows=4), fake) == pytest.approx(
+        (4 / 1.4) / (16 / 2.6))
+    assert throughput_load(state(), fake) == 0.0
+    # Full seats: 1.0; the queue beyond them adds its length in seats.
+    full = state(running=(5,) * 16, decode_rows=16, waiting=(8,) * 8)
+    assert throughput_load(full, fake) == pytest.approx(1.0 + 8 / 16)
+    assert throughput_load(state(waiting=(8,) * 4), fake) == pytest.approx(4 / 16)
+    # Prompt tokens in the next step are work too: the unshared fixed cost is a smaller part.
+    busy = state(running=(5,) * 4, decode_rows=4, prefill=100)
+    assert throughput_load(busy, fake) == pytest.approx(1 - 1.0 * (12 / 16) / 2.4)
+
+
+def test_throughput_load_is_the_rows_per_second_served_over_the_most_a_replica_serves():
+    """In steady state B / s(B) rows/s = arrival rate × output tokens, so the load is linear
+    in the arrival rate while the seats in use are not (measured constants)."""
+    step, seats = MEASURED, 16
+    most = seats / step.predict_step_s(seats, 0, 0)
+    for b in range(1, seats + 1):
+        load = throughput_load(state(running=(1,) * b, decode_rows=b), step)
+        assert load * most == pytest.approx(b / step.predict_step_s(b, 0, 0))
+    four = throughput_load(state(running=(1,) * 4, decode_rows=4), step)
+    assert four > 2 * 4 / seats  # 4 seats of 16 carry more than half a replica's tokens/s

@@ -1,7 +1,8 @@
-"""kvfleet's autoscaling policy on synthetic reports and synthetic Serve contexts: scale up
-near the SLO or above the KV target, hold in the band, scale down only with margin, never
-below MIN or above MAX, never during a rollout; and through Serve's own wrapper (delays,
-bounds), as the controller runs it."""
+"""kvfleet's autoscaling policy on synthetic reports and synthetic Serve contexts: track the
+throughput load to its target (up at once by what it needs, down only with the band to
+spare), scale up near the SLO or above the KV target, hold in the band, never below MIN or
+above MAX, never during a rollout; and through Serve's own wrapper (delays, bounds), as the
+controller runs it."""
 
 from __future__ import annotations
 
@@ -18,11 +19,11 @@ T = AutoscaleTargets(min_replicas=1, max_replicas=6, slo_ttft_s=1.0, slo_itl_s=0
                      target_kv_utilisation=0.8)
 
 
-def report(delay=0.0, ttft=0.0, itl=0.0, kv=0.0, running=0, waiting=0, revision=0.0):
+def report(delay=0.0, ttft=0.0, itl=0.0, kv=0.0, load=0.0, running=0, waiting=0, revision=0.0):
     return {a.QUEUE_DELAY_S: delay, a.TTFT_P90_S: ttft, a.ITL_P90_S: itl,
             a.KV_BLOCKS_USED: kv * 100, a.KV_BLOCKS_TOTAL: 100.0, a.RUNNING: running,
             a.WAITING: waiting, a.PREFILL_TOKENS_QUEUED: 0.0, a.PREFIX_HIT_RATE: 0.5,
-            a.MAX_NUM_SEQS: 16.0, a.REVISION_ID: revision}
+            a.MAX_NUM_SEQS: 16.0, a.REVISION_ID: revision, a.THROUGHPUT_LOAD: load}
 
 
 def fleet(n, **signals):
@@ -50,14 +51,32 @@ def test_no_second_step_while_the_first_one_starts():
     assert decide(T, 2, 4, fleet(2)).target == 4  # quiet meanwhile: no scale-down either
 
 
-def test_hysteresis_band_holds_and_margin_scales_down_by_one():
-    assert decide(T, 3, 3, fleet(3, ttft=0.6)).reason == "within_band"
-    d = decide(T, 3, 3, fleet(3, ttft=0.2, itl=0.02, kv=0.1, running=2))
+def test_hysteresis_band_holds_and_margin_scales_down():
+    assert decide(T, 3, 3, fleet(3, ttft=0.6)).reason == "within_band"  # latency in the band
+    d = decide(T, 3, 3, fleet(3, ttft=0.2, itl=0.02, kv=0.1, load=0.3))
     assert (d.target, d.reason) == (2, "sustained_margin")
-    # Low latency but the survivors' slots would fill up: hold.
-    assert decide(T, 3, 3, fleet(3, ttft=0.1, running=10)).reason == "within_band"
     # KV spread over one fewer would cross the margin: hold.
-    assert decide(T, 2, 2, fleet(2, kv=0.2)).reason == "within_band"
+    assert decide(T, 2, 2, fleet(2, kv=0.25)).reason == "within_band"
+
+
+def test_load_is_tracked_to_its_target_up_at_once_and_by_what_it_needs():
+    t = AutoscaleTargets(min_replicas=1, max_replicas=8, slo_ttft_s=1.0, target_load=0.5)
+    assert decide(t, 2, 2, fleet(2, load=0.5)).reason == "within_band"  # at the target: hold
+    d = decide(t, 2, 2, fleet(2, load=0.9))  # 2 × 0.9 / 0.5 = 3.6 replicas' worth
+    assert (d.target, d.reason) == (4, "load")
+    assert decide(t, 2, 2, fleet(2, load=1.4)).target == 6  # saturated + queue: a big step
+
+
+def test_load_scales_down_only_with_the_band_to_spare_and_by_as_many_as_that_allows():
+    t = AutoscaleTargets(min_replicas=1, max_replicas=8, slo_ttft_s=1.0, target_load=0.5,
+                         load_band=0.2)
+    # 4 at 0.35: one fewer runs each at 0.47, above the 0.4 the band allows: hold.
+    assert decide(t, 4, 4, fleet(4, load=0.35)).reason == "within_band"
+    d = decide(t, 4, 4, fleet(4, load=0.28))  # 3 survivors at 0.37 each
+    assert (d.target, d.reason) == (3, "sustained_margin")
+    assert decide(t, 6, 6, fleet(6, load=0.1)).target == 2  # night: 6 → 2 in one decision
+    # Latency at the margin forbids it however light the load.
+    assert decide(t, 6, 6, fleet(6, load=0.1, ttft=0.45)).reason == "within_band"
 
 
 def test_never_below_min_and_targets_outside_the_bounds_are_clamped():
@@ -85,6 +104,8 @@ def test_kv_only_target_ignores_latency():
     (dict(min_replicas=1, max_replicas=2, slo_ttft_s=0.0), "--slo-ttft-ms"),
     (dict(min_replicas=1, max_replicas=2, slo_itl_s=-1.0), "--slo-itl-ms"),
     (dict(min_replicas=1, max_replicas=2, target_kv_utilisation=1.5), "--target-kv-utilisation"),
+    (dict(min_replicas=1, max_replicas=2, slo_ttft_s=1.0, target_load=0.0), "--target-load"),
+    (dict(min_replicas=1, max_replicas=2, slo_ttft_s=1.0, load_band=1.0), "load_band"),
     (dict(min_replicas=1, max_replicas=2), "needs a target")])
 def test_bad_targets_name_the_flag(kwargs, flag):
     with pytest.raises(ValueError, match=flag):
@@ -134,7 +155,6 @@ def test_serve_reports_keep_replicas_that_reported_every_signal():
     assert serve_reports(None, ids) == {}
 
 
-def test_full_sequence_slots_scale_up_before_latency_climbs():
-    d = decide(T, 2, 2, fleet(2, running=16, waiting=4))  # slots 1.25 of max_num_seqs
-    assert (d.target, d.reason) == (4, "seq_slots")
-    assert decide(T, 2, 2, fleet(2, running=8)).reason == "within_band"
+def test_a_full_queue_scales_up_before_latency_climbs():
+    d = decide(T, 2, 2, fleet(2, load=1.25))  # seats full, a quarter of them again queued
+    assert (d.target, d.reason) == (4, "load")  # 2 × 1.25 / 0.7

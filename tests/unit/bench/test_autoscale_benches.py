@@ -1,0 +1,49 @@
+"""The autoscaling benches' pure parts: the wall-clock ramp and its 10 s windows, the simulated
+day's arrivals, and the clairvoyant fleet's replica-hours."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from bench.autoscale_sim import Day, ideal_vs_peak, poisson_arrivals
+from bench.autoscale_wall import ramp, windows
+from bench.load import Result
+from bench.workload import Request
+
+RAMP = argparse.Namespace(low=0.1, up_s=10.0, hold_s=5.0, down_s=10.0)
+
+
+def test_ramp_goes_up_holds_and_comes_back_down():
+    assert ramp(0.0, RAMP, 10.0) == pytest.approx(1.0)
+    assert ramp(5.0, RAMP, 10.0) == pytest.approx(5.5)
+    assert ramp(12.0, RAMP, 10.0) == 10.0
+    assert ramp(20.0, RAMP, 10.0) == pytest.approx(5.5)
+    assert ramp(99.0, RAMP, 10.0) == pytest.approx(1.0)
+
+
+def test_windows_take_the_last_sample_and_the_ttft_p99_of_requests_sent():
+    req = Request(0, 0, (1, 2), 0.0)
+    ok = Result(req, sent=1.0, first=1.5, done=2.0)
+    slow = Result(req, sent=2.0, first=4.0, done=5.0)
+    failed = Result(req, sent=12.0, error="UNAVAILABLE")
+    timeline = [{"t": 0.5, "target": 1, "serving": 1, "reason": "at_min"},
+                {"t": 9.5, "target": 2, "serving": 1, "reason": "load"},
+                {"t": 15.0, "target": 2, "serving": 2, "reason": "starting"}]
+    rows = windows([ok, slow, failed], timeline)
+    assert [(r["target"], r["serving"], r["reason"]) for r in rows] == [
+        (2, 1, "load"), (2, 2, "starting")]
+    assert rows[0]["ttft_p99_ms"] == pytest.approx(2000.0) and rows[0]["requests"] == 2
+    assert rows[1]["failed"] == 1 and rows[1]["ttft_p99_ms"] is None
+
+
+def test_arrivals_follow_the_rate_and_the_clairvoyant_floor_lies_between_min_and_max():
+    day = Day(day_s=600.0, peak_rps=20.0, seed=3)
+    arrivals = poisson_arrivals(day.rate, 30.0, 600.0, seed=3)
+    expected = sum(day.rate(t / 10) for t in range(6000)) / 10
+    assert len(arrivals) == pytest.approx(expected, rel=0.05)
+    assert arrivals == sorted(arrivals) and day.arrivals() == arrivals
+    floor = ideal_vs_peak(day, capacity=10.0, lo=1, hi=4, load=0.7, step_s=1.0)
+    assert 1 / 4 < floor < 1.0
+    assert ideal_vs_peak(day, 10.0, 1, 4, 1.0, step_s=1.0) < floor  # hotter replicas: fewer
