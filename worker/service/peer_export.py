@@ -9,6 +9,7 @@ the node's host tier with its next step and waits for rank 0's put
 from __future__ import annotations
 
 import asyncio
+import math
 from typing import Sequence
 
 from kvfleet.allocator.hashing import HASH_BYTES
@@ -25,7 +26,8 @@ def export_hashes(request: worker_pb2.ExportBlocksRequest) -> tuple[bytes, ...]:
     """The request's hashes, checked.
 
     Raises:
-        InvalidArgument: none, too many, or one not ``HASH_BYTES`` long (names the field).
+        InvalidArgument: none, too many, one not ``HASH_BYTES`` long, a repeated one (no
+            chain repeats a hash), or a ``timeout_s`` negative or not finite (names the field).
     """
     hashes = tuple(request.block_hashes)
     if not hashes or len(hashes) > MAX_EXPORT_BLOCKS:
@@ -35,8 +37,12 @@ def export_hashes(request: worker_pb2.ExportBlocksRequest) -> tuple[bytes, ...]:
     if bad is not None:
         raise InvalidArgument(f"block_hashes[{bad}] is {len(hashes[bad])} bytes, not {HASH_BYTES}",
                               field="block_hashes")
-    if request.timeout_s < 0:
-        raise InvalidArgument(f"timeout_s must be >= 0, got {request.timeout_s}", field="timeout_s")
+    if len(set(hashes)) != len(hashes):
+        raise InvalidArgument("block_hashes repeats a hash: not a chain", field="block_hashes")
+    # inf or NaN would reach the write-back wait (threading: OverflowError / ValueError).
+    if not (math.isfinite(request.timeout_s) and request.timeout_s >= 0):
+        raise InvalidArgument(f"timeout_s must be finite and >= 0, got {request.timeout_s}",
+                              field="timeout_s")
     return hashes
 
 

@@ -210,6 +210,21 @@ def test_exported_blocks_stay_referenced_until_the_step_copies_them(tiny_llama_d
     _idle(a)
 
 
+def test_an_export_stops_at_a_repeated_hash(tiny_llama_dir) -> None:
+    """A request naming one cached block more times than the pool has free blocks (no chain
+    repeats a hash): the leading run ends at the repeat, and its reference goes after the
+    step."""
+    base = prompt(22, seed=65)
+    a, _, _, store = _two_replicas(tiny_llama_dir, base)
+    chain = chain_of(a, request(base))[:2]
+    answers: list[tuple[bytes, ...]] = []
+    assert a.export_blocks([chain[0], chain[1], chain[0]] * a.kv.num_total_blocks,
+                           answers.append) == 2
+    run(a, [request(prompt(5, seed=66), max_tokens=1)])
+    assert answers == [tuple(chain)] and store.lookup(chain, [0]) == 2
+    _idle(a)
+
+
 def test_a_replica_without_a_host_tier_refuses_to_export(tiny_llama_dir) -> None:
     from kvfleet.errors import FailedPrecondition
     from tests.unit.worker.engine_harness import make_engine

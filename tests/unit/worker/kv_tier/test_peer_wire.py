@@ -13,13 +13,19 @@ from kvfleet.worker.service.peer_export import MAX_EXPORT_BLOCKS, export_hashes
 
 
 def test_export_requests_are_checked():
-    ok = worker_pb2.ExportBlocksRequest(block_hashes=[bytes(16)] * 3, timeout_s=1.0)
-    assert export_hashes(ok) == (bytes(16),) * 3
+    chain = [bytes([i]) * 16 for i in range(3)]
+    ok = worker_pb2.ExportBlocksRequest(block_hashes=chain, timeout_s=1.0)
+    assert export_hashes(ok) == tuple(chain)
+    many = [i.to_bytes(16, "big") for i in range(MAX_EXPORT_BLOCKS + 1)]
     bad = [worker_pb2.ExportBlocksRequest(),
-           worker_pb2.ExportBlocksRequest(block_hashes=[bytes(16)] * (MAX_EXPORT_BLOCKS + 1)),
+           worker_pb2.ExportBlocksRequest(block_hashes=many),
            worker_pb2.ExportBlocksRequest(block_hashes=[bytes(16), b"short"]),
-           worker_pb2.ExportBlocksRequest(block_hashes=[bytes(16)], timeout_s=-1)]
-    for req, field in zip(bad, ["block_hashes"] * 3 + ["timeout_s"], strict=True):
+           # A chain never repeats a hash (each is keyed by its parent's).
+           worker_pb2.ExportBlocksRequest(block_hashes=[chain[0], chain[1], chain[0]]),
+           worker_pb2.ExportBlocksRequest(block_hashes=chain, timeout_s=-1),
+           worker_pb2.ExportBlocksRequest(block_hashes=chain, timeout_s=float("nan")),
+           worker_pb2.ExportBlocksRequest(block_hashes=chain, timeout_s=float("inf"))]
+    for req, field in zip(bad, ["block_hashes"] * 4 + ["timeout_s"] * 3, strict=True):
         with pytest.raises(InvalidArgument) as err:
             export_hashes(req)
         assert err.value.field == field
