@@ -141,3 +141,18 @@ def test_an_unreachable_index_never_raises_into_the_tier(caplog):
         assert sum("unreachable" in r.getMessage() for r in caplog.records) == 1
     finally:
         pub.close()
+
+
+async def test_a_stopped_tiers_entries_leave_the_mirror_when_they_expire(tenv):
+    """A tier that stops (its actor gone, no more heartbeats): its entries expire in Redis,
+    and the mirror drops its copy at its next registry read instead of crediting (and
+    holding) them for ever."""
+    tenv.put(CHAIN[:3])
+    await tenv.mirror.replicas()  # a live tier's entries stay
+    assert await tenv.host({"a": 0}) == {"a": 3}
+    tenv.publisher.close()
+    r = redis.Redis.from_url(tenv.url)
+    r.delete(IndexKeys(tenv.namespace).tier_held(TIER))  # its TTL ran out
+    r.close()
+    await tenv.mirror.replicas()
+    assert await tenv.host({"a": 0}) == {}
