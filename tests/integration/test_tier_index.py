@@ -156,3 +156,22 @@ async def test_a_stopped_tiers_entries_leave_the_mirror_when_they_expire(tenv):
     r.close()
     await tenv.mirror.replicas()
     assert await tenv.host({"a": 0}) == {}
+
+
+async def test_a_pass_with_thousands_of_changes_is_written_without_a_resync(redis_server,
+                                                                           redis_namespace):
+    """More changes in one pass than a Lua ``unpack`` takes (about 8,000 values) go in
+    batches: no script error, so no new epoch and no republish of the whole tier."""
+    env = TierEnv(redis_server.url, redis_namespace, capacity_blocks=6000)
+    many = [h(i) for i in range(100, 5100)]
+    try:
+        env.put(many[:1])
+        epoch = env.publisher.epoch
+        env.put(many)
+        assert env.publisher.epoch == epoch
+        from_redis = await env.redis_index.host_match(many, {"a": (TIER, 0)})
+        assert from_redis == {"a": len(many)}
+    finally:
+        env.publisher.close()
+        for c in env.closers:
+            await c.close()

@@ -37,7 +37,9 @@ from kvfleet.worker.replica.kv_publisher import emit_lua
 log = logging.getLogger(__name__)
 
 _LOST, _SUPERSEDED = -1, -2
-BATCH = 1024  # hashes per script call when republishing
+# Hashes per script call (a republish, or a pass with many changes): Lua's unpack takes at
+# most ~8,000 values, and a stored hash is two (hash, epoch).
+BATCH = 1024
 
 # KEYS: tier epochs, the tier's held hash, event log, event seq, event log origin.
 _EMIT = emit_lua(3, 4, 5)
@@ -181,9 +183,16 @@ class TierPublisher:
             changes, self._changes = self._changes, {}
         if not changes:
             return 1
+        # One latest change per hash: the removed and stored sets are disjoint, so batches of
+        # each may go in any order.
         stored = [h for h, held in changes.items() if held]
         removed = [h for h, held in changes.items() if not held]
-        return self._call(removed, stored)
+        status = 1
+        for i in range(0, max(len(removed), len(stored)), BATCH):
+            status = self._call(removed[i:i + BATCH], stored[i:i + BATCH])
+            if status != 1:
+                break
+        return status
 
     def _call(self, removed: list[bytes], stored: list[bytes]) -> int:
         return int(self._publish(keys=self._keys, args=[
