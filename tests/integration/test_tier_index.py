@@ -175,3 +175,20 @@ async def test_a_pass_with_thousands_of_changes_is_written_without_a_resync(redi
         env.publisher.close()
         for c in env.closers:
             await c.close()
+
+
+def test_changes_during_an_outage_are_not_kept():
+    """While the index is down the publisher keeps no changes (the resync after it
+    republishes the store), so a long outage does not grow the tier actor's memory."""
+    store = HostTierStore(4 * BLOCK.nbytes)
+    pub = TierPublisher("redis://127.0.0.1:1", TIER, store.held_hashes, timeout_s=0.2,
+                        retry_interval_s=60.0)
+    store.listener = pub.record
+    try:
+        pub.flush()  # fails: down, backing off
+        for i in range(1000):
+            store.put(0, [h(i)], BLOCK)
+            pub.flush()  # skipped while backing off
+        assert pub.pending == 0 and len(store.held_hashes()) == 4
+    finally:
+        pub.close()

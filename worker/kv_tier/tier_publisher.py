@@ -118,6 +118,7 @@ class TierPublisher:
         self._changes: dict[bytes, bool] = {}  # hash -> held, the latest change of each
         self._lock = threading.Lock()
         self._needs_sync = True
+        self._discard = False  # down: changes are not kept (the resync republishes the store)
         self._superseded = False
         self._down_until = 0.0   # monotonic: no attempt before (an outage's back-off)
         self._outage = False
@@ -128,8 +129,16 @@ class TierPublisher:
     def record(self, changes: list[tuple[bytes, bool]]) -> None:
         """The store's listener: ``(hash, held now)`` in the order they happened. Quick."""
         with self._lock:
+            if self._discard:
+                return
             for h, held in changes:
                 self._changes[h] = held
+
+    @property
+    def pending(self) -> int:
+        """Changes waiting for the next pass (none kept while the index is down)."""
+        with self._lock:
+            return len(self._changes)
 
     def start(self) -> None:
         self._thread.start()
@@ -168,6 +177,9 @@ class TierPublisher:
                             self.tier_id)
         except (*REDIS_DOWN_ERRORS, RedisError) as exc:
             self._needs_sync = True
+            with self._lock:  # until the resync: its snapshot of the store has them all
+                self._discard = True
+                self._changes.clear()
             self._down_until = time.monotonic() + self._retry_interval_s
             if not self._outage:
                 self._outage = True
@@ -203,6 +215,7 @@ class TierPublisher:
         Changes recorded before the snapshot are in it; those after it follow as usual."""
         with self._lock:
             self._changes.clear()
+            self._discard = False  # changes from here on follow the snapshot below
         self.epoch = int(self._register(keys=self._keys, args=[self.tier_id]))
         for batch in _batches(self._held_fn()):
             self._call([], batch)
