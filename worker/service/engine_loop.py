@@ -17,6 +17,7 @@ import threading
 from dataclasses import dataclass
 from typing import AsyncGenerator, Callable, Optional
 
+from kvfleet.errors import Unavailable
 from kvfleet.stream_limits import DEFAULT_MAX_UNREAD, Outbox
 from kvfleet.worker.engine.engine import Engine, EngineRequest
 from kvfleet.worker.engine.outputs import SeqOutput
@@ -154,7 +155,10 @@ class EngineLoop:
 
         Raises:
             FailedPrecondition: no host tier. TimeoutError: not done within ``timeout_s``.
+            Unavailable: the engine thread is not running (nothing would answer).
         """
+        if not self.alive:
+            raise Unavailable("the engine thread is not running: no export")
         deadline = self.loop.time() + timeout_s
         done = self.loop.create_future()
         self._inbox.put(_Export(hashes, done))

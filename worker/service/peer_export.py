@@ -20,6 +20,7 @@ from kvfleet.worker.service.engine_loop import EngineLoop
 
 DEFAULT_TIMEOUT_S = 5.0
 MAX_EXPORT_BLOCKS = 4096  # 65,536 tokens of 16: more than any context this serves
+MAX_EXPORT_TIMEOUT_S = 60.0  # a pull waits 5 s at most; a caller without a deadline no more
 
 
 def export_hashes(request: worker_pb2.ExportBlocksRequest) -> tuple[bytes, ...]:
@@ -50,14 +51,15 @@ async def export_blocks(loop: EngineLoop, request: worker_pb2.ExportBlocksReques
                         node_id: str, time_remaining: float | None
                         ) -> worker_pb2.ExportBlocksResponse:
     """Export what this replica holds of ``request``'s blocks; ``time_remaining``: the call's
-    gRPC deadline (None: none).
+    gRPC deadline (None: none). The wait is at most ``MAX_EXPORT_TIMEOUT_S``.
 
     Raises:
         InvalidArgument: a malformed request. FailedPrecondition: no host tier.
         DeadlineExceeded: the blocks were not in the tier within the timeout.
     """
     hashes = export_hashes(request)
-    timeout_s = request.timeout_s or time_remaining or DEFAULT_TIMEOUT_S
+    timeout_s = min(request.timeout_s or time_remaining or DEFAULT_TIMEOUT_S,
+                    MAX_EXPORT_TIMEOUT_S)
     try:
         exported = await loop.export_blocks(hashes, timeout_s)
     except (asyncio.TimeoutError, TimeoutError) as exc:

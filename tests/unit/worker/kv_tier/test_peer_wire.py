@@ -1,15 +1,24 @@
 """The edges of a peer pull: ``ExportBlocks`` requests are checked and name the bad field; a
 hint from the wire; the relay copies every rank's shard from another node's tier."""
 
+import asyncio
+import types
+
 import numpy as np
 import pytest
 
-from kvfleet.errors import InvalidArgument
+from kvfleet.errors import InvalidArgument, Unavailable
 from kvfleet.v1 import worker_pb2
 from kvfleet.worker.kv_tier.peer_client import NodeRelay
 from kvfleet.worker.kv_tier.peer_pull import PeerHint, PullCost
 from kvfleet.worker.kv_tier.store import HostTierStore
-from kvfleet.worker.service.peer_export import MAX_EXPORT_BLOCKS, export_hashes
+from kvfleet.worker.service.engine_loop import EngineLoop
+from kvfleet.worker.service.peer_export import (
+    MAX_EXPORT_BLOCKS,
+    MAX_EXPORT_TIMEOUT_S,
+    export_blocks,
+    export_hashes,
+)
 
 
 def test_export_requests_are_checked():
@@ -61,3 +70,38 @@ def test_the_pull_cost_learns_from_what_pulls_take():
     assert cost.predict_s(10) == pytest.approx(0.02)
     cost.observe(10, 0.01 + 10 * 1000 * 3e-6)  # three times slower than predicted
     assert cost.seconds_per_byte == pytest.approx(2e-6)
+
+
+class _RecordingLoop:
+    """An engine loop stand-in that records the wait it was given and exports nothing."""
+
+    def __init__(self) -> None:
+        self.waits: list[float] = []
+
+    async def export_blocks(self, hashes, timeout_s):
+        self.waits.append(timeout_s)
+        return ()
+
+
+def test_an_exports_wait_is_capped():
+    """A caller without a deadline asking for a huge (finite) wait cannot hold the handler
+    for longer than ``MAX_EXPORT_TIMEOUT_S``."""
+    loop = _RecordingLoop()
+    req = worker_pb2.ExportBlocksRequest(block_hashes=[bytes(16)], timeout_s=1e9)
+    resp = asyncio.run(export_blocks(loop, req, "n", None))  # type: ignore[arg-type]
+    assert list(resp.block_hashes) == [] and loop.waits == [MAX_EXPORT_TIMEOUT_S]
+    asyncio.run(export_blocks(loop, worker_pb2.ExportBlocksRequest(block_hashes=[bytes(16)]),
+                              "n", 2.0))  # type: ignore[arg-type]
+    assert loop.waits[-1] == 2.0
+
+
+def test_an_export_from_a_stopped_engine_loop_is_unavailable():
+    """The engine thread is not running: the export is refused at once, not left to wait."""
+    engine = types.SimpleNamespace(stats=dict)
+
+    async def export():
+        loop = EngineLoop(engine, asyncio.get_running_loop())  # type: ignore[arg-type]
+        with pytest.raises(Unavailable, match="engine thread"):
+            await loop.export_blocks((bytes(16),), 0.05)
+
+    asyncio.run(export())
