@@ -69,6 +69,18 @@ async def snapshot_tiers(redis: Any, keys: IndexKeys) -> TierSets:
     return out
 
 
+async def expired_tiers(redis: Any, keys: IndexKeys, tiers: Sequence[str]) -> list[str]:
+    """Those of ``tiers`` whose held entries Redis no longer has (their TTL ran out: the tier
+    stopped heartbeating), in one round trip (``redis``: an async client)."""
+    if not tiers:
+        return []
+    async with redis.pipeline(transaction=False) as pipe:
+        for tier in tiers:
+            pipe.exists(keys.tier_held(tier))
+        found = await pipe.execute()
+    return [tier for tier, n in zip(tiers, found, strict=True) if not n]
+
+
 def host_match_args(keys: IndexKeys, chain: bytes, starts: HostStarts) -> tuple[list, list]:
     """KEYS and ARGV of :data:`HOST_MATCH_LUA` (``chain``: the packed chain)."""
     args: list = [keys.tier_held(""), chain]

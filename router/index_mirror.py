@@ -42,6 +42,7 @@ from kvfleet.router.host_residency import (
     TierSets,
     apply_tier_event,
     count_host,
+    expired_tiers,
     snapshot_tiers,
 )
 from kvfleet.router.prefix_index import PRUNE_AFTER_TTLS, RedisPrefixIndex
@@ -86,6 +87,7 @@ class MirroredPrefixIndex:
         self._redis: Any = redis_client(url, timeout_s, binary=True, read_timeout_s=block_s + timeout_s)
         self._held: dict[str, tuple[int, set[bytes]]] = {}  # replica → (epoch, block hashes)
         self._tiers: TierSets = {}  # node tier → (epoch, block hashes): host residency
+        self._tier_seq: dict[str, int] = {}  # node tier → the last log entry about it
         self._live: dict[str, int] = {}        # replica → epoch, from the last registry read
         self._last_live: dict[str, float] = {}  # replica → monotonic s it was last listed live
         self._seq = 0                  # last log entry applied
@@ -131,8 +133,10 @@ class MirroredPrefixIndex:
 
     async def replicas(self) -> list[tuple[ReplicaInfo, ReplicaLoad | None]]:
         """The registry read (from Redis); also the liveness and epochs ``match`` uses, and the
-        moment entries of replicas silent for ``PRUNE_AFTER_TTLS`` TTLs are dropped."""
+        moment entries of replicas silent for ``PRUNE_AFTER_TTLS`` TTLs are dropped, and node
+        tiers whose entries expired in Redis (:meth:`_drop_expired_tiers`)."""
         rows = await self.fallback.replicas()
+        await self._drop_expired_tiers()
         now = time.monotonic()
         self._live = {info.replica_id: info.epoch for info, _ in rows}
         for rid in self._live:
@@ -141,6 +145,24 @@ class MirroredPrefixIndex:
         for rid in [r for r in self._held if self._last_live.setdefault(r, now) < horizon]:
             del self._held[rid], self._last_live[rid]
         return rows
+
+    async def _drop_expired_tiers(self) -> None:
+        """Forget the tiers whose held entries expired in Redis (no event says so): a stopped
+        tier is then credited no more, as by Redis itself, and its set is not kept for ever.
+        A tier with an event or a snapshot since the check began is kept (the next read
+        checks again), and so is every tier when Redis does not answer."""
+        seq, tiers = self._seq, self._tiers
+        try:
+            gone = await expired_tiers(self._redis, self._keys, list(tiers))
+        except (*REDIS_DOWN_ERRORS, RedisError) as exc:
+            log.debug("prefix index mirror: tier expiry check failed: %s", exc)
+            return
+        if self._tiers is not tiers:
+            return
+        for tier in gone:
+            if self._tier_seq.get(tier, 0) <= seq:
+                tiers.pop(tier, None)
+                self._tier_seq.pop(tier, None)
 
     async def sync(self, timeout_s: float = 5.0) -> None:
         """Wait until the mirror has applied every log entry written before this call (tests,
@@ -205,6 +227,7 @@ class MirroredPrefixIndex:
                                           if e == epoch and len(h) == HASH_BYTES})
         tiers = await snapshot_tiers(self._redis, k)
         self._held, self._tiers, self._seq, self._origin = held, tiers, int(seq or 0), origin
+        self._tier_seq = {}
         self.snapshots += 1
         log.info("prefix index mirror: snapshot of %d replicas, %d entries, log at %d",
                  len(held), sum(len(s) for _, s in held.values()), self._seq)
@@ -244,6 +267,7 @@ class MirroredPrefixIndex:
         epoch older than the mirror's are ignored."""
         rid, epoch, kind = fields[b"r"].decode(), int(fields[b"e"]), fields[b"k"]
         if kind in (b"treg", b"tblk"):
+            self._tier_seq[rid] = self._seq
             apply_tier_event(self._tiers, kind, rid, epoch, unpack_chain(fields[b"rm"]),
                              unpack_chain(fields[b"st"]))
             return

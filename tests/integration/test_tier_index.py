@@ -141,3 +141,54 @@ def test_an_unreachable_index_never_raises_into_the_tier(caplog):
         assert sum("unreachable" in r.getMessage() for r in caplog.records) == 1
     finally:
         pub.close()
+
+
+async def test_a_stopped_tiers_entries_leave_the_mirror_when_they_expire(tenv):
+    """A tier that stops (its actor gone, no more heartbeats): its entries expire in Redis,
+    and the mirror drops its copy at its next registry read instead of crediting (and
+    holding) them for ever."""
+    tenv.put(CHAIN[:3])
+    await tenv.mirror.replicas()  # a live tier's entries stay
+    assert await tenv.host({"a": 0}) == {"a": 3}
+    tenv.publisher.close()
+    r = redis.Redis.from_url(tenv.url)
+    r.delete(IndexKeys(tenv.namespace).tier_held(TIER))  # its TTL ran out
+    r.close()
+    await tenv.mirror.replicas()
+    assert await tenv.host({"a": 0}) == {}
+
+
+async def test_a_pass_with_thousands_of_changes_is_written_without_a_resync(redis_server,
+                                                                           redis_namespace):
+    """More changes in one pass than a Lua ``unpack`` takes (about 8,000 values) go in
+    batches: no script error, so no new epoch and no republish of the whole tier."""
+    env = TierEnv(redis_server.url, redis_namespace, capacity_blocks=6000)
+    many = [h(i) for i in range(100, 5100)]
+    try:
+        env.put(many[:1])
+        epoch = env.publisher.epoch
+        env.put(many)
+        assert env.publisher.epoch == epoch
+        from_redis = await env.redis_index.host_match(many, {"a": (TIER, 0)})
+        assert from_redis == {"a": len(many)}
+    finally:
+        env.publisher.close()
+        for c in env.closers:
+            await c.close()
+
+
+def test_changes_during_an_outage_are_not_kept():
+    """While the index is down the publisher keeps no changes (the resync after it
+    republishes the store), so a long outage does not grow the tier actor's memory."""
+    store = HostTierStore(4 * BLOCK.nbytes)
+    pub = TierPublisher("redis://127.0.0.1:1", TIER, store.held_hashes, timeout_s=0.2,
+                        retry_interval_s=60.0)
+    store.listener = pub.record
+    try:
+        pub.flush()  # fails: down, backing off
+        for i in range(1000):
+            store.put(0, [h(i)], BLOCK)
+            pub.flush()  # skipped while backing off
+        assert pub.pending == 0 and len(store.held_hashes()) == 4
+    finally:
+        pub.close()

@@ -47,14 +47,16 @@ class TierExports:
         return bool(self._pending)
 
     def request(self, hashes: Sequence[bytes], done: ExportDone) -> int:
-        """Reference the leading run of ``hashes`` held in the pool for the next step's moves
-        (``done`` is called after them). Returns the blocks found; with none, ``done(())``
-        is called at once."""
+        """Reference the leading run of ``hashes`` held in the pool, up to a repeated one, for
+        the next step's moves (``done`` is called after them). Returns the blocks found; with
+        none, ``done(())`` is called at once."""
         blocks: list[int] = []
+        seen: set[bytes] = set()
         for h in hashes:
             block = self.kv.pool.lookup(h)
-            if block is None:
+            if block is None or h in seen:  # a repeat is no chain (and would over-count free)
                 break
+            seen.add(h)
             blocks.append(block)
         if not blocks:
             done(())

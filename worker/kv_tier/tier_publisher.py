@@ -37,7 +37,9 @@ from kvfleet.worker.replica.kv_publisher import emit_lua
 log = logging.getLogger(__name__)
 
 _LOST, _SUPERSEDED = -1, -2
-BATCH = 1024  # hashes per script call when republishing
+# Hashes per script call (a republish, or a pass with many changes): Lua's unpack takes at
+# most ~8,000 values, and a stored hash is two (hash, epoch).
+BATCH = 1024
 
 # KEYS: tier epochs, the tier's held hash, event log, event seq, event log origin.
 _EMIT = emit_lua(3, 4, 5)
@@ -116,6 +118,7 @@ class TierPublisher:
         self._changes: dict[bytes, bool] = {}  # hash -> held, the latest change of each
         self._lock = threading.Lock()
         self._needs_sync = True
+        self._discard = False  # down: changes are not kept (the resync republishes the store)
         self._superseded = False
         self._down_until = 0.0   # monotonic: no attempt before (an outage's back-off)
         self._outage = False
@@ -126,8 +129,16 @@ class TierPublisher:
     def record(self, changes: list[tuple[bytes, bool]]) -> None:
         """The store's listener: ``(hash, held now)`` in the order they happened. Quick."""
         with self._lock:
+            if self._discard:
+                return
             for h, held in changes:
                 self._changes[h] = held
+
+    @property
+    def pending(self) -> int:
+        """Changes waiting for the next pass (none kept while the index is down)."""
+        with self._lock:
+            return len(self._changes)
 
     def start(self) -> None:
         self._thread.start()
@@ -166,6 +177,9 @@ class TierPublisher:
                             self.tier_id)
         except (*REDIS_DOWN_ERRORS, RedisError) as exc:
             self._needs_sync = True
+            with self._lock:  # until the resync: its snapshot of the store has them all
+                self._discard = True
+                self._changes.clear()
             self._down_until = time.monotonic() + self._retry_interval_s
             if not self._outage:
                 self._outage = True
@@ -181,9 +195,16 @@ class TierPublisher:
             changes, self._changes = self._changes, {}
         if not changes:
             return 1
+        # One latest change per hash: the removed and stored sets are disjoint, so batches of
+        # each may go in any order.
         stored = [h for h, held in changes.items() if held]
         removed = [h for h, held in changes.items() if not held]
-        return self._call(removed, stored)
+        status = 1
+        for i in range(0, max(len(removed), len(stored)), BATCH):
+            status = self._call(removed[i:i + BATCH], stored[i:i + BATCH])
+            if status != 1:
+                break
+        return status
 
     def _call(self, removed: list[bytes], stored: list[bytes]) -> int:
         return int(self._publish(keys=self._keys, args=[
@@ -194,6 +215,7 @@ class TierPublisher:
         Changes recorded before the snapshot are in it; those after it follow as usual."""
         with self._lock:
             self._changes.clear()
+            self._discard = False  # changes from here on follow the snapshot below
         self.epoch = int(self._register(keys=self._keys, args=[self.tier_id]))
         for batch in _batches(self._held_fn()):
             self._call([], batch)

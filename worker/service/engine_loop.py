@@ -17,6 +17,7 @@ import threading
 from dataclasses import dataclass
 from typing import AsyncGenerator, Callable, Optional
 
+from kvfleet.errors import Unavailable
 from kvfleet.stream_limits import DEFAULT_MAX_UNREAD, Outbox
 from kvfleet.worker.engine.engine import Engine, EngineRequest
 from kvfleet.worker.engine.outputs import SeqOutput
@@ -150,11 +151,16 @@ class EngineLoop:
     async def export_blocks(self, hashes: tuple[bytes, ...], timeout_s: float) -> tuple[bytes, ...]:
         """Export the leading run of ``hashes`` held in the pool to the node's host tier for a
         peer (:meth:`Engine.export_blocks`), and wait, at most ``timeout_s`` in all, until rank
-        0's write-back of them has landed. Returns the hashes exported (in order).
+        0's write-back of them has landed. Returns the hashes exported (in order): the leading
+        run of them the tier then holds (a dropped write-back, or a put that failed, lands
+        nothing).
 
         Raises:
             FailedPrecondition: no host tier. TimeoutError: not done within ``timeout_s``.
+            Unavailable: the engine thread is not running (nothing would answer).
         """
+        if not self.alive:
+            raise Unavailable("the engine thread is not running: no export")
         deadline = self.loop.time() + timeout_s
         done = self.loop.create_future()
         self._inbox.put(_Export(hashes, done))
@@ -164,6 +170,8 @@ class EngineLoop:
             left = max(0.0, deadline - self.loop.time())
             if not await asyncio.to_thread(tier.flush, left):
                 raise TimeoutError(f"write-back of {len(exported)} blocks not done in time")
+            landed = await asyncio.to_thread(tier.store.lookup, list(exported), [tier.rank])
+            exported = exported[:landed]
         return exported
 
     def fail(self, error: BaseException) -> None:

@@ -9,6 +9,7 @@ the node's host tier with its next step and waits for rank 0's put
 from __future__ import annotations
 
 import asyncio
+import math
 from typing import Sequence
 
 from kvfleet.allocator.hashing import HASH_BYTES
@@ -19,13 +20,15 @@ from kvfleet.worker.service.engine_loop import EngineLoop
 
 DEFAULT_TIMEOUT_S = 5.0
 MAX_EXPORT_BLOCKS = 4096  # 65,536 tokens of 16: more than any context this serves
+MAX_EXPORT_TIMEOUT_S = 60.0  # a pull waits 5 s at most; a caller without a deadline no more
 
 
 def export_hashes(request: worker_pb2.ExportBlocksRequest) -> tuple[bytes, ...]:
     """The request's hashes, checked.
 
     Raises:
-        InvalidArgument: none, too many, or one not ``HASH_BYTES`` long (names the field).
+        InvalidArgument: none, too many, one not ``HASH_BYTES`` long, a repeated one (no
+            chain repeats a hash), or a ``timeout_s`` negative or not finite (names the field).
     """
     hashes = tuple(request.block_hashes)
     if not hashes or len(hashes) > MAX_EXPORT_BLOCKS:
@@ -35,8 +38,12 @@ def export_hashes(request: worker_pb2.ExportBlocksRequest) -> tuple[bytes, ...]:
     if bad is not None:
         raise InvalidArgument(f"block_hashes[{bad}] is {len(hashes[bad])} bytes, not {HASH_BYTES}",
                               field="block_hashes")
-    if request.timeout_s < 0:
-        raise InvalidArgument(f"timeout_s must be >= 0, got {request.timeout_s}", field="timeout_s")
+    if len(set(hashes)) != len(hashes):
+        raise InvalidArgument("block_hashes repeats a hash: not a chain", field="block_hashes")
+    # inf or NaN would reach the write-back wait (threading: OverflowError / ValueError).
+    if not (math.isfinite(request.timeout_s) and request.timeout_s >= 0):
+        raise InvalidArgument(f"timeout_s must be finite and >= 0, got {request.timeout_s}",
+                              field="timeout_s")
     return hashes
 
 
@@ -44,14 +51,15 @@ async def export_blocks(loop: EngineLoop, request: worker_pb2.ExportBlocksReques
                         node_id: str, time_remaining: float | None
                         ) -> worker_pb2.ExportBlocksResponse:
     """Export what this replica holds of ``request``'s blocks; ``time_remaining``: the call's
-    gRPC deadline (None: none).
+    gRPC deadline (None: none). The wait is at most ``MAX_EXPORT_TIMEOUT_S``.
 
     Raises:
         InvalidArgument: a malformed request. FailedPrecondition: no host tier.
         DeadlineExceeded: the blocks were not in the tier within the timeout.
     """
     hashes = export_hashes(request)
-    timeout_s = request.timeout_s or time_remaining or DEFAULT_TIMEOUT_S
+    timeout_s = min(request.timeout_s or time_remaining or DEFAULT_TIMEOUT_S,
+                    MAX_EXPORT_TIMEOUT_S)
     try:
         exported = await loop.export_blocks(hashes, timeout_s)
     except (asyncio.TimeoutError, TimeoutError) as exc:

@@ -187,6 +187,28 @@ def test_an_export_whose_transfer_fails_reports_nothing_and_releases_its_blocks(
     _idle(b)
 
 
+def test_an_export_whose_write_back_was_dropped_answers_only_what_landed(tiny_llama_dir) -> None:
+    """A's writer drops the snapshot (its queue is full): A answers only the blocks the
+    node's tier holds (none), not every block it snapshotted, and B recomputes."""
+    base = prompt(22, seed=67)
+    a, b, rec, store = _two_replicas(tiny_llama_dir, base)
+    a.executor.tier.max_pending_bytes = 0  # every write-back is dropped
+    again = request(base + prompt(3, seed=68), max_tokens=3)
+
+    async def pull(loop):
+        p = puller(LoopPeer(loop), b)
+        return await p.prepare(again, hint(5)), p
+
+    pulled, p = asyncio.run(with_loop(a, pull))
+    assert store.stats().blocks == 0
+    assert p.stats.pulls == 1 and p.stats.pulled_blocks == 0
+    _idle(a)
+    results = run(b, [pulled])
+    assert results[(again.request_id, 0)].last.usage.cached_prompt_tokens == 0
+    assert parity_error(tiny_llama_dir, rec, again, results) <= 1
+    _idle(b)
+
+
 def test_exported_blocks_stay_referenced_until_the_step_copies_them(tiny_llama_dir) -> None:
     """A request that needs nearly all of A's pool arrives with the export: the exported
     blocks are referenced (so not evictable) until the step's moves copied them, the request
@@ -207,6 +229,21 @@ def test_exported_blocks_stay_referenced_until_the_step_copies_them(tiny_llama_d
     results = run(b, [again])
     assert restored_blocks(rec, again.request_id) == 5
     assert parity_error(tiny_llama_dir, rec, again, results) <= 1
+    _idle(a)
+
+
+def test_an_export_stops_at_a_repeated_hash(tiny_llama_dir) -> None:
+    """A request naming one cached block more times than the pool has free blocks (no chain
+    repeats a hash): the leading run ends at the repeat, and its reference goes after the
+    step."""
+    base = prompt(22, seed=65)
+    a, _, _, store = _two_replicas(tiny_llama_dir, base)
+    chain = chain_of(a, request(base))[:2]
+    answers: list[tuple[bytes, ...]] = []
+    assert a.export_blocks([chain[0], chain[1], chain[0]] * a.kv.num_total_blocks,
+                           answers.append) == 2
+    run(a, [request(prompt(5, seed=66), max_tokens=1)])
+    assert answers == [tuple(chain)] and store.lookup(chain, [0]) == 2
     _idle(a)
 
 

@@ -1,25 +1,40 @@
 """The edges of a peer pull: ``ExportBlocks`` requests are checked and name the bad field; a
 hint from the wire; the relay copies every rank's shard from another node's tier."""
 
+import asyncio
+import types
+
 import numpy as np
 import pytest
 
-from kvfleet.errors import InvalidArgument
+from kvfleet.errors import InvalidArgument, Unavailable
 from kvfleet.v1 import worker_pb2
 from kvfleet.worker.kv_tier.peer_client import NodeRelay
 from kvfleet.worker.kv_tier.peer_pull import PeerHint, PullCost
 from kvfleet.worker.kv_tier.store import HostTierStore
-from kvfleet.worker.service.peer_export import MAX_EXPORT_BLOCKS, export_hashes
+from kvfleet.worker.service.engine_loop import EngineLoop
+from kvfleet.worker.service.peer_export import (
+    MAX_EXPORT_BLOCKS,
+    MAX_EXPORT_TIMEOUT_S,
+    export_blocks,
+    export_hashes,
+)
 
 
 def test_export_requests_are_checked():
-    ok = worker_pb2.ExportBlocksRequest(block_hashes=[bytes(16)] * 3, timeout_s=1.0)
-    assert export_hashes(ok) == (bytes(16),) * 3
+    chain = [bytes([i]) * 16 for i in range(3)]
+    ok = worker_pb2.ExportBlocksRequest(block_hashes=chain, timeout_s=1.0)
+    assert export_hashes(ok) == tuple(chain)
+    many = [i.to_bytes(16, "big") for i in range(MAX_EXPORT_BLOCKS + 1)]
     bad = [worker_pb2.ExportBlocksRequest(),
-           worker_pb2.ExportBlocksRequest(block_hashes=[bytes(16)] * (MAX_EXPORT_BLOCKS + 1)),
+           worker_pb2.ExportBlocksRequest(block_hashes=many),
            worker_pb2.ExportBlocksRequest(block_hashes=[bytes(16), b"short"]),
-           worker_pb2.ExportBlocksRequest(block_hashes=[bytes(16)], timeout_s=-1)]
-    for req, field in zip(bad, ["block_hashes"] * 3 + ["timeout_s"], strict=True):
+           # A chain never repeats a hash (each is keyed by its parent's).
+           worker_pb2.ExportBlocksRequest(block_hashes=[chain[0], chain[1], chain[0]]),
+           worker_pb2.ExportBlocksRequest(block_hashes=chain, timeout_s=-1),
+           worker_pb2.ExportBlocksRequest(block_hashes=chain, timeout_s=float("nan")),
+           worker_pb2.ExportBlocksRequest(block_hashes=chain, timeout_s=float("inf"))]
+    for req, field in zip(bad, ["block_hashes"] * 4 + ["timeout_s"] * 3, strict=True):
         with pytest.raises(InvalidArgument) as err:
             export_hashes(req)
         assert err.value.field == field
@@ -55,3 +70,38 @@ def test_the_pull_cost_learns_from_what_pulls_take():
     assert cost.predict_s(10) == pytest.approx(0.02)
     cost.observe(10, 0.01 + 10 * 1000 * 3e-6)  # three times slower than predicted
     assert cost.seconds_per_byte == pytest.approx(2e-6)
+
+
+class _RecordingLoop:
+    """An engine loop stand-in that records the wait it was given and exports nothing."""
+
+    def __init__(self) -> None:
+        self.waits: list[float] = []
+
+    async def export_blocks(self, hashes, timeout_s):
+        self.waits.append(timeout_s)
+        return ()
+
+
+def test_an_exports_wait_is_capped():
+    """A caller without a deadline asking for a huge (finite) wait cannot hold the handler
+    for longer than ``MAX_EXPORT_TIMEOUT_S``."""
+    loop = _RecordingLoop()
+    req = worker_pb2.ExportBlocksRequest(block_hashes=[bytes(16)], timeout_s=1e9)
+    resp = asyncio.run(export_blocks(loop, req, "n", None))  # type: ignore[arg-type]
+    assert list(resp.block_hashes) == [] and loop.waits == [MAX_EXPORT_TIMEOUT_S]
+    asyncio.run(export_blocks(loop, worker_pb2.ExportBlocksRequest(block_hashes=[bytes(16)]),
+                              "n", 2.0))  # type: ignore[arg-type]
+    assert loop.waits[-1] == 2.0
+
+
+def test_an_export_from_a_stopped_engine_loop_is_unavailable():
+    """The engine thread is not running: the export is refused at once, not left to wait."""
+    engine = types.SimpleNamespace(stats=dict)
+
+    async def export():
+        loop = EngineLoop(engine, asyncio.get_running_loop())  # type: ignore[arg-type]
+        with pytest.raises(Unavailable, match="engine thread"):
+            await loop.export_blocks((bytes(16),), 0.05)
+
+    asyncio.run(export())
