@@ -59,6 +59,7 @@ class PredictedTTFT(PrefixAware):
         super().__init__(**options)
         self.miss_weight = miss_weight
         self.pending_s: dict[str, float] = {}  # replica → average predicted prefill seconds sent
+        self.avg_backlog_s: dict[str, float] = {}  # replica → smoothed backlog (the bound)
 
     def choose(self, candidates: Sequence[Candidate], chain: Sequence[bytes]) -> Candidate:
         chosen = super().choose(candidates, chain)
@@ -71,23 +72,58 @@ class PredictedTTFT(PrefixAware):
     def predicted_ttft_s(self, c: Candidate, chain: Sequence[bytes]) -> float:
         """Predicted seconds to ``c``'s first token for ``chain`` (module docstring).
         Raises ValueError when ``c``'s report has no forecast."""
+        if _forecast(c) is None:
+            raise ValueError(f"replica {c.info.replica_id} advertises no queue delay")
+        own = self.own_prefill_s(c, chain)
+        return self.backlog_s(c, own) + own
+
+    def backlog_s(self, c: Candidate, default_pending_s: float = 0.0) -> float:
+        """Predicted seconds before a request sent to ``c`` now starts its prefill: the
+        report's queue delay less its age, plus this router's requests the report misses at
+        ``c``'s recent average prefill (``default_pending_s`` before any was sent there).
+        Raises ValueError when ``c``'s report has no forecast."""
         forecast = _forecast(c)
         if forecast is None:
             raise ValueError(f"replica {c.info.replica_id} advertises no queue delay")
         queued = max(0.0, forecast.queue_delay_s - c.report_age_s)  # type: ignore[operator]
-        own = self.own_prefill_s(c, chain)
         reported = 0 if c.reported is None else max(0, c.reported - c.settled)
         unreported = max(0, c.inflight - reported)
-        return queued + unreported * self.pending_s.get(c.info.replica_id, own) + own
+        return queued + unreported * self.pending_s.get(c.info.replica_id, default_pending_s)
 
     @staticmethod
-    def own_prefill_s(c: Candidate, chain: Sequence[bytes]) -> float:
-        """Seconds of the request's uncached prompt tokens on ``c``."""
+    def own_prefill_s(c: Candidate, chain: Sequence[bytes], matched: Optional[int] = None) -> float:
+        """Seconds of the request's uncached prompt tokens on ``c`` (``matched`` blocks
+        cached; default ``c.matched_blocks``)."""
         forecast = _forecast(c)
         assert forecast is not None and forecast.prefill_token_s is not None
-        bs = c.info.block_size
-        uncached = (len(chain) - min(c.matched_blocks, len(chain))) * bs + bs // 2
+        bs, m = c.info.block_size, c.matched_blocks if matched is None else matched
+        uncached = (len(chain) - min(m, len(chain))) * bs + bs // 2
         return uncached * forecast.prefill_token_s
+
+    def _observe_loads(self, candidates: Sequence[Candidate]) -> dict[str, float]:
+        """Smoothed loads for the bound: predicted backlog seconds (the score's unit: a
+        replica at half speed is twice as loaded at equal counts), or request counts while a
+        candidate lacks the forecast."""
+        counts = super()._observe_loads(candidates)
+        if not all(_forecast(c) is not None for c in candidates):
+            return counts
+        k = 1.0 - 1.0 / (self.load_window * len(candidates))
+        for c in candidates:
+            rid = c.info.replica_id
+            self.avg_backlog_s[rid] = k * self.avg_backlog_s.get(rid, 0.0) + (1 - k) * self.backlog_s(c)
+        return {c.info.replica_id: self.avg_backlog_s[c.info.replica_id] for c in candidates}
+
+    def _needs_holder(self, fair_shares: float, holders: set[str], avg: dict[str, float],
+                      candidates: Sequence[Candidate], chain: Sequence[bytes]) -> bool:
+        """``prefix_aware``'s bound in seconds: holders are overloaded when their smoothed
+        backlog exceeds the mean by more than a new copy's prefill on the fastest candidate
+        (what the copy costs; with counts a slow holder never looked busier)."""
+        if not all(_forecast(c) is not None for c in candidates):
+            return super()._needs_holder(fair_shares, holders, avg, candidates, chain)
+        if fair_shares > self.max_imbalance * len(holders):
+            return True
+        copy_s = min(self.own_prefill_s(c, chain, matched=0) for c in candidates)
+        return self._overloaded(holders, avg, copy_s)
 
     def _best_score(self, candidates: Sequence[Candidate], chain: Sequence[bytes]) -> Candidate:
         if not all(_forecast(c) is not None for c in candidates) \
