@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
-from kvfleet.router.policy import Candidate, PrefixAware, make_policy
+from kvfleet.router.policy import WARM_UP_SAMPLES, Candidate, PrefixAware, make_policy
 from kvfleet.router.predicted_ttft import MAX_REPORT_AGE_S, PredictedTTFT, report_age
 
 FAST = 0.001  # seconds per uncached prompt token
@@ -102,3 +102,39 @@ def test_a_saturated_replica_is_skipped_and_options_pass_through():
     assert PredictedTTFT().choose([full, free], chain(b"x")) is free
     policy = make_policy("predicted_ttft", max_imbalance=2.0)
     assert isinstance(policy, PredictedTTFT) and policy.max_imbalance == 2.0 and policy.uses_index
+
+
+def route_many(policy, holder_delay: float, holder_running: int, n: int = 200) -> set[str]:
+    """Replicas that got a request of prefix ``x`` held only by ``a``, over ``n`` decisions in
+    which ``a``'s backlog is ``holder_delay`` seconds at ``holder_running`` requests and the
+    others are idle (the reports do not change: only the bound can add a holder)."""
+    got = set()
+    for _ in range(n):
+        cands = [cand("a", matched=64, delay=holder_delay, running=holder_running)] + \
+            [cand(r) for r in "bcd"]
+        got.add(policy.choose(cands, chain(b"x")).info.replica_id)
+    return got
+
+
+def test_the_bound_counts_seconds_not_requests():
+    # Six short requests on the holder, 0.3 s of backlog: prefix_aware's count bound copies the
+    # prefix; in seconds the holder is less busy than one copy's prefill (1,032 tokens, ~1 s).
+    assert route_many(PrefixAware(popularity_window=10_000), 0.0, 6) != {"a"}
+    stay = PredictedTTFT(miss_weight=100, popularity_window=10_000)
+    assert route_many(stay, 0.3, 6) == {"a"}
+    # A holder backed up by more than a copy costs (a slow replica: few requests, many
+    # seconds) gets another holder, though its count matches the others'.
+    assert route_many(PredictedTTFT(miss_weight=100, popularity_window=10_000), 3.0, 0) != {"a"}
+
+
+def test_the_bound_waits_for_its_warm_up_and_falls_back_to_counts():
+    policy = PredictedTTFT(miss_weight=100, popularity_window=10_000)
+    assert route_many(policy, 3.0, 0, n=WARM_UP_SAMPLES * 4 - 1) == {"a"}
+    old = PredictedTTFT(miss_weight=100, popularity_window=10_000)
+    # Older replicas report no forecast: the bound is prefix_aware's, in requests.
+    got = set()
+    for _ in range(200):
+        cands = [cand("a", matched=64, delay=None, per_token=None, running=6)] + \
+            [cand(r, delay=None, per_token=None) for r in "bcd"]
+        got.add(old.choose(cands, chain(b"x")).info.replica_id)
+    assert got != {"a"}
