@@ -118,7 +118,7 @@ def run_case(case: Case, args, cost: CostModel, model_dir: str) -> dict:
     base = sat.get("prefix_aware", max(sat.values()))
     out["rate_rps"] = rate = base if case.b2b else args.load * base
     for k in range(args.seeds):
-        reqs, warm = stream(case, rate, args.count, seed=1000 + k)
+        reqs, warm = stream(case, rate, args.count, seed=args.first_seed + k)
         runs = {}
         for p in args.policies:
             if k and p in FAR_BASELINES:
@@ -164,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--count", type=int, default=480,
                    help="open-loop requests per policy and seed (b2b: with the warm-up)")
     p.add_argument("--seeds", type=int, default=3, help="open-loop request streams")
+    p.add_argument("--first-seed", type=int, default=1000, help="seed of the first stream")
     p.add_argument("--saturation-count", type=int, default=300)
     p.add_argument("--load", type=float, default=0.8,
                    help="open-loop rate ÷ prefix_aware's saturation throughput (not b2b)")
