@@ -68,9 +68,12 @@ class SimFleet:
                              cost_model=cost, scheduler=scheduler)
         for i in range(n):
             rid = f"r{i:03d}"
-            eng = build_engine(replace(base, replica_id=rid))
-            r = eng.executor
             own = cost.scaled(scales[i]) if i < len(scales) else cost
+            eng = build_engine(replace(base, replica_id=rid, cost_model=own))
+            # Virtual clock: a step's wall time says nothing of its modelled time, so the
+            # replica's step-cost model (its forecast) stays at its own constants.
+            eng.step_cost.alpha = 0.0
+            r = eng.executor
             eng.executor = CostModelExecutor(r.config, own, int(r._row.argmax()), num_blocks,
                                              block_size, sleep=lambda s: None)
             self.engines[rid] = eng

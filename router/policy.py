@@ -192,7 +192,7 @@ class PrefixAware:
         holders = {c.info.replica_id for c in usable if c.matched_blocks == best}
         holders |= self._pending_copies(key, holders)
         fair_shares = self.popularity.observe(key) * len(candidates)
-        if self._needs_holder(fair_shares, holders, avg):
+        if self._needs_holder(fair_shares, holders, avg, usable, chain):
             others = [c for c in usable if c.info.replica_id not in holders]
             if others:
                 target = self._copy_target(others, chain, avg)
@@ -205,17 +205,24 @@ class PrefixAware:
         """Where a prefix's new holder goes: the least-loaded replica that lacks it."""
         return min(others, key=lambda c: (c.load, avg[c.info.replica_id], rendezvous_desc(chain[0], c)))
 
-    def _needs_holder(self, fair_shares: float, holders: set[str], avg: dict[str, float]) -> bool:
+    def _needs_holder(self, fair_shares: float, holders: set[str], avg: dict[str, float],
+                      candidates: Sequence[Candidate], chain: Sequence[bytes]) -> bool:
         """Another holder is needed when the prefix's own traffic gives each holder more than
         ``max_imbalance`` fair shares (a hot prefix, seen at once), or when every holder's
         smoothed load is above ``max_imbalance ×`` the mean and above the mean by
-        ``min_excess_load`` requests (any prefix: the bound)."""
+        ``min_excess_load`` requests (any prefix: the bound). ``candidates`` and ``chain``
+        (the decision's) are for subclasses that size the excess per request."""
         if fair_shares > self.max_imbalance * len(holders):
             return True
+        return self._overloaded(holders, avg, self.min_excess_load)
+
+    def _overloaded(self, holders: set[str], avg: dict[str, float], min_excess: float) -> bool:
+        """Every holder's smoothed load in ``avg`` is above ``max_imbalance ×`` the mean and
+        above the mean by ``min_excess`` (in ``avg``'s unit); False during the warm-up."""
         if self._decisions < WARM_UP_SAMPLES * len(avg):
             return False  # too few samples: the smoothed loads are still noise
         mean = sum(avg.values()) / len(avg)
-        bound = max(self.max_imbalance * mean, mean + self.min_excess_load)
+        bound = max(self.max_imbalance * mean, mean + min_excess)
         return all(avg.get(h, 0.0) > bound for h in holders)
 
     def _best_score(self, candidates: Sequence[Candidate], chain: Sequence[bytes]) -> Candidate:

@@ -13,19 +13,30 @@ after those cost their restore instead of their prefill: ``router/tier_credit.py
 *unreported* is this router's open streams the report cannot count (its in-flight count
 beyond ``reported − settled``, as ``prefix_aware``'s load), each costed at the exponential
 average of the prefill seconds this policy predicted for its recent requests to that replica.
-``P`` is known to the block: the chain's full blocks plus half a block. The lowest of
-``predicted TTFT + miss_weight × own prefill`` wins: the uncached tokens' work also delays the
-requests queued behind it and evicts other prefixes, which a greedy TTFT does not see (with
-``miss_weight`` 0 the fleet copies prefixes until the cache thrashes). Ties go to the deeper
-match, then the least loaded, then rendezvous hashing on the first block. A request no replica
-holds any block of (a new family) is placed as ``prefix_aware`` places it — by load, not by
-speed — so a slower replica still holds its share of the fleet's prefixes.
+``P`` is known to the block: the chain's full blocks plus half a block.
 
-What ``prefix_aware`` adds stays: the KV-saturation skip and the bounded imbalance (a hot
-prefix gets another holder — here the one with the lowest predicted TTFT among those lacking
-it). When any candidate's report lacks the forecast (an older replica during a rolling
-upgrade, or no report), seconds and counts cannot be compared, so that decision falls back to
-``prefix_aware``'s score for every candidate.
+The score ranks the replicas holding the request's **deepest** match (the lowest of
+``predicted TTFT + miss_weight × own prefill`` wins: among equally deep holders the slower
+one's prefill also delays the requests behind it). It never moves a request to a shallower
+holder on its own: a queue that is long at the moment of one decision is a burst that drains
+in seconds, while a copy of a prefix is permanent — it costs a full prefill and evicts another
+family's blocks (greedy TTFT, bench.ttft_routing: uniform p90 1.16× prefix_aware's, B2B
+hit rate 0.89 → the fleet past saturation collapses). Copies come from the bound below, on
+smoothed backlogs. Ties go to the least loaded, then rendezvous hashing on the first block. A
+request no replica holds any block of (a new family) is placed as ``prefix_aware`` places it
+— by load, not by speed — so a slower replica still holds its share of the fleet's prefixes.
+
+What ``prefix_aware`` adds stays, in seconds: the KV-saturation skip; a hot prefix (its own
+traffic above ``max_imbalance`` fair shares per holder) gets another holder at once; and the
+**bound**: a prefix gets another holder when every holder's smoothed backlog (the seconds
+above, averaged over ~``load_window`` decisions per replica) exceeds ``max_imbalance ×`` the
+fleet's mean and the mean by ``(1 + miss_weight) ×`` a copy's prefill — the score's exchange
+rate. In request counts, as ``prefix_aware`` bounds, a half-speed holder never looks busier,
+and past saturation every holder of a long prefix does (B2B: copies that evict, then
+thrash). The new holder is the replica lacking the prefix with the lowest score (one holding
+part of it is cheaper). When any candidate's report lacks the forecast (an older replica
+during a rolling upgrade, or no report), seconds and counts cannot be compared, so that
+decision falls back to ``prefix_aware`` (its score and its bound in counts).
 """
 
 from __future__ import annotations
@@ -61,6 +72,7 @@ class PredictedTTFT(PrefixAware):
         super().__init__(**options)
         self.miss_weight = miss_weight
         self.pending_s: dict[str, float] = {}  # replica → average predicted prefill seconds sent
+        self.avg_backlog_s: dict[str, float] = {}  # replica → smoothed backlog (the bound)
 
     def choose(self, candidates: Sequence[Candidate], chain: Sequence[bytes]) -> Candidate:
         chosen = super().choose(candidates, chain)
@@ -73,29 +85,70 @@ class PredictedTTFT(PrefixAware):
     def predicted_ttft_s(self, c: Candidate, chain: Sequence[bytes]) -> float:
         """Predicted seconds to ``c``'s first token for ``chain`` (module docstring).
         Raises ValueError when ``c``'s report has no forecast."""
+        if _forecast(c) is None:
+            raise ValueError(f"replica {c.info.replica_id} advertises no queue delay")
+        own = self.own_prefill_s(c, chain)
+        return self.backlog_s(c, own) + own
+
+    def backlog_s(self, c: Candidate, default_pending_s: float = 0.0) -> float:
+        """Predicted seconds before a request sent to ``c`` now starts its prefill: the
+        report's queue delay less its age, plus this router's requests the report misses at
+        ``c``'s recent average prefill (``default_pending_s`` before any was sent there).
+        Raises ValueError when ``c``'s report has no forecast."""
         forecast = _forecast(c)
         if forecast is None:
             raise ValueError(f"replica {c.info.replica_id} advertises no queue delay")
         queued = max(0.0, forecast.queue_delay_s - c.report_age_s)  # type: ignore[operator]
-        own = self.own_prefill_s(c, chain)
         reported = 0 if c.reported is None else max(0, c.reported - c.settled)
         unreported = max(0, c.inflight - reported)
-        return queued + unreported * self.pending_s.get(c.info.replica_id, own) + own
+        return queued + unreported * self.pending_s.get(c.info.replica_id, default_pending_s)
 
-    def own_prefill_s(self, c: Candidate, chain: Sequence[bytes]) -> float:
-        """Seconds of the request's uncached prompt tokens on ``c``."""
+    def own_prefill_s(self, c: Candidate, chain: Sequence[bytes], matched: Optional[int] = None) -> float:
+        """Seconds of the request's uncached prompt tokens on ``c``: with ``matched`` None,
+        after its device match (``c.matched_blocks``) and less what its node tier's blocks
+        save; else after ``matched`` device blocks, tier ignored (a new copy's cost)."""
         forecast = _forecast(c)
         assert forecast is not None and forecast.prefill_token_s is not None
-        bs = c.info.block_size
-        uncached = (len(chain) - min(c.matched_blocks, len(chain))) * bs + bs // 2
+        bs, m = c.info.block_size, c.matched_blocks if matched is None else matched
+        uncached = (len(chain) - min(m, len(chain))) * bs + bs // 2
         per_token = forecast.prefill_token_s
-        return uncached * per_token - host_credit_s(c, per_token, self.host_hit_weight)
+        credit = host_credit_s(c, per_token, self.host_hit_weight) if matched is None else 0.0
+        return uncached * per_token - credit
+
+    def _observe_loads(self, candidates: Sequence[Candidate]) -> dict[str, float]:
+        """Smoothed loads for the bound: predicted backlog seconds (the score's unit: a
+        replica at half speed is twice as loaded at equal counts), or request counts while a
+        candidate lacks the forecast."""
+        counts = super()._observe_loads(candidates)
+        if not all(_forecast(c) is not None for c in candidates):
+            return counts
+        k = 1.0 - 1.0 / (self.load_window * len(candidates))
+        for c in candidates:
+            rid = c.info.replica_id
+            self.avg_backlog_s[rid] = k * self.avg_backlog_s.get(rid, 0.0) + (1 - k) * self.backlog_s(c)
+        return {c.info.replica_id: self.avg_backlog_s[c.info.replica_id] for c in candidates}
+
+    def _needs_holder(self, fair_shares: float, holders: set[str], avg: dict[str, float],
+                      candidates: Sequence[Candidate], chain: Sequence[bytes]) -> bool:
+        """``prefix_aware``'s bound in seconds: holders are overloaded when their smoothed
+        backlog exceeds the mean by more than a new copy costs at the score's exchange rate,
+        ``(1 + miss_weight) ×`` its prefill on the fastest candidate (in counts a slow holder
+        never looked busier, and past saturation every holder did)."""
+        if not all(_forecast(c) is not None for c in candidates):
+            return super()._needs_holder(fair_shares, holders, avg, candidates, chain)
+        if fair_shares > self.max_imbalance * len(holders):
+            return True
+        copy_s = min(self.own_prefill_s(c, chain, matched=0) for c in candidates)
+        return self._overloaded(holders, avg, (1 + self.miss_weight) * copy_s)
 
     def _best_score(self, candidates: Sequence[Candidate], chain: Sequence[bytes]) -> Candidate:
         if not all(_forecast(c) is not None for c in candidates) \
                 or not any(c.matched_blocks or c.host_blocks for c in candidates):
             return super()._best_score(candidates, chain)
-        return min(candidates, key=lambda c: self._order(c, chain))
+        # Rank only the deepest holders (device blocks, then the node tier's after them).
+        best = max(c.matched_blocks + c.host_blocks for c in candidates)
+        holders = [c for c in candidates if c.matched_blocks + c.host_blocks == best]
+        return min(holders, key=lambda c: self._order(c, chain))
 
     def _copy_target(self, others: Sequence[Candidate], chain: Sequence[bytes],
                      avg: dict[str, float]) -> Candidate:
@@ -104,6 +157,8 @@ class PredictedTTFT(PrefixAware):
         return min(others, key=lambda c: self._order(c, chain))
 
     def _order(self, c: Candidate, chain: Sequence[bytes]) -> tuple:
+        """Sort key: predicted TTFT + ``miss_weight`` × own prefill; then deeper match,
+        least loaded, rendezvous."""
         extra = self.miss_weight * self.own_prefill_s(c, chain)
         return (self.predicted_ttft_s(c, chain) + extra, -c.matched_blocks, c.load,
                 rendezvous_desc(chain[0] if chain else b"", c))

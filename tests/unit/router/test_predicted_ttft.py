@@ -37,14 +37,16 @@ def test_a_half_speed_replica_loses_at_equal_queues_and_wins_when_the_other_is_b
     assert PredictedTTFT(miss_weight=0).choose([slow, busy_fast], chain(b"x")) is slow
 
 
-def test_queue_depth_against_prefix_match():
-    # The holder saves 1,024 tokens (~1 s): worth 0.5 s of queue, not 3 s.
-    holder, idle = cand("a", matched=64, delay=0.5), cand("b")
-    assert PredictedTTFT(miss_weight=0).choose([idle, holder], chain(b"x")) is holder
-    backed_up = cand("a", matched=64, delay=3.0)
-    assert PredictedTTFT(miss_weight=0).choose([idle, backed_up], chain(b"x")).info.replica_id == "b"
-    # miss_weight 3 counts the miss's 1,024 extra tokens 4×: 3 s of queue is then worth it.
-    assert PredictedTTFT(miss_weight=3).choose([idle, backed_up], chain(b"x")) is backed_up
+def test_the_score_ranks_the_deepest_holders_only():
+    # One decision's backlog never moves a request to a shallower holder (a burst drains, a
+    # copy stays): 3 s of queue on the holder, an idle replica without the prefix.
+    backed_up, idle = cand("a", matched=64, delay=3.0), cand("b")
+    assert PredictedTTFT(miss_weight=0).choose([idle, backed_up], chain(b"x")) is backed_up
+    # Among holders of the deepest match, the soonest first token wins; a shallower holder
+    # with an empty queue does not count.
+    busy, free, shallow = (cand("a", matched=64, delay=2.0), cand("b", matched=64, delay=0.5),
+                           cand("c", matched=60))
+    assert PredictedTTFT().choose([busy, shallow, free], chain(b"x")) is free
     with pytest.raises(ValueError, match="miss_weight"):
         PredictedTTFT(miss_weight=-1)
 
@@ -102,3 +104,43 @@ def test_a_saturated_replica_is_skipped_and_options_pass_through():
     assert PredictedTTFT().choose([full, free], chain(b"x")) is free
     policy = make_policy("predicted_ttft", max_imbalance=2.0)
     assert isinstance(policy, PredictedTTFT) and policy.max_imbalance == 2.0 and policy.uses_index
+
+
+def route_many(policy, holder_delay: float, holder_running: int, n: int = 1000) -> set[str]:
+    """Replicas that got a request of prefix ``x`` held only by ``a``, over ``n`` decisions in
+    which ``a``'s backlog is ``holder_delay`` seconds at ``holder_running`` requests and the
+    others are idle (the reports do not change: only the bound can add a holder)."""
+    got = set()
+    for _ in range(n):
+        cands = [cand("a", matched=64, delay=holder_delay, running=holder_running)] + \
+            [cand(r) for r in "bcd"]
+        got.add(policy.choose(cands, chain(b"x")).info.replica_id)
+    return got
+
+
+def test_the_bound_counts_seconds_not_requests():
+    # Six short requests on the holder, 0.3 s of backlog: prefix_aware's count bound copies the
+    # prefix; in seconds the holder is far less busy than a copy costs (1,032 tokens, ~1 s,
+    # × (1 + miss_weight)), so it keeps the prefix, at any miss weight.
+    assert route_many(PrefixAware(popularity_window=10_000), 0.0, 6) != {"a"}
+    for weight in (0.0, 3.0):
+        stay = PredictedTTFT(miss_weight=weight, popularity_window=10_000)
+        assert route_many(stay, 0.3, 6) == {"a"}
+    # Kept up (the smoothed backlog converges over ~256 decisions here), 3 s of backlog is
+    # worth a copy at miss weight 1 (~2 s over the mean), not at 3 (~4 s) ...
+    assert route_many(PredictedTTFT(miss_weight=1, popularity_window=10_000), 3.0, 0) != {"a"}
+    assert route_many(PredictedTTFT(miss_weight=3, popularity_window=10_000), 3.0, 0) == {"a"}
+    # ... and 8 s is at 3, though the holder's request count matches the others' (a slow
+    # replica: few requests, many seconds).
+    assert route_many(PredictedTTFT(miss_weight=3, popularity_window=10_000), 8.0, 0) != {"a"}
+
+
+def test_without_the_forecast_the_bound_counts_requests():
+    # Older replicas report no forecast: the bound is prefix_aware's, in requests.
+    got = set()
+    policy = PredictedTTFT(popularity_window=10_000)
+    for _ in range(200):
+        cands = [cand("a", matched=64, delay=None, per_token=None, running=6)] + \
+            [cand(r, delay=None, per_token=None) for r in "bcd"]
+        got.add(policy.choose(cands, chain(b"x")).info.replica_id)
+    assert got != {"a"}
