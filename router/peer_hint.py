@@ -16,13 +16,15 @@ MIN_HINT_BLOCKS = 1  # blocks the holder must hold beyond the chosen replica's o
 def best_holder(candidates: Sequence[Candidate], chosen: Candidate,
                 min_blocks: int = MIN_HINT_BLOCKS) -> Optional[Candidate]:
     """The candidate holding the most leading blocks, if it is not ``chosen`` and holds at
-    least ``min_blocks`` more (ties: the first listed); else None. Only a replica of the same
-    identity matches blocks at all (the chain's root is keyed by it)."""
+    least ``min_blocks`` more than ``chosen`` reaches itself — its device match plus the
+    blocks its node tier holds after it, which it restores without a pull (ties: the first
+    listed); else None. Only a replica of the same identity matches blocks at all (the
+    chain's root is keyed by it)."""
     others = [c for c in candidates if c.info.replica_id != chosen.info.replica_id]
     if not others:
         return None
     holder = max(others, key=lambda c: c.matched_blocks)
-    if holder.matched_blocks - chosen.matched_blocks < min_blocks:
+    if holder.matched_blocks - (chosen.matched_blocks + chosen.host_blocks) < min_blocks:
         return None
     return holder
 

@@ -1,5 +1,7 @@
 """The peer hint (issue 26 §2): a request routed away from a longer match names the holder."""
 
+from dataclasses import replace
+
 from kvfleet.router.peer_hint import best_holder, set_hint
 from kvfleet.v1 import worker_pb2
 from tests.unit.router.test_policy import cand
@@ -20,3 +22,11 @@ def test_no_hint_when_the_chosen_replica_holds_as_much_or_is_alone():
     assert best_holder([chosen], chosen) is None
     assert best_holder([cand("b", matched=5)], chosen, min_blocks=2) is None
     assert best_holder([cand("a", matched=9), chosen], chosen) is None  # itself, not a peer
+
+
+def test_no_hint_when_the_chosen_replicas_own_node_tier_covers_the_gap():
+    holder = cand("a", matched=6)
+    covered = replace(cand("b", matched=1), host_blocks=5)
+    assert best_holder([holder, covered], covered) is None
+    partly = replace(cand("b", matched=1), host_blocks=3)
+    assert best_holder([holder, partly], partly) is holder
