@@ -20,7 +20,7 @@ import argparse
 import json
 import os
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -29,10 +29,10 @@ from bench import engine_runs as er
 from bench.engine_baselines import RunResult
 from bench.engine_bench import pct, workload
 from bench.plots import plot_cdfs
+from bench.step_trace import TracingStepCost, summarize
 from kvfleet.deploy.models import prepare_model
 from kvfleet.worker.engine.scheduler import SchedulerConfig
 from kvfleet.worker.engine.step_calibration import CalibrationKey, device_name, load_or_calibrate
-from kvfleet.worker.engine.step_cost import StepCost
 from kvfleet.worker.executor.local import LocalExecutor
 
 TARGETS = {"itl_p99_over_p50": 3.0, "throughput_ratio": 0.9, "ttft_p99_ratio": 1.5}
@@ -54,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--calibration-s", type=float, default=15.0, help="start-up calibration budget")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "itl")
+    p.add_argument("--trace", action="store_true",
+                   help="also write each step's shape, predicted and measured time (steps.json)")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     a.out.mkdir(parents=True, exist_ok=True)
@@ -69,13 +71,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"calibrated in {time.time() - t0:.0f} s: {prior}", flush=True)
     er.run_engine(factory, reqs[:2])  # warm-up (not timed)
     runs: dict[str, list[RunResult]] = {"off": [], "on": []}
-    costs = []
+    costs, traces = [], []
     for rnd in range(a.rounds):
-        runs["off"].append(er.run_engine(factory, reqs, off))
-        cost = StepCost(prior)
-        runs["on"].append(er.run_engine(factory, reqs, on, cost))
+        off_cost = TracingStepCost(prior)  # no target: its predictions schedule nothing
+        runs["off"].append(er.run_engine(factory, reqs, off, off_cost, off_cost.step_done))
+        cost = TracingStepCost(prior)
+        runs["on"].append(er.run_engine(factory, reqs, on, cost, cost.step_done))
         costs.append({"scale": cost.scale, "steps": cost.steps,
                       "measured_over_predicted": cost.measured_total_s / cost.predicted_total_s})
+        traces.append({k: {"summary": summarize(c.records, t), "steps": [asdict(r) for r in c.records]}
+                       for k, c, t in (("off", off_cost, None), ("on", cost, a.itl_target_ms / 1e3))})
+        print(f"  round {rnd + 1} steps: " + json.dumps({k: v["summary"] for k, v in traces[-1].items()}),
+              flush=True)
         print(f"  round {rnd + 1}: " + ", ".join(f"{k} {summary(v[-1])['tokens_per_s']:.1f} tok/s "
                                                  f"ITL p99/p50 {summary(v[-1])['itl_p99_over_p50']:.2f}"
                                                  for k, v in runs.items()), flush=True)
@@ -98,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
                     "inter-token latency", "inter-token latency (ms)", "token gaps")
     result["png"] = str(png)
     (a.out / "itl_bench.json").write_text(json.dumps(result, indent=2) + "\n")
+    if a.trace:
+        (a.out / "steps.json").write_text(json.dumps(traces) + "\n")
     print("\n        tok/s   ITL p50   ITL p99  p99/p50  TTFT p50  TTFT p99   (ms)")
     for k in ("off", "on"):
         x = s[k]
