@@ -49,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench itl", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--itl-target-ms", type=float, default=150.0)
+    p.add_argument("--itl-target-x", type=float, default=None,
+                   help="instead: the target as this many × the calibrated step of max_num_seqs "
+                        "decode rows at 256 tokens of context (2.5 ≈ 150 ms on an idle host; for "
+                        "a slower or loaded machine, where a fixed 150 ms is below one decode step)")
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
@@ -69,6 +73,12 @@ def main(argv: list[str] | None = None) -> int:
     key = CalibrationKey("bench", device_name("cpu"), 1, "float32", a.threads)
     prior = load_or_calibrate(LocalExecutor(factory.runner), key, None, a.calibration_s)
     print(f"calibrated in {time.time() - t0:.0f} s: {prior}", flush=True)
+    if a.itl_target_x is not None:
+        rows = off.max_num_seqs
+        a.itl_target_ms = a.itl_target_x * prior.predict_step_s(rows, 0, rows * 257) * 1e3
+        on = replace(off, itl_target_ms=a.itl_target_ms)
+        print(f"ITL target {a.itl_target_x:g} × a {rows}-row decode step: {a.itl_target_ms:.0f} ms",
+              flush=True)
     er.run_engine(factory, reqs[:2])  # warm-up (not timed)
     runs: dict[str, list[RunResult]] = {"off": [], "on": []}
     costs, traces = [], []
