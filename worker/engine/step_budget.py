@@ -19,7 +19,11 @@ stay within the target:
   only way a step runs past its target, so its growth is the ITL tail's: a block per target
   made the floor, not the target, size most long prompts' chunks (on the virtual clock,
   ``bench.itl_sim``: ITL p99 1.9 × the target, against 1.2 × with a block per 4 targets at
-  the same throughput; docs/slo.md).
+  the same throughput; docs/slo.md). Past its first block the floor also stops where the
+  step's prediction reaches ``FLOOR_CAP`` × the target (× the decode rows' own predicted
+  time where that is longer, so the floor still grows behind them): on a host slower than the target
+  assumes, decode rows fill most of each step, prefill crawls at the floor, the floor grows,
+  and without the cap its steps ran to 4 × the target.
 
 Decode rows alone may predict more than the target (many rows, long contexts): the target
 then only keeps prefill to its floor. The token count stays a hard limit throughout.
@@ -32,6 +36,9 @@ from typing import Iterable, Optional
 from kvfleet.worker.engine.step_cost import StepCostModel, attended
 
 FLOOR_GROWTH = 4  # targets of waiting per extra block of floor
+# A floor past one block stops where the step's prediction reaches this × the target (or ×
+# its decode rows' own time, where they alone take longer).
+FLOOR_CAP = 2.0
 
 
 def floor_tokens(block_size: int, target_s: float, oldest_wait_s: Optional[float]) -> int:
@@ -70,6 +77,7 @@ class StepBudget:
         self.decode_rows = 0
         self.prefill_tokens = 0
         self.context_tokens = 0
+        self.decodes_s = 0.0  # the reserved decode rows' predicted seconds
 
     @property
     def timed(self) -> bool:
@@ -90,6 +98,7 @@ class StepBudget:
         if self.timed:
             for c in contexts:
                 self._add(c, 1)
+            self.decodes_s = self.predicted_s()
 
     def grant(self, num_computed: int, want: int, reserved: bool = False) -> int:
         """Tokens (0..``want``) of a chunk starting after ``num_computed`` tokens that fit."""
@@ -97,6 +106,9 @@ class StepBudget:
         if not self.timed or cap <= 0 or reserved:
             return max(cap, 0)
         floor = min(cap, self.floor_left)
+        if floor > self.block_size:  # past one block, the floor stops at FLOOR_CAP targets
+            limit = FLOOR_CAP * max(self._target(), self.decodes_s)
+            floor = max(self.block_size, self._fits(num_computed, floor, limit))
         n = max(self._fits(num_computed, cap), floor)
         if 0 < n < want:  # stopping short of the prompt's end: end on a block boundary
             aligned = (num_computed + n) // self.block_size * self.block_size - num_computed
@@ -131,14 +143,14 @@ class StepBudget:
         assert self.target_s is not None, "only a timed budget has a target"
         return self.target_s
 
-    def _fits(self, num_computed: int, cap: int) -> int:
-        """The most tokens (<= ``cap``) whose chunk keeps the prediction within the target
-        (the prediction grows with ``n``: binary search)."""
-        assert self.target_s is not None
+    def _fits(self, num_computed: int, cap: int, limit_s: Optional[float] = None) -> int:
+        """The most tokens (<= ``cap``) whose chunk keeps the prediction within ``limit_s``
+        (default: the target; the prediction grows with ``n``: binary search)."""
+        limit = self._target() if limit_s is None else limit_s
         lo, hi = 0, cap
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self._with(num_computed, mid) <= self.target_s:
+            if self._with(num_computed, mid) <= limit:
                 lo = mid
             else:
                 hi = mid - 1

@@ -12,7 +12,7 @@ from kvfleet.allocator.kv_cache_manager import KVCacheManager
 from kvfleet.sampling_params import SamplingParams
 from kvfleet.worker.engine.request import SeqStatus, SequenceState
 from kvfleet.worker.engine.scheduler import Scheduler, SchedulerConfig
-from kvfleet.worker.engine.step_budget import FLOOR_GROWTH, StepBudget, floor_tokens
+from kvfleet.worker.engine.step_budget import FLOOR_CAP, FLOOR_GROWTH, StepBudget, floor_tokens
 from kvfleet.worker.engine.step_cost import CostModel, plan_shape
 
 BS = 4
@@ -199,3 +199,20 @@ def test_a_preempted_sequence_restarts_its_floor():
     assert a.timing.prefill_started is None and s.prefill_wait(4.0) == 0.0
     s.finish(a)
     assert s.prefill_wait(4.0) is None
+
+
+def test_a_grown_floor_stops_at_twice_the_target_or_twice_the_decode_rows():
+    target = TARGET_MS / 1e3
+    alone = StepBudget(512, BS, COST, target, floor=400)
+    n = alone.grant(0, 400)
+    assert n % BS == 0 and COST.predict_step_s(0, n, n) <= FLOOR_CAP * target
+    assert COST.predict_step_s(0, n + BS, n + BS) > FLOOR_CAP * target  # as large as allowed
+    # Decode rows predicting past the target themselves: the cap is twice their time.
+    behind = StepBudget(512, BS, COST, target, floor=400)
+    behind.reserve_decodes([300] * 12)
+    assert behind.decodes_s > target
+    m = behind.grant(0, 400)
+    assert COST.predict_step_s(12, m, 12 * 301 + m) <= FLOOR_CAP * behind.decodes_s
+    assert m > n // 2 and m > BS
+    # A floor of one block is never capped.
+    assert StepBudget(512, BS, COST, 0.0001, floor=BS).grant(0, 400) == BS
