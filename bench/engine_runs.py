@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import time
 from pathlib import Path
+from typing import Callable
 
 import tokenizers
 import torch
@@ -47,10 +48,12 @@ def _request(prompt: list[int], max_tokens: int) -> EngineRequest:
 
 
 def run_engine(factory: EngineFactory, requests: list[tuple[list[int], int]],
-               config: SchedulerConfig | None = None, step_cost: StepCost | None = None) -> RunResult:
+               config: SchedulerConfig | None = None, step_cost: StepCost | None = None,
+               on_step: Callable[[float], None] | None = None) -> RunResult:
     """All requests submitted at t=0; step until done. Also measures KV-pool waste: after every
     step, (slots in blocks held by live requests - tokens with KV) summed over steps, ÷ slots.
-    ``config`` / ``step_cost``: the engine's (default: the factory's config)."""
+    ``config`` / ``step_cost``: the engine's (default: the factory's config). ``on_step``: if
+    given, called with each ``engine.step()`` call's wall seconds."""
     engine = factory.engine(config, step_cost)
     config = config or factory.config
     t0 = time.perf_counter()
@@ -63,8 +66,11 @@ def run_engine(factory: EngineFactory, requests: list[tuple[list[int], int]],
     reserved = live = 0
     kv = engine.kv
     while engine.has_work:
+        before = time.perf_counter()
         outputs = engine.step()
         now = time.perf_counter()
+        if on_step is not None:
+            on_step(now - before)
         for o in outputs:
             i = index[o.request_id]
             tokens[i] += o.token_ids

@@ -363,13 +363,17 @@ def main(argv: list[str] | None = None) -> int:
         q.add_argument("--scale", type=float, default=0.05)
         q.add_argument("--tag", default="")
         q.add_argument("--router-arg", action="append", default=[], dest="router_args")
+        q.add_argument("--itl-target-ms", type=float, default=None,
+                       help="replicas' --itl-target-ms (in the scaled cost model's milliseconds)")
     a = p.parse_args(argv)
     keys = ({"key-flood": "flood", "key-steady": "steady", "key-admin": "bench-admin"}
             if a.cmd == "fair" else {})
     share = a.tenant_share if a.cmd == "fair" else 1.0
     seats = a.seat_share if a.cmd == "fair" and a.seat_share is not None else share
     run = Run(replicas=a.replicas, scale=a.scale, router_args=tuple(a.router_args), api_keys=keys,
-              tenant_share=seats)
+              tenant_share=seats,
+              # only when set: a checkout before the ITL target runs too (A/B)
+              scheduler={"itl_target_ms": a.itl_target_ms} if a.itl_target_ms else {})
     RESULTS.mkdir(parents=True, exist_ok=True)
     keys_file = None
     if keys:

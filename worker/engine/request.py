@@ -33,6 +33,9 @@ class SeqTiming:
 
     arrival: float
     first_scheduled: Optional[float] = None
+    # When the scheduler admitted the prefill now in progress (None while waiting; a
+    # preempted sequence's recompute starts a new one): the ITL target's floor grows with it.
+    prefill_started: Optional[float] = None
     first_token: Optional[float] = None
     last_token: Optional[float] = None
     prefill_chunks: list[tuple[float, int]] = field(default_factory=list)  # (step start, tokens)

@@ -238,7 +238,8 @@ class Scheduler:
     def schedule(self, now: Optional[float] = None) -> SchedulerOutput:
         """Plan one engine step at monotonic time ``now`` (default: the clock's). Never
         returns a plan whose blocks are not allocated."""
-        budget = self._budget(time.monotonic() if now is None else now)
+        now = time.monotonic() if now is None else now
+        budget = self._budget(now)
         scheduled: list[ScheduledSeq] = []
         preempted: list[SequenceState] = []
         copies: list[tuple[int, int]] = []
@@ -300,6 +301,7 @@ class Scheduler:
             running_by_tenant[seq.tenant] += group
             batch_seats += group if seq.priority >= BATCH else 0
             seq.status = SeqStatus.RUNNING
+            seq.timing.prefill_started = now
             seq.num_computed_tokens = num_cached
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = num_cached
@@ -329,19 +331,28 @@ class Scheduler:
 
     def _budget(self, now: float) -> StepBudget:
         """This step's allowance; under an ITL target the running decode rows are counted
-        first and the floor follows the oldest request still without a first token."""
+        first and the floor follows the oldest prefill in progress (:meth:`prefill_wait`)."""
         target_ms = self.config.itl_target_ms
         if target_ms is None:
             return StepBudget(self.config.max_num_batched_tokens, self.kv.block_size)
         target_s = target_ms / 1e3
-        unstarted = [s.timing.arrival for s in self.waiting]
-        unstarted += [s.timing.arrival for s in self.running if not s.output_token_ids]
-        wait = now - min(unstarted) if unstarted else None
+        floor = floor_tokens(self.kv.block_size, target_s, self.prefill_wait(now))
         budget = StepBudget(self.config.max_num_batched_tokens, self.kv.block_size,
-                            self.step_cost, target_s, floor_tokens(self.kv.block_size, target_s, wait))
+                            self.step_cost, target_s, floor)
         budget.reserve_decodes(s.num_computed_tokens for s in self.running
                                if s.num_tokens - s.num_computed_tokens == 1)
         return budget
+
+    def prefill_wait(self, now: float) -> Optional[float]:
+        """Seconds since the oldest prefill still in progress was admitted (0 when none is
+        but a sequence waits; None when no prefill is pending). Counted from admission, not
+        arrival: a queue waiting for seats must not grow the floor, or the floor outgrows
+        the step and the target stops acting."""
+        started = [now if s.timing.prefill_started is None else s.timing.prefill_started
+                   for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
+        if started:
+            return max(0.0, now - min(started))
+        return 0.0 if self.waiting else None
 
     def _next_waiting(self, running_by_tenant: Counter, planned: dict[str, float]
                       ) -> Optional[SequenceState]:
@@ -451,6 +462,7 @@ class Scheduler:
         self.running.remove(seq)
         self.kv.free(seq.seq_id)
         seq.status = SeqStatus.WAITING
+        seq.timing.prefill_started = None  # its recompute is a new prefill
         seq.num_computed_tokens = 0
         seq.num_preemptions += count
         self._requeue(seq)

@@ -11,9 +11,19 @@ stay within the target:
   on a KV block boundary when it stops short of its prompt's end (a whole block is what the
   prefix cache can share);
 * a **floor** of prefill tokens runs each step even past the target, so a waiting prompt
-  always advances: ``block_size × (1 + ⌊oldest wait ÷ target⌋)``, the wait being that of the
-  oldest request still without its first token. A request that has waited ten targets
-  gets eleven blocks a step, so TTFT cannot starve behind a full decode batch.
+  always advances: ``block_size × (1 + ⌊wait ÷ (FLOOR_GROWTH × target)⌋)``, the wait
+  counted from the admission of the oldest prefill still in progress (not from its arrival:
+  requests queued for a seat cannot use a larger floor, and counting their wait would lift
+  it past the token budget and switch the target off). A prefill admitted twenty targets ago
+  gets six blocks a step, so TTFT cannot starve behind a full decode batch. The floor is the
+  only way a step runs past its target, so its growth is the ITL tail's: a block per target
+  made the floor, not the target, size most long prompts' chunks (on the virtual clock,
+  ``bench.itl_sim``: ITL p99 1.9 × the target, against 1.2 × with a block per 4 targets at
+  the same throughput; docs/slo.md). Past its first block the floor also stops where the
+  step's prediction reaches ``FLOOR_CAP`` × the target (× the decode rows' own predicted
+  time where that is longer, so the floor still grows behind them): on a host slower than the target
+  assumes, decode rows fill most of each step, prefill crawls at the floor, the floor grows,
+  and without the cap its steps ran to 4 × the target.
 
 Decode rows alone may predict more than the target (many rows, long contexts): the target
 then only keeps prefill to its floor. The token count stays a hard limit throughout.
@@ -25,13 +35,19 @@ from typing import Iterable, Optional
 
 from kvfleet.worker.engine.step_cost import StepCostModel, attended
 
+FLOOR_GROWTH = 4  # targets of waiting per extra block of floor
+# A floor past one block stops where the step's prediction reaches this × the target (or ×
+# its decode rows' own time, where they alone take longer).
+FLOOR_CAP = 2.0
+
 
 def floor_tokens(block_size: int, target_s: float, oldest_wait_s: Optional[float]) -> int:
-    """Prefill tokens a step runs past the target: one block, plus one per target waited by
-    the oldest request without a first token (0 when there is none)."""
+    """Prefill tokens a step runs past the target: one block, plus one per ``FLOOR_GROWTH``
+    targets the oldest prefill in progress has run (``oldest_wait_s``; None: no prefill
+    pending, floor 0)."""
     if oldest_wait_s is None:
         return 0
-    return block_size * (1 + int(max(0.0, oldest_wait_s) // target_s))
+    return block_size * (1 + int(max(0.0, oldest_wait_s) // (FLOOR_GROWTH * target_s)))
 
 
 class StepBudget:
@@ -61,6 +77,7 @@ class StepBudget:
         self.decode_rows = 0
         self.prefill_tokens = 0
         self.context_tokens = 0
+        self.decodes_s = 0.0  # the reserved decode rows' predicted seconds
 
     @property
     def timed(self) -> bool:
@@ -81,6 +98,7 @@ class StepBudget:
         if self.timed:
             for c in contexts:
                 self._add(c, 1)
+            self.decodes_s = self.predicted_s()
 
     def grant(self, num_computed: int, want: int, reserved: bool = False) -> int:
         """Tokens (0..``want``) of a chunk starting after ``num_computed`` tokens that fit."""
@@ -88,6 +106,9 @@ class StepBudget:
         if not self.timed or cap <= 0 or reserved:
             return max(cap, 0)
         floor = min(cap, self.floor_left)
+        if floor > self.block_size:  # past one block, the floor stops at FLOOR_CAP targets
+            limit = FLOOR_CAP * max(self._target(), self.decodes_s)
+            floor = max(self.block_size, self._fits(num_computed, floor, limit))
         n = max(self._fits(num_computed, cap), floor)
         if 0 < n < want:  # stopping short of the prompt's end: end on a block boundary
             aligned = (num_computed + n) // self.block_size * self.block_size - num_computed
@@ -122,14 +143,14 @@ class StepBudget:
         assert self.target_s is not None, "only a timed budget has a target"
         return self.target_s
 
-    def _fits(self, num_computed: int, cap: int) -> int:
-        """The most tokens (<= ``cap``) whose chunk keeps the prediction within the target
-        (the prediction grows with ``n``: binary search)."""
-        assert self.target_s is not None
+    def _fits(self, num_computed: int, cap: int, limit_s: Optional[float] = None) -> int:
+        """The most tokens (<= ``cap``) whose chunk keeps the prediction within ``limit_s``
+        (default: the target; the prediction grows with ``n``: binary search)."""
+        limit = self._target() if limit_s is None else limit_s
         lo, hi = 0, cap
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self._with(num_computed, mid) <= self.target_s:
+            if self._with(num_computed, mid) <= limit:
                 lo = mid
             else:
                 hi = mid - 1
