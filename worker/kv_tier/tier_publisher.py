@@ -32,7 +32,7 @@ from kvfleet.index_keys import (
     pack_chain,
     seconds_to_ms,
 )
-from kvfleet.worker.replica.kv_publisher import emit_lua
+from kvfleet.worker.replica.kv_publisher import EPOCH_GUARD_LUA, emit_lua
 
 log = logging.getLogger(__name__)
 
@@ -52,13 +52,8 @@ emit('treg', ARGV[1], epoch, '', '')
 return epoch
 """
 
-_GUARD = """
-local cur = redis.call('HGET', KEYS[1], ARGV[1])
-if not cur then return -1 end
-if cur ~= ARGV[2] then return -2 end
-"""
 
-_PUBLISH_LUA = _GUARD + _EMIT + """
+_PUBLISH_LUA = EPOCH_GUARD_LUA + _EMIT + """
 -- ARGV: tier_id, epoch, removed, stored (hashes concatenated, %(w)d bytes each), TTL ms
 local epoch, removed, stored = ARGV[2], ARGV[3], ARGV[4]
 local gone, kept = {}, {}
@@ -76,7 +71,7 @@ emit('tblk', ARGV[1], epoch, removed, stored)
 return 1
 """ % {"w": HASH_BYTES}
 
-_HEARTBEAT_LUA = _GUARD + """
+_HEARTBEAT_LUA = EPOCH_GUARD_LUA + """
 -- ARGV: tier_id, epoch, TTL ms, 1 if the tier holds blocks (their entries must exist)
 if redis.call('PEXPIRE', KEYS[2], ARGV[3]) == 0 and ARGV[4] == '1' then return -1 end
 return 1

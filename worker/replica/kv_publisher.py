@@ -90,13 +90,15 @@ emit('reg', ARGV[1], epoch, '', '')
 return epoch
 """
 
-_GUARD = """
+# Lua: go on only while the epoch hash KEYS[1] holds ARGV[2] for ARGV[1] (-1: not
+# registered, -2: a newer epoch took over). Shared with the node tier's publisher.
+EPOCH_GUARD_LUA = """
 local cur = redis.call('HGET', KEYS[1], ARGV[1])
 if not cur then return -1 end
 if cur ~= ARGV[2] then return -2 end
 """
 
-_PUBLISH_LUA = _GUARD + _EMIT + """
+_PUBLISH_LUA = EPOCH_GUARD_LUA + _EMIT + """
 -- ARGV: replica_id, epoch, block key prefix, removed hashes, stored hashes (each concatenated,
 -- %(w)d bytes per hash), block TTL ms (0 = none)
 local rid, epoch, pfx, ttl = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[6])
@@ -125,7 +127,7 @@ emit('blk', rid, epoch, removed, stored)
 return 1
 """ % {"w": HASH_BYTES}
 
-_HEARTBEAT_LUA = _NOW_MS + _GUARD + """
+_HEARTBEAT_LUA = _NOW_MS + EPOCH_GUARD_LUA + """
 -- ARGV: replica_id, epoch, registry JSON, load TTL ms, load values...
 redis.call('ZADD', KEYS[2], now, ARGV[1])
 redis.call('HSET', KEYS[3], ARGV[1], ARGV[3])
@@ -134,7 +136,7 @@ redis.call('PEXPIRE', KEYS[4], ARGV[4])
 return 1
 """ % ", ".join(f"'{f}', ARGV[{5 + i}]" for i, f in enumerate(LOAD_FIELDS))
 
-_DEREGISTER_LUA = _GUARD + _EMIT + """
+_DEREGISTER_LUA = EPOCH_GUARD_LUA + _EMIT + """
 -- ARGV: replica_id, epoch
 redis.call('ZREM', KEYS[2], ARGV[1]); redis.call('HDEL', KEYS[3], ARGV[1])
 redis.call('DEL', KEYS[4], KEYS[5])
