@@ -12,18 +12,12 @@ stay within the target:
   prefix cache can share);
 * a **floor** of prefill tokens runs each step even past the target, so a waiting prompt
   always advances: ``block_size × (1 + ⌊wait ÷ (FLOOR_GROWTH × target)⌋)``, the wait
-  counted from the admission of the oldest prefill still in progress (not from its arrival:
-  requests queued for a seat cannot use a larger floor, and counting their wait would lift
-  it past the token budget and switch the target off). A prefill admitted twenty targets ago
-  gets six blocks a step, so TTFT cannot starve behind a full decode batch. The floor is the
-  only way a step runs past its target, so its growth is the ITL tail's: a block per target
-  made the floor, not the target, size most long prompts' chunks (on the virtual clock,
-  ``bench.itl_sim``: ITL p99 1.9 × the target, against 1.2 × with a block per 4 targets at
-  the same throughput; docs/slo.md). Past its first block the floor also stops where the
-  step's prediction reaches ``FLOOR_CAP`` × the target (× the decode rows' own predicted
-  time where that is longer, so the floor still grows behind them): on a host slower than the target
-  assumes, decode rows fill most of each step, prefill crawls at the floor, the floor grows,
-  and without the cap its steps ran to 4 × the target.
+  counted from the admission of the oldest prefill still in progress (not its arrival:
+  requests queued for a seat would lift the floor past the token budget and switch the
+  target off). Past its first block the floor stops where the step's prediction reaches
+  ``FLOOR_CAP`` × the target (or × the decode rows' own predicted time, where longer): the
+  floor is the only way a step runs past its target, so it bounds the ITL tail. Why these
+  constants, with measurements: docs/slo.md.
 
 Decode rows alone may predict more than the target (many rows, long contexts): the target
 then only keeps prefill to its floor. The token count stays a hard limit throughout.
