@@ -81,7 +81,9 @@ def test_reported_metrics_scale_one_replica_up_and_back_down(ray_session, redis_
             # Each phase waits on what the replicas reported, not on a clock: first their
             # metrics reach the policy, then it asks for a second replica, then that serves.
             reported = _wait(app, _judged_reports, seen)
-            up = reported and _wait(app, lambda _d, target: target == 2, seen)
+            # Serve's target can move before the policy's decision record is rewritten:
+            # wait for both (the record's reason is what the scale-up is checked on).
+            up = reported and _wait(app, lambda _d, target: target == 2 and bool(seen & UP), seen)
             if up:
                 cluster.wait_serving(2, BOUND_S)
         finally:
