@@ -82,11 +82,12 @@ def cmd_scale(args: argparse.Namespace) -> int:
 def cmd_upgrade(args: argparse.Namespace) -> int:
     from kvfleet.deploy.operate import find_app
 
-    _, namespace = _operator_target(args)
-    ref = find_app(namespace, args.model)
+    # Checked before anything connects: a typo fails at once, with no cluster touched.
     model_dir = os.path.abspath(os.path.expanduser(args.model_dir)) if args.model_dir else None
     if model_dir is not None and not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise ValueError(f"--model-dir {args.model_dir}: no config.json there")
+    _, namespace = _operator_target(args)
+    ref = find_app(namespace, args.model)
     print(f"kvfleet: {ref.model}: rolling every replica to revision {args.revision!r} "
           f"(Serve application {ref.name})", file=sys.stderr, flush=True)
     if args.no_wait:

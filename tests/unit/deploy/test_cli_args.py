@@ -108,3 +108,19 @@ def test_a_bad_tenant_max_inflight_is_a_usage_error_naming_the_flag(value, tiny_
     cfg = cluster_config(cli.build_parser().parse_args(
         ["up", "--model", str(tiny_llama_dir), "--tenant-max-inflight", "5"]))
     assert cfg.router.tenant_max_inflight == 5
+
+
+def test_upgrade_to_a_model_dir_without_config_json_fails_before_connecting(tmp_path, capsys,
+                                                                             monkeypatch):
+    """`kvfleet upgrade --model-dir` is checked before any cluster is looked up: exit 2 naming
+    the flag, and nothing connects (find_app would raise if it were reached)."""
+    from kvfleet.deploy import operate
+
+    def unreachable(*_a, **_k):
+        raise AssertionError("find_app reached")
+
+    monkeypatch.setattr(operate, "find_app", unreachable)
+    rc = cli.main(["upgrade", "--address", "127.0.0.1:1", "--namespace", "ns", "--revision", "rev-2",
+                   "--model-dir", str(tmp_path / "nonexistent")])
+    assert rc == 2
+    assert f"--model-dir {tmp_path / 'nonexistent'}: no config.json" in capsys.readouterr().err
