@@ -320,7 +320,9 @@ class ReplicaServer:
         wt = WorkerTelemetry(self.telemetry, self.cfg.replica_id, self.cfg.model_name,
                              stats_fn=lambda: self._loop.stats if self._loop else {},
                              adapters_fn=lambda: self.engine.adapters.catalog if self.engine.adapters else (),
-                             step_cost=self.engine.step_cost)
+                             step_cost=self.engine.step_cost,  # PullStats, or None:
+                             pull_stats_fn=lambda: getattr(self.service and self.service.puller,
+                                                           "stats", None))
         self._loop = EngineLoop(self.engine, aio_loop, on_step=self._on_step(aio_loop),
                                 on_finish=functools.partial(_on_finish, wt, self.hits, self.latency),
                                 max_unread=self.cfg.stream_limits.max_unread)
