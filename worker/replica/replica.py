@@ -213,21 +213,23 @@ def build_engine(cfg: ReplicaConfig, on_rank_failure: Callable[[str], None] = la
     index = TierIndex(cfg.redis_url, cfg.namespace) if cfg.redis_url else None
     tier = (node_tier(cfg.kv_host_memory_bytes, index=index)
             if cfg.kv_host_memory_bytes and cfg.executor == "model" else None)
+    identity = cache_identity(cfg.model_name, model_dir, cfg.dtype, cfg.block_size)
     if cfg.executor == "cost-model":
         executor: Executor = cost_model_executor(load_model_config(model_dir), tokenizer,
                                                  num_blocks, cfg.block_size, cfg.cost_model)
     elif tp > 1:
         spec = RankSpec(str(model_dir), tp, num_blocks, cfg.block_size, dtype,
-                        cfg.one_row_weights, cfg.device, max_loras=max_loras, tier=tier)
+                        cfg.one_row_weights, cfg.device, max_loras=max_loras, tier=tier,
+                        tier_tag=identity.digest())
         group = RankGroup(spec, cfg.tp, cfg.replica_id, on_rank_failure)
         executor = TPExecutor(group.start(), group)
     else:
         runner = ModelRunner(model_dir, num_blocks=num_blocks, block_size=cfg.block_size,
                              dtype=dtype, device=cfg.device, one_row_weights=cfg.one_row_weights,
                              max_loras=max_loras)
-        executor = LocalExecutor(runner, RankTier(tier, 0, runner.kv_cache) if tier else None)
+        executor = LocalExecutor(runner, RankTier(tier, 0, runner.kv_cache, tag=identity.digest())
+                                 if tier else None)
     kv = KVCacheManager(num_blocks, cfg.block_size)
-    identity = cache_identity(cfg.model_name, model_dir, cfg.dtype, cfg.block_size)
     mc = executor.config
     if catalog and not max_loras:
         raise ValueError("serving adapters needs the model executor and max_loras >= 1")
