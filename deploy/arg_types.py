@@ -47,6 +47,16 @@ def positive_float(flag: str) -> Callable[[str], float]:
     return lambda value: _positive_number(value, flag)
 
 
+def non_negative_float(flag: str) -> Callable[[str], float]:
+    """argparse type: a finite number >= 0 (else a usage error naming ``flag``)."""
+    def check(value: str) -> float:
+        x = _number(value, flag)
+        if not 0 <= x < float("inf"):
+            raise argparse.ArgumentTypeError(f"{flag} must be >= 0, got {value}")
+        return x
+    return check
+
+
 def fraction(flag: str) -> Callable[[str], float]:
     """argparse type: a number in (0, 1] (else a usage error naming ``flag``)."""
     def check(value: str) -> float:

@@ -19,6 +19,7 @@ from kvfleet.constraint import GrammarConfig
 from kvfleet.deploy.arg_types import (
     fraction,
     int_range,
+    non_negative_float,
     positive_float,
     positive_int,
     positive_seconds,
@@ -114,6 +115,11 @@ FLAGS: tuple[Flag, ...] = (
          "never pull a prefix the router says another replica holds (default: with "
          "--kv-host-memory, pull it through the node tier when that beats recomputing it)",
          action="store_false"),
+    Flag("--kv-prewarm-s", "replica.kv_prewarm_s",
+         "with --kv-host-memory: a new replica first restores its node tier's most recently "
+         "used blocks of its model into its pool, for at most this many seconds before it "
+         "serves (default {default}: off; its first hits then restore at admission)",
+         type=non_negative_float("--kv-prewarm-s"), metavar="SECONDS"),
     Flag("--policy", "router.policy", "routing policy (default {default})",
          choices=tuple(ROUTING_POLICIES)),
     Flag("--admission", "replica.scheduler.policy", "worker admission policy (default {default})",

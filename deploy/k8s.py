@@ -67,7 +67,7 @@ def cluster_config(k: K8sConfig) -> ClusterConfig:
     replica = ReplicaConfig(
         replica_id=k.model_name, model_name=k.model_name,
         model_dir=f"{k.models_mount}/{k.model_name}", kv_memory_bytes=k.kv_memory_bytes,
-        kv_host_memory_bytes=k.kv_host_memory_bytes,
+        kv_host_memory_bytes=k.kv_host_memory_bytes, kv_prewarm_s=k.kv_prewarm_s,
         dtype=k.dtype, host="0.0.0.0", redis_url=redis_url(k), tensor_parallel_size=k.tp,
         device="cuda", drain_timeout_s=k.drain_timeout_s, internal_tls_dir=INTERNAL_TLS_MOUNT,
         scheduler=SchedulerConfig(itl_target_ms=k.itl_target_ms),

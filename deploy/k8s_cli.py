@@ -31,6 +31,8 @@ FLAGS = {
     "--kv-memory-bytes": ("kv_memory_bytes", int, "KV-cache bytes per rank"),
     "--kv-host-memory-bytes": ("kv_host_memory_bytes", int, "host KV tier bytes per node "
                                                           "(default: none; inside --worker-memory)"),
+    "--kv-prewarm-s": ("kv_prewarm_s", float, "seconds a new replica may restore its node "
+                                              "tier's blocks before serving (0: off)"),
     "--dtype": ("dtype", str, "weights and KV dtype"),
     "--drain-timeout": ("drain_timeout_s", float, "seconds a stopping replica or router lets "
                                                  "its streams run on"),

@@ -46,6 +46,7 @@ class K8sConfig:
     router_memory: str = "2Gi"
     kv_memory_bytes: int = 8 << 30  # per rank
     kv_host_memory_bytes: Optional[int] = None  # the node's host KV tier (None: none)
+    kv_prewarm_s: float = 0.0  # a new replica's pre-warm from the node tier (0: off)
     dtype: str = "bfloat16"
     drain_timeout_s: float = _REPLICA_DEFAULTS["drain_timeout_s"]  # the replica's own default
     revision: str = ""  # a new one rolls every replica in place, one at a time

@@ -320,6 +320,17 @@ def tier_id(node_id: str) -> str:
     return f"{TIER_ID_PREFIX}{node_id}"
 
 
+def tier_node(tier: str) -> str:
+    """The Ray node of host tier ``tier`` (the inverse of :func:`tier_id`).
+
+    Raises:
+        ValueError: ``tier`` is not a tier id.
+    """
+    if not tier.startswith(TIER_ID_PREFIX) or len(tier) == len(TIER_ID_PREFIX):
+        raise ValueError(f"not a host tier id: {tier!r}")
+    return tier[len(TIER_ID_PREFIX):]
+
+
 def pack_chain(hashes: Sequence[bytes]) -> bytes:
     """Block hashes concatenated into one script argument (each exactly ``HASH_BYTES`` long)."""
     packed = b"".join(hashes)

@@ -16,8 +16,8 @@ import contextlib
 import logging
 import time
 import uuid
-from dataclasses import dataclass, replace
-from typing import AsyncGenerator, Optional, Sequence
+from dataclasses import dataclass, field, replace
+from typing import AsyncGenerator, Mapping, Optional, Sequence
 
 import grpc
 
@@ -42,7 +42,7 @@ from kvfleet.router.capacity import (
     fleet_capacity,
     with_room,
 )
-from kvfleet.router.peer_hint import best_holder, set_hint
+from kvfleet.router.peer_hint import pick_source, set_hint, tier_runs
 from kvfleet.router.policy import Candidate, RoutingPolicy
 from kvfleet.router.predicted_ttft import report_age
 from kvfleet.router.prefix_index import IndexUnavailable
@@ -127,6 +127,7 @@ class RouteDecision:
     index_source: str = ""  # "mirror" (in memory), "redis" (a round trip), "" (not consulted)
     candidates: tuple[Candidate, ...] = ()  # every replica considered (span attribute)
     adapter: Optional[tuple[str, str]] = None  # LoRA (name, revision) the chain is keyed by
+    tier_runs: Mapping[str, int] = field(default_factory=dict)  # node tier → leading blocks
 
 
 class RouterCore:
@@ -274,6 +275,7 @@ class RouterCore:
         live = self._candidates(model.name)  # Unavailable before any lookup
         matched: dict[str, int] = {}
         host: dict[str, int] = {}
+        runs: dict[str, int] = {}
         t0 = time.perf_counter()
         index_used, source = False, ""
         # During an outage skip the lookup (each would wait for a timeout): route by load until
@@ -287,6 +289,7 @@ class RouterCore:
                           for c in live if c.info.kv_tier}
                 if starts:
                     host = await self.replicas.index.host_match(chain, starts)
+                runs = await tier_runs(self.replicas.index, chain)  # any tier: a pull source
                 index_used = True
                 self.replicas.mark_index_up()
             except IndexUnavailable as exc:
@@ -301,7 +304,7 @@ class RouterCore:
         if adapter is not None and getattr(self.policy, "uses_index", False):
             roomy = prefer_resident(roomy, adapter[0])
         return RouteDecision(self.policy.choose(roomy, chain), len(chain), redis_s, index_used,
-                             source if index_used else "", tuple(candidates), adapter)
+                             source if index_used else "", tuple(candidates), adapter, runs)
 
     async def generate(self, req: GenerateInput, tenant: str, trace: RouterRequestTrace
                        ) -> AsyncGenerator[common_pb2.GenerateResponse, None]:
@@ -375,9 +378,9 @@ class RouterCore:
             if req.fill_context:
                 params = self._fill_context(model, len(tokens), params, decision.candidate)
             call = self._worker_call(req, request_id, params, tokens, scope, info, trace)
-            holder = best_holder(decision.candidates, decision.candidate)
-            if holder is not None:  # routed away from a longer match: the replica may pull it
-                set_hint(call.request, holder, decision.candidate)
+            peer = pick_source(decision.candidates, decision.candidate, decision.tier_runs)
+            if peer is not None:  # routed away from a longer match: the replica may pull it
+                set_hint(call.request, peer, decision.candidate)
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("request %s: %d tokens → %s (%s); candidates: %s", request_id,
                           len(tokens), info.replica_id, self.policy.name,

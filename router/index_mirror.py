@@ -131,6 +131,10 @@ class MirroredPrefixIndex:
             return await self.fallback.host_match(chain, starts)
         return count_host(chain, starts, self._tiers)
 
+    def tier_ids(self) -> list[str]:
+        """The node tiers the mirror follows (none while it is not in sync)."""
+        return list(self._tiers) if self.local else []
+
     async def replicas(self) -> list[tuple[ReplicaInfo, ReplicaLoad | None]]:
         """The registry read (from Redis); also the liveness and epochs ``match`` uses, and the
         moment entries of replicas silent for ``PRUNE_AFTER_TTLS`` TTLs are dropped, and node

@@ -63,6 +63,11 @@ class PrefixIndex(Protocol):
         Replicas absent from the result: 0. Raises :class:`IndexUnavailable`."""
         ...
 
+    def tier_ids(self) -> list[str]:
+        """The node tiers known from memory (no round trip): a tier may hold blocks that no
+        live replica names (a drained replica's, handed over). The Redis index knows none."""
+        ...
+
     async def replicas(self) -> list[tuple[ReplicaInfo, ReplicaLoad | None]]:
         """Live replicas (heartbeat within the TTL) with their latest load, or ``None`` if expired."""
         ...
@@ -215,6 +220,9 @@ class RedisPrefixIndex:
         flat = await self._run(self._host_match, keys, args)
         return {flat[i]: int(flat[i + 1]) for i in range(0, len(flat), 2)}
 
+    def tier_ids(self) -> list[str]:
+        return []  # listing them would cost a round trip per route: the mirror knows them
+
     async def replicas(self) -> list[tuple[ReplicaInfo, ReplicaLoad | None]]:
         k = self._keys
         rows = await self._run(
@@ -261,6 +269,9 @@ class InMemoryPrefixIndex:
     def tier_publisher(self, tier_id: str) -> InMemoryTierPublisher:
         """A writer of node tier ``tier_id``'s residency (a store listener)."""
         return InMemoryTierPublisher(self.tiers, tier_id)
+
+    def tier_ids(self) -> list[str]:
+        return list(self.tiers)
 
     async def host_match(self, chain: Sequence[bytes], starts: HostStarts) -> dict[str, int]:
         self._live_epochs()  # raises while marked unavailable

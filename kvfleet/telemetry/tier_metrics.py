@@ -8,12 +8,15 @@ time, so nothing is counted twice and nothing runs on the engine thread.
 - ``kvfleet.worker.kv_tier.{bytes_used, capacity}`` (gauges, bytes): the node's tier as the
   heartbeat last read it (shared by the node's replicas: aggregate with max, not sum);
 - ``kvfleet.worker.prefix_cache.tier_hit_tokens`` (counter, tokens) and ``…tier_hit_rate``
-  (gauge, 0..1 of admitted prompt tokens), each labelled ``kvfleet.kv.tier`` = device | host.
+  (gauge, 0..1 of admitted prompt tokens), each labelled ``kvfleet.kv.tier`` = device | host;
+- ``kvfleet.worker.kv_peer.{pulls, pulled_blocks, pull_time, skipped, refused, failed}``
+  (counters: pulls, blocks, seconds, hints): the replica's peer pulls
+  (:class:`~kvfleet.worker.kv_tier.peer_pull.PullStats`), when it pulls at all.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable, Optional
 
 from opentelemetry import metrics
 
@@ -34,6 +37,17 @@ _GAUGES = (
     (n.METRIC_TIER_CAPACITY, "capacity_bytes", "By", "The node's host tier budget"),
 )
 TIERS = ("device", "host")
+_PULL_COUNTERS = (  # (metric, PullStats field, unit, description)
+    (n.METRIC_PEER_PULLS, "pulls", "{pull}", "Peer pulls that landed in the node's host tier"),
+    (n.METRIC_PEER_PULLED_BLOCKS, "pulled_blocks", "{block}", "Blocks those pulls brought"),
+    (n.METRIC_PEER_PULL_TIME, "pull_s", "s", "Seconds those pulls took, in all"),
+    (n.METRIC_PEER_PULLS_SKIPPED, "skipped", "{hint}",
+     "Peer hints not pulled: recomputing was predicted cheaper, or nothing to pull"),
+    (n.METRIC_PEER_PULLS_REFUSED, "refused", "{pull}",
+     "Pulls refused: the answer's hashes differed from this replica's chain (recomputed)"),
+    (n.METRIC_PEER_PULLS_FAILED, "failed", "{pull}",
+     "Pulls that failed or timed out (recomputed)"),
+)
 
 
 def register_tier_metrics(meter: metrics.Meter, model: str,
@@ -71,3 +85,21 @@ def register_tier_metrics(meter: metrics.Meter, model: str,
                                     description="Prompt tokens reused, by the tier they came from")
     meter.create_observable_gauge(n.METRIC_PREFIX_HIT_RATE_BY_TIER, [hit_rate], unit="1",
                                   description="Share of admitted prompt tokens reused, by tier")
+
+
+def register_pull_metrics(meter: metrics.Meter, model: str,
+                          pull_stats_fn: Callable[[], Optional[Any]]) -> None:
+    """Create the peer-pull counters on ``meter``; ``pull_stats_fn`` returns the replica's
+    ``PullStats`` (read at collection time), or None while it has no puller (nothing is
+    reported then)."""
+    attrs = {n.GEN_AI_REQUEST_MODEL: model}
+
+    def field(name: str):
+        def observe(_options):
+            stats = pull_stats_fn()
+            if stats is not None:
+                yield metrics.Observation(getattr(stats, name), attrs)
+        return observe
+
+    for metric, name, unit, what in _PULL_COUNTERS:
+        meter.create_observable_counter(metric, [field(name)], unit=unit, description=what)

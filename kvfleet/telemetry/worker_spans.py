@@ -26,7 +26,7 @@ from kvfleet import priority
 from kvfleet.telemetry import names as n
 from kvfleet.telemetry.provider import Telemetry
 from kvfleet.telemetry.status import set_failure
-from kvfleet.telemetry.tier_metrics import register_tier_metrics
+from kvfleet.telemetry.tier_metrics import register_pull_metrics, register_tier_metrics
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,8 @@ class WorkerTelemetry:
     def __init__(self, telemetry: Optional[Telemetry] = None, replica_id: str = "",
                  model: str = "", stats_fn: Optional[Callable[[], dict]] = None,
                  adapters_fn: Callable[[], Collection[str]] = tuple,
-                 step_cost: Any = None) -> None:
+                 step_cost: Any = None,
+                 pull_stats_fn: Optional[Callable[[], Any]] = None) -> None:
         self.telemetry = telemetry or Telemetry.disabled("worker")
         self.replica_id = replica_id
         self.model = model
@@ -85,6 +86,8 @@ class WorkerTelemetry:
                 n.METRIC_QUEUE_DELAY, [self._queue_delay], unit="s",
                 description="Predicted wait before a request arriving now starts its prefill")
             register_tier_metrics(m, model, stats_fn)
+        if pull_stats_fn is not None:  # -> the replica's PullStats, or None (no puller)
+            register_pull_metrics(m, model, pull_stats_fn)
         self._step_cost = step_cost  # the engine's StepCost (kvfleet.worker.engine.step_cost)
         if step_cost is not None:
             self._step_instruments(m)

@@ -40,16 +40,18 @@ class WorkerGenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_scope: _Optional[str] = ..., cache_salt: _Optional[str] = ..., adapter: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., deadline_unix_s: _Optional[float] = ..., tenant: _Optional[str] = ..., priority: _Optional[int] = ..., peer: _Optional[_Union[PeerHint, _Mapping]] = ..., json_object: _Optional[bool] = ..., json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., grammar: _Optional[str] = ...) -> None: ...
 
 class PeerHint(_message.Message):
-    __slots__ = ("replica_id", "address", "num_blocks", "first_block")
+    __slots__ = ("replica_id", "address", "num_blocks", "first_block", "tier_id")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    TIER_ID_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     address: str
     num_blocks: int
     first_block: int
-    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., num_blocks: _Optional[int] = ..., first_block: _Optional[int] = ...) -> None: ...
+    tier_id: str
+    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., num_blocks: _Optional[int] = ..., first_block: _Optional[int] = ..., tier_id: _Optional[str] = ...) -> None: ...
 
 class GenerateStreamRequest(_message.Message):
     __slots__ = ("call_id", "generate", "cancel", "trace_context")

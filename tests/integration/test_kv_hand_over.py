@@ -1,6 +1,8 @@
 """Issue 26 §3 on real replicas: two replicas of one node share its host KV tier (a Ray actor);
 draining the first hands its cached blocks over, and the second then serves the same prompt
-from them (cached prompt tokens it never computed)."""
+from them (cached prompt tokens it never computed). A third replica started afterwards with
+``kv_prewarm_s`` restores them into its device pool before it registers: the index shows them
+on its device, and it serves the prompt without restoring anything."""
 
 from __future__ import annotations
 
@@ -19,11 +21,12 @@ from kvfleet.worker.replica.replica import ReplicaConfig, ReplicaServer
 PROMPT = [(7 * i + 3) % 1000 + 5 for i in range(40)]  # 2 full blocks of 16 reusable
 
 
-def _config(rid: str, model_dir, redis_url: str, namespace: str) -> ReplicaConfig:
+def _config(rid: str, model_dir, redis_url: str, namespace: str,
+            prewarm_s: float = 0.0) -> ReplicaConfig:
     return ReplicaConfig(replica_id=rid, model_name="tiny", model_dir=str(model_dir), block_size=16,
                          num_blocks=32, one_row_weights=False, redis_url=redis_url,
                          namespace=namespace, heartbeat_interval_s=0.2, drain_timeout_s=5.0,
-                         kv_host_memory_bytes=16 << 20,
+                         kv_host_memory_bytes=16 << 20, kv_prewarm_s=prewarm_s,
                          scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64))
 
 
@@ -55,6 +58,8 @@ async def test_a_drained_replicas_prefix_is_served_from_the_node_tier_by_a_survi
     _no_tier_actor(ray_session)
     first = ReplicaServer(_config("a", tiny_llama_dir, redis_server.url, redis_namespace))
     second = ReplicaServer(_config("b", tiny_llama_dir, redis_server.url, redis_namespace))
+    third = ReplicaServer(_config("c", tiny_llama_dir, redis_server.url, redis_namespace,
+                                  prewarm_s=10.0))
     try:
         await first.start()
         await second.start()
@@ -80,7 +85,24 @@ async def test_a_drained_replicas_prefix_is_served_from_the_node_tier_by_a_survi
             await mirror.close()
         assert await _cached_tokens(second, "b-1") == 32  # restored, never computed on b
         assert second.engine.executor.tier.stats.restores == 2
+        await _prewarmed_replica_serves_from_its_pool(third, chain, redis_server.url,
+                                                      redis_namespace)
     finally:
         await first.stop()
         await second.stop()
+        await third.stop()
         ray_session.kill(node_tier(16 << 20).actor)
+
+
+async def _prewarmed_replica_serves_from_its_pool(third: ReplicaServer, chain, redis_url: str,
+                                                  namespace: str) -> None:
+    await third.start()  # pre-warms before it registers
+    assert set(chain) <= third.engine.kv.cached_hashes()
+    index = RedisPrefixIndex(redis_url, namespace=namespace)
+    try:  # published with its registration: device residency, no step needed
+        assert (await index.match(chain)).get("c") == 2
+    finally:
+        await index.close()
+    assert await _cached_tokens(third, "c-1") == 32
+    assert third.engine.executor.tier.stats.restores == 2  # the pre-warm's; none at admission
+    assert third.engine.stats()["prefix_hits"]["device"] == 32

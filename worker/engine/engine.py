@@ -317,7 +317,8 @@ class Engine:
         if self.scheduler.tier is None or max_blocks <= 0:
             return 0
         saves = self.kv.pool.hot_blocks()[:max_blocks]
-        self.executor.transfer_blocks(saves, ())
+        # Coldest first: a run lands in order, so the tier's LRU keeps the hottest longest.
+        self.executor.transfer_blocks(saves[::-1], ())
         tier = getattr(self.executor, "tier", None)  # rank 0's writer (the others: best effort)
         if tier is not None:
             tier.flush(timeout_s)

@@ -47,7 +47,8 @@ class TPExecutor:
     def __init__(self, local: ModelRunner, group: RankGroup) -> None:
         self.local, self.group = local, group
         spec_tier = group.spec.tier
-        self.tier = RankTier(spec_tier, 0, local.kv_cache) if spec_tier is not None else None
+        self.tier = (RankTier(spec_tier, 0, local.kv_cache, tag=group.spec.tier_tag)
+                     if spec_tier is not None else None)
         self.tensor_parallel_size = group.spec.tp
         self._lock = threading.Lock()  # one call on the ranks at a time, in plan order
         self._plans = PlanEncoder()

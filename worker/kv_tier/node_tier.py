@@ -46,14 +46,17 @@ class NodeTierActor:
             self.store.listener = self.publisher.record
             self.publisher.start()
 
-    def put(self, rank: int, hashes: list[bytes], run: np.ndarray) -> int:
-        return self.store.put(rank, hashes, run)
+    def put(self, rank: int, hashes: list[bytes], run: np.ndarray, tag: bytes = b"") -> int:
+        return self.store.put(rank, hashes, run, tag)
 
     def lookup(self, hashes: list[bytes], ranks: list[int]) -> int:
         return self.store.lookup(hashes, ranks)
 
     def get(self, rank: int, hashes: list[bytes]) -> Optional[np.ndarray]:
         return self.store.get(rank, hashes)
+
+    def hottest(self, tag: bytes, ranks: list[int], max_blocks: int) -> list[bytes]:
+        return self.store.hottest(tag, ranks, max_blocks)
 
     def stats(self) -> TierStats:
         return self.store.stats()
@@ -80,14 +83,17 @@ class RayTier:
 
         return ray.get(ref, timeout=self.timeout_s)
 
-    def put(self, rank: int, hashes: Sequence[bytes], run: np.ndarray) -> int:
-        return self._get(self.actor.put.remote(rank, list(hashes), run))
+    def put(self, rank: int, hashes: Sequence[bytes], run: np.ndarray, tag: bytes = b"") -> int:
+        return self._get(self.actor.put.remote(rank, list(hashes), run, tag))
 
     def lookup(self, hashes: Sequence[bytes], ranks: Sequence[int]) -> int:
         return self._get(self.actor.lookup.remote(list(hashes), list(ranks)))
 
     def get(self, rank: int, hashes: Sequence[bytes]) -> Optional[np.ndarray]:
         return self._get(self.actor.get.remote(rank, list(hashes)))
+
+    def hottest(self, tag: bytes, ranks: Sequence[int], max_blocks: int) -> list[bytes]:
+        return self._get(self.actor.hottest.remote(tag, list(ranks), max_blocks))
 
     def stats(self) -> TierStats:
         return self._get(self.actor.stats.remote())

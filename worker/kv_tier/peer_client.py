@@ -1,15 +1,17 @@
-"""How a replica reaches a peer for a prefix pull: ``Worker.ExportBlocks`` over gRPC, and the
-copy of an export that landed in another node's host tier into this node's.
+"""How a replica reaches a peer for a prefix pull: ``Worker.ExportBlocks`` over gRPC, a node's
+host tier as the peer (:class:`TierPeer`: blocks a drained replica handed over), and the copy of
+blocks held in another node's host tier into this node's (:class:`NodeRelay`).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import grpc
 
+from kvfleet.index_keys import tier_node
 from kvfleet.v1 import worker_pb2, worker_pb2_grpc
 from kvfleet.worker.kv_tier.peer_pull import Exported, PeerHint
 from kvfleet.worker.kv_tier.store import TierStore
@@ -52,11 +54,12 @@ class GrpcPeerClient:
 
 class NodeRelay:
     """Copies blocks from another node's host tier into ``local`` (this node's), every rank's
-    shard (``ranks``), each call bounded by the tiers' own timeouts."""
+    shard (``ranks``), each call bounded by the tiers' own timeouts; they are kept with ``tag``
+    (the receiver's identity: the puller asked for them by its own chain)."""
 
     def __init__(self, local: TierStore, ranks: Sequence[int],
-                 capacity_bytes: int, timeout_s: Optional[float] = None) -> None:
-        self.local, self.ranks = local, list(ranks)
+                 capacity_bytes: int, timeout_s: Optional[float] = None, tag: bytes = b"") -> None:
+        self.local, self.ranks, self.tag = local, list(ranks), tag
         self.capacity_bytes, self.timeout_s = capacity_bytes, timeout_s
 
     def source(self, node_id: str) -> TierStore:
@@ -79,8 +82,41 @@ class NodeRelay:
             run = source.get(rank, hashes)
             if run is None:
                 raise LookupError(f"rank {rank}'s blocks left the source tier")
-            self.local.put(rank, hashes, run)
+            self.local.put(rank, hashes, run, self.tag)
         return len(hashes)
 
     async def __call__(self, node_id: str, hashes: Sequence[bytes]) -> int:
         return await asyncio.to_thread(lambda: self.copy(self.source(node_id), hashes))
+
+
+class TierPeer:
+    """:class:`~.peer_pull.PeerClient` for a hint naming a node's host tier
+    (``PeerHint.tier_id``): the "export" is the leading run of the asked hashes that tier
+    holds for every rank in ``ranks`` (``source(node id)``: that node's tier, e.g.
+    :meth:`NodeRelay.source`); the puller then copies them with its relay and restores them
+    like any pulled block. Nothing is exported by a replica, so no engine is involved.
+
+    The hashes asked are the receiver's own chain for the request (identity, tenant scope,
+    salt), and the tier stores blocks under the chain hash that produced them: a tier holding
+    the same tokens under another tenant's or model's chain answers none of them.
+    """
+
+    def __init__(self, source: Callable[[str], TierStore], ranks: Sequence[int]) -> None:
+        self.source, self.ranks = source, list(ranks)
+
+    async def export(self, hint: PeerHint, hashes: Sequence[bytes], timeout_s: float) -> Exported:
+        """The run of ``hashes`` the hinted tier holds, and its node.
+
+        Raises:
+            ValueError: ``hint.tier_id`` is not a tier id. Anything the tier's lookup raises
+                (a dead or slow actor; the caller bounds the wait by ``timeout_s``).
+        """
+        node = tier_node(hint.tier_id)
+
+        def held() -> int:
+            return self.source(node).lookup(list(hashes), self.ranks)
+
+        return Exported(tuple(hashes[:await asyncio.to_thread(held)]), node)
+
+    async def close(self) -> None:
+        """Nothing to release."""

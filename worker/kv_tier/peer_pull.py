@@ -11,6 +11,11 @@ blocks by this replica's own chain hashes for the request's tokens; A answers wi
 its blocks are registered under, and a mismatch is refused (the request then skips the tier
 and recomputes). A pull that fails or takes longer than the recompute it would save is given
 up: the request recomputes; a pull never fails a request.
+
+A hint may name a node's host tier instead of a replica (``PeerHint.tier_id``: blocks a
+drained replica handed over to its node's tier, issue 26 §3): the same decision, verification
+and relay, with the tier as the "peer" (``tiers``: a
+:class:`~kvfleet.worker.kv_tier.peer_client.TierPeer`).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Awaitable, Callable, NamedTuple, Optional, Protocol, Sequence
 
 from kvfleet.allocator.hashing import block_hash_chain, root_hash
 from kvfleet.errors import InvalidArgument
+from kvfleet.index_keys import tier_node
 from kvfleet.worker.engine.engine import EngineRequest
 from kvfleet.worker.engine.step_cost import StepCostModel, attended
 
@@ -35,28 +41,40 @@ MIN_PULL_TIMEOUT_S = 0.25  # a short prefix's recompute time would time out any 
 @dataclass(frozen=True)
 class PeerHint:
     """Replica ``replica_id`` (Worker service at ``address``) holds the first ``num_blocks``
-    blocks of the request's chain; this replica holds ``first_block`` of them."""
+    blocks of the request's chain; this replica holds ``first_block`` of them. With
+    ``tier_id`` (and no address) the holder is that node's host tier, not a replica (blocks
+    a drained replica handed over)."""
 
     replica_id: str
     address: str
     num_blocks: int
     first_block: int = 0
+    tier_id: str = ""
 
     @classmethod
     def from_proto(cls, msg) -> Optional["PeerHint"]:
         """The hint of a ``WorkerGenerateRequest.peer`` (None when unset or empty).
 
         Raises:
-            InvalidArgument: a negative count, or blocks without an address.
+            InvalidArgument: a negative count, blocks without an address or tier, a tier id
+                that is none (``tier:<node>``), or both an address and a tier.
         """
-        if msg.num_blocks == 0 and not msg.address:
+        if msg.num_blocks == 0 and not (msg.address or msg.tier_id):
             return None
         if msg.num_blocks < 0 or msg.first_block < 0:
             raise InvalidArgument("peer.num_blocks and peer.first_block must be >= 0",
                                   field="peer.num_blocks")
-        if not msg.address:
+        if msg.tier_id:
+            try:
+                tier_node(msg.tier_id)
+            except ValueError as exc:
+                raise InvalidArgument(str(exc), field="peer.tier_id") from None
+            if msg.address:
+                raise InvalidArgument("peer names both an address and a tier",
+                                      field="peer.tier_id")
+        elif not msg.address:
             raise InvalidArgument("peer.address is required with peer.num_blocks", field="peer.address")
-        return cls(msg.replica_id, msg.address, msg.num_blocks, msg.first_block)
+        return cls(msg.replica_id, msg.address, msg.num_blocks, msg.first_block, msg.tier_id)
 
 
 class Exported(NamedTuple):
@@ -136,6 +154,8 @@ class PeerPuller:
             predicted recompute time.
         landed: under tensor parallelism, how many of the exported blocks the tier holds for
             every rank (the peer awaits only its rank 0's put): the pull waits for all of them.
+        tiers: answers a hint that names a node tier instead of a replica (:class:`TierPeer
+            <kvfleet.worker.kv_tier.peer_client.TierPeer>`); None: such hints are skipped.
     """
 
     def __init__(self, client: PeerClient, step_cost: StepCostModel, identity_digest: bytes,
@@ -143,8 +163,9 @@ class PeerPuller:
                  node_id: str = "", relay: Optional[Relay] = None,
                  max_timeout_s: float = MAX_PULL_TIMEOUT_S,
                  min_timeout_s: float = MIN_PULL_TIMEOUT_S,
-                 landed: Optional[Landed] = None) -> None:
+                 landed: Optional[Landed] = None, tiers: Optional[PeerClient] = None) -> None:
         self.client, self.step_cost, self.cost = client, step_cost, cost
+        self.tiers = tiers
         self.identity_digest, self.node_id, self.relay = identity_digest, node_id, relay
         self.block_size, self.max_batched_tokens = block_size, max_batched_tokens
         self.max_timeout_s, self.min_timeout_s = max_timeout_s, min_timeout_s
@@ -167,10 +188,12 @@ class PeerPuller:
         for a failed pull."""
         if hint is None or req.adapter or req.tier_skip:
             return req
+        client = self.tiers if hint.tier_id else self.client
         limit = min(hint.num_blocks, (len(req.prompt_token_ids) - 1) // self.block_size)
         first = min(hint.first_block, limit)
         recompute_s = self.recompute_s(first, limit - first)
-        if limit - first <= 0 or self.cost.predict_s(limit - first) >= recompute_s:
+        if (client is None or limit - first <= 0
+                or self.cost.predict_s(limit - first) >= recompute_s):
             self.stats.skipped += 1
             return req
         root = root_hash(self.identity_digest, req.cache_scope or req.tenant, req.cache_salt)
@@ -181,16 +204,16 @@ class PeerPuller:
         timeout_s = min(max(recompute_s, self.min_timeout_s), self.max_timeout_s)
         start = time.perf_counter()
         try:
-            got = await asyncio.wait_for(self._pull(hint, wanted, timeout_s), timeout_s)
+            got = await asyncio.wait_for(self._pull(client, hint, wanted, timeout_s), timeout_s)
         except Exception as exc:  # any failure: recompute
-            log.warning("pull of %d blocks from %s failed: %s", len(wanted), hint.replica_id,
+            log.warning("pull of %d blocks from %s failed: %s", len(wanted), _source(hint),
                         f"{type(exc).__name__}: {exc}")
             self.stats.failed += 1
             return req
         if got is None:
             self.stats.refused += 1
             log.warning("pull from %s refused: its block hashes differ from this replica's "
-                        "chain", hint.replica_id)
+                        "chain", _source(hint))
             return dataclasses.replace(req, tier_skip=True)
         seconds = time.perf_counter() - start
         self.stats.pulls += 1
@@ -199,11 +222,11 @@ class PeerPuller:
         self.cost.observe(got, seconds)
         return req
 
-    async def _pull(self, hint: PeerHint, wanted: tuple[bytes, ...], timeout_s: float
-                    ) -> Optional[int]:
+    async def _pull(self, client: PeerClient, hint: PeerHint, wanted: tuple[bytes, ...],
+                    timeout_s: float) -> Optional[int]:
         """Blocks pulled into this node's tier; None when the answer does not match
         ``wanted`` (a leading run of it, hash for hash)."""
-        exported = await self.client.export(hint, wanted, timeout_s)
+        exported = await client.export(hint, wanted, timeout_s)
         hashes = tuple(exported.hashes)
         if len(hashes) > len(wanted) or hashes != wanted[:len(hashes)]:
             return None
@@ -216,3 +239,7 @@ class PeerPuller:
                 break
             await asyncio.sleep(LANDED_POLL_S)
         return len(hashes)
+
+
+def _source(hint: PeerHint) -> str:
+    return hint.tier_id or hint.replica_id

@@ -43,15 +43,17 @@ class RankTierStats:
 
 
 class RankTier:
-    """The tier as rank ``rank`` of a replica uses it, over that rank's ``kv_cache``.
+    """The tier as rank ``rank`` of a replica uses it, over that rank's ``kv_cache``; its
+    write-backs carry ``tag`` (the replica's model identity digest, :meth:`HostTierStore.hottest`).
 
     Blocks travel as raw bytes (``uint8`` over the last dimension), block-major: one block is
     ``(num_layers, 2, block_size, num_local_kv_heads, head_dim × element size)``.
     """
 
     def __init__(self, store: TierStore, rank: int, kv_cache: KVCache,
-                 max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES) -> None:
+                 max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES, tag: bytes = b"") -> None:
         self.store, self.rank, self.kv = store, rank, kv_cache
+        self.tag = tag  # the replica's model identity, kept with its blocks (pre-warm)
         self.max_pending_bytes = max_pending_bytes
         self.stats = RankTierStats()
         self._pending_bytes = 0
@@ -92,7 +94,7 @@ class RankTier:
             hashes, snapshot, nbytes = item
             try:
                 run = snapshot.permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
-                self.store.put(self.rank, hashes, run.view(torch.uint8).numpy())
+                self.store.put(self.rank, hashes, run.view(torch.uint8).numpy(), self.tag)
                 with self._lock:
                     self.stats.write_backs += len(hashes)
                     self.stats.bytes_written += nbytes

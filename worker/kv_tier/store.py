@@ -28,11 +28,14 @@ class TierStore(Protocol):
     """What a rank calls: :class:`HostTierStore` in process, or
     :class:`~.node_tier.RayTier` on the node's actor (may raise on a dead actor)."""
 
-    def put(self, rank: int, hashes: Sequence[bytes], run: np.ndarray) -> int: ...
+    def put(self, rank: int, hashes: Sequence[bytes], run: np.ndarray,
+            tag: bytes = b"") -> int: ...
 
     def lookup(self, hashes: Sequence[bytes], ranks: Sequence[int]) -> int: ...
 
     def get(self, rank: int, hashes: Sequence[bytes]) -> Optional[np.ndarray]: ...
+
+    def hottest(self, tag: bytes, ranks: Sequence[int], max_blocks: int) -> list[bytes]: ...
 
 
 @dataclass(frozen=True)
@@ -64,15 +67,18 @@ class HostTierStore:
         self.capacity_bytes = capacity_bytes
         self.listener = listener
         self._blocks: OrderedDict[Key, np.ndarray] = OrderedDict()
+        self._tags: dict[Key, bytes] = {}  # who wrote each block (the model identity)
         self._bytes = 0
         self._lock = threading.Lock()
         self._stored = self._evicted = self._restored = 0
 
-    def put(self, rank: int, hashes: Sequence[bytes], run: np.ndarray) -> int:
+    def put(self, rank: int, hashes: Sequence[bytes], run: np.ndarray, tag: bytes = b"") -> int:
         """Store ``run[i]`` under ``(hashes[i], rank)`` (a run of blocks, block-major: shape
         ``(len(hashes), ...)``), each as its own copy (``run`` may be a read-only view into
         the object store), evicting least recently used blocks to fit. A block larger than
-        the whole capacity is not stored. Returns the blocks stored.
+        the whole capacity is not stored. ``tag`` (the writer's model identity digest) is
+        kept with each new block for :meth:`hottest`; it plays no part in lookups (the chain
+        hash already carries the identity). Returns the blocks stored.
 
         Raises:
             ValueError: ``run``'s first dimension differs from ``len(hashes)``.
@@ -91,11 +97,13 @@ class HostTierStore:
                     continue
                 while self._bytes + block.nbytes > self.capacity_bytes:
                     (old_hash, old_rank), old = self._blocks.popitem(last=False)
+                    self._tags.pop((old_hash, old_rank), None)
                     self._bytes -= old.nbytes
                     self._evicted += 1
                     if old_rank == 0:
                         changes.append((old_hash, False))
                 self._blocks[key] = np.array(block, copy=True)
+                self._tags[key] = tag
                 self._bytes += block.nbytes
                 stored += 1
                 if rank == 0:
@@ -137,11 +145,29 @@ class HostTierStore:
             self._restored += len(keys)
             return np.stack([self._blocks[k] for k in keys])
 
+    def hottest(self, tag: bytes, ranks: Sequence[int], max_blocks: int) -> list[bytes]:
+        """Chain hashes of up to ``max_blocks`` blocks written with ``tag`` and held for every
+        rank in ``ranks``, most recently used first (what a new replica of that identity
+        pre-warms its pool with). Changes no recency."""
+        out: list[bytes] = []
+        if not ranks or max_blocks <= 0:
+            return out
+        with self._lock:
+            for h, r in reversed(self._blocks):
+                if r != ranks[0] or self._tags.get((h, r)) != tag:
+                    continue
+                if all((h, other) in self._blocks for other in ranks[1:]):
+                    out.append(h)
+                    if len(out) >= max_blocks:
+                        break
+        return out
+
     def clear(self) -> None:
         """Drop every block (counters are kept)."""
         with self._lock:
             self._tell([(h, False) for h, r in self._blocks if r == 0])
             self._blocks.clear()
+            self._tags.clear()
             self._bytes = 0
 
     def stats(self) -> TierStats:
@@ -154,3 +180,4 @@ class HostTierStore:
         with self._lock:
             assert self._bytes == sum(b.nbytes for b in self._blocks.values()), "bytes drifted"
             assert self._bytes <= self.capacity_bytes, "over capacity"
+            assert self._tags.keys() == self._blocks.keys(), "tags drifted"

@@ -1,4 +1,5 @@
-"""A replica's peer pulls (issue 26 §2): built when it has a host tier to land them in."""
+"""A replica's peer pulls (issue 26 §2, and §3's hand-over across nodes): built when it has a
+host tier to land them in."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Optional
 import numpy as np
 
 from kvfleet.worker.engine.engine import Engine
-from kvfleet.worker.kv_tier.peer_client import GrpcPeerClient, NodeRelay
+from kvfleet.worker.kv_tier.peer_client import GrpcPeerClient, NodeRelay, TierPeer
 from kvfleet.worker.kv_tier.peer_pull import PeerPuller, PullCost
 
 
@@ -22,10 +23,11 @@ def build_puller(engine: Engine, enabled: bool, internal_tls: bool,
     ranks = engine.executor.ranks()
     node_id = ranks[0].node_id if ranks else ""
     all_ranks = list(range(max(1, len(ranks))))
-    relay = NodeRelay(tier.store, all_ranks, capacity_bytes)
+    relay = NodeRelay(tier.store, all_ranks, capacity_bytes, tag=engine.identity_digest)
     sched = engine.scheduler.config
     return PeerPuller(GrpcPeerClient(), engine.step_cost, engine.identity_digest,
                       engine.kv.block_size, sched.max_num_batched_tokens,
                       PullCost(int(np.prod(tier.block_shape))), node_id, relay,
                       landed=((lambda hashes: tier.store.lookup(hashes, all_ranks))
-                              if len(all_ranks) > 1 else None))
+                              if len(all_ranks) > 1 else None),
+                      tiers=TierPeer(relay.source, all_ranks))

@@ -45,6 +45,7 @@ from kvfleet.worker.engine.outputs import SeqOutput
 from kvfleet.worker.engine.scheduler import SchedulerConfig
 from kvfleet.worker.engine.step_calibration import CalibrationKey, device_name, load_or_calibrate
 from kvfleet.worker.engine.step_cost import MEASURED, StepCost
+from kvfleet.worker.engine.tier_prewarm import prewarm_before_serving
 from kvfleet.worker.executor.base import Executor, RankInfo
 from kvfleet.worker.executor.cost_model import CostModel, cost_model_executor
 from kvfleet.worker.executor.local import LocalExecutor
@@ -109,6 +110,9 @@ class ReplicaConfig:
     # Pull a prefix the router says a peer holds when that beats recomputing it (issue 26 §2;
     # needs the host tier, which the blocks travel through).
     kv_peer_pull: bool = True
+    # Before serving, restore the node tier's hottest blocks of this identity into the pool
+    # for at most this long (issue 26 §3; 0: off; needs the host tier).
+    kv_prewarm_s: float = 0.0
     dtype: str = "float32"
     # A second copy of each weight for batch-1 decode (see worker/runner/models/linear.py): ~20 %
     # lower batch-1 ITL on CPU for twice the weight memory.
@@ -159,6 +163,8 @@ class ReplicaConfig:
     def __post_init__(self) -> None:
         if not self.drain_timeout_s > 0:
             raise ValueError(f"drain_timeout_s must be > 0, got {self.drain_timeout_s}")
+        if not 0 <= self.kv_prewarm_s < float("inf"):
+            raise ValueError(f"kv_prewarm_s must be >= 0 and finite, got {self.kv_prewarm_s}")
         if not self.calibration_budget_s > 0:
             raise ValueError(f"calibration_budget_s must be > 0, got {self.calibration_budget_s}")
         if self.tensor_parallel_size < 1:
@@ -213,21 +219,23 @@ def build_engine(cfg: ReplicaConfig, on_rank_failure: Callable[[str], None] = la
     index = TierIndex(cfg.redis_url, cfg.namespace) if cfg.redis_url else None
     tier = (node_tier(cfg.kv_host_memory_bytes, index=index)
             if cfg.kv_host_memory_bytes and cfg.executor == "model" else None)
+    identity = cache_identity(cfg.model_name, model_dir, cfg.dtype, cfg.block_size)
     if cfg.executor == "cost-model":
         executor: Executor = cost_model_executor(load_model_config(model_dir), tokenizer,
                                                  num_blocks, cfg.block_size, cfg.cost_model)
     elif tp > 1:
         spec = RankSpec(str(model_dir), tp, num_blocks, cfg.block_size, dtype,
-                        cfg.one_row_weights, cfg.device, max_loras=max_loras, tier=tier)
+                        cfg.one_row_weights, cfg.device, max_loras=max_loras, tier=tier,
+                        tier_tag=identity.digest())
         group = RankGroup(spec, cfg.tp, cfg.replica_id, on_rank_failure)
         executor = TPExecutor(group.start(), group)
     else:
         runner = ModelRunner(model_dir, num_blocks=num_blocks, block_size=cfg.block_size,
                              dtype=dtype, device=cfg.device, one_row_weights=cfg.one_row_weights,
                              max_loras=max_loras)
-        executor = LocalExecutor(runner, RankTier(tier, 0, runner.kv_cache) if tier else None)
+        executor = LocalExecutor(runner, RankTier(tier, 0, runner.kv_cache, tag=identity.digest())
+                                 if tier else None)
     kv = KVCacheManager(num_blocks, cfg.block_size)
-    identity = cache_identity(cfg.model_name, model_dir, cfg.dtype, cfg.block_size)
     mc = executor.config
     if catalog and not max_loras:
         raise ValueError("serving adapters needs the model executor and max_loras >= 1")
@@ -320,7 +328,9 @@ class ReplicaServer:
         wt = WorkerTelemetry(self.telemetry, self.cfg.replica_id, self.cfg.model_name,
                              stats_fn=lambda: self._loop.stats if self._loop else {},
                              adapters_fn=lambda: self.engine.adapters.catalog if self.engine.adapters else (),
-                             step_cost=self.engine.step_cost)
+                             step_cost=self.engine.step_cost,  # PullStats, or None:
+                             pull_stats_fn=lambda: getattr(self.service and self.service.puller,
+                                                           "stats", None))
         self._loop = EngineLoop(self.engine, aio_loop, on_step=self._on_step(aio_loop),
                                 on_finish=functools.partial(_on_finish, wt, self.hits, self.latency),
                                 max_unread=self.cfg.stream_limits.max_unread)
@@ -335,11 +345,14 @@ class ReplicaServer:
         worker_pb2_grpc.add_WorkerServicer_to_server(service, self._server)
         name = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
         health = self._health = add_health_and_reflection(self._server, [name])
+        # Before the engine thread starts and the replica registers (bounded: kv_prewarm_s).
+        warm = await asyncio.to_thread(prewarm_before_serving, self.engine, self.cfg.kv_prewarm_s)
         self._loop.start()
         await self._server.start()
         await mark_serving(health, [name])
         if self.publisher is not None:
             await self.publisher.register()
+            await self.publisher.publish(warm, ())
             self._tasks.append(asyncio.create_task(self._heartbeat()))
         log.info("replica %s serving %s on %s", self.cfg.replica_id, self.cfg.model_name, self.address)
         return self.address

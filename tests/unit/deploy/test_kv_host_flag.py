@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from kvfleet.deploy import cli
 from kvfleet.deploy.budget import main as budget
 from kvfleet.deploy.cluster_flags import cluster_config
@@ -22,6 +24,13 @@ def test_the_flag_lands_in_the_replica_config_and_bad_values_exit_2(tiny_llama_d
         ["up", "--model", str(tiny_llama_dir), "--no-kv-peer-pull"])).replica.kv_peer_pull
     assert cli.main(["up", "--model", str(tiny_llama_dir), "--kv-host-memory", "lots"]) == 2
     assert "--kv-host-memory" in capsys.readouterr().err
+    assert default.replica.kv_prewarm_s == 0.0  # off
+    assert cluster_config(cli.build_parser().parse_args(
+        ["up", "--model", str(tiny_llama_dir), "--kv-prewarm-s", "2.5"])).replica.kv_prewarm_s == 2.5
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["up", "--model", str(tiny_llama_dir), "--kv-prewarm-s", "-1"])
+    assert exit_.value.code == 2
+    assert "--kv-prewarm-s" in capsys.readouterr().err
 
 
 def test_budget_counts_the_blocks_of_every_rank_the_host_tier_holds(tiny_llama_dir, capsys) -> None:
@@ -52,5 +61,7 @@ def test_status_shows_the_tier_of_each_node() -> None:
 def test_kuberay_render_carries_the_host_tier(tmp_path) -> None:
     from kvfleet.deploy.k8s_cli import main as k8s
 
-    assert k8s(["render", "--out", str(tmp_path), "--kv-host-memory-bytes", str(2 << 30)]) == 0
-    assert f"kv_host_memory_bytes: {2 << 30}" in (tmp_path / "rayservice.yaml").read_text()
+    assert k8s(["render", "--out", str(tmp_path), "--kv-host-memory-bytes", str(2 << 30),
+                "--kv-prewarm-s", "3"]) == 0
+    text = (tmp_path / "rayservice.yaml").read_text()
+    assert f"kv_host_memory_bytes: {2 << 30}" in text and "kv_prewarm_s: 3.0" in text

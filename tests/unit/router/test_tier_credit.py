@@ -106,8 +106,10 @@ def test_a_registry_entry_names_its_tier_and_older_entries_still_parse():
     assert ReplicaInfo.from_json("r", old).kv_tier == ""
 
 
-async def route_with_tiers(index: InMemoryPrefixIndex | object, policy: str, chains) -> list[str]:
-    """The replica the router's core picks for each chain (``index``: its prefix index)."""
+async def route_with_tiers(index: InMemoryPrefixIndex | object, policy: str, chains,
+                           decisions: bool = False) -> list:
+    """The replica the router's core picks for each chain (``index``: its prefix index), or
+    the whole decisions."""
     replicas = ReplicaSet(index)  # type: ignore[arg-type]
     await replicas.refresh()
     core = RouterCore({}, "", replicas=replicas, policy=make_policy(policy),
@@ -116,8 +118,8 @@ async def route_with_tiers(index: InMemoryPrefixIndex | object, policy: str, cha
     class Model:
         name = "m"
     try:
-        return [(await core.route(Model(), c)).candidate.info.replica_id  # type: ignore[arg-type]
-                for c in chains]
+        out = [await core.route(Model(), c) for c in chains]  # type: ignore[arg-type]
+        return out if decisions else [d.candidate.info.replica_id for d in out]
     finally:
         core.close()
 

@@ -48,6 +48,7 @@ class RankSpec:
     num_threads: int = 1
     max_loras: int = 0  # LoRA adapter slots (see ModelRunner.load_adapter)
     tier: Optional[TierStore] = None  # the node's host KV tier (a RayTier across processes)
+    tier_tag: bytes = b""  # the replica's identity digest, kept with its write-backs
 
 
 def build_rank_runner(spec: RankSpec, rank: int, reduce) -> ModelRunner:
@@ -97,7 +98,7 @@ class RankWorker:
             spec = replace(spec, device="cuda:0")
         self.runner = build_rank_runner(spec, self.rank, lambda t: self._comm.all_reduce(t))
         if spec.tier is not None:
-            self.tier = RankTier(spec.tier, self.rank, self.runner.kv_cache)
+            self.tier = RankTier(spec.tier, self.rank, self.runner.kv_cache, tag=spec.tier_tag)
         return rank_info(self.runner, self.rank)
 
     def connect(self, addr: GroupAddress) -> bool:

@@ -7,7 +7,9 @@ import asyncio
 from typing import Callable, Sequence
 
 from kvfleet.worker.engine.step_cost import CostModel, StepCost
+from kvfleet.worker.kv_tier.peer_client import NodeRelay
 from kvfleet.worker.kv_tier.peer_pull import Exported, PeerHint, PeerPuller, PullCost
+from kvfleet.worker.kv_tier.store import TierStore
 from kvfleet.worker.service.engine_loop import EngineLoop
 from kvfleet.worker.service.peer_export import InProcessPeer
 from tests.unit.worker.engine_harness import BLOCK_SIZE
@@ -30,11 +32,25 @@ class LoopPeer(InProcessPeer):
         return exported._replace(hashes=self.answer(exported.hashes))
 
 
-def puller(client, engine, max_timeout_s: float = 5.0, landed=None) -> PeerPuller:
-    """A puller for ``engine`` (its identity, block size and budget) over ``client``."""
+def puller(client, engine, max_timeout_s: float = 5.0, landed=None, node: str = NODE,
+           relay=None, tiers=None) -> PeerPuller:
+    """A puller for ``engine`` (its identity, block size and budget) over ``client`` (on
+    ``node``, copying from other nodes with ``relay``, asking node tiers through ``tiers``)."""
     return PeerPuller(client, SLOW_PREFILL, engine.identity_digest, BLOCK_SIZE,
-                      engine.scheduler.config.max_num_batched_tokens, PullCost(1 << 16), NODE,
-                      max_timeout_s=max_timeout_s, landed=landed)
+                      engine.scheduler.config.max_num_batched_tokens, PullCost(1 << 16), node,
+                      relay, max_timeout_s=max_timeout_s, landed=landed, tiers=tiers)
+
+
+class InProcessRelay(NodeRelay):
+    """A :class:`NodeRelay` over in-process stores standing in for the nodes' tier actors
+    (``stores``: node id → store; an unknown node raises like a missing actor)."""
+
+    def __init__(self, local: TierStore, stores: dict[str, TierStore], ranks=(0,)) -> None:
+        super().__init__(local, ranks, capacity_bytes=0)
+        self.stores = stores
+
+    def source(self, node_id: str) -> TierStore:
+        return self.stores[node_id]
 
 
 def hint(num_blocks: int, first_block: int = 0) -> PeerHint:

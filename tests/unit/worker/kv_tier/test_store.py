@@ -44,6 +44,25 @@ def test_a_key_is_per_rank_and_lookup_needs_every_rank() -> None:
     assert store.get(1, [_h(1)])[0, 0] == 9 and store.get(0, [_h(1)])[0, 0] == 1
 
 
+def test_hottest_is_lru_order_filtered_by_writer_and_every_rank() -> None:
+    store = HostTierStore(8 * BLOCK)
+    store.put(0, [_h(1), _h(2), _h(3)], _run(1, 2, 3), tag=b"m1")
+    store.put(1, [_h(1), _h(2)], _run(1, 2), tag=b"m1")
+    store.put(0, [_h(4)], _run(4), tag=b"m2")  # another model's
+    assert store.hottest(b"m1", [0], 10) == [_h(3), _h(2), _h(1)]  # most recent first
+    assert store.hottest(b"m1", [0, 1], 10) == [_h(2), _h(1)]  # rank 1 lacks 3
+    assert store.hottest(b"m2", [0], 10) == [_h(4)]
+    assert store.hottest(b"m1", [0], 2) == [_h(3), _h(2)] and store.hottest(b"m1", [0], 0) == []
+    assert store.lookup([_h(1)], [0]) == 1  # a read makes 1 the hottest; hottest() changed nothing
+    assert store.hottest(b"m1", [0], 10) == [_h(1), _h(3), _h(2)]
+    store.put(0, [_h(5), _h(6), _h(7), _h(8)], _run(5, 6, 7, 8))  # evicts rank 0's 2 and 3
+    assert store.hottest(b"m1", [0], 10) == [_h(1)]
+    store.check_invariants()
+    store.clear()
+    assert store.hottest(b"m1", [0], 10) == []
+    store.check_invariants()
+
+
 def test_stored_blocks_are_copies_and_oversized_blocks_are_refused() -> None:
     store = HostTierStore(BLOCK)
     run = _run(5)

@@ -21,7 +21,7 @@ class _StuckStore(HostTierStore):
         super().__init__(1 << 30)
         self.release = threading.Event()
 
-    def put(self, rank, hashes, run):
+    def put(self, rank, hashes, run, tag=b""):
         assert self.release.wait(30)
         return super().put(rank, hashes, run)
 
