@@ -11,7 +11,9 @@ model are ~86 ms, longer than the whole 64-token prompt). Under the target, each
 2. **Outranked**: running sequences of a strictly lower class, or of the same class and
    another tenant served at least as much as the favoured one's.
 3. Outranked **prefill chunks** sit out (they would take the step's token and time budget
-   first: running sequences are planned before waiting ones). Outranked **decode rows** run
+   first: running sequences are planned before waiting ones), and no outranked waiting
+   sequence is admitted beside the favoured prefill (:meth:`ClassStep.holds_back`; waiting
+   ones are not counted below: they wait behind it anyway). Outranked **decode rows** run
    only while the step's prediction (the favoured chunk plus the rows kept) stays within
    ``ROW_SLACK ×`` the favoured chunk's own; those left out the longest go first.
 4. **No starvation**: a sequence that sat out ``max_skips`` steps in a row runs in the next
@@ -61,6 +63,7 @@ class ClassStep:
         self.max_tokens = max_tokens
         self.max_skips = max_skips
         self.skipped: dict[str, int] = {}  # seq_id -> steps in a row it sat out, as of the last plan
+        self.favoured: Optional[SequenceState] = None  # the last plan's
 
     def sit_out(self, running: Sequence[SequenceState], candidate: Optional[SequenceState],
                 service: TenantService) -> frozenset[str]:
@@ -72,7 +75,7 @@ class ClassStep:
         prefills = [s for s in running if _to_compute(s) > 1]
         if candidate is not None:
             prefills.append(candidate)
-        fav = favoured(prefills, running, service)
+        fav = self.favoured = favoured(prefills, running, service)
         out: set[str] = set()
         if fav is not None:
             lower = [s for s in running if s is not fav and outranks(fav, s, service)]
@@ -84,6 +87,12 @@ class ClassStep:
             out = {sid for sid in out if self.skipped.get(sid, 0) < self.max_skips}
         self.skipped = {sid: self.skipped.get(sid, 0) + 1 for sid in out}
         return frozenset(out)
+
+    def holds_back(self, seq: SequenceState, service: TenantService) -> bool:
+        """Is waiting ``seq`` kept out of the step being planned (outranked by its favoured
+        prefill)?"""
+        return (self.favoured is not None and seq is not self.favoured
+                and outranks(self.favoured, seq, service))
 
     def _rows_left_out(self, rows: list[SequenceState], others: list[SequenceState],
                        fav: SequenceState) -> set[str]:

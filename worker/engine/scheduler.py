@@ -288,6 +288,8 @@ class Scheduler:
             if (picked := self._next_waiting(running_by_tenant, planned)) is None:
                 break  # every waiting tenant holds its share of the running slots
             seq = picked
+            if self.class_step and self.class_step.holds_back(seq, self.service):
+                break  # a favoured prefill runs in a short step (class_step.py)
             group = 1 + len(self.pending_forks.get(seq.seq_id, ()))
             if seats + group > self.config.max_num_seqs:
                 break

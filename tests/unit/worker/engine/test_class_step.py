@@ -69,6 +69,17 @@ def test_an_interactive_prefill_runs_without_the_batch_decode_rows():
     assert len(step(s_off).scheduled) == 17
 
 
+def test_no_lower_request_is_admitted_beside_the_favoured_prefill():
+    s = make()
+    decoding(s, 8, priority=BATCH, tenant="b")
+    chat = new_seq(prompt_len=64, max_tokens=4, priority=INTERACTIVE, tenant="c")
+    late_batch = new_seq(prompt_len=64, max_tokens=4, priority=BATCH, tenant="b")
+    s.add([chat, late_batch])  # seats are free for both
+    out = step(s)
+    assert chat.seq_id in ran(out) and late_batch.seq_id not in ran(out)
+    assert late_batch.seq_id in ran(step(s))  # the next step admits it
+
+
 def test_lower_rows_sit_out_at_most_max_skips_steps_in_a_row_while_the_prefill_advances():
     s = make(target_ms=40.0)
     batch = decoding(s, 12, priority=BATCH, tenant="b")
