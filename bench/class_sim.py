@@ -58,9 +58,9 @@ class Stream:
 
 
 def simulate(streams: list[Stream], config: SchedulerConfig, seconds: float, seed: int) -> dict:
-    """Run ``streams`` for ``seconds`` of virtual time; per tenant: TTFT p50/p99 (ms) of
-    requests arriving in the run, completions/s, computed tokens of requests finishing in
-    the middle half."""
+    """Run ``streams`` for ``seconds`` of virtual time; per tenant: TTFT p50/p99 and token
+    gap (ITL) p99 (ms) of requests arriving in the run, completions/s, computed tokens of
+    requests finishing in the middle half."""
     rng = random.Random(seed)
     sched = Scheduler(config, KVCacheManager(640, BLOCK), StepCost(COST, alpha=0.0))
     arrivals: list[tuple[float, Stream]] = []
@@ -71,6 +71,8 @@ def simulate(streams: list[Stream], config: SchedulerConfig, seconds: float, see
         arrivals += [(0.0, st)] * st.clients
     arrivals.sort(key=lambda a: a[0])
     ttft: dict[str, list[float]] = {st.tenant: [] for st in streams}
+    gaps: dict[str, list[float]] = {st.tenant: [] for st in streams}
+    last: dict[str, float] = {}  # seq_id -> when its last token came
     done = {st.tenant: 0 for st in streams}
     tokens = {st.tenant: 0 for st in streams}
     meta: dict[str, tuple[Stream, float]] = {}
@@ -108,9 +110,13 @@ def simulate(streams: list[Stream], config: SchedulerConfig, seconds: float, see
             st, t0 = meta[seq.seq_id]
             if not seq.output_token_ids:
                 ttft[st.tenant].append(now - t0)
+            else:
+                gaps[st.tenant].append(now - last[seq.seq_id])
+            last[seq.seq_id] = now
             seq.append_token(1)
             if len(seq.output_token_ids) >= seq.params.max_tokens:
                 sched.finish(seq)
+                del last[seq.seq_id]
                 held[st.tenant] -= 1
                 done[st.tenant] += 1
                 if seconds / 4 <= now <= 3 * seconds / 4:
@@ -119,6 +125,7 @@ def simulate(streams: list[Stream], config: SchedulerConfig, seconds: float, see
                     arrivals.insert(i, (now, st))
     return {t: {"ttft_p50_ms": 1e3 * pct(v, 0.5) if v else None,
                 "ttft_p99_ms": 1e3 * pct(v, 0.99) if v else None, "requests": len(v),
+                "itl_p99_ms": 1e3 * pct(gaps[t], 0.99) if gaps[t] else None,
                 "completions_per_s": done[t] / seconds, "computed_tokens": tokens[t]}
             for t, v in ttft.items()}
 
@@ -170,15 +177,17 @@ def main(argv: Optional[list[str]] = None) -> int:
                            itl_target_ms=a.itl_target_ms)
     runs = {int(s): run_seed(base, a.seconds, int(s), a.seat_share) for s in a.seeds.split(",")}
     print("seed class_step | §2 chat TTFT p99 alone → both (×) | batch drop vs chat /s "
-          "| §3 B TTFT p99 alone → both (×) | B token share")
+          "| batch ITL p99 | §3 B TTFT p99 alone → both (×) | B token share | A ITL p99 (backlogged)")
     for seed, r in runs.items():
         for k in ("off", "on"):
             pr, fa = r[k]["priority"], r[k]["fair"]
             print(f"{seed} {k:3s} | {pr['alone']['ttft_p99_ms']:.0f} → "
                   f"{pr['both']['chat']['ttft_p99_ms']:.0f} ms ({pr['ttft_p99_ratio']:.2f}×) | "
                   f"{pr['batch_drop_per_s']:.2f} vs {pr['interactive_per_s']:.2f} | "
+                  f"{pr['both']['batch']['itl_p99_ms']:.0f} ms | "
                   f"{fa['alone']['ttft_p99_ms']:.0f} → {fa['both']['B']['ttft_p99_ms']:.0f} ms "
-                  f"({fa['ttft_p99_ratio']:.2f}×) | {fa['b_token_share']:.3f}")
+                  f"({fa['ttft_p99_ratio']:.2f}×) | {fa['b_token_share']:.3f} | "
+                  f"{fa['backlogged']['A']['itl_p99_ms']:.0f} ms")
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"class_sim{'' if a.seat_share == 0.5 else f'-seats{a.seat_share:g}'}.json"
     path.write_text(json.dumps({"args": vars(a), "runs": runs}, indent=1) + "\n")
