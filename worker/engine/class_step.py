@@ -31,7 +31,7 @@ from kvfleet.worker.engine.request import SequenceState
 from kvfleet.worker.engine.step_cost import StepCostModel, attended
 from kvfleet.worker.engine.tenant_service import TenantService
 
-MAX_SKIPS = 1  # steps in a row a sequence may sit out (then it runs one): every other step at most
+MAX_SKIPS = 2  # steps in a row a sequence may sit out (then it runs one)
 ROW_SLACK = 1.25  # outranked decode rows kept while the step stays within this × the favoured chunk
 
 
