@@ -8,8 +8,8 @@ model are ~86 ms, longer than the whole 64-token prompt). Under the target, each
    token to compute, and the waiting sequence the scheduler admits next if a seat is free —
    the one of the best class; within it, the one of the least-served tenant
    (:class:`~.tenant_service.TenantService`, ties to the tenant running fewer sequences).
-2. **Outranked**: running sequences of a strictly lower class, or of the same class and
-   another tenant served at least as much as the favoured one's.
+2. **Outranked**: running and waiting sequences of a strictly lower class, or of the same
+   class and another tenant served at least as much as the favoured one's.
 3. Outranked **prefill chunks** sit out (they would take the step's token and time budget
    first: running sequences are planned before waiting ones), and no outranked waiting
    sequence is admitted beside the favoured prefill (:meth:`ClassStep.holds_back`; waiting
@@ -17,7 +17,8 @@ model are ~86 ms, longer than the whole 64-token prompt). Under the target, each
    only while the step's prediction (the favoured chunk plus the rows kept) stays within
    ``ROW_SLACK ×`` the favoured chunk's own; those left out the longest go first.
 4. **No starvation**: a sequence that sat out ``max_skips`` steps in a row runs in the next
-   whatever the rule says; it loses at most ``max_skips`` token gaps per favoured prefill.
+   whatever the rule says (the token budget aside): it runs at least one step in every
+   ``max_skips + 1``, however long favoured prefills last.
 
 A single class and tenant never sit out anything. Measurements: docs/slo.md.
 """
