@@ -365,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
         q.add_argument("--router-arg", action="append", default=[], dest="router_args")
         q.add_argument("--itl-target-ms", type=float, default=None,
                        help="replicas' --itl-target-ms (in the scaled cost model's milliseconds)")
+        q.add_argument("--no-class-step", action="store_true",
+                       help="replicas' class_step off: a prefill's step carries every row (A/B)")
     a = p.parse_args(argv)
     keys = ({"key-flood": "flood", "key-steady": "steady", "key-admin": "bench-admin"}
             if a.cmd == "fair" else {})
@@ -373,7 +375,8 @@ def main(argv: list[str] | None = None) -> int:
     run = Run(replicas=a.replicas, scale=a.scale, router_args=tuple(a.router_args), api_keys=keys,
               tenant_share=seats,
               # only when set: a checkout before the ITL target runs too (A/B)
-              scheduler={"itl_target_ms": a.itl_target_ms} if a.itl_target_ms else {})
+              scheduler={**({"itl_target_ms": a.itl_target_ms} if a.itl_target_ms else {}),
+                         **({"class_step": False} if a.no_class_step else {})})
     RESULTS.mkdir(parents=True, exist_ok=True)
     keys_file = None
     if keys:

@@ -3,7 +3,8 @@
 Each step: running sequences first (decodes, and prefills still catching up), then waiting
 sequences (FCFS, fair among tenants: see below) with chunked prefill filling the remaining token budget
 (``max_num_batched_tokens``) up to ``max_num_seqs``. With ``itl_target_ms`` set, the step's
-predicted time is budgeted too (:mod:`~kvfleet.worker.engine.step_budget`). Admission follows
+predicted time is budgeted too (:mod:`~kvfleet.worker.engine.step_budget`), and a higher class's
+or the least-served tenant's prefill runs without the others' rows (:mod:`.class_step`). Admission follows
 the replica's policy (docs/design.md §3):
 
 * ``watermark`` (default): admit when the uncached prompt fits and a free-block watermark
@@ -46,6 +47,7 @@ from kvfleet.allocator.kv_cache_manager import KVCacheManager
 from kvfleet.allocator.units import cdiv
 from kvfleet.errors import ResourceExhausted
 from kvfleet.priority import BATCH
+from kvfleet.worker.engine.class_step import ClassStep
 from kvfleet.worker.engine.hit_counts import HitCounts
 from kvfleet.worker.engine.priority_queue import (
     PriorityRules,
@@ -91,6 +93,8 @@ class SchedulerConfig:
     # whether a higher class may preempt lower-class sequences that have streamed tokens.
     batch_share: float = 1.0
     preempt_streaming: bool = False
+    # Under an ITL target: a favoured prefill's step leaves out outranked rows (class_step.py).
+    class_step: bool = True
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -169,6 +173,8 @@ class Scheduler:
         self.rules = PriorityRules(config.max_num_seqs, config.batch_share,
                                    config.preempt_streaming)
         self.service = TenantService()  # per-tenant service: who is admitted next
+        self.class_step = (ClassStep(step_cost, config.max_num_batched_tokens, config.itl_target_ms)
+                           if step_cost and config.itl_target_ms and config.class_step else None)
 
     # ---- admission -------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
@@ -239,12 +245,13 @@ class Scheduler:
         """Plan one engine step at monotonic time ``now`` (default: the clock's). Never
         returns a plan whose blocks are not allocated."""
         now = time.monotonic() if now is None else now
-        budget = self._budget(now)
         scheduled: list[ScheduledSeq] = []
         preempted: list[SequenceState] = []
         copies: list[tuple[int, int]] = []
         if self.config.policy == "watermark":
             self._preempt_for_higher_class(preempted)
+        sit_out = self._sit_out()
+        budget = self._budget(now, sit_out)
 
         # 1. Running sequences, best class first, oldest first (decodes and prefills in progress).
         i = 0
@@ -252,7 +259,8 @@ class Scheduler:
         while i < len(self.running) and budget.has_room:
             seq = self.running[i]
             remaining = seq.num_tokens - seq.num_computed_tokens
-            n = budget.grant(seq.num_computed_tokens, remaining, reserved=remaining == 1)
+            n = 0 if seq.seq_id in sit_out else budget.grant(
+                seq.num_computed_tokens, remaining, reserved=remaining == 1)
             if n <= 0:
                 i += 1
                 continue
@@ -280,6 +288,8 @@ class Scheduler:
             if (picked := self._next_waiting(running_by_tenant, planned)) is None:
                 break  # every waiting tenant holds its share of the running slots
             seq = picked
+            if self.class_step and self.class_step.holds_back(seq, self.service):
+                break  # a favoured prefill runs in a short step (class_step.py)
             group = 1 + len(self.pending_forks.get(seq.seq_id, ()))
             if seats + group > self.config.max_num_seqs:
                 break
@@ -329,9 +339,10 @@ class Scheduler:
         return SchedulerOutput(StepPlan(chunks, tuple(copies), saves, restores),
                                tuple(scheduled), tuple(preempted))
 
-    def _budget(self, now: float) -> StepBudget:
-        """This step's allowance; under an ITL target the running decode rows are counted
-        first and the floor follows the oldest prefill in progress (:meth:`prefill_wait`)."""
+    def _budget(self, now: float, sit_out: frozenset[str]) -> StepBudget:
+        """This step's allowance; under an ITL target the running decode rows (but those
+        in ``sit_out``) are counted first and the floor follows the oldest prefill in
+        progress (:meth:`prefill_wait`)."""
         target_ms = self.config.itl_target_ms
         if target_ms is None:
             return StepBudget(self.config.max_num_batched_tokens, self.kv.block_size)
@@ -340,8 +351,17 @@ class Scheduler:
         budget = StepBudget(self.config.max_num_batched_tokens, self.kv.block_size,
                             self.step_cost, target_s, floor)
         budget.reserve_decodes(s.num_computed_tokens for s in self.running
-                               if s.num_tokens - s.num_computed_tokens == 1)
+                               if s.num_tokens - s.num_computed_tokens == 1
+                               and s.seq_id not in sit_out)
         return budget
+
+    def _sit_out(self) -> frozenset[str]:
+        """Running sequences this step leaves out (:class:`ClassStep`; none without it)."""
+        if self.class_step is None:
+            return frozenset()
+        free = self._seats() < self.config.max_num_seqs
+        nxt = self._next_waiting(Counter(s.tenant for s in self.running), {}) if free else None
+        return self.class_step.sit_out(self.running, nxt, self.service)
 
     def prefill_wait(self, now: float) -> Optional[float]:
         """Seconds since the oldest prefill still in progress was admitted (0 when none is

@@ -9,8 +9,11 @@ fake) cost model allows 6 tokens a step, which moves the chunk boundaries (``bud
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
+from kvfleet.priority import BATCH, INTERACTIVE
 from tests.unit.worker.engine_harness import (
     BLOCK_SIZE,
     ITL_TARGET,
@@ -126,6 +129,24 @@ def test_preempted_then_resumed(tiny_llama_dir, budget) -> None:
         assert run_alone(tiny_llama_dir, req).token_ids == res.token_ids
     widths = [len(c.token_ids) for p in rec.plans for c in p.chunks if c.seq_id == preempted[0]]
     assert max(widths[widths.index(1):]) > 1, "the preempted sequence recomputed after decoding"
+
+
+def test_rows_sitting_out_for_a_higher_class_or_less_served_tenant(tiny_llama_dir) -> None:
+    """With the ITL target, batch rows sit out steps while interactive prompts (and a newly
+    arrived tenant's) prefill (``class_step``): every logits row still matches transformers'
+    on the request's own tokens."""
+    def req(n: int, seed: int, **fields):
+        return dataclasses.replace(request(prompt(n, seed=seed), max_tokens=6), **fields)
+    batch = [req(9, 50 + i, priority=BATCH, tenant="b") for i in range(3)]
+    chat = [req(13, 60, priority=INTERACTIVE, tenant="c"), req(7, 61, priority=INTERACTIVE)]
+    other = req(11, 62, priority=BATCH, tenant="late")
+    engine, rec = make_engine(tiny_llama_dir, **ITL_TARGET)
+    sat_out: list[int] = []
+    results = run(engine, {0: batch, 4: chat[:1], 6: [chat[1], other]},
+                  on_step=lambda k, e: sat_out.append(len(e.scheduler.class_step.skipped)))
+    assert max(sat_out) >= 2, "some step left rows out"
+    for r in [*batch, *chat, other]:
+        _check(tiny_llama_dir, rec, r, results[(r.request_id, 0)])
 
 
 def test_n2_siblings_after_copy_on_write(tiny_llama_dir, budget) -> None:

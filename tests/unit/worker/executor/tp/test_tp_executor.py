@@ -52,6 +52,11 @@ def test_copy_on_write_and_mixed_batch_through_the_plan_diff(tp2_threads, tiny_l
     exact.test_mixed_batch_of_eight_joining_and_leaving_equals_each_alone(tiny_llama_dir, budget)
 
 
+def test_rows_sitting_out_a_step_through_the_plan_diff(tp2_threads, tiny_llama_dir) -> None:
+    """Rows left out of a plan (class_step) are forgotten by rank 1 and sent whole again."""
+    exact.test_rows_sitting_out_for_a_higher_class_or_less_served_tenant(tiny_llama_dir)
+
+
 def _decode_plans(context: int, steps: int, slot: int = 0, block: int = BLOCK) -> list[StepPlan]:
     """A ``context``-token prefill, then ``steps`` one-token decodes of one sequence."""
     tokens = [(7 * i + 3) % 100 for i in range(context + steps)]
