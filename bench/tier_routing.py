@@ -72,14 +72,17 @@ class TierCostExecutor(CostModelExecutor):
 
 class TierSimFleet(SimFleet):
     """:class:`SimFleet` with a host tier of ``tier_blocks`` blocks per node of
-    ``per_node`` replicas; the replicas name their node's tier in the index."""
+    ``per_node`` replicas (or replica ``i`` on node ``nodes[i]``); the replicas name their
+    node's tier in the index (``self.node_of``: replica id → tier id)."""
 
-    def __init__(self, *args, tier_blocks: int, per_node: int = 2,
+    def __init__(self, *args, tier_blocks: int, per_node: int = 2, nodes: Sequence[int] = (),
                  restore_block_s: float = RESTORE_BLOCK_S, **kw) -> None:
         super().__init__(*args, **kw)
         self.stores: dict[str, HostTierStore] = {}
+        self.node_of: dict[str, str] = {}
         for i, (rid, eng) in enumerate(self.engines.items()):
-            node = tier_id(f"node{i // per_node}")
+            node = tier_id(f"node{nodes[i] if nodes else i // per_node}")
+            self.node_of[rid] = node
             if node not in self.stores:
                 self.stores[node] = HostTierStore(
                     tier_blocks, listener=self.index.tier_publisher(node).record)
