@@ -184,13 +184,14 @@ def run_policies(a: argparse.Namespace, seed: int, plot_to: Path | None) -> dict
     reqs = [replace(r, offset_s=t) for r, t in zip(stream, offsets, strict=True)]
     mean_rps = len(reqs) / a.day_s
     targets = AutoscaleTargets(a.min, a.max, slo_ttft_s=a.slo_ttft_ms / 1000,
-                               target_load=a.target_load)
+                               target_load=a.target_load, load_band=a.load_band)
     serve = AutoscalingConfig(min_replicas=a.min, max_replicas=a.max, look_back_period_s=12.0,
                               upscale_delay_s=a.upscale_delay, downscale_delay_s=a.downscale_delay)
+    first = a.initial or initial_replicas(day, cap, a.min, a.max)
     runs = {"static-peak": (a.max, None),
             "static-mean": (max(a.min, math.ceil(mean_rps / cap)), None),
-            "serve-default": (a.min, serve_default(a.target_ongoing)),
-            "kvfleet": (a.min, kvfleet_policy(targets))}
+            "serve-default": (first, serve_default(a.target_ongoing)),
+            "kvfleet": (first, kvfleet_policy(targets))}
     out: dict = {"seed": seed, "capacity_rps": cap, "peak_rps": day.peak_rps,
                  "mean_rps": mean_rps, "requests": len(reqs), "policies": {},
                  "ideal_vs_peak": {f"load {u:g}": ideal_vs_peak(day, cap, a.min, a.max, u)
@@ -212,6 +213,14 @@ def run_policies(a: argparse.Namespace, seed: int, plot_to: Path | None) -> dict
     if plot_to is not None:
         print("plot:", plot(timelines, p99, a.slo_ttft_ms / 1000, a.day_s, plot_to))
     return out
+
+
+def initial_replicas(day: Day, capacity: float, lo: int, hi: int) -> int:
+    """Serve's ``initial_replicas`` for both autoscalers: what midnight's load needs at the
+    default load target (the day before left the fleet there; starting at MIN would make a
+    large MAX's day open with a queue no policy caused)."""
+    need = day.rate(0.0) / (AutoscaleTargets.target_load * capacity)
+    return min(hi, max(lo, math.ceil(need - 1e-9)))
 
 
 def ideal_vs_peak(day: Day, capacity: float, lo: int, hi: int, load: float,
@@ -244,9 +253,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--day-s", type=float, default=600.0, help="the compressed day (seconds)")
     p.add_argument("--min", type=int, default=1)
     p.add_argument("--max", type=int, default=4)
+    p.add_argument("--initial", type=int, default=0,
+                   help="autoscalers' initial replicas (0: what midnight's load needs)")
     p.add_argument("--slo-ttft-ms", type=float, default=1500.0)
     p.add_argument("--target-load", type=float, default=AutoscaleTargets.target_load,
                    help="kvfleet: share of each replica's throughput to run at")
+    p.add_argument("--load-band", type=float, default=AutoscaleTargets.load_band,
+                   help="kvfleet: scale down only to survivors at most at target × (1 - band)")
     p.add_argument("--cost-scale", type=float, default=0.1,
                    help="cost model × this (0.1: a replica 10x faster than the 2-core CPU)")
     p.add_argument("--start-delay", type=float, default=7.0)

@@ -98,8 +98,8 @@ class ElasticFleet(SimFleet):
             self._launch(self.clock)
         for r in sorted(live, key=lambda r: r.started)[target:]:  # Serve stops the newest
             r.draining = True
-            if r.rid not in self.engines:  # never became ready: gone at once
-                r.stopped = self.clock
+            if r.rid not in self.engines or (self.inflight[r.rid] == 0 and not self.busy[r.rid]):
+                r.stopped = self.clock  # never became ready, or idle: gone at once
 
     def _arrive(self, r: Request, results: dict, output_tokens: int) -> None:
 

@@ -1,5 +1,6 @@
 """The autoscaling benches' pure parts: the wall-clock ramp and its 10 s windows, the simulated
-day's arrivals, and the clairvoyant fleet's replica-hours."""
+day's arrivals, its initial replicas and the clairvoyant fleet's replica-hours, and which
+replicas the simulated fleet stops on a scale-down."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import argparse
 
 import pytest
 
-from bench.autoscale_sim import Day, ideal_vs_peak, poisson_arrivals
+from bench.autoscale_sim import Day, ideal_vs_peak, initial_replicas, poisson_arrivals
 from bench.autoscale_wall import ramp, windows
+from bench.elastic_fleet import ElasticFleet, Replica
 from bench.load import Result
 from bench.workload import Request
 
@@ -47,3 +49,25 @@ def test_arrivals_follow_the_rate_and_the_clairvoyant_floor_lies_between_min_and
     floor = ideal_vs_peak(day, capacity=10.0, lo=1, hi=4, load=0.7, step_s=1.0)
     assert 1 / 4 < floor < 1.0
     assert ideal_vs_peak(day, 10.0, 1, 4, 1.0, step_s=1.0) < floor  # hotter replicas: fewer
+
+
+def test_initial_replicas_are_what_midnights_load_needs_within_the_bounds():
+    day = Day(day_s=600.0, peak_rps=20.0)  # midnight: 0.317 of the peak, 6.3 requests/s
+    assert initial_replicas(day, capacity=10.0, lo=1, hi=8) == 1  # 0.9 replicas' worth at 0.7
+    assert initial_replicas(day, capacity=2.0, lo=1, hi=8) == 5  # 4.5
+    assert initial_replicas(day, capacity=2.0, lo=1, hi=4) == 4
+
+
+def test_a_scale_down_stops_the_newest_idle_ones_at_once_and_drains_the_busy_ones():
+    # The fleet's bookkeeping only (no engines are built): Serve stops the newest replicas.
+    fleet = ElasticFleet.__new__(ElasticFleet)
+    fleet.clock = 50.0
+    fleet.replicas = {rid: Replica(rid, t, t + 7.0) for rid, t in
+                      (("r0", 0.0), ("r1", 10.0), ("r2", 20.0), ("r3", 45.0))}
+    fleet.engines = dict.fromkeys(("r0", "r1", "r2"))  # r3 is still starting
+    fleet.inflight = {"r0": 3, "r1": 2, "r2": 0}
+    fleet.busy = {"r0": True, "r1": True, "r2": False}
+    fleet.set_target(1)
+    r = fleet.replicas
+    assert [x.draining for x in r.values()] == [False, True, True, True]
+    assert (r["r1"].stopped, r["r2"].stopped, r["r3"].stopped) == (None, 50.0, 50.0)
