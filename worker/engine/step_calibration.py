@@ -37,7 +37,7 @@ from kvfleet.worker.engine.step_plan import SeqChunk, StepPlan
 log = logging.getLogger(__name__)
 FORMAT = 2  # bump when the model form, the plans or the fit change: old cache files stop matching
 DEFAULT_BUDGET_S = 20.0
-STARTUP_REPEATS = 3
+STARTUP_REPEATS = 4  # passes: the first two always run, the others within the budget
 
 
 class _Runs(Protocol):
@@ -117,19 +117,23 @@ def _mixed(rows: int, ctx: int, n: int, block_size: int, vocab: int) -> StepPlan
 def measure(runner: _Runs, plans: Iterable[StepPlan], repeats: int = 3,
             budget_s: float = float("inf")) -> list[StepSample]:
     """Best wall time of ``runner.execute`` per plan over up to ``repeats`` interleaved passes
-    (every plan once per pass; the minimum is the time least disturbed by a busy neighbour),
-    after one warm-up call of *every* plan (first calls of a shape pack weights and compile
-    kernels). The first pass always completes; later passes stop once ``budget_s`` has passed
-    (those plans keep the repeats they had)."""
+    (every plan once per pass; the minimum is the time least disturbed by a busy neighbour,
+    and never a shape's first call, which packs weights and compiles kernels, while it has
+    a second). The first two passes always complete; later ones stop once ``budget_s`` has
+    passed (those plans keep the repeats they had).
+
+    Raises:
+        ValueError: ``repeats`` < 2.
+    """
+    if repeats < 2:
+        raise ValueError(f"repeats must be >= 2 (the first call of a shape warms it up), got {repeats}")
     plans = list(plans)
     start = time.perf_counter()
-    for plan in plans:
-        runner.execute(plan)
     best = [float("inf")] * len(plans)
     for rep in range(repeats):
         order = range(len(plans)) if rep % 2 == 0 else reversed(range(len(plans)))
         for i in order:  # alternate directions: a slow stretch favours no end of the list
-            if rep and time.perf_counter() - start > budget_s:
+            if rep > 1 and time.perf_counter() - start > budget_s:
                 break
             t0 = time.perf_counter()
             runner.execute(plans[i])

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvfleet.worker.engine import step_calibration
-from kvfleet.worker.engine.step_calibration import CalibrationKey, load_or_calibrate
+from kvfleet.worker.engine.step_calibration import CalibrationKey, load_or_calibrate, measure
 from kvfleet.worker.engine.step_cost import CostModel, attended, plan_shape
 from kvfleet.worker.engine.step_fit import CLAMP_LO, StepSample, fit, nnls, robust_fit
 from kvfleet.worker.engine.step_plan import StepPlan
@@ -107,3 +107,16 @@ def test_a_noisy_start_up_calibration_still_fits_positive_terms_near_the_truth(s
     assert min(terms(got)) > 0
     assert (base, prefill, decode) == pytest.approx(terms(TRUE)[:3], rel=0.25)
     assert TRUE.context_token_s / 3 < context < 3 * TRUE.context_token_s
+
+
+def test_measure_keeps_each_shapes_fastest_pass_and_needs_two(monkeypatch):
+    runner = FakeClockRunner(TRUE, 0, p_hit=1.0)  # every forward 2-6x slow ...
+    monkeypatch.setattr(step_calibration, "time", SimpleNamespace(perf_counter=runner.perf_counter))
+    plans = step_calibration.startup_plans(runner.num_blocks, runner.block_size, 2048, 1000)
+    many = measure(runner, plans, repeats=12)
+    few = measure(runner, plans, repeats=2)
+    ratios = [[s.seconds / TRUE.step_seconds(p) for s, p in zip(got, plans, strict=True)] for got in (many, few)]
+    assert min(ratios[0] + ratios[1]) >= 2.0  # a minimum of slowed forwards is still slowed ...
+    assert sum(ratios[0]) < sum(ratios[1])    # ... but more passes find faster ones
+    with pytest.raises(ValueError, match="repeats"):
+        measure(runner, plans, repeats=1)
