@@ -151,12 +151,13 @@ class StepCost:
     attended) and the **prefill side** (prefill tokens), each × its own scale. After each
     forward the engine calls :meth:`observe` with the step's shape and measured seconds; the
     error ``e = log(measured / predicted)``, clipped to ``±log 4``, is shared out by each
-    side's share of the prediction: ``log scale_side += alpha × share_side × e`` (a gradient
-    step on the squared log error). A decode-only step corrects the decode side alone, so a
-    prefill priced 2× wrong is learnt from steps with prefill while decode steps keep the
-    decode side where it is. Bounded: one step moves a scale by at most ``4^alpha``, and a
-    scale stays within ``16^±1`` of the calibration. ``alpha`` 0 keeps the prior fixed
-    (tests, a modelled executor).
+    side's share of the prediction: ``log scale_side += alpha × share_side × e / Σ share²``
+    (a normalized gradient step on the squared log error: the step's own prediction moves by
+    ``alpha × e``, as one scale's would). A decode-only step corrects the decode side alone,
+    so a prefill priced 2× wrong is learnt from steps with prefill while decode steps keep
+    the decode side where it is. Bounded: one step moves a scale by at most ``4^(1.21
+    alpha)``, and a scale stays within ``16^±1`` of the calibration. ``alpha`` 0 keeps the
+    prior fixed (tests, a modelled executor).
 
     ``predicted_total_s`` / ``measured_total_s`` / ``steps`` (and the last pair) are what the
     metrics export, with :attr:`decode_scale` and :attr:`prefill_scale`: their rates' ratio
@@ -217,6 +218,8 @@ class StepCost:
         self.measured_total_s += measured_s
         self.steps += 1
         error = max(-MAX_LOG_RATIO, min(MAX_LOG_RATIO, math.log(measured_s / predicted)))
-        for i, part in enumerate(sides):
-            moved = self.log_scales[i] + self.alpha * (part / predicted) * error
+        shares = [part / predicted for part in sides]
+        norm = sum(x * x for x in shares)  # in [1/2, 1]: the prediction moves by alpha × error
+        for i, share in enumerate(shares):
+            moved = self.log_scales[i] + self.alpha * share / norm * error
             self.log_scales[i] = max(-MAX_LOG_SCALE, min(MAX_LOG_SCALE, moved))

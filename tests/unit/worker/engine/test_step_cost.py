@@ -89,9 +89,22 @@ def test_one_outlier_moves_the_correction_by_a_bounded_step():
     cost.observe((0, 0, 0), 1.0)  # an empty step tells nothing
     assert cost.steps == 1
     cost.observe((0, 256, 256), 1e-6)  # a prefill step far too fast: both sides, by their shares
-    d, p = 0.01 + 256e-6, 0.256
-    assert cost.prefill_scale == pytest.approx(4 ** (-0.05 * p / (p + d * 4 ** 0.05)))
-    assert cost.prefill_scale >= 4 ** -0.05 and cost.decode_scale >= 1.0
+    d, p = (0.01 + 256e-6) * 4 ** 0.05, 0.256
+    shares = d / (d + p), p / (d + p)
+    norm = shares[0] ** 2 + shares[1] ** 2
+    assert cost.prefill_scale == pytest.approx(4 ** (-0.05 * shares[1] / norm))
+    assert cost.decode_scale == pytest.approx(4 ** (0.05 - 0.05 * shares[0] / norm))
+    # the prediction of that shape moved by 4^-alpha, as one scale would have moved it
+    assert cost.predict_step_s(0, 256, 256) == pytest.approx((d + p) * 4 ** -0.05, rel=0.01)
+
+
+@pytest.mark.parametrize("prefill", [1, 10, 20, 40, 100, 1000])
+def test_one_outlier_mixed_step_moves_either_side_by_a_bounded_step(prefill):
+    for measured in (1e3, 1e-6):
+        cost = StepCost(TRUE, alpha=0.05)
+        cost.observe((4, prefill, 400), measured)
+        for scale in (cost.decode_scale, cost.prefill_scale):
+            assert abs(math.log(scale)) <= 1.21 * 0.05 * math.log(4)
 
 
 def test_the_correction_stays_within_its_clamp():
