@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench.calibrate", description=__doc__)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=4, help="timed passes (the first warms up)")
     a = p.parse_args(argv)
     import torch  # here: ensure_calibration's callers need no torch until they calibrate
 

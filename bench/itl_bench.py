@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         order = [("off", off, off_cost), ("on", on, cost)][::-1 if rnd % 2 else 1]
         for name, config, c in order:
             runs[name].append(er.run_engine(factory, reqs, config, c, c.step_done))
-        costs.append({"scale": cost.scale, "steps": cost.steps,
+        costs.append({"decode_scale": cost.decode_scale, "prefill_scale": cost.prefill_scale,
+                      "steps": cost.steps,
                       "measured_over_predicted": cost.measured_total_s / cost.predicted_total_s})
         traces.append({k: {"summary": summarize(c.records, t), "steps": [asdict(r) for r in c.records]}
                        for k, c, t in (("off", off_cost, None), ("on", cost, a.itl_target_ms / 1e3))})

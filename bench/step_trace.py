@@ -43,10 +43,14 @@ class TracingStepCost(StepCost):
             self._joined = len(self.records)
 
 
+PREFILL_CLASSES = ((0, 32), (32, 128), (128, 512))  # (lo, hi]: prefill tokens of a step
+
+
 def summarize(records: list[StepRecord], target_s: float | None) -> dict:
     """Where step time goes: measured ÷ predicted forward (p50/p90/p99, decode-only steps and
-    steps with prefill apart), the step's time outside the forward, and how many steps ran
-    past ``target_s`` (and past it by more than 20 %)."""
+    steps with prefill apart, and the latter by :data:`PREFILL_CLASSES`), the step's time
+    outside the forward, and how many steps ran past ``target_s`` (and past it by more than
+    20 %)."""
     def ratios(rs: list[StepRecord]) -> dict:
         xs = [r.forward_s / r.predicted_s for r in rs if r.predicted_s > 0]
         return {"steps": len(rs), **{f"p{q}": pct(xs, q / 100) for q in (50, 90, 99)}}
@@ -54,6 +58,8 @@ def summarize(records: list[StepRecord], target_s: float | None) -> dict:
     out = {
         "decode_only": ratios([r for r in records if r.prefill_tokens == 0]),
         "with_prefill": ratios([r for r in records if r.prefill_tokens > 0]),
+        "by_prefill_tokens": {f"{lo + 1}-{hi}": ratios([r for r in records if lo < r.prefill_tokens <= hi])
+                              for lo, hi in PREFILL_CLASSES},
         "outside_forward_s": {f"p{q}": pct([r.step_s - r.forward_s for r in records], q / 100)
                               for q in (50, 90, 99)},
         "step_s": {f"p{q}": pct([r.step_s for r in records], q / 100) for q in (50, 90, 99)},

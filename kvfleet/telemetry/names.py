@@ -84,6 +84,7 @@ KVFLEET_TPOT_S = "kvfleet.time_per_output_token_s"
 KVFLEET_CLIENT_TTFT_S = "kvfleet.client.ttft_s"    # client-observed time to first token
 KVFLEET_REQUEST_STATE = "kvfleet.request.state"    # running | waiting (gauge attribute)
 KVFLEET_KV_TIER = "kvfleet.kv.tier"                # device | host: where a prefix hit came from
+KVFLEET_STEP_SIDE = "kvfleet.step.side"            # decode | prefill: a step-cost correction
 
 # ---- finish reasons (gen_ai.response.finish_reasons values)
 FINISH_STOP = "stop"

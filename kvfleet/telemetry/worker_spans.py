@@ -122,11 +122,18 @@ class WorkerTelemetry:
                 "Engine forwards: seconds the step-cost model predicted (before the step)")
         counter(n.METRIC_STEP_MEASURED, "measured_total_s", "s", "Engine forwards: seconds measured")
         counter(n.METRIC_STEPS, "steps", "{step}", "Engine forwards timed")
-        m.create_observable_gauge(n.METRIC_STEP_COST_SCALE, [lambda _o: self._step_value("scale")],
-                                  unit="1", description="Online correction: measured ÷ calibrated")
+        m.create_observable_gauge(n.METRIC_STEP_COST_SCALE, [self._step_scales], unit="1",
+                                  description="Online correction per side of the step (decode: "
+                                              "base, rows, context; prefill: tokens): measured ÷ "
+                                              "calibrated")
 
     def _step_value(self, attr: str):
         yield metrics.Observation(getattr(self._step_cost, attr), {n.GEN_AI_REQUEST_MODEL: self.model})
+
+    def _step_scales(self, _options):
+        for side in ("decode", "prefill"):
+            yield metrics.Observation(getattr(self._step_cost, f"{side}_scale"),
+                                      {n.GEN_AI_REQUEST_MODEL: self.model, n.KVFLEET_STEP_SIDE: side})
 
     def _kv_usage(self, _options):
         s = self._stats_fn()

@@ -25,31 +25,23 @@ import time
 from dataclasses import asdict, dataclass
 from hashlib import sha256
 from pathlib import Path
-from typing import Iterable, Iterator, Protocol, Sequence
+from typing import Iterable, Iterator, Protocol
 
 import torch
 
 from kvfleet.allocator.units import cdiv
-from kvfleet.worker.engine.step_cost import CostModel, plan_shape
+from kvfleet.worker.engine.step_cost import MEASURED, CostModel, plan_shape
+from kvfleet.worker.engine.step_fit import StepSample, fit
 from kvfleet.worker.engine.step_plan import SeqChunk, StepPlan
 
 log = logging.getLogger(__name__)
-FORMAT = 1  # bump when the model form or the plans change: old cache files stop matching
+FORMAT = 2  # bump when the model form, the plans or the fit change: old cache files stop matching
 DEFAULT_BUDGET_S = 20.0
+STARTUP_REPEATS = 4  # passes: the first two always run, the others within the budget
 
 
 class _Runs(Protocol):
     def execute(self, plan: StepPlan) -> torch.Tensor: ...
-
-
-@dataclass(frozen=True)
-class StepSample:
-    """One measured forward: its shape (see :class:`~.step_cost.StepShape`) and seconds."""
-
-    prefill_tokens: int
-    decode_tokens: int
-    context_tokens: int
-    seconds: float
 
 
 @dataclass(frozen=True)
@@ -74,34 +66,6 @@ def device_name(device: str) -> str:
     return f"cpu:{platform.processor() or platform.machine()}:{os.cpu_count()}"
 
 
-def fit(samples: Sequence[StepSample], source: str = "") -> CostModel:
-    """Least squares of ``seconds ≈ base + prefill·p + decode·d + context·c`` in *relative*
-    error (each row divided by its seconds: a 30 ms decode step counts as much as a 5 s
-    prefill), constrained to constants >= 0 (a term fitted negative is dropped and the rest
-    refitted). Terms no sample varies are 0.
-
-    Raises:
-        ValueError: no samples.
-    """
-    if not samples:
-        raise ValueError("no samples to fit")
-    x = torch.tensor([[1.0, s.prefill_tokens, s.decode_tokens, s.context_tokens] for s in samples],
-                     dtype=torch.float64)
-    y = torch.tensor([s.seconds for s in samples], dtype=torch.float64)
-    w = 1.0 / y.clamp(min=1e-9)
-    active = [j for j in range(4) if j == 0 or bool((x[:, j] != 0).any())]
-    coef = torch.zeros(4, dtype=torch.float64)
-    while active:
-        xa = x[:, active] * w[:, None]
-        sol = torch.linalg.lstsq(xa, (y * w)[:, None]).solution.flatten()
-        if bool((sol >= 0).all()):
-            coef[active] = sol
-            break
-        active.pop(int(torch.argmin(sol)))
-    base, prefill, decode, context = (float(v) for v in coef)
-    return CostModel(base, prefill, decode, source, context)
-
-
 def _chunk(rid: str, n: int, ctx: int, first_block: int, block_size: int, vocab: int) -> SeqChunk:
     blocks = cdiv(ctx + n, block_size)
     return SeqChunk(rid, tuple(1 + (i % (vocab - 1)) for i in range(n)), ctx,
@@ -123,53 +87,72 @@ def calibration_plans(block_size: int, prefill_sizes: Iterable[int], contexts: I
 
 
 def startup_plans(num_blocks: int, block_size: int, max_model_len: int, vocab: int) -> list[StepPlan]:
-    """The start-up calibration's shapes, cheapest first, sized to fit the KV pool and the
-    context: decode batches at a short and a long context, prefill chunks from an empty and
-    a long prefix (so base, decode, prefill and context terms each vary on their own)."""
+    """The start-up calibration's shapes, sized to fit the KV pool and the context: decode
+    batches of 1, 4 and up to 16 rows at a short context and 1 and 4 at a long one, prefill
+    chunks of 16-256 tokens from an empty prefix and 64-128 after a long one, and one step
+    mixing decode rows with a chunk (the scheduler's usual step), so each of the base,
+    decode, prefill and context terms varies on its own in more than one shape."""
     slots = num_blocks * block_size
     long_ctx = max(1, min(1024, max_model_len - 257, slots // 2 - 256))
     short_ctx = min(16, long_ctx)
-    batch = max(2, min(8, num_blocks // max(1, cdiv(short_ctx + 1, block_size))))
+    batch = max(2, min(16, num_blocks // max(1, cdiv(short_ctx + 1, block_size))))
     plans: list[StepPlan] = []
-    for b, ctx in ((1, short_ctx), (batch, short_ctx), (1, long_ctx)):
+    for b, ctx in ((1, short_ctx), (min(4, batch), short_ctx), (batch, short_ctx), (1, long_ctx),
+                   (4, long_ctx)):
         plans += calibration_plans(block_size, [], [], [b], ctx, vocab)
-    for n, ctx in ((64, 0), (64, long_ctx), (256, 0)):
+    for n, ctx in ((16, 0), (64, 0), (256, 0), (64, long_ctx), (128, long_ctx)):
         plans += calibration_plans(block_size, [n], [ctx], [], 0, vocab)
+    plans.append(_mixed(min(4, batch), short_ctx, 64, block_size, vocab))
     return [p for p in plans  # a pool or context too small for a shape skips it
             if all(max(c.block_table) < num_blocks
                    and c.num_computed_tokens + len(c.token_ids) <= max_model_len for c in p.chunks)]
 
 
+def _mixed(rows: int, ctx: int, n: int, block_size: int, vocab: int) -> StepPlan:
+    per = cdiv(ctx + 1, block_size)
+    decodes = tuple(_chunk(f"d{i}", 1, ctx, i * per, block_size, vocab) for i in range(rows))
+    return StepPlan(decodes + (_chunk("p", n, 0, rows * per, block_size, vocab),))
+
+
 def measure(runner: _Runs, plans: Iterable[StepPlan], repeats: int = 3,
             budget_s: float = float("inf")) -> list[StepSample]:
-    """Best wall time of ``runner.execute`` per plan over ``repeats`` (the least disturbed by
-    a busy neighbour), after one warm-up call of *every* plan first (first calls of a shape
-    pack weights and compile kernels). Stops before a plan once ``budget_s`` has passed (at
-    least 4 plans run: one per constant)."""
+    """Best wall time of ``runner.execute`` per plan over up to ``repeats`` interleaved passes
+    (every plan once per pass; the minimum is the time least disturbed by a busy neighbour,
+    and never a shape's first call, which packs weights and compiles kernels, while it has
+    a second). The first two passes always complete; later ones stop once ``budget_s`` has
+    passed (those plans keep the repeats they had).
+
+    Raises:
+        ValueError: ``repeats`` < 2.
+    """
+    if repeats < 2:
+        raise ValueError(f"repeats must be >= 2 (the first call of a shape warms it up), got {repeats}")
     plans = list(plans)
     start = time.perf_counter()
-    for plan in plans:
-        runner.execute(plan)
-    out: list[StepSample] = []
-    for plan in plans:
-        if len(out) >= 4 and time.perf_counter() - start > budget_s:
-            break
-        times = []
-        for _ in range(repeats):
+    best = [float("inf")] * len(plans)
+    for rep in range(repeats):
+        order = range(len(plans)) if rep % 2 == 0 else reversed(range(len(plans)))
+        for i in order:  # alternate directions: a slow stretch favours no end of the list
+            if rep > 1 and time.perf_counter() - start > budget_s:
+                break
             t0 = time.perf_counter()
-            runner.execute(plan)
-            times.append(time.perf_counter() - t0)
+            runner.execute(plans[i])
+            best[i] = min(best[i], time.perf_counter() - t0)
+    out = []
+    for plan, seconds in zip(plans, best, strict=True):
         shape = plan_shape(plan)
-        out.append(StepSample(shape.prefill_tokens, shape.decode_rows, shape.context_tokens, min(times)))
+        out.append(StepSample(shape.prefill_tokens, shape.decode_rows, shape.context_tokens, seconds))
     return out
 
 
 def load_or_calibrate(executor, key: CalibrationKey, cache_dir: Path | None,
-                      budget_s: float = DEFAULT_BUDGET_S) -> CostModel:
+                      budget_s: float = DEFAULT_BUDGET_S, reference: CostModel = MEASURED) -> CostModel:
     """The cached calibration for ``key`` under ``cache_dir``, else a fresh one (a few timed
-    steps on ``executor``, about ``budget_s`` seconds at most), written there. ``cache_dir``
-    None: calibrate, cache nothing. An unreadable or unwritable cache only costs a
-    recalibration (logged), never a failed start."""
+    steps on ``executor``, about ``budget_s`` seconds at most beyond one warm-up and one
+    timed pass over the shapes), written there. ``cache_dir`` None: calibrate, cache nothing.
+    ``reference``: the constants whose ratios bound a degenerate fit (:func:`.step_fit.fit`).
+    An unreadable or unwritable cache only costs a recalibration (logged), never a failed
+    start."""
     path = cache_dir / f"{key.digest()}.json" if cache_dir is not None else None
     if path is not None and path.exists():
         try:
@@ -182,9 +165,9 @@ def load_or_calibrate(executor, key: CalibrationKey, cache_dir: Path | None,
     plans = startup_plans(executor.num_blocks, executor.block_size,
                           cfg.max_position_embeddings, cfg.vocab_size)
     t0 = time.perf_counter()
-    samples = measure(executor, plans, repeats=2, budget_s=budget_s)
+    samples = measure(executor, plans, repeats=STARTUP_REPEATS, budget_s=budget_s)
     cost = fit(samples, f"start-up calibration {key.device} tp={key.tp} {key.dtype} "
-                        f"{key.threads} thread(s), {time.strftime('%Y-%m-%d')}")
+                        f"{key.threads} thread(s), {time.strftime('%Y-%m-%d')}", reference)
     log.info("step cost calibrated in %.1f s over %d shapes: %s", time.perf_counter() - t0,
              len(samples), cost)
     if path is not None:

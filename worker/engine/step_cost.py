@@ -139,22 +139,30 @@ MEASURED = CostModel(0.319826, 0.0125125, 0.0881751,
 ZERO = CostModel(0.0, 0.0, 0.0, "zero: answers at once")
 
 MAX_LOG_RATIO = math.log(4.0)  # one step counts as at most ×4 off (a GC pause, a swap)
+MAX_LOG_SCALE = math.log(16.0)  # a side corrected past ×16 either way needs recalibrating
+SIDES = ("decode", "prefill")
 
 
 class StepCost:
-    """A replica's step-cost model: a calibrated :class:`CostModel` × an online correction.
+    """A replica's step-cost model: a calibrated :class:`CostModel` × an online correction
+    per side of the step.
 
-    After each forward the engine calls :meth:`observe` with the step's shape and measured
-    seconds. The correction is an exponentially weighted mean of ``log(measured / prior)``
-    (weight ``alpha`` for the newest step), each sample clipped to within ``±log 4`` of the
-    current estimate: predictions follow the machine's speed as it drifts (load, clocks, a
-    neighbour) within tens of steps, and one outlier moves them by at most ``4^alpha``.
-    ``alpha`` 0 keeps the prior fixed (tests, a modelled executor). It corrects the scale,
-    not the shape: a model whose ratios are wrong is recalibrated (delete its cache file).
+    The prediction splits in two: the **decode side** (base + decode rows + KV positions
+    attended) and the **prefill side** (prefill tokens), each × its own scale. After each
+    forward the engine calls :meth:`observe` with the step's shape and measured seconds; the
+    error ``e = log(measured / predicted)``, clipped to ``±log 4``, is shared out by each
+    side's share of the prediction: ``log scale_side += alpha × share_side × e / Σ share²``
+    (a normalized gradient step on the squared log error: the step's own prediction moves by
+    ``alpha × e``, as one scale's would). A decode-only step corrects the decode side alone,
+    so a prefill priced 2× wrong is learnt from steps with prefill while decode steps keep
+    the decode side where it is. Bounded: one step moves a scale by at most ``4^(1.21
+    alpha)``, and a scale stays within ``16^±1`` of the calibration. ``alpha`` 0 keeps the
+    prior fixed (tests, a modelled executor).
 
     ``predicted_total_s`` / ``measured_total_s`` / ``steps`` (and the last pair) are what the
-    metrics export: their rates' ratio is the drift an operator watches. Written on the
-    engine thread; read from any (floats: no lock needed).
+    metrics export, with :attr:`decode_scale` and :attr:`prefill_scale`: their rates' ratio
+    is the drift an operator watches. Written on the engine thread; read from any (floats:
+    no lock needed).
 
     Raises:
         ValueError: ``alpha`` outside [0, 1].
@@ -165,7 +173,7 @@ class StepCost:
             raise ValueError(f"alpha must be in [0, 1], got {alpha}")
         self.prior = prior
         self.alpha = alpha
-        self.log_scale = 0.0
+        self.log_scales = [0.0, 0.0]  # decode side, prefill side
         self.steps = 0
         self.predicted_total_s = 0.0
         self.measured_total_s = 0.0
@@ -173,13 +181,25 @@ class StepCost:
         self.last_measured_s = 0.0
 
     @property
-    def scale(self) -> float:
-        """measured ÷ prior, as currently estimated (1.0 before any step)."""
-        return math.exp(self.log_scale)
+    def decode_scale(self) -> float:
+        """measured ÷ prior of the decode side (base, decode rows, context), as estimated."""
+        return math.exp(self.log_scales[0])
+
+    @property
+    def prefill_scale(self) -> float:
+        """measured ÷ prior of the prefill side (prefill tokens), as estimated."""
+        return math.exp(self.log_scales[1])
+
+    def _sides(self, decode_rows: int, prefill_tokens: int, context_tokens: int) -> tuple[float, float]:
+        """The prior's seconds of the decode side and of the prefill side (0, 0: empty)."""
+        total = self.prior.predict_step_s(decode_rows, prefill_tokens, context_tokens)
+        prefill = self.prior.prefill_token_s * prefill_tokens if total > 0 else 0.0
+        return total - prefill, prefill
 
     def predict_step_s(self, decode_rows: int, prefill_tokens: int, context_tokens: int) -> float:
         """Predicted seconds of one step's forward of this shape (0 when it computes nothing)."""
-        return self.prior.predict_step_s(decode_rows, prefill_tokens, context_tokens) * self.scale
+        d, p = self._sides(decode_rows, prefill_tokens, context_tokens)
+        return d * self.decode_scale + p * self.prefill_scale
 
     def predict_plan_s(self, plan: StepPlan) -> float:
         """Predicted seconds of the forward over ``plan``."""
@@ -187,13 +207,19 @@ class StepCost:
 
     def observe(self, shape: StepShape, measured_s: float) -> None:
         """Record one forward of ``shape`` that took ``measured_s`` seconds."""
-        prior = self.prior.predict_step_s(*shape)
-        if prior <= 0 or not measured_s > 0:
+        d, p = self._sides(*shape)
+        sides = (d * self.decode_scale, p * self.prefill_scale)
+        predicted = sum(sides)
+        if predicted <= 0 or not measured_s > 0:
             return  # nothing computed, or a clock that did not move: no information
-        self.last_predicted_s = prior * self.scale  # what the scheduler planned with
+        self.last_predicted_s = predicted  # what the scheduler planned with
         self.last_measured_s = measured_s
-        self.predicted_total_s += self.last_predicted_s
+        self.predicted_total_s += predicted
         self.measured_total_s += measured_s
         self.steps += 1
-        error = math.log(measured_s / prior) - self.log_scale
-        self.log_scale += self.alpha * max(-MAX_LOG_RATIO, min(MAX_LOG_RATIO, error))
+        error = max(-MAX_LOG_RATIO, min(MAX_LOG_RATIO, math.log(measured_s / predicted)))
+        shares = [part / predicted for part in sides]
+        norm = sum(x * x for x in shares)  # in [1/2, 1]: the prediction moves by alpha × error
+        for i, share in enumerate(shares):
+            moved = self.log_scales[i] + self.alpha * share / norm * error
+            self.log_scales[i] = max(-MAX_LOG_SCALE, min(MAX_LOG_SCALE, moved))

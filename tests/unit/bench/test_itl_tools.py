@@ -24,6 +24,7 @@ def test_trace_records_each_forward_with_its_steps_wall_time():
     assert cost.records[1].predicted_s == pytest.approx(0.01 + 0.004 + 0.1 + 0.0003)
     s = summarize(cost.records, target_s=0.1)
     assert s["decode_only"]["steps"] == 1 and s["with_prefill"]["steps"] == 1
+    assert {k: v["steps"] for k, v in s["by_prefill_tokens"].items()} == {"1-32": 0, "33-128": 1, "129-512": 0}
     assert s["over_target"] == 1 and s["forward_s_total"] == pytest.approx(0.25)
 
 

@@ -191,4 +191,7 @@ def test_predicted_and_measured_step_time_are_exported(worker_capture):
     assert predicted.value == pytest.approx(0.024) and measured.value == pytest.approx(0.048)
     assert predicted.attributes[n.GEN_AI_REQUEST_MODEL] == "tiny"
     assert worker_capture.points(n.METRIC_STEPS)[0].value == 1
-    assert worker_capture.points(n.METRIC_STEP_COST_SCALE)[0].value == pytest.approx(2 ** 0.5)
+    # alpha × log 2 shared by the sides' shares of the prediction (decode 0.014 s, prefill
+    # 0.010 s of 0.024 s), normalized by the sum of the squared shares (296 / 24²)
+    scales = {p.attributes[n.KVFLEET_STEP_SIDE]: p.value for p in worker_capture.points(n.METRIC_STEP_COST_SCALE)}
+    assert scales == pytest.approx({"decode": 2 ** (0.5 * 14 * 24 / 296), "prefill": 2 ** (0.5 * 10 * 24 / 296)})

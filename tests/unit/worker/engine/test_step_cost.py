@@ -1,5 +1,5 @@
-"""The step-cost model: its features, the online correction on synthetic step times, the
-non-negative fit, and the start-up calibration's cache (keyed by model/device/tp/dtype)."""
+"""The step-cost model: its features, the per-side online correction on synthetic step times,
+and the start-up calibration's cache (keyed by model/device/tp/dtype). The fit: test_step_fit."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvfleet.worker.engine.step_calibration import (CalibrationKey, StepSample, fit, load_or_calibrate,
-                                                    startup_plans)
+from kvfleet.worker.engine.step_calibration import CalibrationKey, load_or_calibrate, startup_plans
 from kvfleet.worker.engine.step_cost import CostModel, StepCost, attended, plan_shape
 from kvfleet.worker.engine.step_plan import SeqChunk, StepPlan
 
@@ -57,51 +56,72 @@ def _shapes(rng: random.Random, n: int):
 def test_online_correction_converges_to_the_machines_speed_and_follows_drift():
     rng = random.Random(5)
     cost = StepCost(TRUE, alpha=0.05)
-    for shape in _shapes(rng, 300):  # this machine is 1.8x slower than calibrated, ±10 % noise
+    for shape in _shapes(rng, 400):  # this machine is 1.8x slower than calibrated, ±10 % noise
         cost.observe(shape, TRUE.predict_step_s(*shape) * 1.8 * math.exp(rng.gauss(0, 0.1)))
-    assert cost.scale == pytest.approx(1.8, rel=0.05)
+    assert (cost.decode_scale, cost.prefill_scale) == pytest.approx((1.8, 1.8), rel=0.06)
     assert cost.predict_step_s(4, 64, 5000) == pytest.approx(1.8 * TRUE.predict_step_s(4, 64, 5000),
                                                             rel=0.05)
-    for shape in _shapes(rng, 300):  # then a neighbour leaves: 0.9x
+    for shape in _shapes(rng, 400):  # then a neighbour leaves: 0.9x
         cost.observe(shape, TRUE.predict_step_s(*shape) * 0.9)
-    assert cost.scale == pytest.approx(0.9, rel=0.02)
-    assert cost.steps == 600 and cost.measured_total_s > 0 and cost.predicted_total_s > 0
+    assert (cost.decode_scale, cost.prefill_scale) == pytest.approx((0.9, 0.9), rel=0.03)
+    assert cost.steps == 800 and cost.measured_total_s > 0 and cost.predicted_total_s > 0
+
+
+def test_the_prefill_side_is_corrected_apart_from_the_decode_side():
+    # Calibrated right for decode steps, but a prefill token really costs twice the prior's.
+    real = CostModel(TRUE.step_base_s, 2 * TRUE.prefill_token_s, TRUE.decode_token_s, "real",
+                     TRUE.context_token_s)
+    rng = random.Random(7)
+    cost = StepCost(TRUE, alpha=0.05)
+    for shape in _shapes(rng, 600):
+        cost.observe(shape, real.predict_step_s(*shape) * math.exp(rng.gauss(0, 0.05)))
+    assert cost.prefill_scale == pytest.approx(2.0, rel=0.05)
+    assert cost.decode_scale == pytest.approx(1.0, abs=0.05)
+    for shape in [(16, 0, 16 * 300), (1, 256, 300), (8, 64, 4000), (0, 512, 512)]:
+        assert cost.predict_step_s(*shape) == pytest.approx(real.predict_step_s(*shape), rel=0.05)
 
 
 def test_one_outlier_moves_the_correction_by_a_bounded_step():
     cost = StepCost(TRUE, alpha=0.05)
     cost.observe((1, 0, 100), 1000.0)  # a step 10^4 x its prediction (a swap storm)
-    assert cost.scale == pytest.approx(4 ** 0.05)
+    assert (cost.decode_scale, cost.prefill_scale) == (pytest.approx(4 ** 0.05), 1.0)
     assert cost.last_measured_s == 1000.0
     cost.observe((0, 0, 0), 1.0)  # an empty step tells nothing
     assert cost.steps == 1
+    cost.observe((0, 256, 256), 1e-6)  # a prefill step far too fast: both sides, by their shares
+    d, p = (0.01 + 256e-6) * 4 ** 0.05, 0.256
+    shares = d / (d + p), p / (d + p)
+    norm = shares[0] ** 2 + shares[1] ** 2
+    assert cost.prefill_scale == pytest.approx(4 ** (-0.05 * shares[1] / norm))
+    assert cost.decode_scale == pytest.approx(4 ** (0.05 - 0.05 * shares[0] / norm))
+    # the prediction of that shape moved by 4^-alpha, as one scale would have moved it
+    assert cost.predict_step_s(0, 256, 256) == pytest.approx((d + p) * 4 ** -0.05, rel=0.01)
+
+
+@pytest.mark.parametrize("prefill", [1, 10, 20, 40, 100, 1000])
+def test_one_outlier_mixed_step_moves_either_side_by_a_bounded_step(prefill):
+    for measured in (1e3, 1e-6):
+        cost = StepCost(TRUE, alpha=0.05)
+        cost.observe((4, prefill, 400), measured)
+        for scale in (cost.decode_scale, cost.prefill_scale):
+            assert abs(math.log(scale)) <= 1.21 * 0.05 * math.log(4)
+
+
+def test_the_correction_stays_within_its_clamp():
+    cost = StepCost(TRUE, alpha=1.0)
+    for _ in range(10):
+        cost.observe((4, 0, 400), 1e6)
+    assert cost.decode_scale == pytest.approx(16.0) and cost.prefill_scale == 1.0
 
 
 def test_alpha_zero_keeps_the_prior():
     cost = StepCost(TRUE, alpha=0.0)
     cost.observe((1, 0, 100), 5.0)
-    assert cost.scale == 1.0 and cost.predict_plan_s(plan((1, 99))) == TRUE.step_seconds(plan((1, 99)))
+    assert cost.decode_scale == cost.prefill_scale == 1.0
+    assert cost.predict_plan_s(plan((1, 99))) == pytest.approx(TRUE.step_seconds(plan((1, 99))))
+    assert cost.predict_plan_s(plan((64, 0), (1, 9))) == pytest.approx(TRUE.step_seconds(plan((64, 0), (1, 9))))
     with pytest.raises(ValueError, match="alpha"):
         StepCost(TRUE, alpha=1.5)
-
-
-def test_fit_recovers_all_four_constants_in_relative_error():
-    samples = [StepSample(p, d, c, TRUE.predict_step_s(d, p, c))
-               for d, p, c in [(1, 0, 17), (8, 0, 136), (1, 0, 1025), (0, 64, attended(0, 64)),
-                               (0, 64, attended(1024, 64)), (0, 256, attended(0, 256)), (16, 0, 16400)]]
-    got = fit(samples, "test")
-    assert (got.step_base_s, got.prefill_token_s, got.decode_token_s, got.context_token_s) == pytest.approx(
-        (TRUE.step_base_s, TRUE.prefill_token_s, TRUE.decode_token_s, TRUE.context_token_s), rel=1e-6)
-
-
-def test_fit_never_returns_a_negative_constant():
-    # Decode steps that get *faster* with context: unconstrained, the context term is negative.
-    samples = [StepSample(0, 1, 10, 0.030), StepSample(0, 1, 2000, 0.028), StepSample(0, 8, 80, 0.050),
-               StepSample(64, 0, 64, 0.100), StepSample(256, 0, 256, 0.300)]
-    got = fit(samples)
-    assert got.context_token_s == 0.0 and min(got.step_base_s, got.prefill_token_s, got.decode_token_s) >= 0
-    with pytest.raises(ValueError, match="no samples"):
-        fit([])
 
 
 class FakeExecutor:
@@ -128,9 +148,10 @@ def test_calibration_is_cached_per_key(tmp_path):
     ex = FakeExecutor()
     first = load_or_calibrate(ex, KEY, tmp_path)
     calls = len(ex.plans)
-    assert calls >= 4 * 3  # >= 4 shapes (one per constant), each warmed up and timed twice
+    assert calls >= 8 * 4  # >= 8 shapes, each timed four times (the first call warms it up)
     shapes = {plan_shape(p) for p in ex.plans}
-    assert len({s.decode_rows for s in shapes}) >= 2 and len({s.prefill_tokens for s in shapes}) >= 2
+    assert len({s.decode_rows for s in shapes}) >= 3 and len({s.prefill_tokens for s in shapes}) >= 3
+    assert any(s.decode_rows and s.prefill_tokens for s in shapes)  # a mixed step too
     record = json.loads((tmp_path / f"{KEY.digest()}.json").read_text())
     assert record["key"]["tp"] == 1 and record["key"]["model_digest"] == KEY.model_digest
     assert len(record["samples"]) == len(shapes)
