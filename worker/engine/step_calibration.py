@@ -30,6 +30,7 @@ from typing import Iterable, Iterator, Protocol
 import torch
 
 from kvfleet.allocator.units import cdiv
+from kvfleet.worker.engine.host_lock import host_lock
 from kvfleet.worker.engine.step_cost import MEASURED, CostModel, plan_shape
 from kvfleet.worker.engine.step_fit import StepSample, fit
 from kvfleet.worker.engine.step_plan import SeqChunk, StepPlan
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 FORMAT = 2  # bump when the model form, the plans or the fit change: old cache files stop matching
 DEFAULT_BUDGET_S = 20.0
 STARTUP_REPEATS = 4  # passes: the first two always run, the others within the budget
+LOCK_WAIT_S = 180.0  # longest wait for another replica's calibration of the same key
 
 
 class _Runs(Protocol):
@@ -151,16 +153,36 @@ def load_or_calibrate(executor, key: CalibrationKey, cache_dir: Path | None,
     steps on ``executor``, about ``budget_s`` seconds at most beyond one warm-up and one
     timed pass over the shapes), written there. ``cache_dir`` None: calibrate, cache nothing.
     ``reference``: the constants whose ratios bound a degenerate fit (:func:`.step_fit.fit`).
-    An unreadable or unwritable cache only costs a recalibration (logged), never a failed
-    start."""
+    Replicas of one key starting together on a host calibrate once: the first holds a lock
+    file beside the cache entry while it measures, the others wait for its result (up to
+    :data:`LOCK_WAIT_S`) instead of timing forwards beside it, which would also skew both
+    measurements. An unreadable or unwritable cache or lock only costs a recalibration
+    (logged), never a failed start."""
     path = cache_dir / f"{key.digest()}.json" if cache_dir is not None else None
-    if path is not None and path.exists():
-        try:
-            data = json.loads(path.read_text())
-            if data.get("key") == asdict(key):
-                return CostModel.from_json(data["cost_model"], str(path))
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            log.warning("step-cost cache %s unreadable (%s): recalibrating", path, exc)
+    cached = _read_cache(path, key)
+    if cached is not None:
+        return cached
+    with host_lock(path.with_suffix(".lock") if path is not None else None, LOCK_WAIT_S):
+        cached = _read_cache(path, key)  # another replica finished while this one waited
+        if cached is not None:
+            return cached
+        return _calibrate(executor, key, path, budget_s, reference)
+
+
+def _read_cache(path: Path | None, key: CalibrationKey) -> CostModel | None:
+    if path is None or not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        if data.get("key") == asdict(key):
+            return CostModel.from_json(data["cost_model"], str(path))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("step-cost cache %s unreadable (%s): recalibrating", path, exc)
+    return None
+
+
+def _calibrate(executor, key: CalibrationKey, path: Path | None, budget_s: float,
+               reference: CostModel) -> CostModel:
     cfg = executor.config
     plans = startup_plans(executor.num_blocks, executor.block_size,
                           cfg.max_position_embeddings, cfg.vocab_size)

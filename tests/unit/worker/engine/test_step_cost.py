@@ -6,11 +6,14 @@ from __future__ import annotations
 import json
 import math
 import random
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from kvfleet.worker.engine.host_lock import host_lock
 from kvfleet.worker.engine.step_calibration import CalibrationKey, load_or_calibrate, startup_plans
 from kvfleet.worker.engine.step_cost import CostModel, StepCost, attended, plan_shape
 from kvfleet.worker.engine.step_plan import SeqChunk, StepPlan
@@ -184,3 +187,43 @@ def test_startup_plans_fit_small_pools(num_blocks, block_size):
     for p in startup_plans(num_blocks, block_size, 2048, 1000):
         ex.execute(p)
     assert len(ex.plans) >= 4
+
+
+class SlowExecutor(FakeExecutor):
+    """A forward of 2 ms: long enough that a second caller arrives mid-calibration."""
+
+    def execute(self, p: StepPlan) -> torch.Tensor:
+        time.sleep(0.002)
+        return super().execute(p)
+
+
+def test_replicas_starting_together_calibrate_once(tmp_path):
+    """Two replicas of one key on one host (threads here; separate processes hold the same
+    flock): one measures, the other waits and reads its cache entry."""
+    executors = [SlowExecutor(), SlowExecutor()]
+    results: list[CostModel] = []
+    threads = [threading.Thread(target=lambda ex=ex: results.append(load_or_calibrate(ex, KEY, tmp_path)))
+               for ex in executors]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(results) == 2
+    assert sorted(bool(ex.plans) for ex in executors) == [False, True]  # one timed forwards
+    assert results[0].to_json() == results[1].to_json()
+
+
+def test_host_lock_waits_a_bounded_time_then_goes_on_unlocked(tmp_path):
+    lock = tmp_path / "sub" / "x.lock"
+    with host_lock(lock, 1.0) as first:
+        assert first and lock.exists()
+        t0 = time.monotonic()
+        with host_lock(lock, 0.3) as second:  # another holder: give up after 0.3 s
+            assert not second and time.monotonic() - t0 >= 0.3
+    with host_lock(lock, 0.0) as again:  # released when the first block ended
+        assert again
+    with host_lock(None, 1.0) as none:
+        assert not none
+    with pytest.raises(ValueError, match="wait_s"):
+        with host_lock(lock, -1.0):
+            pass
