@@ -75,8 +75,12 @@ class LocalCluster:
         self.app_name = self.app["name"]
         self.ref = AppRef.from_config(self.app_name, self.app)
         serve_control.apply(self.app)
+        # The router starts beside the replicas (it finds them in the registry as they
+        # register), so its start-up overlaps theirs.
+        self._launch_router()
         self.wait_serving(cfg.replicas, timeout_s)
-        self.router_address = self._start_router(timeout_s)
+        assert self.router_proc is not None
+        self.router_address = wait_ready(self.router_proc, "router ready ", timeout_s)
         return self.router_address
 
     def _app_config(self) -> dict:
@@ -144,7 +148,8 @@ class LocalCluster:
         """Process ids of the running Serve replicas (rank 0 of each)."""
         return [r["pid"] for r in self.serve_replicas() if r["state"] == "RUNNING"]
 
-    def _start_router(self, timeout_s: float) -> str:
+    def _launch_router(self) -> None:
+        """Start the router process (its readiness is awaited by :meth:`_start`)."""
         cfg = self.cfg
         host = cfg.router.host
         http_port = metrics_port = None
@@ -160,7 +165,6 @@ class LocalCluster:
         # The router reads OTEL_* and the Redis password from its environment at start-up.
         env = router_env(router, dict(os.environ))
         self.router_proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
-        return wait_ready(self.router_proc, "router ready ", timeout_s)
 
     def stop(self) -> None:
         """Drain and stop the replicas (Serve stops each gracefully, which drains it, while the

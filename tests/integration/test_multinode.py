@@ -1,7 +1,8 @@
 """A real two-node Ray cluster on this machine (two raylets started with ``ray start``, see
 bench/raylets.py): ``kvfleet up --ray-address`` spreads its replicas over both nodes, both
 serve, and losing the second node is handled like a replica crash: its stream ends
-UNAVAILABLE, other requests go to the replica left, and Serve replaces the lost replica.
+UNAVAILABLE and other requests go to the replica left. Serve's replacement of the lost
+replica (a replica start, ~20 s here) is measured by ``python -m bench multinode``.
 
 The cluster is its own Ray, beside the test session's: only subprocesses (``kvfleet up``, a
 short driver naming the nodes) connect to it, never this process.
@@ -15,7 +16,6 @@ import shutil
 import signal
 import subprocess
 import tempfile
-import time
 
 import grpc
 import pytest
@@ -87,7 +87,7 @@ def test_replicas_spread_over_both_nodes_serve_and_survive_losing_one(two_nodes,
                   for i in range(2)]
         assert served == sorted(placement)
         if served[0] != on_node_2:
-            client.generate(f"Say 2.", max_tokens=2)
+            client.generate("Say 2.", max_tokens=2)
         # So this long stream runs on node 2's replica.
         stream = client.stream(prompt="Count to a thousand:", max_tokens=400, ignore_eos=True)
         next(stream)
@@ -102,17 +102,3 @@ def test_replicas_spread_over_both_nodes_serve_and_survive_losing_one(two_nodes,
         on_node_1 = next(r for r, node in placement.items() if node == "node-1")
         for i in range(4):
             assert list(client.stream(prompt=f"Again {i}.", max_tokens=2))[-1].replica_id == on_node_1
-
-        # Serve replaces the lost replica on the node left (it has room); the status view
-        # drops the lost one once its heartbeat lapses (registry TTL 10 s).
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            now = _placement(client, names)
-            if len(now) == 2 and on_node_2 not in now:
-                break
-            time.sleep(0.5)
-        assert sorted(now.values()) == ["node-1", "node-1"] and on_node_1 in now, now
-        (replacement,) = set(now) - {on_node_1}
-        served = {list(client.stream(prompt=f"Once more {i}.", max_tokens=2))[-1].replica_id
-                  for i in range(2)}
-        assert served == {on_node_1, replacement}

@@ -3,7 +3,7 @@ UNAVAILABLE naming the rank within seconds, it leaves the registry, its ranks ar
 the other replicas keep serving, and Ray Serve replaces it (its health check fails). Idle
 ranks outlive many collective timeouts.
 
-One cluster for the module: three tp=2 replicas of the tiny Llama behind a router, collectives
+One cluster for the module: two tp=2 replicas of the tiny Llama behind a router, collectives
 timed out after 3 s. The kill and hang tests each take one replica down.
 """
 
@@ -34,7 +34,7 @@ COLLECTIVE_TIMEOUT_S = 3.0
 def tp_cluster(ray_session, redis_server, tiny_llama_dir):
     replica = tiny_replica(tiny_llama_dir, redis_server.url, "kvtest-tp:", tensor_parallel_size=2,
                            tp=TPSettings(collective_timeout_s=COLLECTIVE_TIMEOUT_S, step_timeout_s=3.0))
-    cfg = ClusterConfig(replica, RouterConfig(port=0), replicas=3, replica_num_cpus=0)
+    cfg = ClusterConfig(replica, RouterConfig(port=0), replicas=2, replica_num_cpus=0)
     with cluster_with_client(cfg) as running:
         yield running
 
@@ -69,10 +69,10 @@ def gone(pid: int, timeout_s: float = 10.0) -> bool:
 def test_ranks_are_reported_and_serve_after_idling_three_collective_timeouts(tp_cluster) -> None:
     _, client = tp_cluster
     deadline = time.monotonic() + 30
-    while len(replicas(client)) < 3 and time.monotonic() < deadline:
+    while len(replicas(client)) < 2 and time.monotonic() < deadline:
         time.sleep(0.2)
     found = replicas(client)
-    assert len(found) == 3
+    assert len(found) == 2
     for r in found.values():
         assert r.tensor_parallel_size == 2 and [k.rank for k in r.ranks] == [0, 1]
         assert len({k.pid for k in r.ranks}) == 2 and {k.num_blocks for k in r.ranks} == {64}
@@ -89,7 +89,7 @@ def _fail_one_rank(tp_cluster, sig: int, expect: str, replaced: bool) -> None:
     """Fail rank 1 of one replica with ``sig``; ``replaced``: also wait for Serve's
     replacement (one test checks it: each wait is a replica start)."""
     _, client = tp_cluster
-    tp_cluster[0].wait_serving(3)
+    tp_cluster[0].wait_serving(2)
     victim, *others = sorted(replicas(client).values(), key=lambda r: r.replica_id)
     pid = victim.ranks[1].pid
     stub = worker_pb2_grpc.WorkerStub(grpc.insecure_channel(victim.address))
@@ -137,8 +137,8 @@ def _fail_one_rank(tp_cluster, sig: int, expect: str, replaced: bool) -> None:
         if not replaced:
             return
         # Serve saw the failed health check and replaced the replica (new id, new ranks).
-        back = tp_cluster[0].wait_serving(3, timeout_s=120)
-        print(f"\nrank {sig} failure: 3 replicas serving again "
+        back = tp_cluster[0].wait_serving(2, timeout_s=120)
+        print(f"\nrank {sig} failure: 2 replicas serving again "
               f"{time.monotonic() - hit:.1f} s after the signal")
         assert victim.replica_id not in {r.replica_id for r in back}
     finally:
