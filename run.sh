@@ -77,7 +77,7 @@ cmd="${1:-}"
 case "$cmd" in
   demo)  ensure_venv; ensure_redis; ensure_model; exec .venv/bin/kvfleet demo "$@" ;;
   up)    ensure_venv; ensure_redis; ensure_model; exec .venv/bin/kvfleet up "$@" ;;
-  test)  ensure_venv; ensure_redis; ensure_model; exec .venv/bin/python -m pytest "$@" ;;
+  test)  ensure_venv; ensure_redis; ensure_model; exec .venv/bin/python -m pytest -n 2 --dist loadgroup "$@" ;;
   bench) ensure_venv; ensure_redis; ensure_model; exec .venv/bin/python -m bench "$@" ;;
   lint)  ensure_venv; lint ;;
   *) sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2 ;;

@@ -12,3 +12,15 @@ from tests.fixtures.models import (llama_8q2kv_dir, llama_8q4kv_dir,  # noqa: E4
                                    tiny_mistral_dir, tiny_qwen2_dir)
 from tests.fixtures.cluster import ray_session, tiny_cluster  # noqa: E402,F401
 from tests.fixtures.adapters import tiny_adapters  # noqa: E402,F401
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (``bash run.sh test`` runs two workers, ``--dist loadgroup``), every
+    test of the session's one Ray runs on one worker, in order: Ray is started once per test
+    session, and its clusters' start-ups, drains and timeouts leave a core idle that the other
+    worker's tests use."""
+    import pytest
+
+    for item in items:
+        if "ray_session" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("ray"))
