@@ -1,5 +1,6 @@
 """Shared fixtures live in tests/fixtures/, one module per real component."""
 
+import pytest
 from hypothesis import settings
 
 # Tests are never timed.
@@ -14,13 +15,12 @@ from tests.fixtures.cluster import ray_session, tiny_cluster  # noqa: E402,F401
 from tests.fixtures.adapters import tiny_adapters  # noqa: E402,F401
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (``bash run.sh test`` runs two workers, ``--dist loadgroup``), every
     test of the session's one Ray runs on one worker, in order: Ray is started once per test
     session, and its clusters' start-ups, drains and timeouts leave a core idle that the other
     worker's tests use."""
-    import pytest
-
     for item in items:
         if "ray_session" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("ray"))

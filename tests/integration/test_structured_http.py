@@ -1,21 +1,20 @@
-"""Structured output and tool calls with the real ``openai`` client against a running cluster
-serving SmolLM2-135M-Instruct (router process with its HTTP front, one Serve replica, Redis)."""
+"""Structured output and tool calls with the real ``openai`` client against a fleet serving
+SmolLM2-135M-Instruct: a router with its HTTP front and one replica, in process (real gRPC, real
+Redis; the Serve path is tests/integration/test_cluster.py's)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import openai
 import pytest
 
-from kvfleet.deploy.cluster_config import ClusterConfig
-from kvfleet.deploy.launcher import LocalCluster
-from kvfleet.router.main import RouterConfig
-from kvfleet.worker.engine.scheduler import SchedulerConfig
-from kvfleet.worker.replica.replica import ReplicaConfig
+from tests.integration.routing_fleet import Fleet
 
 pytestmark = pytest.mark.slow
 
@@ -48,19 +47,30 @@ TOOLS = [{"type": "function", "function": {
 
 
 @pytest.fixture(scope="module")
-def oai(ray_session, redis_server, smollm2_dir):
-    replica = ReplicaConfig(replica_id="smollm2", model_name="smollm2", model_dir=str(smollm2_dir),
-                            redis_url=redis_server.url, namespace="kvtest-structured:",
-                            scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256))
-    cfg = ClusterConfig(replica, RouterConfig(port=0, http_port=0), replicas=1)
-    cluster = LocalCluster(cfg)
-    cluster.start()
+def oai(redis_server, smollm2_dir):
+    """The openai client of an in-process fleet: one SmolLM2 replica (real model runner, 16-token
+    blocks, 256 of them) and a router with its HTTP front, on an event loop of their own thread
+    (the tests' client calls block)."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="structured-fleet", daemon=True)
+    thread.start()
+
+    def call(coro):
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(300)
+
+    fleet = Fleet(redis_server.url, "kvtest-structured:", str(smollm2_dir), model_name="smollm2")
     try:
-        with openai.OpenAI(base_url=f"http://{cluster.http_address}/v1", api_key="unused",
+        call(fleet.add_replica("smollm2", executor="model", num_blocks=256, num_threads=2))
+        router = call(fleet.add_router(http_port=0))
+        call(fleet.wait_replicas(1))
+        with openai.OpenAI(base_url=f"http://{router.http_address}/v1", api_key="unused",
                            max_retries=0, timeout=600) as client:
             yield client
     finally:
-        cluster.stop()
+        call(fleet.stop())
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
 
 
 def valid(text: str, schema: dict) -> bool:
