@@ -415,31 +415,42 @@ class Scheduler:
                                        for s in self.running)
 
     def _preempt_for_higher_class(self, preempted: list[SequenceState]) -> None:
-        """Let the oldest sequence of the best waiting class take a seat and blocks for its
-        first chunk from running sequences of a lower class (:meth:`PriorityRules.victims`),
-        preempting them one at a time until it fits; appends each victim to ``preempted``."""
-        if not self.waiting:
-            return
-        seq = self.waiting[0]
-        group = 1 + len(self.pending_forks.get(seq.seq_id, ()))
-        if self.config.tenant_share < 1:  # its tenant's share, not the class, may hold it back
-            victims = self.rules.victims(seq, self.running)
-            held = sum(1 for s in self.running if s.tenant == seq.tenant and s not in victims)
-            waiting = {s.tenant for s in head_class(self.waiting)}
-            if not self._may_take_seat(seq.tenant, held, group, waiting):
+        """Let waiting sequences, best class first (queue order), each take a seat and blocks
+        for its first chunk from running sequences of a lower class
+        (:meth:`PriorityRules.victims`), preempting them one at a time; appends each victim
+        to ``preempted``. Stops at the first that finds no victim, or once the first chunks
+        made room for fill the step's token budget: a burst of higher-class arrivals gets
+        its seats in one step, not one a step."""
+        claimed_seats = claimed_blocks = tokens = 0
+        claimed_by_tenant: Counter = Counter()
+        waiting = {s.tenant for s in head_class(self.waiting)}
+        for seq in list(self.waiting):
+            if tokens >= self.config.max_num_batched_tokens:
                 return
-        while True:
-            computed = self.kv.get_computed_blocks(seq.block_hashes, seq.num_tokens)
-            num_cached = len(computed) * self.kv.block_size
-            first_chunk = min(seq.num_tokens - num_cached, self.config.max_num_batched_tokens)
-            if (self._seats() + group <= self.config.max_num_seqs
-                    and self._admissible(seq, computed, num_cached + first_chunk)):
-                return
-            victims = self.rules.victims(seq, self.running)
-            if not victims:
-                return
-            self._preempt(victims[0])
-            preempted.append(victims[0])
+            group = 1 + len(self.pending_forks.get(seq.seq_id, ()))
+            if self.config.tenant_share < 1:  # its tenant's share, not the class, may hold it back
+                victims = self.rules.victims(seq, self.running)
+                held = claimed_by_tenant[seq.tenant] + sum(
+                    1 for s in self.running if s.tenant == seq.tenant and s not in victims)
+                if not self._may_take_seat(seq.tenant, held, group, waiting):
+                    return
+            while True:
+                computed = self.kv.get_computed_blocks(seq.block_hashes, seq.num_tokens)
+                num_cached = len(computed) * self.kv.block_size
+                chunk = min(seq.num_tokens - num_cached, self.config.max_num_batched_tokens)
+                if (self._seats() + claimed_seats + group <= self.config.max_num_seqs
+                        and self._admissible(seq, computed, num_cached + chunk, claimed_blocks)):
+                    break
+                victims = self.rules.victims(seq, self.running)
+                if not victims:
+                    return
+                self._preempt(victims[0])
+                preempted.append(victims[0])
+            claimed_seats += group
+            claimed_by_tenant[seq.tenant] += group
+            claimed_blocks += (self.blocks_for(num_cached + chunk) - len(computed)
+                               + sum(1 for b in computed if self.kv.ref_count(b) == 0))
+            tokens += chunk
 
     def _grow(self, seq: SequenceState, num_tokens: int, copies: list[tuple[int, int]]) -> bool:
         """Make ``seq``'s table cover ``num_tokens`` positions; first, if the block its next
@@ -463,8 +474,10 @@ class Scheduler:
         table = self.kv.block_table(seq.seq_id)
         return int(bool(table) and self.kv.ref_count(table[-1]) > 1)
 
-    def _admissible(self, seq: SequenceState, computed: list[int], num_tokens: int) -> bool:
-        """Would admitting ``seq`` (computing up to ``num_tokens``) respect the policy?
+    def _admissible(self, seq: SequenceState, computed: list[int], num_tokens: int,
+                    claimed_blocks: int = 0) -> bool:
+        """Would admitting ``seq`` (computing up to ``num_tokens``) respect the policy, with
+        ``claimed_blocks`` free blocks already promised to others (watermark policy)?
 
         Reused cached blocks that no live request references count as free (they are
         evictable), so taking them uses up free blocks just like allocating new ones.
@@ -481,7 +494,7 @@ class Scheduler:
         # With nothing running nothing needs room to grow: the watermark must not keep a
         # request that fits out of an idle replica forever.
         watermark = self._watermark_blocks if self.running else 0
-        return need + watermark <= self.kv.num_free_blocks
+        return need + watermark + claimed_blocks <= self.kv.num_free_blocks
 
     def _outstanding_reservations(self) -> int:
         """Blocks promised to running sequences (and their unforked siblings) under
