@@ -15,8 +15,9 @@ first token). Per seed and with ``class_step`` off and on:
   ``--priority-admit``); ``--preempt-streaming``. Interactive TTFT p99 both ÷ alone (target
   ≤ 1.5), batch completions/s alone − both against interactive's (target ≤).
 * **§3** ``fair``: tenant B at 0.2 × capacity alone, then beside tenant A at 10 × (both
-  ``default``; ``tenant_share`` 0.5 of running and of waiting seats); B's TTFT p99 both ÷ alone
-  (target ≤ 2); then both backlogged (16 closed-loop clients each, A's prompts 256 tokens):
+  ``default``; ``tenant_share`` 0.5 of running and of waiting seats, running seats lent by
+  service past it: ``seats_by_service``, ``--fixed-seats`` for the fixed cap); B's TTFT p99
+  both ÷ alone (target ≤ 2); then both backlogged (16 closed-loop clients each, A's prompts 256 tokens):
   B's share of computed tokens (uncached prompt + output) in the middle half (fair 0.5 ± 10 %).
 
 Capacity: completions/s of 16 closed-loop default clients. JSON: ``bench/results/class_sim.json``.
@@ -130,9 +131,10 @@ def simulate(streams: list[Stream], config: SchedulerConfig, seconds: float, see
             for t, v in ttft.items()}
 
 
-def run_seed(base: SchedulerConfig, seconds: float, seed: int, seat_share: float = 0.5) -> dict:
+def run_seed(base: SchedulerConfig, seconds: float, seed: int, seat_share: float = 0.5,
+             seats_by_service: bool = True) -> dict:
     """Both sections with ``class_step`` off and on, one seed (``seat_share``: §3's
-    ``tenant_share``)."""
+    ``tenant_share``; ``seats_by_service`` False: a fixed cap of running seats)."""
     cap = simulate([Stream("c", clients=16)], replace(base, class_step=False), seconds, seed)
     rate = cap["c"]["completions_per_s"]
     out: dict = {"capacity_per_s": rate}
@@ -142,7 +144,8 @@ def run_seed(base: SchedulerConfig, seconds: float, seed: int, seat_share: float
     a_flood = Stream("A", rate=10 * rate, share=seat_share)
     for on in (False, True):
         prio = replace(base, class_step=on, preempt_streaming=True)
-        fair = replace(base, class_step=on, tenant_share=seat_share)
+        fair = replace(base, class_step=on, tenant_share=seat_share,
+                       seats_by_service=seats_by_service)
         alone = simulate([chat], prio, seconds, seed)["chat"]
         batch = simulate([flood], prio, seconds, seed)["batch"]
         both = simulate([chat, flood], prio, seconds, seed)
@@ -172,10 +175,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--seat-share", type=float, default=0.5,
                    help="§3: replicas' tenant_share (of running and of waiting seats)")
+    p.add_argument("--fixed-seats", action="store_true",
+                   help="§3: tenant_share caps running seats whatever the service (before)")
     a = p.parse_args(argv)
     base = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512, max_waiting=256,
                            itl_target_ms=a.itl_target_ms)
-    runs = {int(s): run_seed(base, a.seconds, int(s), a.seat_share) for s in a.seeds.split(",")}
+    runs = {int(s): run_seed(base, a.seconds, int(s), a.seat_share, not a.fixed_seats)
+            for s in a.seeds.split(",")}
     print("seed class_step | §2 chat TTFT p99 alone → both (×) | batch drop vs chat /s "
           "| batch ITL p99 | §3 B TTFT p99 alone → both (×) | B token share | A ITL p99 (backlogged)")
     for seed, r in runs.items():
@@ -189,7 +195,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                   f"({fa['ttft_p99_ratio']:.2f}×) | {fa['b_token_share']:.3f} | "
                   f"{fa['backlogged']['A']['itl_p99_ms']:.0f} ms")
     RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"class_sim{'' if a.seat_share == 0.5 else f'-seats{a.seat_share:g}'}.json"
+    tag = ("" if a.seat_share == 0.5 else f"-seats{a.seat_share:g}") + ("-fixed" if a.fixed_seats else "")
+    path = RESULTS / f"class_sim{tag}.json"
     path.write_text(json.dumps({"args": vars(a), "runs": runs}, indent=1) + "\n")
     print(f"wrote {path}")
     return 0

@@ -352,6 +352,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="the key file's default_tenant_share (and, by default, --seat-share)")
     f.add_argument("--seat-share", type=float, default=None,
                    help="replicas' tenant_share: a tenant's share of running slots")
+    f.add_argument("--fixed-seats", action="store_true",
+                   help="replicas' seats_by_service off: --seat-share caps running slots "
+                        "whatever the service (A/B)")
     f.add_argument("--flood-prompt-factor", type=float, default=4.0,
                    help="backlogged phase: flood's prompts are this many times steady's")
     for q in (o, f):
@@ -376,7 +379,9 @@ def main(argv: list[str] | None = None) -> int:
               tenant_share=seats,
               # only when set: a checkout before the ITL target runs too (A/B)
               scheduler={**({"itl_target_ms": a.itl_target_ms} if a.itl_target_ms else {}),
-                         **({"class_step": False} if a.no_class_step else {})})
+                         **({"class_step": False} if a.no_class_step else {}),
+                         **({"seats_by_service": False} if getattr(a, "fixed_seats", False)
+                            else {})})
     RESULTS.mkdir(parents=True, exist_ok=True)
     keys_file = None
     if keys:

@@ -19,7 +19,11 @@ computed (prefix-cache hits are free) plus decode tokens (:mod:`.tenant_service`
 counter charged after every step) — so a tenant that floods the queue, or sends long prompts,
 does not hold another tenant's requests behind its own. With ``tenant_share`` below 1 a tenant
 also runs at most that share of ``max_num_seqs`` sequences (one with nothing running may always
-start one request); a tenant at its share is passed over for the next.
+start one request); a tenant at its share is passed over for the next — unless
+(``seats_by_service``, the default) a waiting tenant has been served more than it: then it
+may run past its share, so that seats, and with them each tenant's share of the work, follow
+service rather than a fixed count, while a tenant ahead that waits for nothing keeps the rest
+of its share free for its next arrival.
 
 Priority classes (``kvfleet.worker.engine.priority_queue``): the waiting queue and the running
 set are ordered by class first (lower ``priority`` first), FCFS within a class, and the tenant
@@ -95,6 +99,9 @@ class SchedulerConfig:
     preempt_streaming: bool = False
     # Under an ITL target: a favoured prefill's step leaves out outranked rows (class_step.py).
     class_step: bool = True
+    # With tenant_share < 1: a tenant may run past its share of seats while a waiting tenant
+    # has been served more than it (seats then follow service; False: a fixed cap).
+    seats_by_service: bool = True
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -379,17 +386,28 @@ class Scheduler:
         """Of the best waiting class, the oldest waiting sequence of its least-served tenant
         (service + ``planned`` this step) among those below their share of running slots;
         None when every such tenant holds its share."""
+        waiting = {s.tenant for s in head_class(self.waiting)}
         oldest: dict[str, SequenceState] = {}
         for s in head_class(self.waiting):  # arrival order: each tenant's first is its oldest
             if s.tenant not in oldest:
-                held = running_by_tenant[s.tenant]
                 group = 1 + len(self.pending_forks.get(s.seq_id, ()))
-                if not held or held + group <= self._tenant_seats:
+                if self._may_take_seat(s.tenant, running_by_tenant[s.tenant], group, waiting):
                     oldest[s.tenant] = s
         # Ties (a tenant just back from idle starts at the others' minimum) go to the tenant
         # running fewer sequences, then to the oldest waiting (sorted is stable).
         tenant = self.service.pick(sorted(oldest, key=running_by_tenant.__getitem__), planned)
         return None if tenant is None else oldest[tenant]
+
+    def _may_take_seat(self, tenant: str, held: int, group: int, waiting: Iterable[str]
+                       ) -> bool:
+        """May ``tenant``, holding ``held`` running seats, take ``group`` more? Within its
+        share (one with none may always start), or past it (``seats_by_service``) while one
+        of the tenants with sequences ``waiting`` has been served more: seats are then lent
+        by service, and a tenant ahead that waits for none keeps the rest of its share free
+        for its next arrival (docs/slo.md, "Seats by service")."""
+        return (not held or held + group <= self._tenant_seats
+                or (self.config.seats_by_service
+                    and self.service.behind(tenant, (t for t in waiting if t != tenant))))
 
     def _seats(self) -> int:
         """Running seats taken: a running leader's unforked siblings hold theirs too."""
@@ -397,30 +415,42 @@ class Scheduler:
                                        for s in self.running)
 
     def _preempt_for_higher_class(self, preempted: list[SequenceState]) -> None:
-        """Let the oldest sequence of the best waiting class take a seat and blocks for its
-        first chunk from running sequences of a lower class (:meth:`PriorityRules.victims`),
-        preempting them one at a time until it fits; appends each victim to ``preempted``."""
-        if not self.waiting:
-            return
-        seq = self.waiting[0]
-        group = 1 + len(self.pending_forks.get(seq.seq_id, ()))
-        if self.config.tenant_share < 1:  # its tenant's share, not the class, may hold it back
-            victims = self.rules.victims(seq, self.running)
-            held = sum(1 for s in self.running if s.tenant == seq.tenant and s not in victims)
-            if held and held + group > self._tenant_seats:
+        """Let waiting sequences, best class first (queue order), each take a seat and blocks
+        for its first chunk from running sequences of a lower class
+        (:meth:`PriorityRules.victims`), preempting them one at a time; appends each victim
+        to ``preempted``. Stops at the first that finds no victim, or once the first chunks
+        made room for fill the step's token budget: a burst of higher-class arrivals gets
+        its seats in one step, not one a step."""
+        claimed_seats = claimed_blocks = tokens = 0
+        claimed_by_tenant: Counter = Counter()
+        waiting = {s.tenant for s in head_class(self.waiting)}
+        for seq in list(self.waiting):
+            if tokens >= self.config.max_num_batched_tokens:
                 return
-        while True:
-            computed = self.kv.get_computed_blocks(seq.block_hashes, seq.num_tokens)
-            num_cached = len(computed) * self.kv.block_size
-            first_chunk = min(seq.num_tokens - num_cached, self.config.max_num_batched_tokens)
-            if (self._seats() + group <= self.config.max_num_seqs
-                    and self._admissible(seq, computed, num_cached + first_chunk)):
-                return
-            victims = self.rules.victims(seq, self.running)
-            if not victims:
-                return
-            self._preempt(victims[0])
-            preempted.append(victims[0])
+            group = 1 + len(self.pending_forks.get(seq.seq_id, ()))
+            if self.config.tenant_share < 1:  # its tenant's share, not the class, may hold it back
+                victims = self.rules.victims(seq, self.running)
+                held = claimed_by_tenant[seq.tenant] + sum(
+                    1 for s in self.running if s.tenant == seq.tenant and s not in victims)
+                if not self._may_take_seat(seq.tenant, held, group, waiting):
+                    return
+            while True:
+                computed = self.kv.get_computed_blocks(seq.block_hashes, seq.num_tokens)
+                num_cached = len(computed) * self.kv.block_size
+                chunk = min(seq.num_tokens - num_cached, self.config.max_num_batched_tokens)
+                if (self._seats() + claimed_seats + group <= self.config.max_num_seqs
+                        and self._admissible(seq, computed, num_cached + chunk, claimed_blocks)):
+                    break
+                victims = self.rules.victims(seq, self.running)
+                if not victims:
+                    return
+                self._preempt(victims[0])
+                preempted.append(victims[0])
+            claimed_seats += group
+            claimed_by_tenant[seq.tenant] += group
+            claimed_blocks += (self.blocks_for(num_cached + chunk) - len(computed)
+                               + sum(1 for b in computed if self.kv.ref_count(b) == 0))
+            tokens += chunk
 
     def _grow(self, seq: SequenceState, num_tokens: int, copies: list[tuple[int, int]]) -> bool:
         """Make ``seq``'s table cover ``num_tokens`` positions; first, if the block its next
@@ -444,8 +474,10 @@ class Scheduler:
         table = self.kv.block_table(seq.seq_id)
         return int(bool(table) and self.kv.ref_count(table[-1]) > 1)
 
-    def _admissible(self, seq: SequenceState, computed: list[int], num_tokens: int) -> bool:
-        """Would admitting ``seq`` (computing up to ``num_tokens``) respect the policy?
+    def _admissible(self, seq: SequenceState, computed: list[int], num_tokens: int,
+                    claimed_blocks: int = 0) -> bool:
+        """Would admitting ``seq`` (computing up to ``num_tokens``) respect the policy, with
+        ``claimed_blocks`` free blocks already promised to others (watermark policy)?
 
         Reused cached blocks that no live request references count as free (they are
         evictable), so taking them uses up free blocks just like allocating new ones.
@@ -462,7 +494,7 @@ class Scheduler:
         # With nothing running nothing needs room to grow: the watermark must not keep a
         # request that fits out of an idle replica forever.
         watermark = self._watermark_blocks if self.running else 0
-        return need + watermark <= self.kv.num_free_blocks
+        return need + watermark + claimed_blocks <= self.kv.num_free_blocks
 
     def _outstanding_reservations(self) -> int:
         """Blocks promised to running sequences (and their unforked siblings) under

@@ -95,6 +95,11 @@ class TenantService:
     def is_backlogged(self, tenant: str) -> bool:
         return tenant in self._backlog
 
+    def behind(self, tenant: str, others: Iterable[str]) -> bool:
+        """Has one of ``others`` been served strictly more than ``tenant``?"""
+        mine = self.service.get(tenant, 0.0)
+        return any(self.service.get(t, 0.0) > mine for t in others)
+
     def _forget_idle(self, floor: float) -> None:
         """Drop idle tenants at or below ``floor``: coming back they start there anyway, so the
         table holds only backlogged tenants and those ahead of them (it cannot grow without

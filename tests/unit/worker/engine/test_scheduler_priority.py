@@ -174,3 +174,31 @@ def test_a_preempted_sequence_returns_to_its_class_and_fcfs_place():
     step(s)  # d preempts b_old, which goes back ahead of the newer batch request
     assert d.status is SeqStatus.RUNNING
     assert ids(s.waiting) == ids([b_old, b_new])
+
+
+def test_a_burst_of_higher_class_arrivals_takes_its_seats_in_one_step():
+    s = make(n_blocks=64, max_num_seqs=4, max_num_batched_tokens=16, preempt_streaming=True)
+    batch = [seq(BATCH) for _ in range(4)]
+    s.add(batch)
+    step(s)  # every seat holds a streaming batch sequence
+    burst = [seq(INTERACTIVE) for _ in range(5)]
+    s.add(burst)
+    out = step(s)
+    # 4 tokens each: the token budget (16) fits four first chunks, so four victims, not one
+    assert ids(out.preempted) == ids(batch[::-1])
+    assert [x.status for x in burst] == [SeqStatus.RUNNING] * 4 + [SeqStatus.WAITING]
+
+
+def test_a_burst_counts_the_blocks_its_earlier_members_take():
+    # 12 blocks, watermark 0: three batch prompts hold 3 blocks each, 3 are free.
+    s = make(n_blocks=12, max_num_seqs=8, max_num_batched_tokens=64, watermark=0.0)
+    batch = [seq(BATCH, prompt_len=12) for _ in range(3)]
+    for x in batch:
+        s.add([x])
+    s.schedule()
+    burst = [seq(INTERACTIVE, prompt_len=12) for _ in range(2)]
+    s.add(burst)
+    out = s.schedule()
+    # the first takes the 3 free blocks; the second needs the newest batch sequence's 3
+    assert ids(out.preempted) == [batch[-1].seq_id]
+    assert all(x.status is SeqStatus.RUNNING for x in burst)
