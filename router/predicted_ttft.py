@@ -37,7 +37,10 @@ load alone a family lands wherever the queue is short at the moment it first arr
 a replica with 9 or more of 32 families evicts what its own traffic returns for
 (bench.ttft_routing: 10–16 families per replica, 20–50 misses per 432 requests); by room the
 fleet holds 8 per replica. The backlog guard keeps a cold start's prefills off a replica
-already busy for longer than the prefill itself (a half-speed one, early).
+already busy for longer than the prefill itself (a half-speed one, early); without the
+forecast (a replica not yet reported) room places a new family unguarded — by load there, a
+burst of new families whose followers the record keeps together left one replica 4 of b2b's
+8 groups (closed-loop saturation 26 → 15 req/s).
 
 What ``prefix_aware`` adds stays, in seconds: the KV-saturation skip; a hot prefix (its own
 traffic above ``max_imbalance`` fair shares per holder) gets another holder at once; and the
@@ -167,10 +170,10 @@ class PredictedTTFT(PrefixAware):
         return self._overloaded(holders, avg, (1 + self.miss_weight) * copy_s)
 
     def _best_score(self, candidates: Sequence[Candidate], chain: Sequence[bytes]) -> Candidate:
-        if not all(_forecast(c) is not None for c in candidates):
-            return super()._best_score(candidates, chain)
         if not any(c.matched_blocks or c.host_blocks for c in candidates):
             return self._place_new(candidates, chain)
+        if not all(_forecast(c) is not None for c in candidates):
+            return super()._best_score(candidates, chain)
         # Rank only the deepest holders (device blocks, then the node tier's after them).
         best = max(c.matched_blocks + c.host_blocks for c in candidates)
         holders = [c for c in candidates if c.matched_blocks + c.host_blocks == best]
@@ -183,12 +186,14 @@ class PredictedTTFT(PrefixAware):
         return min(others, key=lambda c: self._order(c, chain))
 
     def _place_new(self, candidates: Sequence[Candidate], chain: Sequence[bytes]) -> Candidate:
-        """Where a prefix no replica holds goes (every candidate has the forecast): among the
-        replicas whose backlog is shorter than the prompt's full prefill on the fastest (all,
-        if none is), the one whose KV working set has the most room; then least loaded,
-        rendezvous on the first block."""
-        copy_s = min(self.own_prefill_s(c, chain, matched=0) for c in candidates)
-        pool = [c for c in candidates if self.backlog_s(c) <= copy_s] or candidates
+        """Where a prefix no replica holds goes: among the replicas whose backlog is shorter
+        than the prompt's full prefill on the fastest (all, if none is, or if a candidate
+        lacks the forecast), the one whose KV working set has the most room; then least
+        loaded, rendezvous on the first block."""
+        pool = candidates
+        if all(_forecast(c) is not None for c in candidates):
+            copy_s = min(self.own_prefill_s(c, chain, matched=0) for c in candidates)
+            pool = [c for c in candidates if self.backlog_s(c) <= copy_s] or candidates
         first = chain[0] if chain else b""
         return min(pool, key=lambda c: (room_order(self.sent.working_set(c.info.replica_id), c),
                                         c.load, rendezvous_desc(first, c)))

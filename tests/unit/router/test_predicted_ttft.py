@@ -176,6 +176,11 @@ def test_a_new_prefix_goes_where_the_working_set_has_room_unless_backlogged():
     # Every replica backlogged: room decides again ("b" got new1, "a" new2: equal, then load).
     got = policy.choose([cand("a", delay=2.0, running=2), cand("b", delay=2.0)], chain(b"new3"))
     assert got.info.replica_id == "b"
+    # Without the forecast (a rolling upgrade, a replica not yet reported) room still places
+    # it, unguarded: "b" holds 3 families' blocks now, "a" 5.
+    old = [cand(r, delay=None, per_token=None, running=3 if r == "b" else 0) for r in "ab"]
+    policy.sent.record(chain(b"fa3"), "a", 8)
+    assert policy.choose(old, chain(b"new4")).info.replica_id == "b"
 
 
 def test_room_is_the_working_set_as_a_share_of_the_replicas_kv():
