@@ -22,9 +22,25 @@ holder on its own: a queue that is long at the moment of one decision is a burst
 in seconds, while a copy of a prefix is permanent — it costs a full prefill and evicts another
 family's blocks (greedy TTFT, bench.ttft_routing: uniform p90 1.16× prefix_aware's, B2B
 hit rate 0.89 → the fleet past saturation collapses). Copies come from the bound below, on
-smoothed backlogs. Ties go to the least loaded, then rendezvous hashing on the first block. A
-request no replica holds any block of (a new family) is placed as ``prefix_aware`` places it
-— by load, not by speed — so a slower replica still holds its share of the fleet's prefixes.
+smoothed backlogs. Ties go to the least loaded, then rendezvous hashing on the first block.
+
+**What this router sent** (``router/placement_memory.py``). The index shows a block only once
+a prefill has computed it, so the blocks of requests this router sent within the copies'
+horizon (~32 decisions) count as held by their replica: a family's second request, arriving
+while its first prefill is still queued, follows it instead of being placed as new (two
+holders of one prefix, each with a share of the fleet's KV). The same record gives each
+replica's **working set**: the distinct blocks sent to it over ~``load_window`` decisions per
+replica. A new family (no replica holds any block of it) goes where that working set is the
+smallest share of the replica's KV — among the replicas whose backlog is shorter than the
+prompt's full prefill on the fastest (all, if none is) — then by load and rendezvous. By
+load alone a family lands wherever the queue is short at the moment it first arrives, and
+a replica with 9 or more of 32 families evicts what its own traffic returns for
+(bench.ttft_routing: 10–16 families per replica, 20–50 misses per 432 requests); by room the
+fleet holds 8 per replica. The backlog guard keeps a cold start's prefills off a replica
+already busy for longer than the prefill itself (a half-speed one, early); without the
+forecast (a replica not yet reported) room places a new family unguarded — by load there, a
+burst of new families whose followers the record keeps together left one replica 4 of b2b's
+8 groups (closed-loop saturation 26 → 15 req/s).
 
 What ``prefix_aware`` adds stays, in seconds: the KV-saturation skip; a hot prefix (its own
 traffic above ``max_imbalance`` fair shares per holder) gets another holder at once; and the
@@ -41,9 +57,11 @@ decision falls back to ``prefix_aware`` (its score and its bound in counts).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional, Sequence
 
 from kvfleet.index_keys import ReplicaLoad
+from kvfleet.router.placement_memory import PlacementMemory
 from kvfleet.router.policy import Candidate, PrefixAware, rendezvous_desc
 from kvfleet.router.tier_credit import host_credit_s
 
@@ -73,14 +91,24 @@ class PredictedTTFT(PrefixAware):
         self.miss_weight = miss_weight
         self.pending_s: dict[str, float] = {}  # replica → average predicted prefill seconds sent
         self.avg_backlog_s: dict[str, float] = {}  # replica → smoothed backlog (the bound)
+        # Index lag over the horizon copies in flight are remembered for (prefix_aware's).
+        self.sent = PlacementMemory(horizon=max(16, self._window // 8), window=self._window)
 
     def choose(self, candidates: Sequence[Candidate], chain: Sequence[bytes]) -> Candidate:
-        chosen = super().choose(candidates, chain)
+        now = self._decisions + 1
+        self.sent.window = max(self.sent.horizon, self.load_window * len(candidates))
+        # Blocks this router sent within the horizon count as held: the index lags a prefill.
+        seen = [replace(c, matched_blocks=m)
+                if (m := self.sent.matched(chain, c.info.replica_id, now)) > c.matched_blocks
+                else c for c in candidates]
+        chosen = super().choose(seen, chain)
+        rid = chosen.info.replica_id
+        self.sent.record(chain, rid, now)
         if _forecast(chosen) is not None:
-            rid, own = chosen.info.replica_id, self.own_prefill_s(chosen, chain)
-            old = self.pending_s.get(rid, own)
-            self.pending_s[rid] = PENDING_KEEP * old + (1 - PENDING_KEEP) * own
-        return chosen
+            own = self.own_prefill_s(chosen, chain)
+            self.pending_s[rid] = PENDING_KEEP * self.pending_s.get(rid, own) + (1 - PENDING_KEEP) * own
+        # The candidate as the router built it (its index match, for peer hints and logs).
+        return next(c for c in candidates if c.info.replica_id == rid)
 
     def predicted_ttft_s(self, c: Candidate, chain: Sequence[bytes]) -> float:
         """Predicted seconds to ``c``'s first token for ``chain`` (module docstring).
@@ -142,8 +170,9 @@ class PredictedTTFT(PrefixAware):
         return self._overloaded(holders, avg, (1 + self.miss_weight) * copy_s)
 
     def _best_score(self, candidates: Sequence[Candidate], chain: Sequence[bytes]) -> Candidate:
-        if not all(_forecast(c) is not None for c in candidates) \
-                or not any(c.matched_blocks or c.host_blocks for c in candidates):
+        if not any(c.matched_blocks or c.host_blocks for c in candidates):
+            return self._place_new(candidates, chain)
+        if not all(_forecast(c) is not None for c in candidates):
             return super()._best_score(candidates, chain)
         # Rank only the deepest holders (device blocks, then the node tier's after them).
         best = max(c.matched_blocks + c.host_blocks for c in candidates)
@@ -156,12 +185,32 @@ class PredictedTTFT(PrefixAware):
             return super()._copy_target(others, chain, avg)
         return min(others, key=lambda c: self._order(c, chain))
 
+    def _place_new(self, candidates: Sequence[Candidate], chain: Sequence[bytes]) -> Candidate:
+        """Where a prefix no replica holds goes: among the replicas whose backlog is shorter
+        than the prompt's full prefill on the fastest (all, if none is, or if a candidate
+        lacks the forecast), the one whose KV working set has the most room; then least
+        loaded, rendezvous on the first block."""
+        pool = candidates
+        if all(_forecast(c) is not None for c in candidates):
+            copy_s = min(self.own_prefill_s(c, chain, matched=0) for c in candidates)
+            pool = [c for c in candidates if self.backlog_s(c) <= copy_s] or candidates
+        first = chain[0] if chain else b""
+        return min(pool, key=lambda c: (room_order(self.sent.working_set(c.info.replica_id), c),
+                                        c.load, rendezvous_desc(first, c)))
+
     def _order(self, c: Candidate, chain: Sequence[bytes]) -> tuple:
         """Sort key: predicted TTFT + ``miss_weight`` × own prefill; then deeper match,
         least loaded, rendezvous."""
         extra = self.miss_weight * self.own_prefill_s(c, chain)
         return (self.predicted_ttft_s(c, chain) + extra, -c.matched_blocks, c.load,
                 rendezvous_desc(chain[0] if chain else b"", c))
+
+
+def room_order(working_set: int, c: Candidate) -> float:
+    """``working_set`` blocks as a share of ``c``'s KV blocks (its last report; 1 block
+    without one): the smaller, the more room a new prefix has there."""
+    total = c.load_report.num_total_blocks if c.load_report is not None else 0
+    return working_set / max(1, total)
 
 
 def _forecast(c: Candidate) -> Optional[ReplicaLoad]:

@@ -7,7 +7,7 @@ import pytest
 
 from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
 from kvfleet.router.policy import Candidate, PrefixAware, make_policy
-from kvfleet.router.predicted_ttft import MAX_REPORT_AGE_S, PredictedTTFT, report_age
+from kvfleet.router.predicted_ttft import MAX_REPORT_AGE_S, PredictedTTFT, report_age, room_order
 
 FAST = 0.001  # seconds per uncached prompt token
 
@@ -61,13 +61,15 @@ def test_drained_time_and_own_unreported_requests_count():
     old = cand("a", matched=64, delay=3.0, age=3.0)
     assert PredictedTTFT().choose([cand("b"), old], chain(b"x")) is old
     # Two requests this router sent since the report (in flight, not counted in it) each
-    # bring the prefill this policy predicted for its last requests there.
+    # bring the prefill this policy predicted for its last requests there. (Other prompts
+    # each time: one already sent to "a" would count as held there.)
     policy = PredictedTTFT(miss_weight=0)
-    for _ in range(3):
-        got = policy.choose([cand("a", matched=1), cand("b", matched=1, delay=0.01)], chain(b"x"))
+    for k in range(3):
+        got = policy.choose([cand("a", matched=1), cand("b", matched=1, delay=0.01)],
+                            chain(b"x%d" % k))
         assert got.info.replica_id == "a"
     unreported = cand("a", matched=1, inflight=2)
-    got = policy.choose([unreported, cand("b", matched=1, delay=0.01)], chain(b"x"))
+    got = policy.choose([unreported, cand("b", matched=1, delay=0.01)], chain(b"y"))
     assert got.info.replica_id == "b"
 
 
@@ -144,3 +146,44 @@ def test_without_the_forecast_the_bound_counts_requests():
             [cand(r, delay=None, per_token=None) for r in "bcd"]
         got.add(policy.choose(cands, chain(b"x")).info.replica_id)
     assert got != {"a"}
+
+
+def test_a_prefix_sent_but_not_yet_indexed_counts_as_held_by_its_replica():
+    # The index shows nothing of family "n" yet (its first prefill is still queued on "a"):
+    # its next request follows it instead of being placed as new on the idler "b".
+    policy = PredictedTTFT()
+    first = policy.choose([cand("a"), cand("b", running=1)], chain(b"n") + [b"q1"])
+    assert first.info.replica_id == "a"
+    second = policy.choose([cand("a", inflight=1, delay=0.7), cand("b")], chain(b"n") + [b"q2"])
+    assert second.info.replica_id == "a" and second.matched_blocks == 0  # the router's candidate
+    # Past the horizon (32 decisions of other prompts) the memory no longer vouches for it.
+    for k in range(40):
+        policy.choose([cand("a"), cand("b")], chain(b"other%d" % k))
+    third = policy.choose([cand("a", delay=2.0), cand("b")], chain(b"n") + [b"q3"])
+    assert third.info.replica_id == "b"
+
+
+def test_a_new_prefix_goes_where_the_working_set_has_room_unless_backlogged():
+    policy = PredictedTTFT()
+    for k in range(3):  # three families to "a", one to "b": "a"'s working set is larger
+        policy.sent.record(chain(b"fa%d" % k), "a", k + 1)
+    policy.sent.record(chain(b"fb"), "b", 4)
+    # "b" has more room, though it is busier by count.
+    assert policy.choose([cand("a"), cand("b", running=4)], chain(b"new1")).info.replica_id == "b"
+    # A backlog longer than the prompt's full prefill (1,032 tokens × 1 ms ≈ 1 s) rules "b" out.
+    got = policy.choose([cand("a"), cand("b", delay=2.0)], chain(b"new2"))
+    assert got.info.replica_id == "a"
+    # Every replica backlogged: room decides again ("b" got new1, "a" new2: equal, then load).
+    got = policy.choose([cand("a", delay=2.0, running=2), cand("b", delay=2.0)], chain(b"new3"))
+    assert got.info.replica_id == "b"
+    # Without the forecast (a rolling upgrade, a replica not yet reported) room still places
+    # it, unguarded: "b" holds 3 families' blocks now, "a" 5.
+    old = [cand(r, delay=None, per_token=None, running=3 if r == "b" else 0) for r in "ab"]
+    policy.sent.record(chain(b"fa3"), "a", 8)
+    assert policy.choose(old, chain(b"new4")).info.replica_id == "b"
+
+
+def test_room_is_the_working_set_as_a_share_of_the_replicas_kv():
+    assert room_order(5, cand("a", free=10)) == pytest.approx(0.5)  # 10 blocks in all
+    no_report = Candidate(ReplicaInfo("c", "127.0.0.1:1", "m", 1, 16), None, 0, 0)
+    assert room_order(5, no_report) == 5.0
