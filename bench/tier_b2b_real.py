@@ -24,9 +24,9 @@ Configurations:
   over a workload whose shared blocks fit one pool (``--fit-groups``), for the
   no-regression check (saturated requests/s).
 
-Memory: a stopped configuration's replicas are not all freed in this process (~2 GB each
-configuration, SmolLM2 fp32 with one-row weights, not investigated): 3 B2B configurations and
-one fits round need ~10 GB; a run with ``--fit-rounds 3`` was OOM-killed in its 9th.
+Memory: ``ReplicaServer.stop()`` frees each replica's weights and KV cache (before it did, the
+stopped replicas, held in reference cycles, kept ~2 GB per configuration: a run with
+``--fit-rounds 3`` was OOM-killed in its 9th); the process stays near one fleet's size.
 
 The machine's load average is recorded before and after each configuration. JSON in
 ``bench/results/tier_b2b_real.json``, TTFT CDFs in ``tier_b2b_real.png``.
