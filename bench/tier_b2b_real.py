@@ -152,6 +152,38 @@ class RealFleet:
         return out
 
 
+class HintTally:
+    """Why a routed request did or did not carry a peer hint: wraps the router's
+    ``pick_source`` (this process's router) and counts, per decision, whether the chosen
+    replica's device match was below the deepest one (routed away), whether its own node
+    tier made up the difference (no pull needed), and whether a hint went out."""
+
+    def __init__(self) -> None:
+        self.counts = {"decisions": 0, "routed_away": 0, "covered_by_own_tier": 0, "hints": 0}
+
+    def __enter__(self) -> "HintTally":
+        import kvfleet.router.core as core
+
+        self._core, self._pick = core, core.pick_source
+
+        def pick(candidates, chosen, tier_runs, *args, **kw):
+            source = self._pick(candidates, chosen, tier_runs, *args, **kw)
+            best = max((c.matched_blocks for c in candidates), default=0)
+            c = self.counts
+            c["decisions"] += 1
+            if chosen.matched_blocks < best:
+                c["routed_away"] += 1
+                c["covered_by_own_tier"] += chosen.matched_blocks + chosen.host_blocks >= best
+            c["hints"] += source is not None
+            return source
+
+        core.pick_source = pick
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._core.pick_source = self._pick
+
+
 def _pct(xs: Sequence[float], q: float) -> Optional[float]:
     s = sorted(xs)
     return s[min(len(s) - 1, int(len(s) * q))] if s else None
@@ -229,7 +261,7 @@ B2B_CONFIGS = {"tier off": (False, False), "tier on": (True, False),
 
 async def _run(a, model_dir: str, redis_url: str) -> dict:
     def workload(groups: int) -> B2BWorkload:
-        return B2BWorkload(groups=groups, users_per_group=2, system_tokens=a.system_tokens,
+        return B2BWorkload(groups=groups, users_per_group=a.users, system_tokens=a.system_tokens,
                            user_tokens=a.user_tokens, question_tokens=16, output_tokens=8)
 
     b2b, fits = workload(a.groups), workload(a.fit_groups)
@@ -237,20 +269,22 @@ async def _run(a, model_dir: str, redis_url: str) -> dict:
                  "b2b_blocks_over_pool": b2b.cache_blocks(16) / a.pool_blocks,
                  "fits_blocks_over_pool": fits.cache_blocks(16) / a.fit_pool_blocks,
                  "runs": {}}
-    reqs = b2b_requests(b2b, [(a.rate, a.count)], seed=a.seed)
+    reqs = b2b_requests(b2b, [(a.rate, a.count)], seed=a.seed, hot_share=a.hot_share)
     for name in a.configs.split(","):
         tier, pull = B2B_CONFIGS[name.strip()]
         load0, t0 = _load(), time.monotonic()
-        async with RealFleet(model_dir, redis_url, a.pool_blocks, tier, pull,
-                             a.max_seqs) as fleet:
-            r = await open_loop(fleet, reqs, a.warmup, b2b.output_tokens)
-        r.update(load_before=load0, load_after=_load(), wall_s=time.monotonic() - t0)
+        with HintTally() as tally:
+            async with RealFleet(model_dir, redis_url, a.pool_blocks, tier, pull,
+                                 a.max_seqs) as fleet:
+                r = await open_loop(fleet, reqs, a.warmup, b2b.output_tokens)
+        r.update(load_before=load0, load_after=_load(), wall_s=time.monotonic() - t0,
+                 routing=tally.counts)
         out["runs"][name] = r
         write_json(f"{a.out_name}.json", out)  # each configuration as it ends
         print(f"{name:18s} TTFT p50/p90 {r['ttft_p50_s']:.2f}/{r['ttft_p90_s']:.2f} s, hit "
               f"{r['hit_rate']:.3f} (admitted: device {r['admitted_by_tier']['device']:.3f} "
               f"host {r['admitted_by_tier']['host']:.3f}), {r['throughput_rps']:.3f} req/s, "
-              f"errors {r['errors']}, pulls {r['pull']}, load {load0:.1f}->{_load():.1f}",
+              f"errors {r['errors']}, pulls {r['pull']}, routing {r['routing']}, load {load0:.1f}->{_load():.1f}",
               flush=True)
     fit_reqs = b2b_requests(fits, [(1.0, a.fit_count)], seed=a.seed)
     for rnd in range(a.fit_rounds):  # alternated: the machine's load drifts
@@ -278,6 +312,10 @@ def main(argv: Sequence[str]) -> int:
     p.add_argument("--groups", type=int, default=5)
     p.add_argument("--system-tokens", type=int, default=112)
     p.add_argument("--user-tokens", type=int, default=32)
+    p.add_argument("--users", type=int, default=2, help="users per group")
+    p.add_argument("--hot-share", type=float, default=0.0,
+                   help="share of requests sent to group 0 (a hot prefix: the router copies "
+                        "it to a second replica, the case a peer pull serves)")
     p.add_argument("--pool-blocks", type=int, default=24, help="KV blocks per replica")
     p.add_argument("--max-seqs", type=int, default=2, help="max_num_seqs per replica")
     p.add_argument("--rate", type=float, default=0.12, help="requests/s (Poisson)")
