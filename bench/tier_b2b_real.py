@@ -284,7 +284,8 @@ async def _run(a, model_dir: str, redis_url: str) -> dict:
         print(f"{name:18s} TTFT p50/p90 {r['ttft_p50_s']:.2f}/{r['ttft_p90_s']:.2f} s, hit "
               f"{r['hit_rate']:.3f} (admitted: device {r['admitted_by_tier']['device']:.3f} "
               f"host {r['admitted_by_tier']['host']:.3f}), {r['throughput_rps']:.3f} req/s, "
-              f"errors {r['errors']}, pulls {r['pull']}, routing {r['routing']}, load {load0:.1f}->{_load():.1f}",
+              f"errors {r['errors']}, pulls {r['pull']}, routing {r['routing']}, "
+              f"load {load0:.1f}->{_load():.1f}",
               flush=True)
     fit_reqs = b2b_requests(fits, [(1.0, a.fit_count)], seed=a.seed)
     for rnd in range(a.fit_rounds):  # alternated: the machine's load drifts
