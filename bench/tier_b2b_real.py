@@ -53,6 +53,7 @@ from kvfleet.worker.engine.scheduler import SchedulerConfig
 from kvfleet.worker.replica.replica import ReplicaConfig, ReplicaServer
 
 MODEL = "smollm2"
+START_TIMEOUT_S = 180.0
 TIER_BYTES = 256 << 20  # ~360 SmolLM2 blocks: holds every shared block of the workload
 
 
@@ -102,7 +103,7 @@ class RealFleet:
     """Two SmolLM2 replicas and a router on one event loop (a fresh index namespace)."""
 
     def __init__(self, model_dir: str, redis_url: str, pool_blocks: int, tier: bool,
-                 pull: bool, max_seqs: int = 2) -> None:
+                 pull: bool, max_seqs: int = 2, policy_options: Optional[dict] = None) -> None:
         _kill_tier_actor()  # before the replicas: their engines start the node's tier
         ns = f"tierbench-{uuid.uuid4().hex[:8]}:"
         sched = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=256)
@@ -112,12 +113,13 @@ class RealFleet:
             kv_host_memory_bytes=TIER_BYTES if tier else None, kv_peer_pull=pull))
             for i in range(2)]
         self.router = RouterServer(RouterConfig(redis_url=redis_url, model_name=MODEL,
-                                                model_dir=model_dir, port=0, namespace=ns))
+                                                model_dir=model_dir, port=0, namespace=ns,
+                                                policy_options=policy_options or {}))
 
     async def __aenter__(self) -> "RealFleet":
-        for r in self.replicas:
-            await r.start()
-        await self.router.start()
+        for r in self.replicas:  # bounded: a start that hangs raises where it waits
+            await asyncio.wait_for(r.start(), START_TIMEOUT_S)
+        await asyncio.wait_for(self.router.start(), START_TIMEOUT_S)
         for _ in range(200):
             await self.router.replicas.refresh()
             if len(self.router.replicas.replicas) == 2:
@@ -274,8 +276,9 @@ async def _run(a, model_dir: str, redis_url: str) -> dict:
         tier, pull = B2B_CONFIGS[name.strip()]
         load0, t0 = _load(), time.monotonic()
         with HintTally() as tally:
-            async with RealFleet(model_dir, redis_url, a.pool_blocks, tier, pull,
-                                 a.max_seqs) as fleet:
+            async with RealFleet(model_dir, redis_url, a.pool_blocks, tier, pull, a.max_seqs,
+                                 {"popularity_window": a.popularity_window,
+                                  "load_penalty_blocks": a.load_penalty}) as fleet:
                 r = await open_loop(fleet, reqs, a.warmup, b2b.output_tokens)
         r.update(load_before=load0, load_after=_load(), wall_s=time.monotonic() - t0,
                  routing=tally.counts)
@@ -314,6 +317,13 @@ def main(argv: Sequence[str]) -> int:
     p.add_argument("--system-tokens", type=int, default=112)
     p.add_argument("--user-tokens", type=int, default=32)
     p.add_argument("--users", type=int, default=2, help="users per group")
+    p.add_argument("--load-penalty", type=float, default=1.0,
+                   help="prefix_aware's load_penalty_blocks: blocks one request of load is "
+                        "worth (on this CPU a queued request costs seconds, 5-15 blocks' prefill)")
+    p.add_argument("--popularity-window", type=int, default=256,
+                   help="prefix_aware's popularity window (decisions): the router's default "
+                        "spans the whole of a run this size; a hot prefix gets a second holder "
+                        "once its share of ~this many decisions passes 1.25 fair shares")
     p.add_argument("--hot-share", type=float, default=0.0,
                    help="share of requests sent to group 0 (a hot prefix: the router copies "
                         "it to a second replica, the case a peer pull serves)")
