@@ -19,7 +19,10 @@ Configurations:
   open loop over the B2B stream. Reported: client TTFT p50 / p90, hit rate (cached ÷ prompt
   tokens of the counted requests), prompt tokens admitted from the device / host tier
   (the workers' ``prefix_hits`` counters over the counted part), throughput (counted
-  requests ÷ their span), pulls;
+  requests ÷ their span), pulls, and the routing tally (:class:`HintTally`: decisions routed
+  away from the deepest device holder, those the chosen replica's own node tier covered,
+  hints sent). ``--load-penalty`` / ``--popularity-window`` set prefix_aware's knobs,
+  ``--hot-share`` / ``--users`` a hot customer;
 * ``fits, tier off`` / ``fits, tier on``, twice each alternately: a closed loop of 2 clients
   over a workload whose shared blocks fit one pool (``--fit-groups``), for the
   no-regression check (saturated requests/s).
