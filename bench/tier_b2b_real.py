@@ -19,14 +19,17 @@ Configurations:
   open loop over the B2B stream. Reported: client TTFT p50 / p90, hit rate (cached ÷ prompt
   tokens of the counted requests), prompt tokens admitted from the device / host tier
   (the workers' ``prefix_hits`` counters over the counted part), throughput (counted
-  requests ÷ their span), pulls;
+  requests ÷ their span), pulls, and the routing tally (:class:`HintTally`: decisions routed
+  away from the deepest device holder, those the chosen replica's own node tier covered,
+  hints sent). ``--load-penalty`` / ``--popularity-window`` set prefix_aware's knobs,
+  ``--hot-share`` / ``--users`` a hot customer;
 * ``fits, tier off`` / ``fits, tier on``, twice each alternately: a closed loop of 2 clients
   over a workload whose shared blocks fit one pool (``--fit-groups``), for the
   no-regression check (saturated requests/s).
 
-Memory: a stopped configuration's replicas are not all freed in this process (~2 GB each
-configuration, SmolLM2 fp32 with one-row weights, not investigated): 3 B2B configurations and
-one fits round need ~10 GB; a run with ``--fit-rounds 3`` was OOM-killed in its 9th.
+Memory: ``ReplicaServer.stop()`` frees each replica's weights and KV cache (before it did, the
+stopped replicas, held in reference cycles, kept ~2 GB per configuration: a run with
+``--fit-rounds 3`` was OOM-killed in its 9th); the process stays near one fleet's size.
 
 The machine's load average is recorded before and after each configuration. JSON in
 ``bench/results/tier_b2b_real.json``, TTFT CDFs in ``tier_b2b_real.png``.
@@ -53,6 +56,7 @@ from kvfleet.worker.engine.scheduler import SchedulerConfig
 from kvfleet.worker.replica.replica import ReplicaConfig, ReplicaServer
 
 MODEL = "smollm2"
+START_TIMEOUT_S = 180.0
 TIER_BYTES = 256 << 20  # ~360 SmolLM2 blocks: holds every shared block of the workload
 
 
@@ -102,7 +106,7 @@ class RealFleet:
     """Two SmolLM2 replicas and a router on one event loop (a fresh index namespace)."""
 
     def __init__(self, model_dir: str, redis_url: str, pool_blocks: int, tier: bool,
-                 pull: bool, max_seqs: int = 2) -> None:
+                 pull: bool, max_seqs: int = 2, policy_options: Optional[dict] = None) -> None:
         _kill_tier_actor()  # before the replicas: their engines start the node's tier
         ns = f"tierbench-{uuid.uuid4().hex[:8]}:"
         sched = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=256)
@@ -112,12 +116,13 @@ class RealFleet:
             kv_host_memory_bytes=TIER_BYTES if tier else None, kv_peer_pull=pull))
             for i in range(2)]
         self.router = RouterServer(RouterConfig(redis_url=redis_url, model_name=MODEL,
-                                                model_dir=model_dir, port=0, namespace=ns))
+                                                model_dir=model_dir, port=0, namespace=ns,
+                                                policy_options=policy_options or {}))
 
     async def __aenter__(self) -> "RealFleet":
-        for r in self.replicas:
-            await r.start()
-        await self.router.start()
+        for r in self.replicas:  # bounded: a start that hangs raises where it waits
+            await asyncio.wait_for(r.start(), START_TIMEOUT_S)
+        await asyncio.wait_for(self.router.start(), START_TIMEOUT_S)
         for _ in range(200):
             await self.router.replicas.refresh()
             if len(self.router.replicas.replicas) == 2:
@@ -150,6 +155,38 @@ class RealFleet:
                 for k in out:
                     out[k] += getattr(r.service.puller.stats, k)
         return out
+
+
+class HintTally:
+    """Why a routed request did or did not carry a peer hint: wraps the router's
+    ``pick_source`` (this process's router) and counts, per decision, whether the chosen
+    replica's device match was below the deepest one (routed away), whether its own node
+    tier made up the difference (no pull needed), and whether a hint went out."""
+
+    def __init__(self) -> None:
+        self.counts = {"decisions": 0, "routed_away": 0, "covered_by_own_tier": 0, "hints": 0}
+
+    def __enter__(self) -> "HintTally":
+        import kvfleet.router.core as core
+
+        self._core, self._pick = core, core.pick_source
+
+        def pick(candidates, chosen, tier_runs, *args, **kw):
+            source = self._pick(candidates, chosen, tier_runs, *args, **kw)
+            best = max((c.matched_blocks for c in candidates), default=0)
+            c = self.counts
+            c["decisions"] += 1
+            if chosen.matched_blocks < best:
+                c["routed_away"] += 1
+                c["covered_by_own_tier"] += chosen.matched_blocks + chosen.host_blocks >= best
+            c["hints"] += source is not None
+            return source
+
+        core.pick_source = pick
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._core.pick_source = self._pick
 
 
 def _pct(xs: Sequence[float], q: float) -> Optional[float]:
@@ -229,7 +266,7 @@ B2B_CONFIGS = {"tier off": (False, False), "tier on": (True, False),
 
 async def _run(a, model_dir: str, redis_url: str) -> dict:
     def workload(groups: int) -> B2BWorkload:
-        return B2BWorkload(groups=groups, users_per_group=2, system_tokens=a.system_tokens,
+        return B2BWorkload(groups=groups, users_per_group=a.users, system_tokens=a.system_tokens,
                            user_tokens=a.user_tokens, question_tokens=16, output_tokens=8)
 
     b2b, fits = workload(a.groups), workload(a.fit_groups)
@@ -237,20 +274,24 @@ async def _run(a, model_dir: str, redis_url: str) -> dict:
                  "b2b_blocks_over_pool": b2b.cache_blocks(16) / a.pool_blocks,
                  "fits_blocks_over_pool": fits.cache_blocks(16) / a.fit_pool_blocks,
                  "runs": {}}
-    reqs = b2b_requests(b2b, [(a.rate, a.count)], seed=a.seed)
+    reqs = b2b_requests(b2b, [(a.rate, a.count)], seed=a.seed, hot_share=a.hot_share)
     for name in a.configs.split(","):
         tier, pull = B2B_CONFIGS[name.strip()]
         load0, t0 = _load(), time.monotonic()
-        async with RealFleet(model_dir, redis_url, a.pool_blocks, tier, pull,
-                             a.max_seqs) as fleet:
-            r = await open_loop(fleet, reqs, a.warmup, b2b.output_tokens)
-        r.update(load_before=load0, load_after=_load(), wall_s=time.monotonic() - t0)
+        with HintTally() as tally:
+            async with RealFleet(model_dir, redis_url, a.pool_blocks, tier, pull, a.max_seqs,
+                                 {"popularity_window": a.popularity_window,
+                                  "load_penalty_blocks": a.load_penalty}) as fleet:
+                r = await open_loop(fleet, reqs, a.warmup, b2b.output_tokens)
+        r.update(load_before=load0, load_after=_load(), wall_s=time.monotonic() - t0,
+                 routing=tally.counts)
         out["runs"][name] = r
         write_json(f"{a.out_name}.json", out)  # each configuration as it ends
         print(f"{name:18s} TTFT p50/p90 {r['ttft_p50_s']:.2f}/{r['ttft_p90_s']:.2f} s, hit "
               f"{r['hit_rate']:.3f} (admitted: device {r['admitted_by_tier']['device']:.3f} "
               f"host {r['admitted_by_tier']['host']:.3f}), {r['throughput_rps']:.3f} req/s, "
-              f"errors {r['errors']}, pulls {r['pull']}, load {load0:.1f}->{_load():.1f}",
+              f"errors {r['errors']}, pulls {r['pull']}, routing {r['routing']}, "
+              f"load {load0:.1f}->{_load():.1f}",
               flush=True)
     fit_reqs = b2b_requests(fits, [(1.0, a.fit_count)], seed=a.seed)
     for rnd in range(a.fit_rounds):  # alternated: the machine's load drifts
@@ -278,6 +319,17 @@ def main(argv: Sequence[str]) -> int:
     p.add_argument("--groups", type=int, default=5)
     p.add_argument("--system-tokens", type=int, default=112)
     p.add_argument("--user-tokens", type=int, default=32)
+    p.add_argument("--users", type=int, default=2, help="users per group")
+    p.add_argument("--load-penalty", type=float, default=1.0,
+                   help="prefix_aware's load_penalty_blocks: blocks one request of load is "
+                        "worth (on this CPU a queued request costs seconds, 5-15 blocks' prefill)")
+    p.add_argument("--popularity-window", type=int, default=256,
+                   help="prefix_aware's popularity window (decisions): the router's default "
+                        "spans the whole of a run this size; a hot prefix gets a second holder "
+                        "once its share of ~this many decisions passes 1.25 fair shares")
+    p.add_argument("--hot-share", type=float, default=0.0,
+                   help="share of requests sent to group 0 (a hot prefix: the router copies "
+                        "it to a second replica, the case a peer pull serves)")
     p.add_argument("--pool-blocks", type=int, default=24, help="KV blocks per replica")
     p.add_argument("--max-seqs", type=int, default=2, help="max_num_seqs per replica")
     p.add_argument("--rate", type=float, default=0.12, help="requests/s (Poisson)")

@@ -100,10 +100,12 @@ class B2BWorkload:
         return self.groups * per_group // block_size
 
 
-def b2b_requests(w: B2BWorkload, phases: list[tuple[float, int]], seed: int | None = None
-                 ) -> list[Request]:
+def b2b_requests(w: B2BWorkload, phases: list[tuple[float, int]], seed: int | None = None,
+                 hot_share: float = 0.0) -> list[Request]:
     """Poisson arrivals in ``phases`` of (rate per second, requests), one after another (a
-    ramp); a request picks a group and a user uniformly. ``Request.group`` is the group."""
+    ramp); a request picks a group and a user uniformly — or, with probability ``hot_share``,
+    group 0 (a hot customer; 0: the stream is the uniform one). ``Request.group`` is the
+    group."""
     rng = random.Random(w.seed if seed is None else seed)
     shared = random.Random(w.seed * 7919 + 29)
 
@@ -119,5 +121,7 @@ def b2b_requests(w: B2BWorkload, phases: list[tuple[float, int]], seed: int | No
         for _ in range(count):
             t += rng.expovariate(rate)
             g, u = rng.randrange(w.groups), rng.randrange(w.users_per_group)
+            if hot_share and rng.random() < hot_share:
+                g = 0
             out.append(Request(len(out), g, systems[g] + users[g][u] + tokens(w.question_tokens, rng), t))
     return out

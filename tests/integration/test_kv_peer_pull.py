@@ -101,14 +101,16 @@ async def test_the_router_hints_the_holder_it_routes_away_from_and_the_replica_p
             router = await fleet.add_router()
             await fleet.wait_replicas(2)
             b.service.puller.step_cost = EXPENSIVE
-            tokens = prompt(11, 40)
-            await fleet.direct("rep-a", tokens)  # A holds the prompt's 2 full blocks
-            await fleet.wait_match(fleet.chain(tokens), {"rep-a": 2})
+            # Long enough that recomputing its 12 full blocks (193 s at EXPENSIVE) beats
+            # waiting out half of busy A's 256-token step (128.5 s) plus the pull.
+            tokens = prompt(11, 200)
+            await fleet.direct("rep-a", tokens)  # A holds the prompt's 12 full blocks
+            await fleet.wait_match(fleet.chain(tokens), {"rep-a": 12})
             router.core.replicas.ledger.inflight["rep-a"] += 50  # A looks busy: go to B
             final = await fleet.generate(tokens, max_tokens=2)
             router.core.replicas.ledger.inflight["rep-a"] -= 50
             assert final.replica_id == "rep-b"
-            assert final.usage.cached_prompt_tokens == 32  # pulled from A, never computed on B
+            assert final.usage.cached_prompt_tokens == 192  # pulled from A, never computed on B
             assert b.service.puller.stats.pulls == 1
         finally:
             await fleet.stop()

@@ -77,6 +77,8 @@ class LocalExecutor:
         return [rank_info(self.runner, 0)]
 
     def close(self) -> None:
-        """Stop the tier's writer thread (the runner's tensors go with it)."""
+        """Stop the tier's writer thread, then free the runner's weights and KV cache (call
+        once no step runs: nothing executes after). Idempotent."""
         if self.tier is not None:
             self.tier.close()
+        self.runner.release()

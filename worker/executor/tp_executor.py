@@ -193,10 +193,12 @@ class TPExecutor:
         return self.group.failure
 
     def close(self) -> None:
-        """Stop the keep-alive and release every rank (idempotent)."""
+        """Stop the keep-alive and release every rank, rank 0's weights and KV cache included
+        (call once no step runs: nothing executes after; idempotent)."""
         self._stop.set()
         if self._thread is not threading.current_thread():
             self._thread.join(1.0)  # a keep-alive barrier in flight ends first (bounded)
         self.group.close()
         if self.tier is not None:
             self.tier.close()
+        self.local.release()

@@ -63,6 +63,7 @@ from kvfleet.worker.replica.kv_publisher import KvPublisher
 from kvfleet.worker.replica.load_report import LatencyWindow, replica_report
 from kvfleet.worker.replica.peer_setup import build_puller
 from kvfleet.worker.runner.kv_cache import num_blocks_for_memory
+from kvfleet.worker.runner.memory import trim_heap
 from kvfleet.worker.runner.model_config import load_model_config
 from kvfleet.worker.runner.model_runner import ModelRunner
 from kvfleet.worker.service.engine_loop import EngineLoop
@@ -497,10 +498,13 @@ class ReplicaServer:
             await asyncio.sleep(self.cfg.heartbeat_interval_s)
 
     async def stop(self, grace_s: float = 2.0) -> None:
-        """Deregister, stop the gRPC server and the engine thread (idempotent)."""
-        for t in self._tasks:
+        """Deregister, stop the gRPC server and the engine thread, then free the weights and
+        the KV cache (idempotent). A stopped server may stay referenced (and is in reference
+        cycles: its callbacks hold it) without holding the model."""
+        tasks, self._tasks = self._tasks, []
+        for t in tasks:
             t.cancel()
-        self._tasks.clear()
+        await asyncio.gather(*tasks, return_exceptions=True)  # their frames go now
         if self.publisher is not None:
             try:
                 await self.publisher.deregister()
@@ -513,14 +517,21 @@ class ReplicaServer:
         if self._adapter_record is not None:
             await self._adapter_record.close()
             self._adapter_record = None
+        stepping = False
         if self._loop is not None:
             self._loop.stop()
+            stepping = self._loop.alive  # a step past the join's bound: keep its tensors
             self._loop = None
         if self.service is not None and self.service.puller is not None:
             await self.service.puller.client.close()
         if self.engine.adapters is not None:
             self.engine.adapters.close()
-        self.engine.executor.close()  # releases ranks 1..T-1
+        if stepping:
+            log.warning("replica %s: the engine thread did not stop; its model stays loaded",
+                        self.cfg.replica_id)
+        else:  # releases ranks 1..T-1, then every weight and KV tensor held here
+            self.engine.executor.close()
+            trim_heap()
         if self.telemetry is not None and self._owns_telemetry:
             self.telemetry.shutdown()  # flushes the last spans
             self.telemetry = None

@@ -89,3 +89,9 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
+
+    def release(self) -> None:
+        """Free the blocks for good (the replica stopped): ``data`` keeps its dimensions with
+        0 blocks, so shapes still read; nothing may be stored after. Idempotent."""
+        self.num_blocks = 0
+        self.data = self.data.new_empty((*self.data.shape[:2], 0, *self.data.shape[3:]))

@@ -87,6 +87,18 @@ class ModelRunner:
         parallelize(self.model, self.layout, shard.reduce)
         self.kv_cache = KVCache(self.local_config, num_blocks, block_size, dtype, self.device)
         self._windows = tuple(dict.fromkeys(self.config.sliding_windows))
+        self.released = False
+
+    def release(self) -> None:
+        """Free the weights, adapters and KV cache for good: a stopped replica that is still
+        referenced (a test, a bench's list, a reference cycle awaiting the collector) must not
+        keep ~1 GB of SmolLM2. Nothing runs on this runner after. Idempotent."""
+        if not self.released:
+            self.released = True
+            del self.model, self._adapters
+            self.lora_slots = LoraSlots(0)
+            self.kv_cache.release()
+            self.num_blocks = 0
 
     def load_adapter(self, slot: int, spec: AdapterSpec) -> None:
         """Read this rank's share of a checked adapter (:func:`~.lora.adapter.check_adapter`)
@@ -107,6 +119,8 @@ class ModelRunner:
     def weight_nbytes(self) -> int:
         """Bytes of every weight this rank holds, each copy counted: norms, the embedding, each
         projection (packed or plain) and its one-row copy, the LM head beside a tied embedding."""
+        if self.released:
+            return 0
         return (sum(p.nbytes for p in self.model.parameters())
                 + sum(p.held_nbytes for p in self.model.projections()))
 
@@ -164,6 +178,7 @@ class ModelRunner:
         Raises:
             OutOfRange, InvalidArgument, ValueError: see :meth:`_check` (nothing is written then).
         """
+        assert not self.released, "execute on a released runner (its replica stopped)"
         if not validated:
             self.validate(plan)
         self.kv_cache.copy_blocks(plan.block_copies)

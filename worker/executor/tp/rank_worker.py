@@ -116,6 +116,7 @@ class RankWorker:
             while self._serving:
                 method, args = decode_call(self._comm.recv())
                 self._calls[method](*args)
+            self._runner.release()  # a thread rank's worker may outlive the group
             return "stopped"
         except Exception:
             log.exception("rank %d left its group", self.rank)

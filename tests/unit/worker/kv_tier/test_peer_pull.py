@@ -10,8 +10,9 @@ import asyncio
 
 import pytest
 
+from kvfleet.worker.kv_tier.peer_pull import PeerHint
 from kvfleet.worker.kv_tier.store import HostTierStore
-from tests.unit.worker.engine_harness import prompt, request, run
+from tests.unit.worker.engine_harness import BLOCK_SIZE, prompt, request, run
 from tests.unit.worker.kv_tier.peer_harness import LoopPeer, hint, puller, with_loop
 from tests.unit.worker.kv_tier.tier_harness import (
     TIER_BYTES,
@@ -158,6 +159,30 @@ def test_a_hint_is_skipped_when_recomputing_is_cheaper_or_nothing_is_missing(
     p.step_cost = StepCost(ZERO)  # recompute predicted free: never worth a pull
     assert asyncio.run(p.prepare(req, hint(5))) == req
     assert p.stats.skipped == 2 and p.stats.failed == 0
+
+
+def test_a_pull_from_a_busy_replica_is_priced_with_the_rest_of_its_step(tiny_llama_dir) -> None:
+    """The holder exports between its steps: with ``holder_step_share`` a short run (less
+    recompute than half a chunk) is not worth waiting for, a long one is; a tier hint waits
+    for no step."""
+    from kvfleet.worker.engine.step_cost import CostModel, StepCost
+
+    b, _, _, _ = tier_engine(tiny_llama_dir)
+    p = puller(_Unreachable(), b)
+    p.step_cost = StepCost(CostModel(0.0, 0.01, 0.0, "test: 10 ms a token"), alpha=0.0)
+    p.holder_step_share = 0.5
+    wait = p.holder_wait_s(hint(1))
+    assert wait == pytest.approx(0.5 * 0.01 * p.max_batched_tokens)
+    assert p.holder_wait_s(PeerHint("", "", 1, tier_id="tier:n")) == 0.0
+    short = max(1, int(wait / (0.01 * BLOCK_SIZE)) - 1)  # its recompute is below the wait
+    req = request(prompt((short + 12) * BLOCK_SIZE, seed=61), max_tokens=2)
+    assert asyncio.run(p.prepare(req, hint(short))) == req
+    assert (p.stats.skipped, p.stats.failed) == (1, 0)
+    asyncio.run(p.prepare(req, hint(short + 10)))  # worth the wait: tried (unreachable)
+    assert (p.stats.skipped, p.stats.failed) == (1, 1)
+    p.holder_step_share = 0.0  # no wait priced: the short run is tried too
+    asyncio.run(p.prepare(req, hint(short)))
+    assert (p.stats.skipped, p.stats.failed) == (1, 2)
 
 
 def test_an_export_whose_transfer_fails_reports_nothing_and_releases_its_blocks(
