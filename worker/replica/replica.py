@@ -89,6 +89,7 @@ def _kv_tier_id(engine: Engine) -> str:
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_KV_MEMORY_BYTES = 256 << 20  # 256 MiB of K/V per replica unless told otherwise
 EXECUTORS = ("model", "cost-model")
+STOP_TASKS_TIMEOUT_S = 2.0  # how long stop() waits for its cancelled background tasks
 
 
 @dataclass(frozen=True)
@@ -285,6 +286,7 @@ class ReplicaServer:
         self._loop: Optional[EngineLoop] = None
         self.service: Optional[WorkerService] = None
         self._tasks: list[asyncio.Task] = []
+        self._stopping = False  # ends the heartbeat loop even where a cancel is swallowed
         self.hits = HitWindow()
         self.latency = LatencyWindow()
         # The queue-delay prediction's step prices: the cost model's calibrated constants.
@@ -372,6 +374,7 @@ class ReplicaServer:
             asyncio.run_coroutine_threadsafe(self._failed(), self._aio_loop)
 
     async def _failed(self) -> None:
+        self._stopping = True
         for t in self._tasks:
             t.cancel()
         self._tasks.clear()
@@ -474,6 +477,7 @@ class ReplicaServer:
                                            max(1.0, deadline - time.monotonic()))
             log.info("replica %s handed %d blocks over to the node's kv tier",
                      self.cfg.replica_id, n)
+        self._stopping = True  # no beat may re-register the drained replica
         for t in self._tasks:
             t.cancel()
         self._tasks.clear()
@@ -485,7 +489,7 @@ class ReplicaServer:
 
     async def _heartbeat(self) -> None:
         assert self.publisher is not None  # started after the publisher
-        while True:
+        while not self._stopping:
             try:
                 # Adapter slots change too: re-published every beat ({} without adapters).
                 self.publisher.describe(prefix_hit_rate=round(self.hits.rate(), 4),
@@ -501,10 +505,12 @@ class ReplicaServer:
         """Deregister, stop the gRPC server and the engine thread, then free the weights and
         the KV cache (idempotent). A stopped server may stay referenced (and is in reference
         cycles: its callbacks hold it) without holding the model."""
+        self._stopping = True
         tasks, self._tasks = self._tasks, []
         for t in tasks:
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)  # their frames go now
+        if tasks:  # their frames go now; bounded: a cancel can be lost inside a Redis call
+            await asyncio.wait(tasks, timeout=STOP_TASKS_TIMEOUT_S)
         if self.publisher is not None:
             try:
                 await self.publisher.deregister()

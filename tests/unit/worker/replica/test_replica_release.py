@@ -65,3 +65,31 @@ def test_released_runner_refuses_to_run(tiny_llama_dir) -> None:
     assert runner.kv_cache.data.shape[2] == 0 and runner.weight_nbytes() == 0
     with pytest.raises(AssertionError, match="released"):
         runner.execute(StepPlan(chunks=()))
+
+
+async def test_stop_ends_a_heartbeat_whose_cancel_was_swallowed(tiny_llama_dir, redis_server) -> None:
+    """A cancel that lands inside a Redis call can come back as a Redis error, which the
+    publisher swallows (an outage): stop() must neither wait on that task for ever nor leave it
+    beating (it would re-register the stopped replica)."""
+    cfg = tiny_replica(tiny_llama_dir, redis_server.url, "kvtest-stopbeat:", executor="cost-model",
+                       heartbeat_interval_s=0.01)
+    server = ReplicaServer(cfg)
+    await server.start()
+    beats = 0
+    inside = asyncio.Event()
+
+    async def swallowing_beat(load) -> None:
+        nonlocal beats
+        beats += 1
+        inside.set()
+        try:
+            await asyncio.sleep(0.05)
+        except asyncio.CancelledError:
+            pass  # what redis-py's error mapping plus the publisher's outage guard amount to
+
+    server.publisher.heartbeat = swallowing_beat
+    await asyncio.wait_for(inside.wait(), 5)
+    await asyncio.wait_for(server.stop(grace_s=0.0), 10)
+    after_stop = beats
+    await asyncio.sleep(0.2)
+    assert beats <= after_stop + 1, f"{beats - after_stop} beats after stop()"
