@@ -60,6 +60,9 @@ from kvfleet.worker.engine.tenant_service import TenantService
 from kvfleet.worker.engine.tier_admission import TierAdmission
 from kvfleet.worker.kv_tier.lookup import TierLookup
 
+# Admission's first pick when already made this step: (the sequence or None,), or () to pick.
+FirstPick = tuple[Optional[SequenceState], ...]
+
 
 class Scheduler:
     """Owns the waiting queue, the running set and the KV cache manager of one replica.
@@ -153,11 +156,14 @@ class Scheduler:
         scheduled: list[ScheduledSeq] = []
         copies: list[tuple[int, int]] = []
         preempted = preempt_for_higher_class(self) if self.config.policy == "watermark" else []
-        sit_out = self._sit_out()
+        sit_out, first = self._sit_out()
         budget = step_budget(self.config, self.kv.block_size, self.step_cost, self.running,
                              bool(self.waiting), sit_out, now)
+        num_preempted = len(preempted)
         self._schedule_running(budget, sit_out, scheduled, preempted, copies)
-        self._schedule_waiting(budget, now, scheduled)
+        if len(preempted) > num_preempted:
+            first = ()  # the running set and the queue changed since the pick: pick again
+        self._schedule_waiting(budget, now, scheduled, first)
         chunks = tuple(s.chunk(self.kv.block_table(s.seq.seq_id)) for s in scheduled)
         saves, restores = ((tuple(self.kv.take_evictions()), self.tier.take_restores())
                            if self.tier else ((), ()))
@@ -193,17 +199,19 @@ class Scheduler:
             budget.take(seq.num_computed_tokens, n, reserved=remaining == 1)
             i += 1
 
-    def _schedule_waiting(self, budget: StepBudget, now: float,
-                          scheduled: list[ScheduledSeq]) -> None:
+    def _schedule_waiting(self, budget: StepBudget, now: float, scheduled: list[ScheduledSeq],
+                          first: FirstPick) -> None:
         """Step 2: waiting sequences by class, the least-served tenant first within it (FCFS
-        within one); stop at the first that does not fit (no starvation)."""
+        within one); stop at the first that does not fit (no starvation). ``first``: the
+        first pick when already made this step (:meth:`_sit_out`)."""
         seats = seats_taken(self.running, self.pending_forks)
         batch_seats = batch_held(self.running, self.pending_forks)
         running_by_tenant = Counter(s.tenant for s in self.running)
         planned: dict[str, float] = {}  # service admitted this step, charged after it
         while self.waiting and budget.has_room:
-            picked = self.seats.next_waiting(self.waiting, self.pending_forks,
-                                             running_by_tenant, planned)
+            picked = first[0] if first else self.seats.next_waiting(
+                self.waiting, self.pending_forks, running_by_tenant, planned)
+            first = ()
             if picked is None:
                 break  # every waiting tenant holds its share of the running slots
             seq = picked
@@ -243,14 +251,17 @@ class Scheduler:
             budget.take(num_cached, n)
             planned[seq.tenant] = planned.get(seq.tenant, 0.0) + self.service.cost(prefill_tokens=n)
 
-    def _sit_out(self) -> frozenset[str]:
-        """Running sequences this step leaves out (:class:`ClassStep`; none without it)."""
+    def _sit_out(self) -> tuple[frozenset[str], FirstPick]:
+        """Running sequences this step leaves out (:class:`ClassStep`; none without it), and
+        the waiting sequence the rule took as admission's next pick (``(seq or None,)``;
+        ``()`` when it looked none up: no rule, or no free seat)."""
         if self.class_step is None:
-            return frozenset()
-        free = seats_taken(self.running, self.pending_forks) < self.config.max_num_seqs
+            return frozenset(), ()
+        if seats_taken(self.running, self.pending_forks) >= self.config.max_num_seqs:
+            return self.class_step.sit_out(self.running, None, self.service), ()
         nxt = self.seats.next_waiting(self.waiting, self.pending_forks,
-                                      Counter(s.tenant for s in self.running), {}) if free else None
-        return self.class_step.sit_out(self.running, nxt, self.service)
+                                      Counter(s.tenant for s in self.running), {})
+        return self.class_step.sit_out(self.running, nxt, self.service), (nxt,)
 
     def _grow(self, seq: SequenceState, num_tokens: int, copies: list[tuple[int, int]]) -> bool:
         """Make ``seq``'s table cover ``num_tokens`` positions; first, if the block its next
