@@ -27,12 +27,8 @@ Priority classes (:mod:`.priority_queue`): the waiting queue and the running set
 by class first (lower ``priority`` first), FCFS within a class; ``batch_share`` caps the seats
 the ``batch`` band may hold.
 
-Parallel sampling (``n > 1``): only sample 0 (the *leader*) is queued; its siblings wait
-beside it. When the leader's prompt is fully computed they fork its block table (one more
-reference per block, no KV computed twice) and join the running set, each sampling its first
-token from the leader's logits. The prompt's partially filled last block is then shared:
-before a sequence writes into a shared block, the scheduler gives it a private copy
-(``StepPlan.block_copies``, copy-on-write), so no sibling ever writes a block another reads.
+Parallel sampling (``n > 1``): only sample 0 is queued; its siblings fork its blocks once its
+prompt is computed, and a shared partial block is copied before a write (:mod:`.forks`).
 """
 
 from __future__ import annotations
@@ -47,6 +43,7 @@ from kvfleet.priority import BATCH
 from kvfleet.worker.engine.block_admission import BlockAdmission
 from kvfleet.worker.engine.class_preemption import preempt_for_higher_class
 from kvfleet.worker.engine.class_step import ClassStep
+from kvfleet.worker.engine.forks import drop_sibling, fork_siblings
 from kvfleet.worker.engine.hit_counts import HitCounts
 from kvfleet.worker.engine.priority_queue import PriorityRules, batch_held, insert_waiting, order_key
 from kvfleet.worker.engine.request import SeqStatus, SequenceState
@@ -320,18 +317,9 @@ class Scheduler:
             self.kv.cache_full_blocks(seq.seq_id, seq.block_hashes, seq.num_computed_tokens,
                                       from_token=before)
             if s.sample and seq.seq_id in self.pending_forks:
-                forks += self._fork(seq)
-        return forks
-
-    def _fork(self, leader: SequenceState) -> list[Fork]:
-        forks = []
-        for sib in self.pending_forks.pop(leader.seq_id):
-            self.kv.fork(leader.seq_id, sib.seq_id)
-            sib.status = SeqStatus.RUNNING
-            sib.num_computed_tokens = leader.num_computed_tokens
-            sib.num_cached_tokens = leader.num_cached_tokens
-            self.running.append(sib)
-            forks.append(Fork(leader, sib))
+                new = fork_siblings(self.kv, seq, self.pending_forks.pop(seq.seq_id))
+                self.running += [f.sibling for f in new]
+                forks += new
         return forks
 
     def finish(self, seq: SequenceState) -> None:
@@ -343,13 +331,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         else:
-            held = False
-            for leader_id, siblings in list(self.pending_forks.items()):
-                if seq in siblings:
-                    held = True
-                    siblings.remove(seq)
-                    if not siblings:
-                        del self.pending_forks[leader_id]
+            held = drop_sibling(self.pending_forks, seq)
         if held:
             self.service.leave(seq.tenant)
         for orphan in reversed(self.pending_forks.pop(seq.seq_id, [])):
