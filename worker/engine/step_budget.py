@@ -25,9 +25,13 @@ then only keeps prefill to its floor. The token count stays a hard limit through
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
+from kvfleet.worker.engine.request import SequenceState
 from kvfleet.worker.engine.step_cost import StepCostModel, attended
+
+if TYPE_CHECKING:  # only for annotations
+    from kvfleet.worker.engine.scheduler_config import SchedulerConfig
 
 FLOOR_GROWTH = 4  # targets of waiting per extra block of floor
 # A floor past one block stops where the step's prediction reaches this × the target (or ×
@@ -149,3 +153,43 @@ class StepBudget:
             else:
                 hi = mid - 1
         return lo
+
+
+def prefill_wait(running: Iterable[SequenceState], any_waiting: bool, now: float
+                 ) -> Optional[float]:
+    """Seconds at monotonic time ``now`` since the oldest prefill still in progress among
+    ``running`` (a sequence with more than one token to compute) was admitted; 0.0 when
+    none is but a sequence waits (``any_waiting``); None when no prefill is pending.
+
+    Counted from admission, not arrival: a queue waiting for seats must not grow the floor,
+    or the floor outgrows the step and the target stops acting.
+    """
+    started = [now if s.timing.prefill_started is None else s.timing.prefill_started
+               for s in running if s.num_tokens - s.num_computed_tokens > 1]
+    if started:
+        return max(0.0, now - min(started))
+    return 0.0 if any_waiting else None
+
+
+def step_budget(config: SchedulerConfig, block_size: int, cost: Optional[StepCostModel],
+                running: Sequence[SequenceState], any_waiting: bool, sit_out: frozenset[str],
+                now: float) -> StepBudget:
+    """The allowance of the step planned at monotonic time ``now``: ``max_num_batched_tokens``
+    alone without ``config.itl_target_ms``; with it also the target, the running decode rows
+    (one token to compute; but those whose seq_id is in ``sit_out``) counted first, and a
+    floor that follows the oldest prefill in progress (:func:`prefill_wait`).
+
+    Raises:
+        ValueError: an ITL target without a step-cost model ``cost``.
+    """
+    target_ms = config.itl_target_ms
+    if target_ms is None:
+        return StepBudget(config.max_num_batched_tokens, block_size)
+    target_s = target_ms / 1e3
+    floor = floor_tokens(block_size, target_s, prefill_wait(running, any_waiting, now))
+    budget = StepBudget(config.max_num_batched_tokens, block_size, cost, target_s, floor)
+    budget.reserve_decodes(s.num_computed_tokens for s in running
+                           if s.num_tokens - s.num_computed_tokens == 1
+                           and s.seq_id not in sit_out)
+    return budget
+

@@ -15,6 +15,7 @@ from kvfleet.worker.engine.class_step import MAX_SKIPS, ROW_SLACK, ClassStep
 from kvfleet.worker.engine.request import SeqStatus, SequenceState
 from kvfleet.worker.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvfleet.worker.engine.step_cost import CostModel
+from kvfleet.worker.engine.tenant_seats import TenantSeats
 from tests.unit.worker.engine.test_step_budget import step as budget_step
 from tests.unit.worker.scheduler_harness import BS, new_seq
 
@@ -159,3 +160,20 @@ def test_the_rule_is_off_without_a_target_and_checks_its_bound():
         ClassStep(COST, 512, TARGET_MS, max_skips=0)
     with pytest.raises(ValueError, match="target_ms"):
         ClassStep(COST, 512, 0.0)
+
+
+def test_the_rule_s_waiting_candidate_is_admission_s_first_pick(monkeypatch):
+    """With a seat free the rule looks up the next waiting sequence; admission takes that
+    pick instead of looking it up again (one lookup per admission try, not one more a step)."""
+    calls: list[int] = []
+    lookup = TenantSeats.next_waiting
+    monkeypatch.setattr(TenantSeats, "next_waiting",
+                        lambda self, *a: calls.append(1) or lookup(self, *a))
+    s = make()
+    decoding(s, 4, priority=BATCH, tenant="b")
+    chat = new_seq(prompt_len=64, max_tokens=4, priority=INTERACTIVE, tenant="c")
+    s.add([chat])
+    calls.clear()
+    out = step(s)
+    assert chat.seq_id in ran(out) and chat.num_computed_tokens == 64
+    assert len(calls) == 1  # the rule's lookup; the queue is empty after chat is admitted

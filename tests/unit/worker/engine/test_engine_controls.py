@@ -4,7 +4,7 @@ exactness test means something."""
 
 from __future__ import annotations
 
-from kvfleet.worker.engine.scheduler import Scheduler
+from kvfleet.worker.engine.block_admission import BlockAdmission
 from tests.unit.worker.engine_harness import make_engine, prompt, reference_error, request, run, seq_tokens
 from tests.unit.worker.faults import install_positions_reset, install_top_left_mask
 
@@ -41,5 +41,5 @@ def test_shared_block_written_in_place_fails(tiny_llama_dir, monkeypatch) -> Non
     """Siblings sharing the prompt's partial block: skipping copy-on-write lets the first
     writer's token land in the block the other still reads."""
     assert max(_sibling_errors(tiny_llama_dir)) <= 1
-    monkeypatch.setattr(Scheduler, "_pending_copy", lambda self, seq: 0)
+    monkeypatch.setattr(BlockAdmission, "pending_copy", lambda self, seq: 0)
     assert max(_sibling_errors(tiny_llama_dir)) > 1

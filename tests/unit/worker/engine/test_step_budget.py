@@ -12,7 +12,13 @@ from kvfleet.allocator.kv_cache_manager import KVCacheManager
 from kvfleet.sampling_params import SamplingParams
 from kvfleet.worker.engine.request import SeqStatus, SequenceState
 from kvfleet.worker.engine.scheduler import Scheduler, SchedulerConfig
-from kvfleet.worker.engine.step_budget import FLOOR_CAP, FLOOR_GROWTH, StepBudget, floor_tokens
+from kvfleet.worker.engine.step_budget import (
+    FLOOR_CAP,
+    FLOOR_GROWTH,
+    StepBudget,
+    floor_tokens,
+    prefill_wait,
+)
 from kvfleet.worker.engine.step_cost import CostModel, plan_shape
 
 BS = 4
@@ -194,11 +200,11 @@ def test_a_preempted_sequence_restarts_its_floor():
     s.add([a])
     step(s, 3.0)
     assert 0 < a.num_computed_tokens < 199  # still prefilling
-    assert a.timing.prefill_started == 3.0 and s.prefill_wait(4.0) == 1.0
-    s._preempt(a)
-    assert a.timing.prefill_started is None and s.prefill_wait(4.0) == 0.0
+    assert a.timing.prefill_started == 3.0 and prefill_wait(s.running, bool(s.waiting), 4.0) == 1.0
+    s.preempt(a)
+    assert a.timing.prefill_started is None and prefill_wait(s.running, bool(s.waiting), 4.0) == 0.0
     s.finish(a)
-    assert s.prefill_wait(4.0) is None
+    assert prefill_wait(s.running, bool(s.waiting), 4.0) is None
 
 
 def test_a_grown_floor_stops_at_twice_the_target_or_twice_the_decode_rows():

@@ -1,0 +1,108 @@
+"""Do the free KV blocks allow a sequence in? The block side of the replica's admission policy.
+
+* ``watermark``: the blocks for the tokens a sequence computes this step must fit beside a
+  watermark of free blocks (none while nothing runs: an idle replica admits whatever fits).
+* ``reserve``: blocks for ``prompt + max_tokens`` of the sequence and its siblings must fit
+  beside the growth already promised to the running ones (:meth:`BlockAdmission.reserved`).
+
+Cached blocks that no live sequence references count as free (they are evictable), so
+reusing one uses up a free block just like allocating a new one.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Mapping, Sequence
+
+from kvfleet.allocator.kv_cache_manager import KVCacheManager
+from kvfleet.allocator.units import cdiv
+from kvfleet.errors import ResourceExhausted
+from kvfleet.worker.engine.request import SequenceState
+
+Forks = Mapping[str, Sequence[SequenceState]]  # leader seq_id -> siblings waiting to fork
+
+
+class BlockAdmission:
+    """Block counts of one replica's sequences against its KV cache manager.
+
+    Args:
+        kv: the replica's KV cache manager.
+        policy: ``"watermark"`` or ``"reserve"`` (``SchedulerConfig.policy``).
+        watermark: fraction of all blocks kept free under ``watermark`` (0..1).
+    """
+
+    def __init__(self, kv: KVCacheManager, policy: str, watermark: float) -> None:
+        self.kv = kv
+        self.reserve = policy == "reserve"
+        self.watermark_blocks = int(watermark * kv.num_total_blocks)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks that hold ``num_tokens`` tokens."""
+        return cdiv(num_tokens, self.kv.block_size)
+
+    def group_blocks(self, num_prompt_tokens: int, max_tokens: int, n: int = 1) -> int:
+        """Blocks ``n`` samples of one request hold at most, siblings sharing the full prompt
+        blocks (each sibling owns the rest, its copy of the partial prompt block included)."""
+        per_seq = self.blocks_for(num_prompt_tokens + max_tokens)
+        return per_seq + (n - 1) * (per_seq - num_prompt_tokens // self.kv.block_size)
+
+    def check_can_ever_fit(self, num_prompt_tokens: int, max_tokens: int, n: int = 1) -> None:
+        """Would a request of ``n`` samples fit in all the blocks, alone? Under ``watermark``
+        each sample must fit alone (siblings can be preempted and run one after another);
+        under ``reserve`` all ``n`` must fit together.
+
+        Raises:
+            ResourceExhausted: it needs more blocks than the replica has.
+        """
+        group = n if self.reserve else 1
+        need = self.group_blocks(num_prompt_tokens, max_tokens, group)
+        if need > self.kv.num_total_blocks:
+            raise ResourceExhausted(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens})"
+                f"{f' for n={n} samples' if group > 1 else ''} needs {need} KV blocks of "
+                f"{self.kv.block_size} tokens; this replica has {self.kv.num_total_blocks} in total"
+            )
+
+    def new_blocks(self, computed: Sequence[int], num_tokens: int) -> int:
+        """Free blocks a sequence takes to hold ``num_tokens`` tokens when ``computed`` (its
+        prefix-cache hits, block ids) are reused: new ones plus unreferenced cached ones."""
+        unreferenced = sum(1 for b in computed if self.kv.ref_count(b) == 0)
+        return self.blocks_for(num_tokens) - len(computed) + unreferenced
+
+    def pending_copy(self, seq: SequenceState) -> int:
+        """1 if ``seq``'s next token lands in a partially filled block it shares, else 0."""
+        if seq.num_computed_tokens % self.kv.block_size == 0:
+            return 0  # the next token starts a new block
+        table = self.kv.block_table(seq.seq_id)
+        return int(bool(table) and self.kv.ref_count(table[-1]) > 1)
+
+    def admissible(self, seq: SequenceState, computed: Sequence[int], num_tokens: int,
+                   running: Sequence[SequenceState], forks: Forks, claimed_blocks: int = 0) -> bool:
+        """Would admitting ``seq`` (computing up to ``num_tokens``, reusing the cached blocks
+        ``computed``) respect the policy, beside ``running`` and the siblings waiting in
+        ``forks``, with ``claimed_blocks`` free blocks already promised to others
+        (``watermark`` only)?"""
+        if self.reserve:
+            # Prompt + max_tokens for this one (and its siblings), plus growth already
+            # promised to the running ones.
+            siblings = len(forks.get(seq.seq_id, ()))
+            unreferenced = sum(1 for b in computed if self.kv.ref_count(b) == 0)
+            need = (self.group_blocks(seq.num_prompt_tokens, seq.params.max_tokens, 1 + siblings)
+                    - len(computed) + unreferenced)
+            return need + self.reserved(running, forks) <= self.kv.num_free_blocks
+        # With nothing running nothing needs room to grow: the watermark must not keep a
+        # request that fits out of an idle replica forever.
+        watermark = self.watermark_blocks if running else 0
+        return (self.new_blocks(computed, num_tokens) + watermark + claimed_blocks
+                <= self.kv.num_free_blocks)
+
+    def reserved(self, running: Iterable[SequenceState], forks: Forks) -> int:
+        """Blocks promised to ``running`` sequences (and their unforked siblings in ``forks``)
+        under ``reserve`` but not yet allocated, pending copy-on-writes included."""
+        total = 0
+        for s in running:
+            total += max(0, self.blocks_for(s.max_total_tokens) - self.kv.num_blocks(s.seq_id))
+            total += self.pending_copy(s)
+            for sib in forks.get(s.seq_id, ()):
+                total += (self.blocks_for(sib.max_total_tokens)
+                          - sib.num_prompt_tokens // self.kv.block_size)
+        return total
