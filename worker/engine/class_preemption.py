@@ -44,10 +44,12 @@ def preempt_for_higher_class(sched: Scheduler) -> list[SequenceState]:
         if tokens >= config.max_num_batched_tokens:
             break
         group = group_size(seq, sched.pending_forks)
+        victims = None  # rules.victims over today's running list, once per preemption
         if config.tenant_share < 1:  # its tenant's share, not the class, may hold it back
             victims = sched.rules.victims(seq, sched.running)
-            held = claimed_by_tenant[seq.tenant] + sum(
-                1 for s in sched.running if s.tenant == seq.tenant and s not in victims)
+            held = (claimed_by_tenant[seq.tenant]  # victims are running sequences
+                    + sum(1 for s in sched.running if s.tenant == seq.tenant)
+                    - sum(1 for s in victims if s.tenant == seq.tenant))
             if not sched.seats.may_take(seq.tenant, held, group, waiting):
                 break
         while True:
@@ -59,11 +61,13 @@ def preempt_for_higher_class(sched: Scheduler) -> list[SequenceState]:
                     and sched.blocks.admissible(seq, computed, num_cached + chunk, sched.running,
                                                 sched.pending_forks, claimed_blocks)):
                 break
-            victims = sched.rules.victims(seq, sched.running)
+            if victims is None:
+                victims = sched.rules.victims(seq, sched.running)
             if not victims:
                 return preempted
             sched.preempt(victims[0])
             preempted.append(victims[0])
+            victims = None  # the running list changed
         claimed_seats += group
         claimed_by_tenant[seq.tenant] += group
         claimed_blocks += sched.blocks.new_blocks(computed, num_cached + chunk)

@@ -202,3 +202,36 @@ def test_a_burst_counts_the_blocks_its_earlier_members_take():
     # the first takes the 3 free blocks; the second needs the newest batch sequence's 3
     assert ids(out.preempted) == [batch[-1].seq_id]
     assert all(x.status is SeqStatus.RUNNING for x in burst)
+
+
+class CountingRules:
+    """``PriorityRules`` that note whom each ``victims`` call was for."""
+
+    def __init__(self, rules: PriorityRules) -> None:
+        self.rules, self.calls = rules, []
+
+    def __getattr__(self, name: str):
+        return getattr(self.rules, name)
+
+    def victims(self, seq: SequenceState, running):
+        self.calls.append(seq.seq_id)
+        return self.rules.victims(seq, running)
+
+
+def test_with_a_tenant_share_a_burst_takes_victims_once_per_preemption():
+    # 4 seats, share 0.5: tenants a and c each run 2 streaming batch sequences; b's
+    # interactive burst of 3 may take 2 seats (its share), preempting the newest two (c's).
+    s = make(n_blocks=64, max_num_seqs=4, max_num_batched_tokens=64, preempt_streaming=True,
+             tenant_share=0.5)
+    batch = [seq(BATCH, tenant=t) for t in "aacc"]
+    s.add(batch)
+    step(s)
+    assert all(x.status is SeqStatus.RUNNING for x in batch)
+    burst = [seq(INTERACTIVE, tenant="b") for _ in range(3)]
+    s.add(burst)
+    s.rules = counting = CountingRules(s.rules)
+    out = step(s)
+    assert ids(out.preempted) == ids(batch[::-1][:2])
+    assert [x.status for x in burst] == [SeqStatus.RUNNING] * 2 + [SeqStatus.WAITING]
+    # One list each: the seat check's serves the preemption (b3 stops at the seat check).
+    assert counting.calls == ids(burst)
