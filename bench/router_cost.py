@@ -15,6 +15,8 @@
    if a KV-event write sat on the path, every TTFT would grow by the write timeout.
 4. Relay: streamed messages/s of long generations straight from the worker vs through the
    router, and the router process's CPU µs per relayed message (``/proc``).
+5. Decisions: CPU µs of one ``policy.choose`` per policy and prompt size, in-process
+   (:mod:`bench.decision_cost`, its defaults); ``--decisions`` runs only this, without a fleet.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import sys
 import time
 from pathlib import Path
 
+from bench import decision_cost
 from bench.load import Target, open_loop
 from bench.report import quantile
 from bench.result_file import write_json
@@ -176,10 +179,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rates", default="30,100", help="requests/s for the TTFT test")
     p.add_argument("--segment", type=int, default=400)
     p.add_argument("--rounds", type=int, default=6, help="segments per target and rate")
+    p.add_argument("--decisions", action="store_true",
+                   help="only item 5, the policies' decision cost (bench.decision_cost)")
     a = p.parse_args(argv)
     load_before = os.getloadavg()
-    with zero_fleet("bench-cost:") as fleet:
-        out = _measure(a, fleet)
+    if a.decisions:
+        out = {"decisions": decision_cost.main_defaults()}
+    else:
+        with zero_fleet("bench-cost:") as fleet:
+            out = _measure(a, fleet)
+        out["decisions"] = decision_cost.main_defaults()
     out["machine"] = {"cpus": os.cpu_count(), "loadavg_before": load_before,
                       "loadavg_after": os.getloadavg()}
     write_json("router-cost.json", out)

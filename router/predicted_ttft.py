@@ -93,13 +93,17 @@ class PredictedTTFT(PrefixAware):
         self.avg_backlog_s: dict[str, float] = {}  # replica → smoothed backlog (the bound)
         # Index lag over the horizon copies in flight are remembered for (prefix_aware's).
         self.sent = PlacementMemory(horizon=max(16, self._window // 8), window=self._window)
+        self._fleet_size = 0  # candidates at the last decision (sets the record's window)
 
     def choose(self, candidates: Sequence[Candidate], chain: Sequence[bytes]) -> Candidate:
         now = self._decisions + 1
-        self.sent.window = max(self.sent.horizon, self.load_window * len(candidates))
+        if len(candidates) != self._fleet_size:  # the working set spans ~load_window per replica
+            self._fleet_size = len(candidates)
+            self.sent.window = max(self.sent.horizon, self.load_window * len(candidates))
         # Blocks this router sent within the horizon count as held: the index lags a prefill.
+        sent = self.sent.matched_by(chain, now)
         seen = [replace(c, matched_blocks=m)
-                if (m := self.sent.matched(chain, c.info.replica_id, now)) > c.matched_blocks
+                if (m := sent.get(c.info.replica_id, 0)) > c.matched_blocks
                 else c for c in candidates]
         chosen = super().choose(seen, chain)
         rid = chosen.info.replica_id
