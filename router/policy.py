@@ -216,10 +216,12 @@ class PrefixAware:
             return True
         return self._overloaded(holders, avg, self.min_excess_load)
 
-    def _overloaded(self, holders: set[str], avg: dict[str, float], min_excess: float) -> bool:
+    def _overloaded(self, holders: set[str], avg: dict[str, float], min_excess: float,
+                    warm_up: bool = True) -> bool:
         """Every holder's smoothed load in ``avg`` is above ``max_imbalance ×`` the mean and
-        above the mean by ``min_excess`` (in ``avg``'s unit); False during the warm-up."""
-        if self._decisions < WARM_UP_SAMPLES * len(avg):
+        above the mean by ``min_excess`` (in ``avg``'s unit); False during the warm-up
+        unless ``warm_up`` is False."""
+        if warm_up and self._decisions < WARM_UP_SAMPLES * len(avg):
             return False  # too few samples: the smoothed loads are still noise
         mean = sum(avg.values()) / len(avg)
         bound = max(self.max_imbalance * mean, mean + min_excess)

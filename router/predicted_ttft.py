@@ -22,7 +22,8 @@ holder on its own: a queue that is long at the moment of one decision is a burst
 in seconds, while a copy of a prefix is permanent — it costs a full prefill and evicts another
 family's blocks (greedy TTFT, bench.ttft_routing: uniform p90 1.16× prefix_aware's, B2B
 hit rate 0.89 → the fleet past saturation collapses). Copies come from the bound below, on
-smoothed backlogs. Ties go to the least loaded, then rendezvous hashing on the first block.
+backlogs averaged over a few decisions. Ties go to the least loaded, then rendezvous hashing on
+the first block.
 
 **What this router sent** (``router/placement_memory.py``). The index shows a block only once
 a prefill has computed it, so the blocks of requests this router sent within the copies'
@@ -44,8 +45,8 @@ burst of new families whose followers the record keeps together left one replica
 
 What ``prefix_aware`` adds stays, in seconds: the KV-saturation skip; a hot prefix (its own
 traffic above ``max_imbalance`` fair shares per holder) gets another holder at once; and the
-**bound**: a prefix gets another holder when every holder's smoothed backlog (the seconds
-above, averaged over ~``load_window`` decisions per replica) exceeds ``max_imbalance ×`` the
+**bound**: a prefix gets another holder when every holder's backlog (the seconds above,
+averaged over ~``BOUND_WINDOW`` (2) decisions per replica) exceeds ``max_imbalance ×`` the
 fleet's mean and the mean by ``(1 + miss_weight) ×`` a copy's prefill — the score's exchange
 rate. In request counts, as ``prefix_aware`` bounds, a half-speed holder never looks busier,
 and past saturation every holder of a long prefix does (B2B: copies that evict, then
@@ -68,6 +69,10 @@ from kvfleet.router.tier_credit import host_credit_s
 MAX_REPORT_AGE_S = 10.0  # older is a clock offset between hosts, not drained work
 DEFAULT_MISS_WEIGHT = 3.0  # see the module docstring (bench.ttft_routing: 0, 1, 3, 6 tried)
 PENDING_KEEP = 0.75  # weight of the old value in the per-replica average of sent prefill seconds
+# Decisions per replica the bound's backlog averages over: the forecast is already the wait a
+# request would see, so only a report-to-report jitter is smoothed (64 hid a slow replica's
+# multi-second cold-start queue for ~30 s: hetero p99 2.35 s, with 2 1.93 s).
+BOUND_WINDOW = 2
 
 
 def report_age(load: Optional[ReplicaLoad], now: float) -> float:
@@ -148,13 +153,14 @@ class PredictedTTFT(PrefixAware):
         return uncached * per_token - credit
 
     def _observe_loads(self, candidates: Sequence[Candidate]) -> dict[str, float]:
-        """Smoothed loads for the bound: predicted backlog seconds (the score's unit: a
-        replica at half speed is twice as loaded at equal counts), or request counts while a
+        """Smoothed loads for the bound: predicted backlog seconds averaged over
+        ~``BOUND_WINDOW`` decisions per replica (the score's unit: a replica at half speed is
+        twice as loaded at equal counts), or request counts over ~``load_window`` while a
         candidate lacks the forecast."""
         counts = super()._observe_loads(candidates)
         if not all(_forecast(c) is not None for c in candidates):
             return counts
-        k = 1.0 - 1.0 / (self.load_window * len(candidates))
+        k = 1.0 - 1.0 / (BOUND_WINDOW * len(candidates))
         for c in candidates:
             rid = c.info.replica_id
             self.avg_backlog_s[rid] = k * self.avg_backlog_s.get(rid, 0.0) + (1 - k) * self.backlog_s(c)
@@ -165,13 +171,14 @@ class PredictedTTFT(PrefixAware):
         """``prefix_aware``'s bound in seconds: holders are overloaded when their smoothed
         backlog exceeds the mean by more than a new copy costs at the score's exchange rate,
         ``(1 + miss_weight) ×`` its prefill on the fastest candidate (in counts a slow holder
-        never looked busier, and past saturation every holder did)."""
+        never looked busier, and past saturation every holder did). No warm-up: a forecast
+        is not the noise a count one heartbeat old is."""
         if not all(_forecast(c) is not None for c in candidates):
             return super()._needs_holder(fair_shares, holders, avg, candidates, chain)
         if fair_shares > self.max_imbalance * len(holders):
             return True
         copy_s = min(self.own_prefill_s(c, chain, matched=0) for c in candidates)
-        return self._overloaded(holders, avg, (1 + self.miss_weight) * copy_s)
+        return self._overloaded(holders, avg, (1 + self.miss_weight) * copy_s, warm_up=False)
 
     def _best_score(self, candidates: Sequence[Candidate], chain: Sequence[bytes]) -> Candidate:
         if not any(c.matched_blocks or c.host_blocks for c in candidates):

@@ -128,13 +128,27 @@ def test_the_bound_counts_seconds_not_requests():
     for weight in (0.0, 3.0):
         stay = PredictedTTFT(miss_weight=weight, popularity_window=10_000)
         assert route_many(stay, 0.3, 6) == {"a"}
-    # Kept up (the smoothed backlog converges over ~256 decisions here), 3 s of backlog is
+    # Kept up (the bound's backlog averages over ~8 decisions here), 3 s of backlog is
     # worth a copy at miss weight 1 (~2 s over the mean), not at 3 (~4 s) ...
     assert route_many(PredictedTTFT(miss_weight=1, popularity_window=10_000), 3.0, 0) != {"a"}
     assert route_many(PredictedTTFT(miss_weight=3, popularity_window=10_000), 3.0, 0) == {"a"}
     # ... and 8 s is at 3, though the holder's request count matches the others' (a slow
     # replica: few requests, many seconds).
     assert route_many(PredictedTTFT(miss_weight=3, popularity_window=10_000), 8.0, 0) != {"a"}
+
+
+def test_the_bound_in_seconds_fires_within_a_few_decisions_without_a_warm_up():
+    # A holder 8 s behind (a slow replica's cold start): the copy comes on the first decisions,
+    # not after prefix_aware's warm-up (16 decisions per replica) and a 64-per-replica average.
+    policy = PredictedTTFT(miss_weight=3, popularity_window=10_000)
+    got = [next(iter(route_many(policy, 8.0, 0, n=1))) for _ in range(32)]
+    # ~12 decisions: the average passes the mean + 4 × a copy's ~1 s (64 was the warm-up).
+    assert 8 <= got.index(next(r for r in got if r != "a")) < 16
+    # A backlog that lasted one decision is forgotten in a few: the average is short.
+    policy = PredictedTTFT(miss_weight=3, popularity_window=10_000)
+    route_many(policy, 20.0, 0, n=1)
+    assert route_many(policy, 0.0, 0, n=20) == {"a"}
+    assert policy.avg_backlog_s["a"] < 0.5
 
 
 def test_without_the_forecast_the_bound_counts_requests():
