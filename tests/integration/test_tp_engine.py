@@ -3,7 +3,7 @@ transformers' full-prefix forward: the engine-exactness scenarios of
 ``tests/unit/worker/engine/test_engine_exactness.py`` rerun with rank 0's runner a
 :class:`TPExecutor`, plus every sharding layout and SmolLM2 at tp=3.
 
-Each rank group starts once per test session (at most two alive at a time: the file order
+Each rank group starts once per module (at most two alive at a time: the file order
 keeps each group's tests together, 6 group starts where it was 8).
 """
 
@@ -50,7 +50,7 @@ class Groups:
             self.runners.popitem()[1].close()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # closed before the next module's clusters start
 def tp_groups(ray_session):
     groups = Groups()
     yield groups
