@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Optional
 
 from kvfleet.config_codec import from_dict
 from kvfleet.secrets import redis_url_from_env, telemetry_secrets_from_env
+from kvfleet.worker.replica.load_report import combine  # torch-free
 
 # Serve's application build step (a fresh process per deploy) imports this module for the
 # class alone: torch and the engine are imported by the replica process, in __init__.
@@ -105,8 +106,6 @@ class ServeReplica:
         return await asyncio.wrap_future(self._host.submit(self._report()))
 
     async def _report(self) -> dict[str, float]:
-        from kvfleet.worker.replica.load_report import combine
-
         return combine(s.autoscale_report(self._revision) for s in self._host.servers)
 
     async def drain(self, timeout_s: Optional[float] = None) -> int:
