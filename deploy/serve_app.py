@@ -18,12 +18,16 @@ replica lives in the config's deployment entry, readable by an operator:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from kvfleet.allocator.units import cdiv
 from kvfleet.config_codec import to_dict
 from kvfleet.deploy.serve_control import DEPLOYMENT, IMPORT_PATH, app_name
-from kvfleet.worker.replica.replica import ReplicaConfig
+
+# Serve imports this module in a fresh process for every deploy (its build step): keep it
+# free of torch (the replica module imports it): 2-4 s of each application start.
+if TYPE_CHECKING:
+    from kvfleet.worker.replica.replica import ReplicaConfig
 
 SHUTDOWN_MARGIN_S = 15.0  # graceful_shutdown_timeout_s - drain timeout: the stop after a drain
 

@@ -2,7 +2,9 @@
 its timeout, a killed replica replaced, a rolling upgrade — no failed request where none may
 fail. One cluster for the module (tiny Llama, drain timeout 20 s: long enough for a 200-token
 stream on a loaded machine; the Worker.Drain test passes its own short timeout); each test first
-sets the fleet to the size it needs, so any one runs alone (``-k``).
+sets the fleet to the size it needs, so any one runs alone (``-k``). In file order (kill,
+upgrade, scale, Worker.Drain, drain on scale-down) most tests find the size the one before
+left: 8 replica starts in the module where the order above takes 9.
 
 Timings are printed (``-s``), never asserted; ``docs/operating.md`` lists measured ones.
 """
@@ -94,103 +96,9 @@ def index_mentions(redis_url: str, replica_id: str) -> int:
         r.close()
 
 
-def test_scale_2_to_3_to_1_under_traffic_serves_every_request(life, redis_server) -> None:
-    cluster, client = life
-    before = {i.replica_id for i in cluster.scale(2)}
-    # More requests in flight than replicas: least-loaded routing reaches the new one.
-    with Traffic(client, threads=4) as traffic:
-        time.sleep(1.0)
-        t0 = time.monotonic()
-        grown = {i.replica_id for i in cluster.scale(3)}
-        registered = time.monotonic() - t0
-        added = grown - before
-        deadline = time.monotonic() + 20
-        while traffic.first_on(added, t0) is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        first = traffic.first_on(added, t0)
-        t1 = time.monotonic()
-        kept = {i.replica_id for i in cluster.scale(1)}
-        shrunk = time.monotonic() - t1
-        time.sleep(1.0)
-    print(f"\nscale 2→3: serving in {registered:.1f} s, first routed request "
-          f"{(first or t0) - t0:.1f} s after the apply; 3→1 in {shrunk:.1f} s; "
-          f"{len(traffic.ok)} requests")
-    assert len(added) == 1 and first is not None
-    assert traffic.failed == [] and len(traffic.ok) > 10
-    assert {rid for _, rid in traffic.ok} >= added
-    removed = grown - kept
-    assert len(kept) == 1 and len(removed) == 2
-    assert wait_gone(redis_server.url, NAMESPACE, removed)
-    for rid in removed:
-        assert index_mentions(redis_server.url, rid) == 0, rid
-
-
 def _running(address: str) -> int:
     stub = worker_pb2_grpc.WorkerStub(grpc.insecure_channel(address))
     return stub.Stats(worker_pb2.StatsRequest(), timeout=5).running
-
-
-def test_lowering_num_replicas_drains_the_streams_of_whichever_replica_goes(life) -> None:
-    cluster, client = life
-    infos = cluster.scale(2)
-    results: list = []
-
-    def stream(i: int) -> None:
-        try:
-            chunks = list(client.stream(f"Long story {i}:", max_tokens=200, ignore_eos=True,
-                                        timeout=120))
-            results.append(("OK", chunks[-1].completion_tokens, chunks[-1].replica_id))
-        except grpc.RpcError as exc:
-            results.append((exc.code().name, exc.details(), ""))
-
-    threads = []
-    deadline = time.monotonic() + 30
-    while not all(_running(i.address) for i in infos) and time.monotonic() < deadline:
-        t = threading.Thread(target=stream, args=(len(threads),))
-        t.start()
-        threads.append(t)
-        time.sleep(0.1)
-    assert all(_running(i.address) for i in infos), "a replica got no stream"
-    t0 = time.monotonic()
-    serve_control.set_replicas(cluster.app_name, 1)
-    for t in threads:
-        t.join(120)
-    print(f"\ndrain on scale-down: {len(threads)} streams done {time.monotonic() - t0:.1f} s "
-          f"after the apply")
-    assert len(results) == len(threads)
-    assert all(r[0] == "OK" and r[1] == 200 for r in results), results
-    assert len({r[2] for r in results}) == 2  # both replicas streamed
-    cluster.wait_serving(1)
-
-
-def test_worker_drain_past_its_timeout_ends_streams_unavailable_and_serve_replaces_it(life) -> None:
-    cluster, client = life
-    (victim,) = cluster.scale(1)
-    ended: list = []
-
-    def stream() -> None:
-        try:
-            list(client.stream("Drained story:", max_tokens=200, ignore_eos=True, timeout=60))
-            ended.append(("OK", ""))
-        except grpc.RpcError as exc:
-            ended.append((exc.code(), exc.details()))
-
-    t = threading.Thread(target=stream)
-    t.start()
-    deadline = time.monotonic() + 10
-    while not _running(victim.address) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    stub = worker_pb2_grpc.WorkerStub(grpc.insecure_channel(victim.address))
-    reply = stub.Drain(worker_pb2.DrainRequest(timeout_s=0.05), timeout=30)
-    t.join(30)
-    assert reply.running == 1 and reply.ended_by_timeout == 1
-    ((code, details),) = ended
-    assert code == grpc.StatusCode.UNAVAILABLE and "drain" in details, details
-    t0 = time.monotonic()
-    (replacement,) = cluster.wait_serving(1)
-    print(f"\nWorker.Drain: replacement serving {time.monotonic() - t0:.1f} s after the drain")
-    assert replacement.replica_id != victim.replica_id
-    assert client.generate("Served again?", max_tokens=2)
 
 
 def test_a_killed_replica_is_replaced_and_only_its_started_streams_fail(life) -> None:
@@ -270,3 +178,97 @@ def test_a_rolling_upgrade_under_traffic_fails_no_request(life) -> None:
     assert len(out.stdout.splitlines()) == 2 and not old & {i.serve_replica for i in new}
     assert serve_control.app_configs()[cluster.app_name]["args"]["revision"] == "rev-2"
     # A bad --model-dir: tests/unit/deploy/test_cli_args.py (it fails before connecting).
+
+
+def test_scale_2_to_3_to_1_under_traffic_serves_every_request(life, redis_server) -> None:
+    cluster, client = life
+    before = {i.replica_id for i in cluster.scale(2)}
+    # More requests in flight than replicas: least-loaded routing reaches the new one.
+    with Traffic(client, threads=4) as traffic:
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        grown = {i.replica_id for i in cluster.scale(3)}
+        registered = time.monotonic() - t0
+        added = grown - before
+        deadline = time.monotonic() + 20
+        while traffic.first_on(added, t0) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        first = traffic.first_on(added, t0)
+        t1 = time.monotonic()
+        kept = {i.replica_id for i in cluster.scale(1)}
+        shrunk = time.monotonic() - t1
+        time.sleep(1.0)
+    print(f"\nscale 2→3: serving in {registered:.1f} s, first routed request "
+          f"{(first or t0) - t0:.1f} s after the apply; 3→1 in {shrunk:.1f} s; "
+          f"{len(traffic.ok)} requests")
+    assert len(added) == 1 and first is not None
+    assert traffic.failed == [] and len(traffic.ok) > 10
+    assert {rid for _, rid in traffic.ok} >= added
+    removed = grown - kept
+    assert len(kept) == 1 and len(removed) == 2
+    assert wait_gone(redis_server.url, NAMESPACE, removed)
+    for rid in removed:
+        assert index_mentions(redis_server.url, rid) == 0, rid
+
+
+def test_worker_drain_past_its_timeout_ends_streams_unavailable_and_serve_replaces_it(life) -> None:
+    cluster, client = life
+    (victim,) = cluster.scale(1)
+    ended: list = []
+
+    def stream() -> None:
+        try:
+            list(client.stream("Drained story:", max_tokens=200, ignore_eos=True, timeout=60))
+            ended.append(("OK", ""))
+        except grpc.RpcError as exc:
+            ended.append((exc.code(), exc.details()))
+
+    t = threading.Thread(target=stream)
+    t.start()
+    deadline = time.monotonic() + 10
+    while not _running(victim.address) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stub = worker_pb2_grpc.WorkerStub(grpc.insecure_channel(victim.address))
+    reply = stub.Drain(worker_pb2.DrainRequest(timeout_s=0.05), timeout=30)
+    t.join(30)
+    assert reply.running == 1 and reply.ended_by_timeout == 1
+    ((code, details),) = ended
+    assert code == grpc.StatusCode.UNAVAILABLE and "drain" in details, details
+    t0 = time.monotonic()
+    (replacement,) = cluster.wait_serving(1)
+    print(f"\nWorker.Drain: replacement serving {time.monotonic() - t0:.1f} s after the drain")
+    assert replacement.replica_id != victim.replica_id
+    assert client.generate("Served again?", max_tokens=2)
+
+
+def test_lowering_num_replicas_drains_the_streams_of_whichever_replica_goes(life) -> None:
+    cluster, client = life
+    infos = cluster.scale(2)
+    results: list = []
+
+    def stream(i: int) -> None:
+        try:
+            chunks = list(client.stream(f"Long story {i}:", max_tokens=200, ignore_eos=True,
+                                        timeout=120))
+            results.append(("OK", chunks[-1].completion_tokens, chunks[-1].replica_id))
+        except grpc.RpcError as exc:
+            results.append((exc.code().name, exc.details(), ""))
+
+    threads = []
+    deadline = time.monotonic() + 30
+    while not all(_running(i.address) for i in infos) and time.monotonic() < deadline:
+        t = threading.Thread(target=stream, args=(len(threads),))
+        t.start()
+        threads.append(t)
+        time.sleep(0.1)
+    assert all(_running(i.address) for i in infos), "a replica got no stream"
+    t0 = time.monotonic()
+    serve_control.set_replicas(cluster.app_name, 1)
+    for t in threads:
+        t.join(120)
+    print(f"\ndrain on scale-down: {len(threads)} streams done {time.monotonic() - t0:.1f} s "
+          f"after the apply")
+    assert len(results) == len(threads)
+    assert all(r[0] == "OK" and r[1] == 200 for r in results), results
+    assert len({r[2] for r in results}) == 2  # both replicas streamed
+    cluster.wait_serving(1)

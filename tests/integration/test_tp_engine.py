@@ -3,7 +3,8 @@ transformers' full-prefix forward: the engine-exactness scenarios of
 ``tests/unit/worker/engine/test_engine_exactness.py`` rerun with rank 0's runner a
 :class:`TPExecutor`, plus every sharding layout and SmolLM2 at tp=3.
 
-Each rank group starts once per test session (at most two alive at a time).
+Each rank group starts once per module (at most two alive at a time: the file order
+keeps each group's tests together, 6 group starts where it was 8).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class Groups:
             self.runners.popitem()[1].close()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # closed before the next module's clusters start
 def tp_groups(ray_session):
     groups = Groups()
     yield groups
@@ -64,7 +65,9 @@ def tp2(tp_groups, monkeypatch):
     monkeypatch.setattr(lora_harness, "lora_runner_for", lambda model_dir: tp_groups.get(model_dir, 2))
 
 
-FAMILIES = ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_mistral_dir"]
+# The order starts each group once (two stay alive, tests/integration run in file order):
+# qwen2, mistral, then llama for every llama test, then mistral again, then the layouts.
+FAMILIES = ["tiny_qwen2_dir", "tiny_mistral_dir", "tiny_llama_dir"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -90,6 +93,14 @@ def test_tp2_preempted_then_resumed(tp2, tiny_llama_dir) -> None:
 
 def test_tp2_n2_after_copy_on_write(tp2, tiny_llama_dir) -> None:
     exact.test_n2_siblings_after_copy_on_write(tiny_llama_dir, {})
+
+
+def test_tp2_mixed_lora_adapters_and_base(tp2, tiny_llama_dir, tiny_adapters) -> None:
+    """Three adapters + base in one batch at tp=2: LoRA B split with column-parallel Q/K/V and
+    gate/up, A split with row-parallel O and down (see worker/runner/lora/adapter.py)."""
+    import tests.unit.worker.runner.test_lora_exactness as lora
+
+    lora.test_mixed_batch_of_three_adapters_and_base_equals_each_alone(tiny_llama_dir, tiny_adapters)
 
 
 def test_tp2_sliding_window(tp2, tiny_mistral_dir) -> None:
@@ -157,10 +168,3 @@ def test_smollm2_tp3_greedy_equals_tp1(tp_groups, smollm2_dir) -> None:
         print(f"{rid}: first difference at output token {i}, tp=1 top-2 gap {gap:.2e}")
         assert gap < 1e-4, f"{rid}: tp=3 differs at token {i} where tp=1's top-2 gap is {gap:.2e}"
 
-
-def test_tp2_mixed_lora_adapters_and_base(tp2, tiny_llama_dir, tiny_adapters) -> None:
-    """Three adapters + base in one batch at tp=2: LoRA B split with column-parallel Q/K/V and
-    gate/up, A split with row-parallel O and down (see worker/runner/lora/adapter.py)."""
-    import tests.unit.worker.runner.test_lora_exactness as lora
-
-    lora.test_mixed_batch_of_three_adapters_and_base_equals_each_alone(tiny_llama_dir, tiny_adapters)

@@ -21,13 +21,16 @@ import asyncio
 import dataclasses
 import logging
 import os
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from kvfleet.config_codec import from_dict
 from kvfleet.secrets import redis_url_from_env, telemetry_secrets_from_env
-from kvfleet.worker.replica.host import ThreadedHost
-from kvfleet.worker.replica.load_report import combine
-from kvfleet.worker.replica.replica import ReplicaConfig
+from kvfleet.worker.replica.load_report import combine  # torch-free
+
+# Serve's application build step (a fresh process per deploy) imports this module for the
+# class alone: torch and the engine are imported by the replica process, in __init__.
+if TYPE_CHECKING:
+    from kvfleet.worker.replica.replica import ReplicaConfig
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +73,9 @@ class ServeReplica:
 
     def __init__(self, replica: dict, count: int = 1, revision: str = "") -> None:
         from ray import serve
+
+        from kvfleet.worker.replica.host import ThreadedHost
+        from kvfleet.worker.replica.replica import ReplicaConfig
 
         logging.basicConfig(level=logging.INFO,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
