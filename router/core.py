@@ -406,9 +406,12 @@ class RouterCore:
                     if not relayed and attempt < MAX_DISPATCHES:
                         with contextlib.suppress(KvfleetError):
                             retry = await self.route(model, chain, decision.adapter)
-                            if retry.candidate.info.replica_id == info.replica_id:
-                                # Nowhere else known: a replacement may have registered since
-                                # the last registry read (every 0.5 s); read it now.
+                            chosen = retry.candidate.info
+                            if (chosen.replica_id == info.replica_id
+                                    or self.replicas.is_unreachable(chosen)):
+                                # Nowhere reachable known (every known replica failed lately):
+                                # a replacement may have registered since the last registry
+                                # read (every 0.5 s); read it now.
                                 await self.replicas.refresh()
                                 retry = await self.route(model, chain, decision.adapter)
                         if retry is not None and retry.candidate.info.replica_id != info.replica_id:

@@ -167,6 +167,11 @@ class ReplicaSet:
         self._unreachable[info.replica_id] = (info.address, info.epoch,
                                               time.monotonic() + self.unreachable_s)
 
+    def is_unreachable(self, info: ReplicaInfo) -> bool:
+        """Whether ``info`` is marked unreachable (:meth:`mark_unreachable`) and the mark
+        still holds: routing chose it only because every known replica is marked."""
+        return self._is_unreachable(info)
+
     def _is_unreachable(self, info: ReplicaInfo) -> bool:
         mark = self._unreachable.get(info.replica_id)
         if mark is None:

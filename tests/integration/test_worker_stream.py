@@ -190,6 +190,27 @@ async def test_requests_move_off_a_replica_that_died_before_its_heartbeat_expire
     assert "rep-a" in router.replicas.replicas  # still registered: routing went around it
 
 
+async def test_a_request_reaches_a_replacement_when_every_known_replica_is_gone(fleet):
+    """Two crashed replicas still listed, a replacement registered after the router's last
+    registry read: the request moves past both dead ones to the replacement (the router used
+    to alternate between the two dead ones until its dispatches ran out: UNAVAILABLE)."""
+    dead = [await fleet.add_replica("rep-a"), await fleet.add_replica("rep-b")]
+    router = await fleet.add_router()
+    await fleet.wait_replicas(2)
+    served = {(await fleet.generate(prompt(10 + i, 40))).replica_id for i in range(6)}
+    assert served == {"rep-a", "rep-b"}  # both streams are open
+    router.replicas.refresh_interval_s = 3600.0  # only the router's own reads from now on
+    await asyncio.sleep(0.6)  # the refresh loop's current 0.5 s sleep ends
+    for server in dead:  # crashed: nothing deregisters them
+        publisher, server.publisher = server.publisher, None
+        await publisher.close()
+        await server.stop(grace_s=0.1)
+    await fleet.add_replica("rep-c")
+    assert "rep-c" not in router.replicas.replicas
+    out = await fleet.generate(prompt(30, 40))
+    assert out.replica_id == "rep-c" and out.usage.completion_tokens == 2
+
+
 async def test_n_samples_that_finish_in_one_step_each_deliver_their_last_message(fleet):
     """n=2 siblings reach max_tokens in the same engine step: both final messages arrive
     (the engine loop used to drop the request's stream after the first of them)."""
