@@ -153,14 +153,14 @@ class RealFleet:
 
     def pulls(self) -> dict[str, float]:
         """Every replica's ``PullStats`` summed, and ``attempted``: hints that were pulled
-        (landed, refused or failed; ``skipped`` ones were recomputed without asking)."""
+        (landed, empty, refused or failed; ``skipped`` ones were recomputed without asking)."""
         out = {"pulls": 0, "pulled_blocks": 0, "skipped": 0, "refused": 0, "failed": 0,
-               "timed_out": 0}
+               "timed_out": 0, "empty": 0}
         for r in self.replicas:
             if r.service.puller is not None:
                 for k in out:
                     out[k] += getattr(r.service.puller.stats, k)
-        out["attempted"] = out["pulls"] + out["refused"] + out["failed"]
+        out["attempted"] = out["pulls"] + out["refused"] + out["failed"] + out["empty"]
         return out
 
     def set_holder_step_share(self, share: float) -> None:
@@ -172,8 +172,9 @@ class RealFleet:
     def log_pulls(self) -> list[dict]:
         """From now on, one record per hinted request a replica's puller saw (appended to the
         list returned): blocks missing, the predicted pull (with the holder's step) and
-        recompute seconds, the outcome (``landed``, ``skipped``: recomputed without asking,
-        ``refused``, ``timed out``, ``failed``) and the seconds it took."""
+        recompute seconds, the outcome (``landed``, ``empty``: the peer had none of them,
+        ``skipped``: recomputed without asking, ``refused``, ``timed out``, ``failed``) and
+        the seconds it took."""
         records: list[dict] = []
         for r in self.replicas:
             if r.service.puller is not None:
@@ -188,7 +189,8 @@ def _logged(puller, records: list[dict]):
         if hint is None:
             return await prepare(req, hint)
         st = puller.stats
-        before = (st.pulls, st.skipped, st.refused, st.failed, st.timed_out, st.pulled_blocks)
+        before = (st.pulls, st.skipped, st.refused, st.failed, st.timed_out, st.pulled_blocks,
+                  st.empty)
         limit = min(hint.num_blocks, (len(req.prompt_token_ids) - 1) // puller.block_size)
         first = min(hint.first_block, limit)
         rec = {"blocks": limit - first, "tier_hint": bool(hint.tier_id),
@@ -197,10 +199,12 @@ def _logged(puller, records: list[dict]):
                "predicted_recompute_s": puller.recompute_s(first, limit - first)}
         t0 = time.monotonic()
         out = await prepare(req, hint)
-        after = (st.pulls, st.skipped, st.refused, st.failed, st.timed_out, st.pulled_blocks)
+        after = (st.pulls, st.skipped, st.refused, st.failed, st.timed_out, st.pulled_blocks,
+                 st.empty)
         d = [b - a for a, b in zip(before, after, strict=True)]
-        rec["outcome"] = ("landed" if d[0] else "skipped" if d[1] else "refused" if d[2]
-                          else "timed out" if d[4] else "failed" if d[3] else "?")
+        rec["outcome"] = ("landed" if d[0] else "empty" if d[6] else "skipped" if d[1]
+                          else "refused" if d[2] else "timed out" if d[4]
+                          else "failed" if d[3] else "?")
         rec["pulled_blocks"], rec["seconds"] = d[5], time.monotonic() - t0
         records.append(rec)
         return out

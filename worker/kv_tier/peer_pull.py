@@ -132,11 +132,12 @@ class PullCost:
 class PullStats:
     """Counters of one replica's pulls (blocks; seconds as floats)."""
 
-    pulls: int = 0          # pulls that landed
+    pulls: int = 0          # pulls that landed (at least one block)
     pulled_blocks: int = 0
     pull_s: float = 0.0     # their seconds in all
     skipped: int = 0        # hints not worth a pull (too few blocks, recompute cheaper)
     refused: int = 0        # answers whose hashes did not match this replica's chain
+    empty: int = 0          # answered with no block (the peer no longer held them): recomputed
     failed: int = 0         # the peer failed, timed out or was unreachable
     timed_out: int = 0      # of those failed: past the pull's timeout (its own or the RPC's)
 
@@ -249,6 +250,9 @@ class PeerPuller:
                         "chain", _source(hint))
             return dataclasses.replace(req, tier_skip=True)
         seconds = time.perf_counter() - start
+        if not got:  # the peer no longer held them (or its write-back was dropped)
+            self.stats.empty += 1
+            return req
         self.stats.pulls += 1
         self.stats.pulled_blocks += got
         self.stats.pull_s += seconds

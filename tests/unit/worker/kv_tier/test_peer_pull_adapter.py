@@ -89,7 +89,8 @@ def test_a_holder_at_another_adapter_revision_exports_nothing(tiny_llama_dir,
     again = with_adapter(request(base + prompt(3, seed=74), max_tokens=3), "qv")
     assert set(chain_of(a, first)[:5]).isdisjoint(chain_of(b, again)[:5])
     pulled, p = _pull(a, b, again, 5)
-    assert p.stats.pulled_blocks == 0 and store.stats().blocks == 0
+    assert (p.stats.pulls, p.stats.empty, p.stats.pulled_blocks) == (0, 1, 0)
+    assert store.stats().blocks == 0
     _idle(a)
     results = run(b, [pulled])
     assert results[(again.request_id, 0)].last.usage.cached_prompt_tokens == 0
