@@ -43,7 +43,7 @@ import os
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Awaitable, Callable, Optional, Sequence
 
 import grpc
 
@@ -103,18 +103,21 @@ def _kill_tier_actor() -> None:
 
 
 class RealFleet:
-    """Two SmolLM2 replicas and a router on one event loop (a fresh index namespace)."""
+    """``count`` SmolLM2 replicas (default 2) and a router on one event loop (a fresh index
+    namespace); ``replica_options``: more :class:`ReplicaConfig` fields for every replica."""
 
     def __init__(self, model_dir: str, redis_url: str, pool_blocks: int, tier: bool,
-                 pull: bool, max_seqs: int = 2, policy_options: Optional[dict] = None) -> None:
+                 pull: bool, max_seqs: int = 2, policy_options: Optional[dict] = None,
+                 count: int = 2, **replica_options) -> None:
         _kill_tier_actor()  # before the replicas: their engines start the node's tier
         ns = f"tierbench-{uuid.uuid4().hex[:8]}:"
         sched = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=256)
         self.replicas = [ReplicaServer(ReplicaConfig(
             replica_id=f"rep-{i}", model_name=MODEL, model_dir=model_dir, num_blocks=pool_blocks,
             redis_url=redis_url, namespace=ns, heartbeat_interval_s=0.5, scheduler=sched,
-            kv_host_memory_bytes=TIER_BYTES if tier else None, kv_peer_pull=pull))
-            for i in range(2)]
+            kv_host_memory_bytes=TIER_BYTES if tier else None, kv_peer_pull=pull,
+            **replica_options))
+            for i in range(count)]
         self.router = RouterServer(RouterConfig(redis_url=redis_url, model_name=MODEL,
                                                 model_dir=model_dir, port=0, namespace=ns,
                                                 policy_options=policy_options or {}))
@@ -125,10 +128,10 @@ class RealFleet:
         await asyncio.wait_for(self.router.start(), START_TIMEOUT_S)
         for _ in range(200):
             await self.router.replicas.refresh()
-            if len(self.router.replicas.replicas) == 2:
+            if len(self.router.replicas.replicas) == len(self.replicas):
                 return self
             await asyncio.sleep(0.05)
-        raise RuntimeError("the router did not see both replicas")
+        raise RuntimeError("the router did not see every replica")
 
     async def __aexit__(self, *exc) -> None:
         await self.router.stop(grace_s=0.1)
@@ -149,12 +152,64 @@ class RealFleet:
         return {r.cfg.replica_id: r.service.loop.stats.get("kv_tier", {}) for r in self.replicas}
 
     def pulls(self) -> dict[str, float]:
-        out = {"pulls": 0, "pulled_blocks": 0, "skipped": 0, "refused": 0, "failed": 0}
+        """Every replica's ``PullStats`` summed, and ``attempted``: hints that were pulled
+        (landed, empty, refused or failed; ``skipped`` ones were recomputed without asking)."""
+        out = {"pulls": 0, "pulled_blocks": 0, "skipped": 0, "refused": 0, "failed": 0,
+               "timed_out": 0, "empty": 0}
         for r in self.replicas:
             if r.service.puller is not None:
                 for k in out:
                     out[k] += getattr(r.service.puller.stats, k)
+        out["attempted"] = out["pulls"] + out["refused"] + out["failed"] + out["empty"]
         return out
+
+    def set_holder_step_share(self, share: float) -> None:
+        """Price replica pulls with ``share`` of the holder's prefill step (``PeerPuller``)."""
+        for r in self.replicas:
+            if r.service.puller is not None:
+                r.service.puller.holder_step_share = share
+
+    def log_pulls(self) -> list[dict]:
+        """From now on, one record per hinted request a replica's puller saw (appended to the
+        list returned): blocks missing, the predicted pull (with the holder's step) and
+        recompute seconds, the outcome (``landed``, ``empty``: the peer had none of them,
+        ``skipped``: recomputed without asking, ``refused``, ``timed out``, ``failed``) and
+        the seconds it took."""
+        records: list[dict] = []
+        for r in self.replicas:
+            if r.service.puller is not None:
+                r.service.puller.prepare = _logged(r.service.puller, records)
+        return records
+
+
+def _logged(puller, records: list[dict]):
+    prepare = puller.prepare
+
+    async def logged(req, hint):
+        if hint is None:
+            return await prepare(req, hint)
+        st = puller.stats
+        before = (st.pulls, st.skipped, st.refused, st.failed, st.timed_out, st.pulled_blocks,
+                  st.empty)
+        limit = min(hint.num_blocks, (len(req.prompt_token_ids) - 1) // puller.block_size)
+        first = min(hint.first_block, limit)
+        rec = {"blocks": limit - first, "tier_hint": bool(hint.tier_id),
+               "predicted_pull_s": puller.cost.predict_s(limit - first)
+               + puller.holder_wait_s(hint),
+               "predicted_recompute_s": puller.recompute_s(first, limit - first)}
+        t0 = time.monotonic()
+        out = await prepare(req, hint)
+        after = (st.pulls, st.skipped, st.refused, st.failed, st.timed_out, st.pulled_blocks,
+                 st.empty)
+        d = [b - a for a, b in zip(before, after, strict=True)]
+        rec["outcome"] = ("landed" if d[0] else "empty" if d[6] else "skipped" if d[1]
+                          else "refused" if d[2] else "timed out" if d[4]
+                          else "failed" if d[3] else "?")
+        rec["pulled_blocks"], rec["seconds"] = d[5], time.monotonic() - t0
+        records.append(rec)
+        return out
+
+    return logged
 
 
 class HintTally:
@@ -275,14 +330,23 @@ async def _run(a, model_dir: str, redis_url: str) -> dict:
                  "fits_blocks_over_pool": fits.cache_blocks(16) / a.fit_pool_blocks,
                  "runs": {}}
     reqs = b2b_requests(b2b, [(a.rate, a.count)], seed=a.seed, hot_share=a.hot_share)
-    for name in a.configs.split(","):
-        tier, pull = B2B_CONFIGS[name.strip()]
+    shares = [float(x) for x in a.holder_step_shares.split(",")] if a.holder_step_shares else []
+    runs = []  # (name, tier, pull, holder step share or None: the replica's default)
+    for name in (n.strip() for n in a.configs.split(",")):
+        tier, pull = B2B_CONFIGS[name]
+        runs += ([(f"{name} (holder share {x:g})", tier, pull, x) for x in shares]
+                 if pull and shares else [(name, tier, pull, None)])
+    for name, tier, pull, share in runs:
         load0, t0 = _load(), time.monotonic()
         with HintTally() as tally:
             async with RealFleet(model_dir, redis_url, a.pool_blocks, tier, pull, a.max_seqs,
                                  {"popularity_window": a.popularity_window,
                                   "load_penalty_blocks": a.load_penalty}) as fleet:
+                if share is not None:
+                    fleet.set_holder_step_share(share)
+                pull_log = fleet.log_pulls()
                 r = await open_loop(fleet, reqs, a.warmup, b2b.output_tokens)
+                r["pull_log"] = pull_log
         r.update(load_before=load0, load_after=_load(), wall_s=time.monotonic() - t0,
                  routing=tally.counts)
         out["runs"][name] = r
@@ -293,6 +357,10 @@ async def _run(a, model_dir: str, redis_url: str) -> dict:
               f"errors {r['errors']}, pulls {r['pull']}, routing {r['routing']}, "
               f"load {load0:.1f}->{_load():.1f}",
               flush=True)
+        for rec in r.get("pull_log", []):
+            print(f"    hint: {rec['blocks']} blocks, predicted pull {rec['predicted_pull_s']:.2f}"
+                  f" s vs recompute {rec['predicted_recompute_s']:.2f} s -> {rec['outcome']} "
+                  f"({rec['pulled_blocks']} blocks, {rec['seconds']:.2f} s)", flush=True)
     fit_reqs = b2b_requests(fits, [(1.0, a.fit_count)], seed=a.seed)
     for rnd in range(a.fit_rounds):  # alternated: the machine's load drifts
         for name, tier in (("fits, tier off", False), ("fits, tier on", True)):
@@ -309,11 +377,24 @@ async def _run(a, model_dir: str, redis_url: str) -> dict:
     return out
 
 
-def main(argv: Sequence[str]) -> int:
+def on_local_cluster(body: Callable[[str, str], Awaitable[dict]]) -> dict:
+    """``body(model_dir, redis_url)`` run to its end with SmolLM2 prepared, a private
+    redis-server and a local Ray of 2 CPUs, both stopped afterwards whatever happened."""
     from kvfleet.deploy.models import prepare_model
     from kvfleet.deploy.ray_local import init_ray, shutdown_ray
     from kvfleet.deploy.redis_server import start_redis
 
+    model_dir = str(prepare_model(progress=False))
+    redis = start_redis()
+    init_ray(num_cpus=2)
+    try:
+        return asyncio.run(body(model_dir, redis.url))
+    finally:
+        shutdown_ray()
+        redis.stop()
+
+
+def main(argv: Sequence[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m bench tier_b2b_real",
                                 description=__doc__.splitlines()[0])
     p.add_argument("--groups", type=int, default=5)
@@ -341,19 +422,16 @@ def main(argv: Sequence[str]) -> int:
     p.add_argument("--fit-rounds", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--configs", default=",".join(B2B_CONFIGS), help="B2B ones to run")
+    p.add_argument("--holder-step-shares", default="",
+                   help="comma-separated: run each pulling configuration once per value of "
+                        "PeerPuller.holder_step_share (0: the price before the holder's step "
+                        "was counted; default: the replica's own, HOLDER_STEP_SHARE)")
     p.add_argument("--out-name", default="tier_b2b_real", help="bench/results/NAME.{json,png}")
     p.add_argument("--quick", action="store_true", help="a smoke run: 6 requests, 1 fit round")
     a = p.parse_args(argv)
     if a.quick:
         a.count, a.warmup, a.fit_count, a.fit_rounds, a.rate = 6, 2, 4, 1, 1.0
-    model_dir = str(prepare_model(progress=False))
-    redis = start_redis()
-    init_ray(num_cpus=2)
-    try:
-        out = asyncio.run(_run(a, model_dir, redis.url))
-    finally:
-        shutdown_ray()
-        redis.stop()
+    out = on_local_cluster(lambda model_dir, redis_url: _run(a, model_dir, redis_url))
     write_json(f"{a.out_name}.json", out)
     plot_ttft_cdfs({k: v["ttfts_s"] for k, v in out["runs"].items() if not k.startswith("fits")},
                    RESULTS / f"{a.out_name}.png", "B2B on 2 SmolLM2 replicas: TTFT")

@@ -115,6 +115,10 @@ FLAGS: tuple[Flag, ...] = (
          "never pull a prefix the router says another replica holds (default: with "
          "--kv-host-memory, pull it through the node tier when that beats recomputing it)",
          action="store_false"),
+    Flag("--no-kv-hand-over", "replica.kv_hand_over",
+         "a draining replica drops its cached blocks (default: with --kv-host-memory, it "
+         "writes its hottest blocks back to the node tier first, within its drain timeout)",
+         action="store_false"),
     Flag("--kv-prewarm-s", "replica.kv_prewarm_s",
          "with --kv-host-memory: a new replica first restores its node tier's most recently "
          "used blocks of its model into its pool, for at most this many seconds before it "

@@ -38,7 +38,7 @@ _GAUGES = (
 )
 TIERS = ("device", "host")
 _PULL_COUNTERS = (  # (metric, PullStats field, unit, description)
-    (n.METRIC_PEER_PULLS, "pulls", "{pull}", "Peer pulls that landed in the node's host tier"),
+    (n.METRIC_PEER_PULLS, "pulls", "{pull}", "Peer pulls that landed blocks in the node's host tier"),
     (n.METRIC_PEER_PULLED_BLOCKS, "pulled_blocks", "{block}", "Blocks those pulls brought"),
     (n.METRIC_PEER_PULL_TIME, "pull_s", "s", "Seconds those pulls took, in all"),
     (n.METRIC_PEER_PULLS_SKIPPED, "skipped", "{hint}",

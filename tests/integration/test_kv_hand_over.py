@@ -65,6 +65,7 @@ async def test_a_drained_replicas_prefix_is_served_from_the_node_tier_by_a_survi
         await second.start()
         assert await _cached_tokens(first, "a-1") == 0
         await first.drain()
+        assert first.handed_over_blocks == 2
         # The index shows the handed-over blocks in b's node tier (routers credit them to b).
         tier = second.publisher.replica.kv_tier
         assert tier.startswith("tier:")
@@ -106,3 +107,28 @@ async def _prewarmed_replica_serves_from_its_pool(third: ReplicaServer, chain, r
     assert await _cached_tokens(third, "c-1") == 32
     assert third.engine.executor.tier.stats.restores == 2  # the pre-warm's; none at admission
     assert third.engine.stats()["prefix_hits"]["device"] == 32
+
+
+async def test_a_replica_drained_without_the_hand_over_leaves_its_blocks_to_no_one(
+        ray_session, tiny_llama_dir, redis_server, redis_namespace) -> None:
+    """``kv_hand_over=False`` (``--no-kv-hand-over``): the drain writes nothing to the node's
+    tier, and the survivor recomputes the drained replica's prefix."""
+    import dataclasses
+
+    _no_tier_actor(ray_session)
+    first = ReplicaServer(dataclasses.replace(
+        _config("a", tiny_llama_dir, redis_server.url, redis_namespace), kv_hand_over=False))
+    second = ReplicaServer(_config("b", tiny_llama_dir, redis_server.url, redis_namespace))
+    try:
+        await first.start()
+        await second.start()
+        assert await _cached_tokens(first, "a-1") == 0
+        await first.drain()
+        assert first.drained and first.handed_over_blocks == 0
+        assert node_tier(16 << 20).stats().blocks == 0
+        assert await _cached_tokens(second, "b-1") == 0
+        assert second.engine.executor.tier.stats.restores == 0
+    finally:
+        await first.stop()
+        await second.stop()
+        ray_session.kill(node_tier(16 << 20).actor)

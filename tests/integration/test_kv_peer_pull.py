@@ -27,15 +27,22 @@ def _prompt(seed: int) -> list[int]:
     return [(7 * i + seed) % 1000 + 5 for i in range(40)]  # 2 full blocks of 16 reusable
 
 
+def hinted_request(rid: str, tokens: list[int],
+                   peer: ReplicaServer | None = None) -> worker_pb2.WorkerGenerateRequest:
+    """2 tokens of ``tokens``, with a hint naming ``peer`` as the holder of 2 full blocks."""
+    req = worker_pb2.WorkerGenerateRequest(request_id=rid, prompt_token_ids=tokens,
+                                           tenant="default")
+    req.sampling.max_tokens = 2
+    req.sampling.ignore_eos = True
+    if peer is not None:
+        req.peer.replica_id, req.peer.address, req.peer.num_blocks = "a", peer.address, 2
+    return req
+
+
 async def _cached_tokens(server: ReplicaServer, rid: str, tokens: list[int],
                          peer: ReplicaServer | None = None) -> int:
     async with grpc.aio.insecure_channel(server.address) as channel:
-        req = worker_pb2.WorkerGenerateRequest(request_id=rid, prompt_token_ids=tokens,
-                                               tenant="default")
-        req.sampling.max_tokens = 2
-        req.sampling.ignore_eos = True
-        if peer is not None:
-            req.peer.replica_id, req.peer.address, req.peer.num_blocks = "a", peer.address, 2
+        req = hinted_request(rid, tokens, peer)
         last = None
         async for m in worker_pb2_grpc.WorkerStub(channel).Generate(req):
             last = m

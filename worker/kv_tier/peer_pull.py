@@ -27,6 +27,8 @@ import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable, NamedTuple, Optional, Protocol, Sequence
 
+import grpc
+
 from kvfleet.allocator.hashing import block_hash_chain, root_hash
 from kvfleet.errors import InvalidArgument
 from kvfleet.index_keys import tier_node
@@ -130,12 +132,14 @@ class PullCost:
 class PullStats:
     """Counters of one replica's pulls (blocks; seconds as floats)."""
 
-    pulls: int = 0          # pulls that landed
+    pulls: int = 0          # pulls that landed (at least one block)
     pulled_blocks: int = 0
     pull_s: float = 0.0     # their seconds in all
     skipped: int = 0        # hints not worth a pull (too few blocks, recompute cheaper)
     refused: int = 0        # answers whose hashes did not match this replica's chain
+    empty: int = 0          # answered with no block (the peer no longer held them): recomputed
     failed: int = 0         # the peer failed, timed out or was unreachable
+    timed_out: int = 0      # of those failed: past the pull's timeout (its own or the RPC's)
 
 
 class PeerPuller:
@@ -144,8 +148,8 @@ class PeerPuller:
     Args:
         client: asks a peer to export.
         step_cost: this replica's step-cost model (the recompute side of the decision).
-        identity_digest: the served model's identity (the chain's root; adapter requests are
-            not pulled: their revision is pinned only at admission).
+        identity_digest: the served model's identity (the chain's root of a base-model
+            request).
         block_size, max_batched_tokens: the engine's (prefill runs in chunks of the latter).
         cost: the pull side of the decision.
         node_id: this replica's Ray node; ``relay`` copies an export that landed in another
@@ -161,6 +165,10 @@ class PeerPuller:
             is priced this share of one full prefill chunk (``max_batched_tokens``) more — the
             expected rest of the holder's step (0.5: a holder always prefilling). Tier hints
             wait for no step. 0: no wait priced.
+        adapter_digest: the chain root's identity digest of a request for an adapter (its
+            name → the model's identity with the revision served now); None: adapter
+            requests are not pulled. The revision is pinned again at admission: if it changed
+            in between, the pulled blocks are under the old revision's hashes and simply miss.
     """
 
     def __init__(self, client: PeerClient, step_cost: StepCostModel, identity_digest: bytes,
@@ -169,8 +177,10 @@ class PeerPuller:
                  max_timeout_s: float = MAX_PULL_TIMEOUT_S,
                  min_timeout_s: float = MIN_PULL_TIMEOUT_S,
                  landed: Optional[Landed] = None, tiers: Optional[PeerClient] = None,
-                 holder_step_share: float = 0.0) -> None:
+                 holder_step_share: float = 0.0,
+                 adapter_digest: Optional[Callable[[str], bytes]] = None) -> None:
         self.client, self.step_cost, self.cost = client, step_cost, cost
+        self.adapter_digest = adapter_digest
         self.holder_step_share = holder_step_share
         self.tiers = tiers
         self.identity_digest, self.node_id, self.relay = identity_digest, node_id, relay
@@ -201,7 +211,7 @@ class PeerPuller:
         """Pull ``hint``'s blocks for ``req`` when that beats recomputing them; returns the
         request to run (``tier_skip`` set when the peer's answer was refused). Never raises
         for a failed pull."""
-        if hint is None or req.adapter or req.tier_skip:
+        if hint is None or req.tier_skip or (req.adapter and self.adapter_digest is None):
             return req
         client = self.tiers if hint.tier_id else self.client
         limit = min(hint.num_blocks, (len(req.prompt_token_ids) - 1) // self.block_size)
@@ -212,7 +222,14 @@ class PeerPuller:
                 or self.cost.predict_s(limit - first) + wait_s >= recompute_s):
             self.stats.skipped += 1
             return req
-        root = root_hash(self.identity_digest, req.cache_scope or req.tenant, req.cache_salt)
+        digest = self.identity_digest
+        try:
+            if req.adapter and self.adapter_digest is not None:
+                digest = self.adapter_digest(req.adapter)
+        except Exception:  # an adapter not served here: admission refuses it, nothing to pull
+            self.stats.skipped += 1
+            return req
+        root = root_hash(digest, req.cache_scope or req.tenant, req.cache_salt)
         chain = block_hash_chain(root, req.prompt_token_ids[:limit * self.block_size],
                                  self.block_size)
         wanted = tuple(chain[first:limit])
@@ -225,6 +242,7 @@ class PeerPuller:
             log.warning("pull of %d blocks from %s failed: %s", len(wanted), _source(hint),
                         f"{type(exc).__name__}: {exc}")
             self.stats.failed += 1
+            self.stats.timed_out += _is_timeout(exc)
             return req
         if got is None:
             self.stats.refused += 1
@@ -232,6 +250,9 @@ class PeerPuller:
                         "chain", _source(hint))
             return dataclasses.replace(req, tier_skip=True)
         seconds = time.perf_counter() - start
+        if not got:  # the peer no longer held them (or its write-back was dropped)
+            self.stats.empty += 1
+            return req
         self.stats.pulls += 1
         self.stats.pulled_blocks += got
         self.stats.pull_s += seconds
@@ -256,6 +277,12 @@ class PeerPuller:
                 break
             await asyncio.sleep(LANDED_POLL_S)
         return len(hashes)
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    """The pull's own bound, or the export RPC's deadline."""
+    return isinstance(exc, TimeoutError) or (
+        isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 def _source(hint: PeerHint) -> str:

@@ -3,7 +3,7 @@ host tier to land them in."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -35,4 +35,13 @@ def build_puller(engine: Engine, enabled: bool, internal_tls: bool,
                       landed=((lambda hashes: tier.store.lookup(hashes, all_ranks))
                               if len(all_ranks) > 1 else None),
                       tiers=TierPeer(relay.source, all_ranks),
-                      holder_step_share=HOLDER_STEP_SHARE)
+                      holder_step_share=HOLDER_STEP_SHARE,
+                      adapter_digest=adapter_digest(engine))
+
+
+def adapter_digest(engine: Engine) -> Optional[Callable[[str], bytes]]:
+    """An adapter's chain-root digest at the revision ``engine`` serves now (None: it serves
+    no adapter). Raises NotFound for an adapter it does not serve."""
+    if engine.adapters is None:
+        return None
+    return lambda name: engine.lora.digest_for(engine.lora.pin(name))

@@ -112,6 +112,9 @@ class ReplicaConfig:
     # Pull a prefix the router says a peer holds when that beats recomputing it (issue 26 §2;
     # needs the host tier, which the blocks travel through).
     kv_peer_pull: bool = True
+    # On a drain, write the hottest cached blocks back to the node's tier before deregistering
+    # (issue 26 §3; needs the host tier). False: they are dropped with the pool.
+    kv_hand_over: bool = True
     # Before serving, restore the node tier's hottest blocks of this identity into the pool
     # for at most this long (issue 26 §3; 0: off; needs the host tier).
     kv_prewarm_s: float = 0.0
@@ -291,6 +294,7 @@ class ReplicaServer:
         self.latency = LatencyWindow()
         # The queue-delay prediction's step prices: the cost model's calibrated constants.
         self.drained = False  # a drain completed: deregistered, refusing every request
+        self.handed_over_blocks = 0  # written to the node's tier by the drain (kv_hand_over)
 
     async def start(self) -> str:
         """Start serving; returns ``host:port``. Raises OSError if the port is taken."""
@@ -470,11 +474,12 @@ class ReplicaServer:
             end = time.monotonic() + 5.0  # the ends reach their streams at the next step
             while held.count and time.monotonic() < end:
                 await asyncio.sleep(0.02)
-        if self._loop is not None and self.cfg.kv_host_memory_bytes:
+        if self._loop is not None and self.cfg.kv_host_memory_bytes and self.cfg.kv_hand_over:
             # Hand the hottest cached blocks to the node's tier within what is left of the
             # drain's time (at least a second): the node's other replicas restore them.
             n = await self._loop.hand_over(self.engine.kv.num_total_blocks,
                                            max(1.0, deadline - time.monotonic()))
+            self.handed_over_blocks = n
             log.info("replica %s handed %d blocks over to the node's kv tier",
                      self.cfg.replica_id, n)
         self._stopping = True  # no beat may re-register the drained replica

@@ -22,6 +22,8 @@ def test_the_flag_lands_in_the_replica_config_and_bad_values_exit_2(tiny_llama_d
     assert default.replica.kv_host_memory_bytes is None
     assert default.replica.kv_peer_pull and not cluster_config(cli.build_parser().parse_args(
         ["up", "--model", str(tiny_llama_dir), "--no-kv-peer-pull"])).replica.kv_peer_pull
+    assert default.replica.kv_hand_over and not cluster_config(cli.build_parser().parse_args(
+        ["up", "--model", str(tiny_llama_dir), "--no-kv-hand-over"])).replica.kv_hand_over
     assert cli.main(["up", "--model", str(tiny_llama_dir), "--kv-host-memory", "lots"]) == 2
     assert "--kv-host-memory" in capsys.readouterr().err
     assert default.replica.kv_prewarm_s == 0.0  # off

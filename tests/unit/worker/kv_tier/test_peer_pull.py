@@ -203,7 +203,7 @@ def test_an_export_whose_transfer_fails_reports_nothing_and_releases_its_blocks(
         return await p.prepare(again, hint(5)), p
 
     pulled, p = asyncio.run(with_loop(a, pull))
-    assert p.stats.pulls == 1 and p.stats.pulled_blocks == 0  # answered: nothing exported
+    assert (p.stats.pulls, p.stats.empty, p.stats.pulled_blocks) == (0, 1, 0)  # nothing exported
     assert a.exports.exported_blocks == 0 and store.stats().blocks == 0
     _idle(a)
     results = run(b, [pulled])
@@ -226,7 +226,7 @@ def test_an_export_whose_write_back_was_dropped_answers_only_what_landed(tiny_ll
 
     pulled, p = asyncio.run(with_loop(a, pull))
     assert store.stats().blocks == 0
-    assert p.stats.pulls == 1 and p.stats.pulled_blocks == 0
+    assert (p.stats.pulls, p.stats.empty, p.stats.pulled_blocks) == (0, 1, 0)
     _idle(a)
     results = run(b, [pulled])
     assert results[(again.request_id, 0)].last.usage.cached_prompt_tokens == 0
