@@ -1,6 +1,7 @@
 """Priority classes and tenant fairness under the ITL target on a virtual clock (issue 25 §2, §3).
 
     .venv/bin/python -m bench class_sim [--itl-target-ms 150] [--seconds 120] [--seeds 0,1,2]
+        [--layer-yield [--model smollm2-135m-instruct] [--yield-cost-layers 1]]
 
 One replica's real scheduler and block pool (16 running + 256 waiting, 640 blocks of 16), each
 step lasting exactly what the benches' cost model says (``MEASURED × 0.05``: 16 ms a step,
@@ -20,12 +21,16 @@ first token). Per seed and with ``class_step`` off and on:
   both ÷ alone (target ≤ 2); then both backlogged (16 closed-loop clients each, A's prompts 256 tokens):
   B's share of computed tokens (uncached prompt + output) in the middle half (fair 0.5 ± 10 %).
 
+``--layer-yield``: steps pause between decoder layers (as many as the model's config has) for
+a nested step of a higher class (:class:`Yield`, ``worker/engine/layer_yield.py``).
+
 Capacity: completions/s of 16 closed-loop default clients. JSON: ``bench/results/class_sim.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import random
@@ -94,6 +99,7 @@ def simulate(streams: list[Stream], config: SchedulerConfig, seconds: float, see
     meta: dict[str, tuple[Stream, float]] = {}
     held = {st.tenant: 0 for st in streams}
     n = i = yields = 0
+    classes = {st.priority for st in streams}
 
     def arrive(until: float) -> None:
         nonlocal i, n
@@ -144,9 +150,10 @@ def simulate(streams: list[Stream], config: SchedulerConfig, seconds: float, see
         total = max(COST.step_seconds(out.plan), 1e-3)
         layer = total / yd.layers
         t, progress = start, 0.0  # virtual now, seconds of ``out`` done
-        while True:
-            urgent = next((max(a[0], t) for a in arrivals[i:] if yields_to(out, a[1].priority)),
-                          None)
+        to = {p for p in classes if yields_to(out, p)}  # the classes ``out`` yields to
+        while to:
+            urgent = next((max(a[0], t) for a in itertools.islice(arrivals, i, None)
+                           if a[1].priority in to), None)
             if may_yield(sched, out):
                 urgent = t
             if urgent is None:
@@ -273,7 +280,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                   f"{fa['backlogged']['A']['itl_p99_ms']:.0f} ms | {pr['yields']}")
     RESULTS.mkdir(parents=True, exist_ok=True)
     tag = (("" if a.seat_share == 0.5 else f"-seats{a.seat_share:g}")
-           + ("-fixed" if a.fixed_seats else "") + ("-yield" if a.layer_yield else ""))
+           + ("-fixed" if a.fixed_seats else "") + ("-yield" if a.layer_yield else "")
+           + (f"{a.yield_cost_layers:g}" if a.layer_yield and a.yield_cost_layers != 1 else ""))
     path = RESULTS / f"class_sim{tag}.json"
     path.write_text(json.dumps({"args": vars(a), "runs": runs}, indent=1) + "\n")
     print(f"wrote {path}")

@@ -72,8 +72,8 @@ def may_yield(sched: Scheduler, paused: SchedulerOutput) -> bool:
 
 def nested_step(sched: Scheduler, paused: SchedulerOutput, now: float) -> SchedulerOutput:
     """Plan the step that runs while ``paused`` (planned, not yet done) waits between two
-    layers: first prefill chunks of waiting sequences of a class strictly better than every
-    row of ``paused``, on free blocks and free or borrowable seats (module docstring). Admits
+    layers: first prefill chunks of waiting sequences of a class ``paused`` yields to
+    (:func:`yields_to`), on free blocks and free or borrowable seats (module docstring). Admits
     them (they are running after this call, as after :meth:`Scheduler.schedule`).
 
     Returns:

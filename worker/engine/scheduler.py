@@ -174,10 +174,10 @@ class Scheduler:
     def schedule_nested(self, paused: SchedulerOutput, now: Optional[float] = None
                         ) -> SchedulerOutput:
         """Plan a nested step to run while ``paused`` (planned by :meth:`schedule`, its
-        forward in flight) waits between two layers: only waiting sequences of a strictly
-        better class than all of its rows, free blocks only, no preemption, none of its
-        sequences touched (:func:`~.layer_yield.nested_step`). An empty step when none may
-        run (too few blocks or seats, nothing better waiting, a host tier)."""
+        forward in flight) waits between two layers: only waiting sequences of a class it
+        yields to (a lower class in it, nothing better), free blocks only, no preemption,
+        none of its sequences touched (:func:`~.layer_yield.nested_step`). An empty step
+        when none may run (too few blocks or seats, nothing it yields to, a host tier)."""
         return nested_step(self, paused, time.monotonic() if now is None else now)
 
     def _schedule_running(self, budget: StepBudget, sit_out: frozenset[str],
