@@ -243,3 +243,12 @@ def test_engine_loop_takes_new_requests_mid_step_and_applies_an_abort_after_it(
         assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
     finally:
         loop.close()
+
+
+def test_a_replica_config_refuses_layer_yield_beside_tensor_parallel_ranks() -> None:
+    from kvfleet.worker.engine.scheduler_config import SchedulerConfig
+    from kvfleet.worker.replica.replica import ReplicaConfig
+
+    with pytest.raises(ValueError, match="layer_yield"):
+        ReplicaConfig(replica_id="r", model_name="m", model_dir="/m", tensor_parallel_size=2,
+                      scheduler=SchedulerConfig(layer_yield=True))
