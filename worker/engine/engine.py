@@ -120,8 +120,7 @@ class Engine:
         self.step_cost = step_cost or StepCost(MEASURED)
         if config.layer_yield and not getattr(executor, "pausable", False):
             raise ValueError("layer_yield (--layer-yield) needs an executor that can pause a "
-                             "forward between layers: the model executor with "
-                             "tensor_parallel_size 1")
+                             "forward between layers: tensor_parallel_size 1")
         self.scheduler = Scheduler(config, kv, self.step_cost, tier)
         self.exports = TierExports(kv)  # blocks a peer asked for, moved with the next step
         self.lora = AdapterQueue(adapters, identity, identity_digest, self.scheduler)

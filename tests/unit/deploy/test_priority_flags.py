@@ -50,6 +50,6 @@ def test_layer_yield_flag_lands_off_by_default_and_is_refused_beside_tp(tiny_lla
             ["up", "--model", str(tiny_llama_dir), *argv]))
     assert config("--layer-yield").replica.scheduler.layer_yield
     assert not config().replica.scheduler.layer_yield
-    for argv in (["--tp", "2"], ["--executor", "cost-model"]):
-        with pytest.raises(ValueError, match="--layer-yield"):
-            config("--layer-yield", *argv)
+    assert config("--layer-yield", "--executor", "cost-model").replica.scheduler.layer_yield
+    with pytest.raises(ValueError, match="--layer-yield"):
+        config("--layer-yield", "--tp", "2")
