@@ -9,9 +9,9 @@ current layer (its hidden states kept, the KV of the layers done already in its 
 run a **nested step** (:func:`nested_step`), then resume the paused step from the next layer.
 The residual wait is about one layer (SmolLM2: 30) instead of a whole step.
 
-**Built so far: the scheduler rule, driven by the virtual-clock sim** (``bench class_sim
---layer-yield``); the engine does not pause a forward yet (docs/slo.md §2, "Layer-level
-yield", says why: the sim misses the batch-throughput target). The rule, so that the paused
+This module is the scheduler's rule, driven by the virtual-clock sim (``bench class_sim
+--layer-yield``) and by the engine (:mod:`.yield_step`, with ``SchedulerConfig.layer_yield``,
+default off: docs/slo.md §2, "Layer-level yield", says why). The rule, so that the paused
 step is never disturbed:
 
 * it yields to a class when it holds a row of a strictly lower class, no row of a better
@@ -30,8 +30,9 @@ step is never disturbed:
   (an allocation may evict a cached block that must be written back first): those wait for
   the next whole step.
 
-Only an executor that runs the whole model in-process could pause (tp = 1): tensor-parallel
-ranks run each step in lockstep from one plan, so their steps would stay whole.
+Only an executor that runs the whole model in-process pauses (tp = 1): tensor-parallel
+ranks run each step in lockstep from one plan, so their steps stay whole (the flag is
+refused with ``--tp > 1``).
 """
 
 from __future__ import annotations

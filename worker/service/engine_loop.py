@@ -202,6 +202,7 @@ class EngineLoop:
             self._after_step()
 
     def _drain_inbox(self, block: bool) -> None:
+        self._arrived.clear()  # what is submitted from here on is seen by this drain or a take
         deferred, self._deferred = self._deferred, []
         for item in deferred:  # taken during the last step, after its new requests
             self._apply(item)
