@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 from typing import Callable
 
 import pytest
@@ -252,3 +253,62 @@ def test_a_replica_config_refuses_layer_yield_beside_tensor_parallel_ranks() -> 
     with pytest.raises(ValueError, match="layer_yield"):
         ReplicaConfig(replica_id="r", model_name="m", model_dir="/m", tensor_parallel_size=2,
                       scheduler=SchedulerConfig(layer_yield=True))
+
+
+class HoldAfterFirstLayer:
+    """Wraps the engine's executor: the first pausable step holds after its first layer
+    until ``release`` is set (``held`` tells the test), then asks the real ``should_yield``."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.held, self.release = threading.Event(), threading.Event()
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def execute_pausable(self, plan: StepPlan, should_yield):
+        if self.held.is_set():
+            return self.inner.execute_pausable(plan, should_yield)
+
+        def hold() -> bool:
+            if not self.held.is_set():
+                self.held.set()
+                assert self.release.wait(30), "the test never released the step"
+            return should_yield()
+        return self.inner.execute_pausable(plan, hold)
+
+
+def test_engine_loop_thread_streams_the_nested_first_token_before_the_paused_steps(
+        tiny_llama_dir) -> None:
+    """The engine thread for real: an interactive request submitted while a batch prompt's
+    step is between layers gets its first token out before the batch request's (which that
+    step produces). Synchronised by events, never by time."""
+    engine, rec = make_engine(tiny_llama_dir, layer_yield=True)
+    hold = HoldAfterFirstLayer(rec)
+    engine.executor = hold
+    batch = dataclasses.replace(request(prompt(20, seed=90), max_tokens=3), priority=BATCH)
+    chat = dataclasses.replace(request(prompt(9, seed=91), max_tokens=2), priority=INTERACTIVE)
+    seen: list[str] = []
+
+    async def consume(eloop: EngineLoop, req: EngineRequest) -> None:
+        async for o in eloop.generate(req):
+            seen.append(o.request_id)
+
+    async def main() -> None:
+        eloop = EngineLoop(engine, asyncio.get_running_loop())
+        eloop.start()
+        try:
+            first = asyncio.create_task(consume(eloop, batch))
+            assert await asyncio.to_thread(hold.held.wait, 30)
+            second = asyncio.create_task(consume(eloop, chat))
+            while eloop._inbox.empty():  # the add is queued before the step goes on
+                await asyncio.sleep(0)
+            hold.release.set()
+            await asyncio.wait_for(asyncio.gather(first, second), 60)
+        finally:
+            eloop.stop()
+    asyncio.run(main())
+    assert seen[0] == chat.request_id and seen.count(batch.request_id) == 3
+    plans = [[c.seq_id for c in p.chunks] for p in rec.plans]
+    assert plans[:2] == [[f"{chat.request_id}#0"], [f"{batch.request_id}#0"]], "nested first"
+    assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
