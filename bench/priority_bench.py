@@ -135,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="replicas' --itl-target-ms (in the scaled cost model's milliseconds)")
     p.add_argument("--no-class-step", action="store_true",
                    help="replicas' class_step off: a prefill's step carries every row (A/B)")
+    p.add_argument("--layer-yield", action="store_true",
+                   help="replicas' --layer-yield: a batch step pauses between layers for a "
+                        "nested interactive step (A/B)")
     p.add_argument("--tag", default="")
     p.add_argument("--router-arg", action="append", default=[], dest="router_args")
     a = p.parse_args(argv)
@@ -142,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
               scheduler={"preempt_streaming": a.preempt_streaming, "batch_share": a.batch_share,
                          "itl_target_ms": a.itl_target_ms,
                          # only when set: a checkout before class_step runs too (A/B)
-                         **({"class_step": False} if a.no_class_step else {})})
+                         **({"class_step": False} if a.no_class_step else {}),
+                         **({"layer_yield": True} if a.layer_yield else {})})
     RESULTS.mkdir(parents=True, exist_ok=True)
     keys_file = RESULTS / "priority-keys.json"
     keys_file.write_text(json.dumps({"keys": KEYS, "admins": ["chat"]}))

@@ -193,6 +193,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--preempt-streaming", "replica.scheduler.preempt_streaming",
          "a higher priority class may also preempt (by recompute) lower-class requests that "
          "have streamed tokens (default: only those that have not)", action="store_true"),
+    Flag("--layer-yield", "replica.scheduler.layer_yield",
+         "a batch step in flight pauses between decoder layers for a nested step of newly "
+         "arrived higher-class prompts (interactive TTFT beside a batch flood; --tp 1 only: "
+         "refused otherwise)", action="store_true"),
     Flag("--priority-admit", "router.priority_admit",
          "CLASS=FRACTION,...: refuse a priority class's requests once the fleet holds this "
          "fraction of its capacity, keeping the rest for higher classes (default "
@@ -282,6 +286,9 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
     # Beyond loopback: mutual TLS by default (~/.kvfleet/internal-tls), never plaintext.
     replica_values = with_default_internal_tls(values["replica"])
     _check_device(replica_values["device"])
+    if values["replica.scheduler"].get("layer_yield") and replica_values["tensor_parallel_size"] != 1:
+        raise ValueError("--layer-yield needs --tp 1: a forward pauses between layers only when "
+                         "one process runs the whole model")
     if replica_values["tensor_parallel_size"] != 1:  # refuse a split the model cannot take
         from kvfleet.worker.runner.model_config import load_model_config
         from kvfleet.worker.runner.tp.layout import check_tp

@@ -33,6 +33,7 @@ from kvfleet.worker.engine.step_cost import MEASURED, StepCost, plan_shape
 from kvfleet.worker.engine.stop_checker import StopChecker
 from kvfleet.worker.engine.tier_export import ExportDone, TierExports
 from kvfleet.worker.engine.tier_step import move_blocks
+from kvfleet.worker.engine.yield_step import Arrivals, execute_yielding
 from kvfleet.worker.executor.base import Executor
 from kvfleet.worker.kv_tier.lookup import TierLookup
 from kvfleet.worker.kv_tier.tier_stats import tier_stats
@@ -117,6 +118,9 @@ class Engine:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.step_cost = step_cost or StepCost(MEASURED)
+        if config.layer_yield and not getattr(executor, "pausable", False):
+            raise ValueError("layer_yield (--layer-yield) needs an executor that can pause a "
+                             "forward between layers: tensor_parallel_size 1")
         self.scheduler = Scheduler(config, kv, self.step_cost, tier)
         self.exports = TierExports(kv)  # blocks a peer asked for, moved with the next step
         self.lora = AdapterQueue(adapters, identity, identity_digest, self.scheduler)
@@ -194,8 +198,13 @@ class Engine:
                 or self.exports.pending)
 
     # ---- one step ------------------------------------------------------------------------
-    def step(self) -> list[SeqOutput]:
-        """Run one engine step; returns the outputs it produced (possibly none)."""
+    def step(self, arrivals: Arrivals | None = None) -> list[SeqOutput]:
+        """Run one engine step; returns the outputs it produced (possibly none).
+
+        ``arrivals``: where requests arrive during the step; with ``layer_yield`` on, the
+        forward pauses between layers for a nested step of those it yields to, whose outputs
+        go out through ``arrivals.emit`` before this step's (:mod:`.yield_step`).
+        """
         outputs = self._expire_deadlines()
         if self.lora.has_waiting:
             outputs += self.lora.admit(lambda seq, exc: self._finish(seq, FinishReason.ERROR, exc))
@@ -207,24 +216,37 @@ class Engine:
             if self.lora.has_waiting and not outputs:
                 self.lora.wait(0.01)  # nothing to run but a load: do not spin
             return outputs
+        return outputs + self._run(out, arrivals)
+
+    def run_nested(self, paused: SchedulerOutput) -> list[SeqOutput]:
+        """While ``paused``'s forward waits between two layers: plan a nested step
+        (:meth:`Scheduler.schedule_nested`), run it whole, sample; returns its outputs (none
+        when nothing may run). Engine thread only."""
+        return self._run(self.scheduler.schedule_nested(paused, time.monotonic()), None)
+
+    def _run(self, out: SchedulerOutput, arrivals: Arrivals | None) -> list[SeqOutput]:
+        """Forward ``out``, then sample and emit; a failed forward fails its requests only."""
+        if not out.scheduled:
+            return []
         now = time.monotonic()
         for s in out.scheduled:
             if s.seq.timing.first_scheduled is None:
                 s.seq.timing.first_scheduled = now
             if s.seq.num_computed_tokens < s.seq.num_prompt_tokens:  # a prefill chunk (tracing)
                 s.seq.timing.prefill_chunks.append((now, s.num_new_tokens))
-        start = time.perf_counter()
+        start, nested_s = time.perf_counter(), 0.0
         try:
-            logits = self.executor.execute(out.plan)
+            if arrivals is not None and self.scheduler.config.layer_yield:
+                logits, nested_s = execute_yielding(self, out, arrivals)
+            else:
+                logits = self.executor.execute(out.plan)
         except Exception as exc:  # a failed forward fails the requests in it, not the replica
             log.exception("forward failed for %d sequences", len(out.scheduled))
             failed = dict.fromkeys(s.seq.request_id for s in out.scheduled)
-            return outputs + [o for rid in failed
-                              for o in self.abort(rid, FinishReason.ERROR, exc)]
-        self.step_cost.observe(plan_shape(out.plan), time.perf_counter() - start)
+            return [o for rid in failed for o in self.abort(rid, FinishReason.ERROR, exc)]
+        self.step_cost.observe(plan_shape(out.plan), time.perf_counter() - start - nested_s)
         forks = self.scheduler.on_step_done(out)
-        outputs += self._sample_and_emit(out, forks, logits)
-        return outputs
+        return self._sample_and_emit(out, forks, logits)
 
     def _sample_and_emit(self, out: SchedulerOutput, forks: list[Fork], logits) -> list[SeqOutput]:
         rows = [i for i, s in enumerate(out.scheduled) if s.sample]

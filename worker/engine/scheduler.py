@@ -12,7 +12,8 @@ budget (``max_num_batched_tokens``):
 
 With ``itl_target_ms`` set, the step's predicted time is budgeted too (:mod:`.step_budget`),
 and a higher class's or the least-served tenant's prefill runs without the others' rows
-(:mod:`.class_step`). Admission follows the replica's policy (docs/design.md §3; the block
+(:mod:`.class_step`); a step in flight may pause between layers for a nested step of a
+higher class (:mod:`.layer_yield`). Admission follows the replica's policy (docs/design.md §3; the block
 counts: :mod:`.block_admission`):
 
 * ``watermark`` (default): admit when the uncached prompt fits and a free-block watermark
@@ -45,6 +46,7 @@ from kvfleet.worker.engine.class_preemption import preempt_for_higher_class
 from kvfleet.worker.engine.class_step import ClassStep
 from kvfleet.worker.engine.forks import drop_sibling, fork_siblings
 from kvfleet.worker.engine.hit_counts import HitCounts
+from kvfleet.worker.engine.layer_yield import nested_step, return_borrowed_seats
 from kvfleet.worker.engine.priority_queue import PriorityRules, batch_held, insert_waiting, order_key
 from kvfleet.worker.engine.request import SeqStatus, SequenceState
 from kvfleet.worker.engine.scheduler_config import SchedulerConfig
@@ -152,7 +154,9 @@ class Scheduler:
         now = time.monotonic() if now is None else now
         scheduled: list[ScheduledSeq] = []
         copies: list[tuple[int, int]] = []
-        preempted = preempt_for_higher_class(self) if self.config.policy == "watermark" else []
+        preempted = return_borrowed_seats(self)  # a nested step's seats (layer_yield.py)
+        if self.config.policy == "watermark":
+            preempted += preempt_for_higher_class(self)
         sit_out, first = self._sit_out()
         budget = step_budget(self.config, self.kv.block_size, self.step_cost, self.running,
                              bool(self.waiting), sit_out, now)
@@ -166,6 +170,15 @@ class Scheduler:
                            if self.tier else ((), ()))
         return SchedulerOutput(StepPlan(chunks, tuple(copies), saves, restores),
                                tuple(scheduled), tuple(preempted))
+
+    def schedule_nested(self, paused: SchedulerOutput, now: Optional[float] = None
+                        ) -> SchedulerOutput:
+        """Plan a nested step to run while ``paused`` (planned by :meth:`schedule`, its
+        forward in flight) waits between two layers: only waiting sequences of a class it
+        yields to (a lower class in it, nothing better), free blocks only, no preemption,
+        none of its sequences touched (:func:`~.layer_yield.nested_step`). An empty step
+        when none may run (too few blocks or seats, nothing it yields to, a host tier)."""
+        return nested_step(self, paused, time.monotonic() if now is None else now)
 
     def _schedule_running(self, budget: StepBudget, sit_out: frozenset[str],
                           scheduled: list[ScheduledSeq], preempted: list[SequenceState],
@@ -228,25 +241,35 @@ class Scheduler:
             if not self.blocks.admissible(seq, computed, num_cached + n, self.running,
                                           self.pending_forks):
                 break
-            if self.kv.allocate_slots(seq.seq_id, num_cached + n, computed) is None:
+            if not self.admit(seq, computed, hits, n, now):
                 break
-            if self.tier:
-                self.tier.admitted(seq, len(computed), hits)
-            self.waiting.remove(seq)
             running_by_tenant[seq.tenant] += group
             batch_seats += group if seq.priority >= BATCH else 0
-            seq.status = SeqStatus.RUNNING
-            seq.timing.prefill_started = now
-            seq.num_computed_tokens = num_cached
-            if seq.num_cached_tokens is None:
-                seq.num_cached_tokens = num_cached
-                self.hits.admitted(seq.num_tokens, len(computed) * self.kv.block_size,
-                                   len(hits) * self.kv.block_size)
-            self.running.append(seq)
             seats += group
             scheduled.append(ScheduledSeq(seq, n, num_cached + n == seq.num_tokens))
             budget.take(num_cached, n)
             planned[seq.tenant] = planned.get(seq.tenant, 0.0) + self.service.cost(prefill_tokens=n)
+
+    def admit(self, seq: SequenceState, computed: list[int], hits: tuple, n: int,
+              now: float) -> bool:
+        """Move waiting ``seq`` to the running set, reusing its cached blocks ``computed``
+        (device pool) and ``hits`` (host tier) and allocating slots for ``n`` more tokens.
+        Returns False, changing nothing, when the blocks cannot be allocated."""
+        num_cached = (len(computed) + len(hits)) * self.kv.block_size
+        if self.kv.allocate_slots(seq.seq_id, num_cached + n, computed) is None:
+            return False
+        if self.tier:
+            self.tier.admitted(seq, len(computed), hits)
+        self.waiting.remove(seq)
+        seq.status = SeqStatus.RUNNING
+        seq.timing.prefill_started = now
+        seq.num_computed_tokens = num_cached
+        if seq.num_cached_tokens is None:
+            seq.num_cached_tokens = num_cached
+            self.hits.admitted(seq.num_tokens, len(computed) * self.kv.block_size,
+                               len(hits) * self.kv.block_size)
+        self.running.append(seq)
+        return True
 
     def _sit_out(self) -> tuple[frozenset[str], FirstPick]:
         """Running sequences this step leaves out (:class:`ClassStep`; none without it), and

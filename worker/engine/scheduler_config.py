@@ -44,6 +44,10 @@ class SchedulerConfig:
     # With tenant_share < 1: a tenant may run past its share of seats while a waiting tenant
     # has been served more than it (seats then follow service; False: a fixed cap).
     seats_by_service: bool = True
+    # Layer-level yield (layer_yield.py, yield_step.py): a step in flight pauses between
+    # decoder layers for a nested step of newly arrived higher-class prompts. tp = 1 only
+    # (the engine refuses an executor that cannot pause).
+    layer_yield: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

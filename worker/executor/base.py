@@ -17,7 +17,7 @@ running sequence uses); the replica calls :meth:`Executor.ranks`, :meth:`Executo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
@@ -126,4 +126,30 @@ class Executor(Protocol):
 
     def close(self) -> None:
         """Release every rank (idempotent)."""
+        ...
+
+
+class PausableExecutor(Executor, Protocol):
+    """An executor whose forward can stop between decoder layers and resume (layer-level
+    yield, :mod:`kvfleet.worker.engine.layer_yield`): only one that runs the whole model in
+    one process (:class:`~kvfleet.worker.executor.local.LocalExecutor`, tp = 1; and the
+    cost-model executor, whose modelled step sleeps in per-layer slices). Ranks of a
+    tensor-parallel group run each step in lockstep from one broadcast plan, so a nested
+    step would have to be broadcast mid-forward: not built. ``pausable`` is True."""
+
+    pausable: bool
+
+    def execute_pausable(self, plan: StepPlan, should_yield: Callable[[], bool] | None
+                         ) -> Any:
+        """:meth:`Executor.execute`, returning a paused-forward handle instead of logits when
+        ``should_yield()`` (called after each layer but the last) is true.
+
+        Raises:
+            See :meth:`Executor.execute`.
+        """
+        ...
+
+    def resume(self, paused: Any, should_yield: Callable[[], bool] | None = None) -> Any:
+        """Continue a paused forward: its logits (as :meth:`Executor.execute`), or a new
+        handle if it paused again."""
         ...

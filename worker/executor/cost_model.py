@@ -23,6 +23,7 @@ tuned to a target. Sleeping releases the GIL, so many cost-model replicas can sh
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import torch
@@ -36,6 +37,17 @@ from kvfleet.worker.runner.model_config import ModelConfig
 FILLER_LOGIT = 30.0  # the filler token's logit; every other token's is 0
 __all__ = ["MEASURED", "ZERO", "CostModel", "CostModelExecutor", "cost_model_executor",
            "filler_token_id"]
+
+
+@dataclass(frozen=True)
+class PausedSleep:
+    """A modelled step paused before layer ``next_layer`` (``layer_s`` seconds a layer,
+    ``rows`` logits rows; ``slice_start``: the clock its first slice started at)."""
+
+    rows: int
+    layer_s: float
+    next_layer: int
+    slice_start: float
 
 
 class CostModelExecutor:
@@ -76,22 +88,51 @@ class CostModelExecutor:
         """No KV to move: succeeds only when nothing is to be restored."""
         return not restores
 
+    pausable = True  # layer-level yield: the modelled step in config.num_layers equal slices
+
     def execute(self, plan: StepPlan) -> torch.Tensor:
         """Wait the modelled step time; returns float32 ``(len(plan.chunks), vocab_size)``.
 
         Raises:
             ValueError: see :meth:`validate`.
         """
+        result = self.execute_pausable(plan, None)
+        assert isinstance(result, torch.Tensor)  # no should_yield: never paused
+        return result
+
+    def execute_pausable(self, plan: StepPlan, should_yield: Callable[[], bool] | None
+                         ) -> torch.Tensor | PausedSleep:
+        """:meth:`execute` as ``config.num_layers`` equal slices of the modelled time, with
+        ``should_yield()`` after each but the last: True returns a :class:`PausedSleep`
+        (see :class:`~kvfleet.worker.executor.base.PausableExecutor`)."""
         start = self._clock()
         self.validate(plan)
         seconds = self.cost.step_seconds(plan)
         self.busy_s += seconds
         self.last_step_s = seconds
         self.steps += 1
-        remaining = seconds - (self._clock() - start)
+        if should_yield is None:  # one sleep, as before layer yield
+            self._sleep_until(start + seconds)
+            return self._row.expand(len(plan.chunks), -1).clone()
+        return self.resume(PausedSleep(len(plan.chunks), seconds / self.config.num_layers, 0,
+                                       start), should_yield)
+
+    def resume(self, paused: PausedSleep, should_yield: Callable[[], bool] | None = None
+               ) -> torch.Tensor | PausedSleep:
+        """Sleep the paused step's remaining slices (pausing again when ``should_yield()``)."""
+        layers = self.config.num_layers
+        start = paused.slice_start if paused.next_layer == 0 else self._clock()
+        for i in range(paused.next_layer, layers):
+            start += paused.layer_s
+            self._sleep_until(start)
+            if should_yield is not None and i < layers - 1 and should_yield():
+                return PausedSleep(paused.rows, paused.layer_s, i + 1, 0.0)
+        return self._row.expand(paused.rows, -1).clone()
+
+    def _sleep_until(self, t: float) -> None:
+        remaining = t - self._clock()
         if remaining > 0:
             self._sleep(remaining)
-        return self._row.expand(len(plan.chunks), -1).clone()
 
     def load_adapter(self, slot: int, spec: AdapterSpec) -> None:
         """Raises ValueError: the cost model serves no adapters."""

@@ -12,7 +12,7 @@ from kvfleet.worker.executor.base import RankInfo
 from kvfleet.worker.kv_tier.rank_tier import RankTier, transfer
 from kvfleet.worker.runner.lora.adapter import AdapterSpec
 from kvfleet.worker.runner.model_config import ModelConfig
-from kvfleet.worker.runner.model_runner import ModelRunner
+from kvfleet.worker.runner.model_runner import ModelRunner, PausedForward, ShouldYield
 
 
 def rank_info(runner: ModelRunner, rank: int) -> RankInfo:
@@ -32,7 +32,10 @@ def rank_info(runner: ModelRunner, rank: int) -> RankInfo:
 
 class LocalExecutor:
     """:class:`~kvfleet.worker.executor.base.Executor` over one in-process ``runner``
-    (``tier``: its host-tier side, over ``runner.kv_cache``)."""
+    (``tier``: its host-tier side, over ``runner.kv_cache``); a
+    :class:`~kvfleet.worker.executor.base.PausableExecutor`."""
+
+    pausable = True  # layer-level yield: see PausableExecutor
 
     def __init__(self, runner: ModelRunner, tier: RankTier | None = None) -> None:
         self.runner = runner
@@ -57,6 +60,17 @@ class LocalExecutor:
     def execute(self, plan: StepPlan) -> torch.Tensor:
         """See :meth:`ModelRunner.execute`: float32 ``(len(plan.chunks), vocab_size)``."""
         return self.runner.execute(plan)
+
+    def execute_pausable(self, plan: StepPlan, should_yield: ShouldYield | None
+                         ) -> torch.Tensor | PausedForward:
+        """See :meth:`ModelRunner.execute_pausable` (the whole model is in this process, so
+        a forward can stop between layers: tp = 1 only)."""
+        return self.runner.execute_pausable(plan, should_yield)
+
+    def resume(self, paused: PausedForward, should_yield: ShouldYield | None = None
+               ) -> torch.Tensor | PausedForward:
+        """See :meth:`ModelRunner.resume`."""
+        return self.runner.resume(paused, should_yield)
 
     def transfer_blocks(self, saves: Sequence[tuple[int, bytes]],
                         restores: Sequence[tuple[int, bytes]]) -> bool:

@@ -176,6 +176,9 @@ class ReplicaConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.tensor_parallel_size > 1 and self.executor != "model":
             raise ValueError("tensor_parallel_size > 1 needs the model executor")
+        if self.scheduler.layer_yield and self.tensor_parallel_size > 1:
+            raise ValueError("scheduler.layer_yield (--layer-yield) needs tensor_parallel_size 1 "
+                             "(a forward pauses between layers only in one process)")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.executor not in EXECUTORS:

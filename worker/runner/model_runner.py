@@ -43,6 +43,27 @@ class Shard:
 # The whole model on one device: a group of one rank, which has nothing to sum.
 WHOLE = Shard(1, 0, lambda t: t)
 
+# Called after each decoder layer of a pausable forward: True pauses it there.
+ShouldYield = Callable[[], bool]
+
+
+@dataclass
+class PausedForward:
+    """A forward stopped between two decoder layers (:meth:`ModelRunner.execute_pausable`):
+    everything :meth:`ModelRunner.resume` needs to run layers ``next_layer..`` and the LM head.
+    The KV of layers ``< next_layer`` is in ``plan``'s slots; ``hidden`` ``(T, hidden_size)``,
+    ``cos``/``sin`` ``(T, 1, head_dim)``, rows in the runner's (adapter-sorted) order."""
+
+    plan: StepPlan
+    plan_order: torch.Tensor | None  # rows back to plan order (None: already are)
+    meta: attention.AttentionMetadata
+    lora: LoraBatch | None
+    hidden: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    next_layer: int
+    done: bool = False  # resumed already
+
 
 class ModelRunner:
     """One rank's model + KV cache: the whole model, or with ``shard`` one rank's share of
@@ -178,6 +199,22 @@ class ModelRunner:
         Raises:
             OutOfRange, InvalidArgument, ValueError: see :meth:`_check` (nothing is written then).
         """
+        result = self.execute_pausable(plan, None, validated)
+        assert isinstance(result, torch.Tensor)  # no should_yield: never paused
+        return result
+
+    @torch.inference_mode()
+    def execute_pausable(self, plan: StepPlan, should_yield: ShouldYield | None,
+                         validated: bool = False) -> torch.Tensor | PausedForward:
+        """:meth:`execute`, but after each decoder layer but the last, when ``should_yield()``
+        is true, stop and return a :class:`PausedForward` (layer-level yield,
+        :mod:`kvfleet.worker.engine.layer_yield`). Another plan may then run on slots the
+        paused one does not use; :meth:`resume` finishes it. ``should_yield`` is called once
+        per layer: keep it cheap.
+
+        Raises:
+            See :meth:`execute`.
+        """
         assert not self.released, "execute on a released runner (its replica stopped)"
         if not validated:
             self.validate(plan)
@@ -186,16 +223,18 @@ class ModelRunner:
             return torch.empty(0, self.config.vocab_size, dtype=torch.float32)
         slots = [c.adapter_slot for c in plan.chunks]
         if slots == sorted(slots):
-            return self._forward(plan.chunks, None)
+            return self._start(plan, plan.chunks, None, should_yield)
         # Chunks grouped by adapter: each adapter's rows become one contiguous slice (no
         # gather/scatter in the LoRA update); every rank sorts the same plan alike.
         order = sorted(range(len(slots)), key=slots.__getitem__)
-        return self._forward(tuple(plan.chunks[i] for i in order), torch.tensor(order).argsort())
+        return self._start(plan, tuple(plan.chunks[i] for i in order),
+                           torch.tensor(order).argsort(), should_yield)
 
-    def _forward(self, chunks: tuple[SeqChunk, ...], plan_order: torch.Tensor | None
-                 ) -> torch.Tensor:
-        """One forward over ``chunks`` (copies done, validated): their last-token logits, in
-        ``plan_order`` (indices into ``chunks``; None: as given)."""
+    def _start(self, plan: StepPlan, chunks: tuple[SeqChunk, ...],
+               plan_order: torch.Tensor | None, should_yield: ShouldYield | None
+               ) -> torch.Tensor | PausedForward:
+        """Embed ``chunks`` (copies done, validated) and run the layers; ``plan_order``:
+        indices into ``chunks`` giving the plan's row order (None: as given)."""
         meta = attention.build_attention_metadata(chunks, self.block_size, self._windows,
                                                   self.device, self.dtype)
         input_ids = torch.tensor(
@@ -204,9 +243,35 @@ class ModelRunner:
         )
         lora = LoraBatch.build(self.lora_slots, [c.adapter_slot for c in chunks],
                                [len(c.token_ids) for c in chunks], self.device)
-        with self._adapters.step(lora):
-            hidden = self.model.forward(input_ids, meta.positions, meta, self.kv_cache)
-        rows = meta.last_token_indices
-        if plan_order is not None:
-            rows = rows[plan_order.to(rows.device)]
+        hidden, cos, sin = self.model.embed(input_ids, meta.positions)
+        return self._layers(PausedForward(plan, plan_order, meta, lora, hidden, cos, sin, 0),
+                            should_yield)
+
+    @torch.inference_mode()
+    def resume(self, paused: PausedForward, should_yield: ShouldYield | None = None
+               ) -> torch.Tensor | PausedForward:
+        """Continue ``paused`` from its next layer (it may pause again, see
+        :meth:`execute_pausable`); returns its logits as :meth:`execute` would, bit for bit
+        those of an unpaused forward. A handle resumes once.
+
+        Raises:
+            ValueError: ``paused`` was resumed already.
+        """
+        if paused.done:
+            raise ValueError("this paused forward was resumed already")
+        paused.done = True
+        return self._layers(paused, should_yield)
+
+    def _layers(self, f: PausedForward, should_yield: ShouldYield | None
+                ) -> torch.Tensor | PausedForward:
+        # The step's adapter rows are set around its own layers only: a nested step between
+        # two of them sets (and clears) its own.
+        with self._adapters.step(f.lora):
+            hidden, nxt = self.model.run_layers(f.hidden, f.cos, f.sin, f.meta, self.kv_cache,
+                                                f.next_layer, should_yield)
+        if nxt < len(self.model.layers):
+            return PausedForward(f.plan, f.plan_order, f.meta, f.lora, hidden, f.cos, f.sin, nxt)
+        rows = f.meta.last_token_indices
+        if f.plan_order is not None:
+            rows = rows[f.plan_order.to(rows.device)]
         return self.model.compute_logits(hidden[rows]).float().cpu()

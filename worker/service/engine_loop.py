@@ -76,6 +76,10 @@ class EngineLoop:
         # (telemetry: a cancelled request's finish still reaches it).
         self.on_finish = on_finish
         self._inbox: queue.Queue = queue.Queue()
+        # Layer-level yield (Arrivals): set when a request is submitted, read after every
+        # layer of a step; controls taken from the inbox mid-step wait here for its end.
+        self._arrived = threading.Event()
+        self._deferred: list = []
         self._streams: dict[str, Outbox] = {}
         self._stop = threading.Event()
         self._stats: dict = engine.stats()
@@ -115,6 +119,7 @@ class EngineLoop:
                              f"request {req.request_id}")
         admitted = self.loop.create_future()
         self._inbox.put(_Add(req, out, admitted))
+        self._arrived.set()
         try:
             await admitted
         except asyncio.CancelledError:
@@ -187,7 +192,7 @@ class EngineLoop:
             if self._stop.is_set():
                 break
             try:
-                outputs = self.engine.step()
+                outputs = self.engine.step(self)
             except Exception:  # never let the loop die silently: fail everything in flight
                 log.exception("engine step failed; aborting all requests")
                 outputs = []
@@ -197,26 +202,62 @@ class EngineLoop:
             self._after_step()
 
     def _drain_inbox(self, block: bool) -> None:
+        self._arrived.clear()  # what is submitted from here on is seen by this drain or a take
+        deferred, self._deferred = self._deferred, []
+        for item in deferred:  # taken during the last step, after its new requests
+            self._apply(item)
         try:
-            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            item = self._inbox.get(timeout=0.5) if block and not deferred else self._inbox.get_nowait()
         except queue.Empty:
             return
         while item is not None or not self._inbox.empty():
-            if isinstance(item, _Add):
-                self._add(item)
-            elif isinstance(item, _Abort):
-                self._deliver(self.engine.abort(item.request_id, item.reason))
-            elif isinstance(item, _FailAll):
-                for rid in list(self._streams):
-                    self._deliver(self.engine.abort(rid, FinishReason.ERROR, item.error))
-            elif isinstance(item, _HandOver):
-                self._hand_over(item)
-            elif isinstance(item, _Export):
-                self._export(item)
+            self._apply(item)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 break
+
+    def _apply(self, item) -> None:
+        if isinstance(item, _Add):
+            self._add(item)
+        elif isinstance(item, _Abort):
+            self._deliver(self.engine.abort(item.request_id, item.reason))
+        elif isinstance(item, _FailAll):
+            for rid in list(self._streams):
+                self._deliver(self.engine.abort(rid, FinishReason.ERROR, item.error))
+        elif isinstance(item, _HandOver):
+            self._hand_over(item)
+        elif isinstance(item, _Export):
+            self._export(item)
+
+    # ---- Arrivals (yield_step.py): called by the engine in the middle of a step ------------
+    def pending(self) -> bool:
+        """A request was submitted since the last :meth:`take` (one Event read)."""
+        return self._arrived.is_set()
+
+    def take(self) -> None:
+        """Add the requests submitted so far; every other inbox item (abort, fail, export,
+        hand-over, stop) waits in order for the step's end, and so does a request whose id an
+        earlier deferred abort names (the abort applies first, as the inbox ordered)."""
+        self._arrived.clear()
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, _Add) and not any(
+                    isinstance(d, (_Abort, _FailAll)) and getattr(d, "request_id", None)
+                    in (None, item.req.request_id) for d in self._deferred):
+                self._add(item)
+            elif item is not None:
+                self._deferred.append(item)
+            else:
+                self._inbox.put(None)  # stop: seen by the loop after the step
+                return
+
+    def emit(self, outputs: list[SeqOutput]) -> None:
+        """Deliver a nested step's outputs now."""
+        self._deliver(outputs)
 
     def _hand_over(self, item: _HandOver) -> None:
         try:

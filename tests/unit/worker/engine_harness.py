@@ -61,7 +61,18 @@ class RecordingExecutor:
         return getattr(self.executor, name)
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
-        out = self.executor.execute(plan)
+        return self._record(plan, self.executor.execute(plan))
+
+    def execute_pausable(self, plan: StepPlan, should_yield):
+        """A paused forward is recorded when it completes (:meth:`resume`)."""
+        return self._record(plan, self.executor.execute_pausable(plan, should_yield))
+
+    def resume(self, paused, should_yield=None):
+        return self._record(paused.plan, self.executor.resume(paused, should_yield))
+
+    def _record(self, plan: StepPlan, out):
+        if not isinstance(out, torch.Tensor):
+            return out  # paused
         self.plans.append(plan)
         for chunk, row in zip(plan.chunks, out, strict=True):
             pos = chunk.num_computed_tokens + len(chunk.token_ids) - 1

@@ -29,13 +29,15 @@ class AdapterMapping:
 
     @contextmanager
     def step(self, batch: LoraBatch | None) -> Iterator[None]:
-        """Set ``batch`` for the duration of one forward (then drop it: it holds adapter
-        tensors a later :meth:`~.slots.LoraSlots.clear` means to free)."""
-        self.batch = batch
+        """Set ``batch`` for the duration of one forward (or one stretch of its layers), then
+        put back what was set before: None outside a step (it holds adapter tensors a later
+        :meth:`~.slots.LoraSlots.clear` means to free), the outer step's batch when a nested
+        step runs inside one (layer-level yield)."""
+        outer, self.batch = self.batch, batch
         try:
             yield
         finally:
-            self.batch = None
+            self.batch = outer
 
 
 class LoraLinear:

@@ -7,7 +7,7 @@ Adding a family is one module with ``build_model(config, weights, dtype, device)
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -45,6 +45,18 @@ class CausalLM(Protocol):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
         """``input_ids``/``positions`` ``(T,)`` → hidden states ``(T, hidden_size)``."""
+        ...
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(T,)`` ids and positions → ``(hidden, cos, sin)``, the input of :meth:`run_layers`."""
+        ...
+
+    def run_layers(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   meta: AttentionMetadata, kv_cache: KVCache, start: int = 0,
+                   should_yield: Callable[[], bool] | None = None) -> tuple[torch.Tensor, int]:
+        """Layers ``start..`` (stopping after one when ``should_yield()``) → ``(hidden,
+        next_layer)``; ``next_layer == len(layers)`` once all ran."""
         ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

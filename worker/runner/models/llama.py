@@ -157,13 +157,33 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
         """``input_ids``/``positions`` ``(T,)`` → hidden states ``(T, hidden_size)`` (pre final
         norm)."""
+        hidden, cos, sin = self.embed(input_ids, positions)
+        return self.run_layers(hidden, cos, sin, meta, kv_cache)[0]
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``input_ids``/``positions`` ``(T,)`` → ``(hidden (T, hidden_size), cos, sin)``, the
+        RoPE rows ``(T, 1, head_dim)`` every layer uses."""
         hidden = F.embedding(input_ids, self.embed_tokens)
-        cos = self.rope_cos[positions].unsqueeze(1)  # (T, 1, head_dim)
-        sin = self.rope_sin[positions].unsqueeze(1)
-        for i, layer in enumerate(self.layers):
+        return hidden, self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
+
+    def run_layers(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   meta: AttentionMetadata, kv_cache: KVCache, start: int = 0,
+                   should_yield: Callable[[], bool] | None = None) -> tuple[torch.Tensor, int]:
+        """Decoder layers ``start..`` over ``hidden`` ``(T, hidden_size)``; after each layer but
+        the last, stop when ``should_yield()`` is true (layer-level yield).
+
+        Returns:
+            ``(hidden, next_layer)``: ``next_layer == num_layers`` when every layer ran, else
+            the layer to resume from (the KV of layers before it is written).
+        """
+        last = len(self.layers) - 1
+        for i in range(start, last + 1):
             key_cache, value_cache = kv_cache.layer(i)
-            hidden = layer.forward(hidden, cos, sin, meta, key_cache, value_cache)
-        return hidden
+            hidden = self.layers[i].forward(hidden, cos, sin, meta, key_cache, value_cache)
+            if should_yield is not None and i < last and should_yield():
+                return hidden, i + 1
+        return hidden, last + 1
 
     def pack(self, one_row_copy: bool = False) -> None:
         """Turn every loaded matrix into a :class:`Linear` (packed where the platform allows;

@@ -67,6 +67,26 @@ def test_runner_sleeps_the_modelled_time_and_returns_filler_logits(tiny_llama_di
     assert slept == [pytest.approx(0.01 + 0.030 + 0.002)]
 
 
+def test_a_pausable_step_sleeps_per_layer_slice_and_resumes_where_it_paused(tiny_llama_dir):
+    """3 layers: a step paused after layer 1 sleeps 1/3 of its time, the resume the rest."""
+    now = [0.0]
+
+    def sleep(s: float) -> None:
+        now[0] += s
+
+    runner = CostModelExecutor(load_model_config(tiny_llama_dir), COST, filler_token_id=42,
+                               num_blocks=64, block_size=16, sleep=sleep, clock=lambda: now[0])
+    step_s = 0.01 + 0.030 + 0.002
+    asks = []
+    paused = runner.execute_pausable(plan((30, 0), (1, 40)), lambda: asks.append(1) or True)
+    assert not isinstance(paused, torch.Tensor) and paused.next_layer == 1 and asks == [1]
+    assert now[0] == pytest.approx(step_s / 3)
+    now[0] += 5.0  # a nested step ran
+    out = runner.resume(paused, lambda: False)
+    assert out.shape == (2, runner.config.vocab_size) and out.argmax(dim=1).tolist() == [42, 42]
+    assert now[0] == pytest.approx(5.0 + step_s) and runner.steps == 1
+
+
 def _run(engine, batches):
     """Feed request batches (each waits for the previous one to finish); cached tokens by id."""
     cached = {}
