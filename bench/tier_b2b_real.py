@@ -21,7 +21,10 @@ Configurations:
   (the workers' ``prefix_hits`` counters over the counted part), throughput (counted
   requests ÷ their span), pulls, and the routing tally (:class:`HintTally`: decisions routed
   away from the deepest device holder, those the chosen replica's own node tier covered,
-  hints sent). ``--load-penalty`` / ``--popularity-window`` set prefix_aware's knobs,
+  hints sent), and each request's TTFT breakdown (``bench/ttft_breakdown.py``). A name given
+  more than once runs that often, interleaved in the order given (``"tier off,tier on,tier
+  off,tier on"``: ``#1``, ``#2``); ``ratios`` then holds tier on ÷ off pooled and per pair.
+  ``--load-penalty`` / ``--popularity-window`` set prefix_aware's knobs,
   ``--hot-share`` / ``--users`` a hot customer;
 * ``fits, tier off`` / ``fits, tier on``, twice each alternately: a closed loop of 2 clients
   over a workload whose shared blocks fit one pool (``--fit-groups``), for the
