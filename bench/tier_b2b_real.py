@@ -21,7 +21,10 @@ Configurations:
   (the workers' ``prefix_hits`` counters over the counted part), throughput (counted
   requests ÷ their span), pulls, and the routing tally (:class:`HintTally`: decisions routed
   away from the deepest device holder, those the chosen replica's own node tier covered,
-  hints sent). ``--load-penalty`` / ``--popularity-window`` set prefix_aware's knobs,
+  hints sent), and each request's TTFT breakdown (``bench/ttft_breakdown.py``). A name given
+  more than once runs that often, interleaved in the order given (``"tier off,tier on,tier
+  off,tier on"``: ``#1``, ``#2``); ``ratios`` then holds tier on ÷ off pooled and per pair.
+  ``--load-penalty`` / ``--popularity-window`` set prefix_aware's knobs,
   ``--hot-share`` / ``--users`` a hot customer;
 * ``fits, tier off`` / ``fits, tier on``, twice each alternately: a closed loop of 2 clients
   over a workload whose shared blocks fit one pool (``--fit-groups``), for the
@@ -49,6 +52,7 @@ import grpc
 
 from bench.plots import plot_ttft_cdfs
 from bench.result_file import RESULTS, write_json
+from bench.ttft_breakdown import PARTS, TtftProbe, tail_profile
 from bench.workload import B2BWorkload, Request, b2b_requests
 from kvfleet.router.main import RouterConfig, RouterServer
 from kvfleet.v1 import router_pb2, router_pb2_grpc
@@ -68,11 +72,12 @@ class Sent:
     cached: int = 0
     replica: str = ""
     error: str = ""
+    parts: Optional[dict] = None  # TtftProbe.breakdown (open loop)
 
 
 async def _one(stub, r: Request, t0: float, max_tokens: int, out: Sent) -> None:
     """Send ``r`` through the router at its offset (open loop) and record what came back."""
-    req = router_pb2.GenerateRequest()
+    req = router_pb2.GenerateRequest(request_id=f"b2b-{r.index}")
     req.token_ids.ids.extend(r.token_ids)
     req.sampling.max_tokens = max_tokens
     req.sampling.ignore_eos = True
@@ -253,8 +258,10 @@ def _load() -> float:
     return os.getloadavg()[0]
 
 
-async def open_loop(fleet: RealFleet, reqs: list[Request], warmup: int, max_tokens: int) -> dict:
-    """The B2B stream at its offsets; stats over the requests after ``warmup``."""
+async def open_loop(fleet: RealFleet, reqs: list[Request], warmup: int, max_tokens: int,
+                    probe: Optional[TtftProbe] = None) -> dict:
+    """The B2B stream at its offsets; stats over the requests after ``warmup`` (with
+    ``probe``: each request's TTFT breakdown, and its mean over all / the p90 tail)."""
     stub = router_pb2_grpc.RouterStub(channel := grpc.aio.insecure_channel(fleet.router.address))
     sent = [Sent(r) for r in reqs]
     t0 = time.monotonic()
@@ -268,8 +275,16 @@ async def open_loop(fleet: RealFleet, reqs: list[Request], warmup: int, max_toke
     await asyncio.sleep(0.6)  # the engines' last stats snapshots
     end = fleet.hits()
     await channel.close()
-    return _summary(sent[warmup:], mark or end, end) | {"pull": fleet.pulls(),
-                                                         "kv_tier": fleet.tier_counters()}
+    out = _summary(sent[warmup:], mark or end, end) | {"pull": fleet.pulls(),
+                                                        "kv_tier": fleet.tier_counters()}
+    if probe is not None:
+        rows = [{"index": s.request.index, "ttft_s": s.ttft_s, "cached": s.cached,
+                 "replica": s.replica} | probe.breakdown(f"b2b-{s.request.index}", s.ttft_s)
+                for s in sent[warmup:] if s.ttft_s is not None]
+        out["requests"] = rows
+        if any("queue_s" in q for q in rows):
+            out["ttft_parts"] = tail_profile(rows)
+    return out
 
 
 async def closed_loop(fleet: RealFleet, reqs: list[Request], clients: int,
@@ -332,8 +347,8 @@ async def _run(a, model_dir: str, redis_url: str) -> dict:
     reqs = b2b_requests(b2b, [(a.rate, a.count)], seed=a.seed, hot_share=a.hot_share)
     shares = [float(x) for x in a.holder_step_shares.split(",")] if a.holder_step_shares else []
     runs = []  # (name, tier, pull, holder step share or None: the replica's default)
-    for name in (n.strip() for n in a.configs.split(",")):
-        tier, pull = B2B_CONFIGS[name]
+    for name in _labels(a.configs):
+        tier, pull = B2B_CONFIGS[name.partition(" #")[0]]
         runs += ([(f"{name} (holder share {x:g})", tier, pull, x) for x in shares]
                  if pull and shares else [(name, tier, pull, None)])
     for name, tier, pull, share in runs:
@@ -345,7 +360,8 @@ async def _run(a, model_dir: str, redis_url: str) -> dict:
                 if share is not None:
                     fleet.set_holder_step_share(share)
                 pull_log = fleet.log_pulls()
-                r = await open_loop(fleet, reqs, a.warmup, b2b.output_tokens)
+                with TtftProbe().attach(fleet.replicas) as probe:
+                    r = await open_loop(fleet, reqs, a.warmup, b2b.output_tokens, probe)
                 r["pull_log"] = pull_log
         r.update(load_before=load0, load_after=_load(), wall_s=time.monotonic() - t0,
                  routing=tally.counts)
@@ -357,10 +373,16 @@ async def _run(a, model_dir: str, redis_url: str) -> dict:
               f"errors {r['errors']}, pulls {r['pull']}, routing {r['routing']}, "
               f"load {load0:.1f}->{_load():.1f}",
               flush=True)
+        if "ttft_parts" in r:
+            _print_parts(r["ttft_parts"])
         for rec in r.get("pull_log", []):
             print(f"    hint: {rec['blocks']} blocks, predicted pull {rec['predicted_pull_s']:.2f}"
                   f" s vs recompute {rec['predicted_recompute_s']:.2f} s -> {rec['outcome']} "
                   f"({rec['pulled_blocks']} blocks, {rec['seconds']:.2f} s)", flush=True)
+    if any(n.startswith("tier off") for n, *_ in runs):
+        out["ratios"] = tier_ratios(out["runs"])
+        write_json(f"{a.out_name}.json", out)
+        print("tier on / tier off:", out["ratios"], flush=True)
     fit_reqs = b2b_requests(fits, [(1.0, a.fit_count)], seed=a.seed)
     for rnd in range(a.fit_rounds):  # alternated: the machine's load drifts
         for name, tier in (("fits, tier off", False), ("fits, tier on", True)):
@@ -375,6 +397,59 @@ async def _run(a, model_dir: str, redis_url: str) -> dict:
                   f"{r['cpu_s_per_request']:.2f} CPU s/req, hit {r['hit_rate']:.3f},"
                   f" TTFT p50 {r['ttft_p50_s']:.2f} s, load {load0:.1f}->{_load():.1f}", flush=True)
     return out
+
+
+def _labels(configs: str) -> list[str]:
+    """The configurations to run, in order; a name given more than once is numbered
+    ("tier off #1", "tier off #2": interleaved repeats). Raises ValueError on an unknown one."""
+    names = [n.strip() for n in configs.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(B2B_CONFIGS))
+    if unknown:
+        raise ValueError(f"unknown configurations {unknown}; known: {sorted(B2B_CONFIGS)}")
+    seen: dict[str, int] = {}
+    out = []
+    for n in names:
+        seen[n] = seen.get(n, 0) + 1
+        out.append(f"{n} #{seen[n]}" if names.count(n) > 1 else n)
+    return out
+
+
+def tier_ratios(runs: dict[str, dict]) -> dict:
+    """TTFT p50 / p90 and hit rate of ``tier on`` ÷ ``tier off``: pooled over every run of
+    each kind (all their counted requests together), and per adjacent pair (``#k`` with
+    ``#k``). Without a run of both kinds, empty."""
+    kinds = {k: [r for n, r in runs.items() if n.partition(" #")[0] == k]
+             for k in ("tier off", "tier on")}
+    if not all(kinds.values()):
+        return {}
+
+    def stats(rs: list[dict]) -> dict:
+        ttft = [t for r in rs for t in r["ttfts_s"]]
+        reqs = [q for r in rs for q in r.get("requests", [])]
+        return {"n": len(ttft), "p50": _pct(ttft, 0.5), "p90": _pct(ttft, 0.9),
+                "hit": sum(r["hit_rate"] * r["n"] for r in rs) / sum(r["n"] for r in rs),
+                "parts": tail_profile(reqs) if any("queue_s" in q for q in reqs) else {}}
+
+    def ratio(on: dict, off: dict) -> dict:
+        return {"p50": on["p50"] / off["p50"], "p90": on["p90"] / off["p90"],
+                "hit": on["hit"] / off["hit"] if off["hit"] else None}
+
+    off, on = stats(kinds["tier off"]), stats(kinds["tier on"])
+    pairs = {}
+    for n, r in runs.items():
+        base, _, k = n.partition(" #")
+        twin = f"tier off #{k}" if k else "tier off"
+        if base == "tier on" and twin in runs:
+            pairs[k or "1"] = ratio(stats([r]), stats([runs[twin]]))
+    return {"pooled": {"tier off": off, "tier on": on, "on/off": ratio(on, off)},
+            "pairs": pairs}
+
+
+def _print_parts(parts: dict) -> None:
+    for which in ("all", "tail"):
+        p = parts[which]
+        print(f"    {which:4s} mean TTFT {p['ttft_s']:.2f} s = "
+              + ", ".join(f"{k[:-2]} {p[k]:.2f}" for k in PARTS), flush=True)
 
 
 def on_local_cluster(body: Callable[[str, str], Awaitable[dict]]) -> dict:
