@@ -3,6 +3,8 @@
 Write-back (:meth:`RankTier.save`) runs on the step path but only copies: the evicted blocks'
 K/V are gathered into one fresh tensor (one memory copy; the pool may overwrite the blocks as
 soon as this returns) and handed to a background thread, which puts the run into the tier.
+On CUDA the gather and the device → host copy run on a side stream through pinned memory
+(:mod:`.device_copy`).
 A write-back that finds more than ``max_pending_bytes`` still queued is dropped (counted),
 never waited for: the step never blocks on the tier.
 
@@ -23,6 +25,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from kvfleet.worker.kv_tier.device_copy import device_copies
 from kvfleet.worker.kv_tier.store import TierStore
 from kvfleet.worker.runner.kv_cache import KVCache
 
@@ -56,6 +59,7 @@ class RankTier:
         self.tag = tag  # the replica's model identity, kept with its blocks (pre-warm)
         self.max_pending_bytes = max_pending_bytes
         self.stats = RankTierStats()
+        self.copies = device_copies(kv_cache.data.device)
         self._pending_bytes = 0
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
@@ -82,9 +86,7 @@ class RankTier:
                 self.stats.dropped_write_backs += len(blocks)
                 return
             self._pending_bytes += nbytes
-        idx = torch.tensor(list(blocks), dtype=torch.long, device=self.kv.data.device)
-        snapshot = self.kv.data[:, :, idx]  # (L, 2, n, bs, H, D): a copy (advanced indexing)
-        self._queue.put((list(hashes), snapshot, nbytes))
+        self._queue.put((list(hashes), self.copies.snapshot(self.kv.data, blocks), nbytes))
 
     def _writer(self) -> None:
         while True:
@@ -93,7 +95,7 @@ class RankTier:
                 return
             hashes, snapshot, nbytes = item
             try:
-                run = snapshot.permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
+                run = snapshot()  # (n, L, 2, bs, H, D) on the host
                 self.store.put(self.rank, hashes, run.view(torch.uint8).numpy(), self.tag)
                 with self._lock:
                     self.stats.write_backs += len(hashes)
@@ -134,9 +136,7 @@ class RankTier:
         with warnings.catch_warnings():  # a same-node run is a read-only view: only read here
             warnings.simplefilter("ignore", UserWarning)
             src = torch.from_numpy(run)
-        src = src.view(self.kv.data.dtype).to(self.kv.data.device)  # (n, L, 2, bs, H, D)
-        idx = torch.tensor(list(blocks), dtype=torch.long, device=self.kv.data.device)
-        self.kv.data[:, :, idx] = src.permute(1, 2, 0, 3, 4, 5)
+        self.copies.restore(self.kv.data, blocks, src.view(self.kv.data.dtype))
         self.stats.restores += len(blocks)
         self.stats.bytes_restored += run.nbytes
         return True
