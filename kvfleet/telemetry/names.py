@@ -112,6 +112,7 @@ METRIC_REQUESTS = "kvfleet.worker.requests"
 METRIC_STEP_PREDICTED = "kvfleet.worker.step.predicted_time"
 METRIC_STEP_MEASURED = "kvfleet.worker.step.measured_time"
 METRIC_STEPS = "kvfleet.worker.steps"
+METRIC_NESTED_STEPS = "kvfleet.worker.nested_steps"
 METRIC_STEP_COST_SCALE = "kvfleet.worker.step.cost_scale"
 METRIC_TENANT_SERVICE = "kvfleet.worker.tenant.service"  # weighted tokens computed per tenant
 METRIC_QUEUE_DELAY = "kvfleet.worker.queue_delay"  # predicted (the load report's queue_delay_s)
@@ -133,6 +134,8 @@ METRIC_PEER_PULL_TIME = "kvfleet.worker.kv_peer.pull_time"
 METRIC_PEER_PULLS_SKIPPED = "kvfleet.worker.kv_peer.skipped"
 METRIC_PEER_PULLS_REFUSED = "kvfleet.worker.kv_peer.refused"
 METRIC_PEER_PULLS_FAILED = "kvfleet.worker.kv_peer.failed"
+METRIC_PEER_PULLS_TIMED_OUT = "kvfleet.worker.kv_peer.timed_out"
+METRIC_PEER_PULLS_EMPTY = "kvfleet.worker.kv_peer.empty"
 METRIC_NETWORK_DURATION = "kvfleet.router.network.duration"
 METRIC_ROUTE_DURATION = "kvfleet.router.route.duration"
 

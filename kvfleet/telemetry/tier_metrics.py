@@ -9,8 +9,8 @@ time, so nothing is counted twice and nothing runs on the engine thread.
   heartbeat last read it (shared by the node's replicas: aggregate with max, not sum);
 - ``kvfleet.worker.prefix_cache.tier_hit_tokens`` (counter, tokens) and ``…tier_hit_rate``
   (gauge, 0..1 of admitted prompt tokens), each labelled ``kvfleet.kv.tier`` = device | host;
-- ``kvfleet.worker.kv_peer.{pulls, pulled_blocks, pull_time, skipped, refused, failed}``
-  (counters: pulls, blocks, seconds, hints): the replica's peer pulls
+- ``kvfleet.worker.kv_peer.{pulls, pulled_blocks, pull_time, skipped, refused, failed,
+  timed_out, empty}`` (counters: pulls, blocks, seconds, hints): the replica's peer pulls
   (:class:`~kvfleet.worker.kv_tier.peer_pull.PullStats`), when it pulls at all.
 """
 
@@ -47,6 +47,10 @@ _PULL_COUNTERS = (  # (metric, PullStats field, unit, description)
      "Pulls refused: the answer's hashes differed from this replica's chain (recomputed)"),
     (n.METRIC_PEER_PULLS_FAILED, "failed", "{pull}",
      "Pulls that failed or timed out (recomputed)"),
+    (n.METRIC_PEER_PULLS_TIMED_OUT, "timed_out", "{pull}",
+     "Of the failed pulls, those past their timeout (a busy holder: recomputed)"),
+    (n.METRIC_PEER_PULLS_EMPTY, "empty", "{pull}",
+     "Pulls answered with no block: the peer no longer held them (recomputed)"),
 )
 
 

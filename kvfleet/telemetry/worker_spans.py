@@ -85,6 +85,9 @@ class WorkerTelemetry:
             m.create_observable_gauge(
                 n.METRIC_QUEUE_DELAY, [self._queue_delay], unit="s",
                 description="Predicted wait before a request arriving now starts its prefill")
+            m.create_observable_counter(
+                n.METRIC_NESTED_STEPS, [self._nested_steps], unit="{step}",
+                description="Layer yield: steps run while a lower class's forward paused")
             register_tier_metrics(m, model, stats_fn)
         if pull_stats_fn is not None:  # -> the replica's PullStats, or None (no puller)
             register_pull_metrics(m, model, pull_stats_fn)
@@ -151,6 +154,10 @@ class WorkerTelemetry:
         delay = self._stats_fn().get("queue_delay_s")
         if delay is not None:
             yield metrics.Observation(delay, {n.GEN_AI_REQUEST_MODEL: self.model})
+
+    def _nested_steps(self, _options):
+        yield metrics.Observation(self._stats_fn().get("nested_steps", 0),
+                                  {n.GEN_AI_REQUEST_MODEL: self.model})
 
     def _requests(self, _options):
         s = self._stats_fn()

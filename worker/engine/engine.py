@@ -122,6 +122,7 @@ class Engine:
             raise ValueError("layer_yield (--layer-yield) needs an executor that can pause a "
                              "forward between layers: tensor_parallel_size 1")
         self.scheduler = Scheduler(config, kv, self.step_cost, tier)
+        self.nested_steps = 0  # layer yield: steps run while another step's forward paused
         self.exports = TierExports(kv)  # blocks a peer asked for, moved with the next step
         self.lora = AdapterQueue(adapters, identity, identity_digest, self.scheduler)
         self.sampler = Sampler()
@@ -222,7 +223,9 @@ class Engine:
         """While ``paused``'s forward waits between two layers: plan a nested step
         (:meth:`Scheduler.schedule_nested`), run it whole, sample; returns its outputs (none
         when nothing may run). Engine thread only."""
-        return self._run(self.scheduler.schedule_nested(paused, time.monotonic()), None)
+        nested = self.scheduler.schedule_nested(paused, time.monotonic())
+        self.nested_steps += bool(nested.scheduled)
+        return self._run(nested, None)
 
     def _run(self, out: SchedulerOutput, arrivals: Arrivals | None) -> list[SeqOutput]:
         """Forward ``out``, then sample and emit; a failed forward fails its requests only."""
@@ -364,7 +367,8 @@ class Engine:
         """Counts for load reports: sequences running / waiting, free / total KV blocks,
         ``prefill_tokens_queued`` (tokens of waiting and running sequences still to compute
         before their next sample: prompts, recompute after preemption), ``context_tokens``
-        (tokens with KV of the running sequences), per-tenant service, and the load forecast
+        (tokens with KV of the running sequences), ``nested_steps`` (layer yield's steps run
+        inside a paused one, cumulative), per-tenant service, and the load forecast
         a router routes on (``queue_delay_s``, ``prefill_token_s``:
         :mod:`kvfleet.worker.engine.queue_delay`)."""
         sched = self.scheduler
@@ -381,6 +385,7 @@ class Engine:
             **load_forecast(self.scheduler, self.step_cost),
             "prefill_tokens_queued": queued,
             "context_tokens": sum(s.num_computed_tokens for s in running),
+            "nested_steps": self.nested_steps,
             **tier_stats(sched.hits, sched.tier.lookup if sched.tier else None,
                          getattr(self.executor, "tier", None)),
         }

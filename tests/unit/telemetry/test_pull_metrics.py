@@ -1,6 +1,6 @@
 """Issue 26 §2: a replica's peer-pull counters (``PullStats``) exported as metrics, read from a
-real :class:`PeerPuller` driven through a pull that lands, one refused, one failed and one
-skipped (in process: the peers are stand-ins, nothing is computed)."""
+real :class:`PeerPuller` driven through a pull that lands, one refused, one answered empty, one
+failed, one timed out and one skipped (in process: the peers are stand-ins, nothing is computed)."""
 
 from __future__ import annotations
 
@@ -49,7 +49,11 @@ def test_pull_counters_are_exported(worker_capture) -> None:
         await puller.prepare(req, hint)                       # lands: 4 blocks
         peer.answer = lambda h: h[1:]                         # not a leading run: refused
         assert (await puller.prepare(req, hint)).tier_skip
+        peer.answer = lambda h: ()                            # the peer no longer holds them
+        await puller.prepare(req, hint)
         peer.error = RuntimeError("peer gone")                # failed
+        await puller.prepare(req, hint)
+        peer.error = TimeoutError("holder mid-step")          # failed: timed out
         await puller.prepare(req, hint)
         await puller.prepare(req, PeerHint("a", "x", num_blocks=4, first_block=4))  # skipped
 
@@ -65,5 +69,7 @@ def test_pull_counters_are_exported(worker_capture) -> None:
     assert value(n.METRIC_PEER_PULLED_BLOCKS) == 4
     assert value(n.METRIC_PEER_PULL_TIME) == puller.stats.pull_s > 0
     assert value(n.METRIC_PEER_PULLS_REFUSED) == 1
-    assert value(n.METRIC_PEER_PULLS_FAILED) == 1
+    assert value(n.METRIC_PEER_PULLS_FAILED) == 2
+    assert value(n.METRIC_PEER_PULLS_TIMED_OUT) == 1
+    assert value(n.METRIC_PEER_PULLS_EMPTY) == 1
     assert value(n.METRIC_PEER_PULLS_SKIPPED) == 1

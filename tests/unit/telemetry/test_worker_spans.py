@@ -39,7 +39,7 @@ def final(rid, base, reason=FinishReason.LENGTH, index=0, sched=0.010, first=0.0
 @pytest.fixture
 def wt(worker_capture):
     stats = {"running": 1, "waiting": 2, "num_free_blocks": 48, "num_total_blocks": 64,
-             "tenant_service": {"acme": 120.0, "globex": 8.0}}
+             "tenant_service": {"acme": 120.0, "globex": 8.0}, "nested_steps": 3}
     return WorkerTelemetry(worker_capture.telemetry, "replica-a", "tiny", stats_fn=lambda: stats)
 
 
@@ -85,6 +85,7 @@ async def test_phases_tile_worker_generate_with_attributes_and_events(wt, worker
     service = {p.attributes[n.KVFLEET_TENANT]: p.value
                for p in worker_capture.points(n.METRIC_TENANT_SERVICE)}
     assert service == {"acme": 120.0, "globex": 8.0}  # the scheduler's fairness counters
+    assert [p.value for p in worker_capture.points(n.METRIC_NESTED_STEPS)] == [3]
     assert not wt._open  # nothing left behind
 
 

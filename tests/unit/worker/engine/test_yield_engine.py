@@ -146,6 +146,7 @@ def test_paused_mixed_step_and_nested_prefill_match_transformers(model_dir) -> N
     results, per_step = drive(engine, arrivals, yielder)
     paused = yielder.paused_plan
     assert yielder.fired and paused is not None
+    assert engine.stats()["nested_steps"] == 1
     prefill = next(c for c in paused.chunks if len(c.token_ids) > 1)
     assert prefill.num_computed_tokens + len(prefill.token_ids) < 30, "a chunked prefill row"
     # The nested plan ran (and was recorded) before the paused one completed.
@@ -200,7 +201,7 @@ def test_an_arrival_the_step_does_not_yield_to_is_taken_once_and_never_pauses(
     taken = []
     yielder.take = lambda: (taken.append(1), LayerArrivals.take(yielder))  # type: ignore[method-assign]
     results, per_step = drive(engine, arrivals, yielder)
-    assert taken == [1] and not yielder.emitted
+    assert taken == [1] and not yielder.emitted and engine.stats()["nested_steps"] == 0
     i = rec.plans.index(yielder.paused_plan)
     assert f"{other.request_id}#0" not in {c.seq_id for c in rec.plans[i - 1].chunks}, \
         "no nested step ran"
