@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from pathlib import Path
 
 from kvfleet.allocator.hashing import CacheIdentity
@@ -41,6 +42,22 @@ def make_lora_engine(model_dir: Path, adapters: dict[str, Path], max_loras: int 
     engine, rec = engine_harness.make_engine(model_dir, runner=wrap(runner) if wrap else runner,
                                              adapters=residency, identity=IDENTITY, **scheduler)
     return engine, rec, residency
+
+
+def preload(residency: AdapterResidency, names, timeout_s: float = 120.0) -> None:
+    """Load ``names`` into slots before a run. Loads are asynchronous (a thread; on TP, the
+    rank processes), so a test that asserts which steps mix adapters must not depend on
+    how long a load takes.
+
+    Raises:
+        AssertionError: an adapter not resident within ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    for name in names:
+        while (slot := residency.acquire(name)) is None:
+            assert time.monotonic() < deadline, f"adapter {name!r} did not load"
+            residency.wait(0.05)
+        residency.release(slot)
 
 
 def with_adapter(req: EngineRequest, adapter: str) -> EngineRequest:

@@ -17,7 +17,7 @@ import kvfleet.worker.runner.lora.config as lora_config
 from kvfleet.worker.engine.step_plan import SeqChunk, StepPlan
 from tests.fixtures.adapters import ADAPTERS, peft_logits
 from tests.unit.worker.engine_harness import prompt, request, run
-from tests.unit.worker.lora_harness import lora_error, make_lora_engine, with_adapter
+from tests.unit.worker.lora_harness import lora_error, make_lora_engine, preload, with_adapter
 from tests.unit.worker.paged_driver import scaled_error
 
 THREE = tuple(ADAPTERS)  # "qv", "all", "rs"
@@ -55,8 +55,9 @@ def _mixed(tiny_llama_dir, adapters, wrap=None):
     lengths = [(5, 9), (23, 4), (14, 7), (3, 7), (17, 5), (9, 6), (11, 3), (6, 8)]
     reqs = [with_adapter(request(prompt(p, seed=80 + i), max_tokens=m), names[i])
             for i, (p, m) in enumerate(lengths)]
-    engine, rec, _ = make_lora_engine(tiny_llama_dir, {n: adapters[n] for n in THREE}, wrap=wrap,
-                                      max_num_batched_tokens=20)
+    engine, rec, residency = make_lora_engine(tiny_llama_dir, {n: adapters[n] for n in THREE},
+                                              wrap=wrap, max_num_batched_tokens=20)
+    preload(residency, THREE)  # every request joins at its step, however long loads take
     results = run(engine, {0: reqs[:3], 1: [reqs[3]], 3: reqs[4:6], 6: reqs[6:]})
     errors = {r.request_id: lora_error(tiny_llama_dir, adapters[r.adapter] if r.adapter else None,
                                        rec, r, results[(r.request_id, 0)]) for r in reqs}
