@@ -32,6 +32,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from kvfleet import priority
 from kvfleet.errors import InvalidArgument, KvfleetError, PromptTooLarge, status_of
 from kvfleet.grpc_util import MAX_MESSAGE_BYTES
 from kvfleet.router.adapter_routing import served_adapters
@@ -116,11 +117,10 @@ class _Authenticate:
         await self.app(scope, receive, send)
 
 
-def _with_key_priority(oreq: OpenAIRequest, default: Optional[int]) -> OpenAIRequest:
-    """``oreq`` with the API key's default priority on inputs whose body set none."""
-    if default is None:
-        return oreq
-    return replace(oreq, inputs=tuple(i if i.priority is not None else replace(i, priority=default)
+def _with_key_priority(oreq: OpenAIRequest, key_class: Optional[int]) -> OpenAIRequest:
+    """``oreq`` with each input's priority bounded by its API key's class (the default of
+    inputs whose body set none). Raises PermissionDenied for one above the key's class."""
+    return replace(oreq, inputs=tuple(replace(i, priority=priority.within_key(i.priority, key_class))
                                       for i in oreq.inputs))
 
 
@@ -260,7 +260,7 @@ class HttpFront:
         try:
             tenant = _tenant(request)
             rid, oreq = self._with_ids(parse(await self._json(request)), request)
-            oreq = _with_key_priority(oreq, self.core.auth.key_priority(headers))
+            oreq = _with_key_priority(oreq, self.core.auth.key_class(headers))
             max_prompts = self.core.prompt_limits.max_prompts
             if len(oreq.inputs) > max_prompts:
                 raise PromptTooLarge(f"prompt: {len(oreq.inputs)} prompts exceed the limit of "
