@@ -33,6 +33,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kvfleet import priority
+from kvfleet.constraint import MAX_SCHEMA_DEPTH, check_json_depth, too_deep
 from kvfleet.errors import InvalidArgument, KvfleetError, PromptTooLarge, status_of
 from kvfleet.grpc_util import MAX_MESSAGE_BYTES
 from kvfleet.router.adapter_routing import served_adapters
@@ -58,6 +59,10 @@ CLIENT_CLOSED = 499                       # nginx's status for a request its cli
 # Open connections (and their requests) the front serves at once; past it uvicorn answers
 # 503 at once instead of holding a connection, a task and its buffers for each.
 DEFAULT_MAX_CONNECTIONS = 4096
+# A body's JSON nesting levels: room for a schema at its own bound (then refused naming its
+# field) inside the body's wrapping, and far below what the recursive readers after it
+# (json.dumps, the chat template) can take.
+MAX_BODY_DEPTH = 2 * MAX_SCHEMA_DEPTH
 
 
 def _sse(obj: dict) -> bytes:
@@ -346,7 +351,7 @@ class HttpFront:
 
         Raises:
             PromptTooLarge: the body exceeds ``MAX_MESSAGE_BYTES`` (HTTP 413).
-            InvalidArgument: the body is not JSON.
+            InvalidArgument: the body is not JSON, or nests deeper than ``MAX_BODY_DEPTH``.
         """
         try:
             size = int(request.headers.get("content-length") or 0)
@@ -362,10 +367,14 @@ class HttpFront:
         if max(size, total) > MAX_MESSAGE_BYTES:
             raise PromptTooLarge(f"request body exceeds {MAX_MESSAGE_BYTES} bytes", field="body")
         try:
-            return json.loads(b"".join(chunks))
+            body = json.loads(b"".join(chunks))
+        except RecursionError:
+            raise too_deep("body", MAX_BODY_DEPTH) from None
         except (ValueError, UnicodeDecodeError) as exc:
             raise InvalidArgument(f"the request body is not valid JSON: {exc}",
                                   field="body") from None
+        check_json_depth(body, MAX_BODY_DEPTH, "body")  # what reads it later recurses
+        return body
 
     @staticmethod
     def _with_ids(oreq: OpenAIRequest, request: Request) -> tuple[str, OpenAIRequest]:

@@ -179,6 +179,10 @@ class ReplicaConfig:
         if self.scheduler.layer_yield and self.tensor_parallel_size > 1:
             raise ValueError("scheduler.layer_yield (--layer-yield) needs tensor_parallel_size 1 "
                              "(a forward pauses between layers only in one process)")
+        if self.scheduler.layer_yield and self.kv_host_memory_bytes:
+            raise ValueError("scheduler.layer_yield (--layer-yield) does not run beside a host KV "
+                             "tier (kv_host_memory_bytes, --kv-host-memory): its forward cannot "
+                             "pause; choose one")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.executor not in EXECUTORS:
