@@ -281,7 +281,7 @@ class HttpFront:
         builder = ResponseBuilder(oreq.chat, rid, shown or model, oreq.n, oreq.logprobs,
                                   lambda t: tokenizer.decode([t], skip_special_tokens=False),
                                   oreq.tools)
-        events = merge([self._one(p, inp, tenant, headers, route, oreq)
+        events = merge([self._one(p, inp, tenant, headers, route, oreq, builder)
                         for p, inp in enumerate(oreq.inputs)])
         try:
             # Errors until the first token are plain HTTP errors; a client gone meanwhile
@@ -302,14 +302,17 @@ class HttpFront:
             return Response(status_code=CLIENT_CLOSED)
 
     async def _one(self, prompt: int, inp, tenant: str, headers, route: str,
-                   oreq: OpenAIRequest
+                   oreq: OpenAIRequest, builder: ResponseBuilder
                    ) -> AsyncGenerator[tuple[int, common_pb2.GenerateResponse], None]:
-        """One prompt's messages as ``(prompt index, message)``, under its own server span."""
+        """One prompt's messages as ``(prompt index, message)``, under its own server span;
+        ``builder`` learns the prompt's token count before its first message."""
         with self.core.telemetry.http_request(headers, route, oreq.chat, oreq.user) as trace:
             started = False  # after the first message the response status is 200 whatever follows
             try:
                 async with contextlib.aclosing(self.core.generate(inp, tenant, trace)) as out:
                     async for msg in out:
+                        if not started:
+                            builder.prompt_started(prompt, trace.prompt_tokens)
                         started = True
                         yield prompt, msg
                 trace.http_status(200)
@@ -330,11 +333,12 @@ class HttpFront:
             for role in builder.role_chunks(len(oreq.inputs)):
                 yield _sse(role)
             prompt, msg = first
-            chunk = builder.chunk(prompt, msg, oreq.include_usage)
+            chunk = builder.chunk(prompt, msg, oreq.include_usage, oreq.continuous_usage)
             if chunk is not None:  # None: a tool-mode choice holds its text until it ends
                 yield _sse(chunk)
             async for prompt, msg in events:
-                if (chunk := builder.chunk(prompt, msg, oreq.include_usage)) is not None:
+                if (chunk := builder.chunk(prompt, msg, oreq.include_usage,
+                                           oreq.continuous_usage)) is not None:
                     yield _sse(chunk)
             if oreq.include_usage:
                 yield _sse(builder.usage_chunk())
