@@ -26,7 +26,7 @@ from kvfleet.deploy.ray_local import check_port_free, free_port, init_ray, shutd
 from kvfleet.deploy.redis_server import RedisServer, start_redis
 from kvfleet.index_keys import ReplicaInfo
 from kvfleet.tls import FILES as TLS_FILES
-from kvfleet.tls import generate_internal_tls
+from kvfleet.tls_ca import renew_internal_tls
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,9 @@ class LocalCluster:
                  log_to_driver=cfg.replica.telemetry.exports_to_stdout)
         tls_dir = cfg.replica.internal_tls_dir
         if tls_dir and not all(os.path.exists(os.path.join(tls_dir, f)) for f in TLS_FILES):
-            generate_internal_tls(tls_dir)
+            # Creates a CA in an empty directory; one issued before a file existed (the
+            # replica certificate) keeps its CA and gains the missing files.
+            renew_internal_tls(tls_dir)
         self.app = self._app_config()
         self.app_name = self.app["name"]
         self.ref = AppRef.from_config(self.app_name, self.app)

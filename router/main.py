@@ -40,7 +40,7 @@ from kvfleet.secrets import REDIS_PASSWORD_ENV, with_redis_password
 from kvfleet.stream_limits import DEFAULT_MAX_UNREAD, DEFAULT_STALL_S, StreamLimits
 from kvfleet.telemetry import Telemetry, TelemetryConfig
 from kvfleet.telemetry.router_spans import RouterTelemetry
-from kvfleet.tls import InternalTLS, credentials_loader, server_credentials
+from kvfleet.tls import RouterTLS, credentials_loader, server_credentials
 from kvfleet.v1 import router_pb2, router_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -141,8 +141,8 @@ class RouterServer:
                  else None)
         port = bind_port(self._server, cfg.host, cfg.port, creds)
         self.address = f"{cfg.host}:{port}"
-        internal = InternalTLS.load(cfg.internal_tls_dir) if cfg.internal_tls_dir else None
-        self.replicas = ReplicaSet(index, credentials=internal and internal.router_credentials(),
+        internal = RouterTLS.load(cfg.internal_tls_dir) if cfg.internal_tls_dir else None
+        self.replicas = ReplicaSet(index, credentials=internal and internal.credentials(),
                                    identities={model.name: model.identity.digest().hex()})
         await self.replicas.start()
         self.telemetry = Telemetry(cfg.telemetry, "router")

@@ -12,24 +12,37 @@ from typing import Callable, Optional, Sequence
 import grpc
 
 from kvfleet.index_keys import tier_node
+from kvfleet.tls import WORKER_CHANNEL_OPTIONS
 from kvfleet.v1 import worker_pb2, worker_pb2_grpc
 from kvfleet.worker.kv_tier.peer_pull import Exported, PeerHint
 from kvfleet.worker.kv_tier.store import TierStore
 
 MAX_CHANNELS = 16  # peers this replica keeps a channel open to (least recently used closed)
+# The only methods a replica's certificate may call on a peer (kvfleet.grpc_auth).
+PEER_METHODS = frozenset({
+    f"/{worker_pb2.DESCRIPTOR.services_by_name['Worker'].full_name}/ExportBlocks"})
 
 
 class GrpcPeerClient:
-    """:class:`~.peer_pull.PeerClient` over plaintext gRPC (a replica with internal TLS does
-    not pull: its peers accept only the router's certificate). One channel per peer address,
-    at most ``max_channels`` open."""
+    """:class:`~.peer_pull.PeerClient` over gRPC: plaintext, or with internal TLS the
+    ``credentials()`` of the replica certificate (read for each new channel, so a renewal
+    applies; peers let it call ``ExportBlocks`` only). One channel per peer address, at most
+    ``max_channels`` open."""
 
-    def __init__(self, max_channels: int = MAX_CHANNELS) -> None:
+    def __init__(self, max_channels: int = MAX_CHANNELS,
+                 credentials: Optional[Callable[[], grpc.ChannelCredentials]] = None) -> None:
         self.max_channels = max_channels
+        self.credentials = credentials
         self._channels: OrderedDict[str, grpc.aio.Channel] = OrderedDict()
 
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        if self.credentials is None:
+            return grpc.aio.insecure_channel(address)
+        return grpc.aio.secure_channel(address, self.credentials(),
+                                       options=WORKER_CHANNEL_OPTIONS)
+
     def _stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
-        channel = self._channels.pop(address, None) or grpc.aio.insecure_channel(address)
+        channel = self._channels.pop(address, None) or self._channel(address)
         self._channels[address] = channel
         while len(self._channels) > self.max_channels:
             _, old = self._channels.popitem(last=False)

@@ -37,7 +37,12 @@ from kvfleet.index_keys import REDIS_DOWN_ERRORS, ReplicaInfo, ReplicaLoad
 from kvfleet.stream_limits import StreamLimits
 from kvfleet.telemetry import Telemetry, TelemetryConfig
 from kvfleet.telemetry.worker_spans import WorkerTelemetry
-from kvfleet.tls import ROUTER_NAME, needs_internal_tls, reloading_worker_credentials
+from kvfleet.tls import (
+    REPLICA_NAME,
+    ROUTER_NAME,
+    needs_internal_tls,
+    reloading_worker_credentials,
+)
 from kvfleet.v1 import worker_pb2, worker_pb2_grpc
 from kvfleet.worker.engine.adapter_residency import AdapterResidency
 from kvfleet.worker.engine.engine import Engine
@@ -54,6 +59,7 @@ from kvfleet.worker.executor.tp.rank_worker import RankSpec
 from kvfleet.worker.executor.tp_executor import TPExecutor
 from kvfleet.worker.kv_tier.lookup import TierLookup
 from kvfleet.worker.kv_tier.node_tier import TierIndex, node_tier
+from kvfleet.worker.kv_tier.peer_client import PEER_METHODS
 from kvfleet.worker.kv_tier.rank_tier import RankTier
 from kvfleet.worker.replica.adapter_admin import AdapterAdmin
 from kvfleet.worker.replica.adapter_catalog import check_catalog
@@ -307,7 +313,8 @@ class ReplicaServer:
         """Start serving; returns ``host:port``. Raises OSError if the port is taken."""
         aio_loop = self._aio_loop = asyncio.get_running_loop()
         self._server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[AuthInterceptor(
-            internal_authorizer(bool(self.cfg.internal_tls_dir), ROUTER_NAME))])
+            internal_authorizer(bool(self.cfg.internal_tls_dir), ROUTER_NAME,
+                                {REPLICA_NAME: PEER_METHODS}))])
         # Follows the directory: a renewed certificate is served from the next handshake on.
         creds = (reloading_worker_credentials(self.cfg.internal_tls_dir)
                  if self.cfg.internal_tls_dir else None)
@@ -353,7 +360,7 @@ class ReplicaServer:
                                 ranks_fn=self.ranks, drain_fn=self.drain,
                                 limits=self.cfg.stream_limits, adapter_admin=admin,
                                 puller=build_puller(self.engine, self.cfg.kv_peer_pull,
-                                                    bool(self.cfg.internal_tls_dir),
+                                                    self.cfg.internal_tls_dir,
                                                     self.cfg.kv_host_memory_bytes))
         self.service = service
         worker_pb2_grpc.add_WorkerServicer_to_server(service, self._server)
