@@ -179,6 +179,7 @@ class LocalCluster:
             except Exception as exc:
                 log.warning("stopping Serve application %s failed: %s", self.app_name, exc)
             self.app_name = None
+            self._remove_tiers()
         if self.router_proc is not None:
             self.router_proc.terminate()
             try:
@@ -193,6 +194,22 @@ class LocalCluster:
         if self.redis is not None:
             self.redis.stop()
             self.redis = None
+
+    def _remove_tiers(self) -> None:
+        """The deployment's node tiers go with it (detached actors outlive their replicas,
+        and a Ray cluster this did not start outlives the deployment)."""
+        from kvfleet.worker.kv_tier.node_tier import remove_node_tiers
+
+        if not self.cfg.replica.kv_host_memory_bytes:
+            return
+        try:
+            removed = remove_node_tiers(self.cfg.replica.namespace)
+        except Exception as exc:  # Ray already gone: so are its actors
+            log.warning("removing the node KV tiers failed: %s", exc)
+            return
+        if removed:
+            log.info("removed %d node KV tier(s) of namespace %s", removed,
+                     self.cfg.replica.namespace)
 
     def __enter__(self) -> "LocalCluster":
         self.start()

@@ -18,7 +18,7 @@ from kvfleet.allocator.hashing import block_hash_chain, root_hash
 from kvfleet.tls import REPLICA_FILES, WORKER_CHANNEL_OPTIONS, WORKER_FILES, InternalTLS
 from kvfleet.tls_ca import generate_internal_tls
 from kvfleet.v1 import worker_pb2, worker_pb2_grpc
-from kvfleet.worker.kv_tier.node_tier import node_tier
+from kvfleet.worker.kv_tier.node_tier import remove_node_tiers
 from kvfleet.worker.replica.replica import ReplicaServer
 from tests.integration.test_kv_hand_over import PROMPT, _config, _no_tier_actor
 from tests.integration.test_kv_peer_pull import EXPENSIVE, hinted_request
@@ -42,7 +42,7 @@ def _as(tls: InternalTLS, cert: bytes, key: bytes) -> grpc.ChannelCredentials:
 
 async def test_replicas_pull_over_tls_with_the_replica_certificate_and_hold_no_router_key(
         ray_session, tiny_llama_dir, redis_server, redis_namespace, tmp_path) -> None:
-    _no_tier_actor(ray_session)
+    _no_tier_actor(redis_namespace)
     tls = generate_internal_tls(tmp_path / "internal")
     workers = tmp_path / "workers"  # what a worker pod mounts: no router.pem / router.key
     workers.mkdir(mode=0o700)
@@ -93,4 +93,4 @@ async def test_replicas_pull_over_tls_with_the_replica_certificate_and_hold_no_r
     finally:
         await a.stop()
         await b.stop()
-        ray_session.kill(node_tier(16 << 20).actor)
+        remove_node_tiers(redis_namespace)

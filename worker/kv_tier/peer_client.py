@@ -70,20 +70,14 @@ class NodeRelay:
     shard (``ranks``), each call bounded by the tiers' own timeouts; they are kept with ``tag``
     (the receiver's identity: the puller asked for them by its own chain)."""
 
-    def __init__(self, local: TierStore, ranks: Sequence[int],
-                 capacity_bytes: int, timeout_s: Optional[float] = None, tag: bytes = b"") -> None:
+    def __init__(self, local: TierStore, ranks: Sequence[int], tag: bytes = b"") -> None:
         self.local, self.ranks, self.tag = local, list(ranks), tag
-        self.capacity_bytes, self.timeout_s = capacity_bytes, timeout_s
 
     def source(self, node_id: str) -> TierStore:
-        """The tier of ``node_id`` (a :class:`~.node_tier.RayTier`)."""
-        import ray
-
-        from kvfleet.worker.kv_tier.node_tier import NAMESPACE, RayTier, tier_actor_name
-
-        actor = ray.get_actor(tier_actor_name(node_id), namespace=NAMESPACE)
-        return RayTier(actor, self.capacity_bytes, *(() if self.timeout_s is None
-                                                     else (self.timeout_s,)))
+        """The same deployment's tier on ``node_id``, seen through the same layout
+        (``local.on_node``: a :class:`~.tier_layout.LayoutTier` over a node tier). Raises
+        ValueError (Ray's) when that node has none."""
+        return self.local.on_node(node_id)  # type: ignore[attr-defined]
 
     def copy(self, source: TierStore, hashes: Sequence[bytes]) -> int:
         """Copy ``hashes`` of every rank from ``source``; returns the blocks copied.

@@ -22,6 +22,7 @@ import torch
 
 from kvfleet.allocator.fingerprint import fingerprint_model_dir
 from kvfleet.allocator.hashing import CacheIdentity
+from kvfleet.allocator.kv_bytes import kv_heads_per_rank
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
 from kvfleet.constraint import GrammarConfig
 from kvfleet.errors import Unavailable
@@ -61,6 +62,7 @@ from kvfleet.worker.kv_tier.lookup import TierLookup
 from kvfleet.worker.kv_tier.node_tier import TierIndex, node_tier
 from kvfleet.worker.kv_tier.peer_client import PEER_METHODS
 from kvfleet.worker.kv_tier.rank_tier import RankTier
+from kvfleet.worker.kv_tier.tier_layout import LayoutTier, TierLayout
 from kvfleet.worker.replica.adapter_admin import AdapterAdmin
 from kvfleet.worker.replica.adapter_catalog import check_catalog
 from kvfleet.worker.replica.adapter_record import AdapterRecord
@@ -70,7 +72,7 @@ from kvfleet.worker.replica.load_report import LatencyWindow, replica_report
 from kvfleet.worker.replica.peer_setup import build_puller
 from kvfleet.worker.runner.kv_cache import num_blocks_for_memory
 from kvfleet.worker.runner.memory import trim_heap
-from kvfleet.worker.runner.model_config import load_model_config
+from kvfleet.worker.runner.model_config import ModelConfig, load_model_config
 from kvfleet.worker.runner.model_runner import ModelRunner
 from kvfleet.worker.service.engine_loop import EngineLoop
 from kvfleet.worker.service.server import WorkerService
@@ -84,6 +86,17 @@ def _on_finish(telemetry: WorkerTelemetry, hits: HitWindow, latency: LatencyWind
     telemetry.on_finished(out)
     hits.record(out)
     latency.record(out)
+
+
+def _node_tier(cfg: ReplicaConfig, mc: ModelConfig) -> LayoutTier:
+    """The deployment's tier on this node (its namespace's actor; index URL without the
+    password), seen through this replica's layout: its ranks' KV-head shards."""
+    assert cfg.kv_host_memory_bytes
+    tp = cfg.tensor_parallel_size
+    index = TierIndex.of(cfg.redis_url, cfg.namespace) if cfg.redis_url else None
+    layout = TierLayout(tp, kv_heads_per_rank(mc.num_kv_heads, mc.num_heads, tp))
+    return LayoutTier(node_tier(cfg.kv_host_memory_bytes, index=index,
+                                namespace=cfg.namespace), layout)
 
 
 def _kv_tier_id(engine: Engine) -> str:
@@ -234,8 +247,7 @@ def build_engine(cfg: ReplicaConfig, on_rank_failure: Callable[[str], None] = la
                                            cfg.kv_memory_bytes or DEFAULT_KV_MEMORY_BYTES, tp)
     tokenizer = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     # The node's host tier (Ray: the replica runs in it); the cost model has no KV to keep.
-    index = TierIndex(cfg.redis_url, cfg.namespace) if cfg.redis_url else None
-    tier = (node_tier(cfg.kv_host_memory_bytes, index=index)
+    tier = (_node_tier(cfg, load_model_config(model_dir))
             if cfg.kv_host_memory_bytes and cfg.executor == "model" else None)
     identity = cache_identity(cfg.model_name, model_dir, cfg.dtype, cfg.block_size)
     if cfg.executor == "cost-model":
