@@ -33,7 +33,7 @@ from kvfleet.deploy.cluster_config import ClusterConfig
 from kvfleet.deploy.launcher import LocalCluster
 from kvfleet.deploy.models import prepare_model
 from kvfleet.deploy.ray_local import init_ray
-from kvfleet.router.main import RouterConfig
+from kvfleet.router.config import RouterConfig
 from kvfleet.worker.replica.replica import ReplicaConfig
 
 

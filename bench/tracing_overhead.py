@@ -43,7 +43,7 @@ from kvfleet.deploy.cluster_config import ClusterConfig
 from kvfleet.deploy.launcher import LocalCluster
 from kvfleet.deploy.ray_local import init_ray, shutdown_ray
 from kvfleet.deploy.redis_server import start_redis
-from kvfleet.router.main import RouterConfig
+from kvfleet.router.config import RouterConfig
 from kvfleet.telemetry import Telemetry, TelemetryConfig
 from kvfleet.telemetry.collector import OtlpSink
 from kvfleet.telemetry.names import MD_WORKER_DURATION_S

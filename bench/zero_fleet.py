@@ -30,7 +30,7 @@ def zero_fleet(namespace: str, http: bool = False) -> Iterator[ZeroFleet]:
     from kvfleet.deploy.models import DEFAULT_MODEL, resolve_model
     from kvfleet.deploy.ray_local import init_ray, shutdown_ray
     from kvfleet.deploy.redis_server import start_redis
-    from kvfleet.router.main import RouterConfig
+    from kvfleet.router.config import RouterConfig
     from kvfleet.worker.executor.cost_model import ZERO
     from kvfleet.worker.replica.replica import ReplicaConfig
 

@@ -18,13 +18,12 @@ import pytest
 from kvfleet.client import Client, RequestStats
 from kvfleet.deploy.cluster_config import ClusterConfig
 from kvfleet.deploy.launcher import LocalCluster
-from kvfleet.router.main import RouterConfig
+from kvfleet.router.config import RouterConfig
 from kvfleet.telemetry import Telemetry, TelemetryConfig
 from kvfleet.telemetry import names as n
 from kvfleet.telemetry.collector import OtlpSink
 from kvfleet.worker.engine.scheduler import SchedulerConfig
-from tests.fixtures.cluster import wait_indexed
-from tests.fixtures.cluster import tiny_replica
+from tests.fixtures.cluster import tiny_replica, wait_indexed
 
 SYSTEM = ("You are the archive desk of a small-town newspaper. Answer questions about past "
           "issues in one sentence, give the issue date, and never guess a page number.")

@@ -174,6 +174,9 @@ class ReplicaConfig:
             raise ValueError(f"calibration_budget_s must be > 0, got {self.calibration_budget_s}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.num_blocks is not None and self.kv_memory_bytes is not None:
+            raise ValueError("num_blocks (--num-blocks) and kv_memory_bytes (--kv-memory) "
+                             "exclude each other: each sizes the KV pool")
         if self.tensor_parallel_size > 1 and self.executor != "model":
             raise ValueError("tensor_parallel_size > 1 needs the model executor")
         if self.scheduler.layer_yield and self.tensor_parallel_size > 1:

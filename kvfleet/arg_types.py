@@ -1,4 +1,5 @@
-"""argparse types of the ``kvfleet`` commands: a bad value is a usage error naming the flag."""
+"""argparse types of the ``kvfleet`` commands and the router's: a bad value is a usage error naming
+the flag."""
 
 from __future__ import annotations
 
