@@ -7,7 +7,7 @@ and the router sums each finished request's service into the fleet's per-tenant 
 
 Tokens served from the prefix cache are free. A decode token weighs more than a prefill token:
 it costs a whole batch row for one token (VTC's choice, Sheng et al., OSDI '24; the measured
-ratio on CPU and GPU: docs/operating.md, "Under load").
+ratio on CPU and GPU: docs/design.md §10).
 """
 
 PREFILL_WEIGHT = 1.0  # service per prefill token computed (not per cached token)

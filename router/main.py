@@ -190,7 +190,7 @@ async def _serve(cfg: RouterConfig) -> int:
         log.info("OpenAI-compatible HTTP API on %s://%s/v1", "https" if cfg.tls_cert else "http",
                  server.http_address)
     # What start-up built (modules, tokenizer, stubs) lives as long as the process: keep it out
-    # of the cyclic GC, whose full collections otherwise stop the loop for ~30 ms here.
+    # of the cyclic GC, whose full collections otherwise stop the loop (docs/design.md §10).
     gc.collect()
     gc.freeze()
     print(f"router ready {address}", flush=True)
