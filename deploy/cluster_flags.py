@@ -96,7 +96,7 @@ REPLICA_FLAGS: tuple[Flag, ...] = (
          "(scheduler, KV cache, index, gRPC stay real; many per process)", "model",
          choices=EXECUTORS),
     Flag("--cost-model", None, "calibration JSON for --executor cost-model (default: the "
-         "constants measured on the default model by bench/calibrate.py)", "model",
+         "constants measured on the default model by bench/engine/calibrate.py)", "model",
          dest="cost_model", default=None, metavar="FILE"),
     Flag("--cost-model-scale", None, "multiply the cost model's step times (e.g. 0.05 = 20x "
          "faster)", "model", dest="cost_model_scale", type=float, default=1.0),
