@@ -41,7 +41,7 @@ class RouterConfig:
     # None = off, 0 = a free port.
     http_port: Optional[int] = None
     http_max_connections: int = DEFAULT_MAX_CONNECTIONS  # past it the HTTP front answers 503
-    policy: str = "prefix_aware"
+    policy: str = "predicted_ttft"  # kvfleet.router.policy; why the default: docs/routing.md
     namespace: str = DEFAULT_NAMESPACE
     api_keys_file: Optional[str] = None
     replica_ttl_s: float = 10.0
@@ -50,9 +50,9 @@ class RouterConfig:
     index_mirror: bool = True
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)  # OTLP / Prometheus
     log_level: str = "INFO"  # DEBUG adds a line per routing decision
-    # prefix_aware knobs (kvfleet.router.policy): load_penalty_blocks, max_imbalance,
-    # popularity_window, kv_saturation, min_excess_load, host_hit_weight; empty = the
-    # documented defaults.
+    # The knobs prefix_aware and predicted_ttft share (kvfleet.router.policy):
+    # load_penalty_blocks, max_imbalance, popularity_window, kv_saturation, min_excess_load,
+    # host_hit_weight; empty = the documented defaults.
     policy_options: dict = field(default_factory=dict)
     retry_pushback_ms: int = DEFAULT_RETRY_PUSHBACK_MS  # RESOURCE_EXHAUSTED's retry hint
     # On SIGTERM/SIGINT: new calls are refused at once, open streams get this long to end.

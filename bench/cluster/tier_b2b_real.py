@@ -125,6 +125,7 @@ class RealFleet:
             for i in range(count)]
         self.router = RouterServer(RouterConfig(redis_url=redis_url, model_name=MODEL,
                                                 model_dir=model_dir, port=0, namespace=ns,
+                                                policy="prefix_aware",  # its knobs are the flags'
                                                 policy_options=policy_options or {}))
 
     async def __aenter__(self) -> "RealFleet":
@@ -168,15 +169,9 @@ class RealFleet:
         out["attempted"] = out["pulls"] + out["refused"] + out["failed"] + out["empty"]
         return out
 
-    def set_holder_step_share(self, share: float) -> None:
-        """Price replica pulls with ``share`` of the holder's prefill step (``PeerPuller``)."""
-        for r in self.replicas:
-            if r.service.puller is not None:
-                r.service.puller.holder_step_share = share
-
     def log_pulls(self) -> list[dict]:
         """From now on, one record per hinted request a replica's puller saw (appended to the
-        list returned): blocks missing, the predicted pull (with the holder's step) and
+        list returned): blocks missing, the predicted pull and
         recompute seconds, the outcome (``landed``, ``empty``: the peer had none of them,
         ``skipped``: recomputed without asking, ``refused``, ``timed out``, ``failed``) and
         the seconds it took."""
@@ -199,8 +194,7 @@ def _logged(puller, records: list[dict]):
         limit = min(hint.num_blocks, (len(req.prompt_token_ids) - 1) // puller.block_size)
         first = min(hint.first_block, limit)
         rec = {"blocks": limit - first, "tier_hint": bool(hint.tier_id),
-               "predicted_pull_s": puller.cost.predict_s(limit - first)
-               + puller.holder_wait_s(hint),
+               "predicted_pull_s": puller.cost.predict_s(limit - first),
                "predicted_recompute_s": puller.recompute_s(first, limit - first)}
         t0 = time.monotonic()
         out = await prepare(req, hint)
@@ -345,20 +339,13 @@ async def _run(a, model_dir: str, redis_url: str) -> dict:
                  "fits_blocks_over_pool": fits.cache_blocks(16) / a.fit_pool_blocks,
                  "runs": {}}
     reqs = b2b_requests(b2b, [(a.rate, a.count)], seed=a.seed, hot_share=a.hot_share)
-    shares = [float(x) for x in a.holder_step_shares.split(",")] if a.holder_step_shares else []
-    runs = []  # (name, tier, pull, holder step share or None: the replica's default)
     for name in _labels(a.configs):
         tier, pull = B2B_CONFIGS[name.partition(" #")[0]]
-        runs += ([(f"{name} (holder share {x:g})", tier, pull, x) for x in shares]
-                 if pull and shares else [(name, tier, pull, None)])
-    for name, tier, pull, share in runs:
         load0, t0 = _load(), time.monotonic()
         with HintTally() as tally:
             async with RealFleet(model_dir, redis_url, a.pool_blocks, tier, pull, a.max_seqs,
                                  {"popularity_window": a.popularity_window,
                                   "load_penalty_blocks": a.load_penalty}) as fleet:
-                if share is not None:
-                    fleet.set_holder_step_share(share)
                 pull_log = fleet.log_pulls()
                 with TtftProbe().attach(fleet.replicas) as probe:
                     r = await open_loop(fleet, reqs, a.warmup, b2b.output_tokens, probe)
@@ -379,7 +366,7 @@ async def _run(a, model_dir: str, redis_url: str) -> dict:
             print(f"    hint: {rec['blocks']} blocks, predicted pull {rec['predicted_pull_s']:.2f}"
                   f" s vs recompute {rec['predicted_recompute_s']:.2f} s -> {rec['outcome']} "
                   f"({rec['pulled_blocks']} blocks, {rec['seconds']:.2f} s)", flush=True)
-    if any(n.startswith("tier off") for n, *_ in runs):
+    if any(n.startswith("tier off") for n in out["runs"]):
         out["ratios"] = tier_ratios(out["runs"])
         write_json(f"{a.out_name}.json", out)
         print("tier on / tier off:", out["ratios"], flush=True)
@@ -497,10 +484,6 @@ def main(argv: Sequence[str]) -> int:
     p.add_argument("--fit-rounds", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--configs", default=",".join(B2B_CONFIGS), help="B2B ones to run")
-    p.add_argument("--holder-step-shares", default="",
-                   help="comma-separated: run each pulling configuration once per value of "
-                        "PeerPuller.holder_step_share (0: the price before the holder's step "
-                        "was counted; default: the replica's own, HOLDER_STEP_SHARE)")
     p.add_argument("--out-name", default="tier_b2b_real", help="bench/results/NAME.{json,png}")
     p.add_argument("--quick", action="store_true", help="a smoke run: 6 requests, 1 fit round")
     a = p.parse_args(argv)

@@ -164,7 +164,7 @@ def test_one_request_is_one_trace_with_the_span_tree(client, sink):
     assert g[n.GEN_AI_RESPONSE_FINISH_REASONS] == ("length",)
     assert g[n.KVFLEET_REPLICA_ID] == stats.replica_id
     route = spans[n.ROUTER_ROUTE].attributes
-    assert route[n.KVFLEET_ROUTE_POLICY] == "prefix_aware" and route[n.KVFLEET_ROUTE_INDEX_USED]
+    assert route[n.KVFLEET_ROUTE_POLICY] == "predicted_ttft" and route[n.KVFLEET_ROUTE_INDEX_USED]
     assert route[n.KVFLEET_ROUTE_INDEX_SOURCE] in ("mirror", "redis")  # mirror once it follows
     assert route[n.KVFLEET_ROUTE_PROMPT_BLOCKS] == stats.prompt_tokens // 16
     uncached = stats.prompt_tokens - stats.cached_prompt_tokens
