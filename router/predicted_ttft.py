@@ -2,7 +2,7 @@
 
 Each replica advertises, with its load, ``queue_delay_s`` (seconds before a request arriving
 now starts its prefill) and ``prefill_token_s`` (its seconds per uncached prompt token), both
-from its own step-cost model (``worker/engine/queue_delay.py``). Per candidate, with ``m``
+from its own step-cost model (``worker/step_cost/queue_delay.py``). Per candidate, with ``m``
 its matched leading blocks of a prompt of ``P`` tokens (blocks its node's host tier holds
 after those cost their restore instead of their prefill: ``router/tier_credit.py``):
 
