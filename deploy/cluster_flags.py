@@ -34,8 +34,8 @@ from kvfleet.flag_table import declared_default as _declared_default
 from kvfleet.router.config import RouterConfig
 from kvfleet.router.flags import ROUTER_FLAGS
 from kvfleet.telemetry import TelemetryConfig
-from kvfleet.worker.engine.scheduler import SchedulerConfig
-from kvfleet.worker.engine.scheduler_config import POLICIES as ADMISSION_POLICIES
+from kvfleet.worker.engine.scheduling.config import POLICIES as ADMISSION_POLICIES
+from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig
 from kvfleet.worker.replica.autoscale import AutoscaleTargets
 from kvfleet.worker.replica.replica import DEFAULT_KV_MEMORY_BYTES, EXECUTORS, ReplicaConfig
 

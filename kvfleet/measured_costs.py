@@ -2,9 +2,9 @@
 torch thread, the development machine; ``python -m bench calibrate`` writes the samples), as
 plain numbers both sides read: a replica's step-cost model starts from them before its own
 start-up calibration, the cost-model executor sleeps by them
-(kvfleet.worker.engine.step_cost.MEASURED), and the router derives its default host-hit weight
+(kvfleet.worker.step_cost.model.MEASURED), and the router derives its default host-hit weight
 from them (kvfleet.router.tier_credit). The linear form they belong to:
-kvfleet.worker.engine.step_cost."""
+kvfleet.worker.step_cost.model."""
 
 from typing import NamedTuple
 

@@ -1,5 +1,5 @@
 """What one computed token is worth to a tenant's *service* account, on both sides: a
-replica's scheduler picks the least-served tenant with it (kvfleet.worker.engine.tenant_service)
+replica's scheduler picks the least-served tenant with it (kvfleet.worker.engine.scheduling.tenant_service)
 and the router sums each finished request's service into the fleet's per-tenant account
 (kvfleet.router.tenant_limits)::
 

@@ -56,7 +56,7 @@ from bench.common.result_file import RESULTS, write_json
 from bench.common.workload import B2BWorkload, Request, b2b_requests
 from kvfleet.router.main import RouterConfig, RouterServer
 from kvfleet.v1 import router_pb2, router_pb2_grpc
-from kvfleet.worker.engine.scheduler import SchedulerConfig
+from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig
 from kvfleet.worker.replica.replica import ReplicaConfig, ReplicaServer
 
 MODEL = "smollm2"

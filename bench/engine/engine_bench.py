@@ -30,7 +30,7 @@ from bench.common.seeded import seeded_llama_dir
 from bench.engine import engine_runs as er
 from bench.engine.engine_baselines import RunResult, load_hf, run_single, run_static_batches
 from kvfleet.deploy.models import prepare_model
-from kvfleet.worker.engine.scheduler import SchedulerConfig
+from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig
 
 NEAR_TIE = 1e-4
 TINY = dict(vocab_size=32000, hidden_size=256, num_hidden_layers=4, num_attention_heads=8,

@@ -34,7 +34,7 @@ from bench.common.workload import Workload
 from bench.common.workload import requests as make_requests
 from bench.sim.elastic_fleet import ElasticFleet, Policy, Replica
 from bench.sim.fleet_sim import SimFleet
-from kvfleet.worker.engine.scheduler import SchedulerConfig
+from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig
 from kvfleet.worker.executor.cost_model import MEASURED, CostModel
 from kvfleet.worker.replica.autoscale import AutoscaleTargets, decide
 

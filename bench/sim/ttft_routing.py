@@ -36,7 +36,7 @@ from bench.engine.calibrate import DEFAULT_OUT as CALIBRATION
 from bench.engine.calibrate import ensure_calibration
 from bench.sim.fleet_sim import Result, SimFleet, summarize
 from kvfleet.router.policy import make_policy
-from kvfleet.worker.engine.scheduler import SchedulerConfig
+from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig
 from kvfleet.worker.executor.cost_model import MEASURED, CostModel
 
 POLICIES = ("predicted_ttft", "prefix_aware", "round_robin")

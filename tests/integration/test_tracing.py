@@ -22,7 +22,7 @@ from kvfleet.router.config import RouterConfig
 from kvfleet.telemetry import Telemetry, TelemetryConfig
 from kvfleet.telemetry import names as n
 from kvfleet.telemetry.collector import OtlpSink
-from kvfleet.worker.engine.scheduler import SchedulerConfig
+from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig
 from tests.fixtures.cluster import tiny_replica, wait_indexed
 
 SYSTEM = ("You are the archive desk of a small-town newspaper. Answer questions about past "

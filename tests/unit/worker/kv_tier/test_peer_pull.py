@@ -151,7 +151,7 @@ def test_an_exporter_that_dies_mid_transfer_leaves_the_request_to_recompute(
 
 def test_a_hint_is_skipped_when_recomputing_is_cheaper_or_nothing_is_missing(
         tiny_llama_dir) -> None:
-    from kvfleet.worker.engine.step_cost import ZERO, StepCost
+    from kvfleet.worker.step_cost.model import ZERO, StepCost
 
     b, _, _, _ = tier_engine(tiny_llama_dir)
     req = request(prompt(22, seed=59), max_tokens=2)
@@ -167,7 +167,7 @@ def test_a_pull_is_tried_exactly_when_its_predicted_time_beats_the_recompute(
     """The decision is the pull's predicted time against the recompute's, the same for a
     replica and a node tier: no other wait is priced (a run just worth pulling is tried, one
     just not is skipped)."""
-    from kvfleet.worker.engine.step_cost import CostModel, StepCost
+    from kvfleet.worker.step_cost.model import CostModel, StepCost
 
     b, _, _, _ = tier_engine(tiny_llama_dir)
     p = puller(_Unreachable(), b)
