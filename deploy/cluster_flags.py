@@ -41,8 +41,11 @@ from kvfleet.worker.replica.replica import DEFAULT_KV_MEMORY_BYTES, EXECUTORS, R
 
 # Config path prefix -> the dataclass holding the fields below it ("" = ClusterConfig).
 OWNERS: dict[str, type] = {"": ClusterConfig, "replica": ReplicaConfig, "router": RouterConfig,
-                           "replica.scheduler": SchedulerConfig, "replica.grammar": GrammarConfig}
+                           "replica.scheduler": SchedulerConfig, "replica.grammar": GrammarConfig,
+                           "router.policy_options": dict}
 _ROUTER = by_name(ROUTER_FLAGS)
+# The routing policy's knobs (RouterConfig.policy_options), as the router takes them.
+POLICY_KNOBS = tuple(f.flag for f in ROUTER_FLAGS if (f.field or "").startswith("policy_options."))
 _REPLICAS_DEFAULT = ClusterConfig.__dataclass_fields__["replicas"].default
 
 # The cluster's own: how many replicas, where, and the autoscaler's targets.
@@ -190,8 +193,8 @@ SCHEDULER_FLAGS: tuple[Flag, ...] = (
 # The router's own rows, under ``router.``; ``--http-port`` is on by default here.
 UP_ROUTER_FLAGS: tuple[Flag, ...] = (
     *(_ROUTER[name].at("router." + (_ROUTER[name].field or ""), always=False)
-      for name in ("--policy", "--priority-admit", "--tenant-max-inflight", "--port",
-                   "--api-keys", "--tls-cert", "--tls-key")),
+      for name in ("--policy", "--no-index-mirror", *POLICY_KNOBS, "--priority-admit",
+                   "--tenant-max-inflight", "--port", "--api-keys", "--tls-cert", "--tls-key")),
     _ROUTER["--http-port"].at(
         "router.http_port", help="the router's OpenAI-compatible HTTP API (default {default}; "
         "0 = a free port, -1 = off)", default=8000, only=("up",),
@@ -253,7 +256,8 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
         telemetry=TelemetryConfig.from_env(os.environ), **replica_values)
     # -vv: the router logs each routing decision (candidates' matches and loads) too
     log_level = "DEBUG" if getattr(args, "verbose", 0) >= 2 else "INFO"
-    router = RouterConfig(log_level=log_level, **values["router"])
+    knobs = {k: v for k, v in values["router.policy_options"].items() if v is not None}
+    router = RouterConfig(log_level=log_level, policy_options=knobs, **values["router"])
     autoscale = autoscale_config(args)
     replicas = autoscale.targets.min_replicas if autoscale else args.replicas
     if replicas is None:

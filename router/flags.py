@@ -70,20 +70,21 @@ ROUTER_FLAGS: tuple[Flag, ...] = (
          "its own key-file limit) may hold across every router of the namespace, counted in "
          "Redis (default: no limit beyond the key file's)", "scheduling",
          type=positive_int("--tenant-max-inflight")),
-    Flag("--load-penalty-blocks", "policy_options.load_penalty_blocks", "prefix_aware: matched "
-         "blocks one request of load is worth", "routing", type=float),
-    Flag("--max-imbalance", "policy_options.max_imbalance", "prefix_aware: fair shares of "
+    Flag("--load-penalty-blocks", "policy_options.load_penalty_blocks", "prefix_aware (and "
+         "predicted_ttft where a report lacks the forecast): matched blocks one request of load "
+         "is worth", "routing", type=float),
+    Flag("--max-imbalance", "policy_options.max_imbalance", "fair shares of "
          "traffic one holder of a prefix may carry before the prefix gets another holder",
          "routing", type=float),
-    Flag("--popularity-window", "policy_options.popularity_window", "prefix_aware: routing "
+    Flag("--popularity-window", "policy_options.popularity_window", "routing "
          "decisions the prefix popularity averages over", "routing", type=int),
-    Flag("--min-excess-load", "policy_options.min_excess_load", "prefix_aware: requests over the "
-         "fleet's mean load a holder must carry, besides --max-imbalance times the mean, before "
-         "its prefixes get copies", "routing", type=float),
-    Flag("--host-hit-weight", "policy_options.host_hit_weight", "prefix_aware / predicted_ttft: "
-         "what a block in a replica's node host KV tier is worth next to one in its device "
-         "pool, 0..1 (default: from restore vs prefill seconds per block, "
-         "kvfleet.router.tier_credit)", "routing", type=float),
+    Flag("--min-excess-load", "policy_options.min_excess_load", "prefix_aware's bound: requests "
+         "over the fleet's mean load a holder must carry, besides --max-imbalance times the mean, "
+         "before its prefixes get copies", "routing", type=float),
+    Flag("--host-hit-weight", "policy_options.host_hit_weight", "what a block in a replica's "
+         "node host KV tier is worth next to one in its device pool, 0..1 (default: from "
+         "restore vs prefill seconds per block, kvfleet.router.tier_credit)", "routing",
+         type=float),
     Flag("--priority-admit", "priority_admit", "refuse a priority class's requests once the fleet "
          "holds this fraction of its capacity, keeping the rest for higher classes (default "
          "{default})", "scheduling", type=priority_admit, show=format_admit,

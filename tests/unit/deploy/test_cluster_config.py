@@ -14,7 +14,7 @@ import pytest
 from kvfleet.deploy import cli
 from kvfleet.deploy.cluster_config import SHARED, ClusterConfig, router_args, router_from_flags
 from kvfleet.deploy.cluster_flags import FLAGS, OWNERS, cluster_config, declared_default
-from kvfleet.flag_table import GROUPS, by_name
+from kvfleet.flag_table import GROUPS, by_name, field_value
 from kvfleet.router.config import RouterConfig
 from kvfleet.router.core import PromptLimits
 from kvfleet.router.flags import ROUTER_FLAGS, parse_args
@@ -48,10 +48,8 @@ def test_every_flag_sets_a_declared_field_and_defaults_to_its_declaration(tiny_l
         if flag.field is None:
             continue
         owner, _, name = flag.field.rpartition(".")
-        assert name in _names(OWNERS[owner]), flag.flag
-        value = cfg
-        for part in flag.field.split("."):
-            value = getattr(value, part)
+        assert OWNERS[owner] is dict or name in _names(OWNERS[owner]), flag.flag
+        value = field_value(cfg, flag.field)
         if flag.flag == "--http-port":  # the one flag whose default is the CLI's: HTTP on
             assert value == 8000 and declared_default(flag.field) is None
         else:
@@ -68,6 +66,12 @@ def test_flags_land_in_the_config_that_reads_them(tiny_llama_dir) -> None:
     assert cfg.replica.scheduler.max_num_seqs == 4 and cfg.replica.drain_timeout_s == 7.0
     assert cfg.replica.kv_memory_bytes == 1 << 20
     assert cfg.replica.replica_id == cfg.replica.model_name == tiny_llama_dir.name
+    knobs = cluster_config(cli.build_parser().parse_args(
+        ["up", "--model", str(tiny_llama_dir), "--host-hit-weight", "0.75", "--no-index-mirror"]))
+    assert knobs.router.policy_options == {"host_hit_weight": 0.75}
+    assert not knobs.router.index_mirror and cfg.router.policy_options == {}
+    router = knobs.router_config("redis://r:6379/0")
+    assert parse_args(router_args(router)) == router  # carried to the router process
 
 
 def test_the_router_takes_what_it_shares_from_the_replica() -> None:
