@@ -17,7 +17,7 @@ to the shared set by that renewal, so they count once Redis is back; a member re
 a renewal was on its way is removed again after it (the renewal re-added it).
 
 Each finished request's service — uncached prompt tokens × 1 + output tokens × 2, the worker
-scheduler's weights (:mod:`kvfleet.worker.engine.tenant_service`) — is summed per tenant here
+scheduler's weights (:mod:`kvfleet.service_weights`) — is summed per tenant here
 and added to ``{ns}tenant_service`` (a HASH, tenant → service: the fleet's per-tenant account)
 by the next renewal, so the account costs no call per request.
 """
@@ -45,7 +45,7 @@ from kvfleet.index_keys import (
 )
 from kvfleet.router.capacity import check_tenant
 from kvfleet.router.prefix_index import _NOW_MS
-from kvfleet.worker.engine.tenant_service import DECODE_WEIGHT, PREFILL_WEIGHT
+from kvfleet.service_weights import DECODE_WEIGHT, PREFILL_WEIGHT
 
 log = logging.getLogger(__name__)
 
