@@ -2,7 +2,7 @@
 front: guidellm 0.8.1 (what vLLM users benchmark with) streams with
 ``stream_options: {include_usage, continuous_usage_stats}``, content parts, ``stop: null``,
 ``max_completion_tokens`` and ``ignore_eos``, and reads the token counts from the chunks' usage.
-``bench/guidellm_bench.py`` drives the front with guidellm itself where it is installed."""
+``bench/cluster/guidellm_bench.py`` drives the front with guidellm itself where it is installed."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import json
 import httpx
 import pytest
 
-from kvfleet.worker.engine.scheduler import SchedulerConfig
+from kvfleet.worker.engine.scheduling.config import SchedulerConfig
 
 MAX_TOKENS = 8
 STREAM_OPTIONS = {"include_usage": True, "continuous_usage_stats": True}
