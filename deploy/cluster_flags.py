@@ -171,7 +171,11 @@ FLAGS: tuple[Flag, ...] = (
          "OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4317", type=int),
     Flag("--executor", "replica.executor",
          "model: the real forward; cost-model: a timed stand-in for the forward only "
-         "(scheduler, KV cache, index, gRPC stay real; many per process)", choices=EXECUTORS),
+         "(scheduler, KV cache, index, gRPC stay real)", choices=EXECUTORS),
+    Flag("--replicas-per-process", "replicas_per_host",
+         "cost-model replicas one process hosts (default {default}: each fails alone; more "
+         "are cheaper, but a process that dies takes all of its replicas with it)",
+         type=positive_int("--replicas-per-process")),
     Flag("--cost-model", None, "calibration JSON for --executor cost-model (default: the "
          "constants measured on SmolLM2 by bench/calibrate.py)", dest="cost_model", metavar="FILE"),
     Flag("--cost-model-scale", None, "multiply the cost model's step times (e.g. 0.05 = 20x faster)",

@@ -62,6 +62,7 @@ from kvfleet.worker.replica.hit_window import HitWindow
 from kvfleet.worker.replica.kv_publisher import KvPublisher
 from kvfleet.worker.replica.load_report import LatencyWindow, replica_report
 from kvfleet.worker.replica.peer_setup import build_puller
+from kvfleet.worker.replica.shared_calibration import shared_or_calibrate
 from kvfleet.worker.runner.kv_cache import num_blocks_for_memory
 from kvfleet.worker.runner.memory import trim_heap
 from kvfleet.worker.runner.model_config import load_model_config
@@ -257,8 +258,8 @@ def build_engine(cfg: ReplicaConfig, on_rank_failure: Callable[[str], None] = la
 
 def _step_cost(cfg: ReplicaConfig, executor: Executor, identity: CacheIdentity) -> StepCost:
     """The replica's step-cost model: a cost-model executor's own constants, or the real
-    executor's start-up calibration (from the cache when this model/device/tp/dtype/threads
-    was calibrated before)."""
+    executor's start-up calibration (shared through Redis, else from the disk cache, when
+    this model/device/tp/dtype/threads was calibrated before)."""
     if cfg.executor == "cost-model":
         return StepCost(cfg.cost_model or MEASURED)
     tp = cfg.tensor_parallel_size
@@ -270,7 +271,10 @@ def _step_cost(cfg: ReplicaConfig, executor: Executor, identity: CacheIdentity) 
         cache: Optional[Path] = default_cache_dir() / "step_cost"
     else:
         cache = Path(cfg.step_cost_dir) if cfg.step_cost_dir else None
-    return StepCost(load_or_calibrate(executor, key, cache, cfg.calibration_budget_s))
+    # Another replica of this key (a pod before this one) may have stored its fit in Redis.
+    return StepCost(shared_or_calibrate(
+        cfg.redis_url, cfg.namespace, key,
+        lambda: load_or_calibrate(executor, key, cache, cfg.calibration_budget_s)))
 
 
 class ReplicaServer:

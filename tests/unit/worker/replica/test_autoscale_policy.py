@@ -1,8 +1,10 @@
 """kvfleet's autoscaling policy on synthetic reports and synthetic Serve contexts: track the
-throughput load to its target (up at once by what it needs, down only with the band to
-spare), scale up near the SLO or above the KV target, hold in the band, never below MIN or
-above MAX, never during a rollout; and through Serve's own wrapper (delays, bounds), as the
-controller runs it."""
+throughput load to its target (up at once by what it needs once past a small band, down only
+with the band to spare), one more replica near the SLO or above the KV target (a lagging p90
+only once the count has held its window), hold in the band, never below MIN or above MAX,
+no scale-down during a rollout or with replicas' signals missing, a replica that never starts
+taken as not coming; and through Serve's own wrapper (delays, bounds), as the controller
+runs it."""
 
 from __future__ import annotations
 
@@ -13,7 +15,13 @@ from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
 from kvfleet.deploy.autoscale_serve import POLICY_PATH, AutoscaleConfig, KvfleetPolicy
 from kvfleet.worker.replica import autoscale as a
-from kvfleet.worker.replica.autoscale import AutoscaleTargets, decide, serve_reports
+from kvfleet.worker.replica.autoscale import (
+    LATENCY_WINDOW_S,
+    AutoscaleTargets,
+    FleetClock,
+    decide,
+    serve_reports,
+)
 
 T = AutoscaleTargets(min_replicas=1, max_replicas=6, slo_ttft_s=1.0, slo_itl_s=0.2,
                      target_kv_utilisation=0.8)
@@ -38,11 +46,45 @@ def test_each_signal_near_its_target_scales_up_naming_it(signals, reason):
     assert d.target == 3 and d.reason == reason and d.pressure >= T.headroom
 
 
-def test_scale_up_is_proportional_to_the_pressure_and_capped_at_max():
-    assert decide(T, 2, 2, fleet(2, ttft=1.6)).target == 4  # 2 × 1.6 / 0.8
-    d = decide(T, 3, 3, fleet(3, ttft=20.0))
-    assert (d.target, d.reason) == (6, "ttft_p90")
+def test_a_latency_past_the_headroom_asks_for_one_more_never_in_proportion():
+    # Neither a p90 nor a predicted queue is linear in the count: a step in proportion to
+    # one overshoots (and the band then takes the replicas back: a sawtooth).
+    for signals in (dict(ttft=1.6), dict(ttft=20.0), dict(delay=5.0), dict(itl=1.0)):
+        assert decide(T, 2, 2, fleet(2, **signals)).target == 3, signals
     assert decide(T, 6, 6, fleet(6, ttft=20.0)).reason == "at_max"
+
+
+def test_a_lagging_p90_counts_only_once_the_count_has_held_its_window():
+    # Right after a change the p90s still hold the requests the last step answered.
+    early = decide(T, 3, 3, fleet(3, ttft=1.2), settled_s=LATENCY_WINDOW_S / 2)
+    assert (early.target, early.reason) == (3, "within_band")
+    assert decide(T, 3, 3, fleet(3, ttft=1.2), settled_s=LATENCY_WINDOW_S).target == 4
+    # The predicted queue delay is now, not lagging: it acts at once.
+    assert decide(T, 3, 3, fleet(3, delay=1.2), settled_s=0.0).reason == "queue_delay"
+
+
+def test_fleet_clock_times_pending_replicas_and_the_settled_count():
+    clock = FleetClock(look_back_s=12.0)
+    assert clock.observe(2, 2, 100.0) == (0.0, float("inf"))  # no earlier count: settled
+    assert clock.observe(2, 3, 110.0) == (0.0, float("inf"))
+    assert clock.observe(2, 3, 150.0) == (40.0, float("inf"))
+    assert clock.observe(2, 4, 160.0) == (0.0, float("inf"))  # a new target: a new wait
+    assert clock.observe(3, 4, 170.0) == (10.0, -12.0)  # a new count, seen through the look-back
+    assert clock.observe(4, 4, 200.0) == (0.0, -12.0)
+    assert clock.observe(4, 4, 250.0) == (0.0, 38.0)
+
+
+def test_a_replica_that_never_starts_does_not_block_scale_in():
+    quiet = fleet(2, load=0.1)
+    d = decide(T, 2, 3, quiet, pending_s=10.0)  # still starting: wait for it
+    assert (d.target, d.reason) == (3, "starting")
+    d = decide(T, 2, 3, quiet, pending_s=T.start_timeout_s)
+    assert (d.target, d.reason) == (1, "not_placed") and "not running" in d.detail
+    d = decide(T, 2, 3, fleet(2), pending_s=T.start_timeout_s)  # at MIN 1 already light
+    assert d.target == 1
+    # Still needed: the ask stands (a cluster autoscaler may yet place it).
+    busy = fleet(2, load=1.0)
+    assert decide(T, 2, 3, busy, pending_s=T.start_timeout_s).target == 3
 
 
 def test_no_second_step_while_the_first_one_starts():
@@ -85,11 +127,26 @@ def test_never_below_min_and_targets_outside_the_bounds_are_clamped():
     assert decide(t, 5, 5, {}).target == 4
 
 
-def test_rollout_and_missing_reports_hold_the_count():
-    reports = {"old": report(revision=1.0), "new": report(ttft=5.0, revision=2.0)}
-    d = decide(T, 2, 2, reports)
+def test_a_rollout_holds_scale_down_but_not_scale_up():
+    quiet = {"old": report(revision=1.0), "new": report(revision=2.0)}
+    d = decide(T, 2, 2, quiet)
     assert (d.target, d.reason) == (2, "rollout")
+    busy = {"old": report(load=1.0, revision=1.0), "new": report(load=1.0, revision=2.0)}
+    d = decide(T, 2, 2, busy)
+    assert (d.target, d.reason) == (3, "load")  # 2 × 1.0 / 0.7
     assert decide(T, 3, 3, {}).reason == "no_metrics"
+
+
+def test_replicas_missing_signals_are_named_and_hold_scale_down():
+    reports = fleet(3)
+    del reports["r2"][a.TTFT_P90_S]
+    d = decide(T, 3, 3, reports)
+    assert (d.target, d.reason) == (3, "missing_metrics") and "r2" in d.detail
+    d = decide(T, 3, 3, fleet(2))  # a running replica has not reported at all
+    assert (d.target, d.reason) == (3, "missing_metrics") and "2 of 3" in d.detail
+    partial = fleet(3, load=1.2)
+    del partial["r0"][a.THROUGHPUT_LOAD]
+    assert decide(T, 3, 3, partial).target == 6  # the others' mean still scales up
 
 
 def test_kv_only_target_ignores_latency():
@@ -147,12 +204,42 @@ def test_serve_runs_the_policy_with_its_delays_and_bounds(monkeypatch):
     assert target == 1  # the margin held for downscale_delay_s
 
 
-def test_serve_reports_keep_replicas_that_reported_every_signal():
+def test_serve_gives_back_a_replica_that_never_starts_once_the_load_left(monkeypatch):
+    # `--autoscale 1..3` where a third replica cannot be placed: Serve's target stays 3 while
+    # 2 run; once the load has gone the policy must still bring the fleet down.
+    cfg = AutoscaleConfig(AutoscaleTargets(1, 3, slo_ttft_s=1.0), upscale_delay_s=0.0,
+                          downscale_delay_s=0.0)
+    serve_cfg = AutoscalingConfig(**cfg.serve_config())
+    policy = _apply_autoscaling_config(KvfleetPolicy(**serve_cfg.policy.policy_kwargs))
+    clock = [1000.0]
+    monkeypatch.setattr("time.time", lambda: clock[0])
+    monkeypatch.setattr("time.monotonic", lambda: clock[0])
+    state: dict = {}
+    for _ in range(3):  # the load is gone, the third replica still pending: wait for it
+        target, state = policy(context(serve_cfg, 2, 3, fleet(2), state, clock[0]))
+        assert target == 3 and state["kvfleet_reason"] == "starting"
+        clock[0] += 30.0
+    clock[0] += AutoscaleTargets.start_timeout_s
+    target, state = policy(context(serve_cfg, 2, 3, fleet(2), state, clock[0]))
+    assert target == 1 and state["kvfleet_reason"] == "not_placed"
+
+
+def test_serve_reports_keep_replicas_missing_a_signal_with_what_they_reported():
     ids = [ReplicaID("a", DeploymentID("d", "x")), ReplicaID("b", DeploymentID("d", "x"))]
     full = {name: {ids[0]: 1.0, ids[1]: 2.0} for name in a.SIGNALS}
     del full[a.TTFT_P90_S][ids[1]]
-    assert list(serve_reports(full, ids)) == ["a"]
+    got = serve_reports(full, ids)
+    assert list(got) == ["a", "b"] and a.TTFT_P90_S not in got["b"]
     assert serve_reports(None, ids) == {}
+
+
+def test_load_wandering_just_past_its_target_buys_no_replica():
+    # Steady load: the look-back mean wanders a few % around its level; a replica bought at
+    # each wander up is given back after the downscale delay (a sawtooth).
+    t = AutoscaleTargets(min_replicas=1, max_replicas=8, slo_ttft_s=1.5)
+    for load in (0.66, 0.72, 0.75):  # ratios 0.94, 1.03, 1.07
+        assert decide(t, 3, 3, fleet(3, load=load)).target == 3, load
+    assert decide(t, 3, 3, fleet(3, load=0.8)).target == 4  # 1.14: past the band
 
 
 def test_a_full_queue_scales_up_before_latency_climbs():
