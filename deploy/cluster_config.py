@@ -77,9 +77,10 @@ class ClusterConfig:
     autoscale: Optional[AutoscaleConfig] = None
 
     def __post_init__(self) -> None:
-        if self.replicas < 1 or self.replicas_per_host < 1:
-            raise ValueError(f"replicas ({self.replicas}) and replicas_per_host "
-                             f"({self.replicas_per_host}) must be >= 1")
+        if self.replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+        if self.replicas_per_host < 1:
+            raise ValueError(f"replicas_per_host must be >= 1, got {self.replicas_per_host}")
         if self.autoscale is not None and self.replicas != self.autoscale.targets.min_replicas:
             raise ValueError(f"replicas ({self.replicas}) must be the autoscale MIN "
                              f"({self.autoscale.targets.min_replicas}): it starts there")

@@ -231,7 +231,7 @@ def _shown(value: Any) -> str:
 
 # The flags `kvfleet k8s render` takes from this table too (its other flags are its own).
 AUTOSCALE_FLAGS = ("--autoscale", "--slo-ttft-ms", "--slo-itl-ms", "--target-kv-utilisation",
-                   "--upscale-delay", "--downscale-delay")
+                   "--target-load", "--upscale-delay", "--downscale-delay")
 
 
 def add_cluster_args(p: argparse.ArgumentParser, command: str,
