@@ -126,6 +126,9 @@ def summarize(fleet: ElasticFleet, timeline: list[tuple], slo_s: float, day_s: f
         "target_changes": [(round(row[0], 1), row[1]) for prev, row
                            in zip(timeline, timeline[1:], strict=False) if row[1] != prev[1]],
         "refused": sum(r.ttft_s is None for r in rs),
+        # Where the SLO was missed: (hour of the day, requests over it) per 10-minute window.
+        "missed_at": [(round(k * window_s / day_s * 24, 2), n) for k, v in sorted(windows.items())
+                      if (n := sum(t > slo_s for t in v))],
         "hit_rate": sum(r.cached_tokens for r in rs) / sum(r.prompt_tokens for r in rs),
         "ttft_p99_s": _p99(ttft),
     }
@@ -195,8 +198,7 @@ def run_policies(a: argparse.Namespace, seed: int, plot_to: Path | None) -> dict
     reqs = [replace(r, offset_s=t) for r, t in zip(stream, offsets, strict=True)]
     mean_rps = len(reqs) / a.day_s
     targets = AutoscaleTargets(a.min, a.max, slo_ttft_s=a.slo_ttft_ms / 1000,
-                               target_load=a.target_load, load_band=a.load_band,
-                               load_up_band=a.load_up_band)
+                               target_load=a.target_load, load_band=a.load_band)
     serve = AutoscalingConfig(min_replicas=a.min, max_replicas=a.max, look_back_period_s=12.0,
                               upscale_delay_s=a.upscale_delay, downscale_delay_s=a.downscale_delay)
     first = a.initial or initial_replicas(day, cap, a.min, a.max)
@@ -274,8 +276,6 @@ def main(argv: list[str] | None = None) -> int:
                    help="kvfleet: share of each replica's throughput to run at")
     p.add_argument("--load-band", type=float, default=AutoscaleTargets.load_band,
                    help="kvfleet: scale down only to survivors at most at target × (1 - band)")
-    p.add_argument("--load-up-band", type=float, default=AutoscaleTargets.load_up_band,
-                   help="kvfleet: scale up on the load once past target × (1 + band)")
     p.add_argument("--cost-scale", type=float, default=0.1,
                    help="cost model × this (0.1: a replica 10x faster than the 2-core CPU)")
     p.add_argument("--start-delay", type=float, default=7.0)

@@ -147,6 +147,10 @@ FLAGS: tuple[Flag, ...] = (
          "sequences a replica runs at once (default {default})", type=int),
     Flag("--max-num-batched-tokens", "replica.scheduler.max_num_batched_tokens",
          "tokens one engine step computes (default {default})", type=int),
+    Flag("--max-queue-wait-s", "replica.max_queue_wait_s",
+         "a replica refuses (RESOURCE_EXHAUSTED, at once) a request it predicts would wait "
+         "longer than this before its prefill starts, and advertises the bound (default "
+         "{default} s)", type=positive_seconds),
     Flag("--itl-target-ms", "replica.scheduler.itl_target_ms",
          "inter-token latency target: a step takes prefill tokens only while its predicted time "
          "(the replica's calibrated step-cost model) stays under it; a waiting prompt still "

@@ -76,11 +76,8 @@ class AutoscaleTargets:
 
     ``target_load``: the share of each replica's throughput to run at (the rest absorbs
     bursts shorter than a replica's start); ``load_band``: scale down only to a count that
-    runs each survivor at most at ``target_load × (1 - load_band)``; ``load_up_band``: scale
-    up on the load once it passes ``target_load × (1 + load_up_band)`` (a look-back mean of
-    load snapshots wanders around its level: at the target exactly, each wander up would buy
-    a replica the next wander down returns). ``headroom``: scale up once a latency or KV
-    ratio reaches this fraction of its target; ``margin``: scale down only while each stays
+    runs each survivor at most at ``target_load × (1 - load_band)``. ``headroom``: scale up
+    once a latency or KV ratio reaches this fraction of its target; ``margin``: scale down only while each stays
     below this fraction. ``start_timeout_s``: a replica asked for and not running after this
     long is taken as not coming (it cannot be placed).
 
@@ -97,7 +94,6 @@ class AutoscaleTargets:
     target_kv_utilisation: Optional[float] = None
     target_load: float = 0.7
     load_band: float = 0.15
-    load_up_band: float = 0.1
     headroom: float = 0.8
     margin: float = 0.4
     start_timeout_s: float = 120.0
@@ -115,9 +111,8 @@ class AutoscaleTargets:
             raise ValueError(f"--target-kv-utilisation must be in (0, 1], got {kv:g}")
         if not 0 < self.target_load <= 1:
             raise ValueError(f"--target-load must be in (0, 1], got {self.target_load:g}")
-        for name in ("load_band", "load_up_band"):
-            if not 0 <= getattr(self, name) < 1:
-                raise ValueError(f"autoscale {name} must be in [0, 1), got {getattr(self, name):g}")
+        if not 0 <= self.load_band < 1:
+            raise ValueError(f"autoscale load_band must be in [0, 1), got {self.load_band:g}")
         if not self.start_timeout_s > 0:
             raise ValueError(f"autoscale start_timeout_s must be > 0, got {self.start_timeout_s:g}")
         if self.slo_ttft_s is None and self.slo_itl_s is None and kv is None:
@@ -180,12 +175,9 @@ def _kv_used(r: Mapping[str, float]) -> float:
 def _wanted(targets: AutoscaleTargets, current: int, r: Mapping[str, float],
             settled: bool) -> tuple[int, str]:
     """The count the pressure asks for now, and the signal that asks the most: the load
-    tracked to its target once past ``load_up_band``; one more for a latency or KV ratio
-    past the headroom (a lagging p90 only once ``settled``)."""
-    load = r.get("load", 0.0)
-    want, why = current, "load"
-    if load > 1 + targets.load_up_band:
-        want = math.ceil(current * load - 1e-9)
+    tracked to its target; one more for a latency or KV ratio past the headroom (a lagging
+    p90 only once ``settled``)."""
+    want, why = math.ceil(current * r.get("load", 0.0) - 1e-9), "load"
     for name, ratio in r.items():
         if name == "load" or ratio < targets.headroom or (name in LAGGING and not settled):
             continue

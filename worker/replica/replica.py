@@ -87,6 +87,11 @@ def _kv_tier_id(engine: Engine) -> str:
     return getattr(tier.lookup.store, "tier_id", "") if tier is not None else ""
 
 
+def _advertised(seconds: float) -> float:
+    """A bound as the registry carries it (0: none)."""
+    return seconds if seconds < float("inf") else 0.0
+
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_KV_MEMORY_BYTES = 256 << 20  # 256 MiB of K/V per replica unless told otherwise
 EXECUTORS = ("model", "cost-model")
@@ -165,12 +170,18 @@ class ReplicaConfig:
     # "" = never cached), measured for about calibration_budget_s seconds when not cached.
     step_cost_dir: Optional[str] = None
     calibration_budget_s: float = 20.0
+    # A request predicted to wait longer than this before its prefill starts is refused at
+    # once (RESOURCE_EXHAUSTED), never queued (worker/service/wait_bound.py); advertised in
+    # the registry. inf: no bound in seconds (the sequence count alone).
+    max_queue_wait_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not self.drain_timeout_s > 0:
             raise ValueError(f"drain_timeout_s must be > 0, got {self.drain_timeout_s}")
         if not 0 <= self.kv_prewarm_s < float("inf"):
             raise ValueError(f"kv_prewarm_s must be >= 0 and finite, got {self.kv_prewarm_s}")
+        if not self.max_queue_wait_s > 0:
+            raise ValueError(f"max_queue_wait_s must be > 0, got {self.max_queue_wait_s}")
         if not self.calibration_budget_s > 0:
             raise ValueError(f"calibration_budget_s must be > 0, got {self.calibration_budget_s}")
         if self.tensor_parallel_size < 1:
@@ -330,6 +341,7 @@ class ReplicaServer:
         if self.cfg.redis_url:
             info = ReplicaInfo(self.cfg.replica_id, self.address, self.cfg.model_name, 0,
                                self.cfg.block_size, max_requests=self.cfg.scheduler.max_sequences,
+                               max_queue_wait_s=_advertised(self.cfg.max_queue_wait_s),
                                tensor_parallel_size=self.cfg.tensor_parallel_size,
                                ranks=tuple(dataclasses.asdict(r) for r in self.ranks()),
                                serve_replica=self.cfg.serve_replica,
@@ -354,7 +366,8 @@ class ReplicaServer:
                                 limits=self.cfg.stream_limits, adapter_admin=admin,
                                 puller=build_puller(self.engine, self.cfg.kv_peer_pull,
                                                     bool(self.cfg.internal_tls_dir),
-                                                    self.cfg.kv_host_memory_bytes))
+                                                    self.cfg.kv_host_memory_bytes),
+                                max_queue_wait_s=self.cfg.max_queue_wait_s)
         self.service = service
         worker_pb2_grpc.add_WorkerServicer_to_server(service, self._server)
         name = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name

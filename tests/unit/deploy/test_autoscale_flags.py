@@ -50,8 +50,8 @@ def test_autoscale_reaches_the_serve_config(tiny_llama_dir):
     assert (auto["min_replicas"], auto["max_replicas"], auto["initial_replicas"]) == (1, 3, 1)
     assert auto["policy"] == {"policy_function": POLICY_PATH, "policy_kwargs": {
         "min_replicas": 1, "max_replicas": 3, "slo_ttft_s": 0.8, "slo_itl_s": 0.15,
-        "target_load": 0.8, "load_band": 0.15, "load_up_band": 0.1, "headroom": 0.8,
-        "margin": 0.4, "start_timeout_s": 120.0}}
+        "target_load": 0.8, "load_band": 0.15, "headroom": 0.8, "margin": 0.4,
+        "start_timeout_s": 120.0}}
     assert auto["metrics_interval_s"] == 2  # Serve 2.60's replicas push on this, not the env
     assert app["runtime_env"]["env_vars"][PUSH_INTERVAL_ENV] == "2"
     schema = ServeDeploySchema.model_validate(deploy_config([app]))  # imports the policy
