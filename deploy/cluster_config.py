@@ -148,7 +148,8 @@ def serve_application(cfg: ClusterConfig, redis_url: str, num_cpus: float, threa
 _OPTIONAL_FLAGS = (("--http-max-connections", "http_max_connections"),
                    ("--retry-pushback-ms", "retry_pushback_ms"),
                    ("--log-level", "log_level"), ("--shutdown-grace-s", "shutdown_grace_s"),
-                   ("--tenant-max-inflight", "tenant_max_inflight"))
+                   ("--tenant-max-inflight", "tenant_max_inflight"),
+                   ("--call-idle-s", "call_idle_s"))
 _POLICY_FLAGS = ("load_penalty_blocks", "max_imbalance", "popularity_window", "min_excess_load",
                  "host_hit_weight")
 
