@@ -32,18 +32,16 @@ def has_room(c: Candidate) -> bool:
     """True when ``c`` is below its advertised limits (or advertises none): its running +
     waiting sequences, and its last report's predicted queue delay against its queue bound
     (``max_queue_wait_s``: the replica would refuse a newcomer)."""
-    return _full(c) is None
+    return not (_at_count(c) or _past_bound(c))
 
 
-def _full(c: Candidate) -> str | None:
-    """Which advertised limit ``c`` is at (a phrase for the refusal), or None."""
-    limit = c.info.max_requests
-    if limit > 0 and c.load >= limit:
-        return f"limit of {limit} running + waiting sequences"
+def _at_count(c: Candidate) -> bool:
+    return 0 < c.info.max_requests <= c.load
+
+
+def _past_bound(c: Candidate) -> bool:
     bound, report = c.info.max_queue_wait_s, c.load_report
-    if bound > 0 and report is not None and (report.queue_delay_s or 0.0) >= bound:
-        return f"queue bound of {bound:g} s (max_queue_wait_s)"
-    return None
+    return bound > 0 and report is not None and (report.queue_delay_s or 0.0) >= bound
 
 
 def with_room(candidates: Sequence[Candidate]) -> list[Candidate]:
@@ -70,9 +68,16 @@ def check_room(candidates: Sequence[Candidate], model: str,
     """Raises ResourceExhausted (naming the limit and the class of priority ``level``)
     when every candidate is at its limit."""
     if candidates and not any(has_room(c) for c in candidates):
-        limits = sorted({_full(c) or "" for c in candidates})
+        counts = sorted({c.info.max_requests for c in candidates if _at_count(c)})
+        bounds = sorted({c.info.max_queue_wait_s for c in candidates if not _at_count(c)})
+        limits = []
+        if counts:
+            limits.append(f"limit of {'/'.join(map(str, counts))} running + waiting sequences")
+        if bounds:
+            limits.append(f"queue bound of {'/'.join(f'{b:g}' for b in bounds)} s "
+                          f"(max_queue_wait_s)")
         raise ResourceExhausted(
-            f"every replica of model {model!r} is at its {' / '.join(limits)} (refused: "
+            f"every replica of model {model!r} is at its {' or '.join(limits)} (refused: "
             f"{priority.describe(level)} request)")
 
 

@@ -34,6 +34,21 @@ def test_every_candidate_full_is_refused_naming_the_limits():
         check_room([cand("a", 2, running=2), cand("b", 3, waiting=3)], "m")
 
 
+def _waiting(rid: str, bound: float, delay: float) -> Candidate:
+    """A candidate with room in sequences whose forecast queue delay is ``delay`` s against
+    its advertised queue bound."""
+    load = ReplicaLoad(2, 5, 10, 10, 1.0, queue_delay_s=delay, prefill_token_s=0.001)
+    return Candidate(ReplicaInfo(rid, "127.0.0.1:1", "m", 1, 16, 64, max_queue_wait_s=bound),
+                     load, 0, 0)
+
+
+def test_a_replica_whose_forecast_passed_its_queue_bound_has_no_room():
+    assert has_room(_waiting("a", 60.0, 59.0)) and not has_room(_waiting("a", 60.0, 61.0))
+    assert has_room(_waiting("a", 0.0, 500.0))  # no bound advertised: the worker decides
+    with pytest.raises(ResourceExhausted, match=r"queue bound of 60 s \(max_queue_wait_s\)"):
+        check_room([_waiting("a", 60.0, 61.0), cand("b", 2, running=2)], "m")
+
+
 def test_a_tenant_at_its_limit_is_refused_and_the_fleet_capacity_is_the_sum_of_limits():
     assert fleet_capacity([cand("a", 6), cand("b", 4)]) == 10
     assert fleet_capacity([cand("a", 6), cand("b", 0)]) == 0  # one unknown: unknown
