@@ -53,7 +53,7 @@ class WaitBound:
         """Predicted seconds before a newcomer's prefill starts: 0 while a seat is free and
         no prompt is queued."""
         rows = min(self.sequences, self.seats)
-        context = rows * self._mean_context()
+        context = round(rows * self._mean_context())
         seconds = 0.0
         queued = self.sequences - self.seats + 1  # the newcomer's place in the queue
         if queued > 0:
