@@ -89,12 +89,9 @@ def poisson_arrivals(rate: Callable[[float], float], top: float, duration_s: flo
 def kvfleet_policy(targets: AutoscaleTargets, look_back_s: float) -> Policy:
     """kvfleet's policy as Serve runs it (KvfleetPolicy: decide, with a FleetClock)."""
     clock = FleetClock(look_back_s)
-    previous: list = [None]
 
     def policy(current: int, target: int, reports: dict, now: float) -> int:
-        previous[0] = decide(targets, current, target, reports,
-                             *clock.observe(current, target, now), previous[0])
-        return previous[0].target
+        return decide(targets, current, target, reports, *clock.observe(current, target, now)).target
     return policy
 
 

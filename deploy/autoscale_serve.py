@@ -99,7 +99,6 @@ class KvfleetPolicy:
         self._gauge: Any = None
         self._last_change: Optional[dict] = None  # the last decision that moved the target
         self._clock: Optional[FleetClock] = None
-        self._previous: Optional[Decision] = None
 
     def __call__(self, ctx) -> tuple[int, dict]:
         reports = serve_reports(ctx.aggregated_metrics, ctx.running_replicas)
@@ -109,8 +108,7 @@ class KvfleetPolicy:
         pending_s, settled_s = self._clock.observe(ctx.current_num_replicas,
                                                    ctx.target_num_replicas, time.monotonic())
         d = decide(self.targets, ctx.current_num_replicas, ctx.target_num_replicas, reports,
-                   pending_s, settled_s, self._previous)
-        self._previous = d
+                   pending_s, settled_s)
         try:
             self._publish(ctx, d)
         except Exception:  # observability must never stop Serve's control loop

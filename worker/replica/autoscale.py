@@ -186,15 +186,15 @@ def _wanted(targets: AutoscaleTargets, current: int, r: Mapping[str, float],
     return want, why
 
 
-def _may_shed(targets: AutoscaleTargets, current: int, r: Mapping[str, float],
-              band: float) -> int:
+def _may_shed(targets: AutoscaleTargets, current: int, r: Mapping[str, float]) -> int:
     """How many replicas fewer hold every target with the margins: the load at most
-    ``target × (1 - band)`` per survivor, latencies below ``margin`` as they are (a replica
-    fewer does not show in them until it has gone), KV below it as spread."""
+    ``target × (1 - load_band)`` per survivor, latencies below ``margin`` as they are (a
+    replica fewer does not show in them until it has gone), KV below it as spread."""
     latency = max((v for k, v in r.items() if k not in ("load", "kv_utilisation")), default=0.0)
     if latency >= targets.margin:
         return 0
-    keep = max(targets.min_replicas, math.ceil(current * r.get("load", 0.0) / (1 - band) - 1e-9))
+    keep = max(targets.min_replicas,
+               math.ceil(current * r.get("load", 0.0) / (1 - targets.load_band)))
     kv = r.get("kv_utilisation", 0.0)
     while keep < current and kv * current / keep >= targets.margin:
         keep += 1
@@ -202,8 +202,7 @@ def _may_shed(targets: AutoscaleTargets, current: int, r: Mapping[str, float],
 
 
 def decide(targets: AutoscaleTargets, current: int, target: int, reports: Reports,
-           pending_s: float = 0.0, settled_s: float = math.inf,
-           previous: Optional[Decision] = None) -> Decision:
+           pending_s: float = 0.0, settled_s: float = math.inf) -> Decision:
     """The replica count to hold, from the running replicas' latest ``reports``.
 
     Args:
@@ -216,10 +215,6 @@ def decide(targets: AutoscaleTargets, current: int, target: int, reports: Report
         settled_s: seconds since the running count last changed, less the time the signals
             are averaged over (:class:`FleetClock`): the lagging p90s count once it reaches
             :data:`LATENCY_WINDOW_S`.
-        previous: this policy's last decision. A scale-down it asked for (Serve applies one
-            that persists for its downscale delay) is asked for again while the survivors
-            would run at most at the target: the band starts a scale-down, a wander of the
-            load back into the band does not undo it.
 
     Returns a :class:`Decision` within ``min_replicas..max_replicas``.
     """
@@ -242,16 +237,13 @@ def decide(targets: AutoscaleTargets, current: int, target: int, reports: Report
     hold = _hold_reason(current, target, reports)
     if hold is not None:
         return Decision(held, hold[0], pressure, f"{hold[1]}: holding; {detail}")
-    shed = _may_shed(targets, current, r, targets.load_band)
+    shed = _may_shed(targets, current, r)
     if lost:
         return Decision(max(lo, current - shed), "not_placed", pressure,
                         f"replicas asked for {pending_s:.0f} s ago are not running (not "
                         f"placed?): judged on the {current} running; {detail}")
     if current <= lo:
         return Decision(lo, "at_min", pressure, detail)
-    if not shed and previous is not None and previous.reason == "sustained_margin" \
-            and previous.target < current:
-        shed = _may_shed(targets, current, r, 0.0)  # carry on: survivors up to the target
     if shed:
         return Decision(current - shed, "sustained_margin", pressure, detail)
     return Decision(current, "within_band", pressure, detail)

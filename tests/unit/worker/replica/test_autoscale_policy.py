@@ -121,21 +121,6 @@ def test_load_scales_down_only_with_the_band_to_spare_and_by_as_many_as_that_all
     assert decide(t, 6, 6, fleet(6, load=0.1, ttft=0.45)).reason == "within_band"
 
 
-def test_a_scale_down_asked_for_is_not_undone_by_a_wander_back_into_the_band():
-    # Serve applies a scale-down that persists for its delay: one tick back inside the band
-    # restarted that delay, so a noisy load held a replica too many for hours.
-    t = AutoscaleTargets(min_replicas=1, max_replicas=8, slo_ttft_s=1.0, target_load=0.5,
-                         load_band=0.2)
-    first = decide(t, 4, 4, fleet(4, load=0.28))  # 3 survivors at 0.37 ≤ 0.4: shed one
-    assert (first.target, first.reason) == (3, "sustained_margin")
-    wander = fleet(4, load=0.33)  # 3 survivors at 0.44: inside the band, below the target
-    assert decide(t, 4, 4, wander).reason == "within_band"  # no scale-down starts here
-    d = decide(t, 4, 4, wander, previous=first)
-    assert (d.target, d.reason) == (3, "sustained_margin")  # but one under way goes on
-    up = decide(t, 4, 4, fleet(4, load=0.4), previous=first)  # 3 would run at 0.53: stop
-    assert (up.target, up.reason) == (4, "within_band")
-
-
 def test_never_below_min_and_targets_outside_the_bounds_are_clamped():
     t = AutoscaleTargets(min_replicas=2, max_replicas=4, slo_ttft_s=1.0)
     assert decide(t, 2, 2, fleet(2)).target == 2 and decide(t, 2, 2, fleet(2)).reason == "at_min"
