@@ -39,13 +39,10 @@ from kvfleet.telemetry import Telemetry, TelemetryConfig
 from kvfleet.telemetry.worker_spans import WorkerTelemetry
 from kvfleet.tls import ROUTER_NAME, needs_internal_tls, reloading_worker_credentials
 from kvfleet.v1 import worker_pb2, worker_pb2_grpc
-from kvfleet.worker.engine.adapter_residency import AdapterResidency
+from kvfleet.worker.engine.adapters.residency import AdapterResidency
 from kvfleet.worker.engine.engine import Engine
-from kvfleet.worker.engine.outputs import SeqOutput
-from kvfleet.worker.engine.scheduler import SchedulerConfig
-from kvfleet.worker.engine.step_calibration import CalibrationKey, device_name, load_or_calibrate
-from kvfleet.worker.engine.step_cost import MEASURED, StepCost
-from kvfleet.worker.engine.tier_prewarm import prewarm_before_serving
+from kvfleet.worker.engine.output.outputs import SeqOutput
+from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig
 from kvfleet.worker.executor.base import Executor, RankInfo
 from kvfleet.worker.executor.cost_model import CostModel, cost_model_executor
 from kvfleet.worker.executor.local import LocalExecutor
@@ -54,6 +51,7 @@ from kvfleet.worker.executor.tp.rank_worker import RankSpec
 from kvfleet.worker.executor.tp_executor import TPExecutor
 from kvfleet.worker.kv_tier.lookup import TierLookup
 from kvfleet.worker.kv_tier.node_tier import TierIndex, node_tier
+from kvfleet.worker.kv_tier.prewarm import prewarm_before_serving
 from kvfleet.worker.kv_tier.rank_tier import RankTier
 from kvfleet.worker.replica.adapter_admin import AdapterAdmin
 from kvfleet.worker.replica.adapter_catalog import check_catalog
@@ -69,6 +67,8 @@ from kvfleet.worker.runner.model_config import load_model_config
 from kvfleet.worker.runner.model_runner import ModelRunner
 from kvfleet.worker.service.engine_loop import EngineLoop
 from kvfleet.worker.service.server import WorkerService
+from kvfleet.worker.step_cost.calibration import CalibrationKey, device_name, load_or_calibrate
+from kvfleet.worker.step_cost.model import MEASURED, StepCost
 
 log = logging.getLogger(__name__)
 
@@ -115,18 +115,18 @@ class ReplicaConfig:
     kv_memory_bytes: Optional[int] = None
     # The node's host KV tier (kvfleet.worker.kv_tier), bytes per node; None: no tier.
     kv_host_memory_bytes: Optional[int] = None
-    # Pull a prefix the router says a peer holds when that beats recomputing it (issue 26 §2;
-    # needs the host tier, which the blocks travel through).
+    # Pull a prefix the router says a peer holds when that beats recomputing it (needs the
+    # host tier, which the blocks travel through).
     kv_peer_pull: bool = True
     # On a drain, write the hottest cached blocks back to the node's tier before deregistering
-    # (issue 26 §3; needs the host tier). False: they are dropped with the pool.
+    # (needs the host tier). False: they are dropped with the pool.
     kv_hand_over: bool = True
     # Before serving, restore the node tier's hottest blocks of this identity into the pool
-    # for at most this long (issue 26 §3; 0: off; needs the host tier).
+    # for at most this long (0: off; needs the host tier).
     kv_prewarm_s: float = 0.0
     dtype: str = "float32"
-    # A second copy of each weight for batch-1 decode (see worker/runner/models/linear.py): ~20 %
-    # lower batch-1 ITL on CPU for twice the weight memory.
+    # A second copy of each weight for batch-1 decode (see worker/runner/models/linear.py):
+    # lower batch-1 ITL on CPU for twice the weight memory (docs/benchmarks.md, Engine).
     one_row_weights: bool = True
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     redis_url: Optional[str] = None
@@ -151,7 +151,7 @@ class ReplicaConfig:
     internal_tls_dir: Optional[str] = None
     # Slow or vanished readers: outputs buffered per stream, seconds a write may wait.
     stream_limits: StreamLimits = field(default_factory=StreamLimits)
-    # Structured output: compile-time bound and cache size (kvfleet.worker.engine.grammar).
+    # Structured output: compile-time bound and cache size (kvfleet.worker.engine.output.grammar).
     grammar: GrammarConfig = field(default_factory=GrammarConfig)
     # LoRA: servable adapters as (name, directory), checked at start; max_loras slots per
     # replica (LRU, loaded on first use), max_lora_rank the largest rank accepted.
@@ -165,7 +165,7 @@ class ReplicaConfig:
     # A drain (scale-down, Worker.Drain, SIGTERM) waits this long for in-flight streams, then
     # ends the rest UNAVAILABLE naming the drain.
     drain_timeout_s: float = 30.0
-    # The step-cost model's start-up calibration (kvfleet.worker.engine.step_calibration):
+    # The step-cost model's start-up calibration (kvfleet.worker.step_cost.calibration):
     # cached here per model/device/tp/dtype/threads (None: <kvfleet cache dir>/step_cost;
     # "" = never cached), measured for about calibration_budget_s seconds when not cached.
     step_cost_dir: Optional[str] = None
@@ -186,6 +186,9 @@ class ReplicaConfig:
             raise ValueError(f"calibration_budget_s must be > 0, got {self.calibration_budget_s}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.num_blocks is not None and self.kv_memory_bytes is not None:
+            raise ValueError("num_blocks (--num-blocks) and kv_memory_bytes (--kv-memory) "
+                             "exclude each other: each sizes the KV pool")
         if self.tensor_parallel_size > 1 and self.executor != "model":
             raise ValueError("tensor_parallel_size > 1 needs the model executor")
         if self.scheduler.layer_yield and self.tensor_parallel_size > 1:

@@ -1,6 +1,6 @@
 """The step-cost calibration shared through the cluster's Redis, so a fresh replica (a new
 pod, with an empty disk cache) does not time its own steps when another replica of the same
-:class:`~kvfleet.worker.engine.step_calibration.CalibrationKey` already did.
+:class:`~kvfleet.worker.step_cost.calibration.CalibrationKey` already did.
 
 The key names the model, the device (processor model and the CPUs the process may use under
 its cgroup quota, or the CUDA device), tp, dtype and threads: replicas that share one run the
@@ -18,8 +18,8 @@ from typing import Callable, Optional
 
 import redis
 
-from kvfleet.worker.engine.step_calibration import CalibrationKey
-from kvfleet.worker.engine.step_cost import CostModel
+from kvfleet.worker.step_cost.calibration import CalibrationKey
+from kvfleet.worker.step_cost.model import CostModel
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Optional
 
 from kvfleet.errors import ResourceExhausted
-from kvfleet.worker.engine.queue_delay import StepCostPredictor
+from kvfleet.worker.step_cost.queue_delay import StepCostPredictor
 
 
 class WaitBound:

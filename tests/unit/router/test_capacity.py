@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from kvfleet.errors import ResourceExhausted
-from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
 from kvfleet.router.capacity import check_room, check_tenant, fleet_capacity, has_room, with_room
 from kvfleet.router.policy import Candidate
+from tests.unit.router import factories
 
 
-def cand(rid: str, limit: int, running: int = 0, waiting: int = 0, inflight: int = 0) -> Candidate:
-    load = ReplicaLoad(running, waiting, 10, 10, 1.0)
-    return Candidate(ReplicaInfo(rid, "127.0.0.1:1", "m", 1, 16, limit), load, 0, inflight)
+def cand(rid: str, limit: int, **load) -> Candidate:
+    return factories.cand(rid, limit=limit, at=1.0, **load)
 
 
 def test_room_is_load_below_the_advertised_limit():
@@ -37,9 +38,8 @@ def test_every_candidate_full_is_refused_naming_the_limits():
 def _waiting(rid: str, bound: float, delay: float) -> Candidate:
     """A candidate with room in sequences whose forecast queue delay is ``delay`` s against
     its advertised queue bound."""
-    load = ReplicaLoad(2, 5, 10, 10, 1.0, queue_delay_s=delay, prefill_token_s=0.001)
-    return Candidate(ReplicaInfo(rid, "127.0.0.1:1", "m", 1, 16, 64, max_queue_wait_s=bound),
-                     load, 0, 0)
+    entry = dataclasses.replace(factories.info(rid, limit=64), max_queue_wait_s=bound)
+    return factories.cand(entry, running=2, waiting=5, at=1.0, delay=delay, per_token=0.001)
 
 
 def test_a_replica_whose_forecast_passed_its_queue_bound_has_no_room():

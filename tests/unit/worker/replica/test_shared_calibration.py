@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from kvfleet.worker.engine.step_calibration import device_name
+from kvfleet.worker.step_cost.calibration import device_name
 from kvfleet.worker.replica.replica import ReplicaConfig, _step_cost
-from tests.unit.worker.engine.test_step_cost import FakeExecutor
+from tests.unit.worker.step_cost.test_step_cost import FakeExecutor
 
 IDENTITY = SimpleNamespace(digest=lambda: bytes.fromhex("ab" * 16))
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from kvfleet.errors import ResourceExhausted
-from kvfleet.worker.engine.queue_delay import QueueState, predict_queue_delay_s
-from kvfleet.worker.engine.step_cost import CostModel
+from kvfleet.worker.step_cost.queue_delay import QueueState, predict_queue_delay_s
+from kvfleet.worker.step_cost.model import CostModel
 from kvfleet.worker.service.wait_bound import WaitBound
 
 STEP = CostModel(0.05, 0.0, 0.0, "test: 50 ms per step")  # decode and prefill at one price
