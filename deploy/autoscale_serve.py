@@ -25,10 +25,11 @@ from typing import Any, Optional
 from kvfleet.worker.replica.autoscale import (
     AutoscaleTargets,
     Decision,
-    FleetClock,
+    complete,
     decide,
     serve_reports,
 )
+from kvfleet.worker.replica.autoscale_clock import FleetClock
 
 log = logging.getLogger("ray.serve")
 POLICY_PATH = "kvfleet.deploy.autoscale_serve:KvfleetPolicy"
@@ -105,10 +106,10 @@ class KvfleetPolicy:
         if self._clock is None:
             look_back = getattr(getattr(ctx, "config", None), "look_back_period_s", 0.0)
             self._clock = FleetClock(float(look_back or 0.0))
-        pending_s, settled_s = self._clock.observe(ctx.current_num_replicas,
-                                                   ctx.target_num_replicas, time.monotonic())
-        d = decide(self.targets, ctx.current_num_replicas, ctx.target_num_replicas, reports,
-                   pending_s, settled_s)
+        current, target = ctx.current_num_replicas, ctx.target_num_replicas
+        clocks = self._clock.observe(current, target, complete(current, reports),
+                                     time.monotonic())
+        d = decide(self.targets, current, target, reports, clocks)
         try:
             self._publish(ctx, d)
         except Exception:  # observability must never stop Serve's control loop

@@ -36,7 +36,8 @@ from bench.sim.elastic_fleet import ElasticFleet, Policy, Replica
 from bench.sim.fleet_sim import SimFleet
 from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig
 from kvfleet.worker.executor.cost_model import MEASURED, CostModel
-from kvfleet.worker.replica.autoscale import AutoscaleTargets, FleetClock, decide
+from kvfleet.worker.replica.autoscale import AutoscaleTargets, complete, decide
+from kvfleet.worker.replica.autoscale_clock import FleetClock
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,8 @@ def kvfleet_policy(targets: AutoscaleTargets, look_back_s: float) -> Policy:
     clock = FleetClock(look_back_s)
 
     def policy(current: int, target: int, reports: dict, now: float) -> int:
-        return decide(targets, current, target, reports, *clock.observe(current, target, now)).target
+        clocks = clock.observe(current, target, complete(current, reports), now)
+        return decide(targets, current, target, reports, clocks).target
     return policy
 
 

@@ -33,7 +33,9 @@ below ``min_replicas``. It does not scale down while replicas still start or sto
 rollout runs (replicas report different revisions) or while running replicas have not
 reported every signal (the decision names them); it scales up in all three. A replica still
 not running ``start_timeout_s`` after Serve was asked for it (it cannot be placed) is taken
-as not coming: the fleet is judged as it runs, so scale-in is never blocked by it.
+as not coming: the fleet is judged as it runs, so scale-in is never blocked by it; reports
+incomplete that long no longer hold a scale-down either (the others' means decide). The
+times come from :class:`~kvfleet.worker.replica.autoscale_clock.FleetClock`.
 """
 
 from __future__ import annotations
@@ -41,6 +43,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
+
+from kvfleet.worker.replica.autoscale_clock import Clocks
+
+NO_CLOCKS = Clocks()  # nothing pending, settled for ever, nothing missing
 
 # What each replica reports to Serve (record_autoscaling_stats), by key.
 KV_BLOCKS_USED = "kv_blocks_used"
@@ -202,7 +208,7 @@ def _may_shed(targets: AutoscaleTargets, current: int, r: Mapping[str, float]) -
 
 
 def decide(targets: AutoscaleTargets, current: int, target: int, reports: Reports,
-           pending_s: float = 0.0, settled_s: float = math.inf) -> Decision:
+           clocks: Clocks = NO_CLOCKS) -> Decision:
     """The replica count to hold, from the running replicas' latest ``reports``.
 
     Args:
@@ -210,11 +216,11 @@ def decide(targets: AutoscaleTargets, current: int, target: int, reports: Report
         target: the count Serve is moving to (``target_num_replicas``).
         reports: running replica id → its signals (:data:`SIGNALS`); replicas that have not
             reported yet are absent, and a replica may miss some signals.
-        pending_s: seconds Serve's target has been above ``current`` (:class:`FleetClock`);
-            past ``start_timeout_s`` the replicas not running are taken as not coming.
-        settled_s: seconds since the running count last changed, less the time the signals
-            are averaged over (:class:`FleetClock`): the lagging p90s count once it reaches
-            :data:`LATENCY_WINDOW_S`.
+        clocks: how long replicas have been pending, the count settled and reports incomplete
+            (:class:`~kvfleet.worker.replica.autoscale_clock.FleetClock`). Replicas pending
+            past ``start_timeout_s`` are taken as not coming; the lagging p90s count once the
+            count has been settled :data:`LATENCY_WINDOW_S`; reports incomplete past
+            ``start_timeout_s`` no longer hold a scale-down (the others' means decide).
 
     Returns a :class:`Decision` within ``min_replicas..max_replicas``.
     """
@@ -222,25 +228,28 @@ def decide(targets: AutoscaleTargets, current: int, target: int, reports: Report
     held = min(max(target, lo), hi)
     if not reports or current < 1:
         return Decision(held, "no_metrics", 0.0, "no replica has reported yet: holding")
-    lost = target > current and pending_s >= targets.start_timeout_s
+    lost = target > current and clocks.pending_s >= targets.start_timeout_s
     if lost:  # asked for and never placed: judge the fleet that runs
         target = held = max(current, lo)
     r = ratios(targets, reports)
     pressure = max(r.values(), default=0.0)
     detail = ", ".join(f"{k} {v:.2f}" for k, v in r.items())
-    want, why = _wanted(targets, current, r, settled_s >= LATENCY_WINDOW_S)
+    want, why = _wanted(targets, current, r, clocks.settled_s >= LATENCY_WINDOW_S)
     if want > current:
         want = min(hi, want)
         if want <= held:  # already moving there (or at MAX): do not stack another step
             return Decision(held, "at_max" if held == hi else "starting", pressure, detail)
         return Decision(want, why, pressure, detail)
     hold = _hold_reason(current, target, reports)
-    if hold is not None:
+    if hold is not None and (hold[0] != "missing_metrics"
+                             or clocks.missing_s < targets.start_timeout_s):
         return Decision(held, hold[0], pressure, f"{hold[1]}: holding; {detail}")
+    if hold is not None:  # incomplete for long: say so, judge on what was reported
+        detail = f"{hold[1]} for {clocks.missing_s:.0f} s; {detail}"
     shed = _may_shed(targets, current, r)
     if lost:
         return Decision(max(lo, current - shed), "not_placed", pressure,
-                        f"replicas asked for {pending_s:.0f} s ago are not running (not "
+                        f"replicas asked for {clocks.pending_s:.0f} s ago are not running (not "
                         f"placed?): judged on the {current} running; {detail}")
     if current <= lo:
         return Decision(lo, "at_min", pressure, detail)
@@ -249,46 +258,24 @@ def decide(targets: AutoscaleTargets, current: int, target: int, reports: Report
     return Decision(current, "within_band", pressure, detail)
 
 
+def complete(current: int, reports: Reports) -> bool:
+    """Every one of the ``current`` running replicas reported every signal."""
+    return len(reports) >= current and all(s in row for row in reports.values() for s in SIGNALS)
+
+
 def _hold_reason(current: int, target: int, reports: Reports) -> Optional[tuple[str, str]]:
     """Why no scale-down may be judged now ((reason, detail)), or None."""
     if current != target:  # replicas start or stop: judge the fleet once it has settled
         return "starting", f"{current} running, {target} asked for"
     if len({round(r[REVISION_ID]) for r in reports.values() if REVISION_ID in r}) > 1:
         return "rollout", "replicas of two revisions run"
-    missing = sorted(rid for rid, row in reports.items() if any(s not in row for s in SIGNALS))
-    if len(reports) < current or missing:
+    if not complete(current, reports):
+        missing = sorted(rid for rid, row in reports.items()
+                         if any(s not in row for s in SIGNALS))
         who = f"; incomplete: {', '.join(missing)}" if missing else ""
         return "missing_metrics", (f"{len(reports) - len(missing)} of {current} running "
                                    f"replicas reported every signal{who}")
     return None
-
-
-class FleetClock:
-    """What :func:`decide` needs of time, from Serve's counts at each tick: how long replicas
-    have been pending (``target > current``; restarted when the target moves) and how long
-    the running count has held, less ``look_back_s`` (the window Serve averages the signals
-    over). Pure: the caller passes the clock."""
-
-    def __init__(self, look_back_s: float = 0.0) -> None:
-        self.look_back_s = look_back_s
-        self._pending_since: Optional[float] = None
-        self._target: Optional[int] = None
-        self._count: Optional[int] = None
-        # The count first seen has no earlier count in the latency window: settled.
-        self._changed_at = -math.inf
-
-    def observe(self, current: int, target: int, now: float) -> tuple[float, float]:
-        """(``pending_s``, ``settled_s``) at ``now`` (seconds, any monotonic clock)."""
-        if target <= current:
-            self._pending_since = None
-        elif self._pending_since is None or target != self._target:
-            self._pending_since = now
-        self._target = target
-        if self._count is not None and current != self._count:
-            self._changed_at = now
-        self._count = current
-        pending = 0.0 if self._pending_since is None else now - self._pending_since
-        return pending, now - self._changed_at - self.look_back_s
 
 
 def serve_reports(aggregated: Optional[Mapping[str, Mapping[object, float]]],

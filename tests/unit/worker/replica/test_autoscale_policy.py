@@ -15,13 +15,8 @@ from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
 from kvfleet.deploy.autoscale_serve import POLICY_PATH, AutoscaleConfig, KvfleetPolicy
 from kvfleet.worker.replica import autoscale as a
-from kvfleet.worker.replica.autoscale import (
-    LATENCY_WINDOW_S,
-    AutoscaleTargets,
-    FleetClock,
-    decide,
-    serve_reports,
-)
+from kvfleet.worker.replica.autoscale import LATENCY_WINDOW_S, AutoscaleTargets, decide, serve_reports
+from kvfleet.worker.replica.autoscale_clock import Clocks, FleetClock
 
 T = AutoscaleTargets(min_replicas=1, max_replicas=6, slo_ttft_s=1.0, slo_itl_s=0.2,
                      target_kv_utilisation=0.8)
@@ -56,35 +51,36 @@ def test_a_latency_past_the_headroom_asks_for_one_more_never_in_proportion():
 
 def test_a_lagging_p90_counts_only_once_the_count_has_held_its_window():
     # Right after a change the p90s still hold the requests the last step answered.
-    early = decide(T, 3, 3, fleet(3, ttft=1.2), settled_s=LATENCY_WINDOW_S / 2)
+    early = decide(T, 3, 3, fleet(3, ttft=1.2), Clocks(settled_s=LATENCY_WINDOW_S / 2))
     assert (early.target, early.reason) == (3, "within_band")
-    assert decide(T, 3, 3, fleet(3, ttft=1.2), settled_s=LATENCY_WINDOW_S).target == 4
+    assert decide(T, 3, 3, fleet(3, ttft=1.2), Clocks(settled_s=LATENCY_WINDOW_S)).target == 4
     # The predicted queue delay is now, not lagging: it acts at once.
-    assert decide(T, 3, 3, fleet(3, delay=1.2), settled_s=0.0).reason == "queue_delay"
+    assert decide(T, 3, 3, fleet(3, delay=1.2), Clocks(settled_s=0.0)).reason == "queue_delay"
 
 
-def test_fleet_clock_times_pending_replicas_and_the_settled_count():
+def test_fleet_clock_times_pending_replicas_the_settled_count_and_missing_reports():
     clock = FleetClock(look_back_s=12.0)
-    assert clock.observe(2, 2, 100.0) == (0.0, float("inf"))  # no earlier count: settled
-    assert clock.observe(2, 3, 110.0) == (0.0, float("inf"))
-    assert clock.observe(2, 3, 150.0) == (40.0, float("inf"))
-    assert clock.observe(2, 4, 160.0) == (0.0, float("inf"))  # a new target: a new wait
-    assert clock.observe(3, 4, 170.0) == (10.0, -12.0)  # a new count, seen through the look-back
-    assert clock.observe(4, 4, 200.0) == (0.0, -12.0)
-    assert clock.observe(4, 4, 250.0) == (0.0, 38.0)
+    inf = float("inf")
+    assert clock.observe(2, 2, True, 100.0) == Clocks(0.0, inf, 0.0)  # no earlier count
+    assert clock.observe(2, 3, True, 110.0) == Clocks(0.0, inf, 0.0)
+    assert clock.observe(2, 3, False, 150.0) == Clocks(40.0, inf, 0.0)
+    assert clock.observe(2, 4, False, 160.0) == Clocks(0.0, inf, 10.0)  # a new target: a new wait
+    assert clock.observe(3, 4, True, 170.0) == Clocks(10.0, -12.0, 0.0)  # seen through the look-back
+    assert clock.observe(4, 4, True, 200.0) == Clocks(0.0, -12.0, 0.0)
+    assert clock.observe(4, 4, True, 250.0) == Clocks(0.0, 38.0, 0.0)
 
 
 def test_a_replica_that_never_starts_does_not_block_scale_in():
     quiet = fleet(2, load=0.1)
-    d = decide(T, 2, 3, quiet, pending_s=10.0)  # still starting: wait for it
+    d = decide(T, 2, 3, quiet, Clocks(pending_s=10.0))  # still starting: wait for it
     assert (d.target, d.reason) == (3, "starting")
-    d = decide(T, 2, 3, quiet, pending_s=T.start_timeout_s)
+    d = decide(T, 2, 3, quiet, Clocks(pending_s=T.start_timeout_s))
     assert (d.target, d.reason) == (1, "not_placed") and "not running" in d.detail
-    d = decide(T, 2, 3, fleet(2), pending_s=T.start_timeout_s)  # at MIN 1 already light
+    d = decide(T, 2, 3, fleet(2), Clocks(pending_s=T.start_timeout_s))  # at MIN 1 already light
     assert d.target == 1
     # Still needed: the ask stands (a cluster autoscaler may yet place it).
     busy = fleet(2, load=1.0)
-    assert decide(T, 2, 3, busy, pending_s=T.start_timeout_s).target == 3
+    assert decide(T, 2, 3, busy, Clocks(pending_s=T.start_timeout_s)).target == 3
 
 
 def test_no_second_step_while_the_first_one_starts():
@@ -147,6 +143,10 @@ def test_replicas_missing_signals_are_named_and_hold_scale_down():
     partial = fleet(3, load=1.2)
     del partial["r0"][a.THROUGHPUT_LOAD]
     assert decide(T, 3, 3, partial).target == 6  # the others' mean still scales up
+    # A replica that never reports does not hold scale-in for ever either.
+    quiet = fleet(2)
+    d = decide(T, 3, 3, quiet, Clocks(missing_s=T.start_timeout_s))
+    assert (d.target, d.reason) == (1, "sustained_margin") and "2 of 3" in d.detail
 
 
 def test_kv_only_target_ignores_latency():
