@@ -133,8 +133,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-share", type=float, default=1.0, help="replicas' --batch-share")
     p.add_argument("--itl-target-ms", type=float, default=None,
                    help="replicas' --itl-target-ms (in the scaled cost model's milliseconds)")
-    p.add_argument("--no-class-step", action="store_true",
-                   help="replicas' class_step off: a prefill's step carries every row (A/B)")
     p.add_argument("--layer-yield", action="store_true",
                    help="replicas' --layer-yield: a batch step pauses between layers for a "
                         "nested interactive step (A/B)")
@@ -144,8 +142,6 @@ def main(argv: list[str] | None = None) -> int:
     run = Run(replicas=a.replicas, scale=a.scale, router_args=tuple(a.router_args),
               scheduler={"preempt_streaming": a.preempt_streaming, "batch_share": a.batch_share,
                          "itl_target_ms": a.itl_target_ms,
-                         # only when set: a checkout before class_step runs too (A/B)
-                         **({"class_step": False} if a.no_class_step else {}),
                          **({"layer_yield": True} if a.layer_yield else {})})
     RESULTS.mkdir(parents=True, exist_ok=True)
     keys_file = RESULTS / "priority-keys.json"

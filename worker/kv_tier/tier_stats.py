@@ -4,28 +4,20 @@ refreshed), and the prompt tokens admitted with their hits by tier."""
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Optional
+from typing import Any
 
 from kvfleet.worker.engine.scheduling.hit_counts import HitCounts
-from kvfleet.worker.kv_tier.lookup import TierLookup
-from kvfleet.worker.kv_tier.rank_tier import RankTier
+from kvfleet.worker.kv_tier.admission import NoTierAdmission, TierAdmission
+from kvfleet.worker.kv_tier.rank_tier import NoRankTier, RankTier
 
 
-def tier_stats(hits: HitCounts, lookup: Optional[TierLookup],
-               rank_tier: Optional[RankTier]) -> dict[str, Any]:
+def tier_stats(hits: HitCounts, admission: TierAdmission | NoTierAdmission,
+               rank_tier: RankTier | NoRankTier) -> dict[str, Any]:
     """``{"prefix_hits": {prompt_tokens, device, host}}``, plus ``"kv_tier"`` when the replica
     has a tier: ``write_backs``, ``dropped_write_backs``, ``restores``, ``failed_restores``,
     ``bytes_written``, ``bytes_restored`` (rank 0), ``lookups``, ``lookup_hits`` (blocks),
     and the node's ``bytes_used`` / ``capacity_bytes`` once read (bytes, integers)."""
     out: dict[str, Any] = {"prefix_hits": hits.as_dict()}
-    if lookup is None:
-        return out
-    tier: dict[str, Any] = {"lookups": lookup.lookups, "lookup_hits": lookup.hits}
-    if rank_tier is not None:
-        tier.update(dataclasses.asdict(rank_tier.stats))
-    node = lookup.node_stats
-    if node is not None:
-        tier.update(bytes_used=node.bytes_used, capacity_bytes=node.capacity_bytes)
-    out["kv_tier"] = tier
+    if admission.enabled:
+        out["kv_tier"] = {**admission.counters(), **rank_tier.counters()}
     return out

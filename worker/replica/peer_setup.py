@@ -10,6 +10,7 @@ import numpy as np
 from kvfleet.worker.engine.engine import Engine
 from kvfleet.worker.kv_tier.peer_client import GrpcPeerClient, NodeRelay, TierPeer
 from kvfleet.worker.kv_tier.peer_pull import PeerPuller, PullCost
+from kvfleet.worker.kv_tier.rank_tier import RankTier
 
 # A busy holder is mid-step when the export arrives: on average half a chunk is left (docs/
 # kv_tier.md, "B2B on 2 real replicas": a 2-block pull from a busy holder timed out on CPU).
@@ -21,8 +22,8 @@ def build_puller(engine: Engine, enabled: bool, internal_tls: bool,
     """The puller of ``engine``'s replica, or None: pulls off (``enabled`` false), no host
     tier (``capacity_bytes``: its size), or internal TLS (a peer's Worker port accepts only
     the router's certificate)."""
-    tier = getattr(engine.executor, "tier", None)  # rank 0's side of the host tier
-    if not enabled or internal_tls or tier is None or not capacity_bytes:
+    tier = engine.executor.tier  # rank 0's side of the host tier
+    if not enabled or internal_tls or not isinstance(tier, RankTier) or not capacity_bytes:
         return None
     ranks = engine.executor.ranks()
     node_id = ranks[0].node_id if ranks else ""

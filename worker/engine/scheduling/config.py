@@ -20,7 +20,10 @@ class SchedulerConfig:
     most ``max_sequences`` = ``max_num_seqs + max_waiting`` unfinished sequences in all (the
     same bound the worker's arrival count applies, so the engine never refuses one it let in).
     ``itl_target_ms``: a step's predicted forward time (ms) that prefill chunks may fill up to,
-    beside the token budget (None: the token budget alone).
+    beside the token budget (None: the token budget alone); under it a favoured prefill's step
+    leaves out the rows it outranks (:mod:`.class_step`). ``tenant_share`` < 1: one tenant's
+    share of the seats, which it may run past while a waiting tenant has been served more than
+    it (seats follow service: :mod:`.seats`).
 
     Raises:
         ValueError: an unknown ``policy``, or a limit or share out of its range.
@@ -39,12 +42,7 @@ class SchedulerConfig:
     # whether a higher class may preempt lower-class sequences that have streamed tokens.
     batch_share: float = 1.0
     preempt_streaming: bool = False
-    # Under an ITL target: a favoured prefill's step leaves out outranked rows (class_step.py).
-    class_step: bool = True
-    # With tenant_share < 1: a tenant may run past its share of seats while a waiting tenant
-    # has been served more than it (seats then follow service; False: a fixed cap).
-    seats_by_service: bool = True
-    # Layer-level yield (layer_yield.py, yield_step.py): a step in flight pauses between
+    # Layer-level yield (kvfleet.worker.engine.layer_yield): a step in flight pauses between
     # decoder layers for a nested step of newly arrived higher-class prompts. tp = 1 only
     # (the engine refuses an executor that cannot pause).
     layer_yield: bool = False
