@@ -1,4 +1,4 @@
-"""The receiving side of a replica-to-replica prefix pull (issue 26 §2).
+"""The receiving side of a replica-to-replica prefix pull (docs/kv_tier.md).
 
 The router routed a request here although replica A holds more of its prefix (a
 :class:`PeerHint`). Before the request reaches the engine, :meth:`PeerPuller.prepare` decides
@@ -13,7 +13,7 @@ and recomputes). A pull that fails or takes longer than the recompute it would s
 up: the request recomputes; a pull never fails a request.
 
 A hint may name a node's host tier instead of a replica (``PeerHint.tier_id``: blocks a
-drained replica handed over to its node's tier, issue 26 §3): the same decision, verification
+drained replica handed over to its node's tier): the same decision, verification
 and relay, with the tier as the "peer" (``tiers``: a
 :class:`~kvfleet.worker.kv_tier.peer_client.TierPeer`).
 """
@@ -109,7 +109,7 @@ LANDED_POLL_S = 0.005
 class PullCost:
     """Predicted seconds of one pull: ``overhead_s`` + ``seconds_per_byte`` × bytes (of rank
     0's shard). The seed is the SmolLM2 measurement in docs/kv_tier.md (snapshot + put +
-    restore of 64 blocks, ~245 ms for 47 MB); every pull that lands moves ``seconds_per_byte``
+    restore of a 64-block run); every pull that lands moves ``seconds_per_byte``
     towards the wait it measured (export and put; the restore after it, a few ms per block,
     is left out), weight ``alpha``."""
 

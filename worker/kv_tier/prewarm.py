@@ -1,4 +1,4 @@
-"""Pre-warm of a new replica (issue 26 §3): before it serves, restore into its device pool the
+"""Pre-warm of a new replica: before it serves, restore into its device pool the
 blocks its node's host tier holds for its model identity, most recently used first, for at most
 a bounded time; its first requests then hit the device pool instead of restoring at admission.
 

@@ -1,4 +1,4 @@
-"""A replica's peer pulls (issue 26 §2, and §3's hand-over across nodes): built when it has a
+"""A replica's peer pulls (and hand-overs across nodes, docs/kv_tier.md): built when it has a
 host tier to land them in."""
 
 from __future__ import annotations

@@ -108,18 +108,18 @@ class ReplicaConfig:
     kv_memory_bytes: Optional[int] = None
     # The node's host KV tier (kvfleet.worker.kv_tier), bytes per node; None: no tier.
     kv_host_memory_bytes: Optional[int] = None
-    # Pull a prefix the router says a peer holds when that beats recomputing it (issue 26 §2;
+    # Pull a prefix the router says a peer holds when that beats recomputing it (docs/kv_tier.md;
     # needs the host tier, which the blocks travel through).
     kv_peer_pull: bool = True
     # On a drain, write the hottest cached blocks back to the node's tier before deregistering
-    # (issue 26 §3; needs the host tier). False: they are dropped with the pool.
+    # (needs the host tier). False: they are dropped with the pool.
     kv_hand_over: bool = True
     # Before serving, restore the node tier's hottest blocks of this identity into the pool
-    # for at most this long (issue 26 §3; 0: off; needs the host tier).
+    # for at most this long (0: off; needs the host tier).
     kv_prewarm_s: float = 0.0
     dtype: str = "float32"
-    # A second copy of each weight for batch-1 decode (see worker/runner/models/linear.py): ~20 %
-    # lower batch-1 ITL on CPU for twice the weight memory.
+    # A second copy of each weight for batch-1 decode (see worker/runner/models/linear.py): a
+    # lower batch-1 ITL on CPU (docs/benchmarks.md) for twice the weight memory.
     one_row_weights: bool = True
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     redis_url: Optional[str] = None

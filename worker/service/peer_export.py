@@ -1,4 +1,4 @@
-"""``Worker.ExportBlocks``: a peer asks this replica for blocks of a prefix (issue 26 §2); and
+"""``Worker.ExportBlocks``: a peer asks this replica for blocks of a prefix (docs/kv_tier.md); and
 the same call in process (:class:`InProcessPeer`).
 
 The proto request is checked here; the engine loop references the blocks, writes them back to

@@ -154,8 +154,8 @@ def throughput_load(state: QueueState, step: StepCostPredictor) -> float:
     the capacity left. So the ratio is the useful work per second over the most a replica
     does (1 at full seats): linear in the arrival rate, each request adding its prompt and its
     output tokens' share, which is what scaling by ``n × load / target`` assumes. The seats in
-    use (``B / M``) are not: with the measured constants 4 of 16 seats already carry 65 % of
-    a full replica's tokens/s."""
+    use (``B / M``) are not: with the measured constants a quarter of the seats already carry
+    most of a full replica's tokens/s (docs/operating.md)."""
     rows, seats = len(state.running_left), state.max_num_seqs
     queued = len(state.waiting_steps) / seats
     prefill = min(state.prefill_tokens, max(0, state.max_num_batched_tokens - rows))

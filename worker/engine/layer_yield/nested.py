@@ -1,31 +1,34 @@
 """Layer-level yield: the scheduler's side of a step that pauses between layers for a higher class.
 
 With atomic steps, an interactive request arriving beside a batch flood waits for the whole
-batch step in flight (16 decode rows and a prefill chunk, ~86-126 ms on the benches' scaled
-cost model) before its own ~56 ms step: its TTFT p99 stays near 2 × unloaded however the
-batch steps are sized (docs/slo.md §2). The lever: between decoder layers, when a request
-that the step in flight yields to (:func:`yields_to`) has arrived, pause the step after the
-current layer (its hidden states kept, the KV of the layers done already in its own slots),
-run a **nested step** (:func:`nested_step`), then resume the paused step from the next layer.
-The residual wait is about one layer (SmolLM2: 30) instead of a whole step.
+batch step in flight (its decode rows and a prefill chunk, often longer than its own step)
+before its own step: its TTFT tail stays well above unloaded however the batch steps are
+sized (docs/slo.md). The lever: between decoder layers, when a request that the step in flight
+yields to (:func:`yields_to`) has arrived, pause the step after the current layer (its hidden
+states kept, the KV of the layers done already in its own slots), run a **nested step**
+(:func:`nested_step`), then resume the paused step from the next layer. The residual wait is
+about one layer instead of a whole step.
 
 This module is the scheduler's rule, driven by the virtual-clock sim (``bench class_sim
---layer-yield``) and by the engine (:mod:`.forward`, with ``SchedulerConfig.layer_yield``,
-default off: docs/slo.md §2, "Layer-level yield", says why). The rule, so that the paused
-step is never disturbed:
+--layer-yield``) and by the engine through its one seam (:mod:`.forward`, with
+``SchedulerConfig.layer_yield``, default off: docs/slo.md, "Layer-level yield", says why).
+The rule, so that the paused step is never disturbed:
 
 * it yields to a class when it holds a row of a strictly lower class, no row of a better
   one, and no same-class row that has not streamed yet (:func:`yields_to`);
-* the nested step holds only **waiting** sequences of such a class, in queue order, each with
-  a first prefill chunk within the step's token (and, under an ITL target, time) budget;
-  never a running sequence, so never a row of the paused step;
+* the nested step admits **waiting** sequences of such a class as a whole step admits them
+  (:func:`~kvfleet.worker.engine.scheduling.admission.try_admit`, ``NESTED`` mode: class,
+  then the least-served tenant; tenant share, batch share, the step's contents), each with a
+  first prefill chunk within the step's token (and, under an ITL target, time) budget; never
+  a running sequence, so never a row of the paused step;
 * it takes only **free** blocks (nothing is preempted while the paused step holds its
   slots), under the replica's block policy (watermark or reserve) as admission does;
 * a seat: a free one, or, under ``watermark``, one **borrowed** from a lower-class running
   sequence that the class rules would let it preempt (:meth:`PriorityRules.victims`); the
   next :meth:`Scheduler.schedule` preempts such victims while the running set is over
-  ``max_num_seqs`` (:func:`return_borrowed_seats`), unless sequences finished first and gave
-  the seats back, so seats end where class preemption would have put them;
+  ``max_num_seqs`` (:func:`~kvfleet.worker.engine.scheduling.preemption.
+  return_seats_over_limit`), unless sequences finished first and gave the seats back, so
+  seats end where class preemption would have put them;
 * no n > 1 request (its siblings fork at the leader's first sample) and no host KV tier
   (an allocation may evict a cached block that must be written back first): those wait for
   the next whole step.
@@ -99,6 +102,7 @@ def nested_step(sched: Scheduler, paused: SchedulerOutput, now: float) -> Schedu
 
     p = Pass(Mode.NESTED, Held.of(sched.running, sched.pending_forks), StepWork(), now,
              borrowable=borrowable)
-    scheduled = admit_waiting(sched, budget, p, allow=allow)
+    scheduled = admit_waiting(sched, budget, p, allow=allow,
+                              favour_first=sched.class_step is not None)
     chunks = tuple(s.chunk(kv.block_table(s.seq.seq_id)) for s in scheduled)
     return SchedulerOutput(StepPlan(chunks), tuple(scheduled))
