@@ -4,9 +4,10 @@ preference for replicas where it is resident, and what ListModels reports."""
 import pytest
 
 from kvfleet.errors import NotFound
-from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
+from kvfleet.index_keys import ReplicaInfo
 from kvfleet.router.adapter_routing import adapter_revision, prefer_resident, served_adapters, serving
 from kvfleet.router.policy import Candidate
+from tests.unit.router.candidates import candidate
 
 
 def info(rid: str, adapters=(), resident=()) -> ReplicaInfo:
@@ -15,7 +16,7 @@ def info(rid: str, adapters=(), resident=()) -> ReplicaInfo:
 
 
 def cand(i: ReplicaInfo, running: int = 0, matched: int = 0) -> Candidate:
-    return Candidate(i, ReplicaLoad(running, 0, 10, 10, 0.0), matched, 0)
+    return candidate(info=i, running=running, matched=matched)
 
 
 def test_the_revision_most_replicas_serve_is_hashed_and_unknown_is_not_found() -> None:

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 
 from kvfleet.errors import ResourceExhausted
-from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
 from kvfleet.router.capacity import check_room, check_tenant, fleet_capacity, has_room, with_room
 from kvfleet.router.policy import Candidate
+from tests.unit.router.candidates import candidate
 
 
 def cand(rid: str, limit: int, running: int = 0, waiting: int = 0, inflight: int = 0) -> Candidate:
-    load = ReplicaLoad(running, waiting, 10, 10, 1.0)
-    return Candidate(ReplicaInfo(rid, "127.0.0.1:1", "m", 1, 16, limit), load, 0, inflight)
+    return candidate(rid, limit=limit, running=running, waiting=waiting, inflight=inflight,
+                     updated_at=1.0, address="127.0.0.1:1")
 
 
 def test_room_is_load_below_the_advertised_limit():

@@ -2,9 +2,7 @@
 
 import pytest
 
-from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
 from kvfleet.router.policy import (
-    Candidate,
     LeastLoaded,
     PrefixAware,
     PrefixPopularity,
@@ -12,13 +10,13 @@ from kvfleet.router.policy import (
     make_policy,
     rendezvous_score,
 )
+from tests.unit.router.candidates import candidate
 
 
 def cand(rid: str, matched: int = 0, inflight: int = 0, running: int = 0, waiting: int = 0,
          free: int = 10, settled: int = 0):
-    load = ReplicaLoad(running, waiting, free, 10, 0.0)
-    return Candidate(ReplicaInfo(rid, f"127.0.0.1:{len(rid)}", "m", 1, 16), load, matched, inflight,
-                     settled)
+    return candidate(rid, matched=matched, inflight=inflight, running=running, waiting=waiting,
+                     free=free, settled=settled)
 
 
 def chain(name: bytes, n: int = 8) -> list[bytes]:

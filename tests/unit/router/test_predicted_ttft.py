@@ -8,15 +8,15 @@ import pytest
 from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
 from kvfleet.router.policy import Candidate, PrefixAware, make_policy
 from kvfleet.router.predicted_ttft import MAX_REPORT_AGE_S, PredictedTTFT, report_age, room_order
+from tests.unit.router.candidates import candidate
 
 FAST = 0.001  # seconds per uncached prompt token
 
 
 def cand(rid: str, matched: int = 0, delay: float | None = 0.0, per_token: float | None = FAST,
          inflight: int = 0, running: int = 0, free: int = 10, age: float = 0.0) -> Candidate:
-    load = ReplicaLoad(running, 0, free, 10, 100.0, delay, per_token)
-    return Candidate(ReplicaInfo(rid, f"127.0.0.1:{len(rid)}", "m", 1, 16), load, matched,
-                     inflight, report_age_s=age)
+    return candidate(rid, matched=matched, delay=delay, per_token=per_token, inflight=inflight,
+                     running=running, free=free, age=age, updated_at=100.0)
 
 
 def chain(name: bytes, n: int = 64) -> list[bytes]:
