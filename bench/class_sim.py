@@ -13,7 +13,7 @@ first token). Per seed and with ``class_step`` off and on:
 
 * **§2** ``priority``: an interactive Poisson trickle at 0.1 × capacity alone, then beside a
   batch flood at 10 × capacity (refused past 80 % of the replica's sequences, as the router's
-  ``--priority-admit``); ``--preempt-streaming``. Interactive TTFT p99 both ÷ alone (target
+  ``--priority-admit``). Interactive TTFT p99 both ÷ alone (target
   ≤ 1.5), batch completions/s alone − both against interactive's (target ≤).
 * **§3** ``fair``: tenant B at 0.2 × capacity alone, then beside tenant A at 10 × (both
   ``default``; ``tenant_share`` 0.5 of running and of waiting seats, running seats lent by
@@ -211,7 +211,7 @@ def run_seed(base: SchedulerConfig, seconds: float, seed: int, seat_share: float
     b_alone = Stream("B", rate=0.2 * rate, share=seat_share)
     a_flood = Stream("A", rate=10 * rate, share=seat_share)
     for on in (False, True):
-        prio = replace(base, preempt_streaming=True)
+        prio = base
         fair = replace(base, tenant_share=seat_share)
         ly, v = layer_yield, {"class_step": on, "seats_by_service": seats_by_service}
         alone = simulate([chat], prio, seconds, seed, ly, v)["chat"]

@@ -9,31 +9,29 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import tokenizers
+import torch
 
 from kvfleet.allocator.hashing import CacheIdentity, root_hash
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
-from kvfleet.constraint import Constraint, GrammarConfig
+from kvfleet.constraint import GrammarConfig
 from kvfleet.errors import AlreadyExists, FailedPrecondition, InvalidArgument
-from kvfleet.priority import DEFAULT as DEFAULT_PRIORITY
-from kvfleet.sampling_params import SamplingParams, check_context_length
+from kvfleet.sampling_params import check_context_length
 from kvfleet.worker.engine.adapters.queue import AdapterQueue
 from kvfleet.worker.engine.adapters.residency import AdapterResidency
-from kvfleet.worker.engine.layer_yield.forward import Arrivals, forward_for
+from kvfleet.worker.engine.layer_yield.forward import Arrivals, LayerYield
 from kvfleet.worker.engine.output.grammar import GrammarCache, mask_logits
 from kvfleet.worker.engine.output.outputs import SeqOutput, TokenLogprobs
 from kvfleet.worker.engine.output.sample_io import SampleIO, final_output
 from kvfleet.worker.engine.output.sampling import Sampler
-from kvfleet.worker.engine.request import FinishReason, SequenceState
+from kvfleet.worker.engine.request import EngineRequest, FinishReason, SequenceState
 from kvfleet.worker.engine.scheduling.scheduler import Fork, Scheduler, SchedulerConfig, SchedulerOutput
 from kvfleet.worker.executor.base import Executor
 from kvfleet.worker.kv_tier.export import ExportDone, TierExports
 from kvfleet.worker.kv_tier.lookup import TierLookup
 from kvfleet.worker.kv_tier.moves import move_blocks
-from kvfleet.worker.kv_tier.tier_stats import tier_stats
 from kvfleet.worker.step_cost.model import MEASURED, StepCost, plan_shape
 from kvfleet.worker.step_cost.queue_delay import load_forecast
 
@@ -41,25 +39,15 @@ log = logging.getLogger(__name__)
 _GRAMMAR_DEFAULTS = GrammarConfig()
 
 
-@dataclass(frozen=True)
-class EngineRequest:
-    """A validated request as the worker receives it (token ids, never text)."""
+class WholeStep:
+    """The engine's forward: every step runs whole (no layer-level yield)."""
 
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    params: SamplingParams
-    tenant: str = "default"  # whose request: fair admission counts it
-    priority: int = DEFAULT_PRIORITY  # kvfleet.priority: lower runs first
-    cache_salt: str = ""
-    adapter: str = ""
-    deadline: Optional[float] = None  # monotonic seconds
-    cache_scope: str = ""  # the block-hash root's scope ("" = the tenant's own)
-    # Structured output: the constraint, and its compiled grammar when the caller compiled it
-    # off the engine thread (GrammarCache.compile_async); else add_request compiles it.
-    constraint: Optional[Constraint] = None
-    grammar: Any = None
-    # Never restore from the host tier (a peer pull for it was refused: recompute instead).
-    tier_skip: bool = False
+    nested_steps = 0  # none ever
+
+    def __call__(self, engine: Engine, out: SchedulerOutput, arrivals: Optional[Arrivals]
+                 ) -> tuple[torch.Tensor, float]:
+        """``out``'s logits (:meth:`Executor.execute`) and 0.0 seconds of nested steps."""
+        return engine.executor.execute(out.plan), 0.0
 
 
 class Engine:
@@ -101,7 +89,8 @@ class Engine:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.step_cost = step_cost or StepCost(MEASURED)
-        self.forward = forward_for(config.layer_yield, executor)  # whole, or layer yield
+        # Whole steps, or layer-level yield's forward (its one seam).
+        self.forward = LayerYield(executor) if config.layer_yield else WholeStep()
         self.scheduler = Scheduler(config, kv, self.step_cost, tier)
         # Blocks a peer asks for, snapshotted at once through the engine's executor.
         self.exports = TierExports(kv, lambda: self.executor)
@@ -325,5 +314,5 @@ class Engine:
             "prefill_tokens_queued": queued,
             "context_tokens": sum(s.num_computed_tokens for s in running),
             "nested_steps": self.forward.nested_steps,
-            **tier_stats(sched.hits, sched.tier, self.executor.tier),
+            **sched.tier.stats(sched.hits, self.executor.tier),
         }

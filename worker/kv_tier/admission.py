@@ -10,19 +10,41 @@ pairs in ``StepPlan.block_restores``) and the engine restores before the forward
 registered in the prefix cache only once their KV is in place (:meth:`TierAdmission.restored`);
 if any rank could not restore, :meth:`TierAdmission.undo` puts the sequences back to wait (and
 recompute: they skip the tier next time). A replica without a tier has :class:`NoTierAdmission`:
-no hits, nothing to restore or write back.
+no hits, nothing to restore or write back. Both count the prompt tokens admitted and where their
+cached part came from (:class:`HitCounts`) and report the tier's counters
+(:meth:`TierAdmission.stats`: what the tier metrics read).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
 from kvfleet.worker.engine.request import SequenceState
 from kvfleet.worker.kv_tier.lookup import TierLookup
+from kvfleet.worker.kv_tier.rank_tier import NoRankTier, RankTier
 
 Preempt = Callable[[SequenceState], None]
+
+
+@dataclass
+class HitCounts:
+    """Prompt tokens admitted and where their cached part came from (the hit rate by tier),
+    since the engine started, taken at each sequence's first admission (a sequence sent back
+    by a failed tier restore is counted again when it is readmitted)."""
+
+    prompt_tokens: int = 0  # prompt tokens of admitted sequences
+    device: int = 0         # of them, reused from the device pool
+    host: int = 0           # of them, restored from the node's host tier
+
+    def admitted(self, prompt_tokens: int, device_tokens: int, host_tokens: int) -> None:
+        self.prompt_tokens += prompt_tokens
+        self.device += device_tokens
+        self.host += host_tokens
+
+    def as_dict(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "device": self.device, "host": self.host}
 
 
 @dataclass(frozen=True)
@@ -102,13 +124,18 @@ class TierAdmission:
         """Re-read the node tier's counters (a Ray call: off the engine thread)."""
         self.lookup.refresh_node_stats()
 
-    def counters(self) -> dict[str, int]:
-        """Admission's lookups and the blocks they found, and the node's bytes once read."""
-        out = {"lookups": self.lookup.lookups, "lookup_hits": self.lookup.hits}
+    def stats(self, hits: HitCounts, rank_tier: RankTier | NoRankTier) -> dict[str, Any]:
+        """``{"prefix_hits": {prompt_tokens, device, host}, "kv_tier": {...}}``: rank 0's
+        ``write_backs``, ``dropped_write_backs``, ``restores``, ``failed_restores``,
+        ``bytes_written``, ``bytes_restored`` (``rank_tier``), admission's ``lookups`` and
+        ``lookup_hits`` (blocks), and the node's ``bytes_used`` / ``capacity_bytes`` once
+        read (bytes, integers)."""
+        tier: dict[str, Any] = {"lookups": self.lookup.lookups, "lookup_hits": self.lookup.hits}
+        tier.update(rank_tier.counters())
         node = self.lookup.node_stats
         if node is not None:
-            out.update(bytes_used=node.bytes_used, capacity_bytes=node.capacity_bytes)
-        return out
+            tier.update(bytes_used=node.bytes_used, capacity_bytes=node.capacity_bytes)
+        return {"prefix_hits": hits.as_dict(), "kv_tier": tier}
 
 
 class NoTierAdmission:
@@ -143,5 +170,6 @@ class NoTierAdmission:
     def refresh_node_stats(self) -> None:
         """No node tier."""
 
-    def counters(self) -> dict[str, int]:
-        return {}
+    def stats(self, hits: HitCounts, rank_tier: RankTier | NoRankTier) -> dict[str, Any]:
+        """``{"prefix_hits": {prompt_tokens, device, host}}`` (no ``"kv_tier"``)."""
+        return {"prefix_hits": hits.as_dict()}

@@ -145,7 +145,7 @@ class RankTier:
         return True
 
     def counters(self) -> dict[str, int]:
-        """This rank's counters (:class:`RankTierStats`) as a dict."""
+        """This rank's counters (:class:`RankTierStats`) as a dict (bytes are integers)."""
         with self._lock:
             return dataclasses.asdict(self.stats)
 

@@ -1,8 +1,9 @@
-"""How the engine runs a step's forward: whole (:class:`WholeStep`), or pausing between decoder
-layers for nested steps of a higher class (:class:`LayerYield`) — layer-level yield's one seam.
+"""Layer-level yield's one seam: a step's forward that pauses between decoder layers for nested
+steps of a higher class (:class:`LayerYield`).
 
-The engine calls :func:`forward_for` once and the object it returns for every step; nothing
-else in the engine or the scheduler knows whether steps may pause. With layer yield, the
+The engine runs every step's forward through one object: its own whole-step forward, or, with
+``SchedulerConfig.layer_yield``, a :class:`LayerYield`; nothing else in the engine or the
+scheduler knows whether steps may pause. With layer yield, the
 step's ``should_yield`` (called by the runner after each layer) is one cheap check of
 :meth:`Arrivals.pending` while nothing new arrived. When something did, it takes the new
 requests into the engine (new requests only: aborts and other controls wait for the step's
@@ -47,17 +48,6 @@ class Arrivals(Protocol):
     def emit(self, outputs: list[SeqOutput]) -> None:
         """Deliver outputs to their streams now (a nested step's, before its paused step ends)."""
         ...
-
-
-class WholeStep:
-    """Every forward runs whole (the default)."""
-
-    nested_steps = 0  # none ever
-
-    def __call__(self, engine: Engine, out: SchedulerOutput, arrivals: Optional[Arrivals]
-                 ) -> tuple[torch.Tensor, float]:
-        """``out``'s logits (:meth:`Executor.execute`) and 0.0 seconds of nested steps."""
-        return engine.executor.execute(out.plan), 0.0
 
 
 class LayerYield:
@@ -107,13 +97,3 @@ class LayerYield:
             nested_s += time.perf_counter() - start
             result = executor.resume(result, should_yield)
         return result, nested_s
-
-
-def forward_for(layer_yield: bool, executor: Executor) -> WholeStep | LayerYield:
-    """The engine's forward: :class:`LayerYield` with ``SchedulerConfig.layer_yield``, else
-    :class:`WholeStep`.
-
-    Raises:
-        ValueError: layer yield asked of an executor that cannot pause.
-    """
-    return LayerYield(executor) if layer_yield else WholeStep()

@@ -38,10 +38,8 @@ class SchedulerConfig:
     # max_num_seqs (running) one tenant may hold on this replica (1.0: no per-tenant cap).
     tenant_share: float = 1.0
     itl_target_ms: Optional[float] = None
-    # Priority classes: the fraction of max_num_seqs the batch band may run (1.0: no cap), and
-    # whether a higher class may preempt lower-class sequences that have streamed tokens.
+    # Priority classes: the fraction of max_num_seqs the batch band may run (1.0: no cap).
     batch_share: float = 1.0
-    preempt_streaming: bool = False
     # Layer-level yield (kvfleet.worker.engine.layer_yield): a step in flight pauses between
     # decoder layers for a nested step of newly arrived higher-class prompts. tp = 1 only
     # (the engine refuses an executor that cannot pause).
@@ -56,7 +54,7 @@ class SchedulerConfig:
             raise ValueError(f"tenant_share must be in (0, 1], got {self.tenant_share}")
         if self.itl_target_ms is not None and not 0 < self.itl_target_ms < float("inf"):
             raise ValueError(f"itl_target_ms must be > 0, got {self.itl_target_ms}")
-        PriorityRules(self.max_num_seqs, self.batch_share, self.preempt_streaming)  # checks
+        PriorityRules(self.max_num_seqs, self.batch_share)  # checks
 
     @property
     def max_sequences(self) -> int:

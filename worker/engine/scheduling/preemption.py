@@ -3,9 +3,8 @@ blocks from running ones of a lower class; and seats a nested step borrowed go b
 
 Under the ``watermark`` policy, a waiting sequence that :func:`~.admission.try_admit` refuses
 for seats or blocks (``CLAIM`` mode: nothing is admitted here) preempts, by recompute, running
-sequences of a lower class (:meth:`~.priority_queue.PriorityRules.victims`: those that have
-not streamed a token yet, all with ``preempt_streaming``), one at a time, lowest class and
-newest first, until it fits. Waiting sequences are served in queue order (best class first,
+sequences of a lower class (:meth:`~.priority_queue.PriorityRules.victims`), one at a time,
+lowest class and newest first, until it fits. Waiting sequences are served in queue order (best class first,
 FCFS) and the seats and blocks each claims are counted for the next, so a burst of
 higher-class arrivals gets its seats in one step, not one a step — up to the step's token
 budget: it stops once the first chunks claimed fill ``max_num_batched_tokens``. A sequence

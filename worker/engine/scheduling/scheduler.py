@@ -43,7 +43,6 @@ from kvfleet.worker.engine.scheduling.blocks import BlockAdmission
 from kvfleet.worker.engine.scheduling.class_step import ClassStep, StepContents
 from kvfleet.worker.engine.scheduling.config import SchedulerConfig
 from kvfleet.worker.engine.scheduling.forks import drop_sibling, fork_siblings
-from kvfleet.worker.engine.scheduling.hit_counts import HitCounts
 from kvfleet.worker.engine.scheduling.output import Fork, ScheduledSeq, SchedulerOutput
 from kvfleet.worker.engine.scheduling.preemption import (
     preempt_for_higher_class,
@@ -54,7 +53,7 @@ from kvfleet.worker.engine.scheduling.seats import TenantSeats, seats_taken
 from kvfleet.worker.engine.scheduling.step_budget import StepBudget, step_budget
 from kvfleet.worker.engine.scheduling.tenant_service import TenantService
 from kvfleet.worker.engine.step_plan import StepPlan
-from kvfleet.worker.kv_tier.admission import NoTierAdmission, TierAdmission
+from kvfleet.worker.kv_tier.admission import HitCounts, NoTierAdmission, TierAdmission
 from kvfleet.worker.kv_tier.lookup import TierLookup
 from kvfleet.worker.step_cost.model import StepCostModel
 
@@ -93,8 +92,7 @@ class Scheduler:
         # leader seq_id -> siblings waiting for its prompt to be computed (n > 1)
         self.pending_forks: dict[str, list[SequenceState]] = {}
         self.blocks = BlockAdmission(kv, config.policy, config.watermark)
-        self.rules = PriorityRules(config.max_num_seqs, config.batch_share,
-                                   config.preempt_streaming)
+        self.rules = PriorityRules(config.max_num_seqs, config.batch_share)
         self.service = TenantService()  # per-tenant service: who is admitted next
         self.seats = TenantSeats(config.max_num_seqs, config.tenant_share, seats_by_service,
                                  self.service)

@@ -117,7 +117,7 @@ def test_nothing_better_waiting_or_a_host_tier_means_no_nested_step():
 
 
 def test_a_borrowed_seat_goes_back_by_preemption_at_the_next_step():
-    s = make_scheduler(64, max_num_seqs=2, preempt_streaming=True)
+    s = make_scheduler(64, max_num_seqs=2)
     rows, paused = batch_in_flight(s, 2)
     i1 = seq(INTERACTIVE)
     s.add([i1])
@@ -132,8 +132,8 @@ def test_a_borrowed_seat_goes_back_by_preemption_at_the_next_step():
 
 
 def test_no_seat_to_borrow_means_no_nested_step():
-    # Streamed batch rows are no victims without preempt_streaming; reserve never preempts.
-    for cfg in ({}, {"policy": "reserve"}):
+    # Reserve never preempts: no seat to borrow.
+    for cfg in ({"policy": "reserve"},):
         s = make_scheduler(64, max_num_seqs=2, **cfg)
         _, paused = batch_in_flight(s, 2)
         i1 = seq(INTERACTIVE)
