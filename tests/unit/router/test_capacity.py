@@ -7,12 +7,11 @@ import pytest
 from kvfleet.errors import ResourceExhausted
 from kvfleet.router.capacity import check_room, check_tenant, fleet_capacity, has_room, with_room
 from kvfleet.router.policy import Candidate
-from tests.unit.router.candidates import candidate
+from tests.unit.router import factories
 
 
-def cand(rid: str, limit: int, running: int = 0, waiting: int = 0, inflight: int = 0) -> Candidate:
-    return candidate(rid, limit=limit, running=running, waiting=waiting, inflight=inflight,
-                     updated_at=1.0, address="127.0.0.1:1")
+def cand(rid: str, limit: int, **load) -> Candidate:
+    return factories.cand(rid, limit=limit, at=1.0, **load)
 
 
 def test_room_is_load_below_the_advertised_limit():

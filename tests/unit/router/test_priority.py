@@ -15,7 +15,7 @@ from kvfleet.router.openai_request import parse_chat, parse_completion
 from kvfleet.router.policy import Candidate
 from kvfleet.router.server import priority_from_proto
 from kvfleet.v1 import router_pb2
-from tests.unit.router.candidates import candidate
+from tests.unit.router import factories
 
 HI = [{"role": "user", "content": "hi"}]
 
@@ -24,8 +24,8 @@ def bearer(key: str):
     return (("authorization", f"Bearer {key}"),)
 
 
-def cand(rid: str, limit: int, running: int = 0) -> Candidate:
-    return candidate(rid, limit=limit, running=running, updated_at=1.0, address="127.0.0.1:1")
+def cand(rid: str, limit: int, **load) -> Candidate:
+    return factories.cand(rid, limit=limit, at=1.0, **load)
 
 
 def test_classes_and_numbers_parse_lower_first_with_bounded_labels():
