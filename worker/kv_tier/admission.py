@@ -18,12 +18,14 @@ cached part came from (:class:`HitCounts`) and report the tier's counters
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
 from kvfleet.worker.engine.request import SequenceState
 from kvfleet.worker.kv_tier.lookup import TierLookup
-from kvfleet.worker.kv_tier.rank_tier import NoRankTier, RankTier
+
+if TYPE_CHECKING:  # annotations only: the scheduler (and a config's import) stays torch-free
+    from kvfleet.worker.kv_tier.rank_tier import NoRankTier, RankTier
 
 Preempt = Callable[[SequenceState], None]
 
