@@ -60,6 +60,7 @@ from kvfleet.worker.replica.hit_window import HitWindow
 from kvfleet.worker.replica.kv_publisher import KvPublisher
 from kvfleet.worker.replica.load_report import LatencyWindow, replica_report
 from kvfleet.worker.replica.peer_setup import build_puller
+from kvfleet.worker.replica.shared_calibration import shared_or_calibrate
 from kvfleet.worker.runner.kv_cache import num_blocks_for_memory
 from kvfleet.worker.runner.memory import trim_heap
 from kvfleet.worker.runner.model_config import load_model_config
@@ -83,6 +84,11 @@ def _on_finish(telemetry: WorkerTelemetry, hits: HitWindow, latency: LatencyWind
 def _kv_tier_id(engine: Engine) -> str:
     """The index's name of the node tier the engine restores from ("" without one)."""
     return engine.scheduler.tier.tier_id
+
+
+def _advertised(seconds: float) -> float:
+    """A bound as the registry carries it (0: none)."""
+    return seconds if seconds < float("inf") else 0.0
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -163,12 +169,18 @@ class ReplicaConfig:
     # "" = never cached), measured for about calibration_budget_s seconds when not cached.
     step_cost_dir: Optional[str] = None
     calibration_budget_s: float = 20.0
+    # A request predicted to wait longer than this before its prefill starts is refused at
+    # once (RESOURCE_EXHAUSTED), never queued (worker/service/wait_bound.py); advertised in
+    # the registry. inf: no bound in seconds (the sequence count alone).
+    max_queue_wait_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not self.drain_timeout_s > 0:
             raise ValueError(f"drain_timeout_s must be > 0, got {self.drain_timeout_s}")
         if not 0 <= self.kv_prewarm_s < float("inf"):
             raise ValueError(f"kv_prewarm_s must be >= 0 and finite, got {self.kv_prewarm_s}")
+        if not self.max_queue_wait_s > 0:
+            raise ValueError(f"max_queue_wait_s must be > 0, got {self.max_queue_wait_s}")
         if not self.calibration_budget_s > 0:
             raise ValueError(f"calibration_budget_s must be > 0, got {self.calibration_budget_s}")
         if self.tensor_parallel_size < 1:
@@ -259,8 +271,8 @@ def build_engine(cfg: ReplicaConfig, on_rank_failure: Callable[[str], None] = la
 
 def _step_cost(cfg: ReplicaConfig, executor: Executor, identity: CacheIdentity) -> StepCost:
     """The replica's step-cost model: a cost-model executor's own constants, or the real
-    executor's start-up calibration (from the cache when this model/device/tp/dtype/threads
-    was calibrated before)."""
+    executor's start-up calibration (shared through Redis, else from the disk cache, when
+    this model/device/tp/dtype/threads was calibrated before)."""
     if cfg.executor == "cost-model":
         return StepCost(cfg.cost_model or MEASURED)
     tp = cfg.tensor_parallel_size
@@ -272,7 +284,10 @@ def _step_cost(cfg: ReplicaConfig, executor: Executor, identity: CacheIdentity) 
         cache: Optional[Path] = default_cache_dir() / "step_cost"
     else:
         cache = Path(cfg.step_cost_dir) if cfg.step_cost_dir else None
-    return StepCost(load_or_calibrate(executor, key, cache, cfg.calibration_budget_s))
+    # Another replica of this key (a pod before this one) may have stored its fit in Redis.
+    return StepCost(shared_or_calibrate(
+        cfg.redis_url, cfg.namespace, key,
+        lambda: load_or_calibrate(executor, key, cache, cfg.calibration_budget_s)))
 
 
 class ReplicaServer:
@@ -328,6 +343,7 @@ class ReplicaServer:
         if self.cfg.redis_url:
             info = ReplicaInfo(self.cfg.replica_id, self.address, self.cfg.model_name, 0,
                                self.cfg.block_size, max_requests=self.cfg.scheduler.max_sequences,
+                               max_queue_wait_s=_advertised(self.cfg.max_queue_wait_s),
                                tensor_parallel_size=self.cfg.tensor_parallel_size,
                                ranks=tuple(dataclasses.asdict(r) for r in self.ranks()),
                                serve_replica=self.cfg.serve_replica,
@@ -352,7 +368,8 @@ class ReplicaServer:
                                 limits=self.cfg.stream_limits, adapter_admin=admin,
                                 puller=build_puller(self.engine, self.cfg.kv_peer_pull,
                                                     bool(self.cfg.internal_tls_dir),
-                                                    self.cfg.kv_host_memory_bytes))
+                                                    self.cfg.kv_host_memory_bytes),
+                                max_queue_wait_s=self.cfg.max_queue_wait_s)
         self.service = service
         worker_pb2_grpc.add_WorkerServicer_to_server(service, self._server)
         name = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
