@@ -181,10 +181,6 @@ SCHEDULER_FLAGS: tuple[Flag, ...] = (
     Flag("--batch-share", "replica.scheduler.batch_share",
          "fraction of a replica's running slots the batch priority class may hold (default "
          "{default}: no cap)", "scheduling", type=fraction("--batch-share")),
-    Flag("--preempt-streaming", "replica.scheduler.preempt_streaming",
-         "a higher priority class may also preempt (by recompute) lower-class requests that "
-         "have streamed tokens (default: only those that have not)", "scheduling",
-         action="store_true"),
     Flag("--layer-yield", "replica.scheduler.layer_yield",
          "a batch step in flight pauses between decoder layers for a nested step of newly "
          "arrived higher-class prompts (interactive TTFT beside a batch flood; --tp 1 only: "

@@ -1,5 +1,5 @@
 """Priority classes through a real router and worker: a key's class travels to the
-scheduler and bounds what its requests may ask for, an interactive request preempts a streaming batch one (``preempt_streaming``) and
+scheduler and bounds what its requests may ask for, an interactive request preempts a streaming batch one and
 finishes first, the batch one still finishes whole, and a second batch request is refused
 with its class named while the fleet keeps headroom for higher classes."""
 
@@ -17,7 +17,7 @@ from tests.integration.routing_fleet import prompt
 from tests.integration.test_overload import SLOW, TIGHT, _outcome
 from tests.integration.test_worker_stream import idle
 
-ONE_SEAT = replace(TIGHT, max_num_seqs=1, preempt_streaming=True)  # 1 running + 4 waiting
+ONE_SEAT = replace(TIGHT, max_num_seqs=1)  # 1 running + 4 waiting
 
 
 def _request(seed: int, max_tokens: int, **priority) -> router_pb2.GenerateRequest:

@@ -12,6 +12,7 @@ from kvfleet.tls import peer_credentials_loader
 from kvfleet.worker.engine.engine import Engine
 from kvfleet.worker.kv_tier.peer_client import GrpcPeerClient, NodeRelay, TierPeer
 from kvfleet.worker.kv_tier.peer_pull import PeerPuller, PullCost
+from kvfleet.worker.kv_tier.rank_tier import RankTier
 
 log = logging.getLogger(__name__)
 
@@ -21,8 +22,8 @@ def build_puller(engine: Engine, enabled: bool, tls_dir: Optional[str],
     """The puller of ``engine``'s replica, or None: pulls off (``enabled`` false), no host
     tier (``capacity_bytes``: its size), or internal TLS (``tls_dir``) without a replica
     certificate to present to peers (a directory issued before there was one)."""
-    tier = getattr(engine.executor, "tier", None)  # rank 0's side of the host tier
-    if not enabled or tier is None or not capacity_bytes:
+    tier = engine.executor.tier  # rank 0's side of the host tier
+    if not enabled or not isinstance(tier, RankTier) or not capacity_bytes:
         return None
     credentials = peer_credentials_loader(tls_dir) if tls_dir else None
     if tls_dir and credentials is None:

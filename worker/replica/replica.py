@@ -102,8 +102,7 @@ def _node_tier(cfg: ReplicaConfig, mc: ModelConfig) -> LayoutTier:
 
 def _kv_tier_id(engine: Engine) -> str:
     """The index's name of the node tier the engine restores from ("" without one)."""
-    tier = engine.scheduler.tier
-    return getattr(tier.lookup.store, "tier_id", "") if tier is not None else ""
+    return engine.scheduler.tier.tier_id
 
 
 def _advertised(seconds: float) -> float:
@@ -545,8 +544,8 @@ class ReplicaServer:
                 # Adapter slots change too: re-published every beat ({} without adapters).
                 self.publisher.describe(prefix_hit_rate=round(self.hits.rate(), 4),
                                         **self.adapter_fields())
-                if (tier := self.engine.scheduler.tier) is not None:  # the tier metrics' bytes
-                    await asyncio.to_thread(tier.lookup.refresh_node_stats)
+                # The tier metrics' bytes (a Ray call when there is a tier; nothing without).
+                await asyncio.to_thread(self.engine.scheduler.tier.refresh_node_stats)
                 await self.publisher.heartbeat(self.load())
             except Exception:
                 log.exception("heartbeat failed")

@@ -14,13 +14,12 @@ from kvfleet.router.flags import parse_args
 
 def test_priority_flags_land_in_the_configs(tiny_llama_dir) -> None:
     cfg = cluster_config(cli.build_parser().parse_args(
-        ["up", "--model", str(tiny_llama_dir), "--batch-share", "0.5", "--preempt-streaming",
+        ["up", "--model", str(tiny_llama_dir), "--batch-share", "0.5",
          "--priority-admit", "batch=0.6,default=0.9"]))
-    assert cfg.replica.scheduler.batch_share == 0.5 and cfg.replica.scheduler.preempt_streaming
+    assert cfg.replica.scheduler.batch_share == 0.5
     assert cfg.router.priority_admit == {"interactive": 1.0, "default": 0.9, "batch": 0.6}
     plain = cluster_config(cli.build_parser().parse_args(["up", "--model", str(tiny_llama_dir)]))
     assert plain.replica.scheduler.batch_share == 1.0
-    assert not plain.replica.scheduler.preempt_streaming
     assert plain.router.priority_admit == RouterConfig().priority_admit
 
 

@@ -98,7 +98,7 @@ def test_a_replica_with_kv_host_memory_uses_its_nodes_tier(ray_session, ray_tier
                        kv_host_memory_bytes=CAPACITY)
     engine = build_engine(cfg)
     try:
-        assert engine.scheduler.tier is not None and engine.kv.pool.record_evictions
+        assert engine.scheduler.tier.enabled and engine.executor.tier.enabled
         store = engine.executor.tier.store  # the deployment's tier, through the layout
         mc = engine.executor.config
         assert isinstance(store, LayoutTier) and isinstance(store.store, RayTier)
