@@ -117,20 +117,6 @@ def test_sliding_window_beyond_window(tiny_mistral_dir) -> None:
     assert reference_error(tiny_mistral_dir, seq) <= 1
 
 
-def test_llama3_rope_scaling(tmp_path, smollm2_dir) -> None:
-    from tests.fixtures.models import write_tiny_model
-
-    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
-    model_dir = write_tiny_model(tmp_path, "llama", smollm2_dir, seed=3, rope_parameters=rope)
-    runner = runner_for(model_dir)
-    assert runner.config.rope_scaling is not None and runner.config.rope_scaling.factor == 8.0
-    seq = new_seq(BlockPool(runner.num_blocks, seed=8), "a", 40, seed=8)
-    prefill(runner, seq, [17, 23])
-    decode(runner, seq, 4)
-    assert reference_error(model_dir, seq) <= 1
-
-
 def test_bfloat16_runs_close_to_fp32(tiny_llama_dir) -> None:
     """Not a parity claim (bf16 has ~3 significant digits): the dtype plumbing works end to end."""
     from kvfleet.worker.runner.model_runner import ModelRunner
