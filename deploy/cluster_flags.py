@@ -277,11 +277,14 @@ def _field_values(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
 
 def cluster_config(args: argparse.Namespace) -> ClusterConfig:
     """Build a ClusterConfig from parsed args (of :func:`add_cluster_args`' flags), checking
-    what can be checked before anything starts. Raises ModelNotPrepared / ValueError."""
+    what can be checked before anything starts (the model's family and config fields among
+    them). Raises ModelNotPrepared / ValueError (UnsupportedModel, ConfigError)."""
     from kvfleet.worker.executor.cost_model import MEASURED, CostModel
     from kvfleet.worker.replica.adapter_catalog import adapter_roots
+    from kvfleet.worker.runner.models import check_model_dir
 
     name, model_dir = resolve_model(args.model)
+    model = check_model_dir(model_dir)  # an unsupported family or field: refused before Ray
     values = _field_values(args)
     # Beyond loopback: mutual TLS by default (~/.kvfleet/internal-tls), never plaintext.
     replica_values = with_default_internal_tls(values["replica"])
@@ -290,10 +293,9 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
         raise ValueError("--layer-yield needs --tp 1: a forward pauses between layers only when "
                          "one process runs the whole model")
     if replica_values["tensor_parallel_size"] != 1:  # refuse a split the model cannot take
-        from kvfleet.worker.runner.model_config import load_model_config
         from kvfleet.worker.runner.tp.layout import check_tp
 
-        check_tp(load_model_config(model_dir), replica_values["tensor_parallel_size"])
+        check_tp(model, replica_values["tensor_parallel_size"])
     adapters = _checked_adapters(args, model_dir, replica_values["max_lora_rank"])
     for root in replica_values["adapter_roots"]:
         if not os.path.isdir(root):

@@ -255,7 +255,7 @@ def family_of(raw: Mapping[str, Any]) -> tuple[Family, str]:
             its family does not build; the message names the field and the families that work.
     """
     _refuse_set(raw, "mlp_bias")
-    tower = next((t for t in _TOWERS if raw.get(t)), None)
+    tower = next((t for t in _TOWERS if raw.get(t) is not None), None)
     if tower is not None:
         raise UnsupportedModel(f"{tower}: multimodal checkpoints ({raw.get('model_type')!r}) are "
                                f"not supported; text-only families that work: "

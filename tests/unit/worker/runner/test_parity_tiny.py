@@ -82,15 +82,15 @@ def test_mixed_batch_equals_each_alone(model_dir) -> None:
         assert scaled_error(seq.logits, alone.logits) <= 1, seq.request_id
 
 
-def test_copy_on_write_siblings(tiny_llama_dir) -> None:
+def test_copy_on_write_siblings(model_dir) -> None:
     """Two samples share a partly filled block; the scheduler copies it before the second writes."""
-    runner = runner_for(tiny_llama_dir)
+    runner = runner_for(model_dir)
     a, b = fork_siblings(runner, BlockPool(runner.num_blocks, seed=4), share_partial=False)
     step(runner, [(a, 1), (b, 1)], copies=((a.block_table[2], b.block_table[2]),))
     for _ in range(5):
         step(runner, [(b, 1), (a, 1)])
-    assert reference_error(tiny_llama_dir, a) <= 1
-    assert reference_error(tiny_llama_dir, b) <= 1
+    assert reference_error(model_dir, a) <= 1
+    assert reference_error(model_dir, b) <= 1
 
 
 def test_non_contiguous_block_table_lands_in_those_blocks(tiny_llama_dir) -> None:
