@@ -33,7 +33,7 @@ SHAPE = dict(vocab_size=32000, hidden_size=256, num_hidden_layers=4, num_attenti
              max_position_embeddings=1024, initializer_range=0.1, bos_token_id=1,
              eos_token_id=2, tie_word_embeddings=False)
 # family name → (transformers family, shape changes the family needs to load as itself)
-FAMILIES = {
+FAMILIES: dict[str, tuple[str, dict]] = {
     "llama": ("Llama", {}),
     "qwen3": ("Qwen3", {}),
     "gemma3": ("Gemma3Text", {"sliding_window": 512, "query_pre_attn_scalar": 32,
