@@ -33,7 +33,7 @@ from bench.elastic_fleet import ElasticFleet, Policy, Replica
 from bench.fleet_sim import SimFleet
 from bench.workload import Workload
 from bench.workload import requests as make_requests
-from kvfleet.worker.engine.scheduler import SchedulerConfig
+from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig
 from kvfleet.worker.executor.cost_model import MEASURED, CostModel
 from kvfleet.worker.replica.autoscale import AutoscaleTargets, decide
 

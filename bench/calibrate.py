@@ -7,7 +7,7 @@ Builds the real :class:`~kvfleet.worker.runner.model_runner.ModelRunner` on the 
 shapes the router benchmark produces (512-token prefill chunks from an empty and a half-full
 context, the 64-token suffix after a 1,024-token cached prefix, decode batches at ~1,088 tokens
 of context) plus decode batches at 64 and 2,048 tokens (so the context term varies on its own),
-and fits the step-cost model's form (``kvfleet.worker.engine.step_cost``: base + prefill
+and fits the step-cost model's form (``kvfleet.worker.step_cost.model``: base + prefill
 tokens + decode rows + KV positions attended) by least squares in relative error.
 The samples, the fit, and the machine's load are written to one JSON file, which the benchmark
 reads and records; the constants are never edited by hand. Benchmarks that need the file
@@ -46,8 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch  # here: ensure_calibration's callers need no torch until they calibrate
 
     from kvfleet.deploy.models import prepare_model
-    from kvfleet.worker.engine.step_calibration import calibration_plans, fit, measure
     from kvfleet.worker.runner.model_runner import ModelRunner
+    from kvfleet.worker.step_cost.calibration import calibration_plans, fit, measure
 
     torch.set_num_threads(a.threads)
     model_dir = prepare_model(progress=False)

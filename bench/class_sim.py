@@ -22,7 +22,7 @@ first token). Per seed and with ``class_step`` off and on:
   B's share of computed tokens (uncached prompt + output) in the middle half (fair 0.5 ± 10 %).
 
 ``--layer-yield``: steps pause between decoder layers (as many as the model's config has) for
-a nested step of a higher class (:class:`Yield`, ``worker/engine/layer_yield.py``).
+a nested step of a higher class (:class:`Yield`, ``worker/engine/layer_yield/nested.py``).
 
 Capacity: completions/s of 16 closed-loop default clients. JSON: ``bench/results/class_sim.json``.
 """
@@ -42,10 +42,10 @@ from bench.engine_bench import pct
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
 from kvfleet.priority import BATCH, DEFAULT, INTERACTIVE
 from kvfleet.sampling_params import SamplingParams
-from kvfleet.worker.engine.layer_yield import may_yield, yields_to
+from kvfleet.worker.engine.layer_yield.nested import may_yield, yields_to
 from kvfleet.worker.engine.request import SeqStatus, SequenceState
-from kvfleet.worker.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from kvfleet.worker.engine.step_cost import MEASURED, StepCost
+from kvfleet.worker.engine.scheduling.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kvfleet.worker.step_cost.model import MEASURED, StepCost
 
 COST = MEASURED.scaled(0.05)
 BLOCK = 16
@@ -67,7 +67,7 @@ class Stream:
 
 @dataclass(frozen=True)
 class Yield:
-    """Layer-level yield on the virtual clock (``worker/engine/layer_yield.py``): a step is
+    """Layer-level yield on the virtual clock (``worker/engine/layer_yield/nested.py``): a step is
     ``layers`` equal slices; a request of a strictly better class than every row of the step
     in flight pauses it at the first layer boundary after its arrival, the real scheduler's
     nested step (:meth:`Scheduler.schedule_nested`) runs, and the paused step's remaining

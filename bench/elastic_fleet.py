@@ -26,7 +26,7 @@ from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
 from kvfleet.router.policy import make_policy
 from kvfleet.sampling_params import SamplingParams
 from kvfleet.worker.engine.engine import EngineRequest
-from kvfleet.worker.engine.scheduler import SchedulerConfig
+from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig
 from kvfleet.worker.executor.cost_model import CostModel, CostModelExecutor
 from kvfleet.worker.replica.hit_window import HitWindow
 from kvfleet.worker.replica.load_report import LatencyWindow, replica_report

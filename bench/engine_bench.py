@@ -29,7 +29,7 @@ from bench.engine_baselines import RunResult, load_hf, run_single, run_static_ba
 from bench.plots import line_plot
 from bench.seeded import seeded_llama_dir
 from kvfleet.deploy.models import prepare_model
-from kvfleet.worker.engine.scheduler import SchedulerConfig
+from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig
 
 NEAR_TIE = 1e-4
 TINY = dict(vocab_size=32000, hidden_size=256, num_hidden_layers=4, num_attention_heads=8,

@@ -16,11 +16,11 @@ from bench.engine_baselines import RunResult
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
 from kvfleet.sampling_params import SamplingParams
 from kvfleet.worker.engine.engine import Engine, EngineRequest
-from kvfleet.worker.engine.scheduler import SchedulerConfig
-from kvfleet.worker.engine.step_cost import StepCost
+from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig
 from kvfleet.worker.engine.step_plan import SeqChunk, StepPlan
 from kvfleet.worker.executor.local import LocalExecutor
 from kvfleet.worker.runner.model_runner import ModelRunner
+from kvfleet.worker.step_cost.model import StepCost
 
 BLOCK_SIZE = 16
 _ids = itertools.count()

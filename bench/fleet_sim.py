@@ -28,7 +28,7 @@ from kvfleet.router.policy import Candidate, RoutingPolicy, make_policy
 from kvfleet.router.prefix_index import InMemoryPrefixIndex
 from kvfleet.sampling_params import SamplingParams
 from kvfleet.worker.engine.engine import EngineRequest
-from kvfleet.worker.engine.scheduler import SchedulerConfig
+from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig
 from kvfleet.worker.executor.cost_model import CostModel, CostModelExecutor
 from kvfleet.worker.replica.replica import ReplicaConfig, build_engine
 

@@ -32,9 +32,9 @@ from bench.engine_bench import pct, workload
 from bench.plots import plot_cdfs
 from bench.step_trace import TracingStepCost, summarize
 from kvfleet.deploy.models import prepare_model
-from kvfleet.worker.engine.scheduler import SchedulerConfig
-from kvfleet.worker.engine.step_calibration import CalibrationKey, device_name, load_or_calibrate
+from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig
 from kvfleet.worker.executor.local import LocalExecutor
+from kvfleet.worker.step_cost.calibration import CalibrationKey, device_name, load_or_calibrate
 
 TARGETS = {"itl_p99_over_p50": 3.0, "throughput_ratio": 0.9, "ttft_p99_ratio": 1.5}
 

@@ -30,8 +30,8 @@ from bench.engine_bench import pct, workload
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
 from kvfleet.sampling_params import SamplingParams
 from kvfleet.worker.engine.request import SeqStatus, SequenceState
-from kvfleet.worker.engine.scheduler import Scheduler, SchedulerConfig
-from kvfleet.worker.engine.step_cost import CostModel, StepCost, plan_shape
+from kvfleet.worker.engine.scheduling.scheduler import Scheduler, SchedulerConfig
+from kvfleet.worker.step_cost.model import CostModel, StepCost, plan_shape
 
 BLOCK = 16
 IDLE_SMOLLM2 = CostModel(0.025, 0.0015, 0.002, "SmolLM2 2 threads, idle host (engine bench)", 1e-6)

@@ -37,9 +37,9 @@ from kvfleet.allocator.hashing import CacheIdentity
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
 from kvfleet.deploy.models import prepare_model
 from kvfleet.sampling_params import SamplingParams
-from kvfleet.worker.engine.adapter_residency import AdapterResidency
+from kvfleet.worker.engine.adapters.residency import AdapterResidency
 from kvfleet.worker.engine.engine import Engine, EngineRequest
-from kvfleet.worker.engine.scheduler import SchedulerConfig
+from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig
 from kvfleet.worker.runner.lora import slots as lora_slots
 from kvfleet.worker.runner.lora.adapter import check_adapter
 from kvfleet.worker.runner.lora.config import MODULES

@@ -257,7 +257,7 @@ def start_cluster(run: Run, redis_url: str, api_keys_file: Optional[str]):
     from kvfleet.deploy.cluster_config import ClusterConfig, router_from_flags
     from kvfleet.deploy.launcher import LocalCluster
     from kvfleet.deploy.models import DEFAULT_MODEL, resolve_model
-    from kvfleet.worker.engine.scheduler import SchedulerConfig
+    from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig
     from kvfleet.worker.executor.cost_model import MEASURED
     from kvfleet.worker.replica.replica import ReplicaConfig
 

@@ -66,7 +66,7 @@ def start_fleets(run: Run, redis_url: str) -> dict:
     from kvfleet.deploy.cluster_config import ClusterConfig, router_from_flags
     from kvfleet.deploy.launcher import LocalCluster
     from kvfleet.deploy.models import DEFAULT_MODEL, resolve_model
-    from kvfleet.worker.engine.scheduler import SchedulerConfig
+    from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig
     from kvfleet.worker.replica.replica import ReplicaConfig
 
     name, model_dir = resolve_model(DEFAULT_MODEL)

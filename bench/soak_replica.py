@@ -15,7 +15,7 @@ import signal
 import sys
 
 from kvfleet.stream_limits import StreamLimits
-from kvfleet.worker.engine.scheduler import SchedulerConfig
+from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig
 from kvfleet.worker.executor.cost_model import MEASURED
 from kvfleet.worker.replica.replica import ReplicaConfig, ReplicaServer
 

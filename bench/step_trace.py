@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from bench.engine_bench import pct
-from kvfleet.worker.engine.step_cost import CostModel, StepCost, StepShape
+from kvfleet.worker.step_cost.model import CostModel, StepCost, StepShape
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from kvfleet.allocator.kv_cache_manager import KVCacheManager
 from kvfleet.constraint import Constraint
 from kvfleet.sampling_params import SamplingParams
 from kvfleet.worker.engine.engine import Engine, EngineRequest
-from kvfleet.worker.engine.scheduler import SchedulerConfig
+from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig
 from kvfleet.worker.runner.model_runner import ModelRunner
 
 BLOCK_SIZE = 16

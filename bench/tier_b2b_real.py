@@ -56,7 +56,7 @@ from bench.ttft_breakdown import PARTS, TtftProbe, tail_profile
 from bench.workload import B2BWorkload, Request, b2b_requests
 from kvfleet.router.main import RouterConfig, RouterServer
 from kvfleet.v1 import router_pb2, router_pb2_grpc
-from kvfleet.worker.engine.scheduler import SchedulerConfig
+from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig
 from kvfleet.worker.replica.replica import ReplicaConfig, ReplicaServer
 
 MODEL = "smollm2"

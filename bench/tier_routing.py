@@ -33,12 +33,12 @@ from bench.workload import B2BWorkload, b2b_requests
 from kvfleet.index_keys import tier_id
 from kvfleet.router.policy import make_policy
 from kvfleet.router.tier_credit import DEFAULT_HOST_HIT_WEIGHT, RESTORE_BLOCK_S
-from kvfleet.worker.engine.scheduler import SchedulerConfig
-from kvfleet.worker.engine.step_cost import MEASURED
-from kvfleet.worker.engine.tier_admission import TierAdmission
+from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig
 from kvfleet.worker.executor.cost_model import CostModelExecutor
+from kvfleet.worker.kv_tier.admission import TierAdmission
 from kvfleet.worker.kv_tier.lookup import TierLookup
 from kvfleet.worker.kv_tier.store import HostTierStore
+from kvfleet.worker.step_cost.model import MEASURED
 
 _PLACEHOLDER = np.zeros((1, 1), dtype=np.uint8)  # one byte per block: capacity in blocks
 

@@ -39,8 +39,8 @@ from bench.tier_routing import TierSimFleet
 from bench.workload import B2BWorkload, Request, b2b_requests
 from kvfleet.router.policy import make_policy
 from kvfleet.router.tier_credit import RESTORE_BLOCK_S
-from kvfleet.worker.engine.scheduler import SchedulerConfig
-from kvfleet.worker.engine.step_cost import MEASURED
+from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig
+from kvfleet.worker.step_cost.model import MEASURED
 
 WRITE_BACK_BLOCK_S = 0.117 / 64  # bench kv_tier: a 64-block write-back to the node actor
 DRAIN_TIMEOUT_S = 30.0  # ReplicaConfig.drain_timeout_s's default

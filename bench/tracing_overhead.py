@@ -47,7 +47,7 @@ from kvfleet.router.main import RouterConfig
 from kvfleet.telemetry import Telemetry, TelemetryConfig
 from kvfleet.telemetry.collector import OtlpSink
 from kvfleet.telemetry.names import MD_WORKER_DURATION_S
-from kvfleet.worker.engine.scheduler import SchedulerConfig
+from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig
 from kvfleet.worker.replica.replica import ReplicaConfig
 
 RESULTS = Path(__file__).parent / "results"
@@ -98,7 +98,7 @@ def micro_cost_us(n: int, sink_endpoint: str) -> dict:
     from kvfleet.telemetry.router_spans import RouterTelemetry
     from kvfleet.telemetry.worker_spans import WorkerTelemetry
     from kvfleet.v1 import common_pb2, worker_pb2
-    from kvfleet.worker.engine.outputs import Milestones, SeqOutput, Usage
+    from kvfleet.worker.engine.output.outputs import Milestones, SeqOutput, Usage
     from kvfleet.worker.engine.request import FinishReason
 
     candidates = tuple(Candidate(ReplicaInfo(f"r{i}", "a", "m", 1, 16),

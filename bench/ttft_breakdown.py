@@ -1,7 +1,7 @@
 """Where a request's TTFT went, on in-process real replicas: worker milestones and tier calls.
 
 :class:`TtftProbe` wraps, for one fleet, the worker telemetry's finish hook (each sample's
-:class:`~kvfleet.worker.engine.outputs.Milestones`), the engine's ``move_blocks`` (write-backs
+:class:`~kvfleet.worker.engine.output.outputs.Milestones`), the engine's ``move_blocks`` (write-backs
 and restores before a forward: one call into the node tier's actor per rank) and
 ``TierLookup.lookup`` (admission's call into the actor). :meth:`TtftProbe.breakdown` then splits
 each request's client TTFT (seconds) into:

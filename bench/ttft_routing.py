@@ -36,7 +36,7 @@ from bench.fleet_sim import Result, SimFleet, summarize
 from bench.result_file import write_json
 from bench.workload import B2BWorkload, Request, Workload, b2b_requests, requests
 from kvfleet.router.policy import make_policy
-from kvfleet.worker.engine.scheduler import SchedulerConfig
+from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig
 from kvfleet.worker.executor.cost_model import MEASURED, CostModel
 
 POLICIES = ("predicted_ttft", "prefix_aware", "round_robin")

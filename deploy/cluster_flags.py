@@ -31,8 +31,8 @@ from kvfleet.deploy.models import DEFAULT_MODEL, resolve_model
 from kvfleet.router.main import RouterConfig
 from kvfleet.router.policy import POLICIES as ROUTING_POLICIES
 from kvfleet.telemetry import TelemetryConfig
-from kvfleet.worker.engine.scheduler import SchedulerConfig
-from kvfleet.worker.engine.scheduler_config import POLICIES as ADMISSION_POLICIES
+from kvfleet.worker.engine.scheduling.config import POLICIES as ADMISSION_POLICIES
+from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig
 from kvfleet.worker.replica.autoscale import AutoscaleTargets
 from kvfleet.worker.replica.replica import DEFAULT_KV_MEMORY_BYTES, EXECUTORS, ReplicaConfig
 

@@ -183,7 +183,7 @@ class ReplicaLoad:
 
     ``queue_delay_s``: predicted seconds until a request arriving at report time could start its
     prefill; ``prefill_token_s``: the replica's marginal seconds per uncached prompt token
-    (``worker/engine/queue_delay.py``). Both ``None`` when not advertised (an older replica).
+    (``worker/step_cost/queue_delay.py``). Both ``None`` when not advertised (an older replica).
     """
 
     running: int

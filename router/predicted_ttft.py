@@ -2,7 +2,7 @@
 
 Each replica advertises, with its load, ``queue_delay_s`` (seconds before a request arriving
 now starts its prefill) and ``prefill_token_s`` (its seconds per uncached prompt token), both
-from its own step-cost model (``worker/engine/queue_delay.py``). Per candidate, with ``m``
+from its own step-cost model (``worker/step_cost/queue_delay.py``). Per candidate, with ``m``
 its matched leading blocks of a prompt of ``P`` tokens (blocks its node's host tier holds
 after those cost their restore instead of their prefill: ``router/tier_credit.py``):
 
@@ -200,14 +200,14 @@ class PredictedTTFT(PrefixAware):
         """Where a prefix no replica holds goes: among the replicas whose backlog is shorter
         than the prompt's full prefill on the fastest (all, if none is, or if a candidate
         lacks the forecast), the one whose KV working set has the most room; then least
-        loaded, rendezvous on the first block."""
+        loaded, then :class:`~kvfleet.router.policy.TieOrder`."""
         pool = candidates
         if all(_forecast(c) is not None for c in candidates):
             copy_s = min(self.own_prefill_s(c, chain, matched=0) for c in candidates)
             pool = [c for c in candidates if self.backlog_s(c) <= copy_s] or candidates
-        first = chain[0] if chain else b""
+        rank = self.ties.ranks(pool, chain)
         return min(pool, key=lambda c: (room_order(self.sent.working_set(c.info.replica_id), c),
-                                        c.load, rendezvous_desc(first, c)))
+                                        c.load, rank[c.info.replica_id]))
 
     def _order(self, c: Candidate, chain: Sequence[bytes]) -> tuple:
         """Sort key: predicted TTFT + ``miss_weight`` × own prefill; then deeper match,

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvfleet.worker.engine.step_cost import MEASURED
+from kvfleet.worker.step_cost.model import MEASURED
 
 if TYPE_CHECKING:
     from kvfleet.router.policy import Candidate

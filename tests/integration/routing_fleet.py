@@ -12,13 +12,13 @@ from typing import Optional, Sequence
 import grpc
 
 from kvfleet.allocator.hashing import block_hash_chain, root_hash
-from kvfleet.router.main import RouterConfig, RouterServer
 from kvfleet.router.index_mirror import MirroredPrefixIndex
+from kvfleet.router.main import RouterConfig, RouterServer
 from kvfleet.router.prefix_index import PrefixIndex
 from kvfleet.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig
 from kvfleet.worker.executor.cost_model import ZERO
 from kvfleet.worker.replica.replica import ReplicaConfig, ReplicaServer
-from kvfleet.worker.engine.scheduler import SchedulerConfig
 
 BLOCK = 16
 

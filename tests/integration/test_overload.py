@@ -11,8 +11,8 @@ import grpc
 from kvfleet.grpc_util import SERVER_OPTIONS
 from kvfleet.router.capacity import RETRY_PUSHBACK_KEY
 from kvfleet.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig
 from kvfleet.worker.executor.cost_model import CostModel
-from kvfleet.worker.engine.scheduler import SchedulerConfig
 from tests.integration.routing_fleet import prompt
 from tests.integration.test_worker_stream import idle
 

@@ -22,9 +22,8 @@ from kvfleet.router.main import RouterConfig
 from kvfleet.telemetry import Telemetry, TelemetryConfig
 from kvfleet.telemetry import names as n
 from kvfleet.telemetry.collector import OtlpSink
-from kvfleet.worker.engine.scheduler import SchedulerConfig
-from tests.fixtures.cluster import wait_indexed
-from tests.fixtures.cluster import tiny_replica
+from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig
+from tests.fixtures.cluster import tiny_replica, wait_indexed
 
 SYSTEM = ("You are the archive desk of a small-town newspaper. Answer questions about past "
           "issues in one sentence, give the issue date, and never guess a page number.")

@@ -33,7 +33,7 @@ from kvfleet.allocator.hashing import block_hash_chain, root_hash
 from kvfleet.errors import InvalidArgument
 from kvfleet.index_keys import tier_node
 from kvfleet.worker.engine.engine import EngineRequest
-from kvfleet.worker.engine.step_cost import StepCostModel, attended
+from kvfleet.worker.step_cost.model import StepCostModel, attended
 
 log = logging.getLogger(__name__)
 MAX_PULL_TIMEOUT_S = 5.0

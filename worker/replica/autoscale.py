@@ -12,7 +12,7 @@ The signals (:data:`SIGNALS`, one value per replica per metrics interval, from
 load; one hot replica is the router's to fix, not a reason to buy one more):
 
 - ``load``: the share of a replica's decode throughput in use plus its queue beyond the seats
-  (``kvfleet.worker.engine.queue_delay.throughput_load``) / ``target_load``. Linear in the
+  (``kvfleet.worker.step_cost.queue_delay.throughput_load``) / ``target_load``. Linear in the
   arrival rate, so ``n × load`` replicas hold each at the target: the policy **tracks** it,
   up as soon as that count exceeds ``n``, down (by as many as that allows) once it stays below
   ``n`` with a ``load_band`` to spare (asymmetric hysteresis: up at the target, down only

@@ -39,13 +39,10 @@ from kvfleet.telemetry import Telemetry, TelemetryConfig
 from kvfleet.telemetry.worker_spans import WorkerTelemetry
 from kvfleet.tls import ROUTER_NAME, needs_internal_tls, reloading_worker_credentials
 from kvfleet.v1 import worker_pb2, worker_pb2_grpc
-from kvfleet.worker.engine.adapter_residency import AdapterResidency
+from kvfleet.worker.engine.adapters.residency import AdapterResidency
 from kvfleet.worker.engine.engine import Engine
-from kvfleet.worker.engine.outputs import SeqOutput
-from kvfleet.worker.engine.scheduler import SchedulerConfig
-from kvfleet.worker.engine.step_calibration import CalibrationKey, device_name, load_or_calibrate
-from kvfleet.worker.engine.step_cost import MEASURED, StepCost
-from kvfleet.worker.engine.tier_prewarm import prewarm_before_serving
+from kvfleet.worker.engine.output.outputs import SeqOutput
+from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig
 from kvfleet.worker.executor.base import Executor, RankInfo
 from kvfleet.worker.executor.cost_model import CostModel, cost_model_executor
 from kvfleet.worker.executor.local import LocalExecutor
@@ -54,6 +51,7 @@ from kvfleet.worker.executor.tp.rank_worker import RankSpec
 from kvfleet.worker.executor.tp_executor import TPExecutor
 from kvfleet.worker.kv_tier.lookup import TierLookup
 from kvfleet.worker.kv_tier.node_tier import TierIndex, node_tier
+from kvfleet.worker.kv_tier.prewarm import prewarm_before_serving
 from kvfleet.worker.kv_tier.rank_tier import RankTier
 from kvfleet.worker.replica.adapter_admin import AdapterAdmin
 from kvfleet.worker.replica.adapter_catalog import check_catalog
@@ -68,6 +66,8 @@ from kvfleet.worker.runner.model_config import load_model_config
 from kvfleet.worker.runner.model_runner import ModelRunner
 from kvfleet.worker.service.engine_loop import EngineLoop
 from kvfleet.worker.service.server import WorkerService
+from kvfleet.worker.step_cost.calibration import CalibrationKey, device_name, load_or_calibrate
+from kvfleet.worker.step_cost.model import MEASURED, StepCost
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ class ReplicaConfig:
     internal_tls_dir: Optional[str] = None
     # Slow or vanished readers: outputs buffered per stream, seconds a write may wait.
     stream_limits: StreamLimits = field(default_factory=StreamLimits)
-    # Structured output: compile-time bound and cache size (kvfleet.worker.engine.grammar).
+    # Structured output: compile-time bound and cache size (kvfleet.worker.engine.output.grammar).
     grammar: GrammarConfig = field(default_factory=GrammarConfig)
     # LoRA: servable adapters as (name, directory), checked at start; max_loras slots per
     # replica (LRU, loaded on first use), max_lora_rank the largest rank accepted.
@@ -159,7 +159,7 @@ class ReplicaConfig:
     # A drain (scale-down, Worker.Drain, SIGTERM) waits this long for in-flight streams, then
     # ends the rest UNAVAILABLE naming the drain.
     drain_timeout_s: float = 30.0
-    # The step-cost model's start-up calibration (kvfleet.worker.engine.step_calibration):
+    # The step-cost model's start-up calibration (kvfleet.worker.step_cost.calibration):
     # cached here per model/device/tp/dtype/threads (None: <kvfleet cache dir>/step_cost;
     # "" = never cached), measured for about calibration_budget_s seconds when not cached.
     step_cost_dir: Optional[str] = None

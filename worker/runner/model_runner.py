@@ -209,7 +209,7 @@ class ModelRunner:
                          validated: bool = False) -> torch.Tensor | PausedForward:
         """:meth:`execute`, but after each decoder layer but the last, when ``should_yield()``
         is true, stop and return a :class:`PausedForward` (layer-level yield,
-        :mod:`kvfleet.worker.engine.layer_yield`). Another plan may then run on slots the
+        :mod:`kvfleet.worker.engine.layer_yield.nested`). Another plan may then run on slots the
         paused one does not use; :meth:`resume` finishes it. ``should_yield`` is called once
         per layer: keep it cheap.
 

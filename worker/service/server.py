@@ -28,7 +28,7 @@ from kvfleet.telemetry.names import MD_WORKER_DURATION_S
 from kvfleet.telemetry.worker_spans import WorkerTelemetry
 from kvfleet.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from kvfleet.worker.engine.engine import EngineRequest
-from kvfleet.worker.engine.outputs import SeqOutput
+from kvfleet.worker.engine.output.outputs import SeqOutput
 from kvfleet.worker.engine.request import FinishReason
 from kvfleet.worker.kv_tier.peer_pull import PeerHint, PeerPuller
 from kvfleet.worker.replica.adapter_admin import AdapterAdmin

@@ -7,7 +7,7 @@ import pytest
 
 from bench.tier_b2b_real import _labels, tier_ratios
 from bench.ttft_breakdown import TtftProbe, _Replica, tail_profile
-from kvfleet.worker.engine.outputs import Milestones
+from kvfleet.worker.engine.output.outputs import Milestones
 
 
 def test_repeated_configurations_are_numbered_in_order() -> None:

@@ -52,6 +52,18 @@ def test_new_families_go_least_loaded_then_rendezvous_consistently():
         assert PrefixAware().choose(order, [b"k"]).info.replica_id == owner
 
 
+@pytest.mark.parametrize("name", ["prefix_aware", "predicted_ttft", "least_loaded"])
+def test_equal_candidates_with_no_block_to_hash_take_turns(name):
+    # A prompt shorter than a block (or a router routing blind): no family to keep together, so
+    # an idle fleet's requests alternate instead of all going to one replica.
+    policy = make_policy(name)
+    picks = [policy.choose([cand("b"), cand("a"), cand("c")], []).info.replica_id
+             for _ in range(6)]
+    assert picks == ["a", "b", "c", "a", "b", "c"]
+    busy = [cand("a", inflight=1), cand("b"), cand("c")]
+    assert {policy.choose(busy, []).info.replica_id for _ in range(4)} == {"b", "c"}
+
+
 def test_equal_holders_split_by_load():
     a, b = cand("a", matched=8, inflight=2), cand("b", matched=8, inflight=1)
     assert PrefixAware().choose([a, b, cand("c")], chain(b"x")) is b

@@ -23,8 +23,8 @@ from kvfleet.router.tier_credit import (
     RESTORE_BLOCK_S,
     host_hit_weight,
 )
-from kvfleet.worker.engine.step_cost import MEASURED
 from kvfleet.worker.kv_tier.store import HostTierStore
+from kvfleet.worker.step_cost.model import MEASURED
 
 BLOCK = np.zeros((1, 8), dtype=np.uint8)  # one 8-byte block
 PER_TOKEN = 0.001

@@ -150,7 +150,7 @@ def test_an_exporter_that_dies_mid_transfer_leaves_the_request_to_recompute(
 
 def test_a_hint_is_skipped_when_recomputing_is_cheaper_or_nothing_is_missing(
         tiny_llama_dir) -> None:
-    from kvfleet.worker.engine.step_cost import ZERO, StepCost
+    from kvfleet.worker.step_cost.model import ZERO, StepCost
 
     b, _, _, _ = tier_engine(tiny_llama_dir)
     req = request(prompt(22, seed=59), max_tokens=2)
@@ -165,7 +165,7 @@ def test_a_pull_from_a_busy_replica_is_priced_with_the_rest_of_its_step(tiny_lla
     """The holder exports between its steps: with ``holder_step_share`` a short run (less
     recompute than half a chunk) is not worth waiting for, a long one is; a tier hint waits
     for no step."""
-    from kvfleet.worker.engine.step_cost import CostModel, StepCost
+    from kvfleet.worker.step_cost.model import CostModel, StepCost
 
     b, _, _, _ = tier_engine(tiny_llama_dir)
     p = puller(_Unreachable(), b)

@@ -9,7 +9,7 @@ import types
 import grpc
 
 from kvfleet.v1 import worker_pb2
-from kvfleet.worker.engine.scheduler import SchedulerConfig
+from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig
 from kvfleet.worker.service.server import WorkerService
 
 
