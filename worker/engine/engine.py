@@ -204,7 +204,8 @@ class Engine:
 
         ``arrivals``: where requests arrive during the step; with ``layer_yield`` on, the
         forward pauses between layers for a nested step of those it yields to, whose outputs
-        go out through ``arrivals.emit`` before this step's (:mod:`kvfleet.worker.engine.layer_yield.forward`).
+        go out through ``arrivals.emit`` before this step's
+        (:mod:`kvfleet.worker.engine.layer_yield.forward`).
         """
         outputs = self._expire_deadlines()
         if self.lora.has_waiting:

@@ -1,8 +1,8 @@
 """What the scheduler hands the engine: a step's plan with its sequences, and the forks of a step.
 
-:class:`SchedulerOutput` wraps the :class:`~kvfleet.worker.engine.step_plan.StepPlan` that crosses to the model
-runner with the engine-side view of the same step: which sequences run how many tokens and
-which sample, and which were preempted to make room.
+:class:`SchedulerOutput` wraps the :class:`~kvfleet.worker.engine.step_plan.StepPlan` that
+crosses to the model runner with the engine-side view of the same step: which sequences run
+how many tokens and which sample, and which were preempted to make room.
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ budget (``max_num_batched_tokens``):
 With ``itl_target_ms`` set, the step's predicted time is budgeted too (:mod:`.step_budget`),
 and a higher class's or the least-served tenant's prefill runs without the others' rows
 (:mod:`.class_step`); a step in flight may pause between layers for a nested step of a
-higher class (:mod:`kvfleet.worker.engine.layer_yield.nested`). Admission follows the replica's policy (docs/design.md §3; the block
-counts: :mod:`.blocks`):
+higher class (:mod:`kvfleet.worker.engine.layer_yield.nested`). Admission follows the
+replica's policy (docs/design.md §3; the block counts: :mod:`.blocks`):
 
 * ``watermark`` (default): admit when the uncached prompt fits and a free-block watermark
   stays free; when a running sequence cannot grow, preempt the newest running sequence by
@@ -181,8 +181,9 @@ class Scheduler:
         """Plan a nested step to run while ``paused`` (planned by :meth:`schedule`, its
         forward in flight) waits between two layers: only waiting sequences of a class it
         yields to (a lower class in it, nothing better), free blocks only, no preemption,
-        none of its sequences touched (:func:`~kvfleet.worker.engine.layer_yield.nested.nested_step`). An empty step
-        when none may run (too few blocks or seats, nothing it yields to, a host tier)."""
+        none of its sequences touched
+        (:func:`~kvfleet.worker.engine.layer_yield.nested.nested_step`). An empty step when none
+        may run (too few blocks or seats, nothing it yields to, a host tier)."""
         return nested_step(self, paused, time.monotonic() if now is None else now)
 
     def _schedule_running(self, budget: StepBudget, sit_out: frozenset[str],
