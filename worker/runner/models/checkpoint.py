@@ -61,6 +61,16 @@ def _qk_norm(config: ModelConfig, src: _Source, attn: str) -> torch.Tensor:
     return torch.cat([q.expand(config.num_heads, -1), k.expand(config.num_kv_heads, -1)])
 
 
+def mlp_tensors(config: ModelConfig, src: _Source, layer: int, theirs: str, ours: str
+                ) -> dict[str, torch.Tensor]:
+    """Layer ``layer``'s MLP slot tensors (:func:`~.mlp.mlp_for_layer`), from checkpoint prefix
+    ``theirs`` (``model.layers.{i}.mlp.``) to state-dict prefix ``ours``: the dense gated MLP's
+    gate|up (fused) and down, ``[in, out]``."""
+    return {ours + "gate_up_weight": src.take_fused_t(
+                theirs + "gate_up_proj.weight", theirs + "gate_proj.weight", theirs + "up_proj.weight"),
+            ours + "down_weight": src.take_t(theirs + "down_proj.weight")}
+
+
 def fuse_hf_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor],
                     lm_head: bool = True) -> dict[str, torch.Tensor]:
     """HF tensor names → the decoder's state dict: q|k|v and gate|up fused, matrices
@@ -88,9 +98,7 @@ def fuse_hf_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor],
             out[o + "o_bias"] = src.take(attn + "o_proj.bias")
         if config.style.qk_norm:
             out[o + "qk_norm"] = _qk_norm(config, src, attn)
-        out[o + "mlp.gate_up_weight"] = src.take_fused_t(
-            mlp + "gate_up_proj.weight", mlp + "gate_proj.weight", mlp + "up_proj.weight")
-        out[o + "mlp.down_weight"] = src.take_t(mlp + "down_proj.weight")
+        out.update(mlp_tensors(config, src, i, mlp, o + "mlp."))
         for ours, theirs in _NORMS[config.style.sandwich_norms].items():
             out[o + ours] = src.take(f"{p}{theirs}.weight")
     src.check_consumed()

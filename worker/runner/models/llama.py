@@ -28,7 +28,7 @@ from kvfleet.worker.runner.kv_cache import KVCache
 from kvfleet.worker.runner.model_config import ModelConfig
 from kvfleet.worker.runner.models.checkpoint import fuse_hf_weights
 from kvfleet.worker.runner.models.linear import Linear, NoLinear, Projection
-from kvfleet.worker.runner.models.mlp import DenseMLP
+from kvfleet.worker.runner.models.mlp import mlp_for_layer
 from kvfleet.worker.runner.models.rope import apply_rope, stacked_rope_tables
 
 
@@ -88,7 +88,7 @@ class LlamaDecoderLayer(nn.Module):
         self.attn_out_norm = _weight(h) if style.sandwich_norms else None
         self.mlp_norm = _weight(h)
         self.mlp_out_norm = _weight(h) if style.sandwich_norms else None
-        self.mlp: Any = DenseMLP(h, config.intermediate_size, style.activation)
+        self.mlp: Any = mlp_for_layer(config, layer_idx)
 
     def pack(self, one_row_copy: bool = False) -> None:
         """Replace the loaded matrices by :class:`Linear` projections (``one_row_copy``: see

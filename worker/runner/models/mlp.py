@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvfleet.worker.runner.model_config import ModelConfig
 from kvfleet.worker.runner.models.linear import Linear, Projection
 
 # config.json activation name → the gate's activation (applied in place where it can be).
@@ -55,3 +56,11 @@ class DenseMLP(nn.Module):
         """``x`` ``(T, hidden_size)`` (normed) → ``(T, hidden_size)``."""
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return self.down(self.act(gate).mul_(up))
+
+
+def mlp_for_layer(config: ModelConfig, layer_idx: int) -> DenseMLP:
+    """What fills layer ``layer_idx``'s MLP slot: the dense gated MLP. (A mixture-of-experts
+    family fills its sparse layers here instead, with a block that has ``forward``, ``pack``
+    and ``PROJECTIONS`` like :class:`DenseMLP`; its checkpoint tensors are read by
+    :func:`kvfleet.worker.runner.models.checkpoint.mlp_tensors`.)"""
+    return DenseMLP(config.hidden_size, config.intermediate_size, config.style.activation)
