@@ -23,16 +23,28 @@ def _model_dir(root: Path, name: str, config: dict) -> Path:
     return d
 
 
-def test_an_unknown_model_type_exits_2_with_one_line(tmp_path) -> None:
+# The command as a user runs it, reporting whether torch (the cluster flags' parser, the
+# worker) was imported before it gave up: the refusal must come first.
+CLI = """
+import sys
+from kvfleet.deploy.cli import main
+code = main(sys.argv[1:])
+print("torch" in sys.modules)
+sys.exit(code)
+"""
+
+
+def test_an_unknown_model_type_exits_2_with_one_line_before_loading_torch(tmp_path) -> None:
     d = _model_dir(tmp_path, "olmo", {**load("qwen3-0.6b"), "model_type": "olmo2",
                                       "architectures": ["Olmo2ForCausalLM"]})
-    out = subprocess.run([sys.executable, "-m", "kvfleet.deploy.cli", "up", "--model", str(d)],
+    out = subprocess.run([sys.executable, "-c", CLI, "up", "--model", str(d)],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stderr[-2000:]
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1, out.stderr
     assert lines[0].startswith("error: model_type: 'olmo2' is not supported; families that work:")
     assert "qwen3 (Qwen3ForCausalLM)" in lines[0] and "gemma3_text" in lines[0]
+    assert out.stdout.strip() == "False"  # torch never loaded
 
 
 CASES = {
@@ -62,3 +74,13 @@ def test_refused_before_the_cluster_is_built(case, tmp_path, monkeypatch, capsys
     assert cli.main(["up", "--model", str(d)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(expected), err
+
+
+def test_cluster_config_refuses_it_too(tmp_path) -> None:
+    """The same check where a cluster's config is built (callers other than the command line)."""
+    from kvfleet.deploy.cluster_flags import cluster_config
+    from kvfleet.worker.runner.model_config import UnsupportedModel
+
+    d = _model_dir(tmp_path, "capped", CASES["soft-capped-attention"][0])
+    with pytest.raises(UnsupportedModel, match="^attn_logit_softcapping"):
+        cluster_config(cli.build_parser().parse_args(["up", "--model", str(d)]))
