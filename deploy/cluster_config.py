@@ -13,15 +13,14 @@ from kvfleet.allocator.units import cdiv
 from kvfleet.deploy.autoscale_serve import AutoscaleConfig
 from kvfleet.deploy.ray_local import RAY_ENV
 from kvfleet.deploy.serve_app import Placement, app_config
-from kvfleet.priority import format_admit
-from kvfleet.router.main import RouterConfig, parse_args
+from kvfleet.router.config import RouterConfig
+from kvfleet.router.flags import parse_args, router_argv
 from kvfleet.secrets import (
     REDIS_PASSWORD_ENV,
     secret_env,
     split_redis_password,
     split_telemetry_secrets,
 )
-from kvfleet.stream_limits import StreamLimits
 from kvfleet.tls import default_internal_tls_dir, needs_internal_tls
 from kvfleet.worker.replica.replica import ReplicaConfig
 
@@ -140,59 +139,16 @@ def serve_application(cfg: ClusterConfig, redis_url: str, num_cpus: float, threa
                       cfg.autoscale.serve_config() if cfg.autoscale else None)
 
 
-# The router's optional flags as (flag, RouterConfig field): rendered when not the default.
-_OPTIONAL_FLAGS = (("--http-max-connections", "http_max_connections"),
-                   ("--retry-pushback-ms", "retry_pushback_ms"),
-                   ("--log-level", "log_level"), ("--shutdown-grace-s", "shutdown_grace_s"),
-                   ("--tenant-max-inflight", "tenant_max_inflight"))
-_POLICY_FLAGS = ("load_penalty_blocks", "max_imbalance", "popularity_window", "min_excess_load",
-                 "host_hit_weight")
-
-
 def router_args(router: RouterConfig) -> list[str]:
     """The command line (``python -m kvfleet.router.main ARGS``) whose parse is ``router``
-    (telemetry's OTLP settings travel as ``OTEL_*`` variables): what ``kvfleet up`` runs and
-    what the Kubernetes router Deployment runs (kvfleet.deploy.k8s). A password in
-    ``redis_url`` is left out (it goes in the router's environment: :func:`router_env`).
+    (kvfleet.router.flags.router_argv): what ``kvfleet up`` runs and what the Kubernetes router
+    Deployment runs (kvfleet.deploy.k8s). A password in ``redis_url`` is left out (it goes in
+    the router's environment: :func:`router_env`), as are telemetry's OTLP settings.
 
     Raises:
-        ValueError: a setting the router has no flag for (``replica_ttl_s`` not the
-            default), or an unknown policy option.
+        ValueError: a setting the router has no flag for, or an unknown policy option.
     """
-    r = router
-    if r.replica_ttl_s != _ROUTER_DEFAULTS.replica_ttl_s:
-        raise ValueError("router.replica_ttl_s has no router flag: leave it at its default")
-    args = ["--redis-url", split_redis_password(r.redis_url)[0], "--model-name", r.model_name,
-            "--model-dir", r.model_dir,
-            "--block-size", str(r.block_size), "--kv-dtype", r.kv_dtype,
-            "--host", r.host, "--port", str(r.port), "--policy", r.policy,
-            "--namespace", r.namespace]
-    if r.api_keys_file:
-        args += ["--api-keys", r.api_keys_file]
-    if r.tls_cert:
-        args += ["--tls-cert", r.tls_cert, "--tls-key", r.tls_key or ""]
-    if r.internal_tls_dir:
-        args += ["--internal-tls-dir", r.internal_tls_dir]
-    if not r.index_mirror:
-        args.append("--no-index-mirror")
-    for flag, name in _OPTIONAL_FLAGS:
-        if (value := getattr(r, name)) != getattr(_ROUTER_DEFAULTS, name):
-            args += [flag, _text(value)]
-    unknown = sorted(set(r.policy_options) - set(_POLICY_FLAGS))
-    if unknown:
-        raise ValueError(f"router.policy_options: unknown option(s) {unknown}")
-    for name, value in r.policy_options.items():
-        args += ["--" + name.replace("_", "-"), _text(value)]
-    if r.priority_admit != _ROUTER_DEFAULTS.priority_admit:
-        args += ["--priority-admit", format_admit(r.priority_admit)]
-    if r.stream_limits != StreamLimits():
-        args += ["--stream-max-unread", str(r.stream_limits.max_unread),
-                 "--stream-stall-s", _text(r.stream_limits.stall_s)]
-    if r.http_port is not None:
-        args += ["--http-port", str(r.http_port)]
-    if r.telemetry.metrics_port is not None:
-        args += ["--metrics-port", str(r.telemetry.metrics_port)]
-    return args
+    return router_argv(router)
 
 
 def router_env(router: RouterConfig, base: dict[str, str]) -> dict[str, str]:
@@ -221,8 +177,3 @@ def router_from_flags(flags: Sequence[str]) -> RouterConfig:
     SystemExit (argparse) for a flag the router does not take."""
     parsed = parse_args(["--redis-url", "", "--model-name", "", "--model-dir", "", *flags])
     return replace(parsed, **{mine: getattr(_ROUTER_DEFAULTS, mine) for mine, _ in SHARED})
-
-
-def _text(value) -> str:
-    return f"{value:g}" if isinstance(value, float) else str(value)
-

@@ -236,7 +236,7 @@ class RouterCore:
                               field="prompt")
 
     async def _off_loop(self, fn, arg):
-        # Tokenizing 1 MiB takes seconds: on the loop it would stall every stream it relays.
+        # Tokenizing a large prompt takes long: on the loop it would stall every stream it relays.
         return await asyncio.get_running_loop().run_in_executor(self._tokenizers, fn, arg)
 
     def _candidates(self, model: str, matched: Optional[dict[str, int]] = None,

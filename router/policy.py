@@ -1,9 +1,10 @@
 """Routing policies: pick a replica from candidates with their prefix match and load.
 
-``prefix_aware`` (default). Per request, with ``m`` = a replica's matched leading blocks and
-``load`` = its requests (running + waiting: the larger of its last report, less this router's
-requests that report counts but that have finished since, and this router's own in-flight
-count, so a burst counts before the next heartbeat and a finished one stops counting at once):
+``prefix_aware`` (what the default, ``predicted_ttft``, falls back to). Per request, with ``m``
+= a replica's matched leading blocks and ``load`` = its requests (running + waiting: the larger
+of its last report, less this router's requests that report counts but that have finished
+since, and this router's own in-flight count, so a burst counts before the next heartbeat and
+a finished one stops counting at once):
 
 1. **Score** ``m − load_penalty_blocks × load``; the highest wins. ``m`` includes a replica's
    host-tier hits at ``host_hit_weight`` each (``router/tier_credit.py``). Ties go to the deeper match
@@ -37,7 +38,9 @@ count, so a burst counts before the next heartbeat and a finished one stops coun
 3. **KV saturation.** A replica whose KV blocks are ``kv_saturation`` or more in use by live
    requests (last report) is skipped while another is not: it could not admit the request.
 
-``predicted_ttft`` keeps 2 and 3 and scores in seconds instead (``router/predicted_ttft.py``).
+``predicted_ttft`` (the default) keeps 2 and 3 and scores in seconds instead
+(``router/predicted_ttft.py``); a decision where a replica's report lacks the forecast is
+``prefix_aware``'s.
 ``least_loaded`` and ``round_robin`` are the baselines benchmarks compare against.
 """
 

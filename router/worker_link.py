@@ -2,8 +2,8 @@
 
 A new gRPC call per request costs the router (and the worker) a new HTTP/2 stream, metadata
 and a status on top of the messages; on one long-lived stream a routed call is one frame each
-way, and the frames of one engine step arrive as one batch message. Measured with
-``bench.router_cost`` (zero-cost replica, 100 req/s, 2 cores): see docs/benchmarks.md (Routing).
+way, and the frames of one engine step arrive as one batch message (``python -m bench
+router_cost`` measures the difference: docs/benchmarks.md, Routing).
 
 One :class:`WorkerLink` per replica channel. The stream opens on first use and again after it
 ends; when it ends (worker gone, channel closed) every call still open on it fails with

@@ -48,6 +48,10 @@ class Fleet:
         return server
 
     async def add_router(self, **kw) -> RouterServer:
+        """A router on this fleet's Redis; ``policy`` defaults to ``prefix_aware``, whose rules
+        (rendezvous placement, load penalty, the count bound) these tests check —
+        ``predicted_ttft``'s are tests/unit/router/test_predicted_ttft.py's."""
+        kw.setdefault("policy", "prefix_aware")
         cfg = RouterConfig(redis_url=self.redis_url, model_name=self.model_name,
                            model_dir=self.model_dir, port=0, namespace=self.namespace, **kw)
         router = RouterServer(cfg)

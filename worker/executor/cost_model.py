@@ -16,7 +16,7 @@ prefix cost nothing: the block pool, not the cost model, decides what is cached,
 ``cached_prompt_tokens`` is the real engine's for the same request sequence.
 
 The constants come from :func:`~kvfleet.worker.step_cost.calibration.fit` over steps of a
-real :class:`ModelRunner` (``python -m bench.calibrate``, recorded with the benchmark), never
+real :class:`ModelRunner` (``python -m bench calibrate``, recorded with the benchmark), never
 tuned to a target. Sleeping releases the GIL, so many cost-model replicas can share one process.
 """
 

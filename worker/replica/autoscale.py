@@ -3,7 +3,7 @@ replicas, and why.
 
 Ray Serve runs it (``kvfleet.deploy.autoscale_serve`` wraps it for ``AutoscalingConfig.policy``)
 and applies its own ``upscale_delay_s`` / ``downscale_delay_s`` and min/max bounds to what it
-returns; ``bench/autoscale_sim.py`` calls the same :func:`decide` in virtual time. Nothing here
+returns; ``bench/sim/autoscale_sim.py`` calls the same :func:`decide` in virtual time. Nothing here
 reads a clock, Ray or Redis.
 
 The signals (:data:`SIGNALS`, one value per replica per metrics interval, from

@@ -109,18 +109,18 @@ class ReplicaConfig:
     kv_memory_bytes: Optional[int] = None
     # The node's host KV tier (kvfleet.worker.kv_tier), bytes per node; None: no tier.
     kv_host_memory_bytes: Optional[int] = None
-    # Pull a prefix the router says a peer holds when that beats recomputing it (issue 26 §2;
-    # needs the host tier, which the blocks travel through).
+    # Pull a prefix the router says a peer holds when that beats recomputing it (needs the
+    # host tier, which the blocks travel through).
     kv_peer_pull: bool = True
     # On a drain, write the hottest cached blocks back to the node's tier before deregistering
-    # (issue 26 §3; needs the host tier). False: they are dropped with the pool.
+    # (needs the host tier). False: they are dropped with the pool.
     kv_hand_over: bool = True
     # Before serving, restore the node tier's hottest blocks of this identity into the pool
-    # for at most this long (issue 26 §3; 0: off; needs the host tier).
+    # for at most this long (0: off; needs the host tier).
     kv_prewarm_s: float = 0.0
     dtype: str = "float32"
-    # A second copy of each weight for batch-1 decode (see worker/runner/models/linear.py): ~20 %
-    # lower batch-1 ITL on CPU for twice the weight memory.
+    # A second copy of each weight for batch-1 decode (see worker/runner/models/linear.py):
+    # lower batch-1 ITL on CPU for twice the weight memory (docs/benchmarks.md, Engine).
     one_row_weights: bool = True
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     redis_url: Optional[str] = None
@@ -174,6 +174,9 @@ class ReplicaConfig:
             raise ValueError(f"calibration_budget_s must be > 0, got {self.calibration_budget_s}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.num_blocks is not None and self.kv_memory_bytes is not None:
+            raise ValueError("num_blocks (--num-blocks) and kv_memory_bytes (--kv-memory) "
+                             "exclude each other: each sizes the KV pool")
         if self.tensor_parallel_size > 1 and self.executor != "model":
             raise ValueError("tensor_parallel_size > 1 needs the model executor")
         if self.scheduler.layer_yield and self.tensor_parallel_size > 1:

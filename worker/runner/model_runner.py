@@ -114,7 +114,7 @@ class ModelRunner:
     def release(self) -> None:
         """Free the weights, adapters and KV cache for good: a stopped replica that is still
         referenced (a test, a bench's list, a reference cycle awaiting the collector) must not
-        keep ~1 GB of SmolLM2. Nothing runs on this runner after. Idempotent."""
+        keep its weights and KV cache. Nothing runs on this runner after. Idempotent."""
         if not self.released:
             self.released = True
             del self.model, self._adapters

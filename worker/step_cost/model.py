@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NamedTuple, Protocol
 
+from kvfleet.measured_costs import MEASURED_STEP_COSTS
 from kvfleet.worker.engine.step_plan import StepPlan
 
 
@@ -134,8 +135,7 @@ class CostModel:
 
 # Measured with ``python -m bench.calibrate`` on SmolLM2-135M-Instruct, fp32, one torch
 # thread, on the 2-core development machine (bench/results/calibration.json holds the samples).
-MEASURED = CostModel(0.319826, 0.0125125, 0.0881751,
-                     'SmolLM2-135M-Instruct fp32, 1 torch thread(s), vm (2 CPUs), 2026-11-30')
+MEASURED = CostModel(*MEASURED_STEP_COSTS)
 ZERO = CostModel(0.0, 0.0, 0.0, "zero: answers at once")
 
 MAX_LOG_RATIO = math.log(4.0)  # one step counts as at most ×4 off (a GC pause, a swap)

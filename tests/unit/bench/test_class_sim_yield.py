@@ -1,9 +1,9 @@
-"""bench/class_sim.py with layer-level yield on the virtual clock: the paused steps' nested
+"""bench/sim/class_sim.py with layer-level yield on the virtual clock: the paused steps' nested
 steps run, the interactive tail shortens, and a workload of one class never yields."""
 
 from __future__ import annotations
 
-from bench.class_sim import Stream, Yield, simulate
+from bench.sim.class_sim import Stream, Yield, simulate
 from kvfleet.priority import BATCH, INTERACTIVE
 from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.itl_sim import simulate
-from bench.step_trace import TracingStepCost, summarize
+from bench.sim.itl_sim import simulate
+from bench.engine.step_trace import TracingStepCost, summarize
 from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig
 from kvfleet.worker.step_cost.model import CostModel, StepShape
 

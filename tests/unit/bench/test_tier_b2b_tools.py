@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.tier_b2b_real import _labels, tier_ratios
-from bench.ttft_breakdown import TtftProbe, _Replica, tail_profile
+from bench.cluster.tier_b2b_real import _labels, tier_ratios
+from bench.cluster.ttft_breakdown import TtftProbe, _Replica, tail_profile
 from kvfleet.worker.engine.output.outputs import Milestones
 
 

@@ -5,14 +5,13 @@ from __future__ import annotations
 import pytest
 
 from kvfleet.errors import ResourceExhausted
-from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
 from kvfleet.router.capacity import check_room, check_tenant, fleet_capacity, has_room, with_room
 from kvfleet.router.policy import Candidate
+from tests.unit.router import factories
 
 
-def cand(rid: str, limit: int, running: int = 0, waiting: int = 0, inflight: int = 0) -> Candidate:
-    load = ReplicaLoad(running, waiting, 10, 10, 1.0)
-    return Candidate(ReplicaInfo(rid, "127.0.0.1:1", "m", 1, 16, limit), load, 0, inflight)
+def cand(rid: str, limit: int, **load) -> Candidate:
+    return factories.cand(rid, limit=limit, at=1.0, **load)
 
 
 def test_room_is_load_below_the_advertised_limit():

@@ -2,7 +2,6 @@
 
 import pytest
 
-from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
 from kvfleet.router.policy import (
     Candidate,
     LeastLoaded,
@@ -12,17 +11,15 @@ from kvfleet.router.policy import (
     make_policy,
     rendezvous_score,
 )
+from tests.unit.router import factories
 
 
-def cand(rid: str, matched: int = 0, inflight: int = 0, running: int = 0, waiting: int = 0,
-         free: int = 10, settled: int = 0):
-    load = ReplicaLoad(running, waiting, free, 10, 0.0)
-    return Candidate(ReplicaInfo(rid, f"127.0.0.1:{len(rid)}", "m", 1, 16), load, matched, inflight,
-                     settled)
+def cand(rid: str, matched: int = 0, **kw) -> Candidate:
+    return factories.cand(rid, matched, **kw)
 
 
 def chain(name: bytes, n: int = 8) -> list[bytes]:
-    return [name + b"-%d" % i for i in range(n)]
+    return factories.chain(name, n)
 
 
 def test_prefix_aware_prefers_the_longest_holder_over_the_first_block_owner():

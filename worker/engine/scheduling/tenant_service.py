@@ -27,8 +27,7 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping, Optional
 
-PREFILL_WEIGHT = 1.0  # service per prefill token computed (not per cached token)
-DECODE_WEIGHT = 2.0   # service per decode token
+from kvfleet.service_weights import DECODE_WEIGHT, PREFILL_WEIGHT
 
 
 class TenantService:
