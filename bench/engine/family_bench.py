@@ -23,8 +23,8 @@ import time
 
 import torch
 
-from bench.result_file import write_json
-from bench.seeded import seeded_model_dir
+from bench.common.result_file import write_json
+from bench.common.seeded import seeded_model_dir
 from kvfleet.worker.engine.step_plan import SeqChunk, StepPlan
 from kvfleet.worker.runner.model_runner import ModelRunner
 
