@@ -51,7 +51,9 @@ class ClusterConfig:
       (0: free ports everywhere; None: off). ``replica_num_cpus``: Ray CPUs per Serve
       replica (default: half the free CPUs shared out, at most 1; 0 lets a second cluster
       share a Ray whose CPUs another holds). ``replicas_per_host``: cost-model replicas one
-      Serve replica hosts. ``revision`` labels a rollout. ``autoscale``: Serve scales the
+      Serve replica (one process) hosts: 1, each fails (and is replaced) alone; more are
+      cheaper (one torch import) but a process that dies takes all of them with it.
+      ``revision`` labels a rollout. ``autoscale``: Serve scales the
       replicas between its MIN and MAX with kvfleet's policy (kvfleet.deploy.autoscale_serve),
       starting at MIN (= ``replicas``), one kvfleet replica per Serve replica.
 
@@ -66,7 +68,7 @@ class ClusterConfig:
     ray_address: Optional[str] = None
     ray_num_cpus: Optional[int] = None
     replica_num_cpus: Optional[float] = None
-    replicas_per_host: int = 64
+    replicas_per_host: int = 1
     metrics_port: Optional[int] = None
     revision: str = ""
     health_check_period_s: float = 1.0
@@ -76,6 +78,8 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+        if self.replicas_per_host < 1:
+            raise ValueError(f"replicas_per_host must be >= 1, got {self.replicas_per_host}")
         if self.autoscale is not None and self.replicas != self.autoscale.targets.min_replicas:
             raise ValueError(f"replicas ({self.replicas}) must be the autoscale MIN "
                              f"({self.autoscale.targets.min_replicas}): it starts there")
@@ -103,11 +107,11 @@ class ClusterConfig:
 
 
 def replicas_per_process(cfg: ClusterConfig) -> int:
-    """kvfleet replicas one Serve replica hosts: many cost-model ones, else 1 (and 1 when
-    autoscaled: Serve's count is the replicas' count)."""
+    """kvfleet replicas one Serve replica hosts: ``replicas_per_host`` cost-model ones, else
+    1 (and 1 when autoscaled: Serve's count is the replicas' count)."""
     if cfg.autoscale is not None or cfg.replica.executor != "cost-model":
         return 1
-    return max(1, cfg.replicas_per_host)
+    return cfg.replicas_per_host
 
 
 def serve_hosts(cfg: ClusterConfig) -> int:

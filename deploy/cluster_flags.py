@@ -74,6 +74,10 @@ CLUSTER_FLAGS: tuple[Flag, ...] = (
          dest="downscale_delay_s", type=float, default=None),
     Flag("--ray-address", "ray_address", "join this Ray cluster instead of starting one",
          "fleet"),
+    Flag("--replicas-per-process", "replicas_per_host",
+         "cost-model replicas one process hosts (default {default}: each fails alone; more "
+         "are cheaper, but a process that dies takes all of its replicas with it)", "fleet",
+         type=positive_int("--replicas-per-process")),
     _ROUTER["--metrics-port"].at(
         "metrics_port", help="Prometheus metrics: the router on this port, each replica on a "
         "free one (0 = free ports). Traces and OTLP metrics follow OTEL_* variables, e.g. "
@@ -96,8 +100,7 @@ REPLICA_FLAGS: tuple[Flag, ...] = (
          "second copy streams faster for one-row decode steps)", "model", action="store_false"),
     Flag("--executor", "replica.executor",
          "model: the real forward; cost-model: a timed stand-in for the forward only "
-         "(scheduler, KV cache, index, gRPC stay real; many per process)", "model",
-         choices=EXECUTORS),
+         "(scheduler, KV cache, index, gRPC stay real)", "model", choices=EXECUTORS),
     Flag("--cost-model", None, "calibration JSON for --executor cost-model (default: the "
          "constants measured on the default model by bench/engine/calibrate.py)", "model",
          dest="cost_model", default=None, metavar="FILE"),
@@ -163,6 +166,10 @@ SCHEDULER_FLAGS: tuple[Flag, ...] = (
          "sequences a replica runs at once (default {default})", "scheduling", type=int),
     Flag("--max-num-batched-tokens", "replica.scheduler.max_num_batched_tokens",
          "tokens one engine step computes (default {default})", "scheduling", type=int),
+    Flag("--max-queue-wait-s", "replica.max_queue_wait_s",
+         "a replica refuses (RESOURCE_EXHAUSTED, at once) a request it predicts would wait "
+         "longer than this before its prefill starts, and advertises the bound (default "
+         "{default} s)", "scheduling", type=positive_seconds),
     Flag("--itl-target-ms", "replica.scheduler.itl_target_ms",
          "inter-token latency target: a step takes prefill tokens only while its predicted time "
          "(the replica's calibrated step-cost model) stays under it; a waiting prompt still "
@@ -211,7 +218,7 @@ def declared_default(path: str) -> Any:
 
 # The flags `kvfleet k8s render` takes from this table too (its other flags are its own).
 AUTOSCALE_FLAGS = ("--autoscale", "--slo-ttft-ms", "--slo-itl-ms", "--target-kv-utilisation",
-                   "--upscale-delay", "--downscale-delay")
+                   "--target-load", "--upscale-delay", "--downscale-delay")
 
 
 def add_cluster_args(p: argparse.ArgumentParser, command: str,

@@ -363,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     for q in (b, o, f):
         q.add_argument("--replicas", type=int, default=2)
         q.add_argument("--scale", type=float, default=0.05)
+        q.add_argument("--max-tokens", type=int, default=Run.max_tokens)
         q.add_argument("--tag", default="")
         q.add_argument("--router-arg", action="append", default=[], dest="router_args")
         q.add_argument("--itl-target-ms", type=float, default=None,
@@ -374,7 +375,8 @@ def main(argv: list[str] | None = None) -> int:
             if a.cmd == "fair" else {})
     share = a.tenant_share if a.cmd == "fair" else 1.0
     seats = a.seat_share if a.cmd == "fair" and a.seat_share is not None else share
-    run = Run(replicas=a.replicas, scale=a.scale, router_args=tuple(a.router_args), api_keys=keys,
+    run = Run(replicas=a.replicas, scale=a.scale, max_tokens=a.max_tokens,
+              router_args=tuple(a.router_args), api_keys=keys,
               tenant_share=seats,
               # only when set: a checkout before the ITL target runs too (A/B)
               scheduler={**({"itl_target_ms": a.itl_target_ms} if a.itl_target_ms else {}),

@@ -79,7 +79,9 @@ def start_fleets(run: Run, redis_url: str) -> dict:
             scheduler=SchedulerConfig(max_num_seqs=run.max_num_seqs, max_num_batched_tokens=512),
             executor=run.executor, cost_model=cost)
         router = replace(router_from_flags(run.router_args), policy=policy, port=0)
-        cfg = ClusterConfig(replica, router, replicas=run.replicas, replica_num_cpus=0)
+        # Many cost-model replicas share a process (one torch import): routing, not faults.
+        cfg = ClusterConfig(replica, router, replicas=run.replicas, replica_num_cpus=0,
+                            replicas_per_host=64)
         cluster = LocalCluster(cfg)
         cluster.start()
         fleets[policy] = cluster

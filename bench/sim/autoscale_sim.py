@@ -36,7 +36,8 @@ from bench.sim.elastic_fleet import ElasticFleet, Policy, Replica
 from bench.sim.fleet_sim import SimFleet
 from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig
 from kvfleet.worker.executor.cost_model import MEASURED, CostModel
-from kvfleet.worker.replica.autoscale import AutoscaleTargets, decide
+from kvfleet.worker.replica.autoscale import AutoscaleTargets, complete, decide
+from kvfleet.worker.replica.autoscale_clock import FleetClock
 
 
 @dataclass(frozen=True)
@@ -85,13 +86,19 @@ def poisson_arrivals(rate: Callable[[float], float], top: float, duration_s: flo
             out.append(t)
 
 
-def kvfleet_policy(targets: AutoscaleTargets) -> Policy:
-    return lambda current, target, reports: decide(targets, current, target, reports).target
+def kvfleet_policy(targets: AutoscaleTargets, look_back_s: float) -> Policy:
+    """kvfleet's policy as Serve runs it (KvfleetPolicy: decide, with a FleetClock)."""
+    clock = FleetClock(look_back_s)
+
+    def policy(current: int, target: int, reports: dict, now: float) -> int:
+        clocks = clock.observe(current, target, complete(current, reports), now)
+        return decide(targets, current, target, reports, clocks).target
+    return policy
 
 
 def serve_default(target_ongoing: float) -> Policy:
     """Serve's replica_queue_length policy: running requests / target per replica."""
-    def policy(current: int, target: int, reports: dict) -> int:
+    def policy(current: int, target: int, reports: dict, now: float) -> int:
         if not current:
             return target
         total = sum(r["running"] for r in reports.values())
@@ -116,7 +123,13 @@ def summarize(fleet: ElasticFleet, timeline: list[tuple], slo_s: float, day_s: f
         "slo_windows": good / len(windows),
         "replica_hours": fleet.replica_hours() / day_s * 24,
         "scale_events": sum(a != b for a, b in zip(targets, targets[1:], strict=False)),
+        "peak_target": max(targets, default=0),
+        "target_changes": [(round(row[0], 1), row[1]) for prev, row
+                           in zip(timeline, timeline[1:], strict=False) if row[1] != prev[1]],
         "refused": sum(r.ttft_s is None for r in rs),
+        # Where the SLO was missed: (hour of the day, requests over it) per 10-minute window.
+        "missed_at": [(round(k * window_s / day_s * 24, 2), n) for k, v in sorted(windows.items())
+                      if (n := sum(t > slo_s for t in v))],
         "hit_rate": sum(r.cached_tokens for r in rs) / sum(r.prompt_tokens for r in rs),
         "ttft_p99_s": _p99(ttft),
     }
@@ -177,7 +190,10 @@ def run_policies(a: argparse.Namespace, seed: int, plot_to: Path | None) -> dict
     base = ReplicaConfig("", "sim", str(prepare_model(progress=False)), num_blocks=512,
                          executor="cost-model", cost_model=cost, scheduler=sched)
     cap = capacity_rps(base, cost, sched, w, 400)
-    day = Day(a.day_s, cap * a.max / 1.5, seed=seed)  # the 1.5 c top = MAX × capacity
+    if a.steady:  # a constant load of `steady` replicas' saturated throughput, no burst
+        day = Day(a.day_s, cap * a.steady, trough=1.0, bursts=0, seed=seed)
+    else:
+        day = Day(a.day_s, cap * a.max / 1.5, seed=seed)  # the 1.5 c top = MAX × capacity
     offsets = day.arrivals()
     stream = make_requests(w, float("inf"), len(offsets), seed=seed + 1)
     reqs = [replace(r, offset_s=t) for r, t in zip(stream, offsets, strict=True)]
@@ -190,9 +206,11 @@ def run_policies(a: argparse.Namespace, seed: int, plot_to: Path | None) -> dict
     runs = {"static-peak": (a.max, None),
             "static-mean": (max(a.min, math.ceil(mean_rps / cap)), None),
             "serve-default": (first, serve_default(a.target_ongoing)),
-            "kvfleet": (first, kvfleet_policy(targets))}
+            "kvfleet": (first, kvfleet_policy(targets, serve.look_back_period_s))}
     out: dict = {"seed": seed, "capacity_rps": cap, "peak_rps": day.peak_rps,
                  "mean_rps": mean_rps, "requests": len(reqs), "policies": {},
+                 "steady_replicas": (math.ceil(a.steady / a.target_load - 1e-9)
+                                     if a.steady else None),
                  "ideal_vs_peak": {f"load {u:g}": ideal_vs_peak(day, cap, a.min, a.max, u)
                                    for u in sorted({a.target_load, 0.8, 0.9, 1.0})}}
     print(seed, "clairvoyant fleet, replica-hours vs peak:", out["ideal_vs_peak"], flush=True)
@@ -268,6 +286,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="(s) ~3 replica starts: a replica must stay unneeded this long")
     p.add_argument("--target-ongoing", type=float, default=8.0,
                    help="Serve default policy: running requests per replica")
+    p.add_argument("--steady", type=float, default=0.0,
+                   help="instead of the day: a constant load of this many replicas' "
+                        "saturated throughput (the peak target is then compared with "
+                        "the count that holds it at --target-load)")
     p.add_argument("--policies", default="static-peak,static-mean,serve-default,kvfleet")
     p.add_argument("--seeds", default="0", help="comma-separated days to run (arrivals, bursts)")
     p.add_argument("--out", type=Path, default=RESULTS / "autoscale_sim.json")

@@ -45,8 +45,8 @@ class Replica:
     reports: list = field(default_factory=list)  # (time, report)
 
 
-# A policy: (current, target, reports, look-back-averaged) -> desired replicas.
-Policy = Callable[[int, int, dict], int]
+# A policy: (current, target, look-back-averaged reports, now) -> desired replicas.
+Policy = Callable[[int, int, dict, float], int]
 
 
 class ElasticFleet(SimFleet):
@@ -170,7 +170,7 @@ class ElasticFleet(SimFleet):
                 reports = self.sample(serve.look_back_period_s)
                 if policy is not None:
                     current = len(self.serving())
-                    desired = policy(current, target, reports)
+                    desired = policy(current, target, reports, self.clock)
                     desired, state = _apply_delay_logic(desired, target, serve, state,
                                                         _now=self.clock)
                     desired = min(max(desired, serve.min_replicas), serve.max_replicas)

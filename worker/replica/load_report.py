@@ -23,7 +23,7 @@ class LatencyWindow:
     seconds (sample 0 of each; ITL = decode time / (output tokens - 1)). Fed by the engine
     loop's finish hook, read by the load report."""
 
-    def __init__(self, window_s: float = 30.0) -> None:
+    def __init__(self, window_s: float = a.LATENCY_WINDOW_S) -> None:
         if window_s <= 0:
             raise ValueError(f"window_s must be > 0, got {window_s}")
         self.window_s = window_s

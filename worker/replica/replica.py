@@ -22,6 +22,7 @@ import torch
 
 from kvfleet.allocator.fingerprint import fingerprint_model_dir
 from kvfleet.allocator.hashing import CacheIdentity
+from kvfleet.allocator.kv_bytes import kv_heads_per_rank
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
 from kvfleet.constraint import GrammarConfig
 from kvfleet.errors import Unavailable
@@ -37,7 +38,12 @@ from kvfleet.index_keys import REDIS_DOWN_ERRORS, ReplicaInfo, ReplicaLoad
 from kvfleet.stream_limits import StreamLimits
 from kvfleet.telemetry import Telemetry, TelemetryConfig
 from kvfleet.telemetry.worker_spans import WorkerTelemetry
-from kvfleet.tls import ROUTER_NAME, needs_internal_tls, reloading_worker_credentials
+from kvfleet.tls import (
+    REPLICA_NAME,
+    ROUTER_NAME,
+    needs_internal_tls,
+    reloading_worker_credentials,
+)
 from kvfleet.v1 import worker_pb2, worker_pb2_grpc
 from kvfleet.worker.engine.adapters.residency import AdapterResidency
 from kvfleet.worker.engine.engine import Engine
@@ -51,8 +57,10 @@ from kvfleet.worker.executor.tp.rank_worker import RankSpec
 from kvfleet.worker.executor.tp_executor import TPExecutor
 from kvfleet.worker.kv_tier.lookup import TierLookup
 from kvfleet.worker.kv_tier.node_tier import TierIndex, node_tier
+from kvfleet.worker.kv_tier.peer_client import PEER_METHODS
 from kvfleet.worker.kv_tier.prewarm import prewarm_before_serving
 from kvfleet.worker.kv_tier.rank_tier import RankTier
+from kvfleet.worker.kv_tier.tier_layout import LayoutTier, TierLayout
 from kvfleet.worker.replica.adapter_admin import AdapterAdmin
 from kvfleet.worker.replica.adapter_catalog import check_catalog
 from kvfleet.worker.replica.adapter_record import AdapterRecord
@@ -60,9 +68,10 @@ from kvfleet.worker.replica.hit_window import HitWindow
 from kvfleet.worker.replica.kv_publisher import KvPublisher
 from kvfleet.worker.replica.load_report import LatencyWindow, replica_report
 from kvfleet.worker.replica.peer_setup import build_puller
+from kvfleet.worker.replica.shared_calibration import shared_or_calibrate
 from kvfleet.worker.runner.kv_cache import num_blocks_for_memory
 from kvfleet.worker.runner.memory import trim_heap
-from kvfleet.worker.runner.model_config import load_model_config
+from kvfleet.worker.runner.model_config import ModelConfig, load_model_config
 from kvfleet.worker.runner.model_runner import ModelRunner
 from kvfleet.worker.service.engine_loop import EngineLoop
 from kvfleet.worker.service.server import WorkerService
@@ -80,10 +89,26 @@ def _on_finish(telemetry: WorkerTelemetry, hits: HitWindow, latency: LatencyWind
     latency.record(out)
 
 
+def _node_tier(cfg: ReplicaConfig, mc: ModelConfig) -> LayoutTier:
+    """The deployment's tier on this node (its namespace's actor; index URL without the
+    password), seen through this replica's layout: its ranks' KV-head shards."""
+    assert cfg.kv_host_memory_bytes
+    tp = cfg.tensor_parallel_size
+    index = TierIndex.of(cfg.redis_url, cfg.namespace) if cfg.redis_url else None
+    layout = TierLayout(tp, kv_heads_per_rank(mc.num_kv_heads, mc.num_heads, tp))
+    return LayoutTier(node_tier(cfg.kv_host_memory_bytes, index=index,
+                                namespace=cfg.namespace), layout)
+
+
 def _kv_tier_id(engine: Engine) -> str:
     """The index's name of the node tier the engine restores from ("" without one)."""
     tier = engine.scheduler.tier
     return getattr(tier.lookup.store, "tier_id", "") if tier is not None else ""
+
+
+def _advertised(seconds: float) -> float:
+    """A bound as the registry carries it (0: none)."""
+    return seconds if seconds < float("inf") else 0.0
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -164,12 +189,18 @@ class ReplicaConfig:
     # "" = never cached), measured for about calibration_budget_s seconds when not cached.
     step_cost_dir: Optional[str] = None
     calibration_budget_s: float = 20.0
+    # A request predicted to wait longer than this before its prefill starts is refused at
+    # once (RESOURCE_EXHAUSTED), never queued (worker/service/wait_bound.py); advertised in
+    # the registry. inf: no bound in seconds (the sequence count alone).
+    max_queue_wait_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not self.drain_timeout_s > 0:
             raise ValueError(f"drain_timeout_s must be > 0, got {self.drain_timeout_s}")
         if not 0 <= self.kv_prewarm_s < float("inf"):
             raise ValueError(f"kv_prewarm_s must be >= 0 and finite, got {self.kv_prewarm_s}")
+        if not self.max_queue_wait_s > 0:
+            raise ValueError(f"max_queue_wait_s must be > 0, got {self.max_queue_wait_s}")
         if not self.calibration_budget_s > 0:
             raise ValueError(f"calibration_budget_s must be > 0, got {self.calibration_budget_s}")
         if self.tensor_parallel_size < 1:
@@ -182,6 +213,10 @@ class ReplicaConfig:
         if self.scheduler.layer_yield and self.tensor_parallel_size > 1:
             raise ValueError("scheduler.layer_yield (--layer-yield) needs tensor_parallel_size 1 "
                              "(a forward pauses between layers only in one process)")
+        if self.scheduler.layer_yield and self.kv_host_memory_bytes:
+            raise ValueError("scheduler.layer_yield (--layer-yield) does not run beside a host KV "
+                             "tier (kv_host_memory_bytes, --kv-host-memory): its forward cannot "
+                             "pause; choose one")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.executor not in EXECUTORS:
@@ -227,8 +262,7 @@ def build_engine(cfg: ReplicaConfig, on_rank_failure: Callable[[str], None] = la
                                            cfg.kv_memory_bytes or DEFAULT_KV_MEMORY_BYTES, tp)
     tokenizer = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     # The node's host tier (Ray: the replica runs in it); the cost model has no KV to keep.
-    index = TierIndex(cfg.redis_url, cfg.namespace) if cfg.redis_url else None
-    tier = (node_tier(cfg.kv_host_memory_bytes, index=index)
+    tier = (_node_tier(cfg, load_model_config(model_dir))
             if cfg.kv_host_memory_bytes and cfg.executor == "model" else None)
     identity = cache_identity(cfg.model_name, model_dir, cfg.dtype, cfg.block_size)
     if cfg.executor == "cost-model":
@@ -260,8 +294,8 @@ def build_engine(cfg: ReplicaConfig, on_rank_failure: Callable[[str], None] = la
 
 def _step_cost(cfg: ReplicaConfig, executor: Executor, identity: CacheIdentity) -> StepCost:
     """The replica's step-cost model: a cost-model executor's own constants, or the real
-    executor's start-up calibration (from the cache when this model/device/tp/dtype/threads
-    was calibrated before)."""
+    executor's start-up calibration (shared through Redis, else from the disk cache, when
+    this model/device/tp/dtype/threads was calibrated before)."""
     if cfg.executor == "cost-model":
         return StepCost(cfg.cost_model or MEASURED)
     tp = cfg.tensor_parallel_size
@@ -273,7 +307,10 @@ def _step_cost(cfg: ReplicaConfig, executor: Executor, identity: CacheIdentity) 
         cache: Optional[Path] = default_cache_dir() / "step_cost"
     else:
         cache = Path(cfg.step_cost_dir) if cfg.step_cost_dir else None
-    return StepCost(load_or_calibrate(executor, key, cache, cfg.calibration_budget_s))
+    # Another replica of this key (a pod before this one) may have stored its fit in Redis.
+    return StepCost(shared_or_calibrate(
+        cfg.redis_url, cfg.namespace, key,
+        lambda: load_or_calibrate(executor, key, cache, cfg.calibration_budget_s)))
 
 
 class ReplicaServer:
@@ -306,7 +343,8 @@ class ReplicaServer:
         """Start serving; returns ``host:port``. Raises OSError if the port is taken."""
         aio_loop = self._aio_loop = asyncio.get_running_loop()
         self._server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[AuthInterceptor(
-            internal_authorizer(bool(self.cfg.internal_tls_dir), ROUTER_NAME))])
+            internal_authorizer(bool(self.cfg.internal_tls_dir), ROUTER_NAME,
+                                {REPLICA_NAME: PEER_METHODS}))])
         # Follows the directory: a renewed certificate is served from the next handshake on.
         creds = (reloading_worker_credentials(self.cfg.internal_tls_dir)
                  if self.cfg.internal_tls_dir else None)
@@ -329,6 +367,7 @@ class ReplicaServer:
         if self.cfg.redis_url:
             info = ReplicaInfo(self.cfg.replica_id, self.address, self.cfg.model_name, 0,
                                self.cfg.block_size, max_requests=self.cfg.scheduler.max_sequences,
+                               max_queue_wait_s=_advertised(self.cfg.max_queue_wait_s),
                                tensor_parallel_size=self.cfg.tensor_parallel_size,
                                ranks=tuple(dataclasses.asdict(r) for r in self.ranks()),
                                serve_replica=self.cfg.serve_replica,
@@ -352,8 +391,9 @@ class ReplicaServer:
                                 ranks_fn=self.ranks, drain_fn=self.drain,
                                 limits=self.cfg.stream_limits, adapter_admin=admin,
                                 puller=build_puller(self.engine, self.cfg.kv_peer_pull,
-                                                    bool(self.cfg.internal_tls_dir),
-                                                    self.cfg.kv_host_memory_bytes))
+                                                    self.cfg.internal_tls_dir,
+                                                    self.cfg.kv_host_memory_bytes),
+                                max_queue_wait_s=self.cfg.max_queue_wait_s)
         self.service = service
         worker_pb2_grpc.add_WorkerServicer_to_server(service, self._server)
         name = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name

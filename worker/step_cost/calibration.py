@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import platform
 import time
 from dataclasses import asdict, dataclass
 from hashlib import sha256
@@ -30,6 +29,7 @@ from typing import Iterable, Iterator, Protocol
 import torch
 
 from kvfleet.allocator.units import cdiv
+from kvfleet.cpus import available_cpus, cpu_model
 from kvfleet.worker.engine.step_plan import SeqChunk, StepPlan
 from kvfleet.worker.step_cost.fit import StepSample, fit
 from kvfleet.worker.step_cost.host_lock import host_lock
@@ -65,7 +65,7 @@ def device_name(device: str) -> str:
     """The device a calibration was timed on: the CUDA device's name, or the CPU's."""
     if device.startswith("cuda"):
         return f"cuda:{torch.cuda.get_device_name(torch.device(device))}"
-    return f"cpu:{platform.processor() or platform.machine()}:{os.cpu_count()}"
+    return f"cpu:{cpu_model()}:{available_cpus():g}"
 
 
 def _chunk(rid: str, n: int, ctx: int, first_block: int, block_size: int, vocab: int) -> SeqChunk:

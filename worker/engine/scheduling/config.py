@@ -54,6 +54,8 @@ class SchedulerConfig:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0 or self.max_waiting < 0:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be > 0, max_waiting >= 0")
+        if not 0 <= self.watermark < 1:  # 1 keeps every block free: nothing new would run
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
         if not 0 < self.tenant_share <= 1:
             raise ValueError(f"tenant_share must be in (0, 1], got {self.tenant_share}")
         if self.itl_target_ms is not None and not 0 < self.itl_target_ms < float("inf"):
