@@ -67,6 +67,7 @@ class SequenceState:
     num_computed_tokens: int = 0
     num_cached_tokens: Optional[int] = None  # set once, at first admission
     num_preemptions: int = 0
+    class_preemptions: int = 0  # of num_preemptions, those for a higher class (bounded)
     tier_skip: bool = False  # a host-tier restore for it failed: recompute from now on
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: Optional[FinishReason] = None

@@ -9,7 +9,9 @@ FCFS) and the seats and blocks each claims are counted for the next, so a burst 
 higher-class arrivals gets its seats in one step, not one a step — up to the step's token
 budget: it stops once the first chunks claimed fill ``max_num_batched_tokens``. A sequence
 refused for any other reason (its tenant's share, the batch share) stops it: admission would
-refuse it too.
+refuse it too. A sequence preempted for a class
+:data:`~.priority_queue.MAX_CLASS_PREEMPTIONS` times is no victim any more (its class's
+aging: a long lower-class prompt is delayed a bounded number of times).
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ def preempt_for_higher_class(sched: Scheduler, work: StepWork, now: float) -> li
             found = victims(seq) if got in CURABLE else []
             if not found:
                 return preempted
-            sched.preempt(found[0])
+            preempt_for_class(sched, found[0])
             preempted.append(found[0])
             victims.clear()  # the running set changed
     return preempted
@@ -110,6 +112,13 @@ def return_seats_over_limit(sched: Scheduler) -> list[SequenceState]:
         victims = sched.rules.victims(best, sched.running)
         if not victims:
             break  # nothing the class rules allow: the seat comes back when one finishes
-        sched.preempt(victims[0])
+        preempt_for_class(sched, victims[0])
         preempted.append(victims[0])
     return preempted
+
+
+def preempt_for_class(sched: Scheduler, victim: SequenceState) -> None:
+    """Preempt running ``victim`` by recompute for a higher class, counting it against its
+    bound (:data:`~.priority_queue.MAX_CLASS_PREEMPTIONS`)."""
+    sched.preempt(victim)
+    victim.class_preemptions += 1

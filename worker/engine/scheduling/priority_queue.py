@@ -2,15 +2,19 @@
 which running sequences a higher class may preempt (``kvfleet.priority``: lower runs first).
 
 * **Order.** The waiting queue is kept sorted by ``(priority, arrival_seq)``: a class is taken
-  before any lower one, FCFS within it (the scheduler's tenant fairness then applies among
-  the head class only, see :func:`head_class`). Running sequences are served in the same
+  before any lower one, FCFS within it (the scheduler's tenant fairness then applies within
+  a class, see :func:`classes`; a class whose every tenant holds its share passes the free
+  seats to the classes below). Running sequences are served in the same
   order, so a higher class's prefill gets the step's token budget first, and a running
   sequence that cannot grow preempts the newest of the lowest class.
 * **Preemption.** A waiting sequence that finds no seat or too few blocks may preempt (by
   recompute) running sequences of a strictly *lower* class, streaming ones too (their client
   sees a pause, never a changed token: recompute is exact; measured to cut a higher class's
   TTFT tail beside a flood at a small cost in the lower class's throughput: docs/slo.md).
-  Victims go lowest class first, newest first.
+  Victims go lowest class first, newest first. A sequence already preempted
+  :data:`MAX_CLASS_PREEMPTIONS` times for a higher class is no victim any more: it keeps its
+  seat until it finishes (or memory runs short), so a long lower-class request is delayed a
+  bounded number of times, never without end.
 * **Batch share.** Sequences in the ``batch`` band (priority >= 2) run in at most
   ``batch_share × max_num_seqs`` seats (at least one), keeping the rest for higher classes.
 """
@@ -23,6 +27,9 @@ from typing import Iterable, Iterator, Sequence
 
 from kvfleet.priority import BATCH
 from kvfleet.worker.engine.request import SequenceState
+
+# Class preemptions one sequence may undergo; past them it is not preempted for a class again.
+MAX_CLASS_PREEMPTIONS = 2
 
 
 def order_key(seq: SequenceState) -> tuple[int, int]:
@@ -39,15 +46,17 @@ def insert_waiting(waiting: deque[SequenceState], seq: SequenceState) -> None:
     waiting.insert(pos, seq)
 
 
-def head_class(waiting: Iterable[SequenceState]) -> Iterator[SequenceState]:
-    """The waiting sequences of the best class present, in FCFS order (``waiting`` sorted)."""
-    top = None
+def classes(waiting: Iterable[SequenceState]) -> Iterator[list[SequenceState]]:
+    """The waiting sequences class by class, best first, each in FCFS order (``waiting``
+    sorted by :func:`order_key`)."""
+    group: list[SequenceState] = []
     for s in waiting:
-        if top is None:
-            top = s.priority
-        elif s.priority != top:
-            return
-        yield s
+        if group and s.priority != group[0].priority:
+            yield group
+            group = []
+        group.append(s)
+    if group:
+        yield group
 
 
 @dataclass(frozen=True)
@@ -79,8 +88,10 @@ class PriorityRules:
     def victims(self, seq: SequenceState, running: Sequence[SequenceState]
                 ) -> list[SequenceState]:
         """The running sequences ``seq`` may preempt, in the order to take them: a strictly
-        lower class (a larger number); lowest class first, newest first."""
-        eligible = [r for r in running if r.priority > seq.priority]
+        lower class (a larger number) not yet preempted :data:`MAX_CLASS_PREEMPTIONS` times
+        for a class; lowest class first, newest first."""
+        eligible = [r for r in running if r.priority > seq.priority
+                    and r.class_preemptions < MAX_CLASS_PREEMPTIONS]
         return sorted(eligible, key=order_key, reverse=True)
 
 

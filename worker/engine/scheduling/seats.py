@@ -10,7 +10,9 @@ start one request); a tenant at its share is passed over for the next — unless
 (``seats_by_service``, the default) a waiting tenant has been served more than it: then it
 may run past its share, so that seats, and with them each tenant's share of the work, follow
 service rather than a fixed count, while a tenant ahead that waits for nothing keeps the rest
-of its share free for its next arrival (docs/slo.md, "Seats by service").
+of its share free for its next arrival (docs/slo.md, "Seats by service"). Tenants compete
+within a class; a class whose every waiting tenant holds its share passes the seats to the
+classes below it rather than leave them empty.
 
 Seats are counted per request group: a leader's siblings waiting to fork (``n > 1``) hold
 theirs beside it.
@@ -22,7 +24,7 @@ from collections import Counter
 from typing import Iterable, Mapping, Optional, Sequence
 
 from kvfleet.worker.engine.request import SequenceState
-from kvfleet.worker.engine.scheduling.priority_queue import head_class
+from kvfleet.worker.engine.scheduling.priority_queue import classes
 from kvfleet.worker.engine.scheduling.tenant_service import TenantService
 
 Forks = Mapping[str, Sequence[SequenceState]]  # leader seq_id -> siblings waiting to fork
@@ -68,13 +70,24 @@ class TenantSeats:
     def next_waiting(self, waiting: Iterable[SequenceState], forks: Forks,
                      running_by_tenant: Counter, planned: Mapping[str, float],
                      check_share: bool = True) -> Optional[SequenceState]:
-        """Of the best class in ``waiting`` (sorted by class, then FCFS), the oldest sequence
-        of its least-served tenant (service + ``planned`` this step) among those that may
+        """Of the best class in ``waiting`` (sorted by class, then FCFS) with a tenant that may
         take a seat (holding ``running_by_tenant[tenant]``; any, ``check_share`` False: the
-        caller counts seats its own way); None when none may."""
-        tenants = {s.tenant for s in head_class(waiting)}
+        caller counts seats its own way), the oldest sequence of its least-served tenant
+        (service + ``planned`` this step); None when no tenant of any class may. A class whose
+        every tenant holds its share passes the seats to the classes below it, which would
+        otherwise wait beside empty seats."""
+        for members in classes(waiting):
+            picked = self._pick(members, forks, running_by_tenant, planned, check_share)
+            if picked is not None:
+                return picked
+        return None
+
+    def _pick(self, members: Sequence[SequenceState], forks: Forks, running_by_tenant: Counter,
+              planned: Mapping[str, float], check_share: bool) -> Optional[SequenceState]:
+        """:meth:`next_waiting` within one class's waiting ``members`` (FCFS)."""
+        tenants = {s.tenant for s in members}
         oldest: dict[str, SequenceState] = {}
-        for s in head_class(waiting):  # arrival order: each tenant's first is its oldest
+        for s in members:  # arrival order: each tenant's first is its oldest
             if s.tenant not in oldest:
                 if not check_share or self.may_take(s.tenant, running_by_tenant[s.tenant],
                                                     group_size(s, forks), tenants):
