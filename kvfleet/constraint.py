@@ -8,6 +8,7 @@ refuses what does not compile, both with :class:`~kvfleet.errors.InvalidArgument
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass
@@ -23,25 +24,49 @@ MAX_REGEX_BYTES = 4 * 1024  # regexes compile to automata that grow fast with th
 MAX_SCHEMA_DEPTH = 128
 DEFAULT_MAX_COMPILE_S = 10.0
 DEFAULT_CACHE_SIZE = 256
+# CPU milliseconds one row's token mask may take in a step (far above a typical fill).
+DEFAULT_MASK_BUDGET_MS = 50.0
 
 
 @dataclass(frozen=True)
 class GrammarConfig:
-    """Bounds of constraint compilation on a replica.
+    """Bounds of constraint compilation and masking on a replica.
 
-    ``max_compile_s``: a constraint whose compile takes longer is refused (INVALID_ARGUMENT);
-    ``cache_size``: compiled grammars kept (LRU); ``threads``: compile threads.
+    ``max_compile_s``: a constraint whose compile takes longer is refused (INVALID_ARGUMENT),
+    and so is its digest from then on; a compile also waits at most this long for a thread
+    (then RESOURCE_EXHAUSTED, retryable). ``cache_size``: compiled grammars kept (LRU), and
+    as many digests remembered as too slow. ``threads``: compile threads; ``tenant_compiles``:
+    compiles one tenant may run at once (below ``threads``, one tenant's slow schemas leave a
+    thread to the others); ``max_queued``: one tenant's compiles waiting for a thread, past
+    which its new ones are refused (RESOURCE_EXHAUSTED). ``mask_budget_ms``: CPU milliseconds
+    one row's token mask may take in a step; a request past it is ended (INVALID_ARGUMENT)
+    and its constraint refused from then on.
+
+    Raises:
+        ValueError: a bound out of its range (naming it).
     """
 
     max_compile_s: float = DEFAULT_MAX_COMPILE_S
     cache_size: int = DEFAULT_CACHE_SIZE
-    threads: int = 1
+    threads: int = 2
+    tenant_compiles: int = 1
+    max_queued: int = 8
+    mask_budget_ms: float = DEFAULT_MASK_BUDGET_MS
 
     def __post_init__(self) -> None:
         if not self.max_compile_s > 0:
             raise ValueError(f"max_compile_s must be > 0, got {self.max_compile_s}")
         if self.cache_size < 1:
             raise ValueError(f"cache_size must be >= 1, got {self.cache_size}")
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if not 1 <= self.tenant_compiles <= self.threads:
+            raise ValueError(f"tenant_compiles must be in [1, threads={self.threads}], "
+                             f"got {self.tenant_compiles}")
+        if self.max_queued < 0:
+            raise ValueError(f"max_queued must be >= 0, got {self.max_queued}")
+        if not self.mask_budget_ms > 0:
+            raise ValueError(f"mask_budget_ms must be > 0, got {self.mask_budget_ms}")
 
 
 @dataclass(frozen=True)
@@ -86,11 +111,25 @@ class Constraint:
             check_schema_keywords(schema, name)
         return self
 
+    @functools.cached_property
+    def canonical_spec(self) -> str:
+        """What the worker compiles and :attr:`digest` hashes: a JSON schema without the
+        annotations that never change its grammar (:data:`ANNOTATIONS`, e.g. ``title``), its
+        keywords sorted and its properties in their order (:func:`canonical_schema`), as
+        compact JSON; any other spec (or a schema that does not parse) as it is."""
+        if self.kind != "json_schema":
+            return self.spec
+        try:
+            return json.dumps(canonical_schema(json.loads(self.spec)), separators=(",", ":"))
+        except (ValueError, RecursionError):
+            return self.spec  # refused by validate(), which names the field
+
     @property
     def digest(self) -> str:
-        """sha256 hex of (kind, spec): the compile cache key (``field`` is not part of it)."""
+        """sha256 hex of (kind, :attr:`canonical_spec`): the compile cache key, the same for
+        schemas that differ only in annotations (``field`` is not part of it)."""
         h = hashlib.sha256(self.kind.encode() + b"\0")
-        h.update(self.spec.encode())
+        h.update(self.canonical_spec.encode())
         return h.hexdigest()
 
     @classmethod
@@ -182,3 +221,32 @@ def check_schema_keywords(schema, name: str, path: str = "") -> None:
                 check_schema_keywords(sub, name, f"{where}/{i}")
         elif key in _SCHEMA_ONE:
             check_schema_keywords(value, name, where)
+
+
+# Annotation keywords: xgrammar's converter ignores them, so they never change a grammar
+# (tests/unit/worker/engine/output/test_compile_limits.py checks that against xgrammar).
+ANNOTATIONS = frozenset(("title", "description", "$comment", "examples", "default",
+                         "deprecated", "readOnly", "writeOnly"))
+_UNORDERED_MAPS = ("$defs", "definitions")  # referenced by name: their order means nothing
+
+
+def canonical_schema(schema: Any) -> Any:
+    """``schema`` (parsed JSON) without :data:`ANNOTATIONS` at any schema position (a property
+    *named* ``title`` stays), with each schema's keywords and its ``$defs`` sorted; the order
+    of ``properties`` is kept (it is the order the output's keys take)."""
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key in sorted(schema):
+        value = schema[key]
+        if key in ANNOTATIONS:
+            continue
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            items = sorted(value.items()) if key in _UNORDERED_MAPS else value.items()
+            value = {name: canonical_schema(sub) for name, sub in items}
+        elif key in _SCHEMA_LISTS and isinstance(value, list):
+            value = [canonical_schema(sub) for sub in value]
+        elif key in _SCHEMA_ONE:
+            value = canonical_schema(value)
+        out[key] = value
+    return out

@@ -22,7 +22,8 @@ from kvfleet.sampling_params import check_context_length
 from kvfleet.worker.engine.adapters.queue import AdapterQueue
 from kvfleet.worker.engine.adapters.residency import AdapterResidency
 from kvfleet.worker.engine.layer_yield.forward import Arrivals, LayerYield
-from kvfleet.worker.engine.output.grammar import GrammarCache, mask_logits
+from kvfleet.worker.engine.output.grammar import GrammarCache
+from kvfleet.worker.engine.output.masks import mask_logits
 from kvfleet.worker.engine.output.outputs import SeqOutput, TokenLogprobs
 from kvfleet.worker.engine.output.sample_io import SampleIO, final_output
 from kvfleet.worker.engine.output.sampling import Sampler
@@ -98,6 +99,7 @@ class Engine:
         self.sampler = Sampler()
         # Structured output: compiled off this thread by the service, cached by digest.
         self.grammars = GrammarCache(tokenizer, vocab_size, eos_token_ids, grammar)
+        self.mask_budget_s = grammar.mask_budget_ms / 1e3  # CPU seconds a row's mask may take
         self._arrivals = itertools.count()
         self._seqs: dict[str, list[SequenceState]] = {}  # request_id -> its n samples
         self._io: dict[str, SampleIO] = {}           # seq_id -> output helpers
@@ -151,7 +153,7 @@ class Engine:
             self.scheduler.add(seqs)
         self._seqs[req.request_id] = seqs
         for s in seqs:
-            self._io[s.seq_id] = SampleIO(s, self.tokenizer, grammar)
+            self._io[s.seq_id] = SampleIO(s, self.tokenizer, grammar, req.constraint)
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED,
               error: BaseException | None = None) -> list[SeqOutput]:
@@ -224,16 +226,25 @@ class Engine:
         picked = logits if rows == list(range(len(logits))) else logits[rows]
         ios = [self._io[s.seq_id] for s in seqs]
         # Constrained rows sample (and report logprobs) from the masked distribution.
-        picked = mask_logits(picked, [io.matcher for io in ios])
-        results = self.sampler(picked, [io.state for io in ios])
+        masked = mask_logits(picked, [io.matcher for io in ios], self.mask_budget_s)
+        results = self.sampler(masked.logits, [io.state for io in ios])
+        # A row whose mask took past the budget ends its request (only it), constraint refused.
+        failed = {seqs[i].request_id: self.grammars.too_slow_to_mask(ios[i].constraint, took)
+                  for i, took in masked.over_budget}
         now = time.monotonic()
         outputs = []
         for seq, res in zip(seqs, results, strict=True):
+            if seq.request_id in failed:
+                if not seq.is_finished:
+                    outputs.append(self._finish(seq, FinishReason.ERROR, failed[seq.request_id]))
+                continue
             try:
                 outputs.append(self._append(seq, res, now))
             except Exception as exc:  # one request's failure stays with that request
                 log.exception("post-processing failed for %s", seq.seq_id)
                 outputs.append(self._finish(seq, FinishReason.ERROR, exc))
+        for rid, error in failed.items():  # its samples not in this step
+            outputs += self.abort(rid, FinishReason.ERROR, error)
         return outputs
 
     def _append(self, seq: SequenceState, res, now: float) -> SeqOutput:

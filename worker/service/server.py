@@ -258,17 +258,19 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 raise Unavailable(f"replica {self.replica_id} is draining")
             engine_request = _engine_request(request)
             hint = PeerHint.from_proto(request.peer) if request.HasField("peer") else None
-            if engine_request.constraint is not None:
-                # Off the engine thread; only this request waits (INVALID_ARGUMENT if it fails).
-                grammar = await self.loop.engine.grammars.compile_async(engine_request.constraint)
-                engine_request = dataclasses.replace(engine_request, grammar=grammar)
-            # Refuse here, before the engine inbox (whose counts are a step stale).
+            # Refuse here, before the engine inbox (whose counts are a step stale), and before
+            # any compile: a request the replica turns away costs no compile thread.
             self.reservations.take(request.request_id, engine_request.params.n,
                                    engine_request.tenant)
             try:
                 params = engine_request.params
                 self.wait_bound.take(request.request_id, len(engine_request.prompt_token_ids),
                                      params.max_tokens, params.n)
+                if engine_request.constraint is not None:
+                    # Off the engine thread, within the tenant's share of the compile threads.
+                    grammar = await self.loop.engine.grammars.compile_async(
+                        engine_request.constraint, engine_request.tenant)
+                    engine_request = dataclasses.replace(engine_request, grammar=grammar)
                 if self.puller is not None and hint is not None:  # lands in the host tier
                     engine_request = await self.puller.prepare(engine_request, hint)
                 stream = self.loop.generate(engine_request)

@@ -1,10 +1,12 @@
-"""Structured output on the worker: constraints compiled by xgrammar, token masks per row.
+"""Structured output on the worker: constraints compiled by xgrammar, cached by digest.
 
-:class:`GrammarCache` compiles a :class:`~kvfleet.constraint.Constraint` on its own thread pool
-(never the engine thread), keyed by the constraint's digest, LRU-bounded to ``cache_size``
-entries, each compile bounded by ``max_compile_s``. A request awaits its own compile; others
-are not held. :class:`RowMatcher` follows one sample's output; :func:`mask_logits` applies the
-masks of a batch's constrained rows in one call, leaving free rows untouched.
+:class:`GrammarCache` compiles a :class:`~kvfleet.constraint.Constraint` (its canonical spec)
+on the compile threads of :class:`~.compile_queue.CompileQueue` (never the engine thread; a
+tenant runs its share of them, in turn with the others), keyed by the constraint's digest,
+LRU-bounded to ``cache_size`` entries. A compile waits a bounded time for a thread and runs a
+bounded time (``max_compile_s``); a digest whose compile, or whose token mask in a step
+(:mod:`.masks`), went past its bound is refused from then on, so resending it costs nothing.
+A request awaits its own compile; others are not held.
 
 Why xgrammar rather than llguidance: filling and applying a batch's masks costs it a fraction
 of llguidance's per step, and the per-step cost is what a decode loop pays (compiles take
@@ -15,27 +17,26 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import json
+import functools
 import re
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import tokenizers
-import torch
 
 from kvfleet.constraint import Constraint, GrammarConfig
-from kvfleet.errors import InvalidArgument
+from kvfleet.errors import InvalidArgument, ResourceExhausted
+from kvfleet.worker.engine.output.compile_queue import CompileJob, CompileQueue
+from kvfleet.worker.engine.output.ebnf_check import root_is_productive
 
-DEFAULT_MAX_COMPILE_S = 10.0
 _DEFAULT_CONFIG = GrammarConfig()
 _LOCATION = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
-DEFAULT_CACHE_SIZE = 256
 
 
-def _xgr():
+def xgrammar_module():
     """xgrammar, imported on first use (its import takes seconds: not on the replica's start)."""
     import xgrammar
 
@@ -59,25 +60,32 @@ class GrammarCache:
         vocab_size: the model's logits width (may exceed the tokenizer's: extra ids are never
             allowed by a constraint).
         stop_token_ids: the tokens that end a constrained output once it is complete (EOS).
+        compiler: the compile itself, ``Constraint -> compiled grammar`` (default: xgrammar's,
+            :meth:`_compile`; tests pass a fake).
     """
 
     def __init__(self, tokenizer: tokenizers.Tokenizer, vocab_size: int,
-                 stop_token_ids: Sequence[int], config: GrammarConfig = _DEFAULT_CONFIG) -> None:
+                 stop_token_ids: Sequence[int], config: GrammarConfig = _DEFAULT_CONFIG,
+                 compiler: Optional[Callable[[Constraint], Any]] = None) -> None:
         self.config = config
         self.vocab_size = vocab_size
         self._tokenizer = tokenizer
         self._stop = list(stop_token_ids)
         self._compiler: Any = None
+        self._compile_fn = compiler or self._compile
+        self._compiler_lock = threading.Lock()  # building the compiler takes seconds: not _lock
         self._lock = threading.Lock()
         self._cache: OrderedDict[str, Any] = OrderedDict()
-        self._inflight: dict[str, concurrent.futures.Future] = {}
-        self._pool = concurrent.futures.ThreadPoolExecutor(config.threads, "kvfleet-grammar")
+        # Digests refused from now on (a compile or a mask past its bound) -> why, LRU-bounded.
+        self._refused: OrderedDict[str, str] = OrderedDict()
+        self._inflight: dict[str, CompileJob] = {}
+        self._queue = CompileQueue(config.threads, config.tenant_compiles, config.max_queued)
         self.stats = CompileStats()
 
     def _get_compiler(self):
-        with self._lock:
+        with self._compiler_lock:
             if self._compiler is None:
-                xgr = _xgr()
+                xgr = xgrammar_module()
                 vocab = self._tokenizer.get_vocab(with_added_tokens=True)
                 encoded = [""] * max(vocab.values(), default=-1) + [""]
                 for token, i in vocab.items():
@@ -91,22 +99,28 @@ class GrammarCache:
             return self._compiler
 
     def compile(self, constraint: Constraint) -> Any:
-        """The compiled grammar (an ``xgrammar.CompiledGrammar``), from the cache or compiled now.
+        """The compiled grammar (an ``xgrammar.CompiledGrammar``), from the cache or compiled now
+        (on the calling thread). A compile longer than ``max_compile_s`` is not cached and its
+        digest is refused from then on.
 
         Raises:
-            InvalidArgument: it does not compile, or admits no output (naming ``constraint.field``).
+            InvalidArgument: it does not compile, admits no output, or its digest was refused
+                (naming ``constraint.field``).
         """
         key = constraint.digest
         with self._lock:
             if (hit := self._hit(key)) is not None:
                 return hit
+            self._check_refused(key, constraint)
         start = time.monotonic()
-        compiled = self._compile(constraint)
+        compiled = self._compile_fn(constraint)
         took = time.monotonic() - start
         with self._lock:
             self.stats.misses += 1
             self.stats.compile_s.append(took)
-            if took <= self.config.max_compile_s:  # an over-long compile stays refused next time
+            if took > self.config.max_compile_s:
+                self._refuse(key, self._too_slow_reason())
+            else:
                 self._cache[key] = compiled
                 while len(self._cache) > self.config.cache_size:
                     self._cache.popitem(last=False)
@@ -121,38 +135,107 @@ class GrammarCache:
             self.stats.hits += 1
         return compiled
 
-    async def compile_async(self, constraint: Constraint) -> Any:
-        """:meth:`compile` on the cache's threads, waiting at most ``max_compile_s``.
+    async def compile_async(self, constraint: Constraint, tenant: str = "default") -> Any:
+        """:meth:`compile` on the compile threads for ``tenant`` (:class:`CompileQueue`: its
+        share of them, in turn with other tenants), waiting at most ``max_compile_s`` for a
+        thread and ``max_compile_s`` for the compile. Concurrent requests for one digest share
+        one compile; a request that stops waiting takes its compile out of the queue when no
+        other awaits it.
 
-        Concurrent requests for one digest share one compile. Raises InvalidArgument (as
-        :meth:`compile`, or when the compile takes longer than ``max_compile_s``).
+        Raises:
+            InvalidArgument: as :meth:`compile`, or the compile ran past ``max_compile_s``
+                (its digest is refused from then on).
+            ResourceExhausted: ``tenant`` has its limit of compiles queued, or no thread came
+                free in time (retryable).
         """
         key = constraint.digest
         with self._lock:
             if (hit := self._hit(key)) is not None:
                 return hit
-            fut = self._inflight.get(key)
-            if fut is None:
-                fut = self._inflight[key] = self._pool.submit(self.compile, constraint)
-                fut.add_done_callback(lambda _f: self._inflight.pop(key, None))
+            self._check_refused(key, constraint)
+            job = self._inflight.get(key)
+            fresh = job is None
+            if job is None:
+                job = self._inflight[key] = self._queue.submit(
+                    tenant, functools.partial(self.compile, constraint))
+            job.waiters += 1
+        if fresh:  # outside _lock: the callback takes it, and may run at once
+            job.result.add_done_callback(functools.partial(self._forget, key, job))
         try:
-            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)),
-                                          self.config.max_compile_s)
+            return await self._await(job, key, constraint)
+        finally:
+            with self._lock:
+                job.waiters -= 1
+                idle = job.waiters == 0
+            if idle:
+                self._queue.withdraw(job)  # no-op once it started
+
+    async def _await(self, job: CompileJob, key: str, constraint: Constraint) -> Any:
+        """``job``'s grammar: at most ``max_compile_s`` for a thread, then for the compile."""
+        bound, name = self.config.max_compile_s, constraint.field or constraint.kind
+        try:
+            began = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(job.started)), bound)
         except asyncio.TimeoutError:
-            raise InvalidArgument(
-                f"{constraint.field or constraint.kind}: compiling took more than "
-                f"{self.config.max_compile_s} s (--max-grammar-compile-s)",
-                field=constraint.field or constraint.kind) from None
+            raise ResourceExhausted(
+                f"{name}: no structured-output compile thread came free on this replica within "
+                f"{bound} s (compiles of other requests are running); retry") from None
+        left = max(0.0, began + bound - time.monotonic())
+        try:
+            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(job.result)), left)
+        except asyncio.TimeoutError:
+            with self._lock:
+                self._refuse(key, self._too_slow_reason())
+            raise InvalidArgument(f"{name}: {self._too_slow_reason()}", field=name) from None
+
+    def too_slow_to_mask(self, constraint: Optional[Constraint], took_s: float) -> InvalidArgument:
+        """A row of ``constraint`` took ``took_s`` CPU seconds to fill its token mask, past
+        ``mask_budget_ms``: its digest is refused from now on (and dropped from the cache).
+        Returns the error that ends its request."""
+        name = (constraint.field or constraint.kind) if constraint is not None else "constraint"
+        reason = (f"filling its token mask took {took_s * 1e3:.0f} ms of CPU in one step, past "
+                  f"the budget of {self.config.mask_budget_ms:g} ms a row "
+                  "(--grammar-mask-budget-ms)")
+        if constraint is not None:
+            with self._lock:
+                self._refuse(constraint.digest, reason)
+                self._cache.pop(constraint.digest, None)
+        return InvalidArgument(f"{name}: {reason}", field=name)
+
+    def _too_slow_reason(self) -> str:
+        return (f"compiling took more than {self.config.max_compile_s} s "
+                "(--max-grammar-compile-s)")
+
+    def _refuse(self, key: str, reason: str) -> None:
+        """Remember ``key`` as refused for ``reason``. Call with ``_lock`` held."""
+        self._refused[key] = reason
+        self._refused.move_to_end(key)
+        while len(self._refused) > self.config.cache_size:
+            self._refused.popitem(last=False)
+
+    def _check_refused(self, key: str, constraint: Constraint) -> None:
+        """Raise InvalidArgument if ``key`` was refused. Call with ``_lock`` held."""
+        reason = self._refused.get(key)
+        if reason is not None:
+            name = constraint.field or constraint.kind
+            raise InvalidArgument(f"{name}: refused on this replica, an equivalent constraint "
+                                  f"went past a bound: {reason}", field=name)
+
+    def _forget(self, key: str, job: CompileJob, _done: concurrent.futures.Future) -> None:
+        with self._lock:
+            if self._inflight.get(key) is job:
+                del self._inflight[key]
 
     def _compile(self, c: Constraint) -> Any:
+        """xgrammar's compile of ``c`` (its :attr:`~Constraint.canonical_spec`)."""
         c.validate()
-        xgr, comp = _xgr(), self._get_compiler()
+        xgr, comp = xgrammar_module(), self._get_compiler()
         name = c.field or c.kind
         try:
             if c.kind == "json_object":
                 compiled = comp.compile_builtin_json_grammar()
             elif c.kind == "json_schema":
-                compiled = comp.compile_json_schema(c.spec, any_whitespace=False, strict_mode=True)
+                compiled = comp.compile_json_schema(c.canonical_spec, any_whitespace=False,
+                                                    strict_mode=True)
             elif c.kind == "regex":
                 compiled = comp.compile_regex(c.spec)
             else:
@@ -175,105 +258,4 @@ class GrammarCache:
 
     def close(self) -> None:
         """Stop the compile threads (a compile in progress finishes)."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|[A-Za-z_][A-Za-z0-9_.-]*|[()|]|\S')
-
-
-def root_is_productive(normalized: str) -> bool:
-    """Whether rule ``root`` of a normalized xgrammar EBNF (``str(Grammar)``) derives a finite
-    string. A rule is productive when one of its alternatives has only productive items
-    (literals, character classes, productive rules); computed as a fixpoint. Constructs this
-    reader does not know count as productive, so it never refuses a grammar that has output.
-    """
-    rules: dict[str, list[str]] = {}
-    for line in normalized.splitlines():
-        head, sep, body = line.partition(" ::= ")
-        if sep:
-            rules[head.strip()] = _TOKEN.findall(body)
-    productive: set[str] = set()
-
-    def expr(toks: list[str], i: int) -> tuple[bool, int]:
-        ok, i = alt(toks, i)
-        while i < len(toks) and toks[i] == "|":
-            more, i = alt(toks, i + 1)
-            ok = ok or more
-        return ok, i
-
-    def alt(toks: list[str], i: int) -> tuple[bool, int]:
-        ok = True
-        while i < len(toks) and toks[i] not in ("|", ")"):
-            if toks[i] == "(":
-                sub, i = expr(toks, i + 1)
-                i += 1  # the closing parenthesis
-            else:
-                t = toks[i]
-                sub = t not in rules or t in productive  # literal, class or unknown: productive
-                i += 1
-            ok = ok and sub
-        return ok, i
-
-    changed = True
-    while changed:
-        changed = False
-        for name, toks in rules.items():
-            if name not in productive and expr(toks, 0)[0]:
-                productive.add(name)
-                changed = True
-    return "root" not in rules or "root" in productive
-
-
-def schema_text(schema: Any) -> str:
-    """Canonical JSON text of a schema object (one digest per schema, whatever its key order)."""
-    return json.dumps(schema, sort_keys=True, separators=(",", ":"))
-
-
-class RowMatcher:
-    """One sample's grammar state: the tokens it may take next, advanced token by token.
-
-    The state is a function of the sample's output tokens only, which preemption by recompute
-    keeps: a recomputed sequence continues from the same state.
-    """
-
-    def __init__(self, compiled: Any) -> None:
-        self._m = _xgr().GrammarMatcher(compiled)
-
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the allowed-token bits of the next token into ``bitmask[row]`` (int32 words)."""
-        self._m.fill_next_token_bitmask(bitmask, row)
-
-    def accept(self, token_id: int) -> bool:
-        """Advance by one sampled token; False if the grammar does not allow it."""
-        return bool(self._m.accept_token(token_id))
-
-    @property
-    def terminated(self) -> bool:
-        """The output is complete and its stop token was taken: nothing more may follow."""
-        return bool(self._m.is_terminated())
-
-
-def mask_logits(logits: torch.Tensor, matchers: Sequence[Optional[RowMatcher]]) -> torch.Tensor:
-    """Logits with every constrained row's disallowed tokens at ``-inf``.
-
-    Args:
-        logits: (R, V) float, one row per entry of ``matchers``; not modified.
-        matchers: the row's matcher, or None for a free row (left exactly as it was).
-    Returns:
-        ``logits`` itself when no row is constrained, else a float32 (R, V) copy.
-    """
-    rows = [i for i, m in enumerate(matchers) if m is not None]
-    if not rows:
-        return logits
-    xgr = _xgr()
-    vocab = logits.shape[1]
-    bitmask = xgr.allocate_token_bitmask(len(matchers), vocab)  # (R, ceil(V / 32)) int32
-    for i in rows:
-        matchers[i].fill(bitmask, i)  # type: ignore[union-attr]
-    out = logits.float().clone()
-    if out.device.type == "cpu":
-        xgr.apply_token_bitmask_inplace(out, bitmask, vocab_size=vocab, indices=rows)
-    else:
-        xgr.apply_token_bitmask_inplace(out, bitmask.to(out.device), vocab_size=vocab,
-                                        indices=rows, backend="torch_native")
-    return out
+        self._queue.close()

@@ -11,8 +11,9 @@ from typing import Any, Optional
 
 import tokenizers
 
+from kvfleet.constraint import Constraint
 from kvfleet.worker.engine.output.detokenizer import IncrementalDetokenizer
-from kvfleet.worker.engine.output.grammar import RowMatcher
+from kvfleet.worker.engine.output.masks import RowMatcher
 from kvfleet.worker.engine.output.outputs import Milestones, SeqOutput, Timing, TokenLogprobs, Usage
 from kvfleet.worker.engine.output.sampling import SampleResult, SampleState, make_generator
 from kvfleet.worker.engine.output.stop_checker import StopChecker
@@ -30,11 +31,13 @@ class Appended:
 
 
 class SampleIO:
-    """Per-sample output helpers (``grammar``: the compiled grammar of a constrained sample)."""
+    """Per-sample output helpers (``grammar``: the compiled grammar of a constrained sample,
+    ``constraint``: what it was compiled from, when known)."""
 
     def __init__(self, seq: SequenceState, tokenizer: tokenizers.Tokenizer,
-                 grammar: Any = None) -> None:
+                 grammar: Any = None, constraint: Optional[Constraint] = None) -> None:
         self.matcher = RowMatcher(grammar) if grammar is not None else None
+        self.constraint = constraint
         self.state = SampleState(
             params=seq.params, index=seq.index, prompt_token_ids=seq.prompt_token_ids,
             output_token_ids=seq.output_token_ids,
