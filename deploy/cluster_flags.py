@@ -187,10 +187,29 @@ SCHEDULER_FLAGS: tuple[Flag, ...] = (
          "refused otherwise)", "scheduling", action="store_true"),
     Flag("--max-grammar-compile-s", "replica.grammar.max_compile_s",
          "structured output: a schema, regex or grammar whose compile takes longer is refused "
-         "with INVALID_ARGUMENT (default {default} s)", "scheduling", type=positive_seconds),
+         "with INVALID_ARGUMENT, and so is that constraint from then on; a compile also waits "
+         "at most this long for a thread, then RESOURCE_EXHAUSTED (default {default} s)",
+         "scheduling", type=positive_seconds),
     Flag("--grammar-cache-size", "replica.grammar.cache_size",
          "compiled grammars kept per replica, LRU (default {default})", "scheduling",
          type=positive_int("--grammar-cache-size")),
+    Flag("--grammar-threads", "replica.grammar.threads",
+         "structured output: compile threads per replica (default {default})", "scheduling",
+         type=positive_int("--grammar-threads")),
+    Flag("--grammar-tenant-compiles", "replica.grammar.tenant_compiles",
+         "structured output: compiles one tenant may run at once on a replica, at most "
+         "--grammar-threads (default {default}: one tenant's slow schemas leave the other "
+         "threads to the others)", "scheduling",
+         type=positive_int("--grammar-tenant-compiles")),
+    Flag("--grammar-queue", "replica.grammar.max_queued",
+         "structured output: compiles one tenant may have waiting for a thread; past it its "
+         "new schemas are refused RESOURCE_EXHAUSTED (default {default})", "scheduling",
+         type=int),
+    Flag("--grammar-mask-budget-ms", "replica.grammar.mask_budget_ms",
+         "structured output: CPU ms one row's token mask may take in a step; a request past "
+         "it ends INVALID_ARGUMENT and its constraint is refused from then on (default "
+         "{default})", "scheduling", type=positive_float("--grammar-mask-budget-ms"),
+         metavar="MS"),
 )
 
 # The router's own rows, under ``router.``; ``--http-port`` is on by default here.
