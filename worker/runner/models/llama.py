@@ -25,7 +25,7 @@ from kvfleet.worker.runner.attention import AttentionMetadata, paged_attention
 from kvfleet.worker.runner.kv_cache import KVCache
 from kvfleet.worker.runner.model_config import ModelConfig, RopeScaling
 from kvfleet.worker.runner.models import PROJECTIONS
-from kvfleet.worker.runner.models.linear import Linear, NoLinear, Projection
+from kvfleet.worker.runner.models.linear import NoLinear, Projection, projection
 
 
 def _llama3_scaling(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
@@ -105,11 +105,11 @@ class LlamaDecoderLayer(nn.Module):
         self.gate_up_bias = self.down_bias = None  # the MLP has none
 
     def pack(self, one_row_copy: bool = False) -> None:
-        """Replace the loaded matrices by :class:`Linear` projections (``one_row_copy``: see
-        :class:`Linear`)."""
+        """Replace the loaded matrices by projections (:func:`~.linear.projection`;
+        ``one_row_copy``: see :class:`~.linear.Linear`)."""
         for name in PROJECTIONS:
             weight, bias = f"{name}_weight", f"{name}_bias"
-            setattr(self, name, Linear(getattr(self, weight), getattr(self, bias), one_row_copy))
+            setattr(self, name, projection(getattr(self, weight), getattr(self, bias), one_row_copy))
             delattr(self, weight)
             delattr(self, bias)
 
@@ -186,12 +186,13 @@ class LlamaForCausalLM(nn.Module):
         return hidden, last + 1
 
     def pack(self, one_row_copy: bool = False) -> None:
-        """Turn every loaded matrix into a :class:`Linear` (packed where the platform allows;
-        ``one_row_copy``: also a copy for batch-1 decode, see :class:`Linear`)."""
+        """Turn every loaded matrix into a projection (:func:`~.linear.projection`: packed
+        where the platform allows; ``one_row_copy``: also a copy for batch-1 decode, see
+        :class:`~.linear.Linear`)."""
         for layer in self._decoder_layers():
             layer.pack(one_row_copy)
         head = self.lm_head_weight
-        self.lm_head = (Linear(head, None, one_row_copy) if head is not None
+        self.lm_head = (projection(head, None, one_row_copy) if head is not None
                         else NoLinear(self.config.vocab_size))
         del self.lm_head_weight
 

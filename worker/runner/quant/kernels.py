@@ -10,6 +10,7 @@ fp32 accumulation); it is built with kvfleet's other kernels by
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import torch
 
@@ -17,8 +18,8 @@ from kvfleet.worker.runner import cpu_kernels
 from kvfleet.worker.runner.quant.packed import PackedWeight
 
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-_INT8_ARGS = [_ptr, _i64, _i64, _ptr, _ptr, _int, _i64, _i64, _i64, _ptr, _ptr, _i64, _int]
-_INT4_ARGS = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _int, _i64, _i64, _i64, _ptr, _ptr, _i64, _int]
+_INT8_ARGS: list[Any] = [_ptr, _i64, _i64, _ptr, _ptr, _int, _i64, _i64, _i64, _ptr, _ptr, _i64, _int]
+_INT4_ARGS: list[Any] = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _int, _i64, _i64, _i64, _ptr, _ptr, _i64, _int]
 
 
 def load() -> ctypes.CDLL | None:

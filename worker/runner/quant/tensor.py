@@ -83,12 +83,12 @@ class QuantTensor(torch.Tensor):
         t.packed, t.transposed = packed, transposed
         return t
 
-    @property  # type: ignore[override]
-    def nbytes(self) -> int:
+    @property
+    def nbytes(self) -> int:  # type: ignore[override]
         """Bytes of the packed weight (codes, scales, offsets)."""
         return self.packed.nbytes
 
-    def __repr__(self, *args: Any, **kwargs: Any) -> str:
+    def __repr__(self, *args: Any, **kwargs: Any) -> str:  # type: ignore[override]
         p = self.packed
         return (f"QuantTensor(int{p.bits}, group {p.group}, shape {tuple(self.shape)}, "
                 f"{'transposed, ' if self.transposed else ''}{p.nbytes} B)")
@@ -108,6 +108,6 @@ class QuantTensor(torch.Tensor):
                                f"with --quantization none)")
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (),
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (),  # type: ignore[override]
                            kwargs: dict | None = None) -> Any:
         raise QuantizedOpError(f"quantized weights do not support {func}")
