@@ -28,7 +28,8 @@ from kvfleet.worker.replica.replica import ReplicaConfig
 # What the router shares with the replicas, as (RouterConfig field, ReplicaConfig field): set
 # on the replica only; the router's copy is filled from it (ClusterConfig.router_config).
 SHARED = (("model_name", "model_name"), ("model_dir", "model_dir"),
-          ("block_size", "block_size"), ("kv_dtype", "dtype"), ("namespace", "namespace"),
+          ("block_size", "block_size"), ("kv_dtype", "dtype"), ("quantization", "quantization"),
+          ("quant_group_size", "quant_group_size"), ("namespace", "namespace"),
           ("redis_url", "redis_url"), ("internal_tls_dir", "internal_tls_dir"),
           ("telemetry", "telemetry"))
 _ROUTER_DEFAULTS = RouterConfig()
@@ -144,7 +145,8 @@ def serve_application(cfg: ClusterConfig, redis_url: str, num_cpus: float, threa
 _OPTIONAL_FLAGS = (("--http-max-connections", "http_max_connections"),
                    ("--retry-pushback-ms", "retry_pushback_ms"),
                    ("--log-level", "log_level"), ("--shutdown-grace-s", "shutdown_grace_s"),
-                   ("--tenant-max-inflight", "tenant_max_inflight"))
+                   ("--tenant-max-inflight", "tenant_max_inflight"),
+                   ("--quantization", "quantization"), ("--quant-group-size", "quant_group_size"))
 _POLICY_FLAGS = ("load_penalty_blocks", "max_imbalance", "popularity_window", "min_excess_load",
                  "host_hit_weight")
 

@@ -35,6 +35,7 @@ from kvfleet.worker.engine.scheduler import SchedulerConfig
 from kvfleet.worker.engine.scheduler_config import POLICIES as ADMISSION_POLICIES
 from kvfleet.worker.replica.autoscale import AutoscaleTargets
 from kvfleet.worker.replica.replica import DEFAULT_KV_MEMORY_BYTES, EXECUTORS, ReplicaConfig
+from kvfleet.worker.runner.quant.config import METHODS
 
 DECLARED: Any = object()  # the field's default in its dataclass
 # Config path prefix -> the dataclass holding the fields below it ("" = ClusterConfig).
@@ -128,6 +129,13 @@ FLAGS: tuple[Flag, ...] = (
          choices=tuple(ROUTING_POLICIES)),
     Flag("--admission", "replica.scheduler.policy", "worker admission policy (default {default})",
          choices=tuple(ADMISSION_POLICIES)),
+    Flag("--quantization", "replica.quantization",
+         "weight-only quantization of every projection, the embedding and the LM head "
+         "(default {default}): int8 or int4 from the checkpoint's floats, a GGUF beside them "
+         "or a GPTQ/AWQ checkpoint, read as they are where they map", choices=METHODS),
+    Flag("--quant-group-size", "replica.quant_group_size",
+         "inputs sharing one scale when weights are quantized at load (default {default})",
+         type=positive_int("--quant-group-size")),
     Flag("--no-one-row-weights", "replica.one_row_weights",
          "hold each weight once: halves weight memory, batch-1 decode ~20%% slower "
          "(default: a second copy streams faster for one-row decode steps)", action="store_false"),

@@ -57,6 +57,8 @@ class RouterConfig:
     model_dir: str = ""
     block_size: int = 16
     kv_dtype: str = "float32"
+    quantization: str = "none"  # the replicas' weights, part of the cache identity
+    quant_group_size: int = 32
     host: str = "127.0.0.1"
     port: int = 50051
     # The OpenAI-compatible HTTP front (kvfleet.router.http_front) on this port, same host;
@@ -126,7 +128,8 @@ class RouterServer:
         cfg = self.cfg
         policy = make_policy(cfg.policy, **cfg.policy_options)
         auth = Authenticator.from_file(cfg.api_keys_file)
-        model = ServedModel.load(cfg.model_name, cfg.model_dir, cfg.block_size, cfg.kv_dtype)
+        model = ServedModel.load(cfg.model_name, cfg.model_dir, cfg.block_size, cfg.kv_dtype,
+                                 cfg.quantization, cfg.quant_group_size)
         redis_index = RedisPrefixIndex(cfg.redis_url, namespace=cfg.namespace,
                                        replica_ttl_s=cfg.replica_ttl_s)
         index: PrefixIndex = redis_index
@@ -247,6 +250,9 @@ def parse_args(argv: list[str]) -> RouterConfig:
     p.add_argument("--model-dir", required=True)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-dtype", default="float32")
+    p.add_argument("--quantization", default="none",
+                   help="the replicas' weight-only quantization (part of the cache identity)")
+    p.add_argument("--quant-group-size", type=int, default=32)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--http-port", type=int, default=None,
@@ -339,7 +345,8 @@ def _config(a: argparse.Namespace, telemetry: TelemetryConfig, stream_limits: St
     # The Redis password comes from the environment, never the command line (kvfleet.secrets).
     redis_url = with_redis_password(a.redis_url, os.environ.get(REDIS_PASSWORD_ENV))
     return RouterConfig(redis_url=redis_url, model_name=a.model_name, model_dir=a.model_dir,
-                        block_size=a.block_size, kv_dtype=a.kv_dtype, host=a.host, port=a.port,
+                        block_size=a.block_size, kv_dtype=a.kv_dtype, quantization=a.quantization,
+                        quant_group_size=a.quant_group_size, host=a.host, port=a.port,
                         http_port=a.http_port, http_max_connections=a.http_max_connections,
                         policy=a.policy, namespace=a.namespace, api_keys_file=a.api_keys,
                         index_mirror=a.index_mirror, telemetry=telemetry,

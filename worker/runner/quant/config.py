@@ -34,10 +34,6 @@ class QuantConfig:
         """8, 4, or None for ``none``."""
         return None if self.method == "none" else int(self.method[3:])
 
-    @property
-    def tag(self) -> str:
-        """What the cache identity records: ``""`` for float weights, else e.g. ``int4-g32``."""
-        return "" if self.method == "none" else f"{self.method}-g{self.group_size}"
 
 
 FLOAT_WEIGHTS = QuantConfig()  # the checkpoint's float weights, unquantized
