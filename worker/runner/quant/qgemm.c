@@ -223,7 +223,7 @@ static void store_tile(const v16f *acc, int mt, int nb, float *y, int64_t ldy, i
  * panel of PANEL blocks and every row of x, TILE rows at a time. */
 #define FOR_EACH_TILE(BODY)                                                                     \
     const int64_t panels = (out + PANEL * LANES - 1) / (PANEL * LANES);                         \
-    _Pragma("omp parallel for schedule(static) num_threads(num_threads)")                      \
+    _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")                      \
     for (int64_t p = 0; p < panels; ++p) {                                                      \
         v16f acc[TILE * PANEL];                                                                 \
         for (int64_t m0 = 0; m0 < rows; m0 += TILE) {                                           \
