@@ -70,6 +70,9 @@ def read_chat_template(model_dir: Path) -> str:
     return ""
 
 
+QUANT_METHODS = ("none", "int8", "int4")  # weight-only quantization a replica may serve
+
+
 def served_weights(weights_fingerprint: str, quantization: str = "none",
                    group_size: int = 32) -> str:
     """The fingerprint of the weights a replica serves: the directory's, plus the weight-only

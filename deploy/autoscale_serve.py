@@ -22,7 +22,14 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from kvfleet.worker.replica.autoscale import AutoscaleTargets, Decision, decide, serve_reports
+from kvfleet.worker.replica.autoscale import (
+    AutoscaleTargets,
+    Decision,
+    complete,
+    decide,
+    serve_reports,
+)
+from kvfleet.worker.replica.autoscale_clock import FleetClock
 
 log = logging.getLogger("ray.serve")
 POLICY_PATH = "kvfleet.deploy.autoscale_serve:KvfleetPolicy"
@@ -92,10 +99,17 @@ class KvfleetPolicy:
         self._reasons: set[str] = set()
         self._gauge: Any = None
         self._last_change: Optional[dict] = None  # the last decision that moved the target
+        self._clock: Optional[FleetClock] = None
 
     def __call__(self, ctx) -> tuple[int, dict]:
         reports = serve_reports(ctx.aggregated_metrics, ctx.running_replicas)
-        d = decide(self.targets, ctx.current_num_replicas, ctx.target_num_replicas, reports)
+        if self._clock is None:
+            look_back = getattr(getattr(ctx, "config", None), "look_back_period_s", 0.0)
+            self._clock = FleetClock(float(look_back or 0.0))
+        current, target = ctx.current_num_replicas, ctx.target_num_replicas
+        clocks = self._clock.observe(current, target, complete(current, reports),
+                                     time.monotonic())
+        d = decide(self.targets, current, target, reports, clocks)
         try:
             self._publish(ctx, d)
         except Exception:  # observability must never stop Serve's control loop

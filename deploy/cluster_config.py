@@ -13,15 +13,14 @@ from kvfleet.allocator.units import cdiv
 from kvfleet.deploy.autoscale_serve import AutoscaleConfig
 from kvfleet.deploy.ray_local import RAY_ENV
 from kvfleet.deploy.serve_app import Placement, app_config
-from kvfleet.priority import format_admit
-from kvfleet.router.main import RouterConfig, parse_args
+from kvfleet.router.config import RouterConfig
+from kvfleet.router.flags import parse_args, router_argv
 from kvfleet.secrets import (
     REDIS_PASSWORD_ENV,
     secret_env,
     split_redis_password,
     split_telemetry_secrets,
 )
-from kvfleet.stream_limits import StreamLimits
 from kvfleet.tls import default_internal_tls_dir, needs_internal_tls
 from kvfleet.worker.replica.replica import ReplicaConfig
 
@@ -53,7 +52,9 @@ class ClusterConfig:
       (0: free ports everywhere; None: off). ``replica_num_cpus``: Ray CPUs per Serve
       replica (default: half the free CPUs shared out, at most 1; 0 lets a second cluster
       share a Ray whose CPUs another holds). ``replicas_per_host``: cost-model replicas one
-      Serve replica hosts. ``revision`` labels a rollout. ``autoscale``: Serve scales the
+      Serve replica (one process) hosts: 1, each fails (and is replaced) alone; more are
+      cheaper (one torch import) but a process that dies takes all of them with it.
+      ``revision`` labels a rollout. ``autoscale``: Serve scales the
       replicas between its MIN and MAX with kvfleet's policy (kvfleet.deploy.autoscale_serve),
       starting at MIN (= ``replicas``), one kvfleet replica per Serve replica.
 
@@ -68,7 +69,7 @@ class ClusterConfig:
     ray_address: Optional[str] = None
     ray_num_cpus: Optional[int] = None
     replica_num_cpus: Optional[float] = None
-    replicas_per_host: int = 64
+    replicas_per_host: int = 1
     metrics_port: Optional[int] = None
     revision: str = ""
     health_check_period_s: float = 1.0
@@ -78,6 +79,8 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+        if self.replicas_per_host < 1:
+            raise ValueError(f"replicas_per_host must be >= 1, got {self.replicas_per_host}")
         if self.autoscale is not None and self.replicas != self.autoscale.targets.min_replicas:
             raise ValueError(f"replicas ({self.replicas}) must be the autoscale MIN "
                              f"({self.autoscale.targets.min_replicas}): it starts there")
@@ -105,11 +108,11 @@ class ClusterConfig:
 
 
 def replicas_per_process(cfg: ClusterConfig) -> int:
-    """kvfleet replicas one Serve replica hosts: many cost-model ones, else 1 (and 1 when
-    autoscaled: Serve's count is the replicas' count)."""
+    """kvfleet replicas one Serve replica hosts: ``replicas_per_host`` cost-model ones, else
+    1 (and 1 when autoscaled: Serve's count is the replicas' count)."""
     if cfg.autoscale is not None or cfg.replica.executor != "cost-model":
         return 1
-    return max(1, cfg.replicas_per_host)
+    return cfg.replicas_per_host
 
 
 def serve_hosts(cfg: ClusterConfig) -> int:
@@ -141,60 +144,16 @@ def serve_application(cfg: ClusterConfig, redis_url: str, num_cpus: float, threa
                       cfg.autoscale.serve_config() if cfg.autoscale else None)
 
 
-# The router's optional flags as (flag, RouterConfig field): rendered when not the default.
-_OPTIONAL_FLAGS = (("--http-max-connections", "http_max_connections"),
-                   ("--retry-pushback-ms", "retry_pushback_ms"),
-                   ("--log-level", "log_level"), ("--shutdown-grace-s", "shutdown_grace_s"),
-                   ("--tenant-max-inflight", "tenant_max_inflight"),
-                   ("--quantization", "quantization"), ("--quant-group-size", "quant_group_size"))
-_POLICY_FLAGS = ("load_penalty_blocks", "max_imbalance", "popularity_window", "min_excess_load",
-                 "host_hit_weight")
-
-
 def router_args(router: RouterConfig) -> list[str]:
     """The command line (``python -m kvfleet.router.main ARGS``) whose parse is ``router``
-    (telemetry's OTLP settings travel as ``OTEL_*`` variables): what ``kvfleet up`` runs and
-    what the Kubernetes router Deployment runs (kvfleet.deploy.k8s). A password in
-    ``redis_url`` is left out (it goes in the router's environment: :func:`router_env`).
+    (kvfleet.router.flags.router_argv): what ``kvfleet up`` runs and what the Kubernetes router
+    Deployment runs (kvfleet.deploy.k8s). A password in ``redis_url`` is left out (it goes in
+    the router's environment: :func:`router_env`), as are telemetry's OTLP settings.
 
     Raises:
-        ValueError: a setting the router has no flag for (``replica_ttl_s`` not the
-            default), or an unknown policy option.
+        ValueError: a setting the router has no flag for, or an unknown policy option.
     """
-    r = router
-    if r.replica_ttl_s != _ROUTER_DEFAULTS.replica_ttl_s:
-        raise ValueError("router.replica_ttl_s has no router flag: leave it at its default")
-    args = ["--redis-url", split_redis_password(r.redis_url)[0], "--model-name", r.model_name,
-            "--model-dir", r.model_dir,
-            "--block-size", str(r.block_size), "--kv-dtype", r.kv_dtype,
-            "--host", r.host, "--port", str(r.port), "--policy", r.policy,
-            "--namespace", r.namespace]
-    if r.api_keys_file:
-        args += ["--api-keys", r.api_keys_file]
-    if r.tls_cert:
-        args += ["--tls-cert", r.tls_cert, "--tls-key", r.tls_key or ""]
-    if r.internal_tls_dir:
-        args += ["--internal-tls-dir", r.internal_tls_dir]
-    if not r.index_mirror:
-        args.append("--no-index-mirror")
-    for flag, name in _OPTIONAL_FLAGS:
-        if (value := getattr(r, name)) != getattr(_ROUTER_DEFAULTS, name):
-            args += [flag, _text(value)]
-    unknown = sorted(set(r.policy_options) - set(_POLICY_FLAGS))
-    if unknown:
-        raise ValueError(f"router.policy_options: unknown option(s) {unknown}")
-    for name, value in r.policy_options.items():
-        args += ["--" + name.replace("_", "-"), _text(value)]
-    if r.priority_admit != _ROUTER_DEFAULTS.priority_admit:
-        args += ["--priority-admit", format_admit(r.priority_admit)]
-    if r.stream_limits != StreamLimits():
-        args += ["--stream-max-unread", str(r.stream_limits.max_unread),
-                 "--stream-stall-s", _text(r.stream_limits.stall_s)]
-    if r.http_port is not None:
-        args += ["--http-port", str(r.http_port)]
-    if r.telemetry.metrics_port is not None:
-        args += ["--metrics-port", str(r.telemetry.metrics_port)]
-    return args
+    return router_argv(router)
 
 
 def router_env(router: RouterConfig, base: dict[str, str]) -> dict[str, str]:
@@ -223,8 +182,3 @@ def router_from_flags(flags: Sequence[str]) -> RouterConfig:
     SystemExit (argparse) for a flag the router does not take."""
     parsed = parse_args(["--redis-url", "", "--model-name", "", "--model-dir", "", *flags])
     return replace(parsed, **{mine: getattr(_ROUTER_DEFAULTS, mine) for mine, _ in SHARED})
-
-
-def _text(value) -> str:
-    return f"{value:g}" if isinstance(value, float) else str(value)
-

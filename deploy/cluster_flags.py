@@ -1,286 +1,234 @@
-"""``kvfleet up`` / ``demo``'s cluster flags as one table: flag, the config field it sets,
-type and help. The parser is built from it and :func:`cluster_config` assembles the
-:class:`~kvfleet.deploy.cluster_config.ClusterConfig` from it; defaults are the config
-dataclasses' own (ReplicaConfig, RouterConfig, SchedulerConfig, ClusterConfig), never
-restated here (``{default}`` in a help text shows the declared one).
+"""``kvfleet up`` / ``demo``'s cluster flags as one table (kvfleet.flag_table), grouped by the
+config that owns each flag: the cluster's own (ClusterConfig, and the autoscaler's targets),
+the replica's (ReplicaConfig), its scheduler's and grammar cache's (SchedulerConfig,
+GrammarConfig) and the router's — those rows are the router's own
+(kvfleet.router.flags.ROUTER_FLAGS), set under ``router.`` or, where the router takes the
+setting from the replicas (cluster_config.SHARED), on the replica. The parser is built from it
+and :func:`cluster_config` assembles the ClusterConfig from it; defaults are the config
+dataclasses' own (``{default}`` in a help text shows the declared one). Rules between flags
+are the configs' to check (their ``__post_init__``), not the parser's.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from kvfleet.allocator.units import format_bytes, parse_size
-from kvfleet.constraint import GrammarConfig
-from kvfleet.deploy.arg_types import (
+from kvfleet.arg_types import (
     fraction,
     int_range,
     non_negative_float,
     positive_float,
     positive_int,
     positive_seconds,
-    priority_admit,
 )
+from kvfleet.constraint import GrammarConfig
 from kvfleet.deploy.autoscale_serve import AutoscaleConfig
 from kvfleet.deploy.cluster_config import ClusterConfig, with_default_internal_tls
 from kvfleet.deploy.models import DEFAULT_MODEL, resolve_model
-from kvfleet.router.main import RouterConfig
-from kvfleet.router.policy import POLICIES as ROUTING_POLICIES
+from kvfleet.flag_table import Flag, add_flags, by_name, values_by_owner
+from kvfleet.flag_table import declared_default as _declared_default
+from kvfleet.router.config import RouterConfig
+from kvfleet.router.flags import ROUTER_FLAGS
 from kvfleet.telemetry import TelemetryConfig
-from kvfleet.worker.engine.scheduler import SchedulerConfig
-from kvfleet.worker.engine.scheduler_config import POLICIES as ADMISSION_POLICIES
+from kvfleet.worker.engine.scheduling.config import POLICIES as ADMISSION_POLICIES
+from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig
 from kvfleet.worker.replica.autoscale import AutoscaleTargets
 from kvfleet.worker.replica.replica import DEFAULT_KV_MEMORY_BYTES, EXECUTORS, ReplicaConfig
-from kvfleet.worker.runner.quant.config import METHODS
 
-DECLARED: Any = object()  # the field's default in its dataclass
 # Config path prefix -> the dataclass holding the fields below it ("" = ClusterConfig).
 OWNERS: dict[str, type] = {"": ClusterConfig, "replica": ReplicaConfig, "router": RouterConfig,
-                           "replica.scheduler": SchedulerConfig, "replica.grammar": GrammarConfig}
+                           "replica.scheduler": SchedulerConfig, "replica.grammar": GrammarConfig,
+                           "router.policy_options": dict}
+_ROUTER = by_name(ROUTER_FLAGS)
+# The routing policy's knobs (RouterConfig.policy_options), as the router takes them.
+POLICY_KNOBS = tuple(f.flag for f in ROUTER_FLAGS if (f.field or "").startswith("policy_options."))
+_REPLICAS_DEFAULT = ClusterConfig.__dataclass_fields__["replicas"].default
 
-
-@dataclass(frozen=True)
-class Flag:
-    """One command-line flag. ``field``: the config field it sets, as a path under
-    ClusterConfig (``"replica.scheduler.max_num_seqs"``); None for a flag
-    :func:`cluster_config` reads itself (``dest`` names it). ``convert`` turns a parsed
-    value that is not None into the field's value. ``only``: the commands that take it
-    (empty: up and demo). ``exclusive``: flags sharing a name exclude each other."""
-
-    flag: str
-    field: Optional[str]
-    help: str
-    type: Optional[Callable[[str], Any]] = None
-    choices: Optional[tuple] = None
-    action: Optional[str] = None
-    default: Any = DECLARED
-    metavar: Optional[str] = None
-    dest: Optional[str] = None
-    exclusive: Optional[str] = None
-    only: tuple[str, ...] = ()
-    convert: Optional[Callable[[Any], Any]] = None
-
-    @property
-    def name(self) -> str:
-        """The argparse destination."""
-        return self.dest or (self.field or "").replace(".", "__")
-
-
-FLAGS: tuple[Flag, ...] = (
-    Flag("--model", None, "served model name or HF-format directory (default {default})",
-         dest="model", default=DEFAULT_MODEL),
-    Flag("--replicas", None, "worker replicas (default %s; not with --autoscale)"
-         % ClusterConfig.__dataclass_fields__["replicas"].default, dest="replicas", type=int,
-         default=None),
+# The cluster's own: how many replicas, where, and the autoscaler's targets.
+CLUSTER_FLAGS: tuple[Flag, ...] = (
+    Flag("--replicas", None, f"worker replicas (default {_REPLICAS_DEFAULT}; not with "
+         "--autoscale)", "fleet", dest="replicas", type=int, default=None),
     Flag("--autoscale", None, "let Ray Serve scale the replicas between MIN and MAX with "
          "kvfleet's policy (targets: --slo-ttft-ms, --slo-itl-ms, --target-kv-utilisation)",
-         dest="autoscale", type=int_range("--autoscale"), metavar="MIN..MAX"),
+         "fleet", dest="autoscale", type=int_range("--autoscale"), default=None,
+         metavar="MIN..MAX"),
     Flag("--slo-ttft-ms", None, "autoscale: time-to-first-token SLO (ms) that the predicted "
-         "queue delay and the replicas' TTFT p90 are held under", dest="slo_ttft_ms", type=float),
+         "queue delay and the replicas' TTFT p90 are held under", "fleet", dest="slo_ttft_ms",
+         type=float, default=None),
     Flag("--slo-itl-ms", None, "autoscale: inter-token latency SLO (ms) the replicas' ITL p90 "
-         "is held under", dest="slo_itl_ms", type=float),
+         "is held under", "fleet", dest="slo_itl_ms", type=float, default=None),
     Flag("--target-kv-utilisation", None, "autoscale: KV-block utilisation (0..1] to hold the "
-         "replicas' mean under", dest="target_kv_utilisation", type=float),
+         "replicas' mean under", "fleet", dest="target_kv_utilisation", type=float, default=None),
     Flag("--target-load", None, "autoscale: share (0..1] of each replica's decode throughput "
          "to run at; the rest absorbs bursts shorter than a replica's start (default %g)"
-         % AutoscaleTargets.target_load, dest="target_load", type=float),
+         % AutoscaleTargets.target_load, "fleet", dest="target_load", type=float, default=None),
     Flag("--upscale-delay", None, "autoscale: seconds a scale-up decision must persist before "
-         "Serve applies it (default %g)" % AutoscaleConfig.upscale_delay_s,
-         dest="upscale_delay_s", type=float),
+         "Serve applies it (default %g)" % AutoscaleConfig.upscale_delay_s, "fleet",
+         dest="upscale_delay_s", type=float, default=None),
     Flag("--downscale-delay", None, "autoscale: seconds the margin must hold before Serve "
-         "removes a replica (default %g)" % AutoscaleConfig.downscale_delay_s,
-         dest="downscale_delay_s", type=float),
+         "removes a replica (default %g)" % AutoscaleConfig.downscale_delay_s, "fleet",
+         dest="downscale_delay_s", type=float, default=None),
+    Flag("--ray-address", "ray_address", "join this Ray cluster instead of starting one",
+         "fleet"),
+    Flag("--replicas-per-process", "replicas_per_host",
+         "cost-model replicas one process hosts (default {default}: each fails alone; more "
+         "are cheaper, but a process that dies takes all of its replicas with it)", "fleet",
+         type=positive_int("--replicas-per-process")),
+    _ROUTER["--metrics-port"].at(
+        "metrics_port", help="Prometheus metrics: the router on this port, each replica on a "
+        "free one (0 = free ports). Traces and OTLP metrics follow OTEL_* variables, e.g. "
+        "OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4317"),
+)
+
+# The replicas': the model and how it runs, the KV cache, the lifecycle.
+REPLICA_FLAGS: tuple[Flag, ...] = (
+    Flag("--model", None, "served model name or HF-format directory (default {default})",
+         "model", dest="model", default=DEFAULT_MODEL),
     Flag("--tp", "replica.tensor_parallel_size",
          "tensor-parallel ranks per replica (default {default}): each rank holds 1/T of the "
-         "projections and of the KV heads; --num-blocks/--kv-memory are per rank",
+         "projections and of the KV heads; --num-blocks/--kv-memory are per rank", "model",
          type=positive_int("--tp")),
     Flag("--device", "replica.device",
-         "cuda: one GPU per rank, NCCL between ranks (default {default}, gloo)",
+         "cuda: one GPU per rank, NCCL between ranks (default {default}, gloo)", "model",
          choices=("cpu", "cuda")),
-    Flag("--block-size", "replica.block_size", "tokens per KV block (default {default})", type=int),
-    Flag("--num-blocks", "replica.num_blocks", "KV blocks per replica (on every rank)", type=int,
-         exclusive="kv-size"),
+    _ROUTER["--quantization"].at("replica.quantization"),
+    _ROUTER["--quant-group-size"].at("replica.quant_group_size"),
+    Flag("--no-one-row-weights", "replica.one_row_weights",
+         "hold each weight once: halves weight memory, slower batch-1 decode (default: a "
+         "second copy streams faster for one-row decode steps)", "model", action="store_false"),
+    Flag("--executor", "replica.executor",
+         "model: the real forward; cost-model: a timed stand-in for the forward only "
+         "(scheduler, KV cache, index, gRPC stay real)", "model", choices=EXECUTORS),
+    Flag("--cost-model", None, "calibration JSON for --executor cost-model (default: the "
+         "constants measured on the default model by bench/engine/calibrate.py)", "model",
+         dest="cost_model", default=None, metavar="FILE"),
+    Flag("--cost-model-scale", None, "multiply the cost model's step times (e.g. 0.05 = 20x "
+         "faster)", "model", dest="cost_model_scale", type=float, default=1.0),
+    Flag("--adapter", None, "serve the PEFT LoRA adapter in DIR as NAME (repeatable)", "model",
+         dest="adapter", action="append", default=[], metavar="NAME=DIR"),
+    Flag("--adapter-dir", None, "serve every adapter subdirectory of DIR, named by it "
+         "(repeatable)", "model", dest="adapter_dir", action="append", default=[], metavar="DIR"),
+    Flag("--max-loras", "replica.max_loras", "LoRA adapter slots per replica, LRU (default "
+         "{default})", "model", type=positive_int("--max-loras")),
+    Flag("--max-lora-rank", "replica.max_lora_rank", "largest adapter rank accepted (default "
+         "{default})", "model", type=positive_int("--max-lora-rank")),
+    _ROUTER["--block-size"].at("replica.block_size", help="tokens per KV block (default "
+                               "{default})", always=False),
+    Flag("--num-blocks", "replica.num_blocks", "KV blocks per replica (on every rank; not with "
+         "--kv-memory)", "cache", type=int),
     Flag("--kv-memory", "replica.kv_memory_bytes",
          f"KV memory per replica rank, e.g. 256MiB (default "
-         f"{format_bytes(DEFAULT_KV_MEMORY_BYTES).replace(' ', '')})", type=str,
-         exclusive="kv-size", convert=lambda text: parse_size(text, "--kv-memory")),
+         f"{format_bytes(DEFAULT_KV_MEMORY_BYTES).replace(' ', '')})", "cache", type=str,
+         convert=lambda text: parse_size(text, "--kv-memory")),
     Flag("--kv-host-memory", "replica.kv_host_memory_bytes",
          "host KV tier per node, e.g. 1GiB (default: none): evicted blocks are written back "
-         "there and restored on a prefix hit; shared by the node's replicas, LRU",
+         "there and restored on a prefix hit; shared by the node's replicas, LRU", "cache",
          type=str, convert=lambda text: parse_size(text, "--kv-host-memory")),
     Flag("--no-kv-peer-pull", "replica.kv_peer_pull",
          "never pull a prefix the router says another replica holds (default: with "
          "--kv-host-memory, pull it through the node tier when that beats recomputing it)",
-         action="store_false"),
+         "cache", action="store_false"),
     Flag("--no-kv-hand-over", "replica.kv_hand_over",
          "a draining replica drops its cached blocks (default: with --kv-host-memory, it "
          "writes its hottest blocks back to the node tier first, within its drain timeout)",
-         action="store_false"),
+         "cache", action="store_false"),
     Flag("--kv-prewarm-s", "replica.kv_prewarm_s",
          "with --kv-host-memory: a new replica first restores its node tier's most recently "
          "used blocks of its model into its pool, for at most this many seconds before it "
-         "serves (default {default}: off; its first hits then restore at admission)",
+         "serves (default {default}: off; its first hits then restore at admission)", "cache",
          type=non_negative_float("--kv-prewarm-s"), metavar="SECONDS"),
-    Flag("--policy", "router.policy", "routing policy (default {default})",
-         choices=tuple(ROUTING_POLICIES)),
-    Flag("--admission", "replica.scheduler.policy", "worker admission policy (default {default})",
-         choices=tuple(ADMISSION_POLICIES)),
-    Flag("--quantization", "replica.quantization",
-         "weight-only quantization of every projection, the embedding and the LM head "
-         "(default {default}): int8 or int4 from the checkpoint's floats, a GGUF beside them "
-         "or a GPTQ/AWQ checkpoint, read as they are where they map", choices=METHODS),
-    Flag("--quant-group-size", "replica.quant_group_size",
-         "inputs sharing one scale when weights are quantized at load (default {default})",
-         type=positive_int("--quant-group-size")),
-    Flag("--no-one-row-weights", "replica.one_row_weights",
-         "hold each weight once: halves weight memory, batch-1 decode ~20%% slower "
-         "(default: a second copy streams faster for one-row decode steps)", action="store_false"),
-    Flag("--adapter", None, "serve the PEFT LoRA adapter in DIR as NAME (repeatable)",
-         dest="adapter", action="append", default=[], metavar="NAME=DIR"),
-    Flag("--adapter-dir", None, "serve every adapter subdirectory of DIR, named by it (repeatable)",
-         dest="adapter_dir", action="append", default=[], metavar="DIR"),
+    _ROUTER["--redis-url"].at("replica.redis_url", help="use this Redis instead of starting a "
+                              "private one", required=False, always=False, show=None),
+    Flag("--replica-host", "replica.host",
+         "interface the replicas serve gRPC on (default {default}; 0.0.0.0 on a cluster spanning "
+         "hosts: each replica registers its node's address)", "fleet"),
+    Flag("--drain-timeout", "replica.drain_timeout_s",
+         "seconds a stopping replica (scale-down, upgrade, Ctrl-C) waits for its streams before "
+         "ending them UNAVAILABLE (default {default})", "fleet", type=positive_seconds),
     Flag("--adapter-root", "replica.adapter_roots",
          "`kvfleet adapter load` may read adapters under DIR (repeatable; the --adapter and "
-         "--adapter-dir directories are allowed too; any other path is refused PERMISSION_DENIED)",
-         action="append", default=[], metavar="DIR", convert=tuple),
-    Flag("--max-loras", "replica.max_loras", "LoRA adapter slots per replica, LRU (default {default})",
-         type=positive_int("--max-loras")),
-    Flag("--max-lora-rank", "replica.max_lora_rank", "largest adapter rank accepted (default {default})",
-         type=positive_int("--max-lora-rank")),
+         "--adapter-dir directories are allowed too; any other path is refused "
+         "PERMISSION_DENIED)", "security", action="append", default=[], metavar="DIR",
+         convert=tuple),
+    _ROUTER["--internal-tls-dir"].at(
+        "replica.internal_tls_dir", help="mutual TLS between router and workers with this "
+        "directory's cluster CA (generated there when empty; default: off on loopback, "
+        "~/.kvfleet/internal-tls beyond it)"),
+)
+
+# The replicas' scheduler and grammar cache.
+SCHEDULER_FLAGS: tuple[Flag, ...] = (
+    Flag("--admission", "replica.scheduler.policy", "worker admission policy (default "
+         "{default})", "scheduling", choices=tuple(ADMISSION_POLICIES)),
     Flag("--max-num-seqs", "replica.scheduler.max_num_seqs",
-         "sequences a replica runs at once (default {default})", type=int),
+         "sequences a replica runs at once (default {default})", "scheduling", type=int),
     Flag("--max-num-batched-tokens", "replica.scheduler.max_num_batched_tokens",
-         "tokens one engine step computes (default {default})", type=int),
+         "tokens one engine step computes (default {default})", "scheduling", type=int),
+    Flag("--max-queue-wait-s", "replica.max_queue_wait_s",
+         "a replica refuses (RESOURCE_EXHAUSTED, at once) a request it predicts would wait "
+         "longer than this before its prefill starts, and advertises the bound (default "
+         "{default} s)", "scheduling", type=positive_seconds),
     Flag("--itl-target-ms", "replica.scheduler.itl_target_ms",
          "inter-token latency target: a step takes prefill tokens only while its predicted time "
          "(the replica's calibrated step-cost model) stays under it; a waiting prompt still "
-         "advances every step (default: off, the token budget alone)",
+         "advances every step (default: off, the token budget alone)", "scheduling",
          type=positive_float("--itl-target-ms"), metavar="MS"),
-    Flag("--max-grammar-compile-s", "replica.grammar.max_compile_s",
-         "structured output: a schema, regex or grammar whose compile takes longer is refused "
-         "with INVALID_ARGUMENT (default {default} s)", type=positive_seconds),
-    Flag("--grammar-cache-size", "replica.grammar.cache_size",
-         "compiled grammars kept per replica, LRU (default {default})",
-         type=positive_int("--grammar-cache-size")),
-    Flag("--port", "router.port", "router port (default {default}; 0 = a free port)", type=int),
-    Flag("--redis-url", "replica.redis_url", "use this Redis instead of starting a private one"),
-    Flag("--ray-address", "ray_address", "join this Ray cluster instead of starting one"),
-    Flag("--replica-host", "replica.host",
-         "interface the replicas serve gRPC on (default {default}; 0.0.0.0 on a cluster spanning "
-         "hosts: each replica registers its node's address)"),
-    Flag("--api-keys", "router.api_keys_file", "JSON file mapping API keys to tenants (default: open)"),
-    Flag("--metrics-port", "metrics_port",
-         "Prometheus metrics: the router on this port, each replica on a free one (0 = free "
-         "ports). Traces and OTLP metrics follow OTEL_* variables, e.g. "
-         "OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4317", type=int),
-    Flag("--executor", "replica.executor",
-         "model: the real forward; cost-model: a timed stand-in for the forward only "
-         "(scheduler, KV cache, index, gRPC stay real; many per process)", choices=EXECUTORS),
-    Flag("--cost-model", None, "calibration JSON for --executor cost-model (default: the "
-         "constants measured on SmolLM2 by bench/calibrate.py)", dest="cost_model", metavar="FILE"),
-    Flag("--cost-model-scale", None, "multiply the cost model's step times (e.g. 0.05 = 20x faster)",
-         dest="cost_model_scale", type=float, default=1.0),
-    Flag("--tls-cert", "router.tls_cert", "PEM certificate: serve the router's client port over TLS"),
-    Flag("--tls-key", "router.tls_key", "PEM private key of --tls-cert"),
-    Flag("--internal-tls-dir", "replica.internal_tls_dir",
-         "mutual TLS between router and workers with this directory's cluster CA (generated "
-         "there when empty; default: off on loopback, ~/.kvfleet/internal-tls beyond it)"),
-    Flag("--drain-timeout", "replica.drain_timeout_s",
-         "seconds a stopping replica (scale-down, upgrade, Ctrl-C) waits for its streams before "
-         "ending them UNAVAILABLE (default {default})", type=positive_seconds),
     Flag("--tenant-share", "replica.scheduler.tenant_share",
          "fraction of a replica's running + waiting slots one tenant may hold (default "
-         "{default}: no per-tenant cap)", type=float),
+         "{default}: no per-tenant cap)", "scheduling", type=float),
     Flag("--batch-share", "replica.scheduler.batch_share",
          "fraction of a replica's running slots the batch priority class may hold (default "
-         "{default}: no cap)", type=fraction("--batch-share")),
+         "{default}: no cap)", "scheduling", type=fraction("--batch-share")),
     Flag("--preempt-streaming", "replica.scheduler.preempt_streaming",
          "a higher priority class may also preempt (by recompute) lower-class requests that "
-         "have streamed tokens (default: only those that have not)", action="store_true"),
+         "have streamed tokens (default: only those that have not)", "scheduling",
+         action="store_true"),
     Flag("--layer-yield", "replica.scheduler.layer_yield",
          "a batch step in flight pauses between decoder layers for a nested step of newly "
          "arrived higher-class prompts (interactive TTFT beside a batch flood; --tp 1 only: "
-         "refused otherwise)", action="store_true"),
-    Flag("--priority-admit", "router.priority_admit",
-         "CLASS=FRACTION,...: refuse a priority class's requests once the fleet holds this "
-         "fraction of its capacity, keeping the rest for higher classes (default "
-         "interactive=1,default=1,batch=0.8)", type=priority_admit, metavar="CLASS=FRACTION,..."),
-    Flag("--tenant-max-inflight", "router.tenant_max_inflight",
-         "in-flight requests one tenant (without its own key-file limit) may hold across every "
-         "router of the cluster, counted in Redis (default: no limit beyond the key file's)",
-         type=positive_int("--tenant-max-inflight")),
-    Flag("--http-port", "router.http_port",
-         "the router's OpenAI-compatible HTTP API (default {default}; 0 = a free port, -1 = off)",
-         type=int, default=8000, only=("up",), convert=lambda port: None if port < 0 else port),
+         "refused otherwise)", "scheduling", action="store_true"),
+    Flag("--max-grammar-compile-s", "replica.grammar.max_compile_s",
+         "structured output: a schema, regex or grammar whose compile takes longer is refused "
+         "with INVALID_ARGUMENT (default {default} s)", "scheduling", type=positive_seconds),
+    Flag("--grammar-cache-size", "replica.grammar.cache_size",
+         "compiled grammars kept per replica, LRU (default {default})", "scheduling",
+         type=positive_int("--grammar-cache-size")),
 )
+
+# The router's own rows, under ``router.``; ``--http-port`` is on by default here.
+UP_ROUTER_FLAGS: tuple[Flag, ...] = (
+    *(_ROUTER[name].at("router." + (_ROUTER[name].field or ""), always=False)
+      for name in ("--policy", "--no-index-mirror", *POLICY_KNOBS, "--priority-admit",
+                   "--tenant-max-inflight", "--port", "--api-keys", "--tls-cert", "--tls-key")),
+    _ROUTER["--http-port"].at(
+        "router.http_port", help="the router's OpenAI-compatible HTTP API (default {default}; "
+        "0 = a free port, -1 = off)", default=8000, only=("up",),
+        convert=lambda port: None if port < 0 else port),
+)
+
+FLAGS: tuple[Flag, ...] = CLUSTER_FLAGS + REPLICA_FLAGS + SCHEDULER_FLAGS + UP_ROUTER_FLAGS
 
 
 def declared_default(path: str) -> Any:
     """The default ``path``'s dataclass declares for it (``"replica.block_size"`` → 16)."""
-    owner, _, name = path.rpartition(".")
-    spec = {f.name: f for f in dataclasses.fields(OWNERS[owner])}[name]
-    if spec.default is not dataclasses.MISSING:
-        return spec.default
-    assert spec.default_factory is not dataclasses.MISSING, f"{path} has no default"
-    return spec.default_factory()
-
-
-def _shown(value: Any) -> str:
-    return f"{value:g}" if isinstance(value, float) else str(value)
+    return _declared_default(OWNERS, path)
 
 
 # The flags `kvfleet k8s render` takes from this table too (its other flags are its own).
 AUTOSCALE_FLAGS = ("--autoscale", "--slo-ttft-ms", "--slo-itl-ms", "--target-kv-utilisation",
-                   "--upscale-delay", "--downscale-delay")
+                   "--target-load", "--upscale-delay", "--downscale-delay")
 
 
 def add_cluster_args(p: argparse.ArgumentParser, command: str,
-                     names: Optional[tuple[str, ...]] = None) -> None:
-    """Add :data:`FLAGS` (those ``command`` takes; only ``names`` when given) to ``p``."""
-    groups: dict[str, Any] = {}
-    for f in FLAGS:
-        if (f.only and command not in f.only) or (names is not None and f.flag not in names):
-            continue
-        default = f.default
-        if default is DECLARED:
-            default = declared_default(f.field) if f.field else None
-        target = p
-        if f.exclusive:
-            if f.exclusive not in groups:
-                groups[f.exclusive] = p.add_mutually_exclusive_group()
-            target = groups[f.exclusive]
-        kwargs: dict[str, Any] = {"dest": f.name, "default": default,
-                                  "help": f.help.replace("{default}", _shown(default))}
-        if f.action:
-            kwargs["action"] = f.action
-        if f.action in ("store_false", "store_true"):
-            kwargs.pop("default")  # the flag's absence is the declared default
-        else:
-            kwargs["metavar"] = f.metavar or f.flag.lstrip("-").upper().replace("-", "_")
-        if f.type is not None:
-            kwargs["type"] = f.type
-        if f.choices is not None:
-            kwargs["choices"] = f.choices
-            kwargs.pop("metavar", None)
-        target.add_argument(f.flag, **kwargs)
-
-
-def _field_values(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    """Parsed table values grouped by the dataclass that declares them (keys of OWNERS)."""
-    values: dict[str, dict[str, Any]] = {owner: {} for owner in OWNERS}
-    for f in FLAGS:
-        if f.field is None or not hasattr(args, f.name):
-            continue
-        value = getattr(args, f.name)
-        if f.convert is not None and value is not None:
-            value = f.convert(value)
-        owner, _, name = f.field.rpartition(".")
-        values[owner][name] = value
-    return values
+                     names: Optional[tuple[str, ...]] = None) -> dict[str, Any]:
+    """Add :data:`FLAGS` (those ``command`` takes; only ``names`` when given) to ``p``, in
+    their ``--help`` sections. Returns the sections (a command adds its own flags to them)."""
+    rows = [f for f in FLAGS if names is None or f.flag in names]
+    return add_flags(p, rows, command, lambda f: declared_default(f.field) if f.field else None)
 
 
 def cluster_config(args: argparse.Namespace) -> ClusterConfig:
@@ -290,13 +238,10 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
     from kvfleet.worker.replica.adapter_catalog import adapter_roots
 
     name, model_dir = resolve_model(args.model)
-    values = _field_values(args)
+    values = values_by_owner(args, FLAGS, OWNERS)
     # Beyond loopback: mutual TLS by default (~/.kvfleet/internal-tls), never plaintext.
     replica_values = with_default_internal_tls(values["replica"])
     _check_device(replica_values["device"])
-    if values["replica.scheduler"].get("layer_yield") and replica_values["tensor_parallel_size"] != 1:
-        raise ValueError("--layer-yield needs --tp 1: a forward pauses between layers only when "
-                         "one process runs the whole model")
     if replica_values["tensor_parallel_size"] != 1:  # refuse a split the model cannot take
         from kvfleet.worker.runner.model_config import load_model_config
         from kvfleet.worker.runner.tp.layout import check_tp
@@ -320,7 +265,8 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
         telemetry=TelemetryConfig.from_env(os.environ), **replica_values)
     # -vv: the router logs each routing decision (candidates' matches and loads) too
     log_level = "DEBUG" if getattr(args, "verbose", 0) >= 2 else "INFO"
-    router = RouterConfig(log_level=log_level, **values["router"])
+    knobs = {k: v for k, v in values["router.policy_options"].items() if v is not None}
+    router = RouterConfig(log_level=log_level, policy_options=knobs, **values["router"])
     autoscale = autoscale_config(args)
     replicas = autoscale.targets.min_replicas if autoscale else args.replicas
     if replicas is None:

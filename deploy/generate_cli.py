@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from kvfleet.deploy.arg_types import non_empty, positive_seconds
+from kvfleet.arg_types import non_empty, positive_seconds
 
 DEFAULT_ROUTER = "127.0.0.1:50051"
 

@@ -49,9 +49,9 @@ from kvfleet.deploy.k8s_objects import (
     router,
 )
 from kvfleet.deploy.serve_control import deploy_config
-from kvfleet.router.main import RouterConfig
+from kvfleet.router.config import RouterConfig
 from kvfleet.telemetry import TelemetryConfig
-from kvfleet.worker.engine.scheduler import SchedulerConfig
+from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig
 from kvfleet.worker.replica.replica import ReplicaConfig
 
 __all__ = ["GRPC_PORT", "HTTP_PORT", "REDIS_PORT", "K8sConfig", "cluster_config", "render",

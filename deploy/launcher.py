@@ -12,6 +12,7 @@ import subprocess
 import sys
 from typing import Optional
 
+from kvfleet.cpus import whole_cpus
 from kvfleet.deploy import serve_control
 from kvfleet.deploy.cluster_config import (
     ClusterConfig,
@@ -29,6 +30,41 @@ from kvfleet.tls import FILES as TLS_FILES
 from kvfleet.tls import generate_internal_tls
 
 log = logging.getLogger(__name__)
+MIN_REPLICA_CPUS = 0.05  # the smallest share a replica is given (the rest of a tiny Ray)
+
+
+def replica_cpus(cfg: ClusterConfig, free: dict, strict: bool = True) -> float:
+    """Ray CPUs per Serve replica: ``cfg.replica_num_cpus``, else the free CPUs shared out
+    (at most 1 each) over twice the fleet (room to double it in place) or, autoscaled, over
+    MAX Serve replicas, so every replica the policy may ask for can be placed.
+
+    Raises:
+        ValueError (``strict``; else a logged warning: a Ray cluster of its own may grow)
+            when MAX replicas (``--autoscale``, or the fleet) cannot be placed on ``free``
+            (Ray's available resources), naming what they need and what there is.
+    """
+    hosts = serve_hosts(cfg)
+    room = max(2 * hosts, cfg.autoscale.targets.max_replicas if cfg.autoscale else 0)
+    cpus = float(free.get("CPU", 0.0))
+    per = max(MIN_REPLICA_CPUS, min(1.0, cpus / room))
+    if cfg.replica_num_cpus is not None:
+        per = cfg.replica_num_cpus
+    most = cfg.autoscale.targets.max_replicas if cfg.autoscale else hosts
+    what = f"--autoscale MAX {most}" if cfg.autoscale else f"{most} Serve replica(s)"
+    tp = cfg.replica.tensor_parallel_size
+    gpus = float(free.get("GPU", 0.0))
+    problem = None
+    if per * most > cpus + 1e-9:
+        problem = (f"{what} need {per * most:g} Ray CPUs ({per:g} each), the Ray cluster has "
+                   f"{cpus:g} free")
+    elif cfg.replica.device.startswith("cuda") and most * tp > gpus:
+        problem = f"{what} need {most * tp} GPUs ({tp} each), the Ray cluster has {gpus:g} free"
+    if problem is not None:
+        if strict:
+            raise ValueError(f"{problem}: lower MAX or give Ray more resources (a replica that "
+                             f"cannot be placed stays 'starting')")
+        log.warning("%s: the cluster must grow to place them", problem)
+    return per
 
 
 class LocalCluster:
@@ -93,14 +129,9 @@ class LocalCluster:
         if cfg.replica.device.startswith("cuda") and ray.cluster_resources().get("GPU", 0) < tp:
             raise ValueError(f"--tp {tp} --device cuda: a replica needs {tp} GPUs on one node, "
                              f"the Ray cluster has {ray.cluster_resources().get('GPU', 0):g}")
-        hosts = serve_hosts(cfg)
-        cpus = float(ray.available_resources().get("CPU", 1.0))
-        # Half the free CPUs shared out (at most 1 each): room to scale the fleet to twice
-        # its size in place.
-        per_replica = max(0.05, min(1.0, cpus / (2 * hosts)))
-        if cfg.replica_num_cpus is not None:
-            per_replica = cfg.replica_num_cpus
-        threads = max(1, (os.cpu_count() or 1) // cfg.replicas)
+        # A cluster joined by address may grow (an autoscaler): warn there, refuse here.
+        per_replica = replica_cpus(cfg, ray.available_resources(), strict=not cfg.ray_address)
+        threads = max(1, whole_cpus() // cfg.replicas)
         assert self.redis_url is not None  # set by _start first
         return serve_application(cfg, self.redis_url, per_replica, threads)
 

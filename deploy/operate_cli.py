@@ -9,7 +9,7 @@ import os
 import sys
 from typing import Optional
 
-from kvfleet.deploy.arg_types import non_empty, positive_int, positive_seconds
+from kvfleet.arg_types import non_empty, positive_int, positive_seconds
 
 
 def add_parsers(sub) -> None:

@@ -25,7 +25,7 @@ from kvfleet.config_codec import to_dict
 from kvfleet.deploy.serve_control import DEPLOYMENT, IMPORT_PATH, app_name
 
 # Serve imports this module in a fresh process for every deploy (its build step): keep it
-# free of torch (the replica module imports it): 2-4 s of each application start.
+# free of torch (the replica module imports it): torch's import would add to every start.
 if TYPE_CHECKING:
     from kvfleet.worker.replica.replica import ReplicaConfig
 

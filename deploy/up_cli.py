@@ -19,11 +19,11 @@ def add_parsers(sub) -> None:
     up.set_defaults(func=cmd_up)
 
     demo = sub.add_parser("demo", help="start a local cluster, send a shared-prefix workload, stop")
-    add_cluster_args(demo, "demo")
-    demo.add_argument("--trace", action="store_true",
+    observability = add_cluster_args(demo, "demo")["observability"]
+    observability.add_argument("--trace", action="store_true",
                       help="trace every request and print its queue / prefill / decode / network "
                            "breakdown (and its Jaeger link when Jaeger answers at --jaeger-url)")
-    demo.add_argument("--jaeger-url", default="http://127.0.0.1:16686",
+    observability.add_argument("--jaeger-url", default="http://127.0.0.1:16686",
                       help="Jaeger UI for trace links (default http://127.0.0.1:16686)")
     demo.set_defaults(func=cmd_demo, router__port=0)
 

@@ -2,7 +2,7 @@
 
 A :class:`Constraint` is one of ``json_object`` (any JSON object), ``json_schema`` (a JSON Schema
 document), ``regex`` or ``grammar`` (EBNF, start rule ``root``). The router checks what it can
-cheaply (size, JSON syntax); the worker compiles it (:mod:`kvfleet.worker.engine.grammar`) and
+cheaply (size, JSON syntax); the worker compiles it (:mod:`kvfleet.worker.engine.output.grammar`) and
 refuses what does not compile, both with :class:`~kvfleet.errors.InvalidArgument` naming the field.
 """
 

@@ -75,8 +75,8 @@ def advertised_host(host: str) -> str:
 
 # RPCs that reached gRPC core but that the Python server has not picked up yet. Core's defaults
 # (soft 1,000, hard 3,000, random early rejection in between) end the excess with status
-# CANCELLED, details "CANCELLED", before any handler runs: a 1,500-request burst on one router
-# lost 10-59 requests that way (bench.overload burst). Up to this many wait instead, so the
+# CANCELLED, details "CANCELLED", before any handler runs: a burst on one router lost requests
+# that way (``python -m bench overload burst``; docs/design.md §10). Up to this many wait instead, so the
 # server's own admission answers each one (RESOURCE_EXHAUSTED, in milliseconds); past it core
 # still rejects. A pending call holds its headers and at most one flow-control window of body.
 MAX_PENDING_RPCS = 20_000

@@ -111,7 +111,9 @@ class ReplicaInfo:
     """A worker replica as the registry knows it; ``epoch`` is assigned by ``register()``.
 
     ``max_requests``: sequences the replica holds at most (running + waiting), past which it
-    refuses, so routers refuse before dispatching; 0 = not advertised.
+    refuses, so routers refuse before dispatching; 0 = not advertised. ``max_queue_wait_s``:
+    the longest predicted wait before a request's prefill starts that the replica admits
+    (``worker/service/wait_bound.py``); 0 = not advertised.
     """
 
     replica_id: str
@@ -120,6 +122,7 @@ class ReplicaInfo:
     epoch: int
     block_size: int
     max_requests: int = 0
+    max_queue_wait_s: float = 0.0
     tensor_parallel_size: int = 1
     # One dict per rank, rank 0 first: the fields of kvfleet.v1.RankStatus.
     ranks: tuple[dict, ...] = ()
@@ -149,7 +152,7 @@ class ReplicaInfo:
         return json.dumps(
             {"address": self.address, "model": self.model, "epoch": self.epoch,
              "block_size": self.block_size, "max_requests": self.max_requests,
-             "started_at": started_at,
+             "max_queue_wait_s": self.max_queue_wait_s, "started_at": started_at,
              "tensor_parallel_size": self.tensor_parallel_size, "ranks": list(self.ranks),
              "adapters": [list(a) for a in self.adapters],
              "resident_adapters": list(self.resident_adapters),
@@ -165,6 +168,7 @@ class ReplicaInfo:
         return cls(replica_id=replica_id, address=str(d["address"]), model=str(d["model"]),
                    epoch=int(d["epoch"]), block_size=int(d["block_size"]),
                    max_requests=int(d.get("max_requests", 0)),
+                   max_queue_wait_s=float(d.get("max_queue_wait_s", 0.0)),
                    tensor_parallel_size=int(d.get("tensor_parallel_size", 1)),
                    ranks=tuple(dict(r) for r in d.get("ranks", ())),
                    adapters=tuple((str(n), str(r)) for n, r in d.get("adapters", ())),
@@ -183,7 +187,7 @@ class ReplicaLoad:
 
     ``queue_delay_s``: predicted seconds until a request arriving at report time could start its
     prefill; ``prefill_token_s``: the replica's marginal seconds per uncached prompt token
-    (``worker/engine/queue_delay.py``). Both ``None`` when not advertised (an older replica).
+    (``worker/step_cost/queue_delay.py``). Both ``None`` when not advertised (an older replica).
     """
 
     running: int

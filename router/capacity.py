@@ -1,7 +1,8 @@
 """Refuse at once what no replica can take: before tokenizing, hashing or routing.
 
-Each replica advertises its limit (``ReplicaInfo.max_requests``: running + waiting sequences)
-in its registration; a candidate's load is the router's best count of what it holds
+Each replica advertises its limits in its registration (``ReplicaInfo.max_requests``: running +
+waiting sequences; ``max_queue_wait_s``: the predicted wait it admits, against its load
+report's ``queue_delay_s``); a candidate's load is the router's best count of what it holds
 (``Candidate.load``: its last report corrected by this router's own streams). When every
 candidate is at its limit the request is refused with RESOURCE_EXHAUSTED and gRPC's retry
 hint, the ``grpc-retry-pushback-ms`` trailer, instead of waiting for a worker to refuse it.
@@ -28,9 +29,19 @@ DEFAULT_RETRY_PUSHBACK_MS = 1000  # about one load report: when the router's vie
 
 
 def has_room(c: Candidate) -> bool:
-    """True when ``c`` is below its advertised limit (or advertises none)."""
-    limit = c.info.max_requests
-    return limit <= 0 or c.load < limit
+    """True when ``c`` is below its advertised limits (or advertises none): its running +
+    waiting sequences, and its last report's predicted queue delay against its queue bound
+    (``max_queue_wait_s``: the replica would refuse a newcomer)."""
+    return not (_at_count(c) or _past_bound(c))
+
+
+def _at_count(c: Candidate) -> bool:
+    return 0 < c.info.max_requests <= c.load
+
+
+def _past_bound(c: Candidate) -> bool:
+    bound, report = c.info.max_queue_wait_s, c.load_report
+    return bound > 0 and report is not None and (report.queue_delay_s or 0.0) >= bound
 
 
 def with_room(candidates: Sequence[Candidate]) -> list[Candidate]:
@@ -57,10 +68,16 @@ def check_room(candidates: Sequence[Candidate], model: str,
     """Raises ResourceExhausted (naming the limit and the class of priority ``level``)
     when every candidate is at its limit."""
     if candidates and not any(has_room(c) for c in candidates):
-        limits = sorted({c.info.max_requests for c in candidates})
+        counts = sorted({c.info.max_requests for c in candidates if _at_count(c)})
+        bounds = sorted({c.info.max_queue_wait_s for c in candidates if not _at_count(c)})
+        limits = []
+        if counts:
+            limits.append(f"limit of {'/'.join(map(str, counts))} running + waiting sequences")
+        if bounds:
+            limits.append(f"queue bound of {'/'.join(f'{b:g}' for b in bounds)} s "
+                          f"(max_queue_wait_s)")
         raise ResourceExhausted(
-            f"every replica of model {model!r} is at its limit of "
-            f"{'/'.join(map(str, limits))} running + waiting sequences (refused: "
+            f"every replica of model {model!r} is at its {' or '.join(limits)} (refused: "
             f"{priority.describe(level)} request)")
 
 

@@ -43,7 +43,7 @@ from kvfleet.router.capacity import (
     with_room,
 )
 from kvfleet.router.peer_hint import pick_source, set_hint, tier_runs
-from kvfleet.router.policy import Candidate, RoutingPolicy
+from kvfleet.router.policy import Candidate, LeastLoaded, RoutingPolicy
 from kvfleet.router.predicted_ttft import report_age
 from kvfleet.router.prefix_index import IndexUnavailable
 from kvfleet.router.replica_set import ReplicaSet
@@ -148,6 +148,7 @@ class RouterCore:
         self.default_model = default_model
         self.replicas = replicas
         self.policy = policy
+        self._blind = LeastLoaded()  # while the prefix index is unreachable
         self.auth = auth
         self.telemetry = telemetry or RouterTelemetry()  # spans + metrics (no-op by default)
         self.retry_pushback_ms = retry_pushback_ms  # RESOURCE_EXHAUSTED's retry hint (ms)
@@ -235,7 +236,7 @@ class RouterCore:
                               field="prompt")
 
     async def _off_loop(self, fn, arg):
-        # Tokenizing 1 MiB takes seconds: on the loop it would stall every stream it relays.
+        # Tokenizing a large prompt takes long: on the loop it would stall every stream it relays.
         return await asyncio.get_running_loop().run_in_executor(self._tokenizers, fn, arg)
 
     def _candidates(self, model: str, matched: Optional[dict[str, int]] = None,
@@ -303,7 +304,13 @@ class RouterCore:
         roomy = with_room(candidates)
         if adapter is not None and getattr(self.policy, "uses_index", False):
             roomy = prefer_resident(roomy, adapter[0])
-        return RouteDecision(self.policy.choose(roomy, chain), len(chain), redis_s, index_used,
+        if chain and getattr(self.policy, "uses_index", False) and not index_used:
+            # No prefix is known anywhere: by load alone, equal loads in turn (a hash of the
+            # chain would send an idle fleet's requests all to one replica).
+            chosen = self._blind.choose(roomy, ())
+        else:
+            chosen = self.policy.choose(roomy, chain)
+        return RouteDecision(chosen, len(chain), redis_s, index_used,
                              source if index_used else "", tuple(candidates), adapter, runs)
 
     async def generate(self, req: GenerateInput, tenant: str, trace: RouterRequestTrace

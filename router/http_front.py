@@ -170,7 +170,7 @@ class HttpFront:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets whose proto says
         # TCP (accepted ones inherit it); with proto 0, Nagle held an SSE stream's first chunk
-        # behind its headers for the client's delayed ACK (~40 ms).
+        # behind its headers for the client's delayed ACK (docs/http_api.md).
         sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

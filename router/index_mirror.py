@@ -1,7 +1,7 @@
 """The prefix index mirrored in the router's memory, fed by the workers' KV event log.
 
-Why: a Redis lookup per request costs a round trip on every request's TTFT path (~1 ms p50, ~3 ms
-p99 on a busy 2-core host). Each router instead keeps every live replica's held block hashes in
+Why: a Redis lookup per request costs a round trip on every request's TTFT path (docs/routing.md,
+"The index mirror"). Each router instead keeps every live replica's held block hashes in
 memory and follows ``{ns}kv_events`` (written by the workers' index scripts in the same call as
 the change, see :mod:`kvfleet.index_keys`); a lookup is then a few set probes. This is how
 Dynamo's KV router works; SGLang's router keeps a tree of what it dispatched instead.
@@ -64,11 +64,11 @@ class MirroredPrefixIndex:
     ``block_s``: longest wait of one log read (seconds); the mirror counts as in sync while its
     last read reached the log's tail and returned less than ``block_s + 2 × timeout_s`` ago.
     ``batch``: log entries per read. ``min_interval_s``: once caught up, the shortest time
-    between two reads that returned entries — one read per event would cost the router ~0.2–0.6 ms
-    of CPU each here; batching bounds that at ``1 / min_interval_s`` reads per second whatever the
-    fleet's event rate, for at most that much more lag. 20 ms: 0.3–0.4 ms less router CPU per
-    request than 5 ms at 100 req/s here (and ~0.2 ms less added TTFT p50), while the lag stays
-    below one engine step (a KV event leaves a worker only after the step that filled the blocks).
+    between two reads that returned entries — one read per event would cost the router CPU for
+    every event; batching bounds that at ``1 / min_interval_s`` reads per second whatever the
+    fleet's event rate, for at most that much more lag, which stays below one engine step (a KV
+    event leaves a worker only after the step that filled the blocks). Why its default:
+    docs/routing.md, "The index mirror".
     Call :meth:`start` on the event loop that will use it.
     """
 

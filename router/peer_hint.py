@@ -1,4 +1,4 @@
-"""The peer hint a routed request carries (issue 26 §2, and §3's hand-over across nodes): when
+"""The peer hint a routed request carries (docs/kv_tier.md, "Peer pull"; across nodes too): when
 the chosen replica reaches less of the prompt's prefix than another live replica holds (the
 policy traded the match for load), or than a node's host tier holds (blocks a drained replica
 handed over to its node's tier, on a node the chosen replica is not on), the worker request

@@ -19,8 +19,8 @@ so the record is a radix tree: a node is a *run* of blocks every recorded chain 
 through whole or not at all, with the last decision each replica was sent a chain through it.
 A decision walks and stamps the runs its chain passes (a few: template, family prefix, the
 request's own suffix; each matched by bisection, the chain property again) and adds at most
-one run (a list slice), so it costs O(runs × log blocks), not a dict write per block (0.29 ms
-against ``prefix_aware``'s 0.17 at 68-block prompts, 1.17 against 0.24 at 2,048 before).
+one run (a list slice), so it costs O(runs × log blocks), not a dict write per block (the
+per-block record's cost grew with the prompt: docs/routing.md, "The record's cost").
 Every block of a run was sent to the same replicas at the same decisions, so per-block answers
 (``matched_by``, ``working_set``) are exactly those of a ``block → {replica: decision}`` map.
 """

@@ -1,9 +1,10 @@
 """Routing policies: pick a replica from candidates with their prefix match and load.
 
-``prefix_aware`` (default). Per request, with ``m`` = a replica's matched leading blocks and
-``load`` = its requests (running + waiting: the larger of its last report, less this router's
-requests that report counts but that have finished since, and this router's own in-flight
-count, so a burst counts before the next heartbeat and a finished one stops counting at once):
+``prefix_aware`` (what the default, ``predicted_ttft``, falls back to). Per request, with ``m``
+= a replica's matched leading blocks and ``load`` = its requests (running + waiting: the larger
+of its last report, less this router's requests that report counts but that have finished
+since, and this router's own in-flight count, so a burst counts before the next heartbeat and
+a finished one stops counting at once):
 
 1. **Score** ``m − load_penalty_blocks × load``; the highest wins. ``m`` includes a replica's
    host-tier hits at ``host_hit_weight`` each (``router/tier_credit.py``). Ties go to the deeper match
@@ -14,7 +15,8 @@ count, so a burst counts before the next heartbeat and a finished one stops coun
    exponential average over ~``RECENT_WINDOW`` decisions per replica), so a shared family's
    traffic fills the holder with the least other work; then to rendezvous hashing on the first
    block's hash — a new prefix family (``m = 0`` everywhere) lands on the least-loaded replica,
-   and on the same one from every router when their views agree.
+   and on the same one from every router when their views agree. With no block to hash (a
+   prompt shorter than a block), equal candidates take turns (``TieOrder``).
 2. **Bounded imbalance.** The router also keeps the exponentially weighted share of recent
    requests whose deepest cached block is a given one (the prefix's *popularity*). A prefix gets
    one more holder — the request goes to the least-loaded replica that lacks it, which computes
@@ -36,7 +38,9 @@ count, so a burst counts before the next heartbeat and a finished one stops coun
 3. **KV saturation.** A replica whose KV blocks are ``kv_saturation`` or more in use by live
    requests (last report) is skipped while another is not: it could not admit the request.
 
-``predicted_ttft`` keeps 2 and 3 and scores in seconds instead (``router/predicted_ttft.py``).
+``predicted_ttft`` (the default) keeps 2 and 3 and scores in seconds instead
+(``router/predicted_ttft.py``); a decision where a replica's report lacks the forecast is
+``prefix_aware``'s.
 ``least_loaded`` and ``round_robin`` are the baselines benchmarks compare against.
 """
 
@@ -109,6 +113,31 @@ def rendezvous_score(key: bytes, replica_id: str) -> bytes:
     return hashlib.sha256(key + b"\x00" + replica_id.encode()).digest()
 
 
+class TieOrder:
+    """The last tie-break between otherwise equal candidates.
+
+    With a block to hash, rendezvous on it: a prefix family's owner, the same from every
+    router. Without one (a prompt shorter than a block, or a router routing blind while the
+    prefix index is unreachable) there is no family to keep together, and a fixed hash would
+    send every such request to one replica while loads are equal (an idle fleet, sequential
+    requests): equal candidates take turns instead, each decision starting one replica (in id
+    order) further on.
+    """
+
+    def __init__(self) -> None:
+        self._turn = 0
+
+    def ranks(self, candidates: Sequence[Candidate], chain: Sequence[bytes]) -> dict[str, int]:
+        """Replica id → rank (0 wins the tie) for one decision over ``candidates``."""
+        ids = sorted({c.info.replica_id for c in candidates})
+        if chain:
+            ids.sort(key=lambda rid: rendezvous_score(chain[0], rid), reverse=True)
+        elif ids:
+            turn, self._turn = self._turn % len(ids), self._turn + 1
+            ids = ids[turn:] + ids[:turn]
+        return {rid: i for i, rid in enumerate(ids)}
+
+
 class RoutingPolicy(Protocol):
     name: str
 
@@ -179,6 +208,7 @@ class PrefixAware:
         # prefix key → {replica_id: decision number}: copies started but not yet in the index
         self._copies: dict[bytes, dict[str, int]] = {}
         self._decisions = 0
+        self.ties = TieOrder()
 
     def choose(self, candidates: Sequence[Candidate], chain: Sequence[bytes]) -> Candidate:
         self._decisions += 1
@@ -231,15 +261,15 @@ class PrefixAware:
         """Highest score; then the deeper match (the score says the extra load is worth the
         extra cached blocks, and sending the request elsewhere would copy the prefix); then
         least loaded; holders then by recent load (the one with less other work takes the
-        shared family's traffic); then rendezvous on the first block."""
-        first = chain[0] if chain else b""
+        shared family's traffic); then :class:`TieOrder` (rendezvous on the first block)."""
         cached = {c.info.replica_id: c.matched_blocks + host_credit_blocks(c, self.host_hit_weight)
                   for c in candidates}  # host-tier hits at their weight (router/tier_credit.py)
+        rank = self.ties.ranks(candidates, chain)
         return max(candidates, key=lambda c: (
             cached[c.info.replica_id] - self.load_penalty_blocks * c.load,
             cached[c.info.replica_id], -c.load,
             -self.recent_load.get(c.info.replica_id, 0.0) if c.matched_blocks else 0.0,
-            rendezvous_score(first, c.info.replica_id)))
+            -rank[c.info.replica_id]))
 
     def _observe_loads(self, candidates: Sequence[Candidate]) -> dict[str, float]:
         """Update each replica's exponentially weighted load (one sample per decision)."""
@@ -275,11 +305,17 @@ def rendezvous_desc(key: bytes, c: Candidate) -> bytes:
 
 
 class LeastLoaded:
+    """The least loaded; ties by :class:`TieOrder`. Also how a router routes while the prefix
+    index is unreachable (with no chain: equal loads take turns)."""
+
     name = "least_loaded"
 
+    def __init__(self) -> None:
+        self.ties = TieOrder()
+
     def choose(self, candidates: Sequence[Candidate], chain: Sequence[bytes]) -> Candidate:
-        first = chain[0] if chain else b""
-        return max(candidates, key=lambda c: (-c.load, rendezvous_score(first, c.info.replica_id)))
+        rank = self.ties.ranks(candidates, chain)
+        return min(candidates, key=lambda c: (c.load, rank[c.info.replica_id]))
 
 
 class RoundRobin:

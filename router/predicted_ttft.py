@@ -2,7 +2,7 @@
 
 Each replica advertises, with its load, ``queue_delay_s`` (seconds before a request arriving
 now starts its prefill) and ``prefill_token_s`` (its seconds per uncached prompt token), both
-from its own step-cost model (``worker/engine/queue_delay.py``). Per candidate, with ``m``
+from its own step-cost model (``worker/step_cost/queue_delay.py``). Per candidate, with ``m``
 its matched leading blocks of a prompt of ``P`` tokens (blocks its node's host tier holds
 after those cost their restore instead of their prefill: ``router/tier_credit.py``):
 
@@ -20,9 +20,9 @@ The score ranks the replicas holding the request's **deepest** match (the lowest
 one's prefill also delays the requests behind it). It never moves a request to a shallower
 holder on its own: a queue that is long at the moment of one decision is a burst that drains
 in seconds, while a copy of a prefix is permanent — it costs a full prefill and evicts another
-family's blocks (greedy TTFT, bench.ttft_routing: uniform p90 1.16× prefix_aware's, B2B
-hit rate 0.89 → the fleet past saturation collapses). Copies come from the bound below, on
-backlogs averaged over a few decisions. Ties go to the least loaded, then rendezvous hashing on
+family's blocks (greedy TTFT lost to ``prefix_aware`` and collapsed past saturation:
+docs/history/routing.md). Copies come from the bound below, on backlogs averaged over a few
+decisions. Ties go to the least loaded, then rendezvous hashing on
 the first block.
 
 **What this router sent** (``router/placement_memory.py``). The index shows a block only once
@@ -35,13 +35,12 @@ replica. A new family (no replica holds any block of it) goes where that working
 smallest share of the replica's KV — among the replicas whose backlog is shorter than the
 prompt's full prefill on the fastest (all, if none is) — then by load and rendezvous. By
 load alone a family lands wherever the queue is short at the moment it first arrives, and
-a replica with 9 or more of 32 families evicts what its own traffic returns for
-(bench.ttft_routing: 10–16 families per replica, 20–50 misses per 432 requests); by room the
-fleet holds 8 per replica. The backlog guard keeps a cold start's prefills off a replica
-already busy for longer than the prefill itself (a half-speed one, early); without the
-forecast (a replica not yet reported) room places a new family unguarded — by load there, a
-burst of new families whose followers the record keeps together left one replica 4 of b2b's
-8 groups (closed-loop saturation 26 → 15 req/s).
+a replica given more families than its KV holds evicts what its own traffic returns for; by
+room each replica holds its share. The backlog guard keeps a cold start's prefills off a
+replica already busy for longer than the prefill itself (a half-speed one, early); without
+the forecast (a replica not yet reported) room places a new family unguarded — by load
+there, a burst of new families whose followers the record keeps together piles onto one
+replica (docs/history/routing.md has the runs).
 
 What ``prefix_aware`` adds stays, in seconds: the KV-saturation skip; a hot prefix (its own
 traffic above ``max_imbalance`` fair shares per holder) gets another holder at once; and the
@@ -67,11 +66,11 @@ from kvfleet.router.policy import Candidate, PrefixAware, rendezvous_desc
 from kvfleet.router.tier_credit import host_credit_s
 
 MAX_REPORT_AGE_S = 10.0  # older is a clock offset between hosts, not drained work
-DEFAULT_MISS_WEIGHT = 3.0  # see the module docstring (bench.ttft_routing: 0, 1, 3, 6 tried)
+DEFAULT_MISS_WEIGHT = 3.0  # see the module docstring (the values tried: docs/history/routing.md)
 PENDING_KEEP = 0.75  # weight of the old value in the per-replica average of sent prefill seconds
 # Decisions per replica the bound's backlog averages over: the forecast is already the wait a
-# request would see, so only a report-to-report jitter is smoothed (64 hid a slow replica's
-# multi-second cold-start queue for ~30 s: hetero p99 2.35 s, with 2 1.93 s).
+# request would see, so only a report-to-report jitter is smoothed (a long average hid a slow
+# replica's cold-start queue until it had drained: docs/history/routing.md).
 BOUND_WINDOW = 2
 
 
@@ -200,14 +199,14 @@ class PredictedTTFT(PrefixAware):
         """Where a prefix no replica holds goes: among the replicas whose backlog is shorter
         than the prompt's full prefill on the fastest (all, if none is, or if a candidate
         lacks the forecast), the one whose KV working set has the most room; then least
-        loaded, rendezvous on the first block."""
+        loaded, then :class:`~kvfleet.router.policy.TieOrder`."""
         pool = candidates
         if all(_forecast(c) is not None for c in candidates):
             copy_s = min(self.own_prefill_s(c, chain, matched=0) for c in candidates)
             pool = [c for c in candidates if self.backlog_s(c) <= copy_s] or candidates
-        first = chain[0] if chain else b""
+        rank = self.ties.ranks(pool, chain)
         return min(pool, key=lambda c: (room_order(self.sent.working_set(c.info.replica_id), c),
-                                        c.load, rendezvous_desc(first, c)))
+                                        c.load, rank[c.info.replica_id]))
 
     def _order(self, c: Candidate, chain: Sequence[bytes]) -> tuple:
         """Sort key: predicted TTFT + ``miss_weight`` × own prefill; then deeper match,

@@ -78,7 +78,7 @@ class ServedModel:
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         # encode_batch, not encode: only the batch call releases the GIL, so a router thread
-        # tokenizing 1 MiB (~0.7 s) no longer stops the event loop for that long.
+        # tokenizing a large prompt no longer stops the event loop for as long as it takes.
         return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def encode_messages(self, messages: Sequence[dict[str, str]]) -> list[int]:

@@ -149,8 +149,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
             await context.abort(*status_of(exc))
 
     async def ClusterStatus(self, request, context):
-        now = time.time()
         replicas = self.core.replicas
+        # Read the registry now, not at the periodic read: a replica that registered a moment
+        # ago (the launcher's "ready" waits for that) is listed.
+        await replicas.refresh()
+        now = time.time()
         out = router_pb2.ClusterStatusResponse(policy=self.core.policy.name,
                                                index_available=replicas.index_available)
         for info, load in replicas.replicas.values():

@@ -16,7 +16,7 @@ Redis that is down, past the one that found it down. Requests admitted meanwhile
 to the shared set by that renewal, so they count once Redis is back.
 
 Each finished request's service — uncached prompt tokens × 1 + output tokens × 2, the worker
-scheduler's weights (:mod:`kvfleet.worker.engine.tenant_service`) — is summed per tenant here
+scheduler's weights (:mod:`kvfleet.service_weights`) — is summed per tenant here
 and added to ``{ns}tenant_service`` (a HASH, tenant → service: the fleet's per-tenant account)
 by the next renewal, so the account costs no call per request.
 """
@@ -44,7 +44,7 @@ from kvfleet.index_keys import (
 )
 from kvfleet.router.capacity import check_tenant
 from kvfleet.router.prefix_index import _NOW_MS
-from kvfleet.worker.engine.tenant_service import DECODE_WEIGHT, PREFILL_WEIGHT
+from kvfleet.service_weights import DECODE_WEIGHT, PREFILL_WEIGHT
 
 log = logging.getLogger(__name__)
 

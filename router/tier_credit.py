@@ -7,12 +7,11 @@ the tier's first miss) is not computed: admission restores it. It still costs th
 
     host_hit_weight = 1 − restore seconds per block ÷ prefill seconds per block
 
-with the prefill side from the step-cost model (``MEASURED.prefill_token_s`` × block size) and
-the restore side measured by ``python -m bench kv_tier`` on the same model and machine
-(docs/kv_tier.md): a single block's restore, the dearest case per block (a 64-block run
-restores at an eighth of that per block). The result, 0.95, is close to a device hit on CPU
-(Dynamo uses 0.75 on GPUs, where prefill is far cheaper next to a host→device copy; pass
-``host_hit_weight`` / ``--host-hit-weight`` there).
+with the prefill side from the measured step costs (``MEASURED_STEP_COSTS.prefill_token_s`` ×
+block size) and the restore side measured by ``python -m bench kv_tier`` on the same model and
+machine: a single block's restore, the dearest case per block. On CPU the result is close to a
+device hit; on GPUs prefill is far cheaper next to a host→device copy, so pass a lower
+``host_hit_weight`` / ``--host-hit-weight`` there (the numbers: docs/kv_tier.md, "Credit").
 
 ``prefix_aware`` adds :func:`host_credit_blocks` to a replica's matched blocks;
 ``predicted_ttft`` takes :func:`host_credit_s` off its prefill seconds, so those blocks cost
@@ -23,7 +22,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvfleet.worker.engine.step_cost import MEASURED
+from kvfleet.measured_costs import MEASURED_STEP_COSTS
 
 if TYPE_CHECKING:
     from kvfleet.router.policy import Candidate
@@ -45,7 +44,7 @@ def host_hit_weight(restore_block_s: float, prefill_token_s: float, block_size: 
 
 
 DEFAULT_HOST_HIT_WEIGHT = round(
-    host_hit_weight(RESTORE_BLOCK_S, MEASURED.prefill_token_s, MEASURED_BLOCK_SIZE), 2)
+    host_hit_weight(RESTORE_BLOCK_S, MEASURED_STEP_COSTS.prefill_token_s, MEASURED_BLOCK_SIZE), 2)
 
 
 def host_credit_blocks(c: "Candidate", weight: float) -> float:

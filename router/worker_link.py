@@ -2,8 +2,8 @@
 
 A new gRPC call per request costs the router (and the worker) a new HTTP/2 stream, metadata
 and a status on top of the messages; on one long-lived stream a routed call is one frame each
-way, and the frames of one engine step arrive as one batch message. Measured with
-``bench.router_cost`` (zero-cost replica, 100 req/s, 2 cores): see docs/benchmarks.md (Routing).
+way, and the frames of one engine step arrive as one batch message (``python -m bench
+router_cost`` measures the difference: docs/benchmarks.md, Routing).
 
 One :class:`WorkerLink` per replica channel. The stream opens on first use and again after it
 ends; when it ends (worker gone, channel closed) every call still open on it fails with
@@ -11,7 +11,9 @@ UNAVAILABLE (``link_failed``), and the worker aborts them (their KV blocks are f
 
 A call that gets no frame for ``idle_s`` seconds while the stream stays up (a worker task that
 died without its final frame) is cancelled on the worker and fails INTERNAL, so no client
-waits forever on it.
+waits forever on it. A call waiting its turn in the replica's queue is alive: the call asks
+the worker for a liveness frame (``waiting``) every :data:`KEEPALIVES_PER_IDLE`-th of
+``idle_s`` it spends silent while the replica still holds it.
 
 The reader never waits for a call's consumer: a call whose consumer (the client's stream at
 the router's edge) leaves more than ``max_unread`` frames untaken is cancelled on the worker
@@ -37,6 +39,7 @@ log = logging.getLogger(__name__)
 # Seconds a routed call may go without a frame from its worker: above any queue wait plus
 # prefill the worker's own bounds allow (its waiting queue, the request's deadline).
 DEFAULT_CALL_IDLE_S = 120.0
+KEEPALIVES_PER_IDLE = 3  # liveness frames asked for per idle bound (two may be late or lost)
 
 
 class WorkerCallError(StatusError):
@@ -169,7 +172,8 @@ class LinkCall:
             raise ValueError(f"idle_s must be > 0, got {idle_s}")
         self._link = link
         self._idle_s = idle_s
-        self._frame = worker_pb2.GenerateStreamRequest(call_id=next(link._ids))
+        self._frame = worker_pb2.GenerateStreamRequest(call_id=next(link._ids),
+                                                       keepalive_s=idle_s / KEEPALIVES_PER_IDLE)
         self.request: worker_pb2.WorkerGenerateRequest = self._frame.generate
         for key, value in trace_context:
             self._frame.trace_context[key] = value
@@ -192,6 +196,8 @@ class LinkCall:
                 if isinstance(frame, WorkerCallError):  # the stream ended: shared by its calls
                     self._done = True
                     raise WorkerCallError(frame.code, frame.details, link_failed=True)
+                if frame.waiting:  # queued on the replica, alive: the idle bound starts again
+                    continue
                 if frame.HasField("message"):
                     yield frame.message
                 if frame.done:

@@ -127,7 +127,7 @@ METRIC_TIER_BYTES_WRITTEN = "kvfleet.worker.kv_tier.bytes_written"
 METRIC_TIER_BYTES_RESTORED = "kvfleet.worker.kv_tier.bytes_restored"
 METRIC_PREFIX_HIT_TOKENS_BY_TIER = "kvfleet.worker.prefix_cache.tier_hit_tokens"
 METRIC_PREFIX_HIT_RATE_BY_TIER = "kvfleet.worker.prefix_cache.tier_hit_rate"
-# Peer pulls (issue 26 §2, kvfleet.telemetry.tier_metrics): the receiving replica's PullStats.
+# Peer pulls (docs/kv_tier.md, kvfleet.telemetry.tier_metrics): the receiving replica's PullStats.
 METRIC_PEER_PULLS = "kvfleet.worker.kv_peer.pulls"
 METRIC_PEER_PULLED_BLOCKS = "kvfleet.worker.kv_peer.pulled_blocks"
 METRIC_PEER_PULL_TIME = "kvfleet.worker.kv_peer.pull_time"

@@ -91,7 +91,7 @@ class WorkerTelemetry:
             register_tier_metrics(m, model, stats_fn)
         if pull_stats_fn is not None:  # -> the replica's PullStats, or None (no puller)
             register_pull_metrics(m, model, pull_stats_fn)
-        self._step_cost = step_cost  # the engine's StepCost (kvfleet.worker.engine.step_cost)
+        self._step_cost = step_cost  # the engine's StepCost (kvfleet.worker.step_cost.model)
         if step_cost is not None:
             self._step_instruments(m)
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvfleet.v1 import common_pb2 as kvfleet_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvfleet/v1/worker.proto\x12\nkvfleet.v1\x1a\x17kvfleet/v1/common.proto\"\xfe\x02\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x13\n\x0b\x63\x61\x63he_scope\x18\x03 \x01(\t\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x05 \x01(\t\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.kvfleet.v1.SamplingParams\x12\x17\n\x0f\x64\x65\x61\x64line_unix_s\x18\x07 \x01(\x01\x12\x0e\n\x06tenant\x18\x08 \x01(\t\x12\x15\n\x08priority\x18\t \x01(\x11H\x01\x88\x01\x01\x12\"\n\x04peer\x18\n \x01(\x0b\x32\x14.kvfleet.v1.PeerHint\x12\x15\n\x0bjson_object\x18\x14 \x01(\x08H\x00\x12\x15\n\x0bjson_schema\x18\x15 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x16 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x17 \x01(\tH\x00\x42\x0c\n\nconstraintB\x0b\n\t_priority\"i\n\x08PeerHint\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\x05\x12\x13\n\x0b\x66irst_block\x18\x04 \x01(\x05\x12\x0f\n\x07tier_id\x18\x05 \x01(\t\"\xfc\x01\n\x15GenerateStreamRequest\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x35\n\x08generate\x18\x02 \x01(\x0b\x32!.kvfleet.v1.WorkerGenerateRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x03 \x01(\x08H\x00\x12J\n\rtrace_context\x18\x04 \x03(\x0b\x32\x33.kvfleet.v1.GenerateStreamRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x08\n\x06\x61\x63tion\"\xae\x01\n\x16GenerateStreamResponse\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12-\n\x07message\x18\x02 \x01(\x0b\x32\x1c.kvfleet.v1.GenerateResponse\x12\x0c\n\x04\x64one\x18\x03 \x01(\x08\x12\x13\n\x0bstatus_code\x18\x04 \x01(\x05\x12\x16\n\x0estatus_message\x18\x05 \x01(\t\x12\x19\n\x11worker_duration_s\x18\x06 \x01(\x01\"I\n\x13GenerateStreamBatch\x12\x32\n\x06\x66rames\x18\x01 \x03(\x0b\x32\".kvfleet.v1.GenerateStreamResponse\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xef\x01\n\rStatsResponse\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07running\x18\x02 \x01(\x05\x12\x0f\n\x07waiting\x18\x03 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\x05\x12\x18\n\x10num_total_blocks\x18\x05 \x01(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\r\n\x05\x65poch\x18\x07 \x01(\x03\x12\r\n\x05model\x18\x08 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\t \x01(\x05\x12%\n\x05ranks\x18\n \x03(\x0b\x32\x16.kvfleet.v1.RankStatus\"!\n\x0c\x44rainRequest\x12\x11\n\ttimeout_s\x18\x01 \x01(\x01\":\n\rDrainResponse\x12\x0f\n\x07running\x18\x01 \x01(\x05\x12\x18\n\x10\x65nded_by_timeout\x18\x02 \x01(\x05\">\n\x13\x45xportBlocksRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\"=\n\x14\x45xportBlocksResponse\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x0f\n\x07node_id\x18\x02 \x01(\t2\xd4\x04\n\x06Worker\x12M\n\x08Generate\x12!.kvfleet.v1.WorkerGenerateRequest\x1a\x1c.kvfleet.v1.GenerateResponse0\x01\x12X\n\x0eGenerateStream\x12!.kvfleet.v1.GenerateStreamRequest\x1a\x1f.kvfleet.v1.GenerateStreamBatch(\x01\x30\x01\x12<\n\x05\x41\x62ort\x12\x18.kvfleet.v1.AbortRequest\x1a\x19.kvfleet.v1.AbortResponse\x12<\n\x05Stats\x12\x18.kvfleet.v1.StatsRequest\x1a\x19.kvfleet.v1.StatsResponse\x12<\n\x05\x44rain\x12\x18.kvfleet.v1.DrainRequest\x1a\x19.kvfleet.v1.DrainResponse\x12G\n\x0bLoadAdapter\x12\x1e.kvfleet.v1.LoadAdapterRequest\x1a\x18.kvfleet.v1.AdapterReply\x12K\n\rUnloadAdapter\x12 .kvfleet.v1.UnloadAdapterRequest\x1a\x18.kvfleet.v1.AdapterReply\x12Q\n\x0c\x45xportBlocks\x12\x1f.kvfleet.v1.ExportBlocksRequest\x1a .kvfleet.v1.ExportBlocksResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvfleet/v1/worker.proto\x12\nkvfleet.v1\x1a\x17kvfleet/v1/common.proto\"\xfe\x02\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x13\n\x0b\x63\x61\x63he_scope\x18\x03 \x01(\t\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x05 \x01(\t\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.kvfleet.v1.SamplingParams\x12\x17\n\x0f\x64\x65\x61\x64line_unix_s\x18\x07 \x01(\x01\x12\x0e\n\x06tenant\x18\x08 \x01(\t\x12\x15\n\x08priority\x18\t \x01(\x11H\x01\x88\x01\x01\x12\"\n\x04peer\x18\n \x01(\x0b\x32\x14.kvfleet.v1.PeerHint\x12\x15\n\x0bjson_object\x18\x14 \x01(\x08H\x00\x12\x15\n\x0bjson_schema\x18\x15 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x16 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x17 \x01(\tH\x00\x42\x0c\n\nconstraintB\x0b\n\t_priority\"i\n\x08PeerHint\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\x05\x12\x13\n\x0b\x66irst_block\x18\x04 \x01(\x05\x12\x0f\n\x07tier_id\x18\x05 \x01(\t\"\x91\x02\n\x15GenerateStreamRequest\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x35\n\x08generate\x18\x02 \x01(\x0b\x32!.kvfleet.v1.WorkerGenerateRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x03 \x01(\x08H\x00\x12J\n\rtrace_context\x18\x04 \x03(\x0b\x32\x33.kvfleet.v1.GenerateStreamRequest.TraceContextEntry\x12\x13\n\x0bkeepalive_s\x18\x05 \x01(\x01\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x08\n\x06\x61\x63tion\"\xbf\x01\n\x16GenerateStreamResponse\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12-\n\x07message\x18\x02 \x01(\x0b\x32\x1c.kvfleet.v1.GenerateResponse\x12\x0c\n\x04\x64one\x18\x03 \x01(\x08\x12\x13\n\x0bstatus_code\x18\x04 \x01(\x05\x12\x16\n\x0estatus_message\x18\x05 \x01(\t\x12\x19\n\x11worker_duration_s\x18\x06 \x01(\x01\x12\x0f\n\x07waiting\x18\x07 \x01(\x08\"I\n\x13GenerateStreamBatch\x12\x32\n\x06\x66rames\x18\x01 \x03(\x0b\x32\".kvfleet.v1.GenerateStreamResponse\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xef\x01\n\rStatsResponse\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07running\x18\x02 \x01(\x05\x12\x0f\n\x07waiting\x18\x03 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\x05\x12\x18\n\x10num_total_blocks\x18\x05 \x01(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\r\n\x05\x65poch\x18\x07 \x01(\x03\x12\r\n\x05model\x18\x08 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\t \x01(\x05\x12%\n\x05ranks\x18\n \x03(\x0b\x32\x16.kvfleet.v1.RankStatus\"!\n\x0c\x44rainRequest\x12\x11\n\ttimeout_s\x18\x01 \x01(\x01\":\n\rDrainResponse\x12\x0f\n\x07running\x18\x01 \x01(\x05\x12\x18\n\x10\x65nded_by_timeout\x18\x02 \x01(\x05\">\n\x13\x45xportBlocksRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\"=\n\x14\x45xportBlocksResponse\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x0f\n\x07node_id\x18\x02 \x01(\t2\xd4\x04\n\x06Worker\x12M\n\x08Generate\x12!.kvfleet.v1.WorkerGenerateRequest\x1a\x1c.kvfleet.v1.GenerateResponse0\x01\x12X\n\x0eGenerateStream\x12!.kvfleet.v1.GenerateStreamRequest\x1a\x1f.kvfleet.v1.GenerateStreamBatch(\x01\x30\x01\x12<\n\x05\x41\x62ort\x12\x18.kvfleet.v1.AbortRequest\x1a\x19.kvfleet.v1.AbortResponse\x12<\n\x05Stats\x12\x18.kvfleet.v1.StatsRequest\x1a\x19.kvfleet.v1.StatsResponse\x12<\n\x05\x44rain\x12\x18.kvfleet.v1.DrainRequest\x1a\x19.kvfleet.v1.DrainResponse\x12G\n\x0bLoadAdapter\x12\x1e.kvfleet.v1.LoadAdapterRequest\x1a\x18.kvfleet.v1.AdapterReply\x12K\n\rUnloadAdapter\x12 .kvfleet.v1.UnloadAdapterRequest\x1a\x18.kvfleet.v1.AdapterReply\x12Q\n\x0c\x45xportBlocks\x12\x1f.kvfleet.v1.ExportBlocksRequest\x1a .kvfleet.v1.ExportBlocksResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,29 +39,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PEERHINT']._serialized_start=449
   _globals['_PEERHINT']._serialized_end=554
   _globals['_GENERATESTREAMREQUEST']._serialized_start=557
-  _globals['_GENERATESTREAMREQUEST']._serialized_end=809
-  _globals['_GENERATESTREAMREQUEST_TRACECONTEXTENTRY']._serialized_start=748
-  _globals['_GENERATESTREAMREQUEST_TRACECONTEXTENTRY']._serialized_end=799
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=812
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=986
-  _globals['_GENERATESTREAMBATCH']._serialized_start=988
-  _globals['_GENERATESTREAMBATCH']._serialized_end=1061
-  _globals['_ABORTREQUEST']._serialized_start=1063
-  _globals['_ABORTREQUEST']._serialized_end=1097
-  _globals['_ABORTRESPONSE']._serialized_start=1099
-  _globals['_ABORTRESPONSE']._serialized_end=1129
-  _globals['_STATSREQUEST']._serialized_start=1131
-  _globals['_STATSREQUEST']._serialized_end=1145
-  _globals['_STATSRESPONSE']._serialized_start=1148
-  _globals['_STATSRESPONSE']._serialized_end=1387
-  _globals['_DRAINREQUEST']._serialized_start=1389
-  _globals['_DRAINREQUEST']._serialized_end=1422
-  _globals['_DRAINRESPONSE']._serialized_start=1424
-  _globals['_DRAINRESPONSE']._serialized_end=1482
-  _globals['_EXPORTBLOCKSREQUEST']._serialized_start=1484
-  _globals['_EXPORTBLOCKSREQUEST']._serialized_end=1546
-  _globals['_EXPORTBLOCKSRESPONSE']._serialized_start=1548
-  _globals['_EXPORTBLOCKSRESPONSE']._serialized_end=1609
-  _globals['_WORKER']._serialized_start=1612
-  _globals['_WORKER']._serialized_end=2208
+  _globals['_GENERATESTREAMREQUEST']._serialized_end=830
+  _globals['_GENERATESTREAMREQUEST_TRACECONTEXTENTRY']._serialized_start=769
+  _globals['_GENERATESTREAMREQUEST_TRACECONTEXTENTRY']._serialized_end=820
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=833
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1024
+  _globals['_GENERATESTREAMBATCH']._serialized_start=1026
+  _globals['_GENERATESTREAMBATCH']._serialized_end=1099
+  _globals['_ABORTREQUEST']._serialized_start=1101
+  _globals['_ABORTREQUEST']._serialized_end=1135
+  _globals['_ABORTRESPONSE']._serialized_start=1137
+  _globals['_ABORTRESPONSE']._serialized_end=1167
+  _globals['_STATSREQUEST']._serialized_start=1169
+  _globals['_STATSREQUEST']._serialized_end=1183
+  _globals['_STATSRESPONSE']._serialized_start=1186
+  _globals['_STATSRESPONSE']._serialized_end=1425
+  _globals['_DRAINREQUEST']._serialized_start=1427
+  _globals['_DRAINREQUEST']._serialized_end=1460
+  _globals['_DRAINRESPONSE']._serialized_start=1462
+  _globals['_DRAINRESPONSE']._serialized_end=1520
+  _globals['_EXPORTBLOCKSREQUEST']._serialized_start=1522
+  _globals['_EXPORTBLOCKSREQUEST']._serialized_end=1584
+  _globals['_EXPORTBLOCKSRESPONSE']._serialized_start=1586
+  _globals['_EXPORTBLOCKSRESPONSE']._serialized_end=1647
+  _globals['_WORKER']._serialized_start=1650
+  _globals['_WORKER']._serialized_end=2246
 # @@protoc_insertion_point(module_scope)

@@ -54,7 +54,7 @@ class PeerHint(_message.Message):
     def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., num_blocks: _Optional[int] = ..., first_block: _Optional[int] = ..., tier_id: _Optional[str] = ...) -> None: ...
 
 class GenerateStreamRequest(_message.Message):
-    __slots__ = ("call_id", "generate", "cancel", "trace_context")
+    __slots__ = ("call_id", "generate", "cancel", "trace_context", "keepalive_s")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -66,27 +66,31 @@ class GenerateStreamRequest(_message.Message):
     GENERATE_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    KEEPALIVE_S_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     generate: WorkerGenerateRequest
     cancel: bool
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, call_id: _Optional[int] = ..., generate: _Optional[_Union[WorkerGenerateRequest, _Mapping]] = ..., cancel: _Optional[bool] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    keepalive_s: float
+    def __init__(self, call_id: _Optional[int] = ..., generate: _Optional[_Union[WorkerGenerateRequest, _Mapping]] = ..., cancel: _Optional[bool] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., keepalive_s: _Optional[float] = ...) -> None: ...
 
 class GenerateStreamResponse(_message.Message):
-    __slots__ = ("call_id", "message", "done", "status_code", "status_message", "worker_duration_s")
+    __slots__ = ("call_id", "message", "done", "status_code", "status_message", "worker_duration_s", "waiting")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     STATUS_CODE_FIELD_NUMBER: _ClassVar[int]
     STATUS_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     WORKER_DURATION_S_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     message: _common_pb2.GenerateResponse
     done: bool
     status_code: int
     status_message: str
     worker_duration_s: float
-    def __init__(self, call_id: _Optional[int] = ..., message: _Optional[_Union[_common_pb2.GenerateResponse, _Mapping]] = ..., done: _Optional[bool] = ..., status_code: _Optional[int] = ..., status_message: _Optional[str] = ..., worker_duration_s: _Optional[float] = ...) -> None: ...
+    waiting: bool
+    def __init__(self, call_id: _Optional[int] = ..., message: _Optional[_Union[_common_pb2.GenerateResponse, _Mapping]] = ..., done: _Optional[bool] = ..., status_code: _Optional[int] = ..., status_message: _Optional[str] = ..., worker_duration_s: _Optional[float] = ..., waiting: _Optional[bool] = ...) -> None: ...
 
 class GenerateStreamBatch(_message.Message):
     __slots__ = ("frames",)

@@ -12,13 +12,13 @@ from typing import Optional, Sequence
 import grpc
 
 from kvfleet.allocator.hashing import block_hash_chain, root_hash
-from kvfleet.router.main import RouterConfig, RouterServer
 from kvfleet.router.index_mirror import MirroredPrefixIndex
+from kvfleet.router.main import RouterConfig, RouterServer
 from kvfleet.router.prefix_index import PrefixIndex
 from kvfleet.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig
 from kvfleet.worker.executor.cost_model import ZERO
 from kvfleet.worker.replica.replica import ReplicaConfig, ReplicaServer
-from kvfleet.worker.engine.scheduler import SchedulerConfig
 
 BLOCK = 16
 
@@ -48,6 +48,10 @@ class Fleet:
         return server
 
     async def add_router(self, **kw) -> RouterServer:
+        """A router on this fleet's Redis; ``policy`` defaults to ``prefix_aware``, whose rules
+        (rendezvous placement, load penalty, the count bound) these tests check —
+        ``predicted_ttft``'s are tests/unit/router/test_predicted_ttft.py's."""
+        kw.setdefault("policy", "prefix_aware")
         cfg = RouterConfig(redis_url=self.redis_url, model_name=self.model_name,
                            model_dir=self.model_dir, port=0, namespace=self.namespace, **kw)
         router = RouterServer(cfg)

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from kvfleet.worker.engine.scheduler import SchedulerConfig
-from kvfleet.worker.replica.replica import ReplicaConfig, ReplicaServer
 
 from kvfleet.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig
+from kvfleet.worker.replica.replica import ReplicaConfig, ReplicaServer
 
 
 def _config(rid: str, model_dir, adapters, redis_url: str, namespace: str) -> ReplicaConfig:

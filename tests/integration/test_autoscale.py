@@ -14,8 +14,8 @@ from typing import Callable, Optional
 from kvfleet.deploy import serve_control
 from kvfleet.deploy.autoscale_serve import AutoscaleConfig, read_decision
 from kvfleet.deploy.cluster_config import ClusterConfig
-from kvfleet.router.main import RouterConfig
-from kvfleet.worker.engine.scheduler import SchedulerConfig
+from kvfleet.router.config import RouterConfig
+from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig
 from kvfleet.worker.executor.cost_model import CostModel
 from kvfleet.worker.replica.autoscale import AutoscaleTargets
 from tests.fixtures.cluster import cluster_with_client, tiny_replica

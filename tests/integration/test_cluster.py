@@ -219,5 +219,5 @@ def test_cluster_status_names_lifecycle_routers_and_redis(tiny_cluster, redis_se
     assert {r.lifecycle.serve_replica for r in status.replicas} == hosts
     assert any(0 < r.lifecycle.prefix_hit_rate <= 1 for r in status.replicas)
     assert [r.address for r in status.routers] == [tiny_cluster.router_address]
-    assert status.routers[0].policy == "prefix_aware" and status.routers[0].pid > 0
+    assert status.routers[0].policy == "predicted_ttft" and status.routers[0].pid > 0
     assert status.redis == redis_host(redis_server.url)

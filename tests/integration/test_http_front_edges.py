@@ -11,9 +11,9 @@ import httpx
 import openai
 import pytest
 
-from kvfleet.worker.executor.cost_model import CostModel
 from kvfleet.worker.engine.request import FinishReason
-from kvfleet.worker.engine.scheduler import SchedulerConfig
+from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig
+from kvfleet.worker.executor.cost_model import CostModel
 
 STEP = CostModel(0.02, 0.0, 0.0, "test: 20 ms per step")  # a request of 100 tokens takes ~2 s
 KEY = "key-acme"

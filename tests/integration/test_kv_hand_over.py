@@ -14,7 +14,7 @@ from kvfleet.allocator.hashing import block_hash_chain, root_hash
 from kvfleet.router.index_mirror import MirroredPrefixIndex
 from kvfleet.router.prefix_index import RedisPrefixIndex
 from kvfleet.v1 import worker_pb2, worker_pb2_grpc
-from kvfleet.worker.engine.scheduler import SchedulerConfig
+from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig
 from kvfleet.worker.kv_tier.node_tier import NAMESPACE, node_tier, tier_actor_name
 from kvfleet.worker.replica.replica import ReplicaConfig, ReplicaServer
 

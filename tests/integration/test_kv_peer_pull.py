@@ -11,9 +11,9 @@ import asyncio
 import grpc
 
 from kvfleet.v1 import worker_pb2, worker_pb2_grpc
-from kvfleet.worker.engine.step_cost import CostModel, StepCost
 from kvfleet.worker.kv_tier.node_tier import node_tier
 from kvfleet.worker.replica.replica import ReplicaServer
+from kvfleet.worker.step_cost.model import CostModel, StepCost
 from tests.integration.routing_fleet import prompt, running_fleet
 from tests.integration.test_kv_hand_over import _config
 from tests.unit.worker.kv_tier.test_tier_faults import _live_refs

@@ -27,8 +27,8 @@ from kvfleet.deploy import serve_control
 from kvfleet.deploy.cluster_config import ClusterConfig
 from kvfleet.deploy.registry_view import wait_gone
 from kvfleet.index_keys import IndexKeys
+from kvfleet.router.config import RouterConfig
 from kvfleet.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from kvfleet.router.main import RouterConfig
 from tests.fixtures.cluster import cluster_with_client, tiny_replica
 
 pytestmark = pytest.mark.slow

@@ -1,5 +1,5 @@
 """A real two-node Ray cluster on this machine (two raylets started with ``ray start``, see
-bench/raylets.py): ``kvfleet up --ray-address`` spreads its replicas over both nodes, both
+bench/cluster/raylets.py): ``kvfleet up --ray-address`` spreads its replicas over both nodes, both
 serve, and losing the second node is handled like a replica crash: its stream ends
 UNAVAILABLE and other requests go to the replica left. Serve's replacement of the lost
 replica (a replica start, ~20 s here) is measured by ``python -m bench multinode``.
@@ -20,7 +20,7 @@ import tempfile
 import grpc
 import pytest
 
-from bench.raylets import RayletCluster
+from bench.cluster.raylets import RayletCluster
 from kvfleet.client import Client
 from tests.e2e.test_cli import KVFLEET, _wait_ready
 

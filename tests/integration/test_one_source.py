@@ -13,7 +13,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from kvfleet.deploy import k8s, serve_control
 from kvfleet.deploy.cluster_config import router_args, serve_application
-from kvfleet.router.main import parse_args
+from kvfleet.router.flags import parse_args
 
 COMMITTED = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 pytestmark = pytest.mark.slow

@@ -11,8 +11,8 @@ import grpc
 from kvfleet.grpc_util import SERVER_OPTIONS
 from kvfleet.router.capacity import RETRY_PUSHBACK_KEY
 from kvfleet.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig
 from kvfleet.worker.executor.cost_model import CostModel
-from kvfleet.worker.engine.scheduler import SchedulerConfig
 from tests.integration.routing_fleet import prompt
 from tests.integration.test_worker_stream import idle
 
@@ -85,6 +85,34 @@ async def test_a_replica_refuses_on_arrival_past_its_limit(fleet):
     stats = await idle(server)
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
     assert server.service.reservations.count == 0
+
+
+DEEP = SchedulerConfig(max_num_seqs=2, max_waiting=30, max_num_batched_tokens=256)  # 32 in all
+
+
+async def test_a_burst_queued_past_the_routers_idle_bound_is_kept_alive_or_refused_at_once(fleet):
+    # Queued requests were killed as INTERNAL ("sent no frame for this call") once they had
+    # waited the router's idle bound. A waiting request is alive (liveness frames), and the
+    # replica admits only the waiting work it can start within its queue bound.
+    server = await fleet.add_replica("rep-a", cost_model=SLOW, scheduler=DEEP,
+                                     max_queue_wait_s=6.0)
+    router = await fleet.add_router(call_idle_s=3.0)
+    await fleet.wait_replicas(1)
+    (info, _), = router.replicas.replicas.values()
+    assert info.max_queue_wait_s == 6.0  # advertised
+    async with grpc.aio.insecure_channel(router.address) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        outs = await asyncio.gather(*(_outcome(stub.Generate(_request(i))) for i in range(30)))
+    codes = collections.Counter(code for code, *_ in outs)
+    assert set(codes) <= {"OK", "RESOURCE_EXHAUSTED"}, [o[:2] for o in outs if o[0] not in
+                                                          ("OK", "RESOURCE_EXHAUSTED")]
+    # Two seats and about 6 s of queue (0.5 s of work ahead per waiting request) held.
+    assert DEEP.max_num_seqs < codes["OK"] < 30 and codes["RESOURCE_EXHAUSTED"]
+    assert all(tokens == MAX_TOKENS for code, _, _, tokens in outs if code == "OK")
+    assert all("queue bound of 6 s" in d for c, d, _, _ in outs if c != "OK")
+    assert server.service.reservations.count == 0 and server.service.wait_bound.sequences == 0
+    stats = await idle(server)
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
 
 
 class _Sleepy(router_pb2_grpc.RouterServicer):

@@ -20,7 +20,7 @@ import pytest
 
 from kvfleet.client import Client
 from kvfleet.deploy.cluster_config import ClusterConfig
-from kvfleet.router.main import RouterConfig
+from kvfleet.router.config import RouterConfig
 from kvfleet.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from kvfleet.worker.executor.tp.group import TPSettings
 from tests.fixtures.cluster import cluster_with_client, tiny_replica

@@ -18,13 +18,12 @@ import pytest
 from kvfleet.client import Client, RequestStats
 from kvfleet.deploy.cluster_config import ClusterConfig
 from kvfleet.deploy.launcher import LocalCluster
-from kvfleet.router.main import RouterConfig
+from kvfleet.router.config import RouterConfig
 from kvfleet.telemetry import Telemetry, TelemetryConfig
 from kvfleet.telemetry import names as n
 from kvfleet.telemetry.collector import OtlpSink
-from kvfleet.worker.engine.scheduler import SchedulerConfig
-from tests.fixtures.cluster import wait_indexed
-from tests.fixtures.cluster import tiny_replica
+from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig
+from tests.fixtures.cluster import tiny_replica, wait_indexed
 
 SYSTEM = ("You are the archive desk of a small-town newspaper. Answer questions about past "
           "issues in one sentence, give the issue date, and never guess a page number.")
@@ -165,7 +164,7 @@ def test_one_request_is_one_trace_with_the_span_tree(client, sink):
     assert g[n.GEN_AI_RESPONSE_FINISH_REASONS] == ("length",)
     assert g[n.KVFLEET_REPLICA_ID] == stats.replica_id
     route = spans[n.ROUTER_ROUTE].attributes
-    assert route[n.KVFLEET_ROUTE_POLICY] == "prefix_aware" and route[n.KVFLEET_ROUTE_INDEX_USED]
+    assert route[n.KVFLEET_ROUTE_POLICY] == "predicted_ttft" and route[n.KVFLEET_ROUTE_INDEX_USED]
     assert route[n.KVFLEET_ROUTE_INDEX_SOURCE] in ("mirror", "redis")  # mirror once it follows
     assert route[n.KVFLEET_ROUTE_PROMPT_BLOCKS] == stats.prompt_tokens // 16
     uncached = stats.prompt_tokens - stats.cached_prompt_tokens

@@ -20,23 +20,23 @@ from kvfleet.constraint import Constraint, GrammarConfig
 from kvfleet.errors import AlreadyExists, FailedPrecondition, InvalidArgument
 from kvfleet.priority import DEFAULT as DEFAULT_PRIORITY
 from kvfleet.sampling_params import SamplingParams, check_context_length
-from kvfleet.worker.engine.adapter_queue import AdapterQueue
-from kvfleet.worker.engine.adapter_residency import AdapterResidency
-from kvfleet.worker.engine.detokenizer import IncrementalDetokenizer
-from kvfleet.worker.engine.grammar import GrammarCache, RowMatcher, mask_logits
-from kvfleet.worker.engine.outputs import Milestones, SeqOutput, Timing, TokenLogprobs, Usage
-from kvfleet.worker.engine.queue_delay import load_forecast
+from kvfleet.worker.engine.adapters.queue import AdapterQueue
+from kvfleet.worker.engine.adapters.residency import AdapterResidency
+from kvfleet.worker.engine.layer_yield.forward import Arrivals, execute_yielding
+from kvfleet.worker.engine.output.detokenizer import IncrementalDetokenizer
+from kvfleet.worker.engine.output.grammar import GrammarCache, RowMatcher, mask_logits
+from kvfleet.worker.engine.output.outputs import Milestones, SeqOutput, Timing, TokenLogprobs, Usage
+from kvfleet.worker.engine.output.sampling import Sampler, SampleState, make_generator
+from kvfleet.worker.engine.output.stop_checker import StopChecker
 from kvfleet.worker.engine.request import FinishReason, SequenceState
-from kvfleet.worker.engine.sampling import Sampler, SampleState, make_generator
-from kvfleet.worker.engine.scheduler import Fork, Scheduler, SchedulerConfig, SchedulerOutput
-from kvfleet.worker.engine.step_cost import MEASURED, StepCost, plan_shape
-from kvfleet.worker.engine.stop_checker import StopChecker
-from kvfleet.worker.engine.tier_export import ExportDone, TierExports
-from kvfleet.worker.engine.tier_step import move_blocks
-from kvfleet.worker.engine.yield_step import Arrivals, execute_yielding
+from kvfleet.worker.engine.scheduling.scheduler import Fork, Scheduler, SchedulerConfig, SchedulerOutput
 from kvfleet.worker.executor.base import Executor
+from kvfleet.worker.kv_tier.export import ExportDone, TierExports
 from kvfleet.worker.kv_tier.lookup import TierLookup
+from kvfleet.worker.kv_tier.moves import move_blocks
 from kvfleet.worker.kv_tier.tier_stats import tier_stats
+from kvfleet.worker.step_cost.model import MEASURED, StepCost, plan_shape
+from kvfleet.worker.step_cost.queue_delay import load_forecast
 
 log = logging.getLogger(__name__)
 _GRAMMAR_DEFAULTS = GrammarConfig()
@@ -204,7 +204,7 @@ class Engine:
 
         ``arrivals``: where requests arrive during the step; with ``layer_yield`` on, the
         forward pauses between layers for a nested step of those it yields to, whose outputs
-        go out through ``arrivals.emit`` before this step's (:mod:`.yield_step`).
+        go out through ``arrivals.emit`` before this step's (:mod:`kvfleet.worker.engine.layer_yield.forward`).
         """
         outputs = self._expire_deadlines()
         if self.lora.has_waiting:
@@ -352,7 +352,7 @@ class Engine:
     def export_blocks(self, hashes: Sequence[bytes], done: ExportDone) -> int:
         """A peer asks for the blocks under ``hashes`` (issue 26 §2): reference the leading
         run held in the pool; the next step writes them back to the host tier, then calls
-        ``done(exported hashes)`` (:class:`~.tier_export.TierExports`). Engine thread only.
+        ``done(exported hashes)`` (:class:`~kvfleet.worker.kv_tier.export.TierExports`). Engine thread only.
         Returns the blocks found (0: ``done(())`` was called already).
 
         Raises:
@@ -370,7 +370,7 @@ class Engine:
         (tokens with KV of the running sequences), ``nested_steps`` (layer yield's steps run
         inside a paused one, cumulative), per-tenant service, and the load forecast
         a router routes on (``queue_delay_s``, ``prefill_token_s``:
-        :mod:`kvfleet.worker.engine.queue_delay`)."""
+        :mod:`kvfleet.worker.step_cost.queue_delay`)."""
         sched = self.scheduler
         running = sched.running
         queued = sum(s.num_tokens - s.num_computed_tokens for s in sched.waiting)

@@ -131,7 +131,7 @@ class Executor(Protocol):
 
 class PausableExecutor(Executor, Protocol):
     """An executor whose forward can stop between decoder layers and resume (layer-level
-    yield, :mod:`kvfleet.worker.engine.layer_yield`): only one that runs the whole model in
+    yield, :mod:`kvfleet.worker.engine.layer_yield.nested`): only one that runs the whole model in
     one process (:class:`~kvfleet.worker.executor.local.LocalExecutor`, tp = 1; and the
     cost-model executor, whose modelled step sleeps in per-layer slices). Ranks of a
     tensor-parallel group run each step in lockstep from one broadcast plan, so a nested

@@ -2,7 +2,7 @@
 
 Everything else in a replica stays real: scheduler, block pool, prefix cache, KV events,
 admission, sampling, detokenizing, the gRPC server. One step of a plan takes what a step-cost
-model predicts for it (:class:`~kvfleet.worker.engine.step_cost.CostModel`: the form the real
+model predicts for it (:class:`~kvfleet.worker.step_cost.model.CostModel`: the form the real
 engine calibrates and corrects online, so simulator and engine agree)::
 
     step_s = step_base_s + prefill_token_s × (new tokens of chunks longer than one token)
@@ -15,8 +15,8 @@ shorter, and on top when it is longer, as in a real replica). Tokens computed fr
 prefix cost nothing: the block pool, not the cost model, decides what is cached, so
 ``cached_prompt_tokens`` is the real engine's for the same request sequence.
 
-The constants come from :func:`~kvfleet.worker.engine.step_calibration.fit` over steps of a
-real :class:`ModelRunner` (``python -m bench.calibrate``, recorded with the benchmark), never
+The constants come from :func:`~kvfleet.worker.step_cost.calibration.fit` over steps of a
+real :class:`ModelRunner` (``python -m bench calibrate``, recorded with the benchmark), never
 tuned to a target. Sleeping releases the GIL, so many cost-model replicas can share one process.
 """
 
@@ -28,11 +28,11 @@ from typing import Callable, Iterable
 
 import torch
 
-from kvfleet.worker.engine.step_cost import MEASURED, ZERO, CostModel
 from kvfleet.worker.engine.step_plan import StepPlan
 from kvfleet.worker.executor.base import RankInfo
 from kvfleet.worker.runner.lora.adapter import AdapterSpec
 from kvfleet.worker.runner.model_config import ModelConfig
+from kvfleet.worker.step_cost.model import MEASURED, ZERO, CostModel
 
 FILLER_LOGIT = 30.0  # the filler token's logit; every other token's is 0
 __all__ = ["MEASURED", "ZERO", "CostModel", "CostModelExecutor", "cost_model_executor",

@@ -1,4 +1,4 @@
-"""The receiving side of a replica-to-replica prefix pull (issue 26 §2).
+"""The receiving side of a replica-to-replica prefix pull (docs/kv_tier.md, "Peer pull").
 
 The router routed a request here although replica A holds more of its prefix (a
 :class:`PeerHint`). Before the request reaches the engine, :meth:`PeerPuller.prepare` decides
@@ -13,7 +13,7 @@ and recomputes). A pull that fails or takes longer than the recompute it would s
 up: the request recomputes; a pull never fails a request.
 
 A hint may name a node's host tier instead of a replica (``PeerHint.tier_id``: blocks a
-drained replica handed over to its node's tier, issue 26 §3): the same decision, verification
+drained replica handed over to its node's tier): the same decision, verification
 and relay, with the tier as the "peer" (``tiers``: a
 :class:`~kvfleet.worker.kv_tier.peer_client.TierPeer`).
 """
@@ -33,7 +33,7 @@ from kvfleet.allocator.hashing import block_hash_chain, root_hash
 from kvfleet.errors import InvalidArgument
 from kvfleet.index_keys import tier_node
 from kvfleet.worker.engine.engine import EngineRequest
-from kvfleet.worker.engine.step_cost import StepCostModel, attended
+from kvfleet.worker.step_cost.model import StepCostModel, attended
 
 log = logging.getLogger(__name__)
 MAX_PULL_TIMEOUT_S = 5.0
@@ -108,10 +108,9 @@ LANDED_POLL_S = 0.005
 @dataclass
 class PullCost:
     """Predicted seconds of one pull: ``overhead_s`` + ``seconds_per_byte`` × bytes (of rank
-    0's shard). The seed is the SmolLM2 measurement in docs/kv_tier.md (snapshot + put +
-    restore of 64 blocks, ~245 ms for 47 MB); every pull that lands moves ``seconds_per_byte``
-    towards the wait it measured (export and put; the restore after it, a few ms per block,
-    is left out), weight ``alpha``."""
+    0's shard). The seed is the default model's measurement in docs/kv_tier.md (snapshot +
+    put + restore of 64 blocks); every pull that lands moves ``seconds_per_byte`` towards the
+    wait it measured (export and put; the restore after it is left out), weight ``alpha``."""
 
     block_bytes: int
     overhead_s: float = 0.02
@@ -160,11 +159,6 @@ class PeerPuller:
             every rank (the peer awaits only its rank 0's put): the pull waits for all of them.
         tiers: answers a hint that names a node tier instead of a replica (:class:`TierPeer
             <kvfleet.worker.kv_tier.peer_client.TierPeer>`); None: such hints are skipped.
-        holder_step_share: a replica's export waits for its next step boundary, and the
-            router sends a request elsewhere because its holder is busy: a pull from a replica
-            is priced this share of one full prefill chunk (``max_batched_tokens``) more — the
-            expected rest of the holder's step (0.5: a holder always prefilling). Tier hints
-            wait for no step. 0: no wait priced.
         adapter_digest: the chain root's identity digest of a request for an adapter (its
             name → the model's identity with the revision served now); None: adapter
             requests are not pulled. The revision is pinned again at admission: if it changed
@@ -177,11 +171,9 @@ class PeerPuller:
                  max_timeout_s: float = MAX_PULL_TIMEOUT_S,
                  min_timeout_s: float = MIN_PULL_TIMEOUT_S,
                  landed: Optional[Landed] = None, tiers: Optional[PeerClient] = None,
-                 holder_step_share: float = 0.0,
                  adapter_digest: Optional[Callable[[str], bytes]] = None) -> None:
         self.client, self.step_cost, self.cost = client, step_cost, cost
         self.adapter_digest = adapter_digest
-        self.holder_step_share = holder_step_share
         self.tiers = tiers
         self.identity_digest, self.node_id, self.relay = identity_digest, node_id, relay
         self.block_size, self.max_batched_tokens = block_size, max_batched_tokens
@@ -199,14 +191,6 @@ class PeerPuller:
             start, left = start + chunk, left - chunk
         return total
 
-    def holder_wait_s(self, hint: PeerHint) -> float:
-        """Predicted wait for the holder's step boundary before its export starts (0 for a
-        tier hint): ``holder_step_share`` of one full prefill chunk."""
-        if hint.tier_id or not self.holder_step_share:
-            return 0.0
-        n = self.max_batched_tokens
-        return self.holder_step_share * self.step_cost.predict_step_s(0, n, attended(0, n))
-
     async def prepare(self, req: EngineRequest, hint: Optional[PeerHint]) -> EngineRequest:
         """Pull ``hint``'s blocks for ``req`` when that beats recomputing them; returns the
         request to run (``tier_skip`` set when the peer's answer was refused). Never raises
@@ -217,9 +201,8 @@ class PeerPuller:
         limit = min(hint.num_blocks, (len(req.prompt_token_ids) - 1) // self.block_size)
         first = min(hint.first_block, limit)
         recompute_s = self.recompute_s(first, limit - first)
-        wait_s = self.holder_wait_s(hint)
         if (client is None or limit - first <= 0
-                or self.cost.predict_s(limit - first) + wait_s >= recompute_s):
+                or self.cost.predict_s(limit - first) >= recompute_s):
             self.stats.skipped += 1
             return req
         digest = self.identity_digest
@@ -256,8 +239,7 @@ class PeerPuller:
         self.stats.pulls += 1
         self.stats.pulled_blocks += got
         self.stats.pull_s += seconds
-        # The holder's step is priced apart (an idle holder's pull moves the rate down).
-        self.cost.observe(got, max(0.0, seconds - wait_s))
+        self.cost.observe(got, seconds)
         return req
 
     async def _pull(self, client: PeerClient, hint: PeerHint, wanted: tuple[bytes, ...],

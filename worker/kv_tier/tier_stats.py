@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-from kvfleet.worker.engine.hit_counts import HitCounts
+from kvfleet.worker.engine.scheduling.hit_counts import HitCounts
 from kvfleet.worker.kv_tier.lookup import TierLookup
 from kvfleet.worker.kv_tier.rank_tier import RankTier
 

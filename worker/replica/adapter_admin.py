@@ -13,7 +13,7 @@ from typing import Optional
 
 from kvfleet.errors import InvalidArgument, KvfleetError
 from kvfleet.index_keys import REDIS_DOWN_ERRORS
-from kvfleet.worker.engine.adapter_residency import AdapterResidency
+from kvfleet.worker.engine.adapters.residency import AdapterResidency
 from kvfleet.worker.replica.adapter_catalog import check_name, confine
 from kvfleet.worker.replica.adapter_record import UNLOADED, AdapterRecord
 from kvfleet.worker.runner.lora.adapter import check_adapter

@@ -23,7 +23,7 @@ class HitWindow:
         self._cached = 0
 
     def record(self, out, now: Optional[float] = None) -> None:
-        """Count a finished :class:`~kvfleet.worker.engine.outputs.SeqOutput` (others are ignored)."""
+        """Count a finished :class:`~kvfleet.worker.engine.output.outputs.SeqOutput` (others are ignored)."""
         if out.index != 0 or out.usage is None:
             return
         now = time.monotonic() if now is None else now

@@ -3,7 +3,7 @@ deployment's ``record_autoscaling_stats``; the signals are named in
 :mod:`kvfleet.worker.replica.autoscale`).
 
 The predicted queue delay is the engine's own forecast (``Engine.stats()["queue_delay_s"]``,
-:mod:`kvfleet.worker.engine.queue_delay` over the replica's calibrated step-cost model): the
+:mod:`kvfleet.worker.step_cost.queue_delay` over the replica's calibrated step-cost model): the
 number routers route on is the one the autoscaler scales on.
 """
 
@@ -14,7 +14,7 @@ import time
 import zlib
 from typing import Any, Iterable, Mapping, Optional
 
-from kvfleet.worker.engine.scheduler import SchedulerConfig
+from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig
 from kvfleet.worker.replica import autoscale as a
 
 
@@ -23,14 +23,14 @@ class LatencyWindow:
     seconds (sample 0 of each; ITL = decode time / (output tokens - 1)). Fed by the engine
     loop's finish hook, read by the load report."""
 
-    def __init__(self, window_s: float = 30.0) -> None:
+    def __init__(self, window_s: float = a.LATENCY_WINDOW_S) -> None:
         if window_s <= 0:
             raise ValueError(f"window_s must be > 0, got {window_s}")
         self.window_s = window_s
         self._events: collections.deque[tuple[float, float, Optional[float]]] = collections.deque()
 
     def record(self, out, now: Optional[float] = None) -> None:
-        """Count a finished :class:`~kvfleet.worker.engine.outputs.SeqOutput` (others ignored)."""
+        """Count a finished :class:`~kvfleet.worker.engine.output.outputs.SeqOutput` (others ignored)."""
         if out.index != 0 or out.timing is None or out.usage is None or not out.usage.completion_tokens:
             return
         n = out.usage.completion_tokens

@@ -1,4 +1,4 @@
-"""A replica's peer pulls (issue 26 §2, and §3's hand-over across nodes): built when it has a
+"""A replica's peer pulls (docs/kv_tier.md, "Peer pull"; a drained replica's tier too): built when it has a
 host tier to land them in."""
 
 from __future__ import annotations
@@ -10,10 +10,6 @@ import numpy as np
 from kvfleet.worker.engine.engine import Engine
 from kvfleet.worker.kv_tier.peer_client import GrpcPeerClient, NodeRelay, TierPeer
 from kvfleet.worker.kv_tier.peer_pull import PeerPuller, PullCost
-
-# A busy holder is mid-step when the export arrives: on average half a chunk is left (docs/
-# kv_tier.md, "B2B on 2 real replicas": a 2-block pull from a busy holder timed out on CPU).
-HOLDER_STEP_SHARE = 0.5
 
 
 def build_puller(engine: Engine, enabled: bool, internal_tls: bool,
@@ -35,7 +31,6 @@ def build_puller(engine: Engine, enabled: bool, internal_tls: bool,
                       landed=((lambda hashes: tier.store.lookup(hashes, all_ranks))
                               if len(all_ranks) > 1 else None),
                       tiers=TierPeer(relay.source, all_ranks),
-                      holder_step_share=HOLDER_STEP_SHARE,
                       adapter_digest=adapter_digest(engine))
 
 

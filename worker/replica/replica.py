@@ -39,13 +39,10 @@ from kvfleet.telemetry import Telemetry, TelemetryConfig
 from kvfleet.telemetry.worker_spans import WorkerTelemetry
 from kvfleet.tls import ROUTER_NAME, needs_internal_tls, reloading_worker_credentials
 from kvfleet.v1 import worker_pb2, worker_pb2_grpc
-from kvfleet.worker.engine.adapter_residency import AdapterResidency
+from kvfleet.worker.engine.adapters.residency import AdapterResidency
 from kvfleet.worker.engine.engine import Engine
-from kvfleet.worker.engine.outputs import SeqOutput
-from kvfleet.worker.engine.scheduler import SchedulerConfig
-from kvfleet.worker.engine.step_calibration import CalibrationKey, device_name, load_or_calibrate
-from kvfleet.worker.engine.step_cost import MEASURED, StepCost
-from kvfleet.worker.engine.tier_prewarm import prewarm_before_serving
+from kvfleet.worker.engine.output.outputs import SeqOutput
+from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig
 from kvfleet.worker.executor.base import Executor, RankInfo
 from kvfleet.worker.executor.cost_model import CostModel, cost_model_executor
 from kvfleet.worker.executor.local import LocalExecutor
@@ -54,6 +51,7 @@ from kvfleet.worker.executor.tp.rank_worker import RankSpec
 from kvfleet.worker.executor.tp_executor import TPExecutor
 from kvfleet.worker.kv_tier.lookup import TierLookup
 from kvfleet.worker.kv_tier.node_tier import TierIndex, node_tier
+from kvfleet.worker.kv_tier.prewarm import prewarm_before_serving
 from kvfleet.worker.kv_tier.rank_tier import RankTier
 from kvfleet.worker.replica.adapter_admin import AdapterAdmin
 from kvfleet.worker.replica.adapter_catalog import check_catalog
@@ -62,6 +60,7 @@ from kvfleet.worker.replica.hit_window import HitWindow
 from kvfleet.worker.replica.kv_publisher import KvPublisher
 from kvfleet.worker.replica.load_report import LatencyWindow, replica_report
 from kvfleet.worker.replica.peer_setup import build_puller
+from kvfleet.worker.replica.shared_calibration import shared_or_calibrate
 from kvfleet.worker.runner.kv_cache import num_blocks_for_memory
 from kvfleet.worker.runner.memory import trim_heap
 from kvfleet.worker.runner.model_config import load_model_config
@@ -69,6 +68,8 @@ from kvfleet.worker.runner.model_runner import ModelRunner
 from kvfleet.worker.runner.quant.config import DEFAULT_GROUP_SIZE, FLOAT_WEIGHTS, QuantConfig
 from kvfleet.worker.service.engine_loop import EngineLoop
 from kvfleet.worker.service.server import WorkerService
+from kvfleet.worker.step_cost.calibration import CalibrationKey, device_name, load_or_calibrate
+from kvfleet.worker.step_cost.model import MEASURED, StepCost
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,11 @@ def _kv_tier_id(engine: Engine) -> str:
     """The index's name of the node tier the engine restores from ("" without one)."""
     tier = engine.scheduler.tier
     return getattr(tier.lookup.store, "tier_id", "") if tier is not None else ""
+
+
+def _advertised(seconds: float) -> float:
+    """A bound as the registry carries it (0: none)."""
+    return seconds if seconds < float("inf") else 0.0
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -110,18 +116,18 @@ class ReplicaConfig:
     kv_memory_bytes: Optional[int] = None
     # The node's host KV tier (kvfleet.worker.kv_tier), bytes per node; None: no tier.
     kv_host_memory_bytes: Optional[int] = None
-    # Pull a prefix the router says a peer holds when that beats recomputing it (issue 26 §2;
-    # needs the host tier, which the blocks travel through).
+    # Pull a prefix the router says a peer holds when that beats recomputing it (needs the
+    # host tier, which the blocks travel through).
     kv_peer_pull: bool = True
     # On a drain, write the hottest cached blocks back to the node's tier before deregistering
-    # (issue 26 §3; needs the host tier). False: they are dropped with the pool.
+    # (needs the host tier). False: they are dropped with the pool.
     kv_hand_over: bool = True
     # Before serving, restore the node tier's hottest blocks of this identity into the pool
-    # for at most this long (issue 26 §3; 0: off; needs the host tier).
+    # for at most this long (0: off; needs the host tier).
     kv_prewarm_s: float = 0.0
     dtype: str = "float32"
-    # A second copy of each weight for batch-1 decode (see worker/runner/models/linear.py): ~20 %
-    # lower batch-1 ITL on CPU for twice the weight memory.
+    # A second copy of each weight for batch-1 decode (see worker/runner/models/linear.py):
+    # lower batch-1 ITL on CPU for twice the weight memory (docs/benchmarks.md, Engine).
     one_row_weights: bool = True
     # Weight-only quantization of every projection, the embedding and the LM head
     # (kvfleet.worker.runner.quant): "none", "int8" or "int4", groups of quant_group_size
@@ -151,7 +157,7 @@ class ReplicaConfig:
     internal_tls_dir: Optional[str] = None
     # Slow or vanished readers: outputs buffered per stream, seconds a write may wait.
     stream_limits: StreamLimits = field(default_factory=StreamLimits)
-    # Structured output: compile-time bound and cache size (kvfleet.worker.engine.grammar).
+    # Structured output: compile-time bound and cache size (kvfleet.worker.engine.output.grammar).
     grammar: GrammarConfig = field(default_factory=GrammarConfig)
     # LoRA: servable adapters as (name, directory), checked at start; max_loras slots per
     # replica (LRU, loaded on first use), max_lora_rank the largest rank accepted.
@@ -165,11 +171,15 @@ class ReplicaConfig:
     # A drain (scale-down, Worker.Drain, SIGTERM) waits this long for in-flight streams, then
     # ends the rest UNAVAILABLE naming the drain.
     drain_timeout_s: float = 30.0
-    # The step-cost model's start-up calibration (kvfleet.worker.engine.step_calibration):
+    # The step-cost model's start-up calibration (kvfleet.worker.step_cost.calibration):
     # cached here per model/device/tp/dtype/threads (None: <kvfleet cache dir>/step_cost;
     # "" = never cached), measured for about calibration_budget_s seconds when not cached.
     step_cost_dir: Optional[str] = None
     calibration_budget_s: float = 20.0
+    # A request predicted to wait longer than this before its prefill starts is refused at
+    # once (RESOURCE_EXHAUSTED), never queued (worker/service/wait_bound.py); advertised in
+    # the registry. inf: no bound in seconds (the sequence count alone).
+    max_queue_wait_s: float = 60.0
 
     @property
     def quant_config(self) -> QuantConfig:
@@ -185,10 +195,15 @@ class ReplicaConfig:
             raise ValueError(f"drain_timeout_s must be > 0, got {self.drain_timeout_s}")
         if not 0 <= self.kv_prewarm_s < float("inf"):
             raise ValueError(f"kv_prewarm_s must be >= 0 and finite, got {self.kv_prewarm_s}")
+        if not self.max_queue_wait_s > 0:
+            raise ValueError(f"max_queue_wait_s must be > 0, got {self.max_queue_wait_s}")
         if not self.calibration_budget_s > 0:
             raise ValueError(f"calibration_budget_s must be > 0, got {self.calibration_budget_s}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.num_blocks is not None and self.kv_memory_bytes is not None:
+            raise ValueError("num_blocks (--num-blocks) and kv_memory_bytes (--kv-memory) "
+                             "exclude each other: each sizes the KV pool")
         if self.tensor_parallel_size > 1 and self.executor != "model":
             raise ValueError("tensor_parallel_size > 1 needs the model executor")
         if self.scheduler.layer_yield and self.tensor_parallel_size > 1:
@@ -277,8 +292,8 @@ def build_engine(cfg: ReplicaConfig, on_rank_failure: Callable[[str], None] = la
 
 def _step_cost(cfg: ReplicaConfig, executor: Executor, identity: CacheIdentity) -> StepCost:
     """The replica's step-cost model: a cost-model executor's own constants, or the real
-    executor's start-up calibration (from the cache when this model/device/tp/dtype/threads
-    was calibrated before)."""
+    executor's start-up calibration (shared through Redis, else from the disk cache, when
+    this model/device/tp/dtype/threads was calibrated before)."""
     if cfg.executor == "cost-model":
         return StepCost(cfg.cost_model or MEASURED)
     tp = cfg.tensor_parallel_size
@@ -290,7 +305,10 @@ def _step_cost(cfg: ReplicaConfig, executor: Executor, identity: CacheIdentity) 
         cache: Optional[Path] = default_cache_dir() / "step_cost"
     else:
         cache = Path(cfg.step_cost_dir) if cfg.step_cost_dir else None
-    return StepCost(load_or_calibrate(executor, key, cache, cfg.calibration_budget_s))
+    # Another replica of this key (a pod before this one) may have stored its fit in Redis.
+    return StepCost(shared_or_calibrate(
+        cfg.redis_url, cfg.namespace, key,
+        lambda: load_or_calibrate(executor, key, cache, cfg.calibration_budget_s)))
 
 
 class ReplicaServer:
@@ -346,6 +364,7 @@ class ReplicaServer:
         if self.cfg.redis_url:
             info = ReplicaInfo(self.cfg.replica_id, self.address, self.cfg.model_name, 0,
                                self.cfg.block_size, max_requests=self.cfg.scheduler.max_sequences,
+                               max_queue_wait_s=_advertised(self.cfg.max_queue_wait_s),
                                tensor_parallel_size=self.cfg.tensor_parallel_size,
                                ranks=tuple(dataclasses.asdict(r) for r in self.ranks()),
                                serve_replica=self.cfg.serve_replica,
@@ -370,7 +389,8 @@ class ReplicaServer:
                                 limits=self.cfg.stream_limits, adapter_admin=admin,
                                 puller=build_puller(self.engine, self.cfg.kv_peer_pull,
                                                     bool(self.cfg.internal_tls_dir),
-                                                    self.cfg.kv_host_memory_bytes))
+                                                    self.cfg.kv_host_memory_bytes),
+                                max_queue_wait_s=self.cfg.max_queue_wait_s)
         self.service = service
         worker_pb2_grpc.add_WorkerServicer_to_server(service, self._server)
         name = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name

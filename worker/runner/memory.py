@@ -1,9 +1,9 @@
 """Hand freed heap memory back to the operating system.
 
 glibc keeps what a thread frees in that thread's malloc arena; a stopped replica's weights
-and KV cache (~1 GB for SmolLM2 fp32 with one-row weights) were allocated by several threads,
-so the process keeps that RSS after the tensors are gone, and the next replica's threads fill
-other arenas (a bench that built fleet after fleet grew ~2 GB per fleet). ``malloc_trim(0)``
+and KV cache were allocated by several threads, so the process keeps that RSS after the
+tensors are gone, and the next replica's threads fill other arenas (a bench that built fleet
+after fleet grew by a fleet's memory each time: docs/kv_tier.md). ``malloc_trim(0)``
 returns every arena's free pages.
 """
 

@@ -125,7 +125,7 @@ class ModelRunner:
     def release(self) -> None:
         """Free the weights, adapters and KV cache for good: a stopped replica that is still
         referenced (a test, a bench's list, a reference cycle awaiting the collector) must not
-        keep ~1 GB of SmolLM2. Nothing runs on this runner after. Idempotent."""
+        keep its weights and KV cache. Nothing runs on this runner after. Idempotent."""
         if not self.released:
             self.released = True
             del self.model, self._adapters
@@ -224,7 +224,7 @@ class ModelRunner:
                          validated: bool = False) -> torch.Tensor | PausedForward:
         """:meth:`execute`, but after each decoder layer but the last, when ``should_yield()``
         is true, stop and return a :class:`PausedForward` (layer-level yield,
-        :mod:`kvfleet.worker.engine.layer_yield`). Another plan may then run on slots the
+        :mod:`kvfleet.worker.engine.layer_yield.nested`). Another plan may then run on slots the
         paused one does not use; :meth:`resume` finishes it. ``should_yield`` is called once
         per layer: keep it cheap.
 

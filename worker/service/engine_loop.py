@@ -20,7 +20,7 @@ from typing import AsyncGenerator, Callable, Optional
 from kvfleet.errors import Unavailable
 from kvfleet.stream_limits import DEFAULT_MAX_UNREAD, Outbox
 from kvfleet.worker.engine.engine import Engine, EngineRequest
-from kvfleet.worker.engine.outputs import SeqOutput
+from kvfleet.worker.engine.output.outputs import SeqOutput
 from kvfleet.worker.engine.request import FinishReason
 
 log = logging.getLogger(__name__)

@@ -1,5 +1,5 @@
-"""``Worker.ExportBlocks``: a peer asks this replica for blocks of a prefix (issue 26 §2); and
-the same call in process (:class:`InProcessPeer`).
+"""``Worker.ExportBlocks``: a peer asks this replica for blocks of a prefix (docs/kv_tier.md,
+"Peer pull"); and the same call in process (:class:`InProcessPeer`).
 
 The proto request is checked here; the engine loop references the blocks, writes them back to
 the node's host tier with its next step and waits for rank 0's put

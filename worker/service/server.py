@@ -28,17 +28,19 @@ from kvfleet.telemetry.names import MD_WORKER_DURATION_S
 from kvfleet.telemetry.worker_spans import WorkerTelemetry
 from kvfleet.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from kvfleet.worker.engine.engine import EngineRequest
-from kvfleet.worker.engine.outputs import SeqOutput
+from kvfleet.worker.engine.output.outputs import SeqOutput
 from kvfleet.worker.engine.request import FinishReason
 from kvfleet.worker.kv_tier.peer_pull import PeerHint, PeerPuller
 from kvfleet.worker.replica.adapter_admin import AdapterAdmin
 from kvfleet.worker.service.engine_loop import EngineLoop
 from kvfleet.worker.service.peer_export import export_blocks
 from kvfleet.worker.service.reservations import Reservations
+from kvfleet.worker.service.wait_bound import WaitBound
 
 log = logging.getLogger(__name__)
 
 _FINISH = {FinishReason.STOP: common_pb2.STOP, FinishReason.LENGTH: common_pb2.LENGTH}
+MIN_KEEPALIVE_S = 0.1  # the most often a call's liveness frame is sent, whatever it asks
 
 
 def _forget(ended: Callable[[int], None], call_id: int, _task: asyncio.Task) -> None:
@@ -88,7 +90,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                  ranks_fn=lambda: [], drain_fn=None,
                  limits: StreamLimits = StreamLimits(),
                  adapter_admin: Optional[AdapterAdmin] = None,
-                 puller: Optional[PeerPuller] = None) -> None:
+                 puller: Optional[PeerPuller] = None,
+                 max_queue_wait_s: float = float("inf")) -> None:
         self.loop = loop
         self.puller = puller  # pulls a hinted prefix from a peer (None: never)
         self.limits = limits
@@ -102,6 +105,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.drain_fn = drain_fn  # async (timeout_s | None) -> sequences the timeout ended
         sched = loop.engine.scheduler.config
         self.reservations = Reservations(sched.max_sequences, sched.tenant_share)
+        # ... and in seconds of queued work (refused past it at once, never queued).
+        self.wait_bound = WaitBound(max_queue_wait_s, sched.max_num_seqs,
+                                    sched.max_num_batched_tokens, loop.engine.step_cost)
         # Spans and metrics; the engine loop's on_finish hook must call telemetry.on_finished.
         self.telemetry = telemetry or WorkerTelemetry(replica_id=replica_id, model=model)
 
@@ -176,9 +182,38 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 task.cancel()  # the stream is gone: abort its calls (frees their blocks)
 
     async def _stream_call(self, frame: worker_pb2.GenerateStreamRequest, out: asyncio.Queue) -> None:
-        """One call of a GenerateStream: its messages, then a done frame, into ``out``."""
-        request, call_id = frame.generate, frame.call_id
+        """One call of a GenerateStream: its messages, then a done frame, into ``out``; and,
+        when the call asks (``keepalive_s``), a liveness frame whenever it has been silent
+        that long while this replica holds it (queued behind other work)."""
+        request = frame.generate
         _ensure_id(request)
+        sent = [time.monotonic()]  # when the call last put a frame (a list: shared with the task)
+        alive = None
+        if frame.keepalive_s > 0:
+            alive = asyncio.create_task(self._keep_alive(frame.call_id, request.request_id,
+                                                         frame.keepalive_s, out, sent))
+        try:
+            await self._stream_frames(frame, _Stamped(out, sent))
+        finally:
+            if alive is not None:
+                alive.cancel()
+
+    async def _keep_alive(self, call_id: int, request_id: str, every_s: float,
+                          out: asyncio.Queue, sent: list[float]) -> None:
+        """Put a ``waiting`` frame for the call each ``every_s`` (at least
+        :data:`MIN_KEEPALIVE_S`) it sent nothing, while the replica holds the request."""
+        every_s = max(MIN_KEEPALIVE_S, every_s)
+        while True:
+            now = time.monotonic()
+            if now < sent[0] + every_s:
+                await asyncio.sleep(sent[0] + every_s - now)
+                continue
+            if request_id in self.reservations:  # admitted, not finished: it waits its turn
+                out.put_nowait(worker_pb2.GenerateStreamResponse(call_id=call_id, waiting=True))
+            sent[0] = now
+
+    async def _stream_frames(self, frame: worker_pb2.GenerateStreamRequest, out) -> None:
+        request, call_id = frame.generate, frame.call_id
         finals_left = request.sampling.n if request.sampling.n > 0 else 1
         with self.telemetry.start(request, tuple(frame.trace_context.items())) as trace:
             last = None  # the call's last message rides on its done frame (one frame fewer)
@@ -231,6 +266,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             self.reservations.take(request.request_id, engine_request.params.n,
                                    engine_request.tenant)
             try:
+                params = engine_request.params
+                self.wait_bound.take(request.request_id, len(engine_request.prompt_token_ids),
+                                     params.max_tokens, params.n)
                 if self.puller is not None and hint is not None:  # lands in the host tier
                     engine_request = await self.puller.prepare(engine_request, hint)
                 stream = self.loop.generate(engine_request)
@@ -240,10 +278,12 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                             # A failure after tokens were sent ends the stream with a non-OK status.
                             raise StatusError(*(_ABNORMAL.get(out.finish_reason)
                                                or status_of(out.error or RuntimeError())))
+                        self.wait_bound.started(request.request_id)
                         yield output_to_proto(out, self.replica_id)
                 finally:
                     await stream.aclose()  # caller gone at a bare yield: abort the request now
             finally:
+                self.wait_bound.release(request.request_id)
                 self.reservations.release(request.request_id)
         except KvfleetError as exc:
             if not isinstance(exc, (StatusError, SlowReader)):  # an abnormal end is no refusal
@@ -305,6 +345,17 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         if self.drain_fn is not None:
             ended = await self.drain_fn(request.timeout_s or None)
         return worker_pb2.DrainResponse(running=running, ended_by_timeout=ended)
+
+
+class _Stamped:
+    """``out`` (a queue of frames) that records when a frame was last put in ``sent[0]``."""
+
+    def __init__(self, out: asyncio.Queue, sent: list[float]) -> None:
+        self._out, self._sent = out, sent
+
+    def put_nowait(self, frame) -> None:
+        self._sent[0] = time.monotonic()
+        self._out.put_nowait(frame)
 
 
 def _ensure_id(request: worker_pb2.WorkerGenerateRequest) -> None:

@@ -8,11 +8,11 @@ import argparse
 
 import pytest
 
-from bench.autoscale_sim import Day, ideal_vs_peak, initial_replicas, poisson_arrivals
-from bench.autoscale_wall import ramp, windows
-from bench.elastic_fleet import ElasticFleet, Replica
-from bench.load import Result
-from bench.workload import Request
+from bench.sim.autoscale_sim import Day, ideal_vs_peak, initial_replicas, poisson_arrivals
+from bench.cluster.autoscale_wall import ramp, windows
+from bench.sim.elastic_fleet import ElasticFleet, Replica
+from bench.common.load import Result
+from bench.common.workload import Request
 
 RAMP = argparse.Namespace(low=0.1, up_s=10.0, hold_s=5.0, down_s=10.0)
 

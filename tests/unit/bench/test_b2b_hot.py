@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.workload import B2BWorkload, b2b_requests
+from bench.common.workload import B2BWorkload, b2b_requests
 
 W = B2BWorkload(groups=6, users_per_group=1, system_tokens=32, user_tokens=16,
                 question_tokens=8)

@@ -1,11 +1,11 @@
-"""bench/class_sim.py with layer-level yield on the virtual clock: the paused steps' nested
+"""bench/sim/class_sim.py with layer-level yield on the virtual clock: the paused steps' nested
 steps run, the interactive tail shortens, and a workload of one class never yields."""
 
 from __future__ import annotations
 
-from bench.class_sim import Stream, Yield, simulate
+from bench.sim.class_sim import Stream, Yield, simulate
 from kvfleet.priority import BATCH, INTERACTIVE
-from kvfleet.worker.engine.scheduler import SchedulerConfig
+from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig
 
 CONFIG = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512, max_waiting=256,
                          itl_target_ms=150, preempt_streaming=True)

@@ -1,10 +1,10 @@
-"""``bench.decision_cost``: the stream it routes and the shape of what it reports (never timed)."""
+"""``bench.cluster.decision_cost``: the stream it routes and the shape of what it reports (never timed)."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.decision_cost import SUFFIX_BLOCKS, chains, decision_cost
+from bench.cluster.decision_cost import SUFFIX_BLOCKS, chains, decision_cost
 from kvfleet.router.policy import make_policy
 
 

@@ -1,4 +1,4 @@
-"""bench/gpu_check.py on CPU, as the lent GPU machine will run it: from the bare checkout
+"""bench/engine/gpu_check.py on CPU, as the lent GPU machine will run it: from the bare checkout
 (kvfleet not installed) in a Python without Ray, Redis or OpenTelemetry."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[3]
-SCRIPT = ROOT / "bench" / "gpu_check.py"
+SCRIPT = ROOT / "bench" / "engine" / "gpu_check.py"
 # What the GPU machine lacks: these, and any installed kvfleet (the editable install's finder).
 ABSENT = re.compile(r"^(ray|redis|opentelemetry|kvfleet|__editable__)([-_.]|$)", re.I)
 
@@ -75,7 +75,7 @@ def test_parity_check_fails_on_a_top_left_causal_mask(tmp_path: Path, monkeypatc
     top-left square instead of the mask offset by its cached tokens) must fail the check."""
     import tokenizers
 
-    from bench import gpu_check
+    from bench.engine import gpu_check
     from kvfleet.worker.runner import attention
 
     hf = gpu_check.build_model("tiny", torch.device("cpu"), tmp_path)
@@ -98,7 +98,7 @@ def test_parity_check_fails_on_a_top_left_causal_mask(tmp_path: Path, monkeypatc
 
 def test_package_dirs_without_tomllib(monkeypatch) -> None:
     """An older python3 (no tomllib) reads the same package-dir table."""
-    from bench import source_tree
+    from bench.common import source_tree
 
     want = source_tree.package_dirs()
     assert want["kvfleet.worker"] == ROOT / "worker"

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from bench.itl_sim import simulate
-from bench.step_trace import TracingStepCost, summarize
-from kvfleet.worker.engine.scheduler import SchedulerConfig
-from kvfleet.worker.engine.step_cost import CostModel, StepShape
+from bench.sim.itl_sim import simulate
+from bench.engine.step_trace import TracingStepCost, summarize
+from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig
+from kvfleet.worker.step_cost.model import CostModel, StepShape
 
 COST = CostModel(0.01, 0.001, 0.002, "test", 1e-6)
 

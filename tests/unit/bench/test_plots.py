@@ -1,10 +1,10 @@
-"""bench/plots.py: every bench plot is a matplotlib PNG (Agg, no display)."""
+"""bench/common/plots.py: every bench plot is a matplotlib PNG (Agg, no display)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from bench.plots import line_plot, lines_plot, plot_ttft_cdfs
+from bench.common.plots import line_plot, lines_plot, plot_ttft_cdfs
 
 
 def _png_size(path: Path) -> tuple[int, int]:

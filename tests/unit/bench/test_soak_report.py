@@ -1,8 +1,8 @@
-"""bench.soak's report: windows around each fault, unexpected statuses, leaked blocks."""
+"""bench.cluster.soak's report: windows around each fault, unexpected statuses, leaked blocks."""
 
 from __future__ import annotations
 
-from bench.soak import Outcome, report
+from bench.cluster.soak import Outcome, report
 
 FAULTS = [{"fault": "replica kill", "start_s": 10.0, "back_s": 12.0, "replica": "replica-1"},
           {"fault": "redis restart", "start_s": 30.0, "back_s": 31.0}]

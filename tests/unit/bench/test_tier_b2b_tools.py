@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from bench.tier_b2b_real import _labels, tier_ratios
-from bench.ttft_breakdown import TtftProbe, _Replica, tail_profile
-from kvfleet.worker.engine.outputs import Milestones
+from bench.cluster.tier_b2b_real import _labels, tier_ratios
+from bench.cluster.ttft_breakdown import TtftProbe, _Replica, tail_profile
+from kvfleet.worker.engine.output.outputs import Milestones
 
 
 def test_repeated_configurations_are_numbered_in_order() -> None:

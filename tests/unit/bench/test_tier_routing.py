@@ -1,4 +1,4 @@
-"""``bench.tier_routing``'s simulated tier: a fleet without one never restores; with one,
+"""``bench.sim.tier_routing``'s simulated tier: a fleet without one never restores; with one,
 groups whose system prompts left the device pools are restored from their node's tier (the
 hits by tier count them), with the router blind to the tier or crediting it."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from argparse import Namespace
 
-from bench.tier_routing import run
+from bench.sim.tier_routing import run
 
 
 def test_the_simulated_tier_restores_evicted_prompts(smollm2_dir) -> None:

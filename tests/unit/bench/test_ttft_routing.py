@@ -1,13 +1,13 @@
-"""``bench.ttft_routing``'s measurement helpers: steady-state throughput, per-phase p90, the
+"""``bench.sim.ttft_routing``'s measurement helpers: steady-state throughput, per-phase p90, the
 per-seed ratio statistics and the b2b stream's warm-up."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.fleet_sim import Result
-from bench.ttft_routing import CASES, RAMP, _aggregate, phase_p90s, spread, steady_throughput, stream
-from bench.workload import Request
+from bench.sim.fleet_sim import Result
+from bench.sim.ttft_routing import CASES, RAMP, _aggregate, phase_p90s, spread, steady_throughput, stream
+from bench.common.workload import Request
 
 
 def result(i: int, offset: float, e2e: float, ttft: float = 0.1) -> Result:

@@ -9,7 +9,7 @@ import pytest
 from kvfleet.deploy import cli
 from kvfleet.deploy.cluster_config import router_args as router_command
 from kvfleet.deploy.cluster_flags import cluster_config
-from kvfleet.router.main import parse_args as router_args
+from kvfleet.router.flags import parse_args as router_args
 
 
 @pytest.mark.parametrize("prompt", ["", "   "])

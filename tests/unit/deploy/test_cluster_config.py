@@ -14,7 +14,10 @@ import pytest
 from kvfleet.deploy import cli
 from kvfleet.deploy.cluster_config import SHARED, ClusterConfig, router_args, router_from_flags
 from kvfleet.deploy.cluster_flags import FLAGS, OWNERS, cluster_config, declared_default
-from kvfleet.router.main import RouterConfig, parse_args
+from kvfleet.flag_table import GROUPS, by_name, field_value
+from kvfleet.router.config import RouterConfig
+from kvfleet.router.core import PromptLimits
+from kvfleet.router.flags import ROUTER_FLAGS, parse_args
 from kvfleet.stream_limits import StreamLimits
 from kvfleet.telemetry import TelemetryConfig
 from kvfleet.worker.replica.replica import ReplicaConfig
@@ -45,10 +48,8 @@ def test_every_flag_sets_a_declared_field_and_defaults_to_its_declaration(tiny_l
         if flag.field is None:
             continue
         owner, _, name = flag.field.rpartition(".")
-        assert name in _names(OWNERS[owner]), flag.flag
-        value = cfg
-        for part in flag.field.split("."):
-            value = getattr(value, part)
+        assert OWNERS[owner] is dict or name in _names(OWNERS[owner]), flag.flag
+        value = field_value(cfg, flag.field)
         if flag.flag == "--http-port":  # the one flag whose default is the CLI's: HTTP on
             assert value == 8000 and declared_default(flag.field) is None
         else:
@@ -65,6 +66,12 @@ def test_flags_land_in_the_config_that_reads_them(tiny_llama_dir) -> None:
     assert cfg.replica.scheduler.max_num_seqs == 4 and cfg.replica.drain_timeout_s == 7.0
     assert cfg.replica.kv_memory_bytes == 1 << 20
     assert cfg.replica.replica_id == cfg.replica.model_name == tiny_llama_dir.name
+    knobs = cluster_config(cli.build_parser().parse_args(
+        ["up", "--model", str(tiny_llama_dir), "--host-hit-weight", "0.75", "--no-index-mirror"]))
+    assert knobs.router.policy_options == {"host_hit_weight": 0.75}
+    assert not knobs.router.index_mirror and cfg.router.policy_options == {}
+    router = knobs.router_config("redis://r:6379/0")
+    assert parse_args(router_args(router)) == router  # carried to the router process
 
 
 def test_the_router_takes_what_it_shares_from_the_replica() -> None:
@@ -109,7 +116,9 @@ def test_the_router_command_line_parses_back_to_its_config(monkeypatch) -> None:
         policy_options={"load_penalty_blocks": 2.5, "popularity_window": 64,
                         "host_hit_weight": 0.75},
         retry_pushback_ms=77, shutdown_grace_s=30.0, tls_cert="/c.pem", tls_key="/k.pem",
-        stream_limits=StreamLimits(max_unread=5, stall_s=1.5), tenant_max_inflight=12),
+        stream_limits=StreamLimits(max_unread=5, stall_s=1.5), tenant_max_inflight=12,
+        call_idle_s=45.0, prompt_limits=PromptLimits(max_prompt_bytes=4096, max_messages=8,
+                                                     max_prompts=2, tokenizer_threads=3)),
         metrics_port=9100)
     router = cfg.router_config("redis://r:6379/0", http_port=8000)
     assert parse_args(router_args(router)) == router
@@ -127,6 +136,45 @@ def test_tp_needs_the_model_executor_is_checked_once_by_the_replica(tiny_llama_d
     assert cli.main(["up", "--model", str(tiny_llama_dir), "--tp", "2",
                      "--executor", "cost-model"]) == 2
     assert "tensor_parallel_size > 1 needs the model executor" in capsys.readouterr().err
+
+
+def test_up_help_lists_the_flags_by_section(capsys) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["up", "--help"])
+    out = capsys.readouterr().out
+    sections = [line.rstrip(":") for line in out.splitlines() if line.rstrip(":") in GROUPS]
+    assert sections == list(GROUPS)  # every section has a flag, in this order
+    assert {f.group for f in FLAGS} == set(GROUPS)
+
+
+def test_num_blocks_and_kv_memory_are_refused_together_by_the_replica(tiny_llama_dir,
+                                                                      capsys) -> None:
+    assert cli.main(["up", "--model", str(tiny_llama_dir), "--num-blocks", "64",
+                     "--kv-memory", "1MiB"]) == 2
+    assert "(--num-blocks) and kv_memory_bytes (--kv-memory) exclude" in capsys.readouterr().err
+
+
+def _flag_literals(path: Path) -> list[str]:
+    """The flag strings of every ``Flag("--…", …)`` row and ``add_argument("--…")`` call."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+                and getattr(node.func, "id", getattr(node.func, "attr", "")) in (
+                    "Flag", "add_argument")):
+            found.append(node.args[0].value)
+    return found
+
+
+def test_each_flag_is_declared_once_and_the_router_parser_is_the_table() -> None:
+    router = DEPLOY.parent / "router"
+    rows = _flag_literals(router / "flags.py") + _flag_literals(DEPLOY / "cluster_flags.py")
+    assert len(rows) == len(set(rows)) and "--block-size" in rows
+    assert _flag_literals(router / "main.py") == []
+    # up's rows for the router's settings are the router's rows, set on another field.
+    up, own = by_name(FLAGS), by_name(ROUTER_FLAGS)
+    for name in set(up) & set(own):
+        assert (up[name].type, up[name].choices, up[name].action) == (
+            own[name].type, own[name].choices, own[name].action), name
 
 
 def _deploy_imports() -> dict[str, set[str]]:

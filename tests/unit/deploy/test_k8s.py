@@ -180,7 +180,7 @@ def test_autoscale_renders_serves_policy_and_a_worker_group_over_min_max(tmp_pat
     from kvfleet.deploy.autoscale_serve import POLICY_PATH
 
     assert k8s_main(["render", "--out", str(tmp_path), "--autoscale", "2..6",
-                     "--slo-ttft-ms", "1500", "--slo-itl-ms", "100"]) == 0
+                     "--slo-ttft-ms", "1500", "--slo-itl-ms", "100", "--target-load", "0.8"]) == 0
     service = yaml.safe_load((tmp_path / "rayservice.yaml").read_text())
     validate(service)
     group = service["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
@@ -192,6 +192,7 @@ def test_autoscale_renders_serves_policy_and_a_worker_group_over_min_max(tmp_pat
     assert (auto["min_replicas"], auto["max_replicas"]) == (2, 6)
     assert auto["policy"]["policy_function"] == POLICY_PATH
     assert auto["policy"]["policy_kwargs"]["slo_ttft_s"] == 1.5
+    assert auto["policy"]["policy_kwargs"]["target_load"] == 0.8
     assert k8s_main(["render", "--out", str(tmp_path), "--autoscale", "1..3",
                      "--slo-ttft-ms", "900", "--max-replicas", "5"]) == 2
     assert "--max-replicas and --autoscale" in capsys.readouterr().err

@@ -16,7 +16,7 @@ from kvfleet.deploy.cluster_config import (
     serve_application,
 )
 from kvfleet.deploy.k8s_objects import API_KEYS_MOUNT, INTERNAL_TLS_MOUNT, SECRETS
-from kvfleet.router.main import parse_args
+from kvfleet.router.flags import parse_args
 from kvfleet.secrets import REDIS_PASSWORD_ENV, split_redis_password
 from kvfleet.telemetry import TelemetryConfig
 from kvfleet.worker.replica.replica import ReplicaConfig

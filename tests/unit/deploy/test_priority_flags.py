@@ -8,7 +8,8 @@ import pytest
 from kvfleet.deploy import cli
 from kvfleet.deploy.cluster_config import router_args
 from kvfleet.deploy.cluster_flags import cluster_config
-from kvfleet.router.main import RouterConfig, parse_args
+from kvfleet.router.config import RouterConfig
+from kvfleet.router.flags import parse_args
 
 
 def test_priority_flags_land_in_the_configs(tiny_llama_dir) -> None:

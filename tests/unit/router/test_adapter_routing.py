@@ -4,18 +4,16 @@ preference for replicas where it is resident, and what ListModels reports."""
 import pytest
 
 from kvfleet.errors import NotFound
-from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
+from kvfleet.index_keys import ReplicaInfo
 from kvfleet.router.adapter_routing import adapter_revision, prefer_resident, served_adapters, serving
 from kvfleet.router.policy import Candidate
+from tests.unit.router import factories
 
-
-def info(rid: str, adapters=(), resident=()) -> ReplicaInfo:
-    return ReplicaInfo(rid, f"127.0.0.1:{len(rid)}", "m", 1, 16, adapters=tuple(adapters),
-                       resident_adapters=tuple(resident))
+info = factories.info
 
 
 def cand(i: ReplicaInfo, running: int = 0, matched: int = 0) -> Candidate:
-    return Candidate(i, ReplicaLoad(running, 0, 10, 10, 0.0), matched, 0)
+    return factories.cand(i, matched, running=running)
 
 
 def test_the_revision_most_replicas_serve_is_hashed_and_unknown_is_not_found() -> None:

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from kvfleet.errors import ResourceExhausted
-from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
 from kvfleet.router.capacity import check_room, check_tenant, fleet_capacity, has_room, with_room
 from kvfleet.router.policy import Candidate
+from tests.unit.router import factories
 
 
-def cand(rid: str, limit: int, running: int = 0, waiting: int = 0, inflight: int = 0) -> Candidate:
-    load = ReplicaLoad(running, waiting, 10, 10, 1.0)
-    return Candidate(ReplicaInfo(rid, "127.0.0.1:1", "m", 1, 16, limit), load, 0, inflight)
+def cand(rid: str, limit: int, **load) -> Candidate:
+    return factories.cand(rid, limit=limit, at=1.0, **load)
 
 
 def test_room_is_load_below_the_advertised_limit():
@@ -32,6 +33,20 @@ def test_every_candidate_full_is_refused_naming_the_limits():
     check_room([cand("a", 2, running=2), cand("b", 3)], "m")  # b has room
     with pytest.raises(ResourceExhausted, match="'m' is at its limit of 2/3 running"):
         check_room([cand("a", 2, running=2), cand("b", 3, waiting=3)], "m")
+
+
+def _waiting(rid: str, bound: float, delay: float) -> Candidate:
+    """A candidate with room in sequences whose forecast queue delay is ``delay`` s against
+    its advertised queue bound."""
+    entry = dataclasses.replace(factories.info(rid, limit=64), max_queue_wait_s=bound)
+    return factories.cand(entry, running=2, waiting=5, at=1.0, delay=delay, per_token=0.001)
+
+
+def test_a_replica_whose_forecast_passed_its_queue_bound_has_no_room():
+    assert has_room(_waiting("a", 60.0, 59.0)) and not has_room(_waiting("a", 60.0, 61.0))
+    assert has_room(_waiting("a", 0.0, 500.0))  # no bound advertised: the worker decides
+    with pytest.raises(ResourceExhausted, match=r"queue bound of 60 s \(max_queue_wait_s\)"):
+        check_room([_waiting("a", 60.0, 61.0), cand("b", 2, running=2)], "m")
 
 
 def test_a_tenant_at_its_limit_is_refused_and_the_fleet_capacity_is_the_sum_of_limits():

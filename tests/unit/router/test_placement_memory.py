@@ -9,10 +9,9 @@ import random
 import pytest
 
 from kvfleet.router.placement_memory import PlacementMemory
+from tests.unit.router import factories
 
-
-def chain(name: bytes, n: int) -> list[bytes]:
-    return [name + b"-%d" % i for i in range(n)]
+chain = factories.chain
 
 
 def test_matched_is_the_leading_run_sent_to_that_replica_within_the_horizon():

@@ -2,7 +2,6 @@
 
 import pytest
 
-from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
 from kvfleet.router.policy import (
     Candidate,
     LeastLoaded,
@@ -12,17 +11,15 @@ from kvfleet.router.policy import (
     make_policy,
     rendezvous_score,
 )
+from tests.unit.router import factories
 
 
-def cand(rid: str, matched: int = 0, inflight: int = 0, running: int = 0, waiting: int = 0,
-         free: int = 10, settled: int = 0):
-    load = ReplicaLoad(running, waiting, free, 10, 0.0)
-    return Candidate(ReplicaInfo(rid, f"127.0.0.1:{len(rid)}", "m", 1, 16), load, matched, inflight,
-                     settled)
+def cand(rid: str, matched: int = 0, **kw) -> Candidate:
+    return factories.cand(rid, matched, **kw)
 
 
 def chain(name: bytes, n: int = 8) -> list[bytes]:
-    return [name + b"-%d" % i for i in range(n)]
+    return factories.chain(name, n)
 
 
 def test_prefix_aware_prefers_the_longest_holder_over_the_first_block_owner():
@@ -50,6 +47,18 @@ def test_new_families_go_least_loaded_then_rendezvous_consistently():
     # Same choice whatever the candidate order, from any router (two routers, same state).
     for order in ([cand("r1"), cand("r2")], [cand("r2"), cand("r1")]):
         assert PrefixAware().choose(order, [b"k"]).info.replica_id == owner
+
+
+@pytest.mark.parametrize("name", ["prefix_aware", "predicted_ttft", "least_loaded"])
+def test_equal_candidates_with_no_block_to_hash_take_turns(name):
+    # A prompt shorter than a block (or a router routing blind): no family to keep together, so
+    # an idle fleet's requests alternate instead of all going to one replica.
+    policy = make_policy(name)
+    picks = [policy.choose([cand("b"), cand("a"), cand("c")], []).info.replica_id
+             for _ in range(6)]
+    assert picks == ["a", "b", "c", "a", "b", "c"]
+    busy = [cand("a", inflight=1), cand("b"), cand("c")]
+    assert {policy.choose(busy, []).info.replica_id for _ in range(4)} == {"b", "c"}
 
 
 def test_equal_holders_split_by_load():

@@ -5,22 +5,21 @@ from __future__ import annotations
 
 import pytest
 
-from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
+from kvfleet.index_keys import ReplicaLoad
 from kvfleet.router.policy import Candidate, PrefixAware, make_policy
 from kvfleet.router.predicted_ttft import MAX_REPORT_AGE_S, PredictedTTFT, report_age, room_order
+from tests.unit.router import factories
 
 FAST = 0.001  # seconds per uncached prompt token
 
 
 def cand(rid: str, matched: int = 0, delay: float | None = 0.0, per_token: float | None = FAST,
-         inflight: int = 0, running: int = 0, free: int = 10, age: float = 0.0) -> Candidate:
-    load = ReplicaLoad(running, 0, free, 10, 100.0, delay, per_token)
-    return Candidate(ReplicaInfo(rid, f"127.0.0.1:{len(rid)}", "m", 1, 16), load, matched,
-                     inflight, report_age_s=age)
+         **kw) -> Candidate:
+    return factories.cand(rid, matched, delay=delay, per_token=per_token, at=100.0, **kw)
 
 
 def chain(name: bytes, n: int = 64) -> list[bytes]:
-    return [name + b"-%d" % i for i in range(n)]
+    return factories.chain(name, n)
 
 
 def test_the_score_is_queue_delay_plus_uncached_tokens_times_cost():
@@ -86,7 +85,7 @@ def test_without_the_forecast_fields_it_decides_as_prefix_aware():
     new_b = cand("b", delay=9.0)  # one new replica: seconds and counts do not compare
     pa = PrefixAware().choose([old_a, new_b], chain(b"x", 8))
     assert PredictedTTFT().choose([old_a, new_b], chain(b"x", 8)).info.replica_id == pa.info.replica_id == "b"
-    no_report = Candidate(ReplicaInfo("c", "127.0.0.1:1", "m", 1, 16), None, 8, 0)
+    no_report = factories.cand("c", 8, reported=False)
     assert PredictedTTFT().choose([no_report, cand("d", delay=0.0)], chain(b"x", 8)) is no_report
     with pytest.raises(ValueError, match="advertises no queue delay"):
         PredictedTTFT().predicted_ttft_s(old_a, chain(b"x"))
@@ -199,5 +198,5 @@ def test_a_new_prefix_goes_where_the_working_set_has_room_unless_backlogged():
 
 def test_room_is_the_working_set_as_a_share_of_the_replicas_kv():
     assert room_order(5, cand("a", free=10)) == pytest.approx(0.5)  # 10 blocks in all
-    no_report = Candidate(ReplicaInfo("c", "127.0.0.1:1", "m", 1, 16), None, 0, 0)
+    no_report = factories.cand("c", reported=False)
     assert room_order(5, no_report) == 5.0

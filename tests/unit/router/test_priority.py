@@ -9,13 +9,13 @@ import pytest
 
 from kvfleet import priority
 from kvfleet.errors import InvalidArgument, ResourceExhausted
-from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
 from kvfleet.router.auth import Authenticator
 from kvfleet.router.capacity import check_class_room, check_room
 from kvfleet.router.openai_request import parse_chat, parse_completion
 from kvfleet.router.policy import Candidate
 from kvfleet.router.server import priority_from_proto
 from kvfleet.v1 import router_pb2
+from tests.unit.router import factories
 
 HI = [{"role": "user", "content": "hi"}]
 
@@ -24,9 +24,8 @@ def bearer(key: str):
     return (("authorization", f"Bearer {key}"),)
 
 
-def cand(rid: str, limit: int, running: int = 0) -> Candidate:
-    return Candidate(ReplicaInfo(rid, "127.0.0.1:1", "m", 1, 16, limit),
-                     ReplicaLoad(running, 0, 10, 10, 1.0), 0, 0)
+def cand(rid: str, limit: int, **load) -> Candidate:
+    return factories.cand(rid, limit=limit, at=1.0, **load)
 
 
 def test_classes_and_numbers_parse_lower_first_with_bounded_labels():

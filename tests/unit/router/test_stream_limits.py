@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from kvfleet.errors import status_of
-from kvfleet.router.main import parse_args
+from kvfleet.router.flags import parse_args
 from kvfleet.stream_limits import Outbox, SlowReader, StreamLimits, write_within
 
 

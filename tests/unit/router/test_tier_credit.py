@@ -23,8 +23,9 @@ from kvfleet.router.tier_credit import (
     RESTORE_BLOCK_S,
     host_hit_weight,
 )
-from kvfleet.worker.engine.step_cost import MEASURED
 from kvfleet.worker.kv_tier.store import HostTierStore
+from kvfleet.worker.step_cost.model import MEASURED
+from tests.unit.router import factories
 
 BLOCK = np.zeros((1, 8), dtype=np.uint8)  # one 8-byte block
 PER_TOKEN = 0.001
@@ -39,9 +40,8 @@ CHAIN = [h(i) for i in range(8)]
 
 def cand(rid: str, matched: int = 0, host: int = 0, load: int = 0,
          per_token: float | None = PER_TOKEN) -> Candidate:
-    report = ReplicaLoad(load, 0, 10, 10, 100.0, 0.0 if per_token else None, per_token)
-    return Candidate(ReplicaInfo(rid, "127.0.0.1:1", "m", 1, 16, kv_tier=f"tier:{rid}"), report,
-                     matched, 0, host_blocks=host)
+    return factories.cand(rid, matched, host=host, running=load, at=100.0, kv_tier=f"tier:{rid}",
+                          delay=0.0 if per_token else None, per_token=per_token)
 
 
 def test_the_weight_comes_from_restore_and_prefill_seconds_per_block():

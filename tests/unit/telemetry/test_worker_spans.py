@@ -12,7 +12,7 @@ from kvfleet.telemetry import names as n
 from kvfleet.telemetry import worker_spans
 from kvfleet.telemetry.worker_spans import WorkerTelemetry
 from kvfleet.v1 import worker_pb2
-from kvfleet.worker.engine.outputs import Milestones, SeqOutput, Usage
+from kvfleet.worker.engine.output.outputs import Milestones, SeqOutput, Usage
 from kvfleet.worker.engine.request import FinishReason
 
 PARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
@@ -181,7 +181,7 @@ async def test_adapter_is_a_span_attribute_and_a_bounded_metric_label(worker_cap
 
 
 def test_predicted_and_measured_step_time_are_exported(worker_capture):
-    from kvfleet.worker.engine.step_cost import CostModel, StepCost
+    from kvfleet.worker.step_cost.model import CostModel, StepCost
 
     cost = StepCost(CostModel(0.01, 0.001, 0.002, "fake"), alpha=0.5)
     WorkerTelemetry(worker_capture.telemetry, "replica-a", "tiny", step_cost=cost)

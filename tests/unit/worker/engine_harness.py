@@ -23,14 +23,14 @@ import torch
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
 from kvfleet.sampling_params import SamplingParams
 from kvfleet.worker.engine.engine import Engine, EngineRequest
-from kvfleet.worker.engine.outputs import SeqOutput
+from kvfleet.worker.engine.output.outputs import SeqOutput
 from kvfleet.worker.engine.request import FinishReason
-from kvfleet.worker.engine.scheduler import SchedulerConfig
-from kvfleet.worker.engine.step_cost import CostModel, StepCost
+from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig
 from kvfleet.worker.engine.step_plan import StepPlan
 from kvfleet.worker.executor.base import Executor
 from kvfleet.worker.executor.local import LocalExecutor
 from kvfleet.worker.runner.model_runner import ModelRunner
+from kvfleet.worker.step_cost.model import CostModel, StepCost
 from tests.unit.worker.paged_driver import random_prompt, reference_logits, runner_for, scaled_error
 
 BLOCK_SIZE = 4

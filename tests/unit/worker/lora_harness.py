@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from kvfleet.allocator.hashing import CacheIdentity
-from kvfleet.worker.engine.adapter_residency import AdapterResidency
+from kvfleet.worker.engine.adapters.residency import AdapterResidency
 from kvfleet.worker.engine.engine import EngineRequest
 from kvfleet.worker.runner.lora.adapter import check_adapter
 from kvfleet.worker.runner.model_runner import ModelRunner

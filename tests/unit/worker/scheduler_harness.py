@@ -9,7 +9,7 @@ from typing import Optional
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
 from kvfleet.sampling_params import SamplingParams
 from kvfleet.worker.engine.request import SeqStatus, SequenceState
-from kvfleet.worker.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kvfleet.worker.engine.scheduling.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 BS = 4  # tokens per KV block
 ARRIVALS = itertools.count()  # arrival order shared by every sequence a test builds

@@ -20,7 +20,7 @@ anything that does not fit stay on gloo.
 
 ``RankComm.times`` (:class:`CommTimes`) counts the seconds, calls and message bytes this rank
 spent in :meth:`~RankComm.all_reduce` and :meth:`~RankComm.send`, always on (two
-``perf_counter`` reads per call). ``bench/tp_bench.py`` reads them.
+``perf_counter`` reads per call). ``bench/engine/tp_bench.py`` reads them.
 """
 
 from __future__ import annotations

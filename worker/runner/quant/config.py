@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-METHODS = ("none", "int8", "int4")
+from kvfleet.allocator.fingerprint import QUANT_METHODS as METHODS
+
 DEFAULT_GROUP_SIZE = 32  # llama.cpp's Q8_0 / Q4_0 / Q4_1 block: GGUF weights map as they are
 
 

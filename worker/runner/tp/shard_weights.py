@@ -11,7 +11,7 @@ is **not sharded but held by rank 0 alone**: only rank 0 samples, so the other r
 compute logits and need no head at all. A vocab-parallel head would split that matmul over the
 ranks but add a gather of ``(N, vocab)`` logits to rank 0 every step: one more collective and
 one more wait for the slowest rank, which is most of what collectives cost on gloo, against a
-head that is a small share of rank 0's step (``bench/tp_bench.py`` measures both). Holding it
+head that is a small share of rank 0's step (``bench/engine/tp_bench.py`` measures both). Holding it
 on rank 0 keeps the logits bit-identical in layout to tp=1; revisit it where collectives are
 cheap (the shared-memory all-reduce, NCCL).
 

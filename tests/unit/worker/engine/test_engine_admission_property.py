@@ -25,7 +25,7 @@ from kvfleet.errors import ResourceExhausted
 from kvfleet.sampling_params import SamplingParams
 from kvfleet.worker.engine.engine import Engine, EngineRequest
 from kvfleet.worker.engine.request import SeqStatus
-from kvfleet.worker.engine.scheduler import SchedulerConfig
+from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig
 from kvfleet.worker.engine.step_plan import StepPlan
 
 VOCAB = 24

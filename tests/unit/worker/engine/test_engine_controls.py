@@ -4,7 +4,7 @@ exactness test means something."""
 
 from __future__ import annotations
 
-from kvfleet.worker.engine.block_admission import BlockAdmission
+from kvfleet.worker.engine.scheduling.blocks import BlockAdmission
 from tests.unit.worker.engine_harness import make_engine, prompt, reference_error, request, run, seq_tokens
 from tests.unit.worker.faults import install_positions_reset, install_top_left_mask
 

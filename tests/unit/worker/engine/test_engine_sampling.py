@@ -9,8 +9,8 @@ from collections import Counter
 import pytest
 import torch
 
+from kvfleet.worker.engine.output.sampling import make_generator
 from kvfleet.worker.engine.request import FinishReason
-from kvfleet.worker.engine.sampling import make_generator
 from tests.unit.worker.engine_harness import make_engine, prompt, request, run
 from tests.unit.worker.paged_driver import reference_logits
 

@@ -11,12 +11,12 @@ import torch
 
 from kvfleet.sampling_params import SamplingParams
 from kvfleet.worker.engine.engine import EngineRequest
-from kvfleet.worker.engine.step_calibration import StepSample, fit
-from kvfleet.worker.engine.step_cost import plan_shape
 from kvfleet.worker.engine.step_plan import SeqChunk, StepPlan
 from kvfleet.worker.executor.cost_model import MEASURED, CostModel, CostModelExecutor
 from kvfleet.worker.replica.replica import ReplicaConfig, build_engine
 from kvfleet.worker.runner.model_config import load_model_config
+from kvfleet.worker.step_cost.calibration import StepSample, fit
+from kvfleet.worker.step_cost.model import plan_shape
 
 COST = CostModel(step_base_s=0.01, prefill_token_s=0.001, decode_token_s=0.002)
 

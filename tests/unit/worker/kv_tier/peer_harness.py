@@ -6,12 +6,12 @@ from __future__ import annotations
 import asyncio
 from typing import Callable, Sequence
 
-from kvfleet.worker.engine.step_cost import CostModel, StepCost
 from kvfleet.worker.kv_tier.peer_client import NodeRelay
 from kvfleet.worker.kv_tier.peer_pull import Exported, PeerHint, PeerPuller, PullCost
 from kvfleet.worker.kv_tier.store import TierStore
 from kvfleet.worker.service.engine_loop import EngineLoop
 from kvfleet.worker.service.peer_export import InProcessPeer
+from kvfleet.worker.step_cost.model import CostModel, StepCost
 from tests.unit.worker.engine_harness import BLOCK_SIZE
 
 # Recompute priced high (10 s a token) so every hinted pull is worth it whatever the load.

@@ -7,6 +7,7 @@ recompute, and nothing leaks on either side."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -150,7 +151,7 @@ def test_an_exporter_that_dies_mid_transfer_leaves_the_request_to_recompute(
 
 def test_a_hint_is_skipped_when_recomputing_is_cheaper_or_nothing_is_missing(
         tiny_llama_dir) -> None:
-    from kvfleet.worker.engine.step_cost import ZERO, StepCost
+    from kvfleet.worker.step_cost.model import ZERO, StepCost
 
     b, _, _, _ = tier_engine(tiny_llama_dir)
     req = request(prompt(22, seed=59), max_tokens=2)
@@ -161,28 +162,26 @@ def test_a_hint_is_skipped_when_recomputing_is_cheaper_or_nothing_is_missing(
     assert p.stats.skipped == 2 and p.stats.failed == 0
 
 
-def test_a_pull_from_a_busy_replica_is_priced_with_the_rest_of_its_step(tiny_llama_dir) -> None:
-    """The holder exports between its steps: with ``holder_step_share`` a short run (less
-    recompute than half a chunk) is not worth waiting for, a long one is; a tier hint waits
-    for no step."""
-    from kvfleet.worker.engine.step_cost import CostModel, StepCost
+def test_a_pull_is_tried_exactly_when_its_predicted_time_beats_the_recompute(
+        tiny_llama_dir) -> None:
+    """The decision is the pull's predicted time against the recompute's, the same for a
+    replica and a node tier: no other wait is priced (a run just worth pulling is tried, one
+    just not is skipped)."""
+    from kvfleet.worker.step_cost.model import CostModel, StepCost
 
     b, _, _, _ = tier_engine(tiny_llama_dir)
     p = puller(_Unreachable(), b)
+    p.tiers = _Unreachable()
     p.step_cost = StepCost(CostModel(0.0, 0.01, 0.0, "test: 10 ms a token"), alpha=0.0)
-    p.holder_step_share = 0.5
-    wait = p.holder_wait_s(hint(1))
-    assert wait == pytest.approx(0.5 * 0.01 * p.max_batched_tokens)
-    assert p.holder_wait_s(PeerHint("", "", 1, tier_id="tier:n")) == 0.0
-    short = max(1, int(wait / (0.01 * BLOCK_SIZE)) - 1)  # its recompute is below the wait
-    req = request(prompt((short + 12) * BLOCK_SIZE, seed=61), max_tokens=2)
-    assert asyncio.run(p.prepare(req, hint(short))) == req
-    assert (p.stats.skipped, p.stats.failed) == (1, 0)
-    asyncio.run(p.prepare(req, hint(short + 10)))  # worth the wait: tried (unreachable)
-    assert (p.stats.skipped, p.stats.failed) == (1, 1)
-    p.holder_step_share = 0.0  # no wait priced: the short run is tried too
-    asyncio.run(p.prepare(req, hint(short)))
-    assert (p.stats.skipped, p.stats.failed) == (1, 2)
+    per_block = 0.01 * BLOCK_SIZE  # recompute of one block
+    p.cost = dataclasses.replace(p.cost, overhead_s=2.5 * per_block, seconds_per_byte=0.0)
+    req = request(prompt(16 * BLOCK_SIZE, seed=61), max_tokens=2)
+    for h in (hint(2), PeerHint("", "", 2, tier_id="tier:n")):  # 2 blocks: 0.32 s < 0.4 s
+        assert asyncio.run(p.prepare(req, h)) == req
+    assert (p.stats.skipped, p.stats.failed) == (2, 0)
+    for h in (hint(3), PeerHint("", "", 3, tier_id="tier:n")):  # 3 blocks: 0.48 s > 0.4 s
+        asyncio.run(p.prepare(req, h))  # tried (unreachable: recomputed)
+    assert (p.stats.skipped, p.stats.failed) == (2, 2)
 
 
 def test_an_export_whose_transfer_fails_reports_nothing_and_releases_its_blocks(

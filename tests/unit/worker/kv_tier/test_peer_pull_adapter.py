@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from kvfleet.worker.engine.adapter_residency import AdapterResidency
+from kvfleet.worker.engine.adapters.residency import AdapterResidency
 from kvfleet.worker.executor.local import LocalExecutor
 from kvfleet.worker.kv_tier.rank_tier import RankTier
 from kvfleet.worker.kv_tier.store import HostTierStore

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvfleet.worker.engine.tier_prewarm import prewarm, prewarm_runs
+from kvfleet.worker.kv_tier.prewarm import prewarm, prewarm_runs
 from kvfleet.worker.kv_tier.store import HostTierStore
 from tests.unit.worker.engine_harness import BLOCK_SIZE, prompt, request, run
 from tests.unit.worker.kv_tier.tier_harness import (

@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from kvfleet.errors import KvfleetError
-from kvfleet.worker.engine.adapter_residency import AdapterResidency
+from kvfleet.worker.engine.adapters.residency import AdapterResidency
 from kvfleet.worker.replica.adapter_admin import AdapterAdmin
 from kvfleet.worker.replica.adapter_catalog import adapter_roots
 from kvfleet.worker.runner.lora.adapter import WEIGHTS_FILE

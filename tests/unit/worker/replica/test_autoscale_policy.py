@@ -1,8 +1,10 @@
 """kvfleet's autoscaling policy on synthetic reports and synthetic Serve contexts: track the
 throughput load to its target (up at once by what it needs, down only with the band to
-spare), scale up near the SLO or above the KV target, hold in the band, never below MIN or
-above MAX, never during a rollout; and through Serve's own wrapper (delays, bounds), as the
-controller runs it."""
+spare), one more replica near the SLO or above the KV target (a lagging p90
+only once the count has held its window), hold in the band, never below MIN or above MAX,
+no scale-down during a rollout or with replicas' signals missing, a replica that never starts
+taken as not coming; and through Serve's own wrapper (delays, bounds), as the controller
+runs it."""
 
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
 from kvfleet.deploy.autoscale_serve import POLICY_PATH, AutoscaleConfig, KvfleetPolicy
 from kvfleet.worker.replica import autoscale as a
-from kvfleet.worker.replica.autoscale import AutoscaleTargets, decide, serve_reports
+from kvfleet.worker.replica.autoscale import LATENCY_WINDOW_S, AutoscaleTargets, decide, serve_reports
+from kvfleet.worker.replica.autoscale_clock import Clocks, FleetClock
 
 T = AutoscaleTargets(min_replicas=1, max_replicas=6, slo_ttft_s=1.0, slo_itl_s=0.2,
                      target_kv_utilisation=0.8)
@@ -38,11 +41,46 @@ def test_each_signal_near_its_target_scales_up_naming_it(signals, reason):
     assert d.target == 3 and d.reason == reason and d.pressure >= T.headroom
 
 
-def test_scale_up_is_proportional_to_the_pressure_and_capped_at_max():
-    assert decide(T, 2, 2, fleet(2, ttft=1.6)).target == 4  # 2 × 1.6 / 0.8
-    d = decide(T, 3, 3, fleet(3, ttft=20.0))
-    assert (d.target, d.reason) == (6, "ttft_p90")
+def test_a_latency_past_the_headroom_asks_for_one_more_never_in_proportion():
+    # Neither a p90 nor a predicted queue is linear in the count: a step in proportion to
+    # one overshoots (and the band then takes the replicas back: a sawtooth).
+    for signals in (dict(ttft=1.6), dict(ttft=20.0), dict(delay=5.0), dict(itl=1.0)):
+        assert decide(T, 2, 2, fleet(2, **signals)).target == 3, signals
     assert decide(T, 6, 6, fleet(6, ttft=20.0)).reason == "at_max"
+
+
+def test_a_lagging_p90_counts_only_once_the_count_has_held_its_window():
+    # Right after a change the p90s still hold the requests the last step answered.
+    early = decide(T, 3, 3, fleet(3, ttft=1.2), Clocks(settled_s=LATENCY_WINDOW_S / 2))
+    assert (early.target, early.reason) == (3, "within_band")
+    assert decide(T, 3, 3, fleet(3, ttft=1.2), Clocks(settled_s=LATENCY_WINDOW_S)).target == 4
+    # The predicted queue delay is now, not lagging: it acts at once.
+    assert decide(T, 3, 3, fleet(3, delay=1.2), Clocks(settled_s=0.0)).reason == "queue_delay"
+
+
+def test_fleet_clock_times_pending_replicas_the_settled_count_and_missing_reports():
+    clock = FleetClock(look_back_s=12.0)
+    inf = float("inf")
+    assert clock.observe(2, 2, True, 100.0) == Clocks(0.0, inf, 0.0)  # no earlier count
+    assert clock.observe(2, 3, True, 110.0) == Clocks(0.0, inf, 0.0)
+    assert clock.observe(2, 3, False, 150.0) == Clocks(40.0, inf, 0.0)
+    assert clock.observe(2, 4, False, 160.0) == Clocks(0.0, inf, 10.0)  # a new target: a new wait
+    assert clock.observe(3, 4, True, 170.0) == Clocks(10.0, -12.0, 0.0)  # seen through the look-back
+    assert clock.observe(4, 4, True, 200.0) == Clocks(0.0, -12.0, 0.0)
+    assert clock.observe(4, 4, True, 250.0) == Clocks(0.0, 38.0, 0.0)
+
+
+def test_a_replica_that_never_starts_does_not_block_scale_in():
+    quiet = fleet(2, load=0.1)
+    d = decide(T, 2, 3, quiet, Clocks(pending_s=10.0))  # still starting: wait for it
+    assert (d.target, d.reason) == (3, "starting")
+    d = decide(T, 2, 3, quiet, Clocks(pending_s=T.start_timeout_s))
+    assert (d.target, d.reason) == (1, "not_placed") and "not running" in d.detail
+    d = decide(T, 2, 3, fleet(2), Clocks(pending_s=T.start_timeout_s))  # at MIN 1 already light
+    assert d.target == 1
+    # Still needed: the ask stands (a cluster autoscaler may yet place it).
+    busy = fleet(2, load=1.0)
+    assert decide(T, 2, 3, busy, Clocks(pending_s=T.start_timeout_s)).target == 3
 
 
 def test_no_second_step_while_the_first_one_starts():
@@ -85,11 +123,30 @@ def test_never_below_min_and_targets_outside_the_bounds_are_clamped():
     assert decide(t, 5, 5, {}).target == 4
 
 
-def test_rollout_and_missing_reports_hold_the_count():
-    reports = {"old": report(revision=1.0), "new": report(ttft=5.0, revision=2.0)}
-    d = decide(T, 2, 2, reports)
+def test_a_rollout_holds_scale_down_but_not_scale_up():
+    quiet = {"old": report(revision=1.0), "new": report(revision=2.0)}
+    d = decide(T, 2, 2, quiet)
     assert (d.target, d.reason) == (2, "rollout")
+    busy = {"old": report(load=1.0, revision=1.0), "new": report(load=1.0, revision=2.0)}
+    d = decide(T, 2, 2, busy)
+    assert (d.target, d.reason) == (3, "load")  # 2 × 1.0 / 0.7
     assert decide(T, 3, 3, {}).reason == "no_metrics"
+
+
+def test_replicas_missing_signals_are_named_and_hold_scale_down():
+    reports = fleet(3)
+    del reports["r2"][a.TTFT_P90_S]
+    d = decide(T, 3, 3, reports)
+    assert (d.target, d.reason) == (3, "missing_metrics") and "r2" in d.detail
+    d = decide(T, 3, 3, fleet(2))  # a running replica has not reported at all
+    assert (d.target, d.reason) == (3, "missing_metrics") and "2 of 3" in d.detail
+    partial = fleet(3, load=1.2)
+    del partial["r0"][a.THROUGHPUT_LOAD]
+    assert decide(T, 3, 3, partial).target == 6  # the others' mean still scales up
+    # A replica that never reports does not hold scale-in for ever either.
+    quiet = fleet(2)
+    d = decide(T, 3, 3, quiet, Clocks(missing_s=T.start_timeout_s))
+    assert (d.target, d.reason) == (1, "sustained_margin") and "2 of 3" in d.detail
 
 
 def test_kv_only_target_ignores_latency():
@@ -147,11 +204,32 @@ def test_serve_runs_the_policy_with_its_delays_and_bounds(monkeypatch):
     assert target == 1  # the margin held for downscale_delay_s
 
 
-def test_serve_reports_keep_replicas_that_reported_every_signal():
+def test_serve_gives_back_a_replica_that_never_starts_once_the_load_left(monkeypatch):
+    # `--autoscale 1..3` where a third replica cannot be placed: Serve's target stays 3 while
+    # 2 run; once the load has gone the policy must still bring the fleet down.
+    cfg = AutoscaleConfig(AutoscaleTargets(1, 3, slo_ttft_s=1.0), upscale_delay_s=0.0,
+                          downscale_delay_s=0.0)
+    serve_cfg = AutoscalingConfig(**cfg.serve_config())
+    policy = _apply_autoscaling_config(KvfleetPolicy(**serve_cfg.policy.policy_kwargs))
+    clock = [1000.0]
+    monkeypatch.setattr("time.time", lambda: clock[0])
+    monkeypatch.setattr("time.monotonic", lambda: clock[0])
+    state: dict = {}
+    for _ in range(3):  # the load is gone, the third replica still pending: wait for it
+        target, state = policy(context(serve_cfg, 2, 3, fleet(2), state, clock[0]))
+        assert target == 3 and state["kvfleet_reason"] == "starting"
+        clock[0] += 30.0
+    clock[0] += AutoscaleTargets.start_timeout_s
+    target, state = policy(context(serve_cfg, 2, 3, fleet(2), state, clock[0]))
+    assert target == 1 and state["kvfleet_reason"] == "not_placed"
+
+
+def test_serve_reports_keep_replicas_missing_a_signal_with_what_they_reported():
     ids = [ReplicaID("a", DeploymentID("d", "x")), ReplicaID("b", DeploymentID("d", "x"))]
     full = {name: {ids[0]: 1.0, ids[1]: 2.0} for name in a.SIGNALS}
     del full[a.TTFT_P90_S][ids[1]]
-    assert list(serve_reports(full, ids)) == ["a"]
+    got = serve_reports(full, ids)
+    assert list(got) == ["a", "b"] and a.TTFT_P90_S not in got["b"]
     assert serve_reports(None, ids) == {}
 
 

@@ -1,6 +1,6 @@
 """The per-replica prefix-hit rate over the last minute (``kvfleet status``)."""
 
-from kvfleet.worker.engine.outputs import SeqOutput, Usage
+from kvfleet.worker.engine.output.outputs import SeqOutput, Usage
 from kvfleet.worker.replica.hit_window import HitWindow
 
 

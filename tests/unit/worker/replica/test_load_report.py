@@ -7,8 +7,8 @@ import pytest
 
 from kvfleet.sampling_params import SamplingParams
 from kvfleet.worker.engine.engine import EngineRequest
-from kvfleet.worker.engine.outputs import SeqOutput, Timing, Usage
-from kvfleet.worker.engine.scheduler import SchedulerConfig
+from kvfleet.worker.engine.output.outputs import SeqOutput, Timing, Usage
+from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig
 from kvfleet.worker.executor.cost_model import ZERO, CostModel
 from kvfleet.worker.replica import autoscale as a
 from kvfleet.worker.replica.load_report import (

@@ -9,7 +9,8 @@ import types
 import grpc
 
 from kvfleet.v1 import worker_pb2
-from kvfleet.worker.engine.scheduler import SchedulerConfig
+from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig
+from kvfleet.worker.executor.cost_model import ZERO
 from kvfleet.worker.service.server import WorkerService
 
 
@@ -19,7 +20,8 @@ class FailingLoop:
 
     def __init__(self, error: BaseException) -> None:
         self.error = error
-        self.engine = types.SimpleNamespace(scheduler=types.SimpleNamespace(config=SchedulerConfig()))
+        self.engine = types.SimpleNamespace(scheduler=types.SimpleNamespace(config=SchedulerConfig()),
+                                            step_cost=ZERO)
         self.stats = {"running": 0, "waiting": 0}
 
     async def generate(self, req):

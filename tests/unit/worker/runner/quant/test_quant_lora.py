@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvfleet.worker.engine.adapter_residency import AdapterResidency
+from kvfleet.worker.engine.adapters.residency import AdapterResidency
 from kvfleet.worker.runner.lora.adapter import check_adapter
 from kvfleet.worker.runner.model_runner import ModelRunner
 from kvfleet.worker.runner.quant.config import QuantConfig

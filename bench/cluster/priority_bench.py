@@ -1,0 +1,168 @@
+"""Priority classes: an interactive trickle beside a 10x batch flood keeps its TTFT.
+
+    .venv/bin/python -m bench priority --preempt-streaming  # 2 replicas, 10x batch flood
+    .venv/bin/python -m bench priority --batch-share 0.75 --router-arg=--priority-admit=batch=0.8
+
+The cluster of ``bench.cluster.overload`` (cost-model replicas: real router process, scheduler, block
+pool, Redis, gRPC; only the forward is a modelled sleep) is started once; in one run:
+
+1. ``capacity``: completions/s with ``replicas × max_num_seqs`` closed-loop clients;
+2. ``interactive_alone``: Poisson arrivals at ``--interactive-share`` of capacity, class
+   ``interactive`` (its unloaded TTFT);
+3. ``batch_alone``: Poisson arrivals at ``--factor ×`` capacity, class ``batch`` (its
+   throughput with the fleet to itself; the router refuses what exceeds batch's admission);
+4. ``both``: the two streams together, each in its class;
+5. ``both_unclassed``: the same two streams with every request in class ``default`` (what
+   kvfleet did before classes), for comparison.
+
+Targets (``targets`` in the JSON): interactive TTFT p99 in ``both`` ≤ 1.5× its value in
+``interactive_alone``, and batch's completions/s in ``both`` fall short of ``batch_alone``'s by
+no more than interactive's completions/s in ``both`` (every request has the same prompt and
+output length, so completions compare work). JSON goes to ``bench/results/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import time
+from dataclasses import asdict
+
+import grpc
+
+from bench.cluster.overload import ProcStats, Run, capacity, local_cluster, send, summarize
+from bench.common.result_file import RESULTS
+from kvfleet.grpc_util import CHANNEL_OPTIONS
+from kvfleet.v1 import router_pb2, router_pb2_grpc
+
+KEYS = {"key-chat": {"tenant": "chat", "priority": "interactive"},
+        "key-batch": {"tenant": "batch", "priority": "batch"}}
+
+
+async def streams(stub, run: Run, seconds: float,
+                  spec: dict[str, tuple[float, str, str]]) -> dict:
+    """Poisson arrivals for ``seconds``; ``spec``: stream name → (rate /s, api key, class).
+    Returns per stream: ``summarize``'s fields plus completions/s."""
+    rng = random.Random(5)
+    arrivals = []
+    for name, (rate, key, klass) in spec.items():
+        t = 0.0
+        while rate > 0 and (t := t + rng.expovariate(rate)) < seconds:
+            arrivals.append((t, name, key, klass))
+    arrivals.sort()
+    start, tasks = time.monotonic(), []
+    for t, name, key, klass in arrivals:
+        delay = start + t - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(send(stub, run, rng, name, key, priority=klass)))
+    outs = list(await asyncio.gather(*tasks))
+    result = {}
+    for name in spec:
+        mine = [o for o in outs if o.tenant == name]
+        s = summarize(mine)
+        s["completions_per_s"] = sum(1 for o in mine if o.code == "OK") / seconds
+        result[name] = s
+    return result
+
+
+async def wait_registered(stub, n: int, timeout_s: float = 60.0) -> None:
+    """Until the router sees ``n`` replicas (as cluster admin ``chat``)."""
+    md = (("authorization", "Bearer key-chat"),)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        status = await stub.ClusterStatus(router_pb2.ClusterStatusRequest(), metadata=md)
+        if len(status.replicas) == n:
+            return
+        await asyncio.sleep(0.2)
+    raise TimeoutError(f"{n} replicas did not register")
+
+
+async def drive(a: argparse.Namespace, run: Run, cluster) -> dict:
+    async with grpc.aio.insecure_channel(cluster.router_address, options=CHANNEL_OPTIONS) as ch:
+        stub = router_pb2_grpc.RouterStub(ch)
+        await wait_registered(stub, run.replicas)
+        await send(stub, run, random.Random(0), key="key-chat")  # warm-up
+        cap = await capacity(stub, run, a.capacity_s, "key-chat")
+        print(f"capacity {cap:.1f} req/s", flush=True)
+        chat = (a.interactive_share * cap, "key-chat", "interactive")
+        flood = (a.factor * cap, "key-batch", "batch")
+        phases = {"interactive_alone": {"chat": chat}, "batch_alone": {"flood": flood},
+                  "both": {"chat": chat, "flood": flood},
+                  "both_unclassed": {"chat": (*chat[:2], "default"),
+                                     "flood": (*flood[:2], "default")}}
+        out: dict = {"capacity_per_s": cap}
+        for name, spec in phases.items():
+            out[name] = await streams(stub, run, a.duration_s, spec)
+            print(f"{name}: " + ", ".join(
+                f"{s}: ttft p99 {r.get('ttft_p99_ms', float('nan')):.1f} ms, "
+                f"{r['completions_per_s']:.1f}/s" for s, r in out[name].items()), flush=True)
+            await asyncio.sleep(2.0)  # the fleet drains
+    return out
+
+
+def targets(r: dict) -> dict:
+    """The issue's two targets, from one run's phases."""
+    alone, both = r["interactive_alone"]["chat"], r["both"]["chat"]
+    ratio = both["ttft_p99_ms"] / alone["ttft_p99_ms"]
+    batch_drop = r["batch_alone"]["flood"]["completions_per_s"] - r["both"]["flood"]["completions_per_s"]
+    return {"interactive_ttft_p99_ratio": ratio, "ttft_target_met": ratio <= 1.5,
+            "unclassed_ttft_p99_ratio": r["both_unclassed"]["chat"]["ttft_p99_ms"]
+            / alone["ttft_p99_ms"],
+            "batch_drop_per_s": batch_drop, "interactive_per_s": both["completions_per_s"],
+            # completions over one phase: equal counts may differ by float rounding only
+            "throughput_target_met": batch_drop <= both["completions_per_s"] + 1e-9}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench.priority", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--factor", type=float, default=10.0, help="batch rate × capacity")
+    p.add_argument("--interactive-share", type=float, default=0.1,
+                   help="interactive rate as a fraction of capacity")
+    p.add_argument("--duration-s", type=float, default=12.0, help="seconds per phase")
+    p.add_argument("--capacity-s", type=float, default=6.0)
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--scale", type=float, default=0.05, help="cost-model step times × scale")
+    p.add_argument("--preempt-streaming", action="store_true",
+                   help="replicas' --preempt-streaming: interactive may preempt streaming batch")
+    p.add_argument("--batch-share", type=float, default=1.0, help="replicas' --batch-share")
+    p.add_argument("--itl-target-ms", type=float, default=None,
+                   help="replicas' --itl-target-ms (in the scaled cost model's milliseconds)")
+    p.add_argument("--no-class-step", action="store_true",
+                   help="replicas' class_step off: a prefill's step carries every row (A/B)")
+    p.add_argument("--layer-yield", action="store_true",
+                   help="replicas' --layer-yield: a batch step pauses between layers for a "
+                        "nested interactive step (A/B)")
+    p.add_argument("--tag", default="")
+    p.add_argument("--router-arg", action="append", default=[], dest="router_args")
+    a = p.parse_args(argv)
+    run = Run(replicas=a.replicas, scale=a.scale, router_args=tuple(a.router_args),
+              scheduler={"preempt_streaming": a.preempt_streaming, "batch_share": a.batch_share,
+                         "itl_target_ms": a.itl_target_ms,
+                         # only when set: a checkout before class_step runs too (A/B)
+                         **({"class_step": False} if a.no_class_step else {}),
+                         **({"layer_yield": True} if a.layer_yield else {})})
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    keys_file = RESULTS / "priority-keys.json"
+    keys_file.write_text(json.dumps({"keys": KEYS, "admins": ["chat"]}))
+    load_before = os.getloadavg()
+    with local_cluster(run, str(keys_file)) as cluster:
+        result = asyncio.run(drive(a, run, cluster))
+        result["router_peak_rss_bytes"] = ProcStats(cluster.router_proc.pid).peak_rss_bytes()
+    result["targets"] = targets(result)
+    record = {"args": vars(a), "run": asdict(run), **result,
+              "machine": {"cpus": os.cpu_count(), "loadavg_before": load_before,
+                          "loadavg_after": os.getloadavg()}}
+    path = RESULTS / f"priority{'-' + a.tag if a.tag else ''}.json"
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    print(json.dumps(result["targets"], indent=1))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,291 @@
+"""Priority classes and tenant fairness under the ITL target on a virtual clock.
+
+    .venv/bin/python -m bench class_sim [--itl-target-ms 150] [--seconds 120] [--seeds 0,1,2]
+        [--layer-yield [--model smollm2-135m-instruct] [--yield-cost-layers 1]]
+
+One replica's real scheduler and block pool (16 running + 256 waiting, 640 blocks of 16), each
+step lasting exactly what the benches' cost model says (``MEASURED × 0.05``: 16 ms a step,
+0.625 ms a prefill token, 4.4 ms a decode row): what ``class_step`` does to the step's
+contents, apart from a loaded host's noise and the router (``bench priority`` and
+``bench.cluster.overload fair`` measure those too). Requests as there: prompts of 64 distinct token
+ids, 16 output tokens; the worker's TTFT (arrival to the end of the step that samples the
+first token). Per seed and with ``class_step`` off and on:
+
+* **§2** ``priority``: an interactive Poisson trickle at 0.1 × capacity alone, then beside a
+  batch flood at 10 × capacity (refused past 80 % of the replica's sequences, as the router's
+  ``--priority-admit``); ``--preempt-streaming``. Interactive TTFT p99 both ÷ alone (target
+  ≤ 1.5), batch completions/s alone − both against interactive's (target ≤).
+* **§3** ``fair``: tenant B at 0.2 × capacity alone, then beside tenant A at 10 × (both
+  ``default``; ``tenant_share`` 0.5 of running and of waiting seats, running seats lent by
+  service past it: ``seats_by_service``, ``--fixed-seats`` for the fixed cap); B's TTFT p99
+  both ÷ alone (target ≤ 2); then both backlogged (16 closed-loop clients each, A's prompts 256 tokens):
+  B's share of computed tokens (uncached prompt + output) in the middle half (fair 0.5 ± 10 %).
+
+``--layer-yield``: steps pause between decoder layers (as many as the model's config has) for
+a nested step of a higher class (:class:`Yield`, ``worker/engine/layer_yield/nested.py``).
+
+Capacity: completions/s of 16 closed-loop default clients. JSON: ``bench/results/class_sim.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import random
+from dataclasses import dataclass, replace
+from typing import Optional
+
+from bench.common.result_file import RESULTS
+from bench.engine.engine_bench import pct
+from kvfleet.allocator.kv_cache_manager import KVCacheManager
+from kvfleet.priority import BATCH, DEFAULT, INTERACTIVE
+from kvfleet.sampling_params import SamplingParams
+from kvfleet.worker.engine.layer_yield.nested import may_yield, yields_to
+from kvfleet.worker.engine.request import SeqStatus, SequenceState
+from kvfleet.worker.engine.scheduling.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kvfleet.worker.step_cost.model import MEASURED, StepCost
+
+COST = MEASURED.scaled(0.05)
+BLOCK = 16
+
+
+@dataclass(frozen=True)
+class Stream:
+    """Requests of one tenant: Poisson at ``rate`` /s, or ``clients`` closed loops."""
+
+    tenant: str
+    priority: int = DEFAULT
+    rate: float = 0.0
+    clients: int = 0
+    prompt: int = 64
+    admit: float = 1.0  # refused once the replica holds this fraction of its sequences
+    share: float = 1.0  # refused once this tenant holds this fraction of them
+
+
+@dataclass(frozen=True)
+class Yield:
+    """Layer-level yield on the virtual clock (``worker/engine/layer_yield/nested.py``): a step is
+    ``layers`` equal slices; a request of a strictly better class than every row of the step
+    in flight pauses it at the first layer boundary after its arrival, the real scheduler's
+    nested step (:meth:`Scheduler.schedule_nested`) runs, and the paused step's remaining
+    time, plus ``cost_layers`` layers' share of it (saving and resuming), follows."""
+
+    layers: int
+    cost_layers: float = 1.0
+
+
+def simulate(streams: list[Stream], config: SchedulerConfig, seconds: float, seed: int,
+             layer_yield: Optional[Yield] = None) -> dict:
+    """Run ``streams`` for ``seconds`` of virtual time; per tenant: TTFT p50/p99 and token
+    gap (ITL) p99 (ms) of requests arriving in the run, completions/s, computed tokens of
+    requests finishing in the middle half; ``"_yields"``: nested steps run."""
+    rng = random.Random(seed)
+    sched = Scheduler(config, KVCacheManager(640, BLOCK), StepCost(COST, alpha=0.0))
+    arrivals: list[tuple[float, Stream]] = []
+    for st in streams:
+        t = 0.0
+        while st.rate and (t := t + rng.expovariate(st.rate)) < seconds:
+            arrivals.append((t, st))
+        arrivals += [(0.0, st)] * st.clients
+    arrivals.sort(key=lambda a: a[0])
+    ttft: dict[str, list[float]] = {st.tenant: [] for st in streams}
+    gaps: dict[str, list[float]] = {st.tenant: [] for st in streams}
+    last: dict[str, float] = {}  # seq_id -> when its last token came
+    done = {st.tenant: 0 for st in streams}
+    tokens = {st.tenant: 0 for st in streams}
+    meta: dict[str, tuple[Stream, float]] = {}
+    held = {st.tenant: 0 for st in streams}
+    n = i = yields = 0
+    classes = {st.priority for st in streams}
+
+    def arrive(until: float) -> None:
+        nonlocal i, n
+        while i < len(arrivals) and arrivals[i][0] <= until:
+            t, st = arrivals[i]
+            i += 1
+            if (sched.num_unfinished >= st.admit * config.max_sequences
+                    or held[st.tenant] >= st.share * config.max_sequences):
+                if st.clients:  # a closed-loop client retries after 20 ms
+                    arrivals.insert(i, (until + 0.02, st))
+                    arrivals.sort(key=lambda a: a[0])
+                continue
+            n += 1
+            s = SequenceState(seq_id=f"q{n}", request_id=f"q{n}", index=0,
+                              prompt_token_ids=[rng.randrange(1, 40000) for _ in range(st.prompt)],
+                              params=SamplingParams(max_tokens=16, ignore_eos=True),
+                              root_hash=b"s" * 16, block_size=BLOCK, arrival_seq=n,
+                              tenant=st.tenant, priority=st.priority)
+            sched.add([s])
+            held[st.tenant] += 1
+            meta[s.seq_id] = (st, t)
+
+    def sample(out: SchedulerOutput, now: float) -> None:
+        for x in out.scheduled:
+            seq = x.seq
+            if not (x.sample and seq.status is SeqStatus.RUNNING):
+                continue
+            st, t0 = meta[seq.seq_id]
+            if not seq.output_token_ids:
+                ttft[st.tenant].append(now - t0)
+            else:
+                gaps[st.tenant].append(now - last[seq.seq_id])
+            last[seq.seq_id] = now
+            seq.append_token(1)
+            if len(seq.output_token_ids) >= seq.params.max_tokens:
+                sched.finish(seq)
+                del last[seq.seq_id]
+                held[st.tenant] -= 1
+                done[st.tenant] += 1
+                if seconds / 4 <= now <= 3 * seconds / 4:
+                    tokens[st.tenant] += seq.num_prompt_tokens - (seq.num_cached_tokens or 0) + 16
+                if st.clients:
+                    arrivals.insert(i, (now, st))
+
+    def run_yielding(out: SchedulerOutput, start: float, yd: Yield) -> float:
+        """Run ``out`` from ``start``, pausing for nested steps; returns its end."""
+        nonlocal yields
+        total = max(COST.step_seconds(out.plan), 1e-3)
+        layer = total / yd.layers
+        t, progress = start, 0.0  # virtual now, seconds of ``out`` done
+        to = {p for p in classes if yields_to(out, p)}  # the classes ``out`` yields to
+        while to:
+            urgent = next((max(a[0], t) for a in itertools.islice(arrivals, i, None)
+                           if a[1].priority in to), None)
+            if may_yield(sched, out):
+                urgent = t
+            if urgent is None:
+                break
+            boundary = math.ceil((progress + urgent - t) / layer - 1e-9) * layer
+            if boundary >= total - 1e-12:
+                break  # the step ends first
+            t, progress = t + boundary - progress, boundary
+            arrive(t)  # the engine drains its inbox at the yield point
+            nested = sched.schedule_nested(out, t)
+            if not nested.scheduled:
+                break  # refused (no free seat or blocks): the step runs on whole
+            yields += 1
+            t += max(COST.step_seconds(nested.plan), 1e-3)
+            sched.on_step_done(nested)
+            sample(nested, t)
+            t += yd.cost_layers * layer
+        return t + total - progress
+
+    now = 0.0
+    while now < seconds:
+        arrive(now)
+        if not sched.num_unfinished:
+            now = arrivals[i][0] if i < len(arrivals) else seconds
+            continue
+        out = sched.schedule(now)
+        if layer_yield is None:
+            sched.on_step_done(out)
+            now += max(COST.step_seconds(out.plan), 1e-3)
+        else:
+            now = run_yielding(out, now, layer_yield)
+            sched.on_step_done(out)
+        sample(out, now)
+    res: dict = {t: {"ttft_p50_ms": 1e3 * pct(v, 0.5) if v else None,
+                     "ttft_p99_ms": 1e3 * pct(v, 0.99) if v else None, "requests": len(v),
+                     "itl_p99_ms": 1e3 * pct(gaps[t], 0.99) if gaps[t] else None,
+                     "completions_per_s": done[t] / seconds, "computed_tokens": tokens[t]}
+                 for t, v in ttft.items()}
+    res["_yields"] = yields
+    return res
+
+
+def run_seed(base: SchedulerConfig, seconds: float, seed: int, seat_share: float = 0.5,
+             seats_by_service: bool = True, layer_yield: Optional[Yield] = None) -> dict:
+    """Both sections with ``class_step`` off and on, one seed (``seat_share``: §3's
+    ``tenant_share``; ``seats_by_service`` False: a fixed cap of running seats;
+    ``layer_yield``: steps pause between layers for a higher class, None: atomic steps)."""
+    cap = simulate([Stream("c", clients=16)], replace(base, class_step=False), seconds, seed)
+    rate = cap["c"]["completions_per_s"]
+    out: dict = {"capacity_per_s": rate}
+    chat = Stream("chat", INTERACTIVE, rate=0.1 * rate)
+    flood = Stream("batch", BATCH, rate=10 * rate, admit=0.8)
+    b_alone = Stream("B", rate=0.2 * rate, share=seat_share)
+    a_flood = Stream("A", rate=10 * rate, share=seat_share)
+    for on in (False, True):
+        prio = replace(base, class_step=on, preempt_streaming=True)
+        fair = replace(base, class_step=on, tenant_share=seat_share,
+                       seats_by_service=seats_by_service)
+        ly = layer_yield
+        alone = simulate([chat], prio, seconds, seed, ly)["chat"]
+        batch = simulate([flood], prio, seconds, seed, ly)["batch"]
+        both = simulate([chat, flood], prio, seconds, seed, ly)
+        f_alone = simulate([b_alone], fair, seconds, seed, ly)["B"]
+        f_both = simulate([b_alone, a_flood], fair, seconds, seed, ly)
+        backlog = simulate([Stream("B", clients=16, share=seat_share),
+                            Stream("A", clients=16, prompt=256, share=seat_share)],
+                           fair, seconds, seed, ly)
+        total = backlog["A"]["computed_tokens"] + backlog["B"]["computed_tokens"]
+        out["on" if on else "off"] = {
+            "priority": {"alone": alone, "batch_alone": batch, "both": both,
+                         "ttft_p99_ratio": both["chat"]["ttft_p99_ms"] / alone["ttft_p99_ms"],
+                         "batch_drop_per_s": batch["completions_per_s"]
+                         - both["batch"]["completions_per_s"],
+                         "interactive_per_s": both["chat"]["completions_per_s"],
+                         "yields": both["_yields"]},
+            "fair": {"alone": f_alone, "both": f_both, "backlogged": backlog,
+                     "ttft_p99_ratio": f_both["B"]["ttft_p99_ms"] / f_alone["ttft_p99_ms"],
+                     "b_token_share": backlog["B"]["computed_tokens"] / max(1, total)}}
+    return out
+
+
+def model_layers(name_or_dir: str) -> int:
+    """Decoder layers of a model (a known name or an HF directory: ``num_hidden_layers``)."""
+    from kvfleet.deploy.models import resolve_model
+    from kvfleet.worker.runner.model_config import load_model_config
+
+    return load_model_config(resolve_model(name_or_dir)[1]).num_layers
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="bench.sim.class_sim", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--itl-target-ms", type=float, default=150.0)
+    p.add_argument("--seconds", type=float, default=120.0, help="virtual seconds per phase")
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--seat-share", type=float, default=0.5,
+                   help="§3: replicas' tenant_share (of running and of waiting seats)")
+    p.add_argument("--fixed-seats", action="store_true",
+                   help="§3: tenant_share caps running seats whatever the service (before)")
+    p.add_argument("--layer-yield", action="store_true",
+                   help="steps pause between layers for a nested step of a higher class")
+    p.add_argument("--model", default="smollm2-135m-instruct",
+                   help="--layer-yield: the model whose config gives the number of layers")
+    p.add_argument("--yield-cost-layers", type=float, default=1.0,
+                   help="--layer-yield: what a pause adds to the paused step, in layers")
+    a = p.parse_args(argv)
+    ly = Yield(model_layers(a.model), a.yield_cost_layers) if a.layer_yield else None
+    base = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512, max_waiting=256,
+                           itl_target_ms=a.itl_target_ms)
+    runs = {int(s): run_seed(base, a.seconds, int(s), a.seat_share, not a.fixed_seats, ly)
+            for s in a.seeds.split(",")}
+    print("seed class_step | §2 chat TTFT p99 alone → both (×) | batch drop vs chat /s "
+          "| batch ITL p99 | §3 B TTFT p99 alone → both (×) | B token share | A ITL p99 (backlogged) "
+          "| §2 nested steps")
+    for seed, r in runs.items():
+        for k in ("off", "on"):
+            pr, fa = r[k]["priority"], r[k]["fair"]
+            print(f"{seed} {k:3s} | {pr['alone']['ttft_p99_ms']:.0f} → "
+                  f"{pr['both']['chat']['ttft_p99_ms']:.0f} ms ({pr['ttft_p99_ratio']:.2f}×) | "
+                  f"{pr['batch_drop_per_s']:.2f} vs {pr['interactive_per_s']:.2f} | "
+                  f"{pr['both']['batch']['itl_p99_ms']:.0f} ms | "
+                  f"{fa['alone']['ttft_p99_ms']:.0f} → {fa['both']['B']['ttft_p99_ms']:.0f} ms "
+                  f"({fa['ttft_p99_ratio']:.2f}×) | {fa['b_token_share']:.3f} | "
+                  f"{fa['backlogged']['A']['itl_p99_ms']:.0f} ms | {pr['yields']}")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    tag = (("" if a.seat_share == 0.5 else f"-seats{a.seat_share:g}")
+           + ("-fixed" if a.fixed_seats else "") + ("-yield" if a.layer_yield else "")
+           + (f"{a.yield_cost_layers:g}" if a.layer_yield and a.yield_cost_layers != 1 else ""))
+    path = RESULTS / f"class_sim{tag}.json"
+    path.write_text(json.dumps({"args": vars(a), "runs": runs}, indent=1) + "\n")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

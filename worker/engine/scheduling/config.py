@@ -1,0 +1,67 @@
+"""A replica's scheduling limits (:class:`SchedulerConfig`), checked once at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from kvfleet.worker.engine.scheduling.priority_queue import PriorityRules
+
+POLICIES = ("watermark", "reserve")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Scheduling limits of one replica.
+
+    ``watermark`` is the fraction of all blocks kept free when admitting new work under the
+    ``watermark`` policy (so running sequences can grow without immediate preemption).
+    ``max_waiting``: sequences that may wait beside a full running set; the replica holds at
+    most ``max_sequences`` = ``max_num_seqs + max_waiting`` unfinished sequences in all (the
+    same bound the worker's arrival count applies, so the engine never refuses one it let in).
+    ``itl_target_ms``: a step's predicted forward time (ms) that prefill chunks may fill up to,
+    beside the token budget (None: the token budget alone).
+
+    Raises:
+        ValueError: an unknown ``policy``, or a limit or share out of its range.
+    """
+
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512
+    max_waiting: int = 256
+    policy: str = "watermark"
+    watermark: float = 0.01
+    # Fraction of max_sequences (waiting + running, refused on arrival past it) and of
+    # max_num_seqs (running) one tenant may hold on this replica (1.0: no per-tenant cap).
+    tenant_share: float = 1.0
+    itl_target_ms: Optional[float] = None
+    # Priority classes: the fraction of max_num_seqs the batch band may run (1.0: no cap), and
+    # whether a higher class may preempt lower-class sequences that have streamed tokens.
+    batch_share: float = 1.0
+    preempt_streaming: bool = False
+    # Under an ITL target: a favoured prefill's step leaves out outranked rows (class_step.py).
+    class_step: bool = True
+    # With tenant_share < 1: a tenant may run past its share of seats while a waiting tenant
+    # has been served more than it (seats then follow service; False: a fixed cap).
+    seats_by_service: bool = True
+    # Layer-level yield (layer_yield.py, yield_step.py): a step in flight pauses between
+    # decoder layers for a nested step of newly arrived higher-class prompts. tp = 1 only
+    # (the engine refuses an executor that cannot pause).
+    layer_yield: bool = False
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0 or self.max_waiting < 0:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be > 0, max_waiting >= 0")
+        if not 0 < self.tenant_share <= 1:
+            raise ValueError(f"tenant_share must be in (0, 1], got {self.tenant_share}")
+        if self.itl_target_ms is not None and not 0 < self.itl_target_ms < float("inf"):
+            raise ValueError(f"itl_target_ms must be > 0, got {self.itl_target_ms}")
+        PriorityRules(self.max_num_seqs, self.batch_share, self.preempt_streaming)  # checks
+
+    @property
+    def max_sequences(self) -> int:
+        """Sequences the replica holds at most (running + waiting): its admission limit."""
+        return self.max_num_seqs + self.max_waiting
+

@@ -1,0 +1,52 @@
+"""What the scheduler hands the engine: a step's plan with its sequences, and the forks of a step.
+
+:class:`SchedulerOutput` wraps the :class:`~kvfleet.worker.engine.step_plan.StepPlan` that crosses to the model
+runner with the engine-side view of the same step: which sequences run how many tokens and
+which sample, and which were preempted to make room.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from kvfleet.worker.engine.request import SequenceState
+from kvfleet.worker.engine.step_plan import SeqChunk, StepPlan
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """One sequence's part of a step. ``sample`` is true when the chunk reaches the sequence's
+    last known token, so its logits give the next token."""
+
+    seq: SequenceState
+    num_new_tokens: int
+    sample: bool
+
+    def chunk(self, block_table: Sequence[int]) -> SeqChunk:
+        """The plan's chunk: the ``num_new_tokens`` tokens after the sequence's computed ones
+        (call before they are counted as computed), over its ``block_table`` (block ids)."""
+        start = self.seq.num_computed_tokens
+        return SeqChunk(seq_id=self.seq.seq_id,
+                        token_ids=self.seq.token_slice(start, start + self.num_new_tokens),
+                        num_computed_tokens=start, block_table=tuple(block_table),
+                        adapter_slot=self.seq.adapter_slot)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """One planned step: the ``plan`` to execute, its ``scheduled`` sequences in the plan's
+    chunk order, and the sequences ``preempted`` (by recompute) while planning it."""
+
+    plan: StepPlan
+    scheduled: tuple[ScheduledSeq, ...]
+    preempted: tuple[SequenceState, ...] = ()
+
+
+@dataclass(frozen=True)
+class Fork:
+    """A sibling that joined the running set after ``leader``'s prompt was computed; it samples
+    its first token from the leader's logits of that step."""
+
+    leader: SequenceState
+    sibling: SequenceState

@@ -1,0 +1,225 @@
+"""The step-cost model: seconds one engine step's forward takes, from the step's shape.
+
+One linear form, used by the real engine (:class:`StepCost`, calibrated at start-up and
+corrected online), by the cost-model executor (which sleeps this long) and so by the fleet
+simulator, so that all three agree::
+
+    step_s = step_base_s + decode_token_s · decode_rows + prefill_token_s · prefill_tokens
+                         + context_token_s · context_tokens
+
+* ``decode_rows``: chunks of one new token (a decode, or the last token of a prompt);
+* ``prefill_tokens``: new tokens of the chunks longer than one token;
+* ``context_tokens``: KV positions the step's attention reads, summed over its chunks: a
+  chunk of ``n`` new tokens after ``c`` computed ones reads :func:`attended` ``(c, n) = c + n``
+  positions of K and V. For decode rows that is the KV bytes a step streams, which dominates
+  a long-context decode batch (SmolLM2 on CPU: ~0.09 ms per 1,000 positions per row, as much
+  as 2 prefill tokens); a prefill chunk's query × key compute is counted once per position,
+  not per pair (measured on CPU, 512 tokens after 512 cost ~15 % more than after none; a
+  pair count charged at the decode rate would predict 10×).
+
+Tokens served from the prefix cache cost nothing: they are never in a chunk; they only add to
+``c`` of the chunk after them. Everything here is torch-free arithmetic.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import NamedTuple, Protocol
+
+from kvfleet.measured_costs import MEASURED_STEP_COSTS
+from kvfleet.worker.engine.step_plan import StepPlan
+
+
+def attended(num_computed_tokens: int, num_new_tokens: int) -> int:
+    """KV positions one chunk's attention reads: its prefix and its own new tokens (the
+    ``context_tokens`` one chunk adds; a request's uncached prompt of ``P`` tokens after ``c``
+    cached ones, run as one chunk, adds ``c + P``)."""
+    return num_computed_tokens + num_new_tokens
+
+
+class StepShape(NamedTuple):
+    """What the cost of one step depends on (see the module docstring)."""
+
+    decode_rows: int
+    prefill_tokens: int
+    context_tokens: int
+
+
+def plan_shape(plan: StepPlan) -> StepShape:
+    """The :class:`StepShape` of ``plan``: a one-token chunk counts as a decode row."""
+    decode = prefill = context = 0
+    for c in plan.chunks:
+        n = len(c.token_ids)
+        if n == 1:
+            decode += 1
+        else:
+            prefill += n
+        context += attended(c.num_computed_tokens, n)
+    return StepShape(decode, prefill, context)
+
+
+class StepCostModel(Protocol):
+    """What the scheduler's time budget and the router's queue-delay estimate code against."""
+
+    def predict_step_s(self, decode_rows: int, prefill_tokens: int, context_tokens: int) -> float:
+        """Predicted seconds of one step of this shape (0 for an empty step)."""
+        ...
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """The constants of the linear form (seconds per step, per row, per token, per attended
+    position). ``source`` says where they were measured (model, machine, threads, date).
+
+    Raises:
+        ValueError: a negative constant.
+    """
+
+    step_base_s: float
+    prefill_token_s: float
+    decode_token_s: float
+    source: str = ""
+    context_token_s: float = 0.0  # last: older calibration files and callers omit it
+
+    def __post_init__(self) -> None:
+        if min(self.step_base_s, self.prefill_token_s, self.decode_token_s,
+               self.context_token_s) < 0:
+            raise ValueError(f"cost model constants must be >= 0, got {self}")
+
+    def predict_step_s(self, decode_rows: int, prefill_tokens: int, context_tokens: int) -> float:
+        """Modelled seconds of one step of this shape (0 when it computes nothing)."""
+        if decode_rows == 0 and prefill_tokens == 0:
+            return 0.0
+        return (self.step_base_s + self.decode_token_s * decode_rows
+                + self.prefill_token_s * prefill_tokens + self.context_token_s * context_tokens)
+
+    def step_seconds(self, plan: StepPlan) -> float:
+        """Modelled duration of one forward over ``plan`` (0 for an empty plan)."""
+        return self.predict_step_s(*plan_shape(plan))
+
+    def scaled(self, factor: float) -> "CostModel":
+        """Every constant × ``factor`` (a faster or slower replica; ratios unchanged).
+
+        Raises:
+            ValueError: ``factor`` <= 0.
+        """
+        if not factor > 0:
+            raise ValueError(f"time scale must be > 0, got {factor}")
+        return CostModel(self.step_base_s * factor, self.prefill_token_s * factor,
+                         self.decode_token_s * factor, f"{self.source} × {factor:g}",
+                         self.context_token_s * factor)
+
+    @classmethod
+    def from_json(cls, data: dict, source: str = "") -> "CostModel":
+        """From :meth:`to_json`'s object (``context_token_s`` may be absent: 0).
+
+        Raises:
+            KeyError, ValueError: a missing or bad constant.
+        """
+        return cls(float(data["step_base_s"]), float(data["prefill_token_s"]),
+                   float(data["decode_token_s"]), str(data.get("source", source)),
+                   float(data.get("context_token_s", 0.0)))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "CostModel":
+        """Read the ``cost_model`` object of a calibration JSON file (or a bare one)."""
+        data = json.loads(Path(path).read_text())
+        return cls.from_json(data.get("cost_model", data), str(path))
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+# Measured with ``python -m bench.calibrate`` on SmolLM2-135M-Instruct, fp32, one torch
+# thread, on the 2-core development machine (bench/results/calibration.json holds the samples).
+MEASURED = CostModel(*MEASURED_STEP_COSTS)
+ZERO = CostModel(0.0, 0.0, 0.0, "zero: answers at once")
+
+MAX_LOG_RATIO = math.log(4.0)  # one step counts as at most ×4 off (a GC pause, a swap)
+MAX_LOG_SCALE = math.log(16.0)  # a side corrected past ×16 either way needs recalibrating
+SIDES = ("decode", "prefill")
+
+
+class StepCost:
+    """A replica's step-cost model: a calibrated :class:`CostModel` × an online correction
+    per side of the step.
+
+    The prediction splits in two: the **decode side** (base + decode rows + KV positions
+    attended) and the **prefill side** (prefill tokens), each × its own scale. After each
+    forward the engine calls :meth:`observe` with the step's shape and measured seconds; the
+    error ``e = log(measured / predicted)``, clipped to ``±log 4``, is shared out by each
+    side's share of the prediction: ``log scale_side += alpha × share_side × e / Σ share²``
+    (a normalized gradient step on the squared log error: the step's own prediction moves by
+    ``alpha × e``, as one scale's would). A decode-only step corrects the decode side alone,
+    so a prefill priced 2× wrong is learnt from steps with prefill while decode steps keep
+    the decode side where it is. Bounded: one step moves a scale by at most ``4^(1.21
+    alpha)``, and a scale stays within ``16^±1`` of the calibration. ``alpha`` 0 keeps the
+    prior fixed (tests, a modelled executor).
+
+    ``predicted_total_s`` / ``measured_total_s`` / ``steps`` (and the last pair) are what the
+    metrics export, with :attr:`decode_scale` and :attr:`prefill_scale`: their rates' ratio
+    is the drift an operator watches. Written on the engine thread; read from any (floats:
+    no lock needed).
+
+    Raises:
+        ValueError: ``alpha`` outside [0, 1].
+    """
+
+    def __init__(self, prior: CostModel, alpha: float = 0.05) -> None:
+        if not 0 <= alpha <= 1:
+            raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+        self.prior = prior
+        self.alpha = alpha
+        self.log_scales = [0.0, 0.0]  # decode side, prefill side
+        self.steps = 0
+        self.predicted_total_s = 0.0
+        self.measured_total_s = 0.0
+        self.last_predicted_s = 0.0
+        self.last_measured_s = 0.0
+
+    @property
+    def decode_scale(self) -> float:
+        """measured ÷ prior of the decode side (base, decode rows, context), as estimated."""
+        return math.exp(self.log_scales[0])
+
+    @property
+    def prefill_scale(self) -> float:
+        """measured ÷ prior of the prefill side (prefill tokens), as estimated."""
+        return math.exp(self.log_scales[1])
+
+    def _sides(self, decode_rows: int, prefill_tokens: int, context_tokens: int) -> tuple[float, float]:
+        """The prior's seconds of the decode side and of the prefill side (0, 0: empty)."""
+        total = self.prior.predict_step_s(decode_rows, prefill_tokens, context_tokens)
+        prefill = self.prior.prefill_token_s * prefill_tokens if total > 0 else 0.0
+        return total - prefill, prefill
+
+    def predict_step_s(self, decode_rows: int, prefill_tokens: int, context_tokens: int) -> float:
+        """Predicted seconds of one step's forward of this shape (0 when it computes nothing)."""
+        d, p = self._sides(decode_rows, prefill_tokens, context_tokens)
+        return d * self.decode_scale + p * self.prefill_scale
+
+    def predict_plan_s(self, plan: StepPlan) -> float:
+        """Predicted seconds of the forward over ``plan``."""
+        return self.predict_step_s(*plan_shape(plan))
+
+    def observe(self, shape: StepShape, measured_s: float) -> None:
+        """Record one forward of ``shape`` that took ``measured_s`` seconds."""
+        d, p = self._sides(*shape)
+        sides = (d * self.decode_scale, p * self.prefill_scale)
+        predicted = sum(sides)
+        if predicted <= 0 or not measured_s > 0:
+            return  # nothing computed, or a clock that did not move: no information
+        self.last_predicted_s = predicted  # what the scheduler planned with
+        self.last_measured_s = measured_s
+        self.predicted_total_s += predicted
+        self.measured_total_s += measured_s
+        self.steps += 1
+        error = max(-MAX_LOG_RATIO, min(MAX_LOG_RATIO, math.log(measured_s / predicted)))
+        shares = [part / predicted for part in sides]
+        norm = sum(x * x for x in shares)  # in [1/2, 1]: the prediction moves by alpha × error
+        for i, share in enumerate(shares):
+            moved = self.log_scales[i] + self.alpha * share / norm * error
+            self.log_scales[i] = max(-MAX_LOG_SCALE, min(MAX_LOG_SCALE, moved))
