@@ -30,8 +30,7 @@ class NoFreeBlocksError(Exception):
 class BlockPool:
     """``num_blocks`` KV blocks with ref counts and a registry of full blocks keyed by hash."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True,
-                 record_evictions: bool = False) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -43,10 +42,6 @@ class BlockPool:
         self._block_to_hash: dict[int, bytes] = {}
         self._stored: dict[bytes, None] = {}  # insertion-ordered sets
         self._removed: dict[bytes, None] = {}
-        # (block, hash) of each registered block evicted for reuse, until take_evictions():
-        # the host tier writes their KV back before the step overwrites them.
-        self.record_evictions = record_evictions
-        self._evictions: list[tuple[int, bytes]] = []
 
     # ---- queries ---------------------------------------------------------------------------
     @property
@@ -72,8 +67,11 @@ class BlockPool:
         return set(self._hash_to_block)
 
     # ---- state changes -----------------------------------------------------------------------
-    def allocate(self, n: int) -> list[int]:
+    def allocate(self, n: int, evicted: list[tuple[int, bytes]] | None = None) -> list[int]:
         """Take ``n`` blocks (ref count 1 each): free list first (FIFO), then evict LRU.
+        ``evicted``: where to append ``(block, hash)`` of each registered block evicted for
+        reuse, in eviction order (the host tier writes their KV back before a forward
+        overwrites them); None: not recorded.
 
         Raises:
             NoFreeBlocksError: fewer than ``n`` blocks are free; nothing changed.
@@ -86,8 +84,8 @@ class BlockPool:
                 block = self._free.popleft()
             else:
                 block, _ = self._evictable.popitem(last=False)
-                if self.record_evictions:
-                    self._evictions.append((block, self._block_to_hash[block]))
+                if evicted is not None:
+                    evicted.append((block, self._block_to_hash[block]))
                 self._unregister(block)
             self._ref_counts[block] = 1
             blocks.append(block)
@@ -154,12 +152,6 @@ class BlockPool:
         in_use = [(b, h) for b, h in self._block_to_hash.items() if self._ref_counts[b] > 0]
         idle = [(b, self._block_to_hash[b]) for b in reversed(self._evictable)]
         return in_use + idle
-
-    def take_evictions(self) -> list[tuple[int, bytes]]:
-        """``(block, hash)`` of every registered block evicted since the last call (in
-        eviction order; empty unless ``record_evictions``), then cleared."""
-        evictions, self._evictions = self._evictions, []
-        return evictions
 
     # ---- invariants --------------------------------------------------------------------------
     def check_invariants(self) -> None:

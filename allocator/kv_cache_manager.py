@@ -23,14 +23,14 @@ class KVCacheManager:
     LRU eviction)."""
 
     def __init__(self, num_blocks: int, block_size: int,
-                 enable_prefix_caching: bool = True, record_evictions: bool = False) -> None:
+                 enable_prefix_caching: bool = True) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
         self.num_total_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching,
-                              record_evictions=record_evictions)
+)
         self._tables: dict[str, list[int]] = {}
 
     @staticmethod
@@ -75,14 +75,16 @@ class KVCacheManager:
         return computed
 
     def allocate_slots(self, request_id: str, num_tokens: int,
-                       computed_blocks: Sequence[int] = ()) -> list[int] | None:
+                       computed_blocks: Sequence[int] = (),
+                       evicted: list[tuple[int, bytes]] | None = None) -> list[int] | None:
         """Make the request's table cover ``num_tokens`` positions in total (not a delta).
 
         On the request's first call ``computed_blocks`` (from :meth:`get_computed_blocks`)
         become the head of its table, each taking a reference. Then
         ``ceil(num_tokens / block_size) - len(table)`` new blocks are allocated (free list
-        first, then LRU eviction of cached blocks). Returns the new block ids, or None when
-        not enough blocks are free — and then nothing changed at all.
+        first, then LRU eviction of cached blocks; each evicted ``(block, hash)`` is appended
+        to ``evicted`` when given). Returns the new block ids, or None when not enough blocks
+        are free — and then nothing changed at all.
 
         Raises:
             ValueError: negative ``num_tokens``, a computed block that is out of range or
@@ -109,7 +111,7 @@ class KVCacheManager:
         if table is None:
             self.pool.take(computed_blocks)
             table = self._tables[request_id] = list(computed_blocks)
-        new_blocks = self.pool.allocate(need)
+        new_blocks = self.pool.allocate(need, evicted)
         table.extend(new_blocks)
         return new_blocks
 
@@ -148,10 +150,11 @@ class KVCacheManager:
         self.pool.take(table)
         self._tables[child_id] = list(table)
 
-    def copy_on_write(self, request_id: str) -> tuple[int, int] | None:
+    def copy_on_write(self, request_id: str, evicted: list[tuple[int, bytes]] | None = None
+                      ) -> tuple[int, int] | None:
         """Before writing into the request's last block: if that block is shared (ref > 1), put
         a fresh block in its place and return ``(src_block, dst_block)`` for the model runner
-        to copy the KV; else None.
+        to copy the KV; else None. ``evicted``: as for :meth:`allocate_slots`.
 
         Raises:
             NoFreeBlocksError: the block is shared and no block is free (nothing changed).
@@ -160,7 +163,7 @@ class KVCacheManager:
         if not table or self.pool.ref_count(table[-1]) <= 1:
             return None
         src = table[-1]
-        (dst,) = self.pool.allocate(1)
+        (dst,) = self.pool.allocate(1, evicted)
         self.pool.release([src])
         table[-1] = dst
         return src, dst
@@ -170,11 +173,6 @@ class KVCacheManager:
 
         Net changes: the lists are disjoint (see :mod:`kvfleet.allocator.block_pool`)."""
         return self.pool.take_events()
-
-    def take_evictions(self) -> list[tuple[int, bytes]]:
-        """``(block, hash)`` of the cached blocks evicted since the last call (see
-        :meth:`BlockPool.take_evictions`); their KV is intact until the next forward."""
-        return self.pool.take_evictions()
 
     def cached_hashes(self) -> set[bytes]:
         """Every hash currently registered (referenced or evictable)."""

@@ -15,6 +15,11 @@ there is no table of known models. Precedence:
   ``use_sliding_window: false`` disables a window.
 - hybrids (Jamba): only ``i % attn_layer_period == attn_layer_offset`` layers are attention; the
   Mamba layers' fixed per-request state is a separate term.
+- context: ``max_position_embeddings``, except under LongRoPE (``rope_type`` ``longrope``/``su``)
+  with distinct ``short_factor`` and ``long_factor``: ``original_max_position_embeddings``. Past
+  it, transformers rotates the *whole* sequence with the long factors (the choice depends on the
+  sequence's length), so keys cached while the sequence was shorter would be rotated wrongly;
+  kvfleet serves the range where one rotation holds and budgets the same context.
 """
 
 from __future__ import annotations
@@ -248,7 +253,7 @@ _ARCHITECTURES: dict[str, _Architecture] = {
     "llama": _Architecture(default_kv_heads=_mha),
     "gpt2": _Architecture(default_kv_heads=_mha),
     "falcon": _Architecture(default_kv_heads=_falcon_kv_heads),
-    "mistral": _MISTRAL, "mixtral": _MISTRAL,
+    "mistral": _MISTRAL, "mixtral": _MISTRAL, "phi3": _MISTRAL,
     "qwen2": _QWEN, "qwen2_moe": _QWEN, "qwen3": _QWEN, "qwen3_moe": _QWEN,
     "gemma": _Architecture(),
     "gemma2": _Architecture(layer_kinds=_gemma2_alternating),
@@ -312,6 +317,33 @@ def _head_dim(cfg: Mapping[str, Any], num_heads: int) -> int:
     return hidden // num_heads
 
 
+def rope_parameters(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The RoPE parameters of a config with one RoPE for every layer: transformers 4.x's
+    ``rope_scaling`` (+ ``rope_theta``), overridden by 5.x's ``rope_parameters``; a config
+    whose ``rope_parameters`` is keyed by layer type (Gemma 3) returns its entries as they are."""
+    params = dict(cfg.get("rope_scaling") or {})
+    params.update(cfg.get("rope_parameters") or {})
+    return params
+
+
+def served_context(cfg: Mapping[str, Any]) -> int | None:
+    """The context kvfleet serves for ``cfg`` (tokens; None when the config gives none): see
+    the module docstring (LongRoPE).
+
+    Raises:
+        ConfigError: a LongRoPE config without ``original_max_position_embeddings``.
+    """
+    limit = _positive_int(cfg, "max_position_embeddings", "n_positions", required=False)
+    params = rope_parameters(cfg)
+    if params.get("rope_type", params.get("type")) not in ("longrope", "su"):
+        return limit
+    if params.get("short_factor") == params.get("long_factor"):
+        return limit
+    original = (_positive_int(params, "original_max_position_embeddings", required=False)
+                or _positive_int(cfg, "original_max_position_embeddings"))
+    return original if limit is None else min(limit, original)
+
+
 def spec_from_config(source: str | Path | Mapping[str, Any],
                      num_kv_heads: int | None = None) -> ModelKVSpec:
     """Derive the per-layer KV spec of a model from its ``config.json`` (path, directory or dict).
@@ -350,7 +382,6 @@ def spec_from_config(source: str | Path | Mapping[str, Any],
         num_hidden_layers=n,
         num_attention_heads=heads,
         layers=layers,
-        max_position_embeddings=_positive_int(
-            cfg, "max_position_embeddings", "n_positions", required=False),
+        max_position_embeddings=served_context(cfg),
         recurrent=recurrent,
     )

@@ -52,6 +52,28 @@ def build_parser(cluster_flags: bool = True) -> argparse.ArgumentParser:
     return p
 
 
+def model_refusal(argv: list[str]) -> Optional[str]:
+    """Why ``--model`` (default: the default model) cannot be served, checked before the
+    cluster flags' parser loads (it imports torch and the worker: seconds), or None. Only the
+    model's family and config fields are judged here (torch-free); an unprepared or missing
+    model, and every other flag, are left to the full parse."""
+    from kvfleet.deploy.models import DEFAULT_MODEL, ModelNotPrepared, resolve_model
+    from kvfleet.worker.runner.models import check_model_dir
+
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--model", default=DEFAULT_MODEL)
+    known, _ = pre.parse_known_args(argv)
+    try:
+        _, model_dir = resolve_model(known.model)
+    except (ModelNotPrepared, OSError):
+        return None
+    try:
+        check_model_dir(model_dir)
+    except ValueError as exc:  # UnsupportedModel, ConfigError: they name the field
+        return str(exc)
+    return None
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in OWN_PARSERS:
@@ -59,6 +81,9 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         return importlib.import_module(OWN_PARSERS[argv[0]][0]).main(argv[1:])
     command = next((a for a in argv if not a.startswith("-")), None)
+    if command in CLUSTER_COMMANDS and (refusal := model_refusal(argv)) is not None:
+        print(f"error: {refusal}", file=sys.stderr)
+        return 2
     args = build_parser(cluster_flags=command in CLUSTER_COMMANDS or command is None
                         ).parse_args(argv)
     level = {0: logging.WARNING, 1: logging.INFO}.get(args.verbose, logging.DEBUG)

@@ -183,10 +183,6 @@ SCHEDULER_FLAGS: tuple[Flag, ...] = (
     Flag("--batch-share", "replica.scheduler.batch_share",
          "fraction of a replica's running slots the batch priority class may hold (default "
          "{default}: no cap)", "scheduling", type=fraction("--batch-share")),
-    Flag("--preempt-streaming", "replica.scheduler.preempt_streaming",
-         "a higher priority class may also preempt (by recompute) lower-class requests that "
-         "have streamed tokens (default: only those that have not)", "scheduling",
-         action="store_true"),
     Flag("--layer-yield", "replica.scheduler.layer_yield",
          "a batch step in flight pauses between decoder layers for a nested step of newly "
          "arrived higher-class prompts (interactive TTFT beside a batch flood; --tp 1 only: "
@@ -233,20 +229,22 @@ def add_cluster_args(p: argparse.ArgumentParser, command: str,
 
 def cluster_config(args: argparse.Namespace) -> ClusterConfig:
     """Build a ClusterConfig from parsed args (of :func:`add_cluster_args`' flags), checking
-    what can be checked before anything starts. Raises ModelNotPrepared / ValueError."""
+    what can be checked before anything starts (the model's family and config fields among
+    them). Raises ModelNotPrepared / ValueError (UnsupportedModel, ConfigError)."""
     from kvfleet.worker.executor.cost_model import MEASURED, CostModel
     from kvfleet.worker.replica.adapter_catalog import adapter_roots
+    from kvfleet.worker.runner.models import check_model_dir
 
     name, model_dir = resolve_model(args.model)
+    model = check_model_dir(model_dir)  # an unsupported family or field: refused before Ray
     values = values_by_owner(args, FLAGS, OWNERS)
     # Beyond loopback: mutual TLS by default (~/.kvfleet/internal-tls), never plaintext.
     replica_values = with_default_internal_tls(values["replica"])
     _check_device(replica_values["device"])
     if replica_values["tensor_parallel_size"] != 1:  # refuse a split the model cannot take
-        from kvfleet.worker.runner.model_config import load_model_config
         from kvfleet.worker.runner.tp.layout import check_tp
 
-        check_tp(load_model_config(model_dir), replica_values["tensor_parallel_size"])
+        check_tp(model, replica_values["tensor_parallel_size"])
     adapters = _checked_adapters(args, model_dir, replica_values["max_lora_rank"])
     for root in replica_values["adapter_roots"]:
         if not os.path.isdir(root):

@@ -21,6 +21,8 @@ from kvfleet.deploy.k8s_config import (
 )
 from kvfleet.deploy.serve_app import SHUTDOWN_MARGIN_S
 from kvfleet.secrets import OTLP_HEADERS_ENV, REDIS_PASSWORD_ENV
+from kvfleet.tls import FILES as TLS_FILES
+from kvfleet.tls import REPLICA_FILES, ROUTER_FILES, WORKER_FILES
 
 # Secrets: mounted read-only where the processes look for them (files 0440, group = the
 # image's ``users`` group through fsGroup: the Ray image runs as ``ray``, gid 100).
@@ -34,7 +36,7 @@ POD_FS_GROUP = 100
 SECRETS = {
     "api_keys_secret": (API_KEYS_FILE,),          # {"keys": {KEY: tenant, ...}} (router)
     "redis_secret": ("password",),                # Redis requirepass; every process's KVFLEET_REDIS_PASSWORD
-    "internal_tls_secret": ("ca.pem", "worker.pem", "worker.key", "router.pem", "router.key"),
+    "internal_tls_secret": TLS_FILES,             # each pod mounts only its role's items
     "otlp_headers_secret": ("headers",),          # optional: OTEL_EXPORTER_OTLP_HEADERS
 }
 
@@ -74,7 +76,9 @@ def ray_service(k: K8sConfig, cfg: ClusterConfig, serve: dict) -> dict:
                 "name": "ray-worker", **container, "env": env + _secret_env(k),
                 "resources": _resources(k.worker_cpus, k.worker_memory, gpus=k.tp),
                 "volumeMounts": [_models_mount(k), _tls_mount()]}],
-            "volumes": [_models_volume(k), _secret_volume("internal-tls", k.internal_tls_secret)]}},
+            # The worker's certificate and the replica's (peer pulls), never the router's key.
+            "volumes": [_models_volume(k), _secret_volume("internal-tls", k.internal_tls_secret,
+                                                          WORKER_FILES + REPLICA_FILES)]}},
     }
     return {
         "apiVersion": "ray.io/v1", "kind": "RayService",
@@ -124,7 +128,7 @@ def router(k: K8sConfig, cfg: ClusterConfig) -> list[dict]:
                                      {"name": "api-keys", "mountPath": API_KEYS_MOUNT,
                                       "readOnly": True}]}],
                 "volumes": [_models_volume(k),
-                            _secret_volume("internal-tls", k.internal_tls_secret),
+                            _secret_volume("internal-tls", k.internal_tls_secret, ROUTER_FILES),
                             _secret_volume("api-keys", k.api_keys_secret)]}},
         },
     }
@@ -248,8 +252,12 @@ def _secret_env(k: K8sConfig) -> list[dict]:
             _secret_key_env(OTLP_HEADERS_ENV, k.otlp_headers_secret, "headers", optional=True)]
 
 
-def _secret_volume(name: str, secret: str) -> dict:
-    return {"name": name, "secret": {"secretName": secret, "defaultMode": SECRET_FILE_MODE}}
+def _secret_volume(name: str, secret: str, items: tuple[str, ...] = ()) -> dict:
+    """A Secret volume; ``items``: only these keys are mounted (each under its own name)."""
+    volume: dict = {"secretName": secret, "defaultMode": SECRET_FILE_MODE}
+    if items:
+        volume["items"] = [{"key": key, "path": key} for key in items]
+    return {"name": name, "secret": volume}
 
 
 def _tls_mount() -> dict:

@@ -27,7 +27,7 @@ from kvfleet.deploy.ray_local import check_port_free, free_port, init_ray, shutd
 from kvfleet.deploy.redis_server import RedisServer, start_redis
 from kvfleet.index_keys import ReplicaInfo
 from kvfleet.tls import FILES as TLS_FILES
-from kvfleet.tls import generate_internal_tls
+from kvfleet.tls_ca import renew_internal_tls
 
 log = logging.getLogger(__name__)
 MIN_REPLICA_CPUS = 0.05  # the smallest share a replica is given (the rest of a tiny Ray)
@@ -106,7 +106,9 @@ class LocalCluster:
                  log_to_driver=cfg.replica.telemetry.exports_to_stdout)
         tls_dir = cfg.replica.internal_tls_dir
         if tls_dir and not all(os.path.exists(os.path.join(tls_dir, f)) for f in TLS_FILES):
-            generate_internal_tls(tls_dir)
+            # Creates a CA in an empty directory; one issued before a file existed (the
+            # replica certificate) keeps its CA and gains the missing files.
+            renew_internal_tls(tls_dir)
         self.app = self._app_config()
         self.app_name = self.app["name"]
         self.ref = AppRef.from_config(self.app_name, self.app)
@@ -208,6 +210,7 @@ class LocalCluster:
             except Exception as exc:
                 log.warning("stopping Serve application %s failed: %s", self.app_name, exc)
             self.app_name = None
+            self._remove_tiers()
         if self.router_proc is not None:
             self.router_proc.terminate()
             try:
@@ -222,6 +225,22 @@ class LocalCluster:
         if self.redis is not None:
             self.redis.stop()
             self.redis = None
+
+    def _remove_tiers(self) -> None:
+        """The deployment's node tiers go with it (detached actors outlive their replicas,
+        and a Ray cluster this did not start outlives the deployment)."""
+        from kvfleet.worker.kv_tier.node_tier import remove_node_tiers
+
+        if not self.cfg.replica.kv_host_memory_bytes:
+            return
+        try:
+            removed = remove_node_tiers(self.cfg.replica.namespace)
+        except Exception as exc:  # Ray already gone: so are its actors
+            log.warning("removing the node KV tiers failed: %s", exc)
+            return
+        if removed:
+            log.info("removed %d node KV tier(s) of namespace %s", removed,
+                     self.cfg.replica.namespace)
 
     def __enter__(self) -> "LocalCluster":
         self.start()

@@ -112,10 +112,11 @@ def format_status(status: dict) -> str:
                               if "days_left" in c else f"unreadable here ({c['error']})")
                 for name, c in tls["certificates"].items()))
     for t in status.get("kv_tiers", ()):
+        where = f"kv host tier on node {t['node'][:8]} ({t.get('namespace', '')})"
         if "error" in t:
-            lines.append(f"kv host tier on node {t['node'][:8]}: {t['error']}")
+            lines.append(f"{where}: {t['error']}")
             continue
-        lines.append(f"kv host tier on node {t['node'][:8]}: {format_bytes(t['bytes_used'])} of "
+        lines.append(f"{where}: {format_bytes(t['bytes_used'])} of "
                      f"{format_bytes(t['capacity_bytes'])} ({t['blocks']} block shards), "
                      f"{t['stored']} written back, {t['restored']} restored, "
                      f"{t['evicted']} evicted")

@@ -1,7 +1,7 @@
 """``kvfleet tls``: the internal TLS directory (kvfleet.tls) of router <-> worker mutual TLS.
 
-- ``kvfleet tls renew --dir DIR``: re-issue the worker and router certificates in place (the
-  same CA while it can sign; else a new one, trusted beside the old during the overlap); then
+- ``kvfleet tls renew --dir DIR``: re-issue the worker, router and replica certificates in
+  place (the same CA while it can sign; else a new one, trusted beside the old); then
   ``kill -HUP`` the routers. Workers pick the new files up at their next handshake.
 - ``kvfleet tls show --dir DIR``: days each certificate has left (``--json`` too).
 
@@ -15,12 +15,8 @@ import json
 import sys
 from typing import Optional
 
-from kvfleet.tls import (
-    CERT_DAYS,
-    expiry_report,
-    generate_internal_tls,
-    renew_internal_tls,
-)
+from kvfleet.tls import CERT_DAYS, expiry_report
+from kvfleet.tls_ca import generate_internal_tls, renew_internal_tls
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,13 +11,16 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from kvfleet.errors import InvalidArgument
 
 KINDS = ("json_object", "json_schema", "regex", "grammar")
 MAX_SPEC_BYTES = 64 * 1024  # a schema, regex or grammar larger than this is refused
 MAX_REGEX_BYTES = 4 * 1024  # regexes compile to automata that grow fast with their length
+# JSON nesting levels of a schema: compiles grow fast with depth (an array nested a few
+# hundred levels takes seconds), and deeper documents overflow recursive readers.
+MAX_SCHEMA_DEPTH = 128
 DEFAULT_MAX_COMPILE_S = 10.0
 DEFAULT_CACHE_SIZE = 256
 
@@ -73,10 +76,13 @@ class Constraint:
         if self.kind == "json_schema":
             try:
                 schema = json.loads(self.spec)
+            except RecursionError:
+                raise too_deep(name, MAX_SCHEMA_DEPTH) from None
             except ValueError as exc:
                 raise InvalidArgument(f"{name} is not valid JSON: {exc}", field=name) from None
             if not isinstance(schema, (dict, bool)):
                 raise InvalidArgument(f"{name} must be a JSON object (a JSON Schema)", field=name)
+            check_json_depth(schema, MAX_SCHEMA_DEPTH, name)
             check_schema_keywords(schema, name)
         return self
 
@@ -105,6 +111,34 @@ class Constraint:
             msg.json_object = True
         else:
             setattr(msg, self.kind, self.spec)
+
+
+def check_json_depth(value: Any, limit: int, name: str) -> None:
+    """Refuse a parsed JSON value nested deeper than ``limit`` objects/arrays (a scalar is
+    depth 0, ``[]`` depth 1), before anything recursive reads it. Iterative: any depth is safe.
+
+    Raises:
+        InvalidArgument: naming ``name``, with the JSON pointer where the limit is passed.
+    """
+    stack: list[tuple[Any, int, str]] = [(value, 0, "")]
+    while stack:
+        node, depth, path = stack.pop()
+        if isinstance(node, dict):
+            children: Any = node.items()
+        elif isinstance(node, list):
+            children = enumerate(node)
+        else:
+            continue
+        if depth == limit:
+            raise too_deep(name, limit, path)
+        stack.extend((child, depth + 1, f"{path}/{key}" if len(path) < 120 else path)
+                     for key, child in children)
+
+
+def too_deep(name: str, limit: int, path: str = "") -> InvalidArgument:
+    """The error for a JSON document nested deeper than ``limit`` levels."""
+    where = f" (at {path[:120]}…)" if path else ""
+    return InvalidArgument(f"{name} nests deeper than {limit} levels{where}", field=name)
 
 
 # The JSON Schema keywords xgrammar's converter enforces or may ignore harmlessly (annotations);

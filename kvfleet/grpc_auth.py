@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextvars
 import inspect
-from typing import Awaitable, Callable, Union
+from typing import Awaitable, Callable, Mapping, Optional, Union
 
 import grpc
 
@@ -79,19 +79,28 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         return call
 
 
-def internal_authorizer(mutual_tls: bool, peer_name: str) -> Authorize:
+def internal_authorizer(mutual_tls: bool, peer_name: str,
+                        limited: Optional[Mapping[str, frozenset[str]]] = None) -> Authorize:
     """A worker's check: with internal mutual TLS, the caller's certificate must name
-    ``peer_name`` (the router's); without it there is no identity to check (the port's
-    exposure is the deployment's to limit) and every call is ``""``.
+    ``peer_name`` (the router's: any method), or a name in ``limited`` for one of the methods
+    listed for it (a replica's: ``ExportBlocks``, a peer pull); without mutual TLS there is no
+    identity to check (the port's exposure is the deployment's to limit) and every call is
+    ``""``.
 
-    The returned function raises PermissionDenied for another certificate name."""
+    The returned function raises PermissionDenied for any other certificate or method."""
+    limited = dict(limited or {})
 
     def authorize(method: str, context) -> str:
         if not mutual_tls:
             return ""
         names = (context.auth_context() or {}).get("x509_common_name", ())
-        if peer_name.encode() not in names:
-            raise PermissionDenied(f"{method}: the caller's certificate is not {peer_name!r}")
-        return peer_name
+        if peer_name.encode() in names:
+            return peer_name
+        for name, methods in limited.items():
+            if name.encode() in names and method in methods:
+                return name
+        raise PermissionDenied(f"{method}: the caller's certificate is not {peer_name!r}"
+                               + "".join(f" (nor {n!r}, allowed {sorted(m)})"
+                                         for n, m in limited.items()))
 
     return authorize

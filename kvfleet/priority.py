@@ -4,7 +4,9 @@ A priority is an integer; **lower runs first** (vLLM's convention). Three named 
 onto it — ``interactive`` = 0, ``default`` = 1, ``batch`` = 2 — and any integer in
 [``MIN_PRIORITY``, ``MAX_PRIORITY``] is allowed too. A number's *band* is the named class whose
 rules apply to it (the router's admission headroom, the worker's batch share cap): at most 0 →
-``interactive``, 1 → ``default``, 2 or more → ``batch``. Metrics label a request by
+``interactive``, 1 → ``default``, 2 or more → ``batch``. Behind a key file, an API key's class
+(``default`` unless the file names one) is the highest priority its requests may ask for
+(:func:`within_key`). Metrics label a request by
 :func:`label` (the three names and ``other``), so a label's values stay bounded.
 """
 
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 from typing import Mapping, Optional, Union
 
-from kvfleet.errors import InvalidArgument
+from kvfleet.errors import InvalidArgument, PermissionDenied
 
 INTERACTIVE, DEFAULT, BATCH = 0, 1, 2
 CLASSES: dict[str, int] = {"interactive": INTERACTIVE, "default": DEFAULT, "batch": BATCH}
@@ -107,6 +109,27 @@ def check_admit(admit: Mapping[str, float], what: str = "priority_admit") -> Non
 def format_admit(admit: Mapping[str, float]) -> str:
     """The inverse of :func:`parse_admit` (flag text)."""
     return ",".join(f"{c}={admit[c]:g}" for c in CLASSES)
+
+
+def within_key(requested: Optional[int], key_class: Optional[int],
+               field: str = "priority") -> Optional[int]:
+    """The priority a request runs at under its API key: its own, else the key's class.
+
+    The key's class is a ceiling: a request may lower its priority (a larger number), never
+    raise it above its key's; otherwise a tenant pinned to ``batch`` could pass the batch
+    admission cap and preempt everyone. ``key_class`` None (an open router, which has no
+    tenants to keep apart) sets no ceiling.
+
+    Raises:
+        PermissionDenied: naming ``field``, for a priority above the key's class.
+    """
+    if requested is None:
+        return key_class
+    if key_class is not None and requested < key_class:
+        raise PermissionDenied(f"{field}: {describe(requested)} is above this API key's class "
+                               f"{describe(key_class)} (a request may only lower its priority)",
+                               field=field)
+    return requested
 
 
 def resolve(requested: Optional[int], key_default: Optional[int]) -> int:

@@ -22,7 +22,9 @@ tenant only the adapters it may use.
 Priority: a key's value may be an object instead of the tenant's name,
 ``{"tenant": "<tenant>", "priority": "batch"}``: requests with that key that set no
 ``priority`` of their own get that class (or number, see :mod:`kvfleet.priority`); other keys'
-default is ``default``. A bad class fails the whole file (the router keeps its previous keys).
+class is ``default``. A key's class is also a ceiling: a request may lower its priority, never
+raise it above its key's (PERMISSION_DENIED naming the field). A bad class fails the whole file
+(the router keeps its previous keys).
 
 Cluster admins: ``"admins": ["<tenant>", ...]`` may call ``Router.ClusterStatus`` (replica
 addresses, pids, the Redis host); with a key file nobody else may.
@@ -67,7 +69,7 @@ class Authenticator:
                  adapter_admins: Sequence[str] = (), admins: Sequence[str] = (),
                  key_priorities: Optional[dict[str, int]] = None) -> None:
         self._keys = dict(keys or {})
-        # API key → its default priority (kvfleet.priority); keys not listed: none.
+        # API key → its priority class (kvfleet.priority); keys not listed: default.
         self._key_priorities = dict(key_priorities or {})
         if set(self._key_priorities) - set(self._keys):
             raise ValueError("key_priorities names keys that are not in keys")
@@ -151,12 +153,14 @@ class Authenticator:
             return DEFAULT_TENANT
         return self._keys[self._api_key(metadata)]
 
-    def key_priority(self, metadata: Sequence[tuple[str, str]]) -> Optional[int]:
-        """The default priority of the request's API key (None: the key sets none, or the
-        router is open). Raises Unauthenticated, as :meth:`tenant` does."""
-        if self.open or not self._key_priorities:
+    def key_class(self, metadata: Sequence[tuple[str, str]]) -> Optional[int]:
+        """The priority class of the request's API key: its requests' default and the highest
+        priority they may ask for (:func:`kvfleet.priority.within_key`); ``default`` for a key
+        that names none, None for an open router. Raises Unauthenticated, as :meth:`tenant`
+        does."""
+        if self.open:
             return None
-        return self._key_priorities.get(self._api_key(metadata))
+        return self._key_priorities.get(self._api_key(metadata), priority.DEFAULT)
 
     def _api_key(self, metadata: Sequence[tuple[str, str]]) -> str:
         """The known API key the metadata carries. Raises Unauthenticated."""

@@ -32,6 +32,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from kvfleet import priority
+from kvfleet.constraint import MAX_SCHEMA_DEPTH, check_json_depth, too_deep
 from kvfleet.errors import InvalidArgument, KvfleetError, PromptTooLarge, status_of
 from kvfleet.grpc_util import MAX_MESSAGE_BYTES
 from kvfleet.router.adapter_routing import served_adapters
@@ -57,6 +59,10 @@ CLIENT_CLOSED = 499                       # nginx's status for a request its cli
 # Open connections (and their requests) the front serves at once; past it uvicorn answers
 # 503 at once instead of holding a connection, a task and its buffers for each.
 DEFAULT_MAX_CONNECTIONS = 4096
+# A body's JSON nesting levels: room for a schema at its own bound (then refused naming its
+# field) inside the body's wrapping, and far below what the recursive readers after it
+# (json.dumps, the chat template) can take.
+MAX_BODY_DEPTH = 2 * MAX_SCHEMA_DEPTH
 
 
 def _sse(obj: dict) -> bytes:
@@ -116,11 +122,10 @@ class _Authenticate:
         await self.app(scope, receive, send)
 
 
-def _with_key_priority(oreq: OpenAIRequest, default: Optional[int]) -> OpenAIRequest:
-    """``oreq`` with the API key's default priority on inputs whose body set none."""
-    if default is None:
-        return oreq
-    return replace(oreq, inputs=tuple(i if i.priority is not None else replace(i, priority=default)
+def _with_key_priority(oreq: OpenAIRequest, key_class: Optional[int]) -> OpenAIRequest:
+    """``oreq`` with each input's priority bounded by its API key's class (the default of
+    inputs whose body set none). Raises PermissionDenied for one above the key's class."""
+    return replace(oreq, inputs=tuple(replace(i, priority=priority.within_key(i.priority, key_class))
                                       for i in oreq.inputs))
 
 
@@ -260,7 +265,7 @@ class HttpFront:
         try:
             tenant = _tenant(request)
             rid, oreq = self._with_ids(parse(await self._json(request)), request)
-            oreq = _with_key_priority(oreq, self.core.auth.key_priority(headers))
+            oreq = _with_key_priority(oreq, self.core.auth.key_class(headers))
             max_prompts = self.core.prompt_limits.max_prompts
             if len(oreq.inputs) > max_prompts:
                 raise PromptTooLarge(f"prompt: {len(oreq.inputs)} prompts exceed the limit of "
@@ -276,7 +281,7 @@ class HttpFront:
         builder = ResponseBuilder(oreq.chat, rid, shown or model, oreq.n, oreq.logprobs,
                                   lambda t: tokenizer.decode([t], skip_special_tokens=False),
                                   oreq.tools)
-        events = merge([self._one(p, inp, tenant, headers, route, oreq)
+        events = merge([self._one(p, inp, tenant, headers, route, oreq, builder)
                         for p, inp in enumerate(oreq.inputs)])
         try:
             # Errors until the first token are plain HTTP errors; a client gone meanwhile
@@ -297,14 +302,17 @@ class HttpFront:
             return Response(status_code=CLIENT_CLOSED)
 
     async def _one(self, prompt: int, inp, tenant: str, headers, route: str,
-                   oreq: OpenAIRequest
+                   oreq: OpenAIRequest, builder: ResponseBuilder
                    ) -> AsyncGenerator[tuple[int, common_pb2.GenerateResponse], None]:
-        """One prompt's messages as ``(prompt index, message)``, under its own server span."""
+        """One prompt's messages as ``(prompt index, message)``, under its own server span;
+        ``builder`` learns the prompt's token count before its first message."""
         with self.core.telemetry.http_request(headers, route, oreq.chat, oreq.user) as trace:
             started = False  # after the first message the response status is 200 whatever follows
             try:
                 async with contextlib.aclosing(self.core.generate(inp, tenant, trace)) as out:
                     async for msg in out:
+                        if not started:
+                            builder.prompt_started(prompt, trace.prompt_tokens)
                         started = True
                         yield prompt, msg
                 trace.http_status(200)
@@ -325,11 +333,12 @@ class HttpFront:
             for role in builder.role_chunks(len(oreq.inputs)):
                 yield _sse(role)
             prompt, msg = first
-            chunk = builder.chunk(prompt, msg, oreq.include_usage)
+            chunk = builder.chunk(prompt, msg, oreq.include_usage, oreq.continuous_usage)
             if chunk is not None:  # None: a tool-mode choice holds its text until it ends
                 yield _sse(chunk)
             async for prompt, msg in events:
-                if (chunk := builder.chunk(prompt, msg, oreq.include_usage)) is not None:
+                if (chunk := builder.chunk(prompt, msg, oreq.include_usage,
+                                           oreq.continuous_usage)) is not None:
                     yield _sse(chunk)
             if oreq.include_usage:
                 yield _sse(builder.usage_chunk())
@@ -346,7 +355,7 @@ class HttpFront:
 
         Raises:
             PromptTooLarge: the body exceeds ``MAX_MESSAGE_BYTES`` (HTTP 413).
-            InvalidArgument: the body is not JSON.
+            InvalidArgument: the body is not JSON, or nests deeper than ``MAX_BODY_DEPTH``.
         """
         try:
             size = int(request.headers.get("content-length") or 0)
@@ -362,10 +371,14 @@ class HttpFront:
         if max(size, total) > MAX_MESSAGE_BYTES:
             raise PromptTooLarge(f"request body exceeds {MAX_MESSAGE_BYTES} bytes", field="body")
         try:
-            return json.loads(b"".join(chunks))
+            body = json.loads(b"".join(chunks))
+        except RecursionError:
+            raise too_deep("body", MAX_BODY_DEPTH) from None
         except (ValueError, UnicodeDecodeError) as exc:
             raise InvalidArgument(f"the request body is not valid JSON: {exc}",
                                   field="body") from None
+        check_json_depth(body, MAX_BODY_DEPTH, "body")  # what reads it later recurses
+        return body
 
     @staticmethod
     def _with_ids(oreq: OpenAIRequest, request: Request) -> tuple[str, OpenAIRequest]:

@@ -34,7 +34,7 @@ from kvfleet.router.server import RouterService
 from kvfleet.router.tenant_limits import TenantLimiter
 from kvfleet.telemetry import Telemetry
 from kvfleet.telemetry.router_spans import RouterTelemetry
-from kvfleet.tls import InternalTLS, credentials_loader, server_credentials
+from kvfleet.tls import RouterTLS, credentials_loader, server_credentials
 from kvfleet.v1 import router_pb2, router_pb2_grpc
 
 __all__ = ["RouterConfig", "RouterServer", "main", "parse_args"]
@@ -79,8 +79,8 @@ class RouterServer:
                  else None)
         port = bind_port(self._server, cfg.host, cfg.port, creds)
         self.address = f"{cfg.host}:{port}"
-        internal = InternalTLS.load(cfg.internal_tls_dir) if cfg.internal_tls_dir else None
-        self.replicas = ReplicaSet(index, credentials=internal and internal.router_credentials(),
+        internal = RouterTLS.load(cfg.internal_tls_dir) if cfg.internal_tls_dir else None
+        self.replicas = ReplicaSet(index, credentials=internal and internal.credentials(),
                                    identities={model.name: model.identity.digest().hex()})
         await self.replicas.start()
         self.telemetry = Telemetry(cfg.telemetry, "router")

@@ -60,6 +60,9 @@ class OpenAIRequest:
     # tools a response may call (tool_choice auto / required / named), else ().
     constraint: Optional[Constraint] = None
     tools: tuple[str, ...] = ()
+    # stream_options.continuous_usage_stats (vLLM's): with include_usage, every chunk carries
+    # the usage so far, not only the last one.
+    continuous_usage: bool = False
 
     def param(self, field: Optional[str]) -> Optional[str]:
         """The request parameter an error about kvfleet ``field`` names."""
@@ -76,15 +79,18 @@ def openai_param(field: Optional[str]) -> Optional[str]:
     return "prompt" if field in ("text", "token_ids") else field
 
 
-def _type(body: dict, name: str, kinds, what: str):
+def _type(body: dict, name: str, kinds, what: str, prefix: str = ""):
+    """``body[name]`` (None when absent or null), checked to be of ``kinds``. Raises
+    InvalidArgument naming ``prefix + name``."""
     value = body.get(name)
     if value is None:
         return None
+    field = prefix + name
     # bool is an int in Python: a JSON true is not a number here.
     if isinstance(value, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,)):
-        raise InvalidArgument(f"{name} must be {what}, got {value!r}", field=name)
+        raise InvalidArgument(f"{field} must be {what}, got {value!r}", field=field)
     if not isinstance(value, kinds):
-        raise InvalidArgument(f"{name} must be {what}, got {type(value).__name__}", field=name)
+        raise InvalidArgument(f"{field} must be {what}, got {type(value).__name__}", field=field)
     return value
 
 
@@ -143,14 +149,14 @@ def _base(body: dict, allowed: set[str]) -> dict:
         raise InvalidArgument("stream_options is only allowed with stream: true",
                               field="stream_options")
     _reject_unsupported({f"stream_options.{k}": v for k, v in options.items()},
-                        {"stream_options.include_usage"})
-    include_usage = options.get("include_usage")
-    if include_usage is not None and not isinstance(include_usage, bool):
-        raise InvalidArgument("stream_options.include_usage must be a boolean",
-                              field="stream_options.include_usage")
+                        {"stream_options.include_usage", "stream_options.continuous_usage_stats"})
+    include_usage, continuous = (_type(options, k, bool, "a boolean", "stream_options.")
+                                 for k in ("include_usage", "continuous_usage_stats"))
     return {"model": _type(body, "model", str, "a string") or "",
             "cache_salt": _type(body, "cache_salt", str, "a string") or "",
             "stream": stream, "include_usage": bool(include_usage),
+            # as vLLM: usage in every chunk only when the last one carries it too
+            "continuous_usage": bool(include_usage and continuous),
             "user": _type(body, "user", str, "a string") or "",
             # None (absent or null): the API key's default, else "default".
             "priority": None if body.get("priority") is None else priority.parse(body["priority"])}
@@ -241,7 +247,8 @@ def parse_chat(body: dict) -> OpenAIRequest:
                         cache_salt=base["cache_salt"], fill_context=max_tokens is None,
                         constraint=constraint, priority=base["priority"])
     return OpenAIRequest(True, (req,), base["stream"], base["include_usage"], logprobs,
-                         params.n, base["user"], aliases, constraint, plan.names)
+                         params.n, base["user"], aliases, constraint, plan.names,
+                         continuous_usage=base["continuous_usage"])
 
 
 def _prompts(prompt) -> list[Prompt]:
@@ -275,4 +282,5 @@ def parse_completion(body: dict) -> OpenAIRequest:
                                  constraint=constraint, priority=base["priority"])
                    for p in prompts)
     return OpenAIRequest(False, inputs, base["stream"], base["include_usage"], logprobs,
-                         params.n, base["user"], constraint=constraint)
+                         params.n, base["user"], constraint=constraint,
+                         continuous_usage=base["continuous_usage"])

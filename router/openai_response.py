@@ -58,6 +58,7 @@ class _Choice:
     logprobs: list = field(default_factory=list)  # shaped entries (chat) or token rows
     finish_reason: Optional[str] = None
     offset: int = 0  # completions text_offset: characters so far
+    tokens: int = 0  # sampled so far (the worker's count replaces it at the finish)
 
 
 class ResponseBuilder:
@@ -81,6 +82,12 @@ class ResponseBuilder:
         self._completion_tokens = 0
 
     # ---- per message -------------------------------------------------------------------
+    def prompt_started(self, prompt: int, prompt_tokens: int) -> None:
+        """Prompt ``prompt`` has ``prompt_tokens`` tokens (the router's count, known before its
+        first message): the usage so far counts them (the worker's usage at its finish
+        replaces it)."""
+        self._prompt.setdefault(prompt, (prompt_tokens, 0))
+
     def index(self, prompt: int, msg: common_pb2.GenerateResponse) -> int:
         return prompt * self.n + msg.index
 
@@ -89,6 +96,7 @@ class ResponseBuilder:
         i = self.index(prompt, msg)
         choice = self.choices.setdefault(i, _Choice())
         choice.text.append(msg.text)
+        choice.tokens += len(msg.token_ids)
         piece = self._logprobs(choice, msg) if self.want_logprobs else None
         if msg.finish_reason:
             choice.finish_reason = FINISH.get(msg.finish_reason, "stop")
@@ -127,25 +135,30 @@ class ResponseBuilder:
                              "logprobs": None, "finish_reason": None})
                 for i in range(num_prompts * self.n)]
 
-    def chunk(self, prompt: int, msg: common_pb2.GenerateResponse,
-              include_usage: bool) -> Optional[dict]:
+    def chunk(self, prompt: int, msg: common_pb2.GenerateResponse, include_usage: bool,
+              continuous_usage: bool = False) -> Optional[dict]:
         """The SSE chunk that carries one message (after :meth:`add` would fold it); None for
-        a tool-mode choice that has not finished (its text is held back)."""
+        a tool-mode choice that has not finished (its text is held back). With
+        ``include_usage`` the chunk has a ``usage`` key: null, or with ``continuous_usage``
+        the response's usage so far (vLLM's ``continuous_usage_stats``)."""
         i, piece = self.add(prompt, msg)
         finish = self.choices[i].finish_reason if msg.finish_reason else None
         if self.tools:
-            return self._tool_chunk(i, piece, include_usage) if finish else None
+            return self._tool_chunk(i, piece, include_usage, continuous_usage) if finish else None
         if self.chat:
             choice = {"index": i, "delta": {"content": msg.text} if msg.text else {},
                       "logprobs": piece, "finish_reason": finish}
         else:
             choice = {"index": i, "text": msg.text, "logprobs": piece, "finish_reason": finish}
-        out = self._chunk(choice)
-        if include_usage:
-            out["usage"] = None  # only the last chunk carries usage, as OpenAI's do
+        return self._with_usage(self._chunk(choice), include_usage, continuous_usage)
+
+    def _with_usage(self, out: dict, include_usage: bool, continuous_usage: bool) -> dict:
+        if include_usage:  # OpenAI's: only the last chunk carries usage; vLLM's option: each
+            out["usage"] = self.usage() if continuous_usage else None
         return out
 
-    def _tool_chunk(self, i: int, piece: Optional[dict], include_usage: bool) -> dict:
+    def _tool_chunk(self, i: int, piece: Optional[dict], include_usage: bool,
+                    continuous_usage: bool) -> dict:
         """The one chunk of a finished tool-mode choice: its call, or its whole text."""
         c = self.choices[i]
         message = self._message(c)
@@ -153,11 +166,9 @@ class ResponseBuilder:
         if "tool_calls" in message:
             delta = {"tool_calls": [{"index": 0, **message["tool_calls"][0]}]}
         logprobs = self._folded_logprobs(c) if self.want_logprobs else None
-        out = self._chunk({"index": i, "delta": delta, "logprobs": logprobs,
-                           "finish_reason": c.finish_reason})
-        if include_usage:
-            out["usage"] = None
-        return out
+        return self._with_usage(self._chunk({"index": i, "delta": delta, "logprobs": logprobs,
+                                             "finish_reason": c.finish_reason}),
+                                include_usage, continuous_usage)
 
     def _message(self, c: _Choice) -> dict:
         """The chat ``message`` of a finished choice; a tool call sets ``finish_reason``."""
@@ -181,10 +192,15 @@ class ResponseBuilder:
 
     # ---- whole response ----------------------------------------------------------------
     def usage(self) -> dict:
+        """The response's usage: its whole once every choice has finished, else so far (the
+        finished choices' counts, the others' tokens streamed; cached tokens are known at a
+        prompt's first finish)."""
         prompt = sum(p for p, _ in self._prompt.values())
         cached = sum(c for _, c in self._prompt.values())
-        return {"prompt_tokens": prompt, "completion_tokens": self._completion_tokens,
-                "total_tokens": prompt + self._completion_tokens,
+        completion = self._completion_tokens + sum(
+            c.tokens for c in self.choices.values() if c.finish_reason is None)
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
     def body(self) -> dict:

@@ -21,7 +21,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from kvfleet.constraint import Constraint
+from kvfleet.constraint import MAX_SCHEMA_DEPTH, Constraint, check_json_depth, too_deep
 from kvfleet.errors import InvalidArgument
 
 STRUCTURED_FIELDS = {"response_format", "guided_json", "guided_regex", "guided_grammar"}
@@ -49,6 +49,7 @@ def _schema_constraint(schema: Any, field: str) -> Constraint:
     if isinstance(schema, str):
         text = schema
     elif isinstance(schema, (dict, bool)):
+        check_json_depth(schema, MAX_SCHEMA_DEPTH, field)  # before json.dumps recurses into it
         text = json.dumps(schema, sort_keys=True, separators=(",", ":"))
     else:
         raise InvalidArgument(f"{field} must be a JSON Schema object", field=field)
@@ -95,6 +96,8 @@ def parse_constraint(body: dict) -> Optional[Constraint]:
         if isinstance(value, str):
             try:
                 value = json.loads(value)
+            except RecursionError:
+                raise too_deep("guided_json", MAX_SCHEMA_DEPTH) from None
             except ValueError as exc:
                 raise InvalidArgument(f"guided_json is not valid JSON: {exc}",
                                       field="guided_json") from None

@@ -16,6 +16,7 @@ import tokenizers
 
 from kvfleet.allocator.fingerprint import fingerprint_model_dir, read_chat_template, served_weights
 from kvfleet.allocator.hashing import CacheIdentity, root_hash
+from kvfleet.allocator.model_spec import ConfigError, load_config, served_context
 from kvfleet.errors import InvalidArgument
 from kvfleet.router.chat_template import ChatTemplate
 
@@ -45,10 +46,11 @@ class ServedModel:
         weight-only ``quantization`` is part of the identity: see ``served_weights``).
 
         Raises:
-            FileNotFoundError: ``config.json`` or ``tokenizer.json`` is missing.
+            FileNotFoundError: ``tokenizer.json`` is missing.
+            ConfigError: ``config.json`` is missing, unreadable or gives no context.
         """
         d = Path(model_dir)
-        config = json.loads((d / "config.json").read_text())
+        config = load_config(d)
         tokenizer = tokenizers.Tokenizer.from_file(str(d / "tokenizer.json"))
         source = read_chat_template(d)
         special = _special_tokens(d)
@@ -60,7 +62,7 @@ class ServedModel:
                                  kv_dtype=kv_dtype, block_size=block_size)
         return cls(name=name, model_dir=d, tokenizer=tokenizer,
                    chat_template=ChatTemplate(source, special) if source else None,
-                   identity=identity, max_context=int(config["max_position_embeddings"]),
+                   identity=identity, max_context=_context(config),
                    vocab_size=int(config["vocab_size"]), block_size=block_size)
 
     def root_hash(self, scope: str, cache_salt: str,
@@ -99,6 +101,15 @@ class ServedModel:
         text = self.chat_template.render(messages)
         # The template already wrote any special tokens; do not add them twice.
         return self._encode(text, add_special_tokens=False)
+
+
+def _context(config: dict) -> int:
+    """The context the workers serve (the allocator's reading: LongRoPE configs serve their
+    original context), so the router refuses what a worker would."""
+    context = served_context(config)
+    if context is None:
+        raise ConfigError("max_position_embeddings", "missing from config.json")
+    return context
 
 
 def _special_tokens(model_dir: Path) -> dict[str, str]:

@@ -56,10 +56,6 @@ def rank_status(rank: dict) -> common_pb2.RankStatus:
     return common_pb2.RankStatus(**{k: v for k, v in rank.items() if k in _RANK_FIELDS})
 
 
-def _or(value: Optional[int], default: Optional[int]) -> Optional[int]:
-    return default if value is None else value
-
-
 class RouterService(router_pb2_grpc.RouterServicer):
     """The gRPC edge of :class:`~kvfleet.router.core.RouterCore`: proto in, proto out. A
     client that does not read its stream for ``core.stream_limits.stall_s`` is cancelled."""
@@ -91,8 +87,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
                     request_id=request.request_id,
                     deadline_unix_s=None if remaining is None else time.time() + remaining,
                     constraint=Constraint.from_proto(request),
-                    priority=_or(priority_from_proto(request),
-                                 self.core.auth.key_priority(metadata)))
+                    priority=priority.within_key(priority_from_proto(request),
+                                                 self.core.auth.key_class(metadata),
+                                                 request.WhichOneof("priority") or "priority"))
                 # gRPC cancels this handler at the client's deadline, which cancels the relay.
                 async with contextlib.aclosing(self.core.generate(req, tenant, trace)) as out:
                     async for msg in out:

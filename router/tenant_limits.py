@@ -13,7 +13,8 @@ Redis is never needed to serve: when it does not answer, admission falls back to
 router's own count against the same limit (a per-router limit: the *local lease*) until the
 background loop, trying every ``down_retry_s``, reaches Redis again — no request waits on a
 Redis that is down, past the one that found it down. Requests admitted meanwhile are added
-to the shared set by that renewal, so they count once Redis is back.
+to the shared set by that renewal, so they count once Redis is back; a member released while
+a renewal was on its way is removed again after it (the renewal re-added it).
 
 Each finished request's service — uncached prompt tokens × 1 + output tokens × 2, the worker
 scheduler's weights (:mod:`kvfleet.service_weights`) — is summed per tenant here
@@ -197,13 +198,7 @@ class TenantLimiter:
             self._unsent[lease.tenant] = self._unsent.get(lease.tenant, 0.0) + service
         if self._redis is None or not lease.member:
             return
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # finalized off the loop: the member expires with its lease
-            return
-        task = loop.create_task(self._release_in_redis(lease))
-        self._releases.add(task)
-        task.add_done_callback(self._releases.discard)
+        self._remove_in_background(lease)
 
     async def settle(self) -> None:
         """Until every release so far has reached Redis (or failed), and the account too."""
@@ -211,6 +206,8 @@ class TenantLimiter:
             await asyncio.gather(*list(self._releases), return_exceptions=True)
         if self._unsent and self._redis is not None:
             await self.renew()
+            while self._releases:  # members the renewal re-added after their release
+                await asyncio.gather(*list(self._releases), return_exceptions=True)
 
     async def service(self) -> dict[str, float]:
         """The fleet's per-tenant service account. Raises the Redis client's errors."""
@@ -241,6 +238,16 @@ class TenantLimiter:
                         "until it does", type(exc).__name__)
         self._down = True
 
+    def _remove_in_background(self, lease: Lease) -> None:
+        """Remove ``lease``'s member from the shared set in a task (never blocks)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # finalized off the loop: the member expires with its lease
+            return
+        task = loop.create_task(self._release_in_redis(lease))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
     async def _release_in_redis(self, lease: Lease) -> None:
         try:
             await self._release(keys=[self._keys.tenant_inflight(lease.tenant)],
@@ -264,7 +271,8 @@ class TenantLimiter:
         args: list[int | float | str] = [self._lease_ms, seconds_to_ms(SERVICE_TTL_S), len(unsent)]
         for tenant, service in unsent.items():
             args += [tenant, service]
-        for tenant, members in self._held.items():
+        sent = {tenant: set(members) for tenant, members in self._held.items()}
+        for tenant, members in sent.items():
             keys.append(self._keys.tenant_inflight(tenant))
             args += [len(members), *sorted(members)]
         try:
@@ -274,6 +282,12 @@ class TenantLimiter:
                 self._unsent[tenant] = self._unsent.get(tenant, 0.0) + service
             self._mark_down(exc)
             return
+        # A member released while the call was on its way (a renewal that waited for a
+        # restarting Redis, or one overtaken by the release's own call) was just added back:
+        # remove it again, after the renewal, or it holds a place for a whole lease.
+        for tenant, members in sent.items():
+            for member in members - self._held.get(tenant, set()):
+                self._remove_in_background(Lease(tenant, member))
         if self._down:
             log.info("tenant limits: Redis answers again; limits are fleet-wide")
         self._down = False

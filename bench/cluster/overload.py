@@ -351,9 +351,6 @@ def main(argv: list[str] | None = None) -> int:
                    help="the key file's default_tenant_share (and, by default, --seat-share)")
     f.add_argument("--seat-share", type=float, default=None,
                    help="replicas' tenant_share: a tenant's share of running slots")
-    f.add_argument("--fixed-seats", action="store_true",
-                   help="replicas' seats_by_service off: --seat-share caps running slots "
-                        "whatever the service (A/B)")
     f.add_argument("--flood-prompt-factor", type=float, default=4.0,
                    help="backlogged phase: flood's prompts are this many times steady's")
     for q in (o, f):
@@ -368,8 +365,6 @@ def main(argv: list[str] | None = None) -> int:
         q.add_argument("--router-arg", action="append", default=[], dest="router_args")
         q.add_argument("--itl-target-ms", type=float, default=None,
                        help="replicas' --itl-target-ms (in the scaled cost model's milliseconds)")
-        q.add_argument("--no-class-step", action="store_true",
-                       help="replicas' class_step off: a prefill's step carries every row (A/B)")
     a = p.parse_args(argv)
     keys = ({"key-flood": "flood", "key-steady": "steady", "key-admin": "bench-admin"}
             if a.cmd == "fair" else {})
@@ -379,10 +374,7 @@ def main(argv: list[str] | None = None) -> int:
               router_args=tuple(a.router_args), api_keys=keys,
               tenant_share=seats,
               # only when set: a checkout before the ITL target runs too (A/B)
-              scheduler={**({"itl_target_ms": a.itl_target_ms} if a.itl_target_ms else {}),
-                         **({"class_step": False} if a.no_class_step else {}),
-                         **({"seats_by_service": False} if getattr(a, "fixed_seats", False)
-                            else {})})
+              scheduler={**({"itl_target_ms": a.itl_target_ms} if a.itl_target_ms else {})})
     RESULTS.mkdir(parents=True, exist_ok=True)
     keys_file = None
     if keys:

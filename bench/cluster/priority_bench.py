@@ -1,6 +1,6 @@
 """Priority classes: an interactive trickle beside a 10x batch flood keeps its TTFT.
 
-    .venv/bin/python -m bench priority --preempt-streaming  # 2 replicas, 10x batch flood
+    .venv/bin/python -m bench priority  # 2 replicas, 10x batch flood
     .venv/bin/python -m bench priority --batch-share 0.75 --router-arg=--priority-admit=batch=0.8
 
 The cluster of ``bench.cluster.overload`` (cost-model replicas: real router process, scheduler, block
@@ -127,13 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--capacity-s", type=float, default=6.0)
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--scale", type=float, default=0.05, help="cost-model step times × scale")
-    p.add_argument("--preempt-streaming", action="store_true",
-                   help="replicas' --preempt-streaming: interactive may preempt streaming batch")
     p.add_argument("--batch-share", type=float, default=1.0, help="replicas' --batch-share")
     p.add_argument("--itl-target-ms", type=float, default=None,
                    help="replicas' --itl-target-ms (in the scaled cost model's milliseconds)")
-    p.add_argument("--no-class-step", action="store_true",
-                   help="replicas' class_step off: a prefill's step carries every row (A/B)")
     p.add_argument("--layer-yield", action="store_true",
                    help="replicas' --layer-yield: a batch step pauses between layers for a "
                         "nested interactive step (A/B)")
@@ -141,10 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--router-arg", action="append", default=[], dest="router_args")
     a = p.parse_args(argv)
     run = Run(replicas=a.replicas, scale=a.scale, router_args=tuple(a.router_args),
-              scheduler={"preempt_streaming": a.preempt_streaming, "batch_share": a.batch_share,
+              scheduler={"batch_share": a.batch_share,
                          "itl_target_ms": a.itl_target_ms,
-                         # only when set: a checkout before class_step runs too (A/B)
-                         **({"class_step": False} if a.no_class_step else {}),
                          **({"layer_yield": True} if a.layer_yield else {})})
     RESULTS.mkdir(parents=True, exist_ok=True)
     keys_file = RESULTS / "priority-keys.json"

@@ -93,18 +93,12 @@ async def _one(stub, r: Request, t0: float, max_tokens: int, out: Sent) -> None:
         out.error = exc.code().name
 
 
-def _kill_tier_actor() -> None:
-    """The node's tier actor is detached and publishes to the namespace of the first replica
-    that started it: every configuration starts with a fresh, empty one."""
-    import ray
+def _kill_tier_actor(namespace: str) -> None:
+    """The tier actor of a configuration's namespace is detached: it goes with the
+    configuration (each starts with a fresh namespace, so an empty tier)."""
+    from kvfleet.worker.kv_tier.node_tier import remove_node_tiers
 
-    from kvfleet.worker.kv_tier.node_tier import NAMESPACE, tier_actor_name
-
-    try:
-        ray.kill(ray.get_actor(tier_actor_name(ray.get_runtime_context().get_node_id()),
-                               namespace=NAMESPACE))
-    except ValueError:
-        pass
+    remove_node_tiers(namespace)
 
 
 class RealFleet:
@@ -114,8 +108,7 @@ class RealFleet:
     def __init__(self, model_dir: str, redis_url: str, pool_blocks: int, tier: bool,
                  pull: bool, max_seqs: int = 2, policy_options: Optional[dict] = None,
                  count: int = 2, **replica_options) -> None:
-        _kill_tier_actor()  # before the replicas: their engines start the node's tier
-        ns = f"tierbench-{uuid.uuid4().hex[:8]}:"
+        ns = self.namespace = f"tierbench-{uuid.uuid4().hex[:8]}:"
         sched = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=256)
         self.replicas = [ReplicaServer(ReplicaConfig(
             replica_id=f"rep-{i}", model_name=MODEL, model_dir=model_dir, num_blocks=pool_blocks,
@@ -143,7 +136,7 @@ class RealFleet:
         await self.router.stop(grace_s=0.1)
         for r in self.replicas:
             await r.stop(grace_s=0.1)
-        _kill_tier_actor()
+        _kill_tier_actor(self.namespace)
 
     def hits(self) -> dict[str, int]:
         """Prompt tokens admitted, and reused from the device / host tier, both replicas."""

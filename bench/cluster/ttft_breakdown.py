@@ -55,7 +55,7 @@ class TtftProbe:
             rid, sched = r.cfg.replica_id, r.engine.scheduler
             self.replicas[rid] = _Replica()
             self._by_sched[id(sched)] = rid
-            if sched.tier is not None:
+            if sched.tier.enabled:
                 self._by_lookup[id(sched.tier.lookup)] = rid
         return self
 
@@ -72,8 +72,7 @@ class TtftProbe:
 
         def moved(executor, scheduler, out):
             rid = probe._by_sched.get(id(scheduler))
-            restoring = ([r.seq.request_id for r in scheduler.tier._planned]
-                         if scheduler.tier is not None else [])
+            restoring = [r.seq.request_id for r in out.restores]
             t0 = time.monotonic()
             try:
                 return move_blocks(executor, scheduler, out)

@@ -13,7 +13,7 @@ first token). Per seed and with ``class_step`` off and on:
 
 * **§2** ``priority``: an interactive Poisson trickle at 0.1 × capacity alone, then beside a
   batch flood at 10 × capacity (refused past 80 % of the replica's sequences, as the router's
-  ``--priority-admit``); ``--preempt-streaming``. Interactive TTFT p99 both ÷ alone (target
+  ``--priority-admit``). Interactive TTFT p99 both ÷ alone (target
   ≤ 1.5), batch completions/s alone − both against interactive's (target ≤).
 * **§3** ``fair``: tenant B at 0.2 × capacity alone, then beside tenant A at 10 × (both
   ``default``; ``tenant_share`` 0.5 of running and of waiting seats, running seats lent by
@@ -42,7 +42,7 @@ from bench.engine.engine_bench import pct
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
 from kvfleet.priority import BATCH, DEFAULT, INTERACTIVE
 from kvfleet.sampling_params import SamplingParams
-from kvfleet.worker.engine.layer_yield.nested import may_yield, yields_to
+from kvfleet.worker.engine.layer_yield.nested import may_yield, nested_step, yields_to
 from kvfleet.worker.engine.request import SeqStatus, SequenceState
 from kvfleet.worker.engine.scheduling.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvfleet.worker.step_cost.model import MEASURED, StepCost
@@ -69,7 +69,7 @@ class Yield:
     """Layer-level yield on the virtual clock (``worker/engine/layer_yield/nested.py``): a step is
     ``layers`` equal slices; a request of a strictly better class than every row of the step
     in flight pauses it at the first layer boundary after its arrival, the real scheduler's
-    nested step (:meth:`Scheduler.schedule_nested`) runs, and the paused step's remaining
+    nested step (``layer_yield.nested.nested_step``) runs, and the paused step's remaining
     time, plus ``cost_layers`` layers' share of it (saving and resuming), follows."""
 
     layers: int
@@ -77,12 +77,14 @@ class Yield:
 
 
 def simulate(streams: list[Stream], config: SchedulerConfig, seconds: float, seed: int,
-             layer_yield: Optional[Yield] = None) -> dict:
+             layer_yield: Optional[Yield] = None, variant: Optional[dict] = None) -> dict:
     """Run ``streams`` for ``seconds`` of virtual time; per tenant: TTFT p50/p99 and token
     gap (ITL) p99 (ms) of requests arriving in the run, completions/s, computed tokens of
-    requests finishing in the middle half; ``"_yields"``: nested steps run."""
+    requests finishing in the middle half; ``"_yields"``: nested steps run. ``variant``:
+    the scheduler's ``class_step`` / ``seats_by_service`` (off for the A/B)."""
     rng = random.Random(seed)
-    sched = Scheduler(config, KVCacheManager(640, BLOCK), StepCost(COST, alpha=0.0))
+    sched = Scheduler(config, KVCacheManager(640, BLOCK), StepCost(COST, alpha=0.0),
+                      **(variant or {}))
     arrivals: list[tuple[float, Stream]] = []
     for st in streams:
         t = 0.0
@@ -162,7 +164,7 @@ def simulate(streams: list[Stream], config: SchedulerConfig, seconds: float, see
                 break  # the step ends first
             t, progress = t + boundary - progress, boundary
             arrive(t)  # the engine drains its inbox at the yield point
-            nested = sched.schedule_nested(out, t)
+            nested = nested_step(sched, out, t)
             if not nested.scheduled:
                 break  # refused (no free seat or blocks): the step runs on whole
             yields += 1
@@ -200,7 +202,7 @@ def run_seed(base: SchedulerConfig, seconds: float, seed: int, seat_share: float
     """Both sections with ``class_step`` off and on, one seed (``seat_share``: §3's
     ``tenant_share``; ``seats_by_service`` False: a fixed cap of running seats;
     ``layer_yield``: steps pause between layers for a higher class, None: atomic steps)."""
-    cap = simulate([Stream("c", clients=16)], replace(base, class_step=False), seconds, seed)
+    cap = simulate([Stream("c", clients=16)], base, seconds, seed, variant={"class_step": False})
     rate = cap["c"]["completions_per_s"]
     out: dict = {"capacity_per_s": rate}
     chat = Stream("chat", INTERACTIVE, rate=0.1 * rate)
@@ -208,18 +210,17 @@ def run_seed(base: SchedulerConfig, seconds: float, seed: int, seat_share: float
     b_alone = Stream("B", rate=0.2 * rate, share=seat_share)
     a_flood = Stream("A", rate=10 * rate, share=seat_share)
     for on in (False, True):
-        prio = replace(base, class_step=on, preempt_streaming=True)
-        fair = replace(base, class_step=on, tenant_share=seat_share,
-                       seats_by_service=seats_by_service)
-        ly = layer_yield
-        alone = simulate([chat], prio, seconds, seed, ly)["chat"]
-        batch = simulate([flood], prio, seconds, seed, ly)["batch"]
-        both = simulate([chat, flood], prio, seconds, seed, ly)
-        f_alone = simulate([b_alone], fair, seconds, seed, ly)["B"]
-        f_both = simulate([b_alone, a_flood], fair, seconds, seed, ly)
+        prio = base
+        fair = replace(base, tenant_share=seat_share)
+        ly, v = layer_yield, {"class_step": on, "seats_by_service": seats_by_service}
+        alone = simulate([chat], prio, seconds, seed, ly, v)["chat"]
+        batch = simulate([flood], prio, seconds, seed, ly, v)["batch"]
+        both = simulate([chat, flood], prio, seconds, seed, ly, v)
+        f_alone = simulate([b_alone], fair, seconds, seed, ly, v)["B"]
+        f_both = simulate([b_alone, a_flood], fair, seconds, seed, ly, v)
         backlog = simulate([Stream("B", clients=16, share=seat_share),
                             Stream("A", clients=16, prompt=256, share=seat_share)],
-                           fair, seconds, seed, ly)
+                           fair, seconds, seed, ly, v)
         total = backlog["A"]["computed_tokens"] + backlog["B"]["computed_tokens"]
         out["on" if on else "off"] = {
             "priority": {"alone": alone, "batch_alone": batch, "both": both,

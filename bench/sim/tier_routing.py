@@ -89,7 +89,6 @@ class TierSimFleet(SimFleet):
             store = self.stores[node]
             eng.executor = TierCostExecutor(eng.executor, store, restore_block_s)
             eng.scheduler.tier = TierAdmission(eng.kv, TierLookup(store))
-            eng.kv.pool.record_evictions = True
             pub = self.index.publisher(self.pubs[rid].replica)
             pub.replica = dataclasses.replace(pub.replica, kv_tier=node)
             run_sync(pub.register())

@@ -85,6 +85,7 @@ class RouterRequestTrace:
         self._dispatch_start = 0.0
         self.network_s: Optional[float] = None
         self.worker_s: Optional[float] = None
+        self.prompt_tokens = 0  # the router's count, once tokenized (recorded or not)
         self.span = self.tel.tracer.start_span(
             name, context=self.tel.extract(metadata), kind=SpanKind.SERVER,
             start_time=self.clock.wall_ns(self.start))
@@ -125,6 +126,7 @@ class RouterRequestTrace:
         try:
             yield out
         finally:
+            self.prompt_tokens = out.get("tokens", 0)
             if self.recording:
                 self._child(n.ROUTER_TOKENIZE, start, self.clock.now(),
                             {n.GEN_AI_USAGE_INPUT_TOKENS: out.get("tokens", 0)})

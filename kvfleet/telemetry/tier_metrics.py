@@ -1,5 +1,5 @@
 """The worker's host-tier and hit-by-tier metrics: observable instruments over the engine's
-stats snapshot (:func:`kvfleet.worker.kv_tier.tier_stats.tier_stats`), read at collection
+stats snapshot (:meth:`kvfleet.worker.kv_tier.admission.TierAdmission.stats`), read at collection
 time, so nothing is counted twice and nothing runs on the engine thread.
 
 - ``kvfleet.worker.kv_tier.{write_backs, dropped_write_backs, restores, failed_restores}``

@@ -196,3 +196,20 @@ async def test_shutdown_lets_http_streams_run_for_the_router_grace(fleet):
     await stopping
     assert events[-1] == "[DONE]"
     assert json.loads(events[-2])["usage"]["completion_tokens"] == 150
+
+
+async def test_deep_nesting_is_a_400_naming_the_field_never_a_500(front):
+    base, _, _ = front
+    depth = 3000  # past the JSON reader's recursion limit
+    schema = '{"type":"array","items":' * 200 + '{"type":"string"}' + "}" * 200
+    bodies = {  # raw text: a client's JSON encoder could itself overflow on these
+        "body": '{"prompt":"hi","user":' + "[" * depth + "]" * depth + "}",
+        "response_format.json_schema.schema": '{"prompt":"hi","response_format":{"type":'
+        '"json_schema","json_schema":{"name":"a","schema":' + schema + "}}}",
+    }
+    async with httpx.AsyncClient(timeout=30) as client:
+        for field, text in bodies.items():
+            resp = await client.post(f"{base}/completions", content=text,
+                                     headers={**auth(), "content-type": "application/json"})
+            assert resp.status_code == 400, (field, resp.status_code, resp.text[:200])
+            assert resp.json()["error"]["message"].startswith(f"{field} nests deeper than"), field

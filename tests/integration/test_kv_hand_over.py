@@ -15,7 +15,7 @@ from kvfleet.router.index_mirror import MirroredPrefixIndex
 from kvfleet.router.prefix_index import RedisPrefixIndex
 from kvfleet.v1 import worker_pb2, worker_pb2_grpc
 from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig
-from kvfleet.worker.kv_tier.node_tier import NAMESPACE, node_tier, tier_actor_name
+from kvfleet.worker.kv_tier.node_tier import node_tier, remove_node_tiers
 from kvfleet.worker.replica.replica import ReplicaConfig, ReplicaServer
 
 PROMPT = [(7 * i + 3) % 1000 + 5 for i in range(40)]  # 2 full blocks of 16 reusable
@@ -43,19 +43,14 @@ async def _cached_tokens(server: ReplicaServer, rid: str) -> int:
         return last.usage.cached_prompt_tokens
 
 
-def _no_tier_actor(ray) -> None:
-    """Kill a tier actor an earlier test left on this node: it publishes to that test's
-    namespace (the first replica on a node names the tier's index)."""
-    name = tier_actor_name(ray.get_runtime_context().get_node_id())
-    try:
-        ray.kill(ray.get_actor(name, namespace=NAMESPACE))
-    except ValueError:
-        pass
+def _no_tier_actor(namespace: str) -> None:
+    """Kill a tier actor of ``namespace`` an earlier run left (a test's starts empty)."""
+    remove_node_tiers(namespace)
 
 
 async def test_a_drained_replicas_prefix_is_served_from_the_node_tier_by_a_survivor(
         ray_session, tiny_llama_dir, redis_server, redis_namespace) -> None:
-    _no_tier_actor(ray_session)
+    _no_tier_actor(redis_namespace)
     first = ReplicaServer(_config("a", tiny_llama_dir, redis_server.url, redis_namespace))
     second = ReplicaServer(_config("b", tiny_llama_dir, redis_server.url, redis_namespace))
     third = ReplicaServer(_config("c", tiny_llama_dir, redis_server.url, redis_namespace,
@@ -92,7 +87,7 @@ async def test_a_drained_replicas_prefix_is_served_from_the_node_tier_by_a_survi
         await first.stop()
         await second.stop()
         await third.stop()
-        ray_session.kill(node_tier(16 << 20).actor)
+        remove_node_tiers(redis_namespace)
 
 
 async def _prewarmed_replica_serves_from_its_pool(third: ReplicaServer, chain, redis_url: str,
@@ -115,7 +110,7 @@ async def test_a_replica_drained_without_the_hand_over_leaves_its_blocks_to_no_o
     tier, and the survivor recomputes the drained replica's prefix."""
     import dataclasses
 
-    _no_tier_actor(ray_session)
+    _no_tier_actor(redis_namespace)
     first = ReplicaServer(dataclasses.replace(
         _config("a", tiny_llama_dir, redis_server.url, redis_namespace), kv_hand_over=False))
     second = ReplicaServer(_config("b", tiny_llama_dir, redis_server.url, redis_namespace))
@@ -125,10 +120,10 @@ async def test_a_replica_drained_without_the_hand_over_leaves_its_blocks_to_no_o
         assert await _cached_tokens(first, "a-1") == 0
         await first.drain()
         assert first.drained and first.handed_over_blocks == 0
-        assert node_tier(16 << 20).stats().blocks == 0
+        assert node_tier(16 << 20, namespace=redis_namespace).stats().blocks == 0
         assert await _cached_tokens(second, "b-1") == 0
         assert second.engine.executor.tier.stats.restores == 0
     finally:
         await first.stop()
         await second.stop()
-        ray_session.kill(node_tier(16 << 20).actor)
+        remove_node_tiers(redis_namespace)

@@ -11,7 +11,7 @@ import asyncio
 import grpc
 
 from kvfleet.v1 import worker_pb2, worker_pb2_grpc
-from kvfleet.worker.kv_tier.node_tier import node_tier
+from kvfleet.worker.kv_tier.node_tier import remove_node_tiers
 from kvfleet.worker.replica.replica import ReplicaServer
 from kvfleet.worker.step_cost.model import CostModel, StepCost
 from tests.integration.routing_fleet import prompt, running_fleet
@@ -79,7 +79,7 @@ async def test_a_replica_pulls_a_peers_prefix_and_recomputes_when_the_peer_fails
     finally:
         await a.stop()
         await b.stop()
-        ray_session.kill(node_tier(16 << 20).actor)
+        remove_node_tiers(redis_namespace)
 
 
 async def _idle(server: ReplicaServer) -> bool:
@@ -121,4 +121,4 @@ async def test_the_router_hints_the_holder_it_routes_away_from_and_the_replica_p
             assert b.service.puller.stats.pulls == 1
         finally:
             await fleet.stop()
-            ray_session.kill(node_tier(16 << 20).actor)
+            remove_node_tiers(redis_namespace)

@@ -1,29 +1,27 @@
-"""Peer pulls between replicas with internal mutual TLS (issue 26 §2). A pull has two legs: the
-``Worker.ExportBlocks`` call from the pulling replica to the holder (gRPC: kvfleet's internal
-TLS applies), and the KV bytes through the node's tier actor (Ray's object store: kvfleet's
-TLS does not apply; Ray's own transport carries them). A worker's port accepts only the
-router's certificate, and a replica holds only the worker certificate (server
-authentication), so a replica with internal TLS does not pull: it builds no puller, a hinted
-request is served by recomputing it, and the holder's ``ExportBlocks`` refuses a caller
-without the router's certificate (plaintext, or a replica's own certificate) without
-exporting anything. Real replicas (gRPC with TLS, the node tier as a Ray actor)."""
+"""Peer pulls between replicas with internal mutual TLS, and each role holding only its own
+certificates. A pull has two legs: the ``Worker.ExportBlocks`` call from the pulling replica to
+the holder (gRPC: kvfleet's internal TLS applies) and the KV bytes through the node's tier
+actor (Ray's object store: Ray's own transport carries them). The pulling replica presents the
+replica certificate, which the holder accepts for ``ExportBlocks`` only; the replicas' TLS
+directory holds no router key, so no replica can call another as the router. Real replicas
+(gRPC with TLS, the node tier as a Ray actor)."""
 
 from __future__ import annotations
 
 import dataclasses
+import shutil
 
 import grpc
 import pytest
 
 from kvfleet.allocator.hashing import block_hash_chain, root_hash
-from kvfleet.tls import WORKER_CHANNEL_OPTIONS, generate_internal_tls
+from kvfleet.tls import REPLICA_FILES, WORKER_CHANNEL_OPTIONS, WORKER_FILES, InternalTLS
+from kvfleet.tls_ca import generate_internal_tls
 from kvfleet.v1 import worker_pb2, worker_pb2_grpc
-from kvfleet.worker.kv_tier.node_tier import node_tier
-from kvfleet.worker.kv_tier.peer_client import GrpcPeerClient
-from kvfleet.worker.kv_tier.peer_pull import PeerHint
+from kvfleet.worker.kv_tier.node_tier import remove_node_tiers
 from kvfleet.worker.replica.replica import ReplicaServer
 from tests.integration.test_kv_hand_over import PROMPT, _config, _no_tier_actor
-from tests.integration.test_kv_peer_pull import hinted_request
+from tests.integration.test_kv_peer_pull import EXPENSIVE, hinted_request
 
 
 async def _generate(server: ReplicaServer, creds, rid: str, peer: ReplicaServer | None = None):
@@ -37,52 +35,62 @@ async def _generate(server: ReplicaServer, creds, rid: str, peer: ReplicaServer 
     return msgs[-1]
 
 
-async def test_replicas_with_internal_tls_do_not_pull_and_refuse_exports_to_peers(
+def _as(tls: InternalTLS, cert: bytes, key: bytes) -> grpc.ChannelCredentials:
+    return grpc.ssl_channel_credentials(root_certificates=tls.ca, private_key=key,
+                                        certificate_chain=cert)
+
+
+async def test_replicas_pull_over_tls_with_the_replica_certificate_and_hold_no_router_key(
         ray_session, tiny_llama_dir, redis_server, redis_namespace, tmp_path) -> None:
-    _no_tier_actor(ray_session)
+    _no_tier_actor(redis_namespace)
     tls = generate_internal_tls(tmp_path / "internal")
-    creds = tls.router_credentials()
+    workers = tmp_path / "workers"  # what a worker pod mounts: no router.pem / router.key
+    workers.mkdir(mode=0o700)
+    for name in WORKER_FILES + REPLICA_FILES:
+        shutil.copy2(tmp_path / "internal" / name, workers / name)
+    router = tls.router_credentials()
 
     def config(rid: str):
         return dataclasses.replace(_config(rid, tiny_llama_dir, redis_server.url,
-                                           redis_namespace),
-                                   internal_tls_dir=str(tmp_path / "internal"))
+                                           redis_namespace), internal_tls_dir=str(workers))
 
     a, b = ReplicaServer(config("a")), ReplicaServer(config("b"))
     try:
         await a.start()
         await b.start()
-        assert a.service.puller is None and b.service.puller is None  # no pull under TLS
-        assert (await _generate(a, creds, "a-1")).usage.cached_prompt_tokens == 0
-        hinted = await _generate(b, creds, "b-1", peer=a)
-        assert hinted.usage.cached_prompt_tokens == 0  # recomputed, no error
-        assert len(hinted.token_ids) >= 1
-        assert a.engine.exports.exported_blocks == 0
+        assert b.service.puller is not None  # a peer identity: pulls under TLS
+        b.service.puller.step_cost = EXPENSIVE
+        assert (await _generate(a, router, "a-1")).usage.cached_prompt_tokens == 0
+        hinted = await _generate(b, router, "b-1", peer=a)
+        assert hinted.usage.cached_prompt_tokens == 32  # pulled from A over TLS, restored
+        assert b.service.puller.stats.pulls == 1 and a.engine.exports.exported_blocks == 2
 
         root = root_hash(a.engine.identity_digest, "default", "")
         hashes = block_hash_chain(root, PROMPT, 16)[:2]
-        assert a.engine.kv.pool.lookup(hashes[0]) is not None  # A holds what would be asked
-        client = GrpcPeerClient()  # the plaintext client a pulling replica would use
-        try:
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await client.export(PeerHint("a", a.address, 2), hashes, 5.0)
-            assert err.value.code() == grpc.StatusCode.UNAVAILABLE  # no TLS handshake
-        finally:
-            await client.close()
-        replica_cert = grpc.ssl_channel_credentials(  # a replica's own certificate
-            root_certificates=tls.ca, private_key=tls.worker_key,
-            certificate_chain=tls.worker_cert)
-        async with grpc.aio.secure_channel(a.address, replica_cert,
+        replica = _as(tls, tls.replica_cert, tls.replica_key)
+        async with grpc.aio.secure_channel(a.address, replica,
+                                           options=WORKER_CHANNEL_OPTIONS) as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            for call in (stub.Generate(hinted_request("r-1", PROMPT)).read(),
+                         stub.Stats(worker_pb2.StatsRequest(), timeout=10),
+                         stub.Drain(worker_pb2.DrainRequest(), timeout=10)):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await call  # the replica certificate is for ExportBlocks only
+                assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+                assert "kvfleet-replica" in (err.value.details() or "")
+            exported = await stub.ExportBlocks(
+                worker_pb2.ExportBlocksRequest(block_hashes=hashes, timeout_s=5.0), timeout=10)
+            assert list(exported.block_hashes) == hashes
+        # A worker's own certificate is a server certificate: no client can present it.
+        worker = _as(tls, tls.worker_cert, tls.worker_key)
+        async with grpc.aio.secure_channel(a.address, worker,
                                            options=WORKER_CHANNEL_OPTIONS) as channel:
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await worker_pb2_grpc.WorkerStub(channel).ExportBlocks(
-                    worker_pb2.ExportBlocksRequest(block_hashes=hashes, timeout_s=5.0),
-                    timeout=10)
-        assert err.value.code() in (grpc.StatusCode.UNAVAILABLE,
-                                    grpc.StatusCode.PERMISSION_DENIED)
-        assert a.engine.exports.exported_blocks == 0  # nothing left A for a peer
-        assert node_tier(16 << 20).stats().blocks == 0
+                await worker_pb2_grpc.WorkerStub(channel).Stats(worker_pb2.StatsRequest(),
+                                                                timeout=10)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE  # refused at the handshake
+        assert not a.drained
     finally:
         await a.stop()
         await b.stop()
-        ray_session.kill(node_tier(16 << 20).actor)
+        remove_node_tiers(redis_namespace)

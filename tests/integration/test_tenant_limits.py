@@ -117,3 +117,36 @@ async def test_admissions_during_an_outage_count_fleet_wide_once_redis_is_back()
         await a.close()
         await b.close()
         server.stop()
+
+
+async def test_a_renewal_in_flight_never_resurrects_a_released_lease(redis_server,
+                                                                      redis_namespace):
+    # The renewal that reaches a restarted Redis (it retries while Redis is down) carries the
+    # members held when it was sent; one released meanwhile must not hold a place after it.
+    a = TenantLimiter(redis_server.url, redis_namespace)
+    b = TenantLimiter(redis_server.url, redis_namespace)
+    renew, sent, go = a._renew, asyncio.Event(), asyncio.Event()
+
+    async def delayed_renew(**kw):  # on its way while the release runs
+        sent.set()
+        await go.wait()
+        return await renew(**kw)
+
+    a._renew = delayed_renew
+    try:
+        lease = await a.acquire("acme", 1)
+        renewal = asyncio.create_task(a.renew())
+        await sent.wait()
+        a.release(lease)
+        while a._releases:  # the release reached Redis first
+            await asyncio.gather(*list(a._releases))
+        go.set()
+        await renewal
+        await a.settle()
+        again = await b.acquire("acme", 1)  # the place is free across the fleet
+        b.release(again)
+        await b.settle()
+        assert await _keys(redis_server.url, redis_namespace) == []
+    finally:
+        await a.close()
+        await b.close()

@@ -10,12 +10,8 @@ import pytest
 import trustme
 
 from kvfleet.client import AsyncClient
-from kvfleet.tls import (
-    WORKER_CHANNEL_OPTIONS,
-    InternalTLS,
-    generate_internal_tls,
-    renew_internal_tls,
-)
+from kvfleet.tls import WORKER_CHANNEL_OPTIONS, InternalTLS
+from kvfleet.tls_ca import generate_internal_tls, renew_internal_tls
 from kvfleet.v1 import worker_pb2, worker_pb2_grpc
 from tests.integration.routing_fleet import prompt
 
@@ -150,7 +146,8 @@ def test_kvfleet_up_serves_tls_outside_and_mutual_tls_inside(ray_session, redis_
     try:
         cluster.start()
         assert sorted(p.name for p in internal.iterdir()) == sorted(
-            ["ca.pem", "ca.key", "worker.pem", "worker.key", "router.pem", "router.key"])
+            ["ca.pem", "ca.key", "worker.pem", "worker.key", "router.pem", "router.key",
+             "replica.pem", "replica.key"])
         with Client(cluster.router_address, tls_ca=ca) as client:
             chunks = list(client.stream("Once upon a time", max_tokens=3, ignore_eos=True))
         assert chunks[-1].completion_tokens == 3

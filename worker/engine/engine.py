@@ -9,32 +9,29 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import tokenizers
+import torch
 
 from kvfleet.allocator.hashing import CacheIdentity, root_hash
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
-from kvfleet.constraint import Constraint, GrammarConfig
+from kvfleet.constraint import GrammarConfig
 from kvfleet.errors import AlreadyExists, FailedPrecondition, InvalidArgument
-from kvfleet.priority import DEFAULT as DEFAULT_PRIORITY
-from kvfleet.sampling_params import SamplingParams, check_context_length
+from kvfleet.sampling_params import check_context_length
 from kvfleet.worker.engine.adapters.queue import AdapterQueue
 from kvfleet.worker.engine.adapters.residency import AdapterResidency
-from kvfleet.worker.engine.layer_yield.forward import Arrivals, execute_yielding
-from kvfleet.worker.engine.output.detokenizer import IncrementalDetokenizer
-from kvfleet.worker.engine.output.grammar import GrammarCache, RowMatcher, mask_logits
-from kvfleet.worker.engine.output.outputs import Milestones, SeqOutput, Timing, TokenLogprobs, Usage
-from kvfleet.worker.engine.output.sampling import Sampler, SampleState, make_generator
-from kvfleet.worker.engine.output.stop_checker import StopChecker
-from kvfleet.worker.engine.request import FinishReason, SequenceState
+from kvfleet.worker.engine.layer_yield.forward import Arrivals, LayerYield
+from kvfleet.worker.engine.output.grammar import GrammarCache, mask_logits
+from kvfleet.worker.engine.output.outputs import SeqOutput, TokenLogprobs
+from kvfleet.worker.engine.output.sample_io import SampleIO, final_output
+from kvfleet.worker.engine.output.sampling import Sampler
+from kvfleet.worker.engine.request import EngineRequest, FinishReason, SequenceState
 from kvfleet.worker.engine.scheduling.scheduler import Fork, Scheduler, SchedulerConfig, SchedulerOutput
 from kvfleet.worker.executor.base import Executor
 from kvfleet.worker.kv_tier.export import ExportDone, TierExports
 from kvfleet.worker.kv_tier.lookup import TierLookup
 from kvfleet.worker.kv_tier.moves import move_blocks
-from kvfleet.worker.kv_tier.tier_stats import tier_stats
 from kvfleet.worker.step_cost.model import MEASURED, StepCost, plan_shape
 from kvfleet.worker.step_cost.queue_delay import load_forecast
 
@@ -42,41 +39,15 @@ log = logging.getLogger(__name__)
 _GRAMMAR_DEFAULTS = GrammarConfig()
 
 
-@dataclass(frozen=True)
-class EngineRequest:
-    """A validated request as the worker receives it (token ids, never text)."""
+class WholeStep:
+    """The engine's forward: every step runs whole (no layer-level yield)."""
 
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    params: SamplingParams
-    tenant: str = "default"  # whose request: fair admission counts it
-    priority: int = DEFAULT_PRIORITY  # kvfleet.priority: lower runs first
-    cache_salt: str = ""
-    adapter: str = ""
-    deadline: Optional[float] = None  # monotonic seconds
-    cache_scope: str = ""  # the block-hash root's scope ("" = the tenant's own)
-    # Structured output: the constraint, and its compiled grammar when the caller compiled it
-    # off the engine thread (GrammarCache.compile_async); else add_request compiles it.
-    constraint: Optional[Constraint] = None
-    grammar: Any = None
-    # Never restore from the host tier (a peer pull for it was refused: recompute instead).
-    tier_skip: bool = False
+    nested_steps = 0  # none ever
 
-
-class _SeqIO:
-    """Per-sample output helpers: sampling state, detokenizer, stop-string checker, and the
-    grammar matcher of a constrained sample."""
-
-    def __init__(self, seq: SequenceState, tokenizer: tokenizers.Tokenizer,
-                 grammar: Any = None) -> None:
-        self.matcher = RowMatcher(grammar) if grammar is not None else None
-        self.state = SampleState(
-            params=seq.params, index=seq.index, prompt_token_ids=seq.prompt_token_ids,
-            output_token_ids=seq.output_token_ids,
-            generator=make_generator(seq.params.seed, seq.index),
-        )
-        self.detok = IncrementalDetokenizer(tokenizer, seq.prompt_token_ids)
-        self.stop = StopChecker(seq.params.stop)
+    def __call__(self, engine: Engine, out: SchedulerOutput, arrivals: Optional[Arrivals]
+                 ) -> tuple[torch.Tensor, float]:
+        """``out``'s logits (:meth:`Executor.execute`) and 0.0 seconds of nested steps."""
+        return engine.executor.execute(out.plan), 0.0
 
 
 class Engine:
@@ -118,19 +89,18 @@ class Engine:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.step_cost = step_cost or StepCost(MEASURED)
-        if config.layer_yield and not getattr(executor, "pausable", False):
-            raise ValueError("layer_yield (--layer-yield) needs an executor that can pause a "
-                             "forward between layers: tensor_parallel_size 1")
+        # Whole steps, or layer-level yield's forward (its one seam).
+        self.forward = LayerYield(executor) if config.layer_yield else WholeStep()
         self.scheduler = Scheduler(config, kv, self.step_cost, tier)
-        self.nested_steps = 0  # layer yield: steps run while another step's forward paused
-        self.exports = TierExports(kv)  # blocks a peer asked for, moved with the next step
+        # Blocks a peer asks for, snapshotted at once through the engine's executor.
+        self.exports = TierExports(kv, lambda: self.executor)
         self.lora = AdapterQueue(adapters, identity, identity_digest, self.scheduler)
         self.sampler = Sampler()
         # Structured output: compiled off this thread by the service, cached by digest.
         self.grammars = GrammarCache(tokenizer, vocab_size, eos_token_ids, grammar)
         self._arrivals = itertools.count()
         self._seqs: dict[str, list[SequenceState]] = {}  # request_id -> its n samples
-        self._io: dict[str, _SeqIO] = {}             # seq_id -> helpers
+        self._io: dict[str, SampleIO] = {}           # seq_id -> output helpers
 
     # ---- requests in ---------------------------------------------------------------------
     def validate(self, req: EngineRequest) -> None:
@@ -181,7 +151,7 @@ class Engine:
             self.scheduler.add(seqs)
         self._seqs[req.request_id] = seqs
         for s in seqs:
-            self._io[s.seq_id] = _SeqIO(s, self.tokenizer, grammar)
+            self._io[s.seq_id] = SampleIO(s, self.tokenizer, grammar)
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED,
               error: BaseException | None = None) -> list[SeqOutput]:
@@ -195,8 +165,7 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return (self.scheduler.num_unfinished > 0 or self.lora.has_waiting
-                or self.exports.pending)
+        return self.scheduler.num_unfinished > 0 or self.lora.has_waiting
 
     # ---- one step ------------------------------------------------------------------------
     def step(self, arrivals: Arrivals | None = None) -> list[SeqOutput]:
@@ -204,30 +173,22 @@ class Engine:
 
         ``arrivals``: where requests arrive during the step; with ``layer_yield`` on, the
         forward pauses between layers for a nested step of those it yields to, whose outputs
-        go out through ``arrivals.emit`` before this step's (:mod:`kvfleet.worker.engine.layer_yield.forward`).
+        go out through ``arrivals.emit`` before this step's
+        (:mod:`kvfleet.worker.engine.layer_yield.forward`).
         """
         outputs = self._expire_deadlines()
         if self.lora.has_waiting:
             outputs += self.lora.admit(lambda seq, exc: self._finish(seq, FinishReason.ERROR, exc))
-        out, saved = self.exports.attach(self.scheduler.schedule(time.monotonic())), True
+        out = self.scheduler.schedule(time.monotonic())
         if out.plan.block_saves or out.plan.block_restores:
-            out, saved = move_blocks(self.executor, self.scheduler, out)
-        self.exports.moved(saved)  # the first transfer snapshotted them, or failed: unreference
+            out = move_blocks(self.executor, self.scheduler, out)
         if not out.scheduled:
             if self.lora.has_waiting and not outputs:
                 self.lora.wait(0.01)  # nothing to run but a load: do not spin
             return outputs
-        return outputs + self._run(out, arrivals)
+        return outputs + self.run(out, arrivals)
 
-    def run_nested(self, paused: SchedulerOutput) -> list[SeqOutput]:
-        """While ``paused``'s forward waits between two layers: plan a nested step
-        (:meth:`Scheduler.schedule_nested`), run it whole, sample; returns its outputs (none
-        when nothing may run). Engine thread only."""
-        nested = self.scheduler.schedule_nested(paused, time.monotonic())
-        self.nested_steps += bool(nested.scheduled)
-        return self._run(nested, None)
-
-    def _run(self, out: SchedulerOutput, arrivals: Arrivals | None) -> list[SeqOutput]:
+    def run(self, out: SchedulerOutput, arrivals: Arrivals | None) -> list[SeqOutput]:
         """Forward ``out``, then sample and emit; a failed forward fails its requests only."""
         if not out.scheduled:
             return []
@@ -239,10 +200,7 @@ class Engine:
                 s.seq.timing.prefill_chunks.append((now, s.num_new_tokens))
         start, nested_s = time.perf_counter(), 0.0
         try:
-            if arrivals is not None and self.scheduler.config.layer_yield:
-                logits, nested_s = execute_yielding(self, out, arrivals)
-            else:
-                logits = self.executor.execute(out.plan)
+            logits, nested_s = self.forward(self, out, arrivals)
         except Exception as exc:  # a failed forward fails the requests in it, not the replica
             log.exception("forward failed for %d sequences", len(out.scheduled))
             failed = dict.fromkeys(s.seq.request_id for s in out.scheduled)
@@ -279,30 +237,11 @@ class Engine:
         return outputs
 
     def _append(self, seq: SequenceState, res, now: float) -> SeqOutput:
-        io = self._io[seq.seq_id]
-        if io.matcher is not None and not io.matcher.accept(res.token_id):
-            raise RuntimeError(f"sampled token {res.token_id} outside the grammar's mask")
-        seq.append_token(res.token_id)
-        seq.timing.first_token = seq.timing.first_token or now
-        seq.timing.last_token = now
-        lp: tuple[TokenLogprobs, ...] = ()
-        if seq.params.logprobs is not None:
-            lp = (TokenLogprobs(res.token_id, res.logprob, tuple(res.top_logprobs)),)
-        is_stop_token = res.token_id in seq.params.stop_token_ids or (
-            res.token_id in self.eos_token_ids and not seq.params.ignore_eos)
-        text, stopped = "", False
-        if not is_stop_token:
-            text, stopped = io.stop.feed(io.detok.push([res.token_id]))
-        reason = None
-        if is_stop_token or stopped or (io.matcher is not None and io.matcher.terminated):
-            reason = FinishReason.STOP
-        elif len(seq.output_token_ids) >= seq.params.max_tokens:
-            reason = FinishReason.LENGTH
-        if reason is None:
-            return SeqOutput(seq.request_id, seq.index, (res.token_id,), text, lp)
-        if not stopped:
-            text += io.stop.feed(io.detok.flush())[0] + io.stop.flush()
-        return self._finish(seq, reason, token_ids=(res.token_id,), text=text, logprobs=lp)
+        got = self._io[seq.seq_id].append(seq, res, now, self.eos_token_ids)
+        if got.reason is None:
+            return SeqOutput(seq.request_id, seq.index, (res.token_id,), got.text, got.logprobs)
+        return self._finish(seq, got.reason, token_ids=(res.token_id,), text=got.text,
+                            logprobs=got.logprobs)
 
     def _expire_deadlines(self) -> list[SeqOutput]:
         now = time.monotonic()
@@ -320,16 +259,7 @@ class Engine:
         if all(s.is_finished for s in siblings):
             self._seqs.pop(seq.request_id, None)
             self.lora.request_done(seq.request_id)
-        t = seq.timing
-        first = t.first_token or time.monotonic()
-        scheduled = t.first_scheduled or first
-        timing = Timing(queue_s=scheduled - t.arrival, prefill_s=first - scheduled,
-                        decode_s=(t.last_token or first) - first, ttft_s=first - t.arrival)
-        usage = Usage(seq.num_prompt_tokens, seq.num_cached_tokens or 0, len(seq.output_token_ids))
-        milestones = Milestones(t.arrival, t.first_scheduled, t.first_token, t.last_token,
-                                time.monotonic(), tuple(t.prefill_chunks))
-        return SeqOutput(seq.request_id, seq.index, token_ids, text, logprobs, reason, usage,
-                         timing, error, milestones)
+        return final_output(seq, reason, error, token_ids, text, logprobs)
 
     def hand_over(self, max_blocks: int, timeout_s: float = 10.0) -> int:
         """Write up to ``max_blocks`` of the hottest cached blocks back to the host tier (a
@@ -339,26 +269,24 @@ class Engine:
         Raises:
             Unavailable: the executor can no longer run (a rank died).
         """
-        if self.scheduler.tier is None or max_blocks <= 0:
+        if not self.scheduler.tier.enabled or max_blocks <= 0:
             return 0
         saves = self.kv.pool.hot_blocks()[:max_blocks]
         # Coldest first: a run lands in order, so the tier's LRU keeps the hottest longest.
         self.executor.transfer_blocks(saves[::-1], ())
-        tier = getattr(self.executor, "tier", None)  # rank 0's writer (the others: best effort)
-        if tier is not None:
-            tier.flush(timeout_s)
+        self.executor.tier.flush(timeout_s)  # rank 0's writer (the others: best effort)
         return len(saves)
 
     def export_blocks(self, hashes: Sequence[bytes], done: ExportDone) -> int:
-        """A peer asks for the blocks under ``hashes`` (issue 26 §2): reference the leading
-        run held in the pool; the next step writes them back to the host tier, then calls
-        ``done(exported hashes)`` (:class:`~kvfleet.worker.kv_tier.export.TierExports`). Engine thread only.
-        Returns the blocks found (0: ``done(())`` was called already).
+        """A peer asks for the blocks under ``hashes``: the leading run held in the pool is
+        snapshotted for write-back to the host tier now, then ``done(exported hashes)`` is
+        called (:class:`~kvfleet.worker.kv_tier.export.TierExports`). Engine thread only,
+        between steps. Returns the blocks found.
 
         Raises:
             FailedPrecondition: this replica has no host tier to export through.
         """
-        if self.scheduler.tier is None:
+        if not self.scheduler.tier.enabled:
             raise FailedPrecondition("this replica has no host KV tier (kv_host_memory)")
         return self.exports.request(hashes, done)
 
@@ -385,7 +313,6 @@ class Engine:
             **load_forecast(self.scheduler, self.step_cost),
             "prefill_tokens_queued": queued,
             "context_tokens": sum(s.num_computed_tokens for s in running),
-            "nested_steps": self.nested_steps,
-            **tier_stats(sched.hits, sched.tier.lookup if sched.tier else None,
-                         getattr(self.executor, "tier", None)),
+            "nested_steps": self.forward.nested_steps,
+            **sched.tier.stats(sched.hits, self.executor.tier),
         }

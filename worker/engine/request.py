@@ -6,9 +6,10 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from kvfleet.allocator.hashing import block_hash_chain
+from kvfleet.constraint import Constraint
 from kvfleet.priority import DEFAULT as DEFAULT_PRIORITY
 from kvfleet.sampling_params import SamplingParams
 
@@ -116,3 +117,24 @@ class SequenceState:
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.update_block_hashes()
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """A validated request as the worker receives it (token ids, never text)."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    tenant: str = "default"  # whose request: fair admission counts it
+    priority: int = DEFAULT_PRIORITY  # kvfleet.priority: lower runs first
+    cache_salt: str = ""
+    adapter: str = ""
+    deadline: Optional[float] = None  # monotonic seconds
+    cache_scope: str = ""  # the block-hash root's scope ("" = the tenant's own)
+    # Structured output: the constraint, and its compiled grammar when the caller compiled it
+    # off the engine thread (GrammarCache.compile_async); else add_request compiles it.
+    constraint: Optional[Constraint] = None
+    grammar: Any = None
+    # Never restore from the host tier (a peer pull for it was refused: recompute instead).
+    tier_skip: bool = False

@@ -22,6 +22,7 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 
 from kvfleet.worker.engine.step_plan import StepPlan
+from kvfleet.worker.kv_tier.rank_tier import NoRankTier, RankTier
 from kvfleet.worker.runner.lora.adapter import AdapterSpec
 from kvfleet.worker.runner.model_config import ModelConfig
 
@@ -40,7 +41,20 @@ class RankInfo:
 
 
 class Executor(Protocol):
-    """Runs step plans over one replica's weights and paged KV cache (all its ranks)."""
+    """Runs step plans over one replica's weights and paged KV cache (all its ranks).
+
+    """
+
+    @property
+    def tier(self) -> RankTier | NoRankTier:
+        """Rank 0's side of the node's host KV tier (:class:`~kvfleet.worker.kv_tier.rank_tier.
+        NoRankTier`, ``enabled`` False, without one)."""
+        ...
+
+    @property
+    def pausable(self) -> bool:
+        """Whether this is a :class:`PausableExecutor` (layer-level yield)."""
+        ...
 
     @property
     def config(self) -> ModelConfig:
@@ -136,8 +150,6 @@ class PausableExecutor(Executor, Protocol):
     cost-model executor, whose modelled step sleeps in per-layer slices). Ranks of a
     tensor-parallel group run each step in lockstep from one broadcast plan, so a nested
     step would have to be broadcast mid-forward: not built. ``pausable`` is True."""
-
-    pausable: bool
 
     def execute_pausable(self, plan: StepPlan, should_yield: Callable[[], bool] | None
                          ) -> Any:

@@ -30,6 +30,7 @@ import torch
 
 from kvfleet.worker.engine.step_plan import StepPlan
 from kvfleet.worker.executor.base import RankInfo
+from kvfleet.worker.kv_tier.rank_tier import NO_RANK_TIER
 from kvfleet.worker.runner.lora.adapter import AdapterSpec
 from kvfleet.worker.runner.model_config import ModelConfig
 from kvfleet.worker.step_cost.model import MEASURED, ZERO, CostModel
@@ -89,6 +90,7 @@ class CostModelExecutor:
         return not restores
 
     pausable = True  # layer-level yield: the modelled step in config.num_layers equal slices
+    tier = NO_RANK_TIER  # no KV to write back or restore
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
         """Wait the modelled step time; returns float32 ``(len(plan.chunks), vocab_size)``.

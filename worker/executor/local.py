@@ -9,7 +9,7 @@ import torch
 
 from kvfleet.worker.engine.step_plan import StepPlan
 from kvfleet.worker.executor.base import RankInfo
-from kvfleet.worker.kv_tier.rank_tier import RankTier, transfer
+from kvfleet.worker.kv_tier.rank_tier import NO_RANK_TIER, NoRankTier, RankTier, transfer
 from kvfleet.worker.runner.lora.adapter import AdapterSpec
 from kvfleet.worker.runner.model_config import ModelConfig
 from kvfleet.worker.runner.model_runner import ModelRunner, PausedForward, ShouldYield
@@ -39,7 +39,7 @@ class LocalExecutor:
 
     def __init__(self, runner: ModelRunner, tier: RankTier | None = None) -> None:
         self.runner = runner
-        self.tier = tier
+        self.tier: RankTier | NoRankTier = tier if tier is not None else NO_RANK_TIER
 
     @property
     def config(self) -> ModelConfig:
@@ -93,6 +93,5 @@ class LocalExecutor:
     def close(self) -> None:
         """Stop the tier's writer thread, then free the runner's weights and KV cache (call
         once no step runs: nothing executes after). Idempotent."""
-        if self.tier is not None:
-            self.tier.close()
+        self.tier.close()
         self.runner.release()

@@ -30,7 +30,7 @@ from kvfleet.worker.engine.step_plan import StepPlan
 from kvfleet.worker.executor.base import RankInfo
 from kvfleet.worker.executor.tp.group import RankGroup
 from kvfleet.worker.executor.tp.wire import Commit, PlanEncoder, encode_call, encode_moves
-from kvfleet.worker.kv_tier.rank_tier import RankTier, transfer
+from kvfleet.worker.kv_tier.rank_tier import NO_RANK_TIER, NoRankTier, RankTier, transfer
 from kvfleet.worker.runner.lora.adapter import AdapterSpec
 from kvfleet.worker.runner.model_config import ModelConfig
 from kvfleet.worker.runner.model_runner import ModelRunner
@@ -44,11 +44,14 @@ class TPExecutor:
     :class:`RankGroup` (``local``: rank 0's shard, from :meth:`RankGroup.start`; with
     ``group.spec.tier`` every rank writes back and restores its own KV heads)."""
 
+    pausable = False  # ranks run each step in lockstep from one plan: see PausableExecutor
+
     def __init__(self, local: ModelRunner, group: RankGroup) -> None:
         self.local, self.group = local, group
         spec_tier = group.spec.tier
-        self.tier = (RankTier(spec_tier, 0, local.kv_cache, tag=group.spec.tier_tag)
-                     if spec_tier is not None else None)
+        self.tier: RankTier | NoRankTier = (
+            RankTier(spec_tier, 0, local.kv_cache, tag=group.spec.tier_tag)
+            if spec_tier is not None else NO_RANK_TIER)
         self.tensor_parallel_size = group.spec.tp
         self._lock = threading.Lock()  # one call on the ranks at a time, in plan order
         self._plans = PlanEncoder()
@@ -199,6 +202,5 @@ class TPExecutor:
         if self._thread is not threading.current_thread():
             self._thread.join(1.0)  # a keep-alive barrier in flight ends first (bounded)
         self.group.close()
-        if self.tier is not None:
-            self.tier.close()
+        self.tier.close()
         self.local.release()

@@ -4,36 +4,78 @@ and what becomes of them once the engine has moved them (or failed to).
 The scheduler asks :meth:`TierAdmission.hits` after the device pool: the chain's next blocks,
 up to the reuse limit (the prompt's last token is always computed), that the tier holds for
 every rank. An admitted sequence's restored blocks are fresh pool blocks at the table
-positions after its device hits; the plan lists them (``StepPlan.block_restores``) and the
-engine restores them before the forward. They are registered in the prefix cache only once
-their KV is in place (:meth:`restored`); if any rank could not restore, :meth:`undo` puts the
-sequences back to wait (and recompute: they skip the tier next time).
+positions after its device hits: :meth:`TierAdmission.admitted` returns them as a
+:class:`Restore`, which the step carries (``SchedulerOutput.restores``; their ``(block, hash)``
+pairs in ``StepPlan.block_restores``) and the engine restores before the forward. They are
+registered in the prefix cache only once their KV is in place (:meth:`TierAdmission.restored`);
+if any rank could not restore, :meth:`TierAdmission.undo` puts the sequences back to wait (and
+recompute: they skip the tier next time). A replica without a tier has :class:`NoTierAdmission`:
+no hits, nothing to restore or write back. Both count the prompt tokens admitted and where their
+cached part came from (:class:`HitCounts`) and report the tier's counters
+(:meth:`TierAdmission.stats`: what the tier metrics read).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
 from kvfleet.worker.engine.request import SequenceState
 from kvfleet.worker.kv_tier.lookup import TierLookup
 
+if TYPE_CHECKING:  # annotations only: the scheduler (and a config's import) stays torch-free
+    from kvfleet.worker.kv_tier.rank_tier import NoRankTier, RankTier
+
+Preempt = Callable[[SequenceState], None]
+
+
+@dataclass
+class HitCounts:
+    """Prompt tokens admitted and where their cached part came from (the hit rate by tier),
+    since the engine started, taken at each sequence's first admission (a sequence sent back
+    by a failed tier restore is counted again when it is readmitted)."""
+
+    prompt_tokens: int = 0  # prompt tokens of admitted sequences
+    device: int = 0         # of them, reused from the device pool
+    host: int = 0           # of them, restored from the node's host tier
+
+    def admitted(self, prompt_tokens: int, device_tokens: int, host_tokens: int) -> None:
+        self.prompt_tokens += prompt_tokens
+        self.device += device_tokens
+        self.host += host_tokens
+
+    def as_dict(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "device": self.device, "host": self.host}
+
 
 @dataclass(frozen=True)
-class _Restore:
+class Restore:
+    """One admitted sequence's blocks to restore: ``hashes`` into its block table from index
+    ``first`` (after its device hits)."""
+
     seq: SequenceState
-    first: int            # index of its first restored block in the block table
+    first: int
     hashes: tuple[bytes, ...]
 
 
 class TierAdmission:
-    """The restores of the step being planned, over ``kv`` and the tier's ``lookup``."""
+    """The node's host tier as admission sees it, over ``kv`` and the tier's ``lookup``."""
+
+    enabled = True  # evicted blocks are written back, hits restored
 
     def __init__(self, kv: KVCacheManager, lookup: TierLookup) -> None:
         self.kv, self.lookup = kv, lookup
-        self._planned: list[_Restore] = []
         self.restored_blocks = 0  # blocks restored into the pool (metrics)
+
+    @property
+    def tier_id(self) -> str:
+        """The index's name of the node tier ("" when the store has none)."""
+        return getattr(self.lookup.store, "tier_id", "")
+
+    def eviction_log(self) -> Optional[list[tuple[int, bytes]]]:
+        """A list for a step's allocations to record evicted blocks in (written back first)."""
+        return []
 
     def hits(self, seq: SequenceState, num_device_blocks: int) -> tuple[bytes, ...]:
         """Hashes of the blocks after the device hits that the tier can restore for ``seq``."""
@@ -43,35 +85,93 @@ class TierAdmission:
         wanted = seq.block_hashes[num_device_blocks:limit]
         return tuple(wanted[:self.lookup.lookup(wanted)])
 
-    def admitted(self, seq: SequenceState, num_device_blocks: int, hashes: Sequence[bytes]) -> None:
-        """``seq`` was admitted with ``hashes`` to restore after its device blocks."""
-        if hashes:
-            self._planned.append(_Restore(seq, num_device_blocks, tuple(hashes)))
+    def admitted(self, seq: SequenceState, num_device_blocks: int, hashes: Sequence[bytes]
+                 ) -> Optional[Restore]:
+        """``seq`` was admitted with ``hashes`` to restore after its device blocks: the restore
+        its step carries (None: nothing to restore)."""
+        return Restore(seq, num_device_blocks, tuple(hashes)) if hashes else None
 
-    def take_restores(self) -> tuple[tuple[int, bytes], ...]:
-        """``(block, hash)`` of every restore planned this step (for the plan)."""
+    def plan_restores(self, restores: Sequence[Restore]) -> tuple[tuple[int, bytes], ...]:
+        """``(block, hash)`` of every block of ``restores`` (for the plan)."""
         out: list[tuple[int, bytes]] = []
-        for r in self._planned:
+        for r in restores:
             table = self.kv.block_table(r.seq.seq_id)
             out += zip(table[r.first:r.first + len(r.hashes)], r.hashes, strict=True)
         return tuple(out)
 
-    def restored(self) -> None:
-        """Every rank restored this step's blocks: register them in the prefix cache."""
-        for r in self._planned:
+    def restored(self, restores: Sequence[Restore]) -> None:
+        """Every rank restored ``restores``: register their blocks in the prefix cache."""
+        for r in restores:
             end = (r.first + len(r.hashes)) * self.kv.block_size
             self.kv.cache_full_blocks(r.seq.seq_id, r.seq.block_hashes, end,
                                       from_token=r.first * self.kv.block_size)
             self.restored_blocks += len(r.hashes)
-        self._planned.clear()
 
-    def undo(self, preempt: Callable[[SequenceState], None]) -> None:
-        """A restore failed: ``preempt`` each restoring sequence (its blocks are freed; the
+    def undo(self, restores: Sequence[Restore], preempt: Preempt) -> None:
+        """``restores`` failed: ``preempt`` each restoring sequence (its blocks are freed; the
         unregistered restore targets go back to the free list) so it recomputes, and back off
         the tier for a moment."""
         self.lookup.mark_down()
-        for r in self._planned:
+        for r in restores:
             r.seq.tier_skip = True
             r.seq.num_cached_tokens = None  # counted again at its real admission
             preempt(r.seq)
-        self._planned.clear()
+
+    def hottest(self, identity: bytes, max_blocks: int) -> list[bytes]:
+        """The tier's most recently used blocks written under ``identity``, held for every
+        rank (pre-warm). Raises what the store raises (a dead tier)."""
+        return self.lookup.store.hottest(identity, self.lookup.ranks, max_blocks)
+
+    def refresh_node_stats(self) -> None:
+        """Re-read the node tier's counters (a Ray call: off the engine thread)."""
+        self.lookup.refresh_node_stats()
+
+    def stats(self, hits: HitCounts, rank_tier: RankTier | NoRankTier) -> dict[str, Any]:
+        """``{"prefix_hits": {prompt_tokens, device, host}, "kv_tier": {...}}``: rank 0's
+        ``write_backs``, ``dropped_write_backs``, ``restores``, ``failed_restores``,
+        ``bytes_written``, ``bytes_restored`` (``rank_tier``), admission's ``lookups`` and
+        ``lookup_hits`` (blocks), and the node's ``bytes_used`` / ``capacity_bytes`` once
+        read (bytes, integers)."""
+        tier: dict[str, Any] = {"lookups": self.lookup.lookups, "lookup_hits": self.lookup.hits}
+        tier.update(rank_tier.counters())
+        node = self.lookup.node_stats
+        if node is not None:
+            tier.update(bytes_used=node.bytes_used, capacity_bytes=node.capacity_bytes)
+        return {"prefix_hits": hits.as_dict(), "kv_tier": tier}
+
+
+class NoTierAdmission:
+    """A replica without a host tier: no hits, nothing restored or written back."""
+
+    enabled = False
+    tier_id = ""
+    restored_blocks = 0
+
+    def eviction_log(self) -> Optional[list[tuple[int, bytes]]]:
+        return None  # evicted blocks are simply dropped
+
+    def hits(self, seq: SequenceState, num_device_blocks: int) -> tuple[bytes, ...]:
+        return ()
+
+    def admitted(self, seq: SequenceState, num_device_blocks: int, hashes: Sequence[bytes]
+                 ) -> Optional[Restore]:
+        return None
+
+    def plan_restores(self, restores: Sequence[Restore]) -> tuple[tuple[int, bytes], ...]:
+        return ()
+
+    def restored(self, restores: Sequence[Restore]) -> None:
+        """Nothing was restored."""
+
+    def undo(self, restores: Sequence[Restore], preempt: Preempt) -> None:
+        """Nothing was restored."""
+
+    def hottest(self, identity: bytes, max_blocks: int) -> list[bytes]:
+        return []
+
+    def refresh_node_stats(self) -> None:
+        """No node tier."""
+
+    def stats(self, hits: HitCounts, rank_tier: RankTier | NoRankTier) -> dict[str, Any]:
+        """``{"prefix_hits": {prompt_tokens, device, host}}`` (no ``"kv_tier"``)."""
+        return {"prefix_hits": hits.as_dict()}

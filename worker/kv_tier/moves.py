@@ -29,28 +29,22 @@ def _transfer(executor: Executor, out: SchedulerOutput) -> bool | None:
 
 
 def move_blocks(executor: Executor, scheduler: Scheduler, out: SchedulerOutput
-                ) -> tuple[SchedulerOutput, bool]:
-    """Run ``out``'s saves and restores on every rank. Returns the plan to execute (``out``
-    itself, or a new plan without the restores that failed) and whether ``out``'s saves were
-    snapshotted (False when the first transfer call itself failed)."""
+                ) -> SchedulerOutput:
+    """Run ``out``'s saves and restores on every rank. Returns the plan to execute: ``out``
+    itself, or a new plan without the restores that failed."""
     copies = out.plan.block_copies
-    saved = True
-    for attempt in range(_MAX_REPLANS):
+    for _ in range(_MAX_REPLANS):
         if not (out.plan.block_saves or out.plan.block_restores):
             break
-        ok = _transfer(executor, out)
-        if attempt == 0:
-            saved = ok is not None
-        if ok:
-            if scheduler.tier is not None:
-                scheduler.tier.restored()
+        if _transfer(executor, out):
+            scheduler.tier.restored(out.restores)
             break
         if not out.plan.block_restores:
             break  # only write-backs failed: they are dropped, the step runs as planned
         log.warning("kv tier restore of %d blocks failed: recomputing",
                     len(out.plan.block_restores))
-        scheduler.undo_restores()
+        scheduler.undo_restores(out)
         out = scheduler.schedule()
         copies += out.plan.block_copies
         out = replace(out, plan=replace(out.plan, block_copies=copies))
-    return out, saved
+    return out

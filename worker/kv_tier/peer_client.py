@@ -12,24 +12,37 @@ from typing import Callable, Optional, Sequence
 import grpc
 
 from kvfleet.index_keys import tier_node
+from kvfleet.tls import WORKER_CHANNEL_OPTIONS
 from kvfleet.v1 import worker_pb2, worker_pb2_grpc
 from kvfleet.worker.kv_tier.peer_pull import Exported, PeerHint
 from kvfleet.worker.kv_tier.store import TierStore
 
 MAX_CHANNELS = 16  # peers this replica keeps a channel open to (least recently used closed)
+# The only methods a replica's certificate may call on a peer (kvfleet.grpc_auth).
+PEER_METHODS = frozenset({
+    f"/{worker_pb2.DESCRIPTOR.services_by_name['Worker'].full_name}/ExportBlocks"})
 
 
 class GrpcPeerClient:
-    """:class:`~.peer_pull.PeerClient` over plaintext gRPC (a replica with internal TLS does
-    not pull: its peers accept only the router's certificate). One channel per peer address,
-    at most ``max_channels`` open."""
+    """:class:`~.peer_pull.PeerClient` over gRPC: plaintext, or with internal TLS the
+    ``credentials()`` of the replica certificate (read for each new channel, so a renewal
+    applies; peers let it call ``ExportBlocks`` only). One channel per peer address, at most
+    ``max_channels`` open."""
 
-    def __init__(self, max_channels: int = MAX_CHANNELS) -> None:
+    def __init__(self, max_channels: int = MAX_CHANNELS,
+                 credentials: Optional[Callable[[], grpc.ChannelCredentials]] = None) -> None:
         self.max_channels = max_channels
+        self.credentials = credentials
         self._channels: OrderedDict[str, grpc.aio.Channel] = OrderedDict()
 
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        if self.credentials is None:
+            return grpc.aio.insecure_channel(address)
+        return grpc.aio.secure_channel(address, self.credentials(),
+                                       options=WORKER_CHANNEL_OPTIONS)
+
     def _stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
-        channel = self._channels.pop(address, None) or grpc.aio.insecure_channel(address)
+        channel = self._channels.pop(address, None) or self._channel(address)
         self._channels[address] = channel
         while len(self._channels) > self.max_channels:
             _, old = self._channels.popitem(last=False)
@@ -57,20 +70,14 @@ class NodeRelay:
     shard (``ranks``), each call bounded by the tiers' own timeouts; they are kept with ``tag``
     (the receiver's identity: the puller asked for them by its own chain)."""
 
-    def __init__(self, local: TierStore, ranks: Sequence[int],
-                 capacity_bytes: int, timeout_s: Optional[float] = None, tag: bytes = b"") -> None:
+    def __init__(self, local: TierStore, ranks: Sequence[int], tag: bytes = b"") -> None:
         self.local, self.ranks, self.tag = local, list(ranks), tag
-        self.capacity_bytes, self.timeout_s = capacity_bytes, timeout_s
 
     def source(self, node_id: str) -> TierStore:
-        """The tier of ``node_id`` (a :class:`~.node_tier.RayTier`)."""
-        import ray
-
-        from kvfleet.worker.kv_tier.node_tier import NAMESPACE, RayTier, tier_actor_name
-
-        actor = ray.get_actor(tier_actor_name(node_id), namespace=NAMESPACE)
-        return RayTier(actor, self.capacity_bytes, *(() if self.timeout_s is None
-                                                     else (self.timeout_s,)))
+        """The same deployment's tier on ``node_id``, seen through the same layout
+        (``local.on_node``: a :class:`~.tier_layout.LayoutTier` over a node tier). Raises
+        ValueError (Ray's) when that node has none."""
+        return self.local.on_node(node_id)  # type: ignore[attr-defined]
 
     def copy(self, source: TierStore, hashes: Sequence[bytes]) -> int:
         """Copy ``hashes`` of every rank from ``source``; returns the blocks copied.

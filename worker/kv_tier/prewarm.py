@@ -1,4 +1,4 @@
-"""Pre-warm of a new replica (issue 26 §3): before it serves, restore into its device pool the
+"""Pre-warm of a new replica: before it serves, restore into its device pool the
 blocks its node's host tier holds for its model identity, most recently used first, for at most
 a bounded time; its first requests then hit the device pool instead of restoring at admission.
 
@@ -49,13 +49,12 @@ def prewarm(engine: Engine, seconds: float, run_blocks: int = RUN_BLOCKS,
     the executor directly). Returns the blocks restored; any failure ends the pre-warm with
     what was restored so far (the rest is simply not warm).
     """
-    tier = engine.scheduler.tier
-    if tier is None or seconds <= 0:
+    if seconds <= 0:
         return 0
     deadline = clock() + seconds
-    kv, lookup = engine.kv, tier.lookup
+    kv = engine.kv
     try:
-        hottest = lookup.store.hottest(engine.identity_digest, lookup.ranks, kv.num_free_blocks)
+        hottest = engine.scheduler.tier.hottest(engine.identity_digest, kv.num_free_blocks)
     except Exception as exc:  # a dead or slow tier: start cold
         log.warning("kv pre-warm: the tier did not answer: %s", exc)
         return 0
@@ -99,7 +98,7 @@ def prewarm_before_serving(engine: Engine, seconds: float) -> list[bytes]:
     """:func:`prewarm` for a replica that is starting (``seconds`` 0: none), then the hashes
     the pool registered, which the replica publishes to the prefix index once registered (its
     engine thread, which publishes each step's events, has not started yet)."""
-    if seconds <= 0 or engine.scheduler.tier is None:
+    if seconds <= 0 or not engine.scheduler.tier.enabled:
         return []
     start = time.monotonic()
     n = prewarm(engine, seconds)

@@ -15,6 +15,7 @@ the wrong shape) without having written anything; the caller then recomputes.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -52,6 +53,8 @@ class RankTier:
     Blocks travel as raw bytes (``uint8`` over the last dimension), block-major: one block is
     ``(num_layers, 2, block_size, num_local_kv_heads, head_dim × element size)``.
     """
+
+    enabled = True  # see NoRankTier
 
     def __init__(self, store: TierStore, rank: int, kv_cache: KVCache,
                  max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES, tag: bytes = b"") -> None:
@@ -141,6 +144,11 @@ class RankTier:
         self.stats.bytes_restored += run.nbytes
         return True
 
+    def counters(self) -> dict[str, int]:
+        """This rank's counters (:class:`RankTierStats`) as a dict (bytes are integers)."""
+        with self._lock:
+            return dataclasses.asdict(self.stats)
+
     def close(self) -> None:
         """Stop the writer thread after the write-backs already queued (idempotent)."""
         if self._thread.is_alive():
@@ -148,13 +156,34 @@ class RankTier:
             self._thread.join(5.0)
 
 
+class NoRankTier:
+    """A rank of a replica without a host tier: write-backs are dropped, a restore of any
+    block fails (the engine recomputes), nothing is ever pending."""
+
+    enabled = False
+
+    def save(self, blocks: Sequence[int], hashes: Sequence[bytes]) -> None:
+        """Nothing is kept."""
+
+    def restore(self, blocks: Sequence[int], hashes: Sequence[bytes]) -> bool:
+        return not blocks
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        return True
+
+    def counters(self) -> dict[str, int]:
+        return {}
+
+    def close(self) -> None:
+        """Nothing to stop."""
+
+
+NO_RANK_TIER = NoRankTier()
 BlockMoves = Sequence[tuple[int, bytes]]  # (pool block, chain hash)
 
 
-def transfer(tier: RankTier | None, saves: BlockMoves, restores: BlockMoves) -> bool:
+def transfer(tier: RankTier | NoRankTier, saves: BlockMoves, restores: BlockMoves) -> bool:
     """One rank's part of a step's block moves: snapshot ``saves`` for write-back, then fill
     ``restores`` from the tier. True when every restore landed (no tier: only if none asked)."""
-    if tier is None:
-        return not restores
     tier.save([b for b, _ in saves], [h for _, h in saves])
     return tier.restore([b for b, _ in restores], [h for _, h in restores])

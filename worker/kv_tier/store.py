@@ -1,9 +1,12 @@
 """The host KV tier's bookkeeping: a byte-budgeted LRU of KV blocks keyed by chain hash and rank.
 
-A key is ``(chain hash, rank)``: the chain hash (:mod:`kvfleet.allocator.hashing`) already
+A key is ``(chain hash, shard)``: the chain hash (:mod:`kvfleet.allocator.hashing`) already
 carries the model identity, adapter revision, tenant and salt, so a block can only ever be
-found again by a request whose own chain yields the same hash; the rank keeps each
-tensor-parallel rank's KV-head shard apart. Blocks move as *runs* (one array per call, one
+found again by a request whose own chain yields the same hash; the shard keeps each
+tensor-parallel rank's KV heads apart. A replica's ranks name their shard as a :class:`Shard`
+(rank, tp, KV heads per rank: :mod:`.tier_layout`), since the same rank of another layout
+holds other heads — with replicated KV heads, of the same shape; a plain ``int`` rank (the
+in-process tests) is a shard too. Blocks move as *runs* (one array per call, one
 object in Ray's object store), never one object per block: see docs/kv_tier.md.
 
 One store serves every replica of a node (:mod:`.node_tier` wraps it in a Ray actor); this
@@ -15,11 +18,26 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Optional, Protocol, Sequence
+from typing import Callable, NamedTuple, Optional, Protocol, Sequence, Union
 
 import numpy as np
 
-Key = tuple[bytes, int]  # (chain hash, rank)
+
+class Shard(NamedTuple):
+    """Rank ``rank`` of a ``tp``-way layout whose ranks hold ``kv_heads`` KV heads each."""
+
+    rank: int
+    tp: int
+    kv_heads: int
+
+
+ShardKey = Union[int, Shard]
+Key = tuple[bytes, ShardKey]  # (chain hash, shard)
+
+
+def shard_rank(shard: ShardKey) -> int:
+    """The rank of ``shard`` (rank 0's blocks are what the index is told about)."""
+    return shard.rank if isinstance(shard, Shard) else shard
 # Told rank 0's residency changes in order, under the store's lock: (chain hash, held now).
 ResidencyListener = Callable[[list[tuple[bytes, bool]]], None]
 
@@ -36,6 +54,20 @@ class TierStore(Protocol):
     def get(self, rank: int, hashes: Sequence[bytes]) -> Optional[np.ndarray]: ...
 
     def hottest(self, tag: bytes, ranks: Sequence[int], max_blocks: int) -> list[bytes]: ...
+
+
+class ShardStore(Protocol):
+    """A store keyed by :data:`ShardKey` (:class:`HostTierStore`, a node tier): what a
+    :class:`~.tier_layout.LayoutTier` maps a replica's ranks onto."""
+
+    def put(self, rank: ShardKey, hashes: Sequence[bytes], run: np.ndarray,
+            tag: bytes = b"") -> int: ...
+
+    def lookup(self, hashes: Sequence[bytes], ranks: Sequence[ShardKey]) -> int: ...
+
+    def get(self, rank: ShardKey, hashes: Sequence[bytes]) -> Optional[np.ndarray]: ...
+
+    def hottest(self, tag: bytes, ranks: Sequence[ShardKey], max_blocks: int) -> list[bytes]: ...
 
 
 @dataclass(frozen=True)
@@ -72,9 +104,10 @@ class HostTierStore:
         self._lock = threading.Lock()
         self._stored = self._evicted = self._restored = 0
 
-    def put(self, rank: int, hashes: Sequence[bytes], run: np.ndarray, tag: bytes = b"") -> int:
-        """Store ``run[i]`` under ``(hashes[i], rank)`` (a run of blocks, block-major: shape
-        ``(len(hashes), ...)``), each as its own copy (``run`` may be a read-only view into
+    def put(self, rank: ShardKey, hashes: Sequence[bytes], run: np.ndarray,
+            tag: bytes = b"") -> int:
+        """Store ``run[i]`` under ``(hashes[i], rank)`` (``rank``: the shard; a run of blocks,
+        block-major: shape ``(len(hashes), ...)``), each as its own copy (``run`` may be a read-only view into
         the object store), evicting least recently used blocks to fit. A block larger than
         the whole capacity is not stored. ``tag`` (the writer's model identity digest) is
         kept with each new block for :meth:`hottest`; it plays no part in lookups (the chain
@@ -95,18 +128,12 @@ class HostTierStore:
                     continue
                 if block.nbytes > self.capacity_bytes:
                     continue
-                while self._bytes + block.nbytes > self.capacity_bytes:
-                    (old_hash, old_rank), old = self._blocks.popitem(last=False)
-                    self._tags.pop((old_hash, old_rank), None)
-                    self._bytes -= old.nbytes
-                    self._evicted += 1
-                    if old_rank == 0:
-                        changes.append((old_hash, False))
+                self._evict_to(self.capacity_bytes - block.nbytes, changes)
                 self._blocks[key] = np.array(block, copy=True)
                 self._tags[key] = tag
                 self._bytes += block.nbytes
                 stored += 1
-                if rank == 0:
+                if shard_rank(rank) == 0:
                     changes.append((key[0], True))
             self._stored += stored
             self._tell(changes)
@@ -119,9 +146,9 @@ class HostTierStore:
     def held_hashes(self) -> list[bytes]:
         """Chain hashes of every block whose rank-0 shard is held (what the index shows)."""
         with self._lock:
-            return [h for h, r in self._blocks if r == 0]
+            return [h for h, r in self._blocks if shard_rank(r) == 0]
 
-    def lookup(self, hashes: Sequence[bytes], ranks: Sequence[int]) -> int:
+    def lookup(self, hashes: Sequence[bytes], ranks: Sequence[ShardKey]) -> int:
         """How many leading ``hashes`` are held for every rank in ``ranks`` (marked recently
         used, so a restore that follows finds them)."""
         with self._lock:
@@ -133,7 +160,7 @@ class HostTierStore:
                     self._blocks.move_to_end(k)
             return len(hashes)
 
-    def get(self, rank: int, hashes: Sequence[bytes]) -> np.ndarray | None:
+    def get(self, rank: ShardKey, hashes: Sequence[bytes]) -> np.ndarray | None:
         """The run ``(len(hashes), ...)`` of ``rank``'s blocks under ``hashes``, stacked into
         one array; None when any of them is missing (evicted since the lookup)."""
         with self._lock:
@@ -145,7 +172,7 @@ class HostTierStore:
             self._restored += len(keys)
             return np.stack([self._blocks[k] for k in keys])
 
-    def hottest(self, tag: bytes, ranks: Sequence[int], max_blocks: int) -> list[bytes]:
+    def hottest(self, tag: bytes, ranks: Sequence[ShardKey], max_blocks: int) -> list[bytes]:
         """Chain hashes of up to ``max_blocks`` blocks written with ``tag`` and held for every
         rank in ``ranks``, most recently used first (what a new replica of that identity
         pre-warms its pool with). Changes no recency."""
@@ -162,10 +189,32 @@ class HostTierStore:
                         break
         return out
 
+    def resize(self, capacity_bytes: int) -> None:
+        """Hold at most ``capacity_bytes`` from now on, evicting least recently used blocks
+        to fit. Raises ValueError for a capacity below 0."""
+        if capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
+        with self._lock:
+            self.capacity_bytes = capacity_bytes
+            changes: list[tuple[bytes, bool]] = []
+            self._evict_to(capacity_bytes, changes)
+            self._tell(changes)
+
+    def _evict_to(self, limit: int, changes: list[tuple[bytes, bool]]) -> None:
+        """Drop least recently used blocks until at most ``limit`` bytes are held; rank 0's
+        go to ``changes``. Call with ``_lock`` held."""
+        while self._bytes > limit:
+            (h, r), old = self._blocks.popitem(last=False)
+            self._tags.pop((h, r), None)
+            self._bytes -= old.nbytes
+            self._evicted += 1
+            if shard_rank(r) == 0:
+                changes.append((h, False))
+
     def clear(self) -> None:
         """Drop every block (counters are kept)."""
         with self._lock:
-            self._tell([(h, False) for h, r in self._blocks if r == 0])
+            self._tell([(h, False) for h, r in self._blocks if shard_rank(r) == 0])
             self._blocks.clear()
             self._tags.clear()
             self._bytes = 0

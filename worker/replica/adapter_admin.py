@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from pathlib import Path
 from typing import Optional
 
-from kvfleet.errors import InvalidArgument, KvfleetError
+from kvfleet.errors import InvalidArgument, KvfleetError, PermissionDenied
 from kvfleet.index_keys import REDIS_DOWN_ERRORS
 from kvfleet.worker.engine.adapters.residency import AdapterResidency
-from kvfleet.worker.replica.adapter_catalog import check_name, confine
+from kvfleet.worker.replica.adapter_catalog import adapter_files, check_name, confine
 from kvfleet.worker.replica.adapter_record import UNLOADED, AdapterRecord
 from kvfleet.worker.runner.lora.adapter import check_adapter
 from kvfleet.worker.runner.lora.config import AdapterError
@@ -46,14 +45,20 @@ class AdapterAdmin:
             check_name(name)
         except ValueError as exc:
             raise InvalidArgument(str(exc), field="name") from None
-        confine(path, self.roots)
-        if not Path(path).is_dir():
+        # Resolved once: what is read below (and served) is the directory that was checked,
+        # not whatever ``path`` (a symlink) points at by then.
+        checked = confine(path, self.roots)
+        files = adapter_files(checked)
+        if not checked.is_dir():
             raise InvalidArgument(f"path {path!r} is not a directory on this replica", field="path")
         try:
-            spec = await asyncio.to_thread(check_adapter, name, path, self.config,
+            spec = await asyncio.to_thread(check_adapter, name, checked, self.config,
                                            self.max_lora_rank)
         except AdapterError as exc:
             raise InvalidArgument(str(exc), field="path") from None
+        if adapter_files(checked) != files:  # a file's symlink moved while it was read
+            raise PermissionDenied(f"path {path!r}: its files changed while they were checked",
+                                   field="path")
         self.residency.register(spec)
         await self._record(self.record and self.record.loaded(name, spec.path))
         return spec.revision

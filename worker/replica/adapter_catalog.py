@@ -105,9 +105,14 @@ def confine(path: str, roots: Sequence[str]) -> Path:
                                field="path")
     resolved = Path(path).resolve()
     bases = [Path(r) for r in roots]
-    for target in (resolved, *(resolved / f for f in (CONFIG_FILE, WEIGHTS_FILE) if (resolved / f).exists())):
-        real = target.resolve()
+    for real in (resolved, *adapter_files(resolved)):
         if not any(real == b or b in real.parents for b in bases):
             raise PermissionDenied(f"path {path!r}: {real} lies outside the adapter directories "
                                    f"this replica was started with", field="path")
     return resolved
+
+
+def adapter_files(directory: Path) -> tuple[Path, ...]:
+    """The real paths (symlinks followed) of ``directory``'s adapter files that exist."""
+    return tuple((directory / f).resolve() for f in (CONFIG_FILE, WEIGHTS_FILE)
+                 if (directory / f).exists())

@@ -22,6 +22,7 @@ import torch
 
 from kvfleet.allocator.fingerprint import fingerprint_model_dir, served_weights
 from kvfleet.allocator.hashing import CacheIdentity
+from kvfleet.allocator.kv_bytes import kv_heads_per_rank
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
 from kvfleet.constraint import GrammarConfig
 from kvfleet.errors import Unavailable
@@ -37,7 +38,12 @@ from kvfleet.index_keys import REDIS_DOWN_ERRORS, ReplicaInfo, ReplicaLoad
 from kvfleet.stream_limits import StreamLimits
 from kvfleet.telemetry import Telemetry, TelemetryConfig
 from kvfleet.telemetry.worker_spans import WorkerTelemetry
-from kvfleet.tls import ROUTER_NAME, needs_internal_tls, reloading_worker_credentials
+from kvfleet.tls import (
+    REPLICA_NAME,
+    ROUTER_NAME,
+    needs_internal_tls,
+    reloading_worker_credentials,
+)
 from kvfleet.v1 import worker_pb2, worker_pb2_grpc
 from kvfleet.worker.engine.adapters.residency import AdapterResidency
 from kvfleet.worker.engine.engine import Engine
@@ -51,8 +57,10 @@ from kvfleet.worker.executor.tp.rank_worker import RankSpec
 from kvfleet.worker.executor.tp_executor import TPExecutor
 from kvfleet.worker.kv_tier.lookup import TierLookup
 from kvfleet.worker.kv_tier.node_tier import TierIndex, node_tier
+from kvfleet.worker.kv_tier.peer_client import PEER_METHODS
 from kvfleet.worker.kv_tier.prewarm import prewarm_before_serving
 from kvfleet.worker.kv_tier.rank_tier import RankTier
+from kvfleet.worker.kv_tier.tier_layout import LayoutTier, TierLayout
 from kvfleet.worker.replica.adapter_admin import AdapterAdmin
 from kvfleet.worker.replica.adapter_catalog import check_catalog
 from kvfleet.worker.replica.adapter_record import AdapterRecord
@@ -63,7 +71,7 @@ from kvfleet.worker.replica.peer_setup import build_puller
 from kvfleet.worker.replica.shared_calibration import shared_or_calibrate
 from kvfleet.worker.runner.kv_cache import num_blocks_for_memory
 from kvfleet.worker.runner.memory import trim_heap
-from kvfleet.worker.runner.model_config import load_model_config
+from kvfleet.worker.runner.model_config import ModelConfig, load_model_config
 from kvfleet.worker.runner.model_runner import ModelRunner
 from kvfleet.worker.runner.quant.config import DEFAULT_GROUP_SIZE, FLOAT_WEIGHTS, QuantConfig
 from kvfleet.worker.service.engine_loop import EngineLoop
@@ -82,10 +90,20 @@ def _on_finish(telemetry: WorkerTelemetry, hits: HitWindow, latency: LatencyWind
     latency.record(out)
 
 
+def _node_tier(cfg: ReplicaConfig, mc: ModelConfig) -> LayoutTier:
+    """The deployment's tier on this node (its namespace's actor; index URL without the
+    password), seen through this replica's layout: its ranks' KV-head shards."""
+    assert cfg.kv_host_memory_bytes
+    tp = cfg.tensor_parallel_size
+    index = TierIndex.of(cfg.redis_url, cfg.namespace) if cfg.redis_url else None
+    layout = TierLayout(tp, kv_heads_per_rank(mc.num_kv_heads, mc.num_heads, tp))
+    return LayoutTier(node_tier(cfg.kv_host_memory_bytes, index=index,
+                                namespace=cfg.namespace), layout)
+
+
 def _kv_tier_id(engine: Engine) -> str:
     """The index's name of the node tier the engine restores from ("" without one)."""
-    tier = engine.scheduler.tier
-    return getattr(tier.lookup.store, "tier_id", "") if tier is not None else ""
+    return engine.scheduler.tier.tier_id
 
 
 def _advertised(seconds: float) -> float:
@@ -210,6 +228,10 @@ class ReplicaConfig:
             raise ValueError("scheduler.layer_yield (--layer-yield) needs tensor_parallel_size 1 "
                              "(a forward pauses between layers only in one process)")
         QuantConfig(self.quantization, self.quant_group_size)  # ValueError naming the field
+        if self.scheduler.layer_yield and self.kv_host_memory_bytes:
+            raise ValueError("scheduler.layer_yield (--layer-yield) does not run beside a host KV "
+                             "tier (kv_host_memory_bytes, --kv-host-memory): its forward cannot "
+                             "pause; choose one")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.executor not in EXECUTORS:
@@ -258,8 +280,7 @@ def build_engine(cfg: ReplicaConfig, on_rank_failure: Callable[[str], None] = la
                                            cfg.kv_memory_bytes or DEFAULT_KV_MEMORY_BYTES, tp)
     tokenizer = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     # The node's host tier (Ray: the replica runs in it); the cost model has no KV to keep.
-    index = TierIndex(cfg.redis_url, cfg.namespace) if cfg.redis_url else None
-    tier = (node_tier(cfg.kv_host_memory_bytes, index=index)
+    tier = (_node_tier(cfg, load_model_config(model_dir))
             if cfg.kv_host_memory_bytes and cfg.executor == "model" else None)
     identity = cache_identity(cfg.model_name, model_dir, cfg.dtype, cfg.block_size, cfg.quant_config)
     if cfg.executor == "cost-model":
@@ -341,7 +362,8 @@ class ReplicaServer:
         """Start serving; returns ``host:port``. Raises OSError if the port is taken."""
         aio_loop = self._aio_loop = asyncio.get_running_loop()
         self._server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[AuthInterceptor(
-            internal_authorizer(bool(self.cfg.internal_tls_dir), ROUTER_NAME))])
+            internal_authorizer(bool(self.cfg.internal_tls_dir), ROUTER_NAME,
+                                {REPLICA_NAME: PEER_METHODS}))])
         # Follows the directory: a renewed certificate is served from the next handshake on.
         creds = (reloading_worker_credentials(self.cfg.internal_tls_dir)
                  if self.cfg.internal_tls_dir else None)
@@ -388,7 +410,7 @@ class ReplicaServer:
                                 ranks_fn=self.ranks, drain_fn=self.drain,
                                 limits=self.cfg.stream_limits, adapter_admin=admin,
                                 puller=build_puller(self.engine, self.cfg.kv_peer_pull,
-                                                    bool(self.cfg.internal_tls_dir),
+                                                    self.cfg.internal_tls_dir,
                                                     self.cfg.kv_host_memory_bytes),
                                 max_queue_wait_s=self.cfg.max_queue_wait_s)
         self.service = service
@@ -542,8 +564,8 @@ class ReplicaServer:
                 # Adapter slots change too: re-published every beat ({} without adapters).
                 self.publisher.describe(prefix_hit_rate=round(self.hits.rate(), 4),
                                         **self.adapter_fields())
-                if (tier := self.engine.scheduler.tier) is not None:  # the tier metrics' bytes
-                    await asyncio.to_thread(tier.lookup.refresh_node_stats)
+                # The tier metrics' bytes (a Ray call when there is a tier; nothing without).
+                await asyncio.to_thread(self.engine.scheduler.tier.refresh_node_stats)
                 await self.publisher.heartbeat(self.load())
             except Exception:
                 log.exception("heartbeat failed")

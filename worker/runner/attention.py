@@ -190,7 +190,7 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     return cache.view(cache.shape[0], -1).index_select(0, blocks)
 
 
-def _prefill_attention(query, key, value, key_cache, value_cache, meta, window, out):
+def _prefill_attention(query, key, value, key_cache, value_cache, meta, window, out, scale):
     """Each prefill chunk on its own through SDPA (GQA without repeated K/V): a fresh chunk
     over its own new K/V with a plain causal mask, a continued one over its cached context
     with the offset (and windowed) additive mask from the metadata."""
@@ -209,7 +209,7 @@ def _prefill_attention(query, key, value, key_cache, value_cache, meta, window, 
             v = _gather(value_cache, table).view(-1, kv_heads, head_dim)[:ctx]
         o = F.scaled_dot_product_attention(  # (1, heads, n, d)
             query[start:end].transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-            attn_mask=None if causal else bias, is_causal=causal, enable_gqa=True)
+            attn_mask=None if causal else bias, is_causal=causal, scale=scale, enable_gqa=True)
         out[start:end] = o[0].transpose(0, 1)
 
 
@@ -235,6 +235,7 @@ def paged_attention(
     value_cache: torch.Tensor,
     meta: AttentionMetadata,
     window: int | None = None,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend every query to its own request's keys.
 
@@ -243,13 +244,14 @@ def paged_attention(
         key, value: ``(T, num_kv_heads, head_dim)``, RoPE applied to ``key``.
         key_cache, value_cache: ``(num_blocks, block_size, num_kv_heads, head_dim)``, updated in place.
         window: this layer's sliding window in tokens, or ``None``.
+        scale: this layer's softmax scale (``None``: ``head_dim ** -0.5``).
 
     Returns:
         ``(T, num_heads * head_dim)`` attention output.
     """
     write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
     num_tokens, num_heads, head_dim = query.shape
-    scale = 1.0 / math.sqrt(head_dim)
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     out = query.new_empty(num_tokens, num_heads, head_dim)
     if meta.decode_kernel is not None:
         k = meta.decode_kernel
@@ -258,5 +260,5 @@ def paged_attention(
     elif meta.decode_token_indices.numel():
         _decode_attention(query, key_cache, value_cache, meta, window, out, scale)
     if meta.prefill:
-        _prefill_attention(query, key, value, key_cache, value_cache, meta, window, out)
+        _prefill_attention(query, key, value, key_cache, value_cache, meta, window, out, scale)
     return out.view(num_tokens, num_heads * head_dim)

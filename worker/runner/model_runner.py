@@ -54,7 +54,8 @@ class PausedForward:
     """A forward stopped between two decoder layers (:meth:`ModelRunner.execute_pausable`):
     everything :meth:`ModelRunner.resume` needs to run layers ``next_layer..`` and the LM head.
     The KV of layers ``< next_layer`` is in ``plan``'s slots; ``hidden`` ``(T, hidden_size)``,
-    ``cos``/``sin`` ``(T, 1, head_dim)``, rows in the runner's (adapter-sorted) order."""
+    ``cos``/``sin`` the model's RoPE rows (see ``CausalLM.embed``), rows in the runner's
+    (adapter-sorted) order."""
 
     plan: StepPlan
     plan_order: torch.Tensor | None  # rows back to plan order (None: already are)

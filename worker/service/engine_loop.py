@@ -1,8 +1,10 @@
 """Runs the :class:`Engine` on its own thread and bridges it to asyncio.
 
-The gRPC handlers (on the event loop) submit requests and aborts through an inbox; the engine
-thread applies them between steps, runs steps while there is work, and hands each output to
-the request's :class:`~kvfleet.stream_limits.Outbox` with ``call_soon_threadsafe``. The event
+The gRPC handlers (on the event loop) submit requests, aborts, exports and hand-overs through
+one inbox (:mod:`.inbox`); the engine thread applies them, in the order they were submitted,
+through one method (:meth:`EngineLoop._apply`) between steps — new requests also in the middle
+of a step whose forward pauses between layers — runs steps while there is work, and hands each
+output to the request's :class:`~kvfleet.stream_limits.Outbox` with ``call_soon_threadsafe``. The event
 loop never blocks on a forward, and the engine thread never waits for a reader: a request
 whose reader leaves more than ``max_unread`` outputs untaken is aborted (its blocks freed).
 """
@@ -12,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
-import queue
 import threading
 from dataclasses import dataclass
 from typing import AsyncGenerator, Callable, Optional
@@ -22,6 +23,8 @@ from kvfleet.stream_limits import DEFAULT_MAX_UNREAD, Outbox
 from kvfleet.worker.engine.engine import Engine, EngineRequest
 from kvfleet.worker.engine.output.outputs import SeqOutput
 from kvfleet.worker.engine.request import FinishReason
+from kvfleet.worker.kv_tier.rank_tier import RankTier
+from kvfleet.worker.service.inbox import Inbox
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +64,18 @@ class _HandOver:
     done: asyncio.Future
 
 
+def _arrival(item) -> Optional[str]:
+    """The request id of an inbox item that may be applied mid-step (a new request)."""
+    return item.req.request_id if isinstance(item, _Add) else None
+
+
+def _names(item) -> Optional[tuple[str, ...]]:
+    """The requests an inbox item ends: one (an abort), all (``()``: a failure), or none."""
+    if isinstance(item, _Abort):
+        return (item.request_id,)
+    return () if isinstance(item, _FailAll) else None
+
+
 class EngineLoop:
     """Thread-safe, asyncio-facing wrapper of one :class:`Engine`."""
 
@@ -75,11 +90,7 @@ class EngineLoop:
         # Called on the event loop with every sample's last output, read by a stream or not
         # (telemetry: a cancelled request's finish still reaches it).
         self.on_finish = on_finish
-        self._inbox: queue.Queue = queue.Queue()
-        # Layer-level yield (Arrivals): set when a request is submitted, read after every
-        # layer of a step; controls taken from the inbox mid-step wait here for its end.
-        self._arrived = threading.Event()
-        self._deferred: list = []
+        self._inbox = Inbox(_arrival, _names)
         self._streams: dict[str, Outbox] = {}
         self._stop = threading.Event()
         self._stats: dict = engine.stats()
@@ -92,7 +103,7 @@ class EngineLoop:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._stop.set()
-        self._inbox.put(None)
+        self._inbox.stop()
         self._thread.join(timeout_s)
 
     @property
@@ -119,7 +130,6 @@ class EngineLoop:
                              f"request {req.request_id}")
         admitted = self.loop.create_future()
         self._inbox.put(_Add(req, out, admitted))
-        self._arrived.set()
         try:
             await admitted
         except asyncio.CancelledError:
@@ -170,8 +180,8 @@ class EngineLoop:
         done = self.loop.create_future()
         self._inbox.put(_Export(hashes, done))
         exported = await asyncio.wait_for(done, timeout_s)
-        tier = getattr(self.engine.executor, "tier", None)  # rank 0's writer
-        if exported and tier is not None:
+        tier = self.engine.executor.tier  # rank 0's writer
+        if exported and isinstance(tier, RankTier):
             left = max(0.0, deadline - self.loop.time())
             if not await asyncio.to_thread(tier.flush, left):
                 raise TimeoutError(f"write-back of {len(exported)} blocks not done in time")
@@ -202,22 +212,10 @@ class EngineLoop:
             self._after_step()
 
     def _drain_inbox(self, block: bool) -> None:
-        self._arrived.clear()  # what is submitted from here on is seen by this drain or a take
-        deferred, self._deferred = self._deferred, []
-        for item in deferred:  # taken during the last step, after its new requests
-            self._apply(item)
-        try:
-            item = self._inbox.get(timeout=0.5) if block and not deferred else self._inbox.get_nowait()
-        except queue.Empty:
-            return
-        while item is not None or not self._inbox.empty():
-            self._apply(item)
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                break
+        self._inbox.drain(self._apply, 0.5 if block else 0.0)
 
     def _apply(self, item) -> None:
+        """Apply one inbox item (engine thread): the only place any of them takes effect."""
         if isinstance(item, _Add):
             self._add(item)
         elif isinstance(item, _Abort):
@@ -233,27 +231,13 @@ class EngineLoop:
     # ---- Arrivals (yield_step.py): called by the engine in the middle of a step ------------
     def pending(self) -> bool:
         """A request was submitted since the last :meth:`take` (one Event read)."""
-        return self._arrived.is_set()
+        return self._inbox.pending()
 
     def take(self) -> None:
         """Add the requests submitted so far; every other inbox item (abort, fail, export,
         hand-over, stop) waits in order for the step's end, and so does a request whose id an
         earlier deferred abort names (the abort applies first, as the inbox ordered)."""
-        self._arrived.clear()
-        while True:
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(item, _Add) and not any(
-                    isinstance(d, (_Abort, _FailAll)) and getattr(d, "request_id", None)
-                    in (None, item.req.request_id) for d in self._deferred):
-                self._add(item)
-            elif item is not None:
-                self._deferred.append(item)
-            else:
-                self._inbox.put(None)  # stop: seen by the loop after the step
-                return
+        self._inbox.take_arrivals(self._apply)
 
     def emit(self, outputs: list[SeqOutput]) -> None:
         """Deliver a nested step's outputs now."""

@@ -9,7 +9,7 @@ each) and the prompt tokens of those not started. A newcomer beyond the ``max_nu
 seats waits for the sequences ahead of it to free one: first-come first-served, seats free
 at ``seats / mean steps`` per decode step, so the ``q``-th in the queue waits about
 ``q × mean steps / seats`` decode steps of a full batch, plus the prompt tokens queued before
-it. The step prices are the replica's own step-cost model (``StepCostPredictor``), so a
+it. The step prices are the replica's own step-cost model (``StepCostModel``), so a
 slower replica admits less. ``max_wait_s`` is what the replica advertises
 (``ReplicaInfo.max_queue_wait_s``); routers treat a replica whose forecast passed it as full.
 """
@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Optional
 
 from kvfleet.errors import ResourceExhausted
-from kvfleet.worker.step_cost.queue_delay import StepCostPredictor
+from kvfleet.worker.step_cost.model import StepCostModel
 
 
 class WaitBound:
@@ -37,7 +37,7 @@ class WaitBound:
     """
 
     def __init__(self, max_wait_s: float, seats: int, batched_tokens: int,
-                 step: StepCostPredictor) -> None:
+                 step: StepCostModel) -> None:
         if not max_wait_s > 0 or seats < 1:
             raise ValueError(f"max_wait_s ({max_wait_s}) must be > 0 and seats ({seats}) >= 1")
         self.max_wait_s = max_wait_s

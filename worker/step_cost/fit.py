@@ -1,11 +1,11 @@
-"""Fitting the step-cost model's constants from timed steps, robustly (issue 25 §1).
+"""Fitting the step-cost model's constants from timed steps, robustly.
 
 Timings on a shared host are noisy upward (a neighbour only ever slows a step), so:
 
 * each shape is timed several times and its **minimum** kept (:mod:`.calibration`);
 * the constants are the **non-negative least squares** fit (Lawson–Hanson) of
   ``seconds ≈ base + prefill·p + decode·d + context·c`` in relative error (each row divided
-  by its seconds, so a 30 ms decode step weighs as much as a 5 s prefill): no constant can
+  by its seconds, so a short decode step weighs as much as a long prefill): no constant can
   come out negative;
 * a shape that ran much slower than a fit of the other shapes predicts (a shape whose every
   repeat was disturbed) is dropped and the rest refitted, one at a time, while more shapes

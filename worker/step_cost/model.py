@@ -12,10 +12,9 @@ simulator, so that all three agree::
 * ``context_tokens``: KV positions the step's attention reads, summed over its chunks: a
   chunk of ``n`` new tokens after ``c`` computed ones reads :func:`attended` ``(c, n) = c + n``
   positions of K and V. For decode rows that is the KV bytes a step streams, which dominates
-  a long-context decode batch (SmolLM2 on CPU: ~0.09 ms per 1,000 positions per row, as much
-  as 2 prefill tokens); a prefill chunk's query × key compute is counted once per position,
-  not per pair (measured on CPU, 512 tokens after 512 cost ~15 % more than after none; a
-  pair count charged at the decode rate would predict 10×).
+  a long-context decode batch; a prefill chunk's query × key compute is counted once per
+  position, not per pair (on CPU a chunk after a long prefix costs little more than after
+  none, where a pair count charged at the decode rate would predict many times more).
 
 Tokens served from the prefix cache cost nothing: they are never in a chunk; they only add to
 ``c`` of the chunk after them. Everything here is torch-free arithmetic.

@@ -3,8 +3,8 @@
 A replica advertises two numbers with its load (``ReplicaLoad.queue_delay_s`` and
 ``prefill_token_s``) so a router can predict a request's time to first token on it as
 ``queue_delay_s + uncached prompt tokens × prefill_token_s`` (``router/policy.py``,
-``predicted_ttft``). Both come from the scheduler's state turned into seconds by a step-cost
-predictor, an object with ``predict_step_s(decode_rows, prefill_tokens, context_tokens)``.
+``predicted_ttft``). Both come from the scheduler's state turned into seconds by the replica's
+step-cost model (:class:`~.model.StepCostModel`).
 
 The scheduler runs a newcomer behind everything already queued (FCFS), so it waits for
 
@@ -24,16 +24,12 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import TYPE_CHECKING, Sequence
+
+from kvfleet.worker.step_cost.model import StepCostModel
 
 if TYPE_CHECKING:  # only for annotations: the engine imports this module
     from kvfleet.worker.engine.scheduling.scheduler import Scheduler
-
-
-class StepCostPredictor(Protocol):
-    def predict_step_s(self, decode_rows: int, prefill_tokens: int, context_tokens: int) -> float:
-        """Seconds of one forward with ``decode_rows`` one-token rows, ``prefill_tokens``
-        tokens of prompt chunks, attending ``context_tokens`` KV positions in all."""
 
 
 @dataclass(frozen=True)
@@ -106,7 +102,7 @@ def _known_prefix(hashes: Sequence[bytes], known) -> int:
     return lo
 
 
-def predict_queue_delay_s(state: QueueState, step: StepCostPredictor) -> float:
+def predict_queue_delay_s(state: QueueState, step: StepCostModel) -> float:
     """Seconds until a request arriving now could start its prefill (module docstring)."""
     d, ctx = state.decode_rows, state.context_tokens
     chunk = max(1, state.max_num_batched_tokens - d)
@@ -137,14 +133,14 @@ def _seat_free_step(state: QueueState) -> int:
     return seats[0]
 
 
-def prefill_token_s(state: QueueState, step: StepCostPredictor) -> float:
+def prefill_token_s(state: QueueState, step: StepCostModel) -> float:
     """Marginal seconds per prompt token of a full prefill chunk beside today's decode rows."""
     d, ctx = state.decode_rows, state.context_tokens
     chunk = max(1, state.max_num_batched_tokens - d)
     return max(0.0, (step.predict_step_s(d, chunk, ctx) - step.predict_step_s(d, 0, ctx)) / chunk)
 
 
-def throughput_load(state: QueueState, step: StepCostPredictor) -> float:
+def throughput_load(state: QueueState, step: StepCostModel) -> float:
     """The share of the replica's throughput in use, plus the queue beyond its seats (in
     seats): ``1 − base·(1 − B/M) / s(B, P) + waiting / M`` for ``B`` sequences running,
     ``M = max_num_seqs``, ``P`` the prompt tokens the next step computes, ``s`` the predicted
@@ -154,8 +150,8 @@ def throughput_load(state: QueueState, step: StepCostPredictor) -> float:
     the capacity left. So the ratio is the useful work per second over the most a replica
     does (1 at full seats): linear in the arrival rate, each request adding its prompt and its
     output tokens' share, which is what scaling by ``n × load / target`` assumes. The seats in
-    use (``B / M``) are not: with the measured constants 4 of 16 seats already carry 65 % of
-    a full replica's tokens/s."""
+    use (``B / M``) are not: with the measured constants a quarter of the seats already carry
+    most of a full replica's tokens/s (docs/operating.md)."""
     rows, seats = len(state.running_left), state.max_num_seqs
     queued = len(state.waiting_steps) / seats
     prefill = min(state.prefill_tokens, max(0, state.max_num_batched_tokens - rows))
@@ -167,7 +163,7 @@ def throughput_load(state: QueueState, step: StepCostPredictor) -> float:
     return min(1.0, max(0.0, 1 - idle)) + queued
 
 
-def load_forecast(scheduler: "Scheduler", step: StepCostPredictor) -> dict[str, float]:
+def load_forecast(scheduler: "Scheduler", step: StepCostModel) -> dict[str, float]:
     """``{"queue_delay_s": …, "prefill_token_s": …, "throughput_load": …}`` of ``scheduler``
     now (engine thread)."""
     state = QueueState.of(scheduler)

@@ -3,8 +3,10 @@
 tests/fixtures/configs/ holds them with their fields as published on the HuggingFace Hub
 (meta-llama/Llama-2-7b-hf, meta-llama/Meta-Llama-3-8B, google/gemma-2-27b, Qwen/Qwen2.5-32B,
 deepseek-ai/DeepSeek-V3, openai-community/gpt2-xl, meta-llama/Llama-3.1-405B,
-ai21labs/AI21-Jamba-1.5-Mini, mistralai/Mistral-7B-v0.1, tiiuae/falcon-7b); nothing was added
-by hand. Where a config omits ``layer_types``, the architecture's documented rule supplies it.
+ai21labs/AI21-Jamba-1.5-Mini, mistralai/Mistral-7B-v0.1, tiiuae/falcon-7b, Qwen/Qwen3-0.6B,
+google/gemma-3-1b-it, microsoft/Phi-4-mini-instruct); nothing was added by hand (the last
+three were transcribed from copies of the published files: no hub access here). Where a
+config omits ``layer_types``, the architecture's documented rule supplies it.
 """
 
 from __future__ import annotations

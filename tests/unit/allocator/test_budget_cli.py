@@ -55,6 +55,28 @@ def test_gemma_2_27b(capsys):
     assert budget(capsys, "gemma-2-27b", "--context", "4096")["kv_bytes"] == 376832 * 4096
 
 
+def test_qwen3_0_6b_reads_its_explicit_head_dim(capsys):
+    r = budget(capsys, "qwen3-0.6b")                       # context 40960 from the config
+    per_token = 28 * 2 * 8 * 128 * 2                       # layers, K+V, KV heads, head_dim, bf16
+    assert (r["context"], r["bytes_per_token"]) == (40960, per_token) and per_token == 114688
+    assert r["kv_bytes"] == per_token * 40960
+
+
+def test_gemma_3_1b_layer_windows(capsys):
+    r = budget(capsys, "gemma-3-1b-it")
+    layer_token = 2 * 1 * 256 * 2                          # K+V, 1 KV head, head_dim 256, bf16
+    assert r["bytes_per_token"] == 26 * layer_token
+    # 4 global layers keep all 32768 tokens, 22 local ones their last 512
+    assert r["kv_bytes"] == (4 * 32768 + 22 * 512) * layer_token == 145752064
+    assert "22 sliding (512 tokens) + 4 full" in r["description"]
+
+
+def test_phi_4_mini_budgets_the_served_context(capsys):
+    r = budget(capsys, "phi-4-mini-instruct")
+    assert r["context"] == 4096 and r["bytes_per_token"] == 32 * 2 * 8 * 128 * 2
+    assert r["kv_bytes"] == 512 * MiB
+
+
 def test_qwen2_5_32b_batch(capsys):
     r = budget(capsys, "qwen2.5-32b", "--context", "8192", "--batch", "20")
     assert (r["bytes_per_token"], r["kv_bytes"]) == (262144, 40 * GiB)

@@ -169,3 +169,37 @@ def test_unreadable_config_is_a_config_error(tmp_path, write_config):
 def test_composite_config_uses_text_config():
     outer = {"model_type": "llava", "text_config": load("llama-3-8b")}
     assert spec_from_config(outer).layers == spec("llama-3-8b").layers
+
+
+def test_qwen3_0_6b_explicit_head_dim():
+    s = spec("qwen3-0.6b")
+    assert (s.num_attention_heads, s.num_kv_heads, s.layers[0].head_dim) == (16, 8, 128)
+    assert 1024 // 16 == 64  # what hidden_size / heads would have said
+    assert s.windows == (None,) * 28 and s.max_position_embeddings == 40960
+
+
+def test_gemma_3_1b_every_sixth_layer_global_with_head_dim_256():
+    s = spec("gemma-3-1b-it")
+    assert (len(s.layers), s.num_kv_heads, s.layers[0].head_dim) == (26, 1, 256)
+    assert [i for i, w in enumerate(s.windows) if w is None] == [5, 11, 17, 23]
+    assert set(s.windows) == {512, None}
+    listed = {**load("gemma-3-1b-it"), "layer_types": [  # transformers 5.x writes the list
+        "full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(26)]}
+    assert spec_from_config(listed).windows == s.windows
+
+
+def test_phi_4_mini_longrope_serves_its_original_context():
+    """LongRoPE with distinct short and long factors: the served (and budgeted) context is
+    original_max_position_embeddings, not max_position_embeddings (model_spec docstring)."""
+    cfg = load("phi-4-mini-instruct")
+    assert (cfg["max_position_embeddings"], cfg["original_max_position_embeddings"]) == (131072, 4096)
+    s = spec("phi-4-mini-instruct")
+    assert s.max_position_embeddings == 4096
+    assert (s.num_kv_heads, s.layers[0].head_dim) == (8, 128)
+    assert s.windows == (262144,) * 32  # Phi-3's window applies to every layer
+    same = {**cfg, "rope_scaling": {**cfg["rope_scaling"],
+                                    "long_factor": cfg["rope_scaling"]["short_factor"]}}
+    assert spec_from_config(same).max_position_embeddings == 131072
+    no_original = {k: v for k, v in cfg.items() if k != "original_max_position_embeddings"}
+    with pytest.raises(ConfigError, match="^original_max_position_embeddings: "):
+        spec_from_config(no_original)

@@ -8,7 +8,7 @@ from kvfleet.priority import BATCH, INTERACTIVE
 from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig
 
 CONFIG = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512, max_waiting=256,
-                         itl_target_ms=150, preempt_streaming=True)
+                         itl_target_ms=150)
 CHAT = Stream("chat", INTERACTIVE, rate=0.8)
 FLOOD = Stream("batch", BATCH, rate=80, admit=0.8)
 

@@ -13,15 +13,23 @@ from cryptography import x509
 from kvfleet.deploy.cli import build_parser
 from kvfleet.deploy.cluster_config import ClusterConfig, router_args, serve_application
 from kvfleet.deploy.cluster_flags import cluster_config
+from kvfleet.errors import PermissionDenied
+from kvfleet.grpc_auth import internal_authorizer
 from kvfleet.tls import (
     CA_KEY,
     FILES,
+    REPLICA_NAME,
+    ROUTER_FILES,
+    ROUTER_NAME,
+    WORKER_FILES,
+    RouterTLS,
+    WorkerTLS,
     expiry_report,
-    generate_internal_tls,
     is_loopback,
     needs_internal_tls,
-    renew_internal_tls,
+    peer_credentials_loader,
 )
+from kvfleet.tls_ca import generate_internal_tls, renew_internal_tls
 from kvfleet.worker.replica.replica import ReplicaConfig
 
 
@@ -67,7 +75,7 @@ def test_keys_are_never_readable_by_others_not_even_while_written(tmp_path, monk
     assert seen, "the writer was observed"
     assert [(n, oct(m)) for n, m in seen if m & 0o077] == []
     assert stat.S_IMODE(d.stat().st_mode) == 0o700
-    for name in ("worker.key", "router.key", CA_KEY):
+    for name in ("worker.key", "router.key", "replica.key", CA_KEY):
         assert stat.S_IMODE((d / name).stat().st_mode) == 0o600
     assert sorted(p.name for p in d.iterdir()) == sorted([*FILES, CA_KEY])  # no temp files left
 
@@ -136,3 +144,65 @@ def test_kvfleet_tls_renews_in_place_and_shows_days_left(tmp_path, capsys):
     assert 364.9 <= json.loads(capsys.readouterr().out)["router.pem"]["days_left"] <= 365
     assert main(["tls", "show", "--dir", str(tmp_path / "none")]) == 2
     assert main(["tls", "renew", "--dir", str(d), "--days", "0"]) == 2
+
+
+def _only(tmp_path, full, names, to: str):
+    d = tmp_path / to
+    d.mkdir(mode=0o700)
+    for name in names:
+        (d / name).write_bytes((full / name).read_bytes())
+    return d
+
+
+def test_each_role_reads_only_its_own_files(tmp_path):
+    full = tmp_path / "internal"
+    tls = generate_internal_tls(full)
+    router = _only(tmp_path, full, ROUTER_FILES, "router")
+    workers = _only(tmp_path, full, WORKER_FILES + ("replica.pem", "replica.key"), "workers")
+    assert RouterTLS.load(router) == tls.router()  # no worker file needed
+    assert WorkerTLS.load(workers) == tls.worker()  # no router file needed
+    assert peer_credentials_loader(workers) is not None
+    names = {name: x509.load_pem_x509_certificate(cert).subject.rfc4514_string()
+             for name, cert in (("worker", tls.worker_cert), ("router", tls.router_cert),
+                                ("replica", tls.replica_cert))}
+    assert names == {"worker": "CN=kvfleet-worker", "router": "CN=kvfleet-router",
+                     "replica": "CN=kvfleet-replica"}
+    with pytest.raises(FileNotFoundError, match="router.pem"):
+        RouterTLS.load(workers)
+    (workers / "replica.key").unlink()
+    with pytest.raises(FileNotFoundError, match="replica.key"):  # one without the other
+        WorkerTLS.load(workers)
+    (workers / "replica.pem").unlink()  # issued before replica certificates: no peer pulls
+    assert WorkerTLS.load(workers).replica is None and peer_credentials_loader(workers) is None
+
+
+def test_a_directory_issued_before_replica_certificates_gains_them_under_its_ca(tmp_path):
+    d = tmp_path / "internal"
+    first = generate_internal_tls(d)
+    for name in ("replica.pem", "replica.key"):
+        (d / name).unlink()
+    assert "error" in expiry_report(d)["replica.pem"]
+    second = renew_internal_tls(d)  # what kvfleet up does with a directory missing a file
+    assert second.ca == first.ca and WorkerTLS.load(d).replica is not None
+
+
+class _Peer:
+    def __init__(self, *names: bytes) -> None:
+        self.names = names
+
+    def auth_context(self):
+        return {"x509_common_name": list(self.names)} if self.names else {}
+
+
+def test_a_worker_lets_the_replica_certificate_call_export_blocks_only():
+    export = "/kvfleet.v1.Worker/ExportBlocks"
+    authorize = internal_authorizer(True, ROUTER_NAME, {REPLICA_NAME: frozenset({export})})
+    for method in ("/kvfleet.v1.Worker/Generate", "/kvfleet.v1.Worker/Drain", export):
+        assert authorize(method, _Peer(ROUTER_NAME.encode())) == ROUTER_NAME
+    assert authorize(export, _Peer(REPLICA_NAME.encode())) == REPLICA_NAME
+    for method, peer in (("/kvfleet.v1.Worker/Generate", _Peer(REPLICA_NAME.encode())),
+                         ("/kvfleet.v1.Worker/LoadAdapter", _Peer(REPLICA_NAME.encode())),
+                         (export, _Peer(b"kvfleet-worker")), (export, _Peer())):
+        with pytest.raises(PermissionDenied, match=method):
+            authorize(method, peer)
+    assert internal_authorizer(False, ROUTER_NAME)(export, _Peer()) == ""  # no TLS: no identity

@@ -48,6 +48,14 @@ def _secret_refs(pod: dict) -> tuple[dict, dict]:
     return env, mounts
 
 
+def _tls_items(pod: dict) -> list[str]:
+    """The keys of the internal TLS Secret a pod mounts (each under its own name)."""
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "internal-tls"]
+    items = volume["secret"]["items"]
+    assert all(i["key"] == i["path"] for i in items)
+    return [i["key"] for i in items]
+
+
 def test_the_router_requires_keys_and_tls_from_secrets_it_only_references():
     k = k8s.K8sConfig()
     router = _render(k)["router.yaml"][0]
@@ -57,6 +65,7 @@ def test_the_router_requires_keys_and_tls_from_secrets_it_only_references():
     assert parsed.internal_tls_dir == INTERNAL_TLS_MOUNT
     env, mounts = _secret_refs(_pod(router))
     assert mounts == {API_KEYS_MOUNT: k.api_keys_secret, INTERNAL_TLS_MOUNT: k.internal_tls_secret}
+    assert _tls_items(_pod(router)) == ["ca.pem", "router.pem", "router.key"]
     assert env[REDIS_PASSWORD_ENV] == (k.redis_secret, "password")
     assert env["OTEL_EXPORTER_OTLP_HEADERS"] == (k.otlp_headers_secret, "headers")
     assert _pod(router)["volumes"][1]["secret"]["defaultMode"] == 0o440
@@ -67,6 +76,10 @@ def test_workers_serve_mutual_tls_and_reach_redis_with_a_password_from_secrets()
     service = _render(k)["rayservice.yaml"][0]
     env, mounts = _secret_refs(_pod(service))
     assert mounts == {INTERNAL_TLS_MOUNT: k.internal_tls_secret}
+    # A worker serves its certificate and pulls from peers as a replica; it never holds the
+    # router's client identity (which any worker could otherwise use against the others).
+    assert _tls_items(_pod(service)) == ["ca.pem", "worker.pem", "worker.key", "replica.pem",
+                                         "replica.key"]
     assert env[REDIS_PASSWORD_ENV] == (k.redis_secret, "password")
     replica = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]["args"]["replica"]
     assert replica["host"] == "0.0.0.0" and replica["internal_tls_dir"] == INTERNAL_TLS_MOUNT

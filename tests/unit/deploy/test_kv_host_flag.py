@@ -50,14 +50,14 @@ def test_budget_counts_the_blocks_of_every_rank_the_host_tier_holds(tiny_llama_d
 
 
 def test_status_shows_the_tier_of_each_node() -> None:
-    tiers = [{"node": "abcdef0123", "capacity_bytes": 1 << 30, "bytes_used": 3 << 20,
-              "blocks": 4, "stored": 9, "evicted": 5, "restored": 2},
-             {"node": "99999999ff", "error": "timed out"}]
+    tiers = [{"node": "abcdef0123", "namespace": "kvfleet:", "capacity_bytes": 1 << 30,
+              "bytes_used": 3 << 20, "blocks": 4, "stored": 9, "evicted": 5, "restored": 2},
+             {"node": "99999999ff", "namespace": "other:", "error": "timed out"}]
     text = format_status({"applications": [], "routers": [], "kv_tiers": tiers,
                           "redis": {"address": "r:6379", "up": True}})
-    assert ("kv host tier on node abcdef01: 3 MiB of 1 GiB (4 block shards), 9 written back, "
-            "2 restored, 5 evicted") in text
-    assert "kv host tier on node 99999999: timed out" in text
+    assert ("kv host tier on node abcdef01 (kvfleet:): 3 MiB of 1 GiB (4 block shards), 9 "
+            "written back, 2 restored, 5 evicted") in text
+    assert "kv host tier on node 99999999 (other:): timed out" in text
 
 
 def test_kuberay_render_carries_the_host_tier(tmp_path) -> None:
@@ -67,3 +67,22 @@ def test_kuberay_render_carries_the_host_tier(tmp_path) -> None:
                 "--kv-prewarm-s", "3"]) == 0
     text = (tmp_path / "rayservice.yaml").read_text()
     assert f"kv_host_memory_bytes: {2 << 30}" in text and "kv_prewarm_s: 3.0" in text
+
+
+def test_stopping_a_deployment_removes_its_node_tiers(tiny_llama_dir, monkeypatch) -> None:
+    from kvfleet.deploy import launcher
+    from kvfleet.deploy.cli import build_parser
+    from kvfleet.deploy.cluster_flags import cluster_config
+    from kvfleet.worker.kv_tier import node_tier
+
+    cfg = cluster_config(build_parser().parse_args(
+        ["up", "--model", str(tiny_llama_dir), "--kv-host-memory", "64MiB"]))
+    removed: list[str] = []
+    monkeypatch.setattr(launcher.serve_control, "delete", lambda name, timeout_s: None)
+    monkeypatch.setattr(node_tier, "remove_node_tiers", lambda ns: removed.append(ns) or 1)
+    cluster = launcher.LocalCluster(cfg)
+    cluster.app_name = "kvfleet-app"  # as if started: the application was applied
+    cluster.stop()
+    assert removed == [cfg.replica.namespace]  # after the replicas drained into them
+    cluster.stop()  # idempotent: nothing left to remove
+    assert removed == [cfg.replica.namespace]

@@ -117,7 +117,7 @@ def test_status_shows_days_to_expiry_of_the_internal_certificates(tmp_path) -> N
     """Item 15: the replicas' internal TLS directory (from the application config) and the
     days each certificate in it has left."""
     from kvfleet.deploy.operate import internal_tls_status
-    from kvfleet.tls import generate_internal_tls
+    from kvfleet.tls_ca import generate_internal_tls
 
     assert internal_tls_status(None) is None
     generate_internal_tls(tmp_path / "tls", days=45)

@@ -14,13 +14,12 @@ from kvfleet.router.flags import parse_args
 
 def test_priority_flags_land_in_the_configs(tiny_llama_dir) -> None:
     cfg = cluster_config(cli.build_parser().parse_args(
-        ["up", "--model", str(tiny_llama_dir), "--batch-share", "0.5", "--preempt-streaming",
+        ["up", "--model", str(tiny_llama_dir), "--batch-share", "0.5",
          "--priority-admit", "batch=0.6,default=0.9"]))
-    assert cfg.replica.scheduler.batch_share == 0.5 and cfg.replica.scheduler.preempt_streaming
+    assert cfg.replica.scheduler.batch_share == 0.5
     assert cfg.router.priority_admit == {"interactive": 1.0, "default": 0.9, "batch": 0.6}
     plain = cluster_config(cli.build_parser().parse_args(["up", "--model", str(tiny_llama_dir)]))
     assert plain.replica.scheduler.batch_share == 1.0
-    assert not plain.replica.scheduler.preempt_streaming
     assert plain.router.priority_admit == RouterConfig().priority_admit
 
 
@@ -54,3 +53,6 @@ def test_layer_yield_flag_lands_off_by_default_and_is_refused_beside_tp(tiny_lla
     assert config("--layer-yield", "--executor", "cost-model").replica.scheduler.layer_yield
     with pytest.raises(ValueError, match="--layer-yield"):
         config("--layer-yield", "--tp", "2")
+    with pytest.raises(ValueError, match=r"--layer-yield.*--kv-host-memory"):
+        config("--layer-yield", "--kv-host-memory", "64MiB")
+    assert config("--kv-host-memory", "64MiB").replica.kv_host_memory_bytes

@@ -79,6 +79,9 @@ def test_content_parts_are_joined_and_developer_is_system():
     ({"stop": [1]}, "stop"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"stream": True, "stream_options": {"other": 1}}, "stream_options.other"),
+    ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
+    ({"stream": True, "stream_options": {"continuous_usage_stats": "yes"}},
+     "stream_options.continuous_usage_stats"),
     ({"top_p": 0}, "sampling.top_p"),
 ])
 def test_chat_rejects_with_the_field_named(body, field):
@@ -113,3 +116,15 @@ def test_kvfleet_fields_map_to_openai_params():
     assert openai_param("sampling.top_p") == "top_p"
     assert openai_param("text") == openai_param("token_ids") == "prompt"
     assert openai_param("messages[2].role") == "messages[2].role" and openai_param(None) is None
+
+
+def test_continuous_usage_stats_is_taken_with_include_usage_as_vllm_does():
+    def options(**o):
+        req = parse_completion({"prompt": "x", "stream": True, "stream_options": o})
+        return req.include_usage, req.continuous_usage
+    assert options(include_usage=True, continuous_usage_stats=True) == (True, True)
+    assert options(continuous_usage_stats=True) == (False, False)  # no usage: none per chunk
+    assert options(include_usage=True, continuous_usage_stats=False) == (True, False)
+    chat = parse_chat({"messages": HI, "stream": True, "stream_options": {
+        "include_usage": True, "continuous_usage_stats": True}})
+    assert chat.continuous_usage

@@ -71,3 +71,18 @@ def test_chat_chunks_open_each_choice_then_carry_deltas():
     assert last["choices"][0]["delta"] == {} and last["choices"][0]["finish_reason"] == "stop"
     usage = b.usage_chunk()
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 2
+
+
+def test_continuous_usage_puts_the_usage_so_far_in_every_chunk():
+    b = ResponseBuilder(False, "r3", "m", n=2, logprobs=None, token_text=str)
+    b.prompt_started(0, 10)  # the router's count, before the first message
+    first = b.chunk(0, msg(0, "a", 5), include_usage=True, continuous_usage=True)
+    assert first["usage"] == {"prompt_tokens": 10, "completion_tokens": 1, "total_tokens": 11,
+                              "prompt_tokens_details": {"cached_tokens": 0}}
+    assert b.chunk(0, msg(1, "b", 6), True, True)["usage"]["completion_tokens"] == 2
+    done = b.chunk(0, msg(0, "", 7, finish=common_pb2.STOP, completion=3), True, True)
+    assert done["usage"] == {"prompt_tokens": 10, "completion_tokens": 4, "total_tokens": 14,
+                             "prompt_tokens_details": {"cached_tokens": 8}}  # 3 + 1 streamed
+    last = b.chunk(0, msg(1, "", 8, finish=common_pb2.LENGTH, completion=2), True, True)
+    assert last["usage"]["completion_tokens"] == 5 == b.usage_chunk()["usage"]["completion_tokens"]
+    assert b.chunk(0, msg(0, "a", 5), include_usage=True)["usage"] is None  # OpenAI's default

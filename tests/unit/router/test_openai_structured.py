@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from kvfleet.constraint import MAX_SCHEMA_DEPTH, Constraint
 from kvfleet.errors import InvalidArgument
 from kvfleet.router.openai_request import parse_chat, parse_completion
 from kvfleet.router.openai_response import ResponseBuilder
@@ -109,3 +110,29 @@ def test_tool_call_in_body_and_in_one_stream_chunk():
     plain = ResponseBuilder(True, "r", "m", 1, None, str, tools=("add",))
     chunk = plain.chunk(0, _msg("no call", True), False)["choices"][0]
     assert chunk["delta"] == {"content": "no call"} and chunk["finish_reason"] == "stop"
+
+
+def nested(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+@pytest.mark.parametrize("depth", [MAX_SCHEMA_DEPTH, 5000])
+def test_a_deeply_nested_schema_is_invalid_argument_naming_its_field(depth):
+    deep = nested(depth)
+    text = '{"type":"array","items":' * depth + '{"type":"string"}' + "}" * depth
+    for body, field in (({"response_format": {"type": "json_schema", "json_schema": {
+            "name": "a", "schema": deep}}}, "response_format.json_schema.schema"),
+            ({"guided_json": text}, "guided_json"), ({"guided_json": deep}, "guided_json")):
+        with pytest.raises(InvalidArgument, match=f"{field} nests deeper than "
+                                                  f"{MAX_SCHEMA_DEPTH} levels") as err:
+            parse_chat({"messages": HI, **body})
+        assert err.value.field == field
+    with pytest.raises(InvalidArgument, match="json_schema nests deeper") as err:
+        Constraint("json_schema", '{"items":' * depth + "{}" + "}" * depth,  # within 64 KiB
+                   "json_schema").validate()  # the gRPC field
+    assert err.value.field == "json_schema"
+    ok = nested(MAX_SCHEMA_DEPTH - 1)  # the bound itself is accepted
+    assert parse_chat({"messages": HI, "guided_json": ok}).constraint.kind == "json_schema"

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from kvfleet import priority
-from kvfleet.errors import InvalidArgument, ResourceExhausted
+from kvfleet.errors import InvalidArgument, PermissionDenied, ResourceExhausted
 from kvfleet.router.auth import Authenticator
 from kvfleet.router.capacity import check_class_room, check_room
 from kvfleet.router.openai_request import parse_chat, parse_completion
@@ -85,9 +85,9 @@ def test_a_key_may_carry_a_default_priority_and_a_bad_one_fails_the_file(tmp_pat
         "k-ops": {"tenant": "ops", "priority": -1}, "k-plain": {"tenant": "globex"}}}))
     auth = Authenticator.from_file(str(path))
     assert auth.tenant(bearer("k-night")) == auth.tenant(bearer("k-chat")) == "acme"
-    assert [auth.key_priority(bearer(k)) for k in ("k-chat", "k-night", "k-ops", "k-plain")] == [
-        None, 2, -1, None]
-    assert Authenticator.from_file(None).key_priority(()) is None  # open router: none
+    assert [auth.key_class(bearer(k)) for k in ("k-chat", "k-night", "k-ops", "k-plain")] == [
+        1, 2, -1, 1]  # plain keys: default
+    assert Authenticator.from_file(None).key_class(()) is None  # open router: none
     for entry, match in (({"tenant": "acme", "priority": "soon"}, "tenant 'acme'.*priority"),
                          ({"tenant": "acme", "prio": 1}, "only 'priority'"),
                          ({"priority": 1}, "string 'tenant'")):
@@ -95,6 +95,17 @@ def test_a_key_may_carry_a_default_priority_and_a_bad_one_fails_the_file(tmp_pat
         with pytest.raises(ValueError, match=match) as err:
             Authenticator.from_file(str(path))
         assert "secret-key-1" not in str(err.value)  # never echo a key
+
+
+def test_a_key_class_is_a_ceiling_a_request_may_only_lower():
+    assert priority.within_key(None, priority.BATCH) == priority.BATCH  # the key's default
+    assert priority.within_key(5, priority.BATCH) == 5 and priority.within_key(2, 2) == 2
+    assert priority.within_key(-1000, None) == -1000  # an open router sets no ceiling
+    for asked in (priority.INTERACTIVE, priority.DEFAULT, -1000):
+        with pytest.raises(PermissionDenied) as err:
+            priority.within_key(asked, priority.BATCH, "priority_level")
+        assert err.value.field == "priority_level" and "above this API key's class batch" in \
+            str(err.value)
 
 
 def test_batch_is_refused_at_its_fraction_of_capacity_interactive_only_when_full():

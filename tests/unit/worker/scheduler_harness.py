@@ -15,9 +15,11 @@ BS = 4  # tokens per KV block
 ARRIVALS = itertools.count()  # arrival order shared by every sequence a test builds
 
 
-def make_scheduler(n_blocks: int, **cfg) -> Scheduler:
-    """A scheduler over ``n_blocks`` blocks of ``BS`` tokens; ``cfg``: ``SchedulerConfig`` fields."""
-    return Scheduler(SchedulerConfig(**cfg), KVCacheManager(n_blocks, BS))
+def make_scheduler(n_blocks: int, *, seats_by_service: bool = True, **cfg) -> Scheduler:
+    """A scheduler over ``n_blocks`` blocks of ``BS`` tokens; ``cfg``: ``SchedulerConfig`` fields
+    (``seats_by_service``: :class:`Scheduler`'s, False for a fixed cap of seats)."""
+    return Scheduler(SchedulerConfig(**cfg), KVCacheManager(n_blocks, BS),
+                     seats_by_service=seats_by_service)
 
 
 def new_seq(prompt: Optional[list[int]] = None, *, prompt_len: int = 4, max_tokens: int = 8,

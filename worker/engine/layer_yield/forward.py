@@ -1,13 +1,16 @@
-"""Layer-level yield, the engine's side: run a step's forward so that it pauses between
-decoder layers for a nested step (:mod:`.nested` plans it; docs/slo.md §2).
+"""Layer-level yield's one seam: a step's forward that pauses between decoder layers for nested
+steps of a higher class (:class:`LayerYield`).
 
-The step's ``should_yield`` (called by the runner after each layer) is one cheap check of
+The engine runs every step's forward through one object: its own whole-step forward, or, with
+``SchedulerConfig.layer_yield``, a :class:`LayerYield`; nothing else in the engine or the
+scheduler knows whether steps may pause. With layer yield, the
+step's ``should_yield`` (called by the runner after each layer) is one cheap check of
 :meth:`Arrivals.pending` while nothing new arrived. When something did, it takes the new
 requests into the engine (new requests only: aborts and other controls wait for the step's
 end) and pauses when the step yields to the head of the waiting queue
-(:func:`~.nested.may_yield`); otherwise the forward goes on, and the same arrival is not
-looked at again. Paused, the engine plans the nested step, runs its forward on its own
-(disjoint, free) slots, samples and emits its outputs at once through
+(:func:`~.nested.may_yield`); otherwise the forward goes on, and the same arrival is not looked
+at again. Paused, it plans the nested step (:func:`~.nested.nested_step`), runs its forward on
+its own (disjoint, free) slots, samples and emits its outputs at once through
 :meth:`Arrivals.emit`, then resumes the paused forward, which may pause again for a later
 arrival. Only a :class:`~kvfleet.worker.executor.base.PausableExecutor` (tp = 1) can do this.
 """
@@ -15,13 +18,14 @@ arrival. Only a :class:`~kvfleet.worker.executor.base.PausableExecutor` (tp = 1)
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Optional, Protocol
 
 import torch
 
-from kvfleet.worker.engine.layer_yield.nested import may_yield
+from kvfleet.worker.engine.layer_yield.nested import may_yield, nested_step
 from kvfleet.worker.engine.output.outputs import SeqOutput
 from kvfleet.worker.engine.scheduling.output import SchedulerOutput
+from kvfleet.worker.executor.base import Executor, PausableExecutor
 
 if TYPE_CHECKING:  # annotations only: the engine imports this module
     from kvfleet.worker.engine.engine import Engine
@@ -46,32 +50,50 @@ class Arrivals(Protocol):
         ...
 
 
-def execute_yielding(engine: Engine, out: SchedulerOutput, arrivals: Arrivals
-                     ) -> tuple[torch.Tensor, float]:
-    """Run ``out``'s forward on ``engine.executor`` (a PausableExecutor), pausing for nested
-    steps of new arrivals it yields to.
-
-    Returns:
-        ``(logits, nested_s)``: ``out``'s float32 ``(len(out.plan.chunks), vocab)`` logits,
-        as :meth:`Executor.execute` returns them, and the seconds spent in nested steps
-        (not part of ``out``'s own forward time).
+class LayerYield:
+    """Forwards that pause between layers for nested steps of new arrivals they yield to.
 
     Raises:
-        Whatever ``out``'s forward raises (a nested forward's failure ends only its requests).
+        ValueError: ``executor`` cannot pause a forward (tensor parallelism).
     """
-    executor = engine.executor
 
-    def should_yield() -> bool:
-        if not arrivals.pending():
-            return False
-        arrivals.take()
-        return may_yield(engine.scheduler, out)
+    def __init__(self, executor: Executor) -> None:
+        if not executor.pausable:
+            raise ValueError("layer_yield (--layer-yield) needs an executor that can pause a "
+                             "forward between layers: tensor_parallel_size 1")
+        self.nested_steps = 0  # steps run while another step's forward paused (cumulative)
 
-    result = executor.execute_pausable(out.plan, should_yield)  # type: ignore[attr-defined]
-    nested_s = 0.0
-    while not isinstance(result, torch.Tensor):
-        start = time.perf_counter()
-        arrivals.emit(engine.run_nested(out))
-        nested_s += time.perf_counter() - start
-        result = executor.resume(result, should_yield)  # type: ignore[attr-defined]
-    return result, nested_s
+    def __call__(self, engine: Engine, out: SchedulerOutput, arrivals: Optional[Arrivals]
+                 ) -> tuple[torch.Tensor, float]:
+        """Run ``out``'s forward on ``engine.executor``, pausing for nested steps of new
+        arrivals it yields to (whole when ``arrivals`` is None: a nested step itself).
+
+        Returns:
+            ``(logits, nested_s)``: ``out``'s float32 ``(len(out.plan.chunks), vocab)`` logits,
+            as :meth:`Executor.execute` returns them, and the seconds spent in nested steps
+            (not part of ``out``'s own forward time).
+
+        Raises:
+            Whatever ``out``'s forward raises (a nested forward's failure ends only its
+            requests).
+        """
+        if arrivals is None:
+            return engine.executor.execute(out.plan), 0.0
+        executor: PausableExecutor = engine.executor  # type: ignore[assignment]  # checked above
+
+        def should_yield() -> bool:
+            if not arrivals.pending():
+                return False
+            arrivals.take()
+            return may_yield(engine.scheduler, out)
+
+        result = executor.execute_pausable(out.plan, should_yield)
+        nested_s = 0.0
+        while not isinstance(result, torch.Tensor):
+            start = time.perf_counter()
+            nested = nested_step(engine.scheduler, out, time.monotonic())
+            self.nested_steps += bool(nested.scheduled)
+            arrivals.emit(engine.run(nested, None))
+            nested_s += time.perf_counter() - start
+            result = executor.resume(result, should_yield)
+        return result, nested_s

@@ -1,31 +1,34 @@
 """Layer-level yield: the scheduler's side of a step that pauses between layers for a higher class.
 
 With atomic steps, an interactive request arriving beside a batch flood waits for the whole
-batch step in flight (16 decode rows and a prefill chunk, ~86-126 ms on the benches' scaled
-cost model) before its own ~56 ms step: its TTFT p99 stays near 2 × unloaded however the
-batch steps are sized (docs/slo.md §2). The lever: between decoder layers, when a request
-that the step in flight yields to (:func:`yields_to`) has arrived, pause the step after the
-current layer (its hidden states kept, the KV of the layers done already in its own slots),
-run a **nested step** (:func:`nested_step`), then resume the paused step from the next layer.
-The residual wait is about one layer (SmolLM2: 30) instead of a whole step.
+batch step in flight (its decode rows and a prefill chunk, often longer than its own step)
+before its own step: its TTFT tail stays well above unloaded however the batch steps are
+sized (docs/slo.md). The lever: between decoder layers, when a request that the step in flight
+yields to (:func:`yields_to`) has arrived, pause the step after the current layer (its hidden
+states kept, the KV of the layers done already in its own slots), run a **nested step**
+(:func:`nested_step`), then resume the paused step from the next layer. The residual wait is
+about one layer instead of a whole step.
 
 This module is the scheduler's rule, driven by the virtual-clock sim (``bench class_sim
---layer-yield``) and by the engine (:mod:`.forward`, with ``SchedulerConfig.layer_yield``,
-default off: docs/slo.md §2, "Layer-level yield", says why). The rule, so that the paused
-step is never disturbed:
+--layer-yield``) and by the engine through its one seam (:mod:`.forward`, with
+``SchedulerConfig.layer_yield``, default off: docs/slo.md, "Layer-level yield", says why).
+The rule, so that the paused step is never disturbed:
 
 * it yields to a class when it holds a row of a strictly lower class, no row of a better
   one, and no same-class row that has not streamed yet (:func:`yields_to`);
-* the nested step holds only **waiting** sequences of such a class, in queue order, each with
-  a first prefill chunk within the step's token (and, under an ITL target, time) budget;
-  never a running sequence, so never a row of the paused step;
+* the nested step admits **waiting** sequences of such a class as a whole step admits them
+  (:func:`~kvfleet.worker.engine.scheduling.admission.try_admit`, ``NESTED`` mode: class,
+  then the least-served tenant; tenant share, batch share, the step's contents), each with a
+  first prefill chunk within the step's token (and, under an ITL target, time) budget; never
+  a running sequence, so never a row of the paused step;
 * it takes only **free** blocks (nothing is preempted while the paused step holds its
   slots), under the replica's block policy (watermark or reserve) as admission does;
 * a seat: a free one, or, under ``watermark``, one **borrowed** from a lower-class running
   sequence that the class rules would let it preempt (:meth:`PriorityRules.victims`); the
   next :meth:`Scheduler.schedule` preempts such victims while the running set is over
-  ``max_num_seqs`` (:func:`return_borrowed_seats`), unless sequences finished first and gave
-  the seats back, so seats end where class preemption would have put them;
+  ``max_num_seqs`` (:func:`~kvfleet.worker.engine.scheduling.preemption.
+  return_seats_over_limit`), unless sequences finished first and gave the seats back, so
+  seats end where class preemption would have put them;
 * no n > 1 request (its siblings fork at the leader's first sample) and no host KV tier
   (an allocation may evict a cached block that must be written back first): those wait for
   the next whole step.
@@ -39,13 +42,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvfleet.worker.engine.request import SequenceState
-from kvfleet.worker.engine.scheduling.output import ScheduledSeq, SchedulerOutput
-from kvfleet.worker.engine.scheduling.seats import seats_taken
+from kvfleet.worker.engine.scheduling.admission import Held, Mode, Pass, StepWork, admit_waiting
+from kvfleet.worker.engine.scheduling.output import SchedulerOutput
 from kvfleet.worker.engine.scheduling.step_budget import step_budget
 from kvfleet.worker.engine.step_plan import StepPlan
 
-if TYPE_CHECKING:  # only for annotations: the scheduler imports this module
+if TYPE_CHECKING:  # only for annotations
+    from kvfleet.worker.engine.request import SequenceState
     from kvfleet.worker.engine.scheduling.scheduler import Scheduler
 
 
@@ -67,68 +70,39 @@ def yields_to(out: SchedulerOutput, priority: int) -> bool:
 def may_yield(sched: Scheduler, paused: SchedulerOutput) -> bool:
     """Could a nested step run now beside ``paused`` (the step in flight): is the head of
     the waiting queue (its best class, oldest) one that ``paused`` yields to? Cheap."""
-    return (sched.tier is None and bool(sched.waiting)
+    return (not sched.tier.enabled and bool(sched.waiting)
             and yields_to(paused, sched.waiting[0].priority))
 
 
 def nested_step(sched: Scheduler, paused: SchedulerOutput, now: float) -> SchedulerOutput:
     """Plan the step that runs while ``paused`` (planned, not yet done) waits between two
     layers: first prefill chunks of waiting sequences of a class ``paused`` yields to
-    (:func:`yields_to`), on free blocks and free or borrowable seats (module docstring). Admits
-    them (they are running after this call, as after :meth:`Scheduler.schedule`).
+    (:func:`yields_to`), admitted as a whole step admits (:func:`~kvfleet.worker.engine.
+    scheduling.admission.try_admit`, ``NESTED`` mode) on free blocks and free or borrowable
+    seats (module docstring). They are running after this call, as after
+    :meth:`Scheduler.schedule`.
 
     Returns:
         The nested step (empty ``scheduled`` when nothing may run: then nothing changed).
         Call :meth:`Scheduler.on_step_done` with it after its forward, independently of
         ``paused``'s.
     """
-    config, kv = sched.config, sched.kv
-    scheduled: list[ScheduledSeq] = []
     if not may_yield(sched, paused):
         return SchedulerOutput(StepPlan(()), ())
     in_paused = {s.seq.seq_id for s in paused.scheduled}
+    config, kv = sched.config, sched.kv
     budget = step_budget(config, kv.block_size, sched.step_cost, (), True, frozenset(), now)
-    seats = seats_taken(sched.running, sched.pending_forks)
-    for seq in list(sched.waiting):
-        if not budget.has_room or not yields_to(paused, seq.priority):
-            break  # sorted by class: nothing behind it may run either
+
+    def borrowable(seq: SequenceState) -> int:  # seats class preemption could take for it
+        return len(sched.rules.victims(seq, sched.running)) if config.policy == "watermark" else 0
+
+    def allow(seq: SequenceState) -> bool:
         assert seq.seq_id not in in_paused, "a waiting sequence cannot be in the step in flight"
-        if seq.seq_id in sched.pending_forks:
-            break  # n > 1 waits for a whole step (FCFS: nothing behind it passes)
-        borrowable = (len(sched.rules.victims(seq, sched.running))
-                      if config.policy == "watermark" else 0)
-        if seats + 1 > config.max_num_seqs + borrowable:
-            break
-        held = sum(1 for s in sched.running if s.tenant == seq.tenant)
-        if config.tenant_share < 1 and not sched.seats.may_take(
-                seq.tenant, held, 1, {s.tenant for s in sched.waiting if s.priority == seq.priority}):
-            break
-        computed = kv.get_computed_blocks(seq.block_hashes, seq.num_tokens)
-        num_cached = len(computed) * kv.block_size
-        n = budget.grant(num_cached, seq.num_tokens - num_cached)
-        if n <= 0 or not sched.blocks.admissible(seq, computed, num_cached + n, sched.running,
-                                                  sched.pending_forks):
-            break
-        if not sched.admit(seq, computed, (), n, now):
-            break
-        seats += 1
-        scheduled.append(ScheduledSeq(seq, n, num_cached + n == seq.num_tokens))
-        budget.take(num_cached, n)
+        return yields_to(paused, seq.priority)  # sorted by class: nothing behind it either
+
+    p = Pass(Mode.NESTED, Held.of(sched.running, sched.pending_forks), StepWork(), now,
+             borrowable=borrowable)
+    scheduled = admit_waiting(sched, budget, p, allow=allow,
+                              favour_first=sched.class_step is not None)
     chunks = tuple(s.chunk(kv.block_table(s.seq.seq_id)) for s in scheduled)
     return SchedulerOutput(StepPlan(chunks), tuple(scheduled))
-
-
-def return_borrowed_seats(sched: Scheduler) -> list[SequenceState]:
-    """While the running set holds more than ``max_num_seqs`` seats (a nested step borrowed
-    some), preempt, by recompute, the victims the best running class may take (lowest class,
-    newest first). Returns them (waiting again)."""
-    preempted: list[SequenceState] = []
-    while (sched.running
-           and seats_taken(sched.running, sched.pending_forks) > sched.config.max_num_seqs):
-        best = min(sched.running, key=lambda s: (s.priority, s.arrival_seq))
-        victims = sched.rules.victims(best, sched.running)
-        if not victims:
-            break  # nothing the class rules allow: the seat comes back when one finishes
-        sched.preempt(victims[0])
-        preempted.append(victims[0])
-    return preempted

@@ -6,10 +6,9 @@ entries, each compile bounded by ``max_compile_s``. A request awaits its own com
 are not held. :class:`RowMatcher` follows one sample's output; :func:`mask_logits` applies the
 masks of a batch's constrained rows in one call, leaving free rows untouched.
 
-Why xgrammar (measured on SmolLM2's 49,152-token vocab, 2 loaded cores): a nested JSON schema
-compiles in ~36 ms (llguidance ~28 ms), but filling + applying 16 rows' masks per step takes
-~7.5 ms p50 against llguidance's ~38 ms (and one llguidance step took 120 s in that run,
-not investigated): the per-step cost is what a decode loop pays.
+Why xgrammar rather than llguidance: filling and applying a batch's masks costs it a fraction
+of llguidance's per step, and the per-step cost is what a decode loop pays (compiles take
+about as long with either; measured in docs/structured_output.md).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Which running sequences sit out a step so that a favoured prefill runs in a short one.
 
 The ITL target (:mod:`.step_budget`) bounds a step's *length*, not its *contents*: an
-interactive prompt's step still carries every batch decode row (16 rows of the scaled cost
-model are ~86 ms, longer than the whole 64-token prompt). Under the target, each step:
+interactive prompt's step still carries every batch decode row, which can take longer than the
+whole prompt (docs/slo.md). Under the target, each step:
 
 1. **Favoured**: of the prefills this step would run — running sequences with more than one
    token to compute, and the waiting sequence the scheduler admits next if a seat is free —
@@ -12,21 +12,23 @@ model are ~86 ms, longer than the whole 64-token prompt). Under the target, each
    class and another tenant served at least as much as the favoured one's.
 3. Outranked **prefill chunks** sit out (they would take the step's token and time budget
    first: running sequences are planned before waiting ones), and no outranked waiting
-   sequence is admitted beside the favoured prefill (:meth:`ClassStep.holds_back`; waiting
+   sequence is admitted beside the favoured prefill (:meth:`StepContents.holds_back`; waiting
    ones are not counted below: they wait behind it anyway). Outranked **decode rows** run
    only while the step's prediction (the favoured chunk plus the rows kept) stays within
-   ``ROW_SLACK ×`` the favoured chunk's own; those left out the longest go first.
+   ``row_slack ×`` the favoured chunk's own; those left out the longest go first.
 4. **No starvation**: a sequence that sat out ``max_skips`` steps in a row runs in the next
    whatever the rule says (the token budget aside): it runs at least one step in every
    ``max_skips + 1``, however long favoured prefills last.
 
-A single class and tenant never sit out anything. Measurements: docs/slo.md.
+A single class and tenant never sit out anything. The rule is part of the ITL target
+(``SchedulerConfig.itl_target_ms``); measurements: docs/slo.md.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from typing import Iterable, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Optional, Sequence
 
 from kvfleet.worker.engine.request import SequenceState
 from kvfleet.worker.engine.scheduling.tenant_service import TenantService
@@ -40,43 +42,65 @@ def _to_compute(seq: SequenceState) -> int:
     return seq.num_tokens - seq.num_computed_tokens
 
 
+@dataclass(frozen=True)
+class StepContents:
+    """What the rule decided for one planned step: the running rows that sit out
+    (``sit_out``, seq_ids), its ``favoured`` prefill (None: no rule, or no prefill), and each
+    left-out row's steps in a row sat out (``skipped``: the counts the next step starts from).
+    Admission asks :meth:`holds_back` of the same step's waiting sequences."""
+
+    sit_out: frozenset[str] = frozenset()
+    favoured: Optional[SequenceState] = None
+    skipped: Mapping[str, int] = field(default_factory=dict)
+
+    def holds_back(self, seq: SequenceState, service: TenantService) -> bool:
+        """Is waiting ``seq`` kept out of this step (outranked by its favoured prefill)?"""
+        return (self.favoured is not None and seq is not self.favoured
+                and outranks(self.favoured, seq, service))
+
+
 class ClassStep:
-    """Per-replica state of the rule above: how many steps in a row each sequence sat out.
+    """The rule above, for one replica (stateless: each step's decision, its sit-out counts
+    included, is the :class:`StepContents` it returns).
 
     Args:
         cost: the replica's step-cost model (seconds of a step of a given shape).
         max_tokens: ``max_num_batched_tokens`` (the largest chunk a prefill may get).
         target_ms: the ITL target, which caps the favoured chunk's predicted step.
         max_skips: steps in a row a sequence may sit out (>= 1).
+        row_slack: outranked decode rows are kept while the step's prediction stays within
+            this × the favoured chunk's own (>= 1).
 
     Raises:
-        ValueError: ``max_skips`` < 1 or ``target_ms`` <= 0.
+        ValueError: ``max_skips`` < 1, ``row_slack`` < 1 or ``target_ms`` <= 0.
     """
 
     def __init__(self, cost: StepCostModel, max_tokens: int, target_ms: float,
-                 max_skips: int = MAX_SKIPS) -> None:
+                 max_skips: int = MAX_SKIPS, row_slack: float = ROW_SLACK) -> None:
         if max_skips < 1:
             raise ValueError(f"max_skips must be >= 1, got {max_skips}")
+        if not row_slack >= 1:
+            raise ValueError(f"row_slack must be >= 1, got {row_slack}")
         if not target_ms > 0:
             raise ValueError(f"target_ms must be > 0, got {target_ms}")
         self.target_s = target_ms / 1e3
         self.cost = cost
         self.max_tokens = max_tokens
         self.max_skips = max_skips
-        self.skipped: dict[str, int] = {}  # seq_id -> steps in a row it sat out, as of the last plan
-        self.favoured: Optional[SequenceState] = None  # the last plan's
+        self.row_slack = row_slack
 
     def sit_out(self, running: Sequence[SequenceState], candidate: Optional[SequenceState],
-                service: TenantService) -> frozenset[str]:
-        """The seq_ids of ``running`` to leave out of the step being planned, and count them.
+                service: TenantService, skipped: Mapping[str, int]) -> StepContents:
+        """The step being planned: which of ``running`` sit out, and its favoured prefill.
 
         ``candidate``: the waiting sequence the scheduler would admit next (None: none can
-        be, e.g. no free seat). Call once per planned step: a sequence not returned has its count reset.
+        be, e.g. no free seat). ``skipped``: the last plan's counts (its
+        :attr:`StepContents.skipped`); a sequence not left out this time starts again at 0.
         """
         prefills = [s for s in running if _to_compute(s) > 1]
         if candidate is not None:
             prefills.append(candidate)
-        fav = self.favoured = favoured(prefills, running, service)
+        fav = favoured(prefills, running, service)
         out: set[str] = set()
         if fav is not None:
             lower = [s for s in running if s is not fav and outranks(fav, s, service)]
@@ -84,29 +108,22 @@ class ClassStep:
             low = {s.seq_id for s in lower}
             rows = [s for s in running if _to_compute(s) == 1]
             out |= self._rows_left_out([s for s in rows if s.seq_id in low],
-                                       [s for s in rows if s.seq_id not in low], fav)
-            out = {sid for sid in out if self.skipped.get(sid, 0) < self.max_skips}
-        self.skipped = {sid: self.skipped.get(sid, 0) + 1 for sid in out}
-        return frozenset(out)
-
-    def holds_back(self, seq: SequenceState, service: TenantService) -> bool:
-        """Is waiting ``seq`` kept out of the step being planned (outranked by its favoured
-        prefill)?"""
-        return (self.favoured is not None and seq is not self.favoured
-                and outranks(self.favoured, seq, service))
+                                       [s for s in rows if s.seq_id not in low], fav, skipped)
+            out = {sid for sid in out if skipped.get(sid, 0) < self.max_skips}
+        return StepContents(frozenset(out), fav, {sid: skipped.get(sid, 0) + 1 for sid in out})
 
     def _rows_left_out(self, rows: list[SequenceState], others: list[SequenceState],
-                       fav: SequenceState) -> set[str]:
-        """Of outranked decode ``rows``, those that do not fit within ``ROW_SLACK ×`` the
+                       fav: SequenceState, skipped: Mapping[str, int]) -> set[str]:
+        """Of outranked decode ``rows``, those that do not fit within ``row_slack ×`` the
         favoured chunk's predicted step beside the decode rows that run anyway (``others``);
         kept first: the longest left out, then the oldest."""
         n = min(_to_compute(fav), self.max_tokens)
         context = attended(fav.num_computed_tokens, n)
         chunk_s = min(self.target_s, self.cost.predict_step_s(0, n, context))
-        limit, kept = ROW_SLACK * chunk_s, len(others)
+        limit, kept = self.row_slack * chunk_s, len(others)
         context += sum(attended(s.num_computed_tokens, 1) for s in others)
         left: set[str] = set()
-        for s in sorted(rows, key=lambda r: (-self.skipped.get(r.seq_id, 0), r.arrival_seq)):
+        for s in sorted(rows, key=lambda r: (-skipped.get(r.seq_id, 0), r.arrival_seq)):
             c = context + attended(s.num_computed_tokens, 1)
             if self.cost.predict_step_s(kept + 1, n, c) <= limit:
                 kept, context = kept + 1, c
@@ -114,12 +131,14 @@ class ClassStep:
                 left.add(s.seq_id)
         return left
 
-    def check_invariants(self, unfinished: Iterable[SequenceState]) -> None:
-        """Only sequences left out of the last plan are counted, each 1..``max_skips`` steps;
-        none has finished since (one left out cannot sample), though it may have been
-        preempted (``unfinished``: the scheduler's running and waiting sequences)."""
+    def check_invariants(self, skipped: Mapping[str, int],
+                         unfinished: Iterable[SequenceState]) -> None:
+        """Only sequences left out of the last plan are counted (``skipped``: its counts),
+        each 1..``max_skips`` steps; none has finished since (one left out cannot sample),
+        though it may have been preempted (``unfinished``: the scheduler's running and
+        waiting sequences)."""
         ids = {s.seq_id for s in unfinished}
-        for sid, n in self.skipped.items():
+        for sid, n in skipped.items():
             assert sid in ids and 1 <= n <= self.max_skips, (sid, n)
 
 

@@ -20,7 +20,10 @@ class SchedulerConfig:
     most ``max_sequences`` = ``max_num_seqs + max_waiting`` unfinished sequences in all (the
     same bound the worker's arrival count applies, so the engine never refuses one it let in).
     ``itl_target_ms``: a step's predicted forward time (ms) that prefill chunks may fill up to,
-    beside the token budget (None: the token budget alone).
+    beside the token budget (None: the token budget alone); under it a favoured prefill's step
+    leaves out the rows it outranks (:mod:`.class_step`). ``tenant_share`` < 1: one tenant's
+    share of the seats, which it may run past while a waiting tenant has been served more than
+    it (seats follow service: :mod:`.seats`).
 
     Raises:
         ValueError: an unknown ``policy``, or a limit or share out of its range.
@@ -35,16 +38,9 @@ class SchedulerConfig:
     # max_num_seqs (running) one tenant may hold on this replica (1.0: no per-tenant cap).
     tenant_share: float = 1.0
     itl_target_ms: Optional[float] = None
-    # Priority classes: the fraction of max_num_seqs the batch band may run (1.0: no cap), and
-    # whether a higher class may preempt lower-class sequences that have streamed tokens.
+    # Priority classes: the fraction of max_num_seqs the batch band may run (1.0: no cap).
     batch_share: float = 1.0
-    preempt_streaming: bool = False
-    # Under an ITL target: a favoured prefill's step leaves out outranked rows (class_step.py).
-    class_step: bool = True
-    # With tenant_share < 1: a tenant may run past its share of seats while a waiting tenant
-    # has been served more than it (seats then follow service; False: a fixed cap).
-    seats_by_service: bool = True
-    # Layer-level yield (layer_yield.py, yield_step.py): a step in flight pauses between
+    # Layer-level yield (kvfleet.worker.engine.layer_yield): a step in flight pauses between
     # decoder layers for a nested step of newly arrived higher-class prompts. tp = 1 only
     # (the engine refuses an executor that cannot pause).
     layer_yield: bool = False
@@ -54,11 +50,13 @@ class SchedulerConfig:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0 or self.max_waiting < 0:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be > 0, max_waiting >= 0")
+        if not 0 <= self.watermark < 1:  # 1 keeps every block free: nothing new would run
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
         if not 0 < self.tenant_share <= 1:
             raise ValueError(f"tenant_share must be in (0, 1], got {self.tenant_share}")
         if self.itl_target_ms is not None and not 0 < self.itl_target_ms < float("inf"):
             raise ValueError(f"itl_target_ms must be > 0, got {self.itl_target_ms}")
-        PriorityRules(self.max_num_seqs, self.batch_share, self.preempt_streaming)  # checks
+        PriorityRules(self.max_num_seqs, self.batch_share)  # checks
 
     @property
     def max_sequences(self) -> int:

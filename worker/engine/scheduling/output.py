@@ -1,17 +1,21 @@
 """What the scheduler hands the engine: a step's plan with its sequences, and the forks of a step.
 
-:class:`SchedulerOutput` wraps the :class:`~kvfleet.worker.engine.step_plan.StepPlan` that crosses to the model
-runner with the engine-side view of the same step: which sequences run how many tokens and
-which sample, and which were preempted to make room.
+:class:`SchedulerOutput` wraps the :class:`~kvfleet.worker.engine.step_plan.StepPlan` that
+crosses to the model runner with the engine-side view of the same step: which sequences run how
+many tokens and which sample, which were preempted to make room, and which restore blocks from
+the host tier.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from kvfleet.worker.engine.request import SequenceState
 from kvfleet.worker.engine.step_plan import SeqChunk, StepPlan
+
+if TYPE_CHECKING:  # annotations only
+    from kvfleet.worker.kv_tier.admission import Restore
 
 
 @dataclass(frozen=True)
@@ -36,11 +40,13 @@ class ScheduledSeq:
 @dataclass(frozen=True)
 class SchedulerOutput:
     """One planned step: the ``plan`` to execute, its ``scheduled`` sequences in the plan's
-    chunk order, and the sequences ``preempted`` (by recompute) while planning it."""
+    chunk order, the sequences ``preempted`` (by recompute) while planning it, and the host-tier
+    ``restores`` it admitted (their blocks are ``plan.block_restores``)."""
 
     plan: StepPlan
     scheduled: tuple[ScheduledSeq, ...]
     preempted: tuple[SequenceState, ...] = ()
+    restores: tuple[Restore, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,15 @@
-"""Before a step: waiting sequences of a higher class preempt lower-class running ones.
+"""Preemption by class: before a step, waiting sequences of a higher class take seats and
+blocks from running ones of a lower class; and seats a nested step borrowed go back.
 
-Under the ``watermark`` policy, a waiting sequence that finds no seat or too few blocks for
-its first chunk may preempt (by recompute) running sequences of a lower class
-(:meth:`~.priority_queue.PriorityRules.victims`: those that have not streamed a token yet,
-all with ``preempt_streaming``), one at a time, lowest class and newest first. Waiting
-sequences are served in queue order (best class first) and the seats and blocks each
-claims are counted for the next, so a burst of higher-class arrivals gets its seats in one
-step, not one a step — up to the step's token budget: it stops once the first chunks made
-room for fill ``max_num_batched_tokens``. With ``tenant_share`` below 1 a sequence whose
-tenant may not take another seat (:class:`~.seats.TenantSeats`) stops it too: its
-tenant's share, not the class, holds it back.
+Under the ``watermark`` policy, a waiting sequence that :func:`~.admission.try_admit` refuses
+for seats or blocks (``CLAIM`` mode: nothing is admitted here) preempts, by recompute, running
+sequences of a lower class (:meth:`~.priority_queue.PriorityRules.victims`), one at a time,
+lowest class and newest first, until it fits. Waiting sequences are served in queue order (best class first,
+FCFS) and the seats and blocks each claims are counted for the next, so a burst of
+higher-class arrivals gets its seats in one step, not one a step — up to the step's token
+budget: it stops once the first chunks claimed fill ``max_num_batched_tokens``. A sequence
+refused for any other reason (its tenant's share, the batch share) stops it: admission would
+refuse it too.
 """
 
 from __future__ import annotations
@@ -18,58 +18,98 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 from kvfleet.worker.engine.request import SequenceState
-from kvfleet.worker.engine.scheduling.priority_queue import head_class
+from kvfleet.worker.engine.scheduling.admission import (
+    ClaimBudget,
+    Held,
+    Mode,
+    Pass,
+    Refusal,
+    StepWork,
+    try_admit,
+)
 from kvfleet.worker.engine.scheduling.seats import group_size, seats_taken
 
 if TYPE_CHECKING:  # only for annotations: the scheduler imports this module
     from kvfleet.worker.engine.scheduling.scheduler import Scheduler
 
+CURABLE = (Refusal.SEATS, Refusal.BLOCKS)  # what preempting a lower class can free
 
-def preempt_for_higher_class(sched: Scheduler) -> list[SequenceState]:
-    """Let ``sched``'s waiting sequences, best class first, each take a seat and blocks for
-    its first chunk from running sequences of a lower class, preempting them one at a time
-    (:meth:`Scheduler.preempt`). Stops at the first that finds no victim (or, with
-    ``tenant_share`` < 1, whose tenant may not take a seat), or once the first chunks made
-    room for fill the step's token budget.
+
+def preempt_for_higher_class(sched: Scheduler, work: StepWork, now: float) -> list[SequenceState]:
+    """Let ``sched``'s waiting sequences, best class first, each take a seat and blocks for its
+    first chunk from running sequences of a lower class, preempting them one at a time
+    (:meth:`Scheduler.preempt`). Stops at the first that finds no victim or is refused for
+    another reason, or once the first chunks claimed fill the step's token budget.
 
     Returns:
         The sequences preempted, in order (now waiting again).
     """
-    config, kv = sched.config, sched.kv
     preempted: list[SequenceState] = []
-    claimed_seats = claimed_blocks = tokens = 0
-    claimed_by_tenant: Counter = Counter()
-    waiting = {s.tenant for s in head_class(sched.waiting)}
+    victims = _Victims(sched)
+    if not sched.waiting or not victims(sched.waiting[0]):
+        return preempted  # the best class waiting has no victim: no class behind it has one
+    budget = ClaimBudget(sched.config.max_num_batched_tokens)
+    claims = Held(0, 0, Counter())  # what the sequences before this one claimed
     for seq in list(sched.waiting):
-        if tokens >= config.max_num_batched_tokens:
+        if not budget.has_room:
             break
-        group = group_size(seq, sched.pending_forks)
-        victims = None  # rules.victims over today's running list, once per preemption
-        if config.tenant_share < 1:  # its tenant's share, not the class, may hold it back
-            victims = sched.rules.victims(seq, sched.running)
-            held = (claimed_by_tenant[seq.tenant]  # victims are running sequences
-                    + sum(1 for s in sched.running if s.tenant == seq.tenant)
-                    - sum(1 for s in victims if s.tenant == seq.tenant))
-            if not sched.seats.may_take(seq.tenant, held, group, waiting):
-                break
         while True:
-            computed = kv.get_computed_blocks(seq.block_hashes, seq.num_tokens)
-            num_cached = len(computed) * kv.block_size
-            chunk = min(seq.num_tokens - num_cached, config.max_num_batched_tokens)
-            if (seats_taken(sched.running, sched.pending_forks) + claimed_seats + group
-                    <= config.max_num_seqs
-                    and sched.blocks.admissible(seq, computed, num_cached + chunk, sched.running,
-                                                sched.pending_forks, claimed_blocks)):
+            got = try_admit(sched, seq, budget, _claim_pass(sched, claims, work, now, victims))
+            if not isinstance(got, Refusal):
+                claims.take(seq, group_size(seq, sched.pending_forks), got.new_blocks)
                 break
-            if victims is None:
-                victims = sched.rules.victims(seq, sched.running)
-            if not victims:
+            found = victims(seq) if got in CURABLE else []
+            if not found:
                 return preempted
-            sched.preempt(victims[0])
-            preempted.append(victims[0])
-            victims = None  # the running list changed
-        claimed_seats += group
-        claimed_by_tenant[seq.tenant] += group
-        claimed_blocks += sched.blocks.new_blocks(computed, num_cached + chunk)
-        tokens += chunk
+            sched.preempt(found[0])
+            preempted.append(found[0])
+            victims.clear()  # the running set changed
+    return preempted
+
+
+class _Victims:
+    """:meth:`PriorityRules.victims` of each sequence over today's running set, looked up once
+    until :meth:`clear` (the running set changed)."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        self.sched = sched
+        self._found: dict[str, list[SequenceState]] = {}
+
+    def __call__(self, seq: SequenceState) -> list[SequenceState]:
+        if seq.seq_id not in self._found:
+            self._found[seq.seq_id] = self.sched.rules.victims(seq, self.sched.running)
+        return self._found[seq.seq_id]
+
+    def clear(self) -> None:
+        self._found.clear()
+
+
+def _claim_pass(sched: Scheduler, claims: Held, work: StepWork, now: float,
+                victims: _Victims) -> Pass:
+    """A ``CLAIM`` pass over today's running set plus what was claimed so far."""
+    held = Held.of(sched.running, sched.pending_forks)
+    held.seats += claims.seats
+    held.batch += claims.batch
+    held.by_tenant.update(claims.by_tenant)
+    held.blocks = claims.blocks
+
+    def own_victims(seq: SequenceState) -> int:  # seats its tenant holds that it could take
+        return sum(1 for s in victims(seq) if s.tenant == seq.tenant)
+
+    return Pass(Mode.CLAIM, held, work, now, own_victims=own_victims)
+
+
+def return_seats_over_limit(sched: Scheduler) -> list[SequenceState]:
+    """While the running set holds more than ``max_num_seqs`` seats (a nested step borrowed
+    some, :mod:`kvfleet.worker.engine.layer_yield`), preempt, by recompute, the victims the
+    best running class may take (lowest class, newest first). Returns them (waiting again)."""
+    preempted: list[SequenceState] = []
+    while (sched.running and seats_taken(sched.running, sched.pending_forks)
+           > sched.config.max_num_seqs):
+        best = min(sched.running, key=lambda s: (s.priority, s.arrival_seq))
+        victims = sched.rules.victims(best, sched.running)
+        if not victims:
+            break  # nothing the class rules allow: the seat comes back when one finishes
+        sched.preempt(victims[0])
+        preempted.append(victims[0])
     return preempted

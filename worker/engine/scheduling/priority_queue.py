@@ -7,9 +7,10 @@ which running sequences a higher class may preempt (``kvfleet.priority``: lower 
   order, so a higher class's prefill gets the step's token budget first, and a running
   sequence that cannot grow preempts the newest of the lowest class.
 * **Preemption.** A waiting sequence that finds no seat or too few blocks may preempt (by
-  recompute) running sequences of a strictly *lower* class that have not streamed a token
-  yet; ones that have streamed only with ``preempt_streaming`` (their client sees a pause,
-  never a changed token: recompute is exact). Victims go lowest class first, newest first.
+  recompute) running sequences of a strictly *lower* class, streaming ones too (their client
+  sees a pause, never a changed token: recompute is exact; measured to cut a higher class's
+  TTFT tail beside a flood at a small cost in the lower class's throughput: docs/slo.md).
+  Victims go lowest class first, newest first.
 * **Batch share.** Sequences in the ``batch`` band (priority >= 2) run in at most
   ``batch_share × max_num_seqs`` seats (at least one), keeping the rest for higher classes.
 """
@@ -49,21 +50,15 @@ def head_class(waiting: Iterable[SequenceState]) -> Iterator[SequenceState]:
         yield s
 
 
-def streamed(seq: SequenceState) -> bool:
-    """True once the sequence has emitted a token to its client."""
-    return bool(seq.output_token_ids)
-
-
 @dataclass(frozen=True)
 class PriorityRules:
-    """A replica's class rules (``SchedulerConfig.batch_share`` / ``preempt_streaming``).
+    """A replica's class rules (``SchedulerConfig.batch_share``).
 
     Raises ValueError for ``batch_share`` outside (0, 1] or ``max_num_seqs`` < 1.
     """
 
     max_num_seqs: int
     batch_share: float = 1.0
-    preempt_streaming: bool = False
 
     def __post_init__(self) -> None:
         if not 0 < self.batch_share <= 1:
@@ -84,10 +79,8 @@ class PriorityRules:
     def victims(self, seq: SequenceState, running: Sequence[SequenceState]
                 ) -> list[SequenceState]:
         """The running sequences ``seq`` may preempt, in the order to take them: a strictly
-        lower class (a larger number), not yet streamed unless ``preempt_streaming``; lowest
-        class first, newest first."""
-        eligible = [r for r in running if r.priority > seq.priority
-                    and (self.preempt_streaming or not streamed(r))]
+        lower class (a larger number); lowest class first, newest first."""
+        eligible = [r for r in running if r.priority > seq.priority]
         return sorted(eligible, key=order_key, reverse=True)
 
 

@@ -66,17 +66,18 @@ class TenantSeats:
                     and self.service.behind(tenant, (t for t in waiting if t != tenant))))
 
     def next_waiting(self, waiting: Iterable[SequenceState], forks: Forks,
-                     running_by_tenant: Counter, planned: Mapping[str, float]
-                     ) -> Optional[SequenceState]:
+                     running_by_tenant: Counter, planned: Mapping[str, float],
+                     check_share: bool = True) -> Optional[SequenceState]:
         """Of the best class in ``waiting`` (sorted by class, then FCFS), the oldest sequence
         of its least-served tenant (service + ``planned`` this step) among those that may
-        take a seat (holding ``running_by_tenant[tenant]``); None when none may."""
+        take a seat (holding ``running_by_tenant[tenant]``; any, ``check_share`` False: the
+        caller counts seats its own way); None when none may."""
         tenants = {s.tenant for s in head_class(waiting)}
         oldest: dict[str, SequenceState] = {}
         for s in head_class(waiting):  # arrival order: each tenant's first is its oldest
             if s.tenant not in oldest:
-                if self.may_take(s.tenant, running_by_tenant[s.tenant], group_size(s, forks),
-                                 tenants):
+                if not check_share or self.may_take(s.tenant, running_by_tenant[s.tenant],
+                                                    group_size(s, forks), tenants):
                     oldest[s.tenant] = s
         # Ties (a tenant just back from idle starts at the others' minimum) go to the tenant
         # running fewer sequences, then to the oldest waiting (sorted is stable).

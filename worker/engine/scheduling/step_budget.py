@@ -39,13 +39,14 @@ FLOOR_GROWTH = 4  # targets of waiting per extra block of floor
 FLOOR_CAP = 2.0
 
 
-def floor_tokens(block_size: int, target_s: float, oldest_wait_s: Optional[float]) -> int:
-    """Prefill tokens a step runs past the target: one block, plus one per ``FLOOR_GROWTH``
+def floor_tokens(block_size: int, target_s: float, oldest_wait_s: Optional[float],
+                 growth: float = FLOOR_GROWTH) -> int:
+    """Prefill tokens a step runs past the target: one block, plus one per ``growth``
     targets the oldest prefill in progress has run (``oldest_wait_s``; None: no prefill
     pending, floor 0)."""
     if oldest_wait_s is None:
         return 0
-    return block_size * (1 + int(max(0.0, oldest_wait_s) // (FLOOR_GROWTH * target_s)))
+    return block_size * (1 + int(max(0.0, oldest_wait_s) // (growth * target_s)))
 
 
 class StepBudget:
@@ -61,10 +62,13 @@ class StepBudget:
         cost: the replica's step-cost model; with ``target_s`` None it is not consulted.
         target_s: the ITL target in seconds (None: tokens only).
         floor: prefill tokens this step runs even past the target (:func:`floor_tokens`).
+        floor_cap: past its first block, the floor stops where the step's prediction reaches
+            this × the target (or × the decode rows' own predicted time, where longer).
     """
 
     def __init__(self, max_tokens: int, block_size: int, cost: Optional[StepCostModel] = None,
-                 target_s: Optional[float] = None, floor: int = 0) -> None:
+                 target_s: Optional[float] = None, floor: int = 0,
+                 floor_cap: float = FLOOR_CAP) -> None:
         if target_s is not None and cost is None:
             raise ValueError("an ITL target needs a step-cost model")
         self.tokens_left = max_tokens
@@ -72,6 +76,7 @@ class StepBudget:
         self.cost = cost
         self.target_s = target_s
         self.floor_left = floor
+        self.floor_cap = floor_cap
         self.decode_rows = 0
         self.prefill_tokens = 0
         self.context_tokens = 0
@@ -104,8 +109,8 @@ class StepBudget:
         if not self.timed or cap <= 0 or reserved:
             return max(cap, 0)
         floor = min(cap, self.floor_left)
-        if floor > self.block_size:  # past one block, the floor stops at FLOOR_CAP targets
-            limit = FLOOR_CAP * max(self._target(), self.decodes_s)
+        if floor > self.block_size:  # past one block, the floor stops at floor_cap targets
+            limit = self.floor_cap * max(self._target(), self.decodes_s)
             floor = max(self.block_size, self._fits(num_computed, floor, limit))
         n = max(self._fits(num_computed, cap), floor)
         if 0 < n < want:  # stopping short of the prompt's end: end on a block boundary

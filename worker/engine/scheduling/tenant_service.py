@@ -18,9 +18,9 @@ that ran alone meanwhile) — so idle time is not banked: it cannot come back an
 replica for as long as it was away, nor for as long as another ran alone.
 
 Weights: decode 2, prefill 1 (the paper's choice). A decode token costs a whole row of the
-batch for one token; on the calibrated CPU model (``MEASURED``: 12.5 ms per prefill token,
-88 ms per decode row) the ratio is ~7, on a GPU far closer to 1 (decode rows ride along in a
-memory-bound step); 2 sits between and keeps long-output tenants from looking free.
+batch for one token: on the calibrated CPU model several prefill tokens' worth, on a GPU far
+closer to one (decode rows ride along in a memory-bound step); 2 sits between and keeps
+long-output tenants from looking free.
 """
 
 from __future__ import annotations

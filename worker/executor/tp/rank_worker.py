@@ -25,7 +25,7 @@ import torch
 from kvfleet.worker.executor.local import rank_info
 from kvfleet.worker.executor.tp.comm import GroupAddress, RankComm
 from kvfleet.worker.executor.tp.wire import Commit, PlanDecoder, decode_call, decode_moves
-from kvfleet.worker.kv_tier.rank_tier import RankTier, transfer
+from kvfleet.worker.kv_tier.rank_tier import NO_RANK_TIER, NoRankTier, RankTier, transfer
 from kvfleet.worker.kv_tier.store import TierStore
 from kvfleet.worker.runner.lora.adapter import AdapterSpec, read_adapter
 from kvfleet.worker.runner.lora.slots import Weights as LoraWeights
@@ -79,7 +79,7 @@ class RankWorker:
         self._calls: dict[str, Callable[..., None]] = {"step": self._step, "barrier": self._barrier,
                                                        "stop": self._stop,
                                                        "transfer": self._transfer}
-        self.tier: Optional[RankTier] = None
+        self.tier: RankTier | NoRankTier = NO_RANK_TIER
         self._serving = False
 
     @property
@@ -141,8 +141,7 @@ class RankWorker:
 
     def _stop(self) -> None:
         self._serving = False
-        if self.tier is not None:
-            self.tier.close()
+        self.tier.close()
 
     def _commit(self, commits: list[Commit]) -> None:
         for slot, prepared in commits:

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import torch
 
 from kvfleet.worker.runner.lora.slots import LoraBatch
-from kvfleet.worker.runner.models import PROJECTIONS, CausalLM
+from kvfleet.worker.runner.models import CausalLM
 from kvfleet.worker.runner.models.linear import Projection
 
 
@@ -67,12 +67,13 @@ class LoraLinear:
 
 def apply_lora(model: CausalLM, max_loras: int) -> AdapterMapping:
     """Wrap each decoder layer's projections (``PROJECTIONS``, the fused groups adapters are
-    read into), each in a :class:`LoraLinear` reading the returned mapping. With ``max_loras`` 0
+    read into, wherever the layer holds them), each in a :class:`LoraLinear` reading the
+    returned mapping. With ``max_loras`` 0
     nothing is wrapped. Apply before :func:`kvfleet.worker.runner.tp.linear.parallelize`, so
     an update joins its projection's partial sum before the all-reduce."""
     mapping = AdapterMapping()
     if max_loras > 0:
         for i, layer in enumerate(model.layers):
-            for name in PROJECTIONS:
-                setattr(layer, name, LoraLinear(getattr(layer, name), i, name, mapping))
+            for name, holder in layer.projection_holders().items():
+                setattr(holder, name, LoraLinear(getattr(holder, name), i, name, mapping))
     return mapping

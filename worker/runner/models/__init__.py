@@ -1,46 +1,71 @@
 """Model families: ``config.json`` architecture name → the module that implements it.
 
-Adding a family is one module with ``build_model(config, weights, dtype, device)`` returning a
-:class:`CausalLM`, plus one line in ``REGISTRY``. Modules are imported on first use.
+:data:`REGISTRY` is derived from :data:`kvfleet.worker.runner.model_families.FAMILIES` (the
+one table of families: architectures, module, config rules). A family's module has
+``build_model(config, weights, dtype, device, one_row_copy, lm_head)`` returning a
+:class:`CausalLM`. Modules are imported on first use; this package itself imports no torch, so
+``kvfleet up`` can check a model before anything heavy loads (:func:`check_model_dir`).
 """
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
-
-from kvfleet.worker.runner.model_config import ModelConfig, UnsupportedModel
+from kvfleet.worker.runner.model_config import ModelConfig, UnsupportedModel, load_model_config
+from kvfleet.worker.runner.model_families import FAMILIES
 
 if TYPE_CHECKING:
+    import torch
+
     from kvfleet.worker.runner.attention import AttentionMetadata
     from kvfleet.worker.runner.kv_cache import KVCache
     from kvfleet.worker.runner.models.linear import Projection
 
-# Mistral and Qwen2 differ from Llama only in what ModelConfig carries (window, QKV bias).
-REGISTRY: dict[str, str] = {
-    "LlamaForCausalLM": "kvfleet.worker.runner.models.llama",
-    "MistralForCausalLM": "kvfleet.worker.runner.models.llama",
-    "Qwen2ForCausalLM": "kvfleet.worker.runner.models.llama",
-}
+REGISTRY: dict[str, str] = {arch: family.module for family in FAMILIES.values()
+                            for arch in family.architectures}
 
 
-# The projections every family's decoder layer holds, by attribute name → the checkpoint's
-# modules fused into it, in output-column order. Each is a ``Projection`` ``(T, in) → (T, out)``
-# that the runner may replace by a wrapper of it (tensor parallelism, LoRA) after building.
+# The projections a decoder layer holds, by name → the checkpoint's modules fused into it, in
+# output-column order. Each is a ``Projection`` ``(T, in) → (T, out)`` that the runner may
+# replace by a wrapper of it (tensor parallelism, LoRA) after building: a decoder layer's
+# ``projection_holders()`` maps each projection it has to the object holding it as an attribute
+# (the layer for attention's, its ``mlp`` slot for a dense MLP's), and a wrapper replaces it
+# with ``setattr(holder, name, wrap(getattr(holder, name)))``.
 PROJECTIONS: dict[str, tuple[str, ...]] = {
     "qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
     "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",),
 }
 
 
+def check_model_dir(model_dir: str | Path) -> ModelConfig:
+    """Read ``model_dir``'s config and check a registered family builds it (torch-free).
+
+    Raises:
+        FileNotFoundError: no ``config.json``.
+        UnsupportedModel, ConfigError: see :func:`~.model_config.parse_model_config`.
+    """
+    config = load_model_config(model_dir)
+    _module_for(config)
+    return config
+
+
+def _module_for(config: ModelConfig) -> str:
+    module_name = REGISTRY.get(config.architecture)
+    if module_name is None:
+        raise UnsupportedModel(
+            f"architectures: {config.architecture!r} is not supported ({', '.join(sorted(REGISTRY))})"
+        )
+    return module_name
+
+
 class CausalLM(Protocol):
     """What the model runner calls; the model knows nothing of paging beyond ``meta``, nor of
     ranks or adapters (those wrap its projections, see :data:`PROJECTIONS`)."""
 
-    layers: Sequence[Any]  # decoder layers, each holding the PROJECTIONS as attributes
+    layers: Sequence[Any]  # decoder layers, each with projection_holders() (see PROJECTIONS)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
@@ -49,7 +74,8 @@ class CausalLM(Protocol):
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(T,)`` ids and positions → ``(hidden, cos, sin)``, the input of :meth:`run_layers`."""
+        """``(T,)`` ids and positions → ``(hidden, cos, sin)``, the input of :meth:`run_layers`
+        (``cos``/``sin``: the model's RoPE rows, opaque to the runner)."""
         ...
 
     def run_layers(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -88,10 +114,5 @@ def build_model(config: ModelConfig, weights: Mapping[str, torch.Tensor],
     Raises:
         UnsupportedModel: no registered family for the architecture.
     """
-    module_name = REGISTRY.get(config.architecture)
-    if module_name is None:
-        raise UnsupportedModel(
-            f"architecture {config.architecture!r} is not supported ({', '.join(sorted(REGISTRY))})"
-        )
-    return importlib.import_module(module_name).build_model(config, weights, dtype, device,
+    return importlib.import_module(_module_for(config)).build_model(config, weights, dtype, device,
                                                             one_row_copy, lm_head)

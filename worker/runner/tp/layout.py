@@ -47,6 +47,12 @@ SPLITS: dict[str, Split] = {
     "down_proj": Split(ROW, "ffn"),
 }
 
+# Checkpoint modules storing several column-parallel projections fused along the output, in
+# order (Phi-3): a rank reads its span of each member and keeps them in that order.
+FUSED: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
+}
+
 
 @dataclass(frozen=True)
 class ShardLayout:

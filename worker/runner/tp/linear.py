@@ -60,7 +60,7 @@ def parallelize(model: CausalLM, layout: ShardLayout, reduce: Reduce) -> None:
     (:func:`kvfleet.worker.runner.lora.layer.apply_lora`)."""
     if layout.tp == 1:
         return
-    names = [name for name in PROJECTIONS if row_parallel(name)]
     for layer in model.layers:
-        for name in names:
-            setattr(layer, name, RowParallelLinear(getattr(layer, name), reduce))
+        for name, holder in layer.projection_holders().items():
+            if row_parallel(name):
+                setattr(holder, name, RowParallelLinear(getattr(holder, name), reduce))

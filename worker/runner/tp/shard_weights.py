@@ -17,6 +17,9 @@ cheap (the shared-memory all-reduce, NCCL).
 
 Each projection splits per :data:`~kvfleet.worker.runner.tp.layout.SPLITS`; each tensor comes
 from ``safe_open(...).get_slice``, which reads only the requested rows or columns from the file.
+A fused checkpoint module (:data:`~kvfleet.worker.runner.tp.layout.FUSED`, Phi-3's
+``qkv_proj``) is read as this rank's span of each member, concatenated in member order: the
+same ``[q_r | k_r | v_r]`` a rank builds from separate modules.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from kvfleet.worker.runner.tp.layout import ROW, SPLITS, ShardLayout
+from kvfleet.worker.runner.tp.layout import FUSED, ROW, SPLITS, ShardLayout
 from kvfleet.worker.runner.weights import load_weights
 
 
@@ -81,6 +84,8 @@ def shard_tensor(name: str, tensor: torch.Tensor, layout: ShardLayout) -> torch.
 def _read(f, name: str, layout: ShardLayout) -> torch.Tensor:
     # "model.layers.{i}.self_attn.q_proj.weight" → module "q_proj", kind "weight"
     module, kind = name.split(".")[-2:] if ".layers." in name else ("", "")
+    if module in FUSED and kind in ("weight", "bias"):
+        return _read_fused(f, name, FUSED[module], layout)
     split = SPLITS.get(module) if kind in ("weight", "bias") else None
     if split is None:
         return f.get_tensor(name)
@@ -94,3 +99,19 @@ def _read(f, name: str, layout: ShardLayout) -> torch.Tensor:
     if size != total:
         raise ValueError(f"{name}: dimension {axis} is {size}, config.json implies {total}")
     return sl[span.start:span.stop] if axis == 0 else sl[:, span.start:span.stop]
+
+
+def _read_fused(f, name: str, members: tuple[str, ...], layout: ShardLayout) -> torch.Tensor:
+    """This rank's rows of each member of a fused column-parallel tensor, in member order."""
+    parts = [SPLITS[m].part for m in members]
+    assert all(SPLITS[m].axis != ROW for m in members), "only column-parallel modules fuse"
+    sl = f.get_slice(name)
+    size, total = sl.get_shape()[0], sum(layout.full_size(p) for p in parts)
+    if size != total:
+        raise ValueError(f"{name}: dimension 0 is {size}, config.json implies {total}")
+    rows, offset = [], 0
+    for part in parts:
+        span = layout.span(part)
+        rows.append(sl[offset + span.start:offset + span.stop])
+        offset += layout.full_size(part)
+    return torch.cat(rows)

@@ -37,6 +37,15 @@ def budget(request) -> dict:
     return ITL_TARGET if request.param == "itl-target" else {}
 
 
+# The cache-path scenarios (prefix hits, preemption + recompute, copy-on-write) for Llama under
+# both budgets, and for each family whose decoder differs under the token budget (the budget
+# moves chunk boundaries, which no family changes).
+CACHE_PATHS = pytest.mark.parametrize("model_dir, budget", [
+    ("tiny_llama_dir", "tokens"), ("tiny_llama_dir", "itl-target"),
+    *((f, "tokens") for f in ("tiny_llama3_dir", "tiny_qwen3_dir", "tiny_gemma3_dir",
+                              "tiny_phi3_dir"))], indirect=True)
+
+
 def _check(model_dir, rec, req, res, index: int = 0) -> None:
     err = reference_error(model_dir, rec, f"{req.request_id}#{index}", seq_tokens(req, res))
     assert err <= 1, f"{req.request_id}#{index}: {err:.2f}x the tolerance"
@@ -70,10 +79,11 @@ def test_uneven_chunks(model_dir, budget) -> None:
     _check(model_dir, rec, req, res)
 
 
-def test_prefix_hits_full_and_mid_block(tiny_llama_dir, budget) -> None:
+@CACHE_PATHS
+def test_prefix_hits_full_and_mid_block(model_dir, budget) -> None:
     """A second request reuses the cached full blocks of the first; a third whose shared prefix
     ends mid-block reuses only the full blocks before it and computes the rest."""
-    engine, rec = make_engine(tiny_llama_dir, **budget)
+    engine, rec = make_engine(model_dir, **budget)
     base = prompt(22, seed=3)
     first = request(base, max_tokens=4)
     same_16 = request(base[:16] + prompt(9, seed=4), max_tokens=5)    # 4 full blocks shared
@@ -88,9 +98,13 @@ def test_prefix_hits_full_and_mid_block(tiny_llama_dir, budget) -> None:
     for r in (same_16, same_18, whole):
         first_chunk = next(c for p in rec.plans for c in p.chunks if c.seq_id == f"{r.request_id}#0")
         assert first_chunk.num_computed_tokens == cached[r.request_id]
-        _check(tiny_llama_dir, rec, r, results[(r.request_id, 0)])
+        _check(model_dir, rec, r, results[(r.request_id, 0)])
 
 
+# Batch invariance of every family's forward is test_parity_tiny's mixed batch (runner level);
+# this scenario adds the scheduler's joins and leaves, which no family changes.
+@pytest.mark.parametrize("model_dir", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_mistral_dir"],
+                         indirect=True)
 def test_mixed_batch_of_eight_joining_and_leaving_equals_each_alone(model_dir, budget) -> None:
     """Eight requests of different lengths arrive at different steps and finish at different
     steps; prefill chunks share steps with decodes. Each request's logits equal those it gets
@@ -117,16 +131,17 @@ def test_mixed_batch_of_eight_joining_and_leaving_equals_each_alone(model_dir, b
         assert scaled_error(common, solo) <= 1, req.request_id
 
 
-def test_preempted_then_resumed(tiny_llama_dir, budget) -> None:
+@CACHE_PATHS
+def test_preempted_then_resumed(model_dir, budget) -> None:
     """Eight blocks of four tokens for three growing requests: the newest is preempted by
     recompute, resumes later, and ends with exactly the tokens and logits it gets alone."""
     reqs = [request(prompt(6, seed=20 + i), max_tokens=12) for i in range(3)]
-    engine, rec = make_engine(tiny_llama_dir, num_blocks=10, watermark=0.0, **budget)
+    engine, rec = make_engine(model_dir, num_blocks=10, watermark=0.0, **budget)
     results, preempted = run_preempting(engine, reqs)
     for req in reqs:
         res = results[(req.request_id, 0)]
-        _check(tiny_llama_dir, rec, req, res)
-        assert run_alone(tiny_llama_dir, req).token_ids == res.token_ids
+        _check(model_dir, rec, req, res)
+        assert run_alone(model_dir, req).token_ids == res.token_ids
     widths = [len(c.token_ids) for p in rec.plans for c in p.chunks if c.seq_id == preempted[0]]
     assert max(widths[widths.index(1):]) > 1, "the preempted sequence recomputed after decoding"
 
@@ -143,17 +158,18 @@ def test_rows_sitting_out_for_a_higher_class_or_less_served_tenant(tiny_llama_di
     engine, rec = make_engine(tiny_llama_dir, **ITL_TARGET)
     sat_out: list[int] = []
     results = run(engine, {0: batch, 4: chat[:1], 6: [chat[1], other]},
-                  on_step=lambda k, e: sat_out.append(len(e.scheduler.class_step.skipped)))
+                  on_step=lambda k, e: sat_out.append(len(e.scheduler.skipped)))
     assert max(sat_out) >= 2, "some step left rows out"
     for r in [*batch, *chat, other]:
         _check(tiny_llama_dir, rec, r, results[(r.request_id, 0)])
 
 
-def test_n2_siblings_after_copy_on_write(tiny_llama_dir, budget) -> None:
+@CACHE_PATHS
+def test_n2_siblings_after_copy_on_write(model_dir, budget) -> None:
     """n=2 sampled siblings fork one prompt (10 tokens: 2 full blocks + a half-full one): the
     prompt is computed once, the shared partial block is copied before a sibling writes into
     it, and each sibling's logits equal transformers' on its own tokens."""
-    engine, rec = make_engine(tiny_llama_dir, **budget)
+    engine, rec = make_engine(model_dir, **budget)
     req = request(prompt(10, seed=30), max_tokens=9, n=2, temperature=1.0, seed=7)
     results = run(engine, [req])
     a, b = results[(req.request_id, 0)], results[(req.request_id, 1)]
@@ -167,7 +183,7 @@ def test_n2_siblings_after_copy_on_write(tiny_llama_dir, budget) -> None:
     src, dst = copies[0]
     assert src == prompt_chunks[-1].block_table[10 // BLOCK_SIZE] and dst != src
     for index, res in enumerate((a, b)):
-        _check(tiny_llama_dir, rec, req, res, index)
+        _check(model_dir, rec, req, res, index)
         assert b.last.usage.prompt_tokens == 10
 
 

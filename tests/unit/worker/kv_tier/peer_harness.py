@@ -46,7 +46,7 @@ class InProcessRelay(NodeRelay):
     (``stores``: node id → store; an unknown node raises like a missing actor)."""
 
     def __init__(self, local: TierStore, stores: dict[str, TierStore], ranks=(0,)) -> None:
-        super().__init__(local, ranks, capacity_bytes=0)
+        super().__init__(local, ranks)
         self.stores = stores
 
     def source(self, node_id: str) -> TierStore:

@@ -38,7 +38,6 @@ def _two_replicas(model_dir, base: list[int]):
 def _idle(engine) -> None:
     engine.kv.check_invariants()
     assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
-    assert not engine.exports.pending
 
 
 def test_a_pulled_prefix_equals_recompute_and_releases_the_exporters_blocks(model_dir) -> None:
@@ -233,22 +232,23 @@ def test_an_export_whose_write_back_was_dropped_answers_only_what_landed(tiny_ll
     _idle(b)
 
 
-def test_exported_blocks_stay_referenced_until_the_step_copies_them(tiny_llama_dir) -> None:
-    """A request that needs nearly all of A's pool arrives with the export: the exported
-    blocks are referenced (so not evictable) until the step's moves copied them, the request
-    then evicts some of them, and the copies in the tier give B the logits of recomputation."""
+def test_an_export_is_snapshotted_at_once_and_holds_no_block(tiny_llama_dir) -> None:
+    """The export's blocks are copied for write-back when it is asked, not at the next step:
+    it is answered at once and references nothing, so a request that needs nearly all of A's
+    pool may evict them right away, and the copies in the tier give B the logits of
+    recomputation."""
     base = prompt(22, seed=62)
     a, b, rec, store = _two_replicas(tiny_llama_dir, base)
     chain = chain_of(a, request(base))[:5]
     answers: list[tuple[bytes, ...]] = []
     assert a.export_blocks(chain, answers.append) == 5
+    assert answers == [tuple(chain)]  # before any step
     blocks = [a.kv.pool.lookup(h) for h in chain]
-    assert all(a.kv.ref_count(x) == 1 for x in blocks)  # referenced by the export alone
+    assert all(a.kv.ref_count(x) == 0 for x in blocks)  # cached, evictable: nothing holds them
     filler = request(prompt(40, seed=63), max_tokens=2)  # 11 of the pool's 12 blocks
-    run(a, [filler])  # its first step moves the export; then it evicts exported blocks
-    assert answers == [tuple(chain)]
+    run(a, [filler])
     assert any(a.kv.pool.lookup(h) is None for h in chain), "none evicted"
-    assert store.lookup(chain, [0]) == 5
+    assert a.executor.tier.flush() and store.lookup(chain, [0]) == 5
     again = request(base + prompt(3, seed=64), max_tokens=3)
     results = run(b, [again])
     assert restored_blocks(rec, again.request_id) == 5
@@ -258,8 +258,7 @@ def test_exported_blocks_stay_referenced_until_the_step_copies_them(tiny_llama_d
 
 def test_an_export_stops_at_a_repeated_hash(tiny_llama_dir) -> None:
     """A request naming one cached block more times than the pool has free blocks (no chain
-    repeats a hash): the leading run ends at the repeat, and its reference goes after the
-    step."""
+    repeats a hash): the leading run ends at the repeat."""
     base = prompt(22, seed=65)
     a, _, _, store = _two_replicas(tiny_llama_dir, base)
     chain = chain_of(a, request(base))[:2]
@@ -267,7 +266,8 @@ def test_an_export_stops_at_a_repeated_hash(tiny_llama_dir) -> None:
     assert a.export_blocks([chain[0], chain[1], chain[0]] * a.kv.num_total_blocks,
                            answers.append) == 2
     run(a, [request(prompt(5, seed=66), max_tokens=1)])
-    assert answers == [tuple(chain)] and store.lookup(chain, [0]) == 2
+    assert answers == [tuple(chain)]
+    assert a.executor.tier.flush() and store.lookup(chain, [0]) == 2
     _idle(a)
 
 

@@ -58,7 +58,7 @@ def test_the_relay_copies_every_ranks_shard_or_fails():
     hashes = [b"h%015d" % i for i in range(3)]
     for rank in (0, 1):
         source.put(rank, hashes, np.full((3, 8), rank, dtype=np.uint8))
-    relay = NodeRelay(local, [0, 1], 1 << 20)
+    relay = NodeRelay(local, [0, 1])
     assert relay.copy(source, hashes) == 3
     assert local.lookup(hashes, [0, 1]) == 3 and local.get(1, hashes).max() == 1
     with pytest.raises(LookupError):

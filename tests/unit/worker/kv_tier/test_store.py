@@ -86,12 +86,13 @@ def test_block_moves_round_trip_the_wire() -> None:
 
 
 def test_the_pool_records_each_evicted_registered_block_once() -> None:
-    pool = BlockPool(2, record_evictions=True)
+    pool = BlockPool(2)
     a, b = pool.allocate(2)
     pool.register(a, _h(1))
     pool.release([a, b])          # a evictable, b free
-    assert pool.take_evictions() == []
-    pool.allocate(1)              # the free block first: nothing evicted
-    (c,) = pool.allocate(1)       # now a is evicted
-    assert c == a and pool.take_evictions() == [(a, _h(1))] and pool.take_evictions() == []
+    evicted: list[tuple[int, bytes]] = []
+    pool.allocate(1, evicted)     # the free block first: nothing evicted
+    assert evicted == []
+    (c,) = pool.allocate(1, evicted)  # now a is evicted
+    assert c == a and evicted == [(a, _h(1))]
     pool.check_invariants()

@@ -8,7 +8,9 @@ import gc
 
 import pytest
 
-from kvfleet.worker.kv_tier.node_tier import RayTier, node_tier, node_tiers
+from kvfleet.index_keys import DEFAULT_NAMESPACE
+from kvfleet.worker.kv_tier.node_tier import RayTier, node_tier, node_tiers, remove_node_tiers
+from kvfleet.worker.kv_tier.tier_layout import LayoutTier, TierLayout
 from tests.unit.worker.engine_harness import prompt, request
 from tests.unit.worker.kv_tier.tier_harness import (
     evict_then_ask_again,
@@ -22,9 +24,8 @@ CAPACITY = 32 << 20
 
 @pytest.fixture
 def ray_tier(ray_session):
-    tier = node_tier(CAPACITY)
-    yield tier
-    ray_session.kill(tier.actor)
+    yield node_tier(CAPACITY)
+    remove_node_tiers(DEFAULT_NAMESPACE)
 
 
 def _live_refs(ray) -> int:
@@ -85,9 +86,7 @@ def test_actor_killed_mid_transfer_the_request_recomputes_and_nothing_leaks(
     assert tier.flush() and tier.pending_bytes == 0
     assert _live_refs(ray_session) <= refs_before
     # The node's next tier starts empty (the dead actor's bytes went with it).
-    fresh = node_tier(CAPACITY)
-    assert fresh.stats().bytes_used == 0
-    ray_session.kill(fresh.actor)
+    assert node_tier(CAPACITY).stats().bytes_used == 0
 
 
 def test_a_replica_with_kv_host_memory_uses_its_nodes_tier(ray_session, ray_tier,
@@ -99,8 +98,13 @@ def test_a_replica_with_kv_host_memory_uses_its_nodes_tier(ray_session, ray_tier
                        kv_host_memory_bytes=CAPACITY)
     engine = build_engine(cfg)
     try:
-        assert engine.scheduler.tier is not None and engine.kv.pool.record_evictions
-        store = engine.executor.tier.store
-        assert isinstance(store, RayTier) and store.actor._actor_id == ray_tier.actor._actor_id
+        assert engine.scheduler.tier.enabled and engine.executor.tier.enabled
+        store = engine.executor.tier.store  # the deployment's tier, through the layout
+        mc = engine.executor.config
+        assert isinstance(store, LayoutTier) and isinstance(store.store, RayTier)
+        assert store.layout == TierLayout(1, mc.num_kv_heads)
+        ns_tier = node_tier(CAPACITY, namespace="kvtest-tier:")
+        assert store.store.actor._actor_id == ns_tier.actor._actor_id != ray_tier.actor._actor_id
     finally:
         engine.executor.close()
+        remove_node_tiers("kvtest-tier:")

@@ -8,8 +8,9 @@ import asyncio
 
 from kvfleet.worker.kv_tier.store import HostTierStore
 from kvfleet.worker.service.engine_loop import EngineLoop
-from tests.unit.worker.engine_harness import prompt, request, run
+from tests.unit.worker.engine_harness import make_engine, prompt, request, run
 from tests.unit.worker.kv_tier.tier_harness import (
+    POOL_BLOCKS,
     TIER_BYTES,
     chain_of,
     parity_error,
@@ -57,6 +58,5 @@ def test_the_hand_over_is_bounded_and_hottest_first(tiny_llama_dir) -> None:
     assert store.lookup([h for _, h in hot[:2]], [0]) == 2
     assert store.stats().blocks == 2 and hot[0][1] in engine.kv.cached_hashes()
     # Without a tier there is nothing to hand over.
-    plain, _, _, _ = tier_engine(tiny_llama_dir, store)
-    plain.scheduler.tier = None
+    plain, _ = make_engine(tiny_llama_dir, num_blocks=POOL_BLOCKS)
     assert plain.hand_over(10) == 0

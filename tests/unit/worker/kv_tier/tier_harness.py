@@ -37,7 +37,7 @@ def tier_engine(model_dir: Path, store: TierStore | None = None, executor=None, 
         executor = LocalExecutor(runner, RankTier(store, 0, runner.kv_cache))
     engine, rec = make_engine(model_dir, num_blocks=POOL_BLOCKS, runner=executor,
                               tier=TierLookup(store, tp), **engine_args)
-    if executor.tier is not None and not executor.tier.tag:
+    if executor.tier.enabled and not executor.tier.tag:
         executor.tier.tag = engine.identity_digest  # as build_engine tags a replica's
     return engine, rec, executor.tier, store
 

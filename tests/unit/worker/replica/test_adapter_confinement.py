@@ -13,9 +13,10 @@ import pytest
 
 from kvfleet.errors import KvfleetError
 from kvfleet.worker.engine.adapters.residency import AdapterResidency
+from kvfleet.worker.replica import adapter_admin
 from kvfleet.worker.replica.adapter_admin import AdapterAdmin
 from kvfleet.worker.replica.adapter_catalog import adapter_roots
-from kvfleet.worker.runner.lora.adapter import WEIGHTS_FILE
+from kvfleet.worker.runner.lora.adapter import WEIGHTS_FILE, check_adapter
 from kvfleet.worker.runner.model_config import load_model_config
 
 
@@ -75,4 +76,50 @@ def test_no_configured_directory_refuses_every_runtime_load(tiny_llama_dir, layo
     admin = _admin(tiny_llama_dir, ())
     code, message = _refused(admin, str(root / "qv"))
     assert code is grpc.StatusCode.PERMISSION_DENIED and "--adapter-root" in message
+    admin.residency.close()
+
+
+def test_what_is_loaded_is_the_directory_that_was_checked(tiny_llama_dir, layout,
+                                                          monkeypatch) -> None:
+    # A symlink repointed out of the roots right after the check (a race the caller can run
+    # against its own LoadAdapter) must not change what is read and served.
+    root, outside = layout
+    link = root / "current"
+    link.symlink_to(root / "qv", target_is_directory=True)
+    admin = _admin(tiny_llama_dir, adapter_roots((), [str(root)]))
+    checked = adapter_admin.confine
+
+    def confine_then_swap(path, roots):
+        out = checked(path, roots)
+        link.unlink()
+        link.symlink_to(outside / "all", target_is_directory=True)
+        return out
+
+    monkeypatch.setattr(adapter_admin, "confine", confine_then_swap)
+    revision = asyncio.run(admin.load("cur", str(link)))
+    spec = admin.residency.catalog["cur"]
+    assert spec.path == str((root / "qv").resolve())
+    assert revision == check_adapter("qv", root / "qv", admin.config, 16).revision
+    admin.residency.close()
+
+
+def test_a_file_symlink_moved_while_it_was_read_is_refused(tiny_llama_dir, layout,
+                                                           monkeypatch) -> None:
+    root, outside = layout
+    (root / "mix").mkdir()
+    config = root / "mix" / "adapter_config.json"
+    config.symlink_to(root / "qv" / "adapter_config.json")
+    shutil.copyfile(root / "qv" / WEIGHTS_FILE, root / "mix" / WEIGHTS_FILE)
+    admin = _admin(tiny_llama_dir, adapter_roots((), [str(root)]))
+
+    def check_then_swap(*args):
+        spec = check_adapter(*args)
+        config.unlink()
+        config.symlink_to(outside / "all" / "adapter_config.json")
+        return spec
+
+    monkeypatch.setattr(adapter_admin, "check_adapter", check_then_swap)
+    code, message = _refused(admin, str(root / "mix"))
+    assert code is grpc.StatusCode.PERMISSION_DENIED and "changed while" in message
+    assert admin.residency.catalog == {}
     admin.residency.close()

@@ -47,16 +47,22 @@ def test_runner_wraps_only_what_the_configuration_needs(tiny_llama_dir) -> None:
     assert all(type(p) is Linear for p in plain.model.projections())
     lora = ModelRunner(tiny_llama_dir, 8, 4, one_row_weights=False, max_loras=2)
     layer = lora.model.layers[1]
-    assert {type(getattr(layer, n)) for n in PROJECTIONS} == {LoraLinear}
+    holders = layer.projection_holders()
+    assert set(holders) == set(PROJECTIONS) and holders["down"] is layer.mlp
+
+    def wrapped(name):
+        return getattr(holders[name], name)
+
+    assert {type(wrapped(n)) for n in PROJECTIONS} == {LoraLinear}
     assert (layer.o.layer, layer.o.group) == (1, "o")
     assert lora.weight_nbytes() == plain.weight_nbytes()
     assert [n for n in PROJECTIONS if row_parallel(n)] == ["o", "down"]
 
     parallelize(lora.model, shard_layout(lora.config, 1, 0), lambda t: t)
-    assert {type(getattr(layer, n)) for n in PROJECTIONS} == {LoraLinear}  # tp=1: nothing to sum
+    assert {type(wrapped(n)) for n in PROJECTIONS} == {LoraLinear}  # tp=1: nothing to sum
     parallelize(lora.model, shard_layout(lora.config, 2, 0), lambda t: t)
     for name in PROJECTIONS:
-        p = getattr(layer, name)
+        p = wrapped(name)
         if name in ("o", "down"):
             assert type(p) is RowParallelLinear and type(p.local) is LoraLinear
         else:

@@ -34,17 +34,40 @@ def adapters(tiny_llama_dir, tiny_adapters):
     return tiny_adapters
 
 
-@pytest.mark.parametrize("name", THREE)
-def test_each_adapter_token_by_token_and_chunked(tiny_llama_dir, adapters, name) -> None:
+@pytest.fixture(scope="module")
+def family_adapter(tiny_llama_dir, adapters, adapter_factory):
+    """``get(model_dir, name)``: the adapter's directory for that checkpoint (the tiny Llama's
+    from ``adapters``), checked to move its logits far beyond the tolerance."""
+    def get(model_dir, name):
+        if model_dir == tiny_llama_dir:
+            return adapters[name]
+        adapter = adapter_factory(model_dir, name)
+        tokens = prompt(12, seed=70)
+        moved = scaled_error(dict(enumerate(peft_logits(model_dir, None, tokens))),
+                             peft_logits(model_dir, adapter, tokens))
+        assert moved >= 100, f"{name} moves the logits by only {moved:.1f}x the tolerance"
+        return adapter
+    return get
+
+
+# The three adapters on Llama; on Qwen3 (qk-norm) and Gemma 3 (GeGLU, four norms), "all":
+# every attention and MLP projection.
+EACH = [*(("tiny_llama_dir", n) for n in THREE), ("tiny_qwen3_dir", "all"),
+        ("tiny_gemma3_dir", "all")]
+
+
+@pytest.mark.parametrize("model_dir, name", EACH, indirect=["model_dir"])
+def test_each_adapter_token_by_token_and_chunked(model_dir, family_adapter, name) -> None:
+    adapter = family_adapter(model_dir, name)
     one = with_adapter(request(prompt(9, seed=71), max_tokens=5), name)
     chunked = with_adapter(request(prompt(23, seed=72), max_tokens=4), name)
     widths = [5, 7, 3, 8]  # the step budgets once the adapter has loaded (it loads first)
     for req, budget in ((one, lambda n: 1), (chunked, lambda n: widths[n] if n < 4 else 64)):
-        engine, rec, _ = make_lora_engine(tiny_llama_dir, {name: adapters[name]})
+        engine, rec, _ = make_lora_engine(model_dir, {name: adapter})
         res = run(engine, [req], budgets=lambda k: budget(len(rec.plans)))[(req.request_id, 0)]
         assert len(res.token_ids) == req.params.max_tokens
         assert {c.adapter_slot for p in rec.plans for c in p.chunks} == {1}
-        err = lora_error(tiny_llama_dir, adapters[name], rec, req, res)
+        err = lora_error(model_dir, adapter, rec, req, res)
         assert err <= 1, f"{name}: {err:.2f}x the tolerance"
     assert [len(p.chunks[0].token_ids) for p in rec.plans][:4] == widths
 

@@ -110,3 +110,10 @@ def test_cli_adapter_arguments(tiny_llama_dir, tiny_adapters, tmp_path) -> None:
         expand_adapter_dirs([("qv", "/x")], [str(tiny_adapters["qv"].parent)])
     with pytest.raises(AdapterError, match="adapter 'one': .*qv/adapter_config.json: field 'r'.*--max-lora-rank 2"):
         check_catalog(pairs, load_model_config(tiny_llama_dir), 2)
+
+
+def test_an_adapter_on_phi3_s_fused_modules_is_refused_naming_them(tiny_phi3_dir, adapter_factory) -> None:
+    """Phi-3 stores q|k|v and gate|up fused (``qkv_proj``, ``gate_up_proj``): an adapter of
+    those modules is refused at load, by name, rather than read into the wrong columns."""
+    with pytest.raises(AdapterError, match="qkv_proj"):
+        check_adapter("a", adapter_factory(tiny_phi3_dir, "all"), load_model_config(tiny_phi3_dir), 16)

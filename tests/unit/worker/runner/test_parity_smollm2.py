@@ -29,7 +29,7 @@ def chat_prompt(smollm2_dir, question: str) -> str:
 def test_config_is_what_the_gguf_said(runner) -> None:
     c = runner.config
     assert (c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size) == (30, 9, 3, 64, 49152)
-    assert c.tie_word_embeddings and c.rope_theta == 1e5 and c.eos_token_ids == (2,)
+    assert c.tie_word_embeddings and c.rope.theta == 1e5 and c.eos_token_ids == (2,)
 
 
 def test_prefill_then_decode(runner, tokenizer, smollm2_dir) -> None:

@@ -5,9 +5,12 @@ no model)."""
 from __future__ import annotations
 
 from kvfleet.priority import BATCH, DEFAULT, INTERACTIVE
-from kvfleet.worker.engine.layer_yield.nested import yields_to
+from kvfleet.worker.engine.layer_yield.nested import nested_step, yields_to
 from kvfleet.worker.engine.request import SeqStatus, SequenceState
 from kvfleet.worker.engine.scheduling.scheduler import Scheduler, SchedulerOutput
+from kvfleet.worker.kv_tier.admission import TierAdmission
+from kvfleet.worker.kv_tier.lookup import TierLookup
+from kvfleet.worker.kv_tier.store import HostTierStore
 from tests.unit.worker.scheduler_harness import make_scheduler, new_seq, run_step
 
 
@@ -62,7 +65,7 @@ def test_the_nested_step_holds_only_better_waiting_sequences_on_disjoint_free_bl
     late_batch, i1, d1 = seq(BATCH), seq(INTERACTIVE), seq(DEFAULT, prompt_len=12)
     s.add([late_batch, i1, d1])
     free_before = s.kv.num_free_blocks
-    nested = s.schedule_nested(paused, 0.0)
+    nested = nested_step(s, paused, 0.0)
     assert [x.seq for x in nested.scheduled] == [i1, d1]  # queue order; never late_batch
     assert [x.num_new_tokens for x in nested.scheduled] == [8, 12]
     assert all(x.sample for x in nested.scheduled)
@@ -91,7 +94,7 @@ def test_no_yield_when_blocks_are_short_and_nothing_changes():
     i1 = seq(INTERACTIVE, prompt_len=12)  # needs 3 blocks
     s.add([i1])
     free, running = s.kv.num_free_blocks, list(s.running)
-    nested = s.schedule_nested(paused, 0.0)
+    nested = nested_step(s, paused, 0.0)
     assert not nested.scheduled and not nested.plan.chunks
     assert s.kv.num_free_blocks == free and s.running == running
     assert i1.status is SeqStatus.WAITING and list(s.waiting) == [i1]
@@ -103,21 +106,22 @@ def test_nothing_better_waiting_or_a_host_tier_means_no_nested_step():
     s = make_scheduler(64, max_num_seqs=4)
     _, paused = batch_in_flight(s, 2)
     s.add([seq(BATCH)])
-    assert not s.schedule_nested(paused, 0.0).scheduled
+    assert not nested_step(s, paused, 0.0).scheduled
     i1 = seq(INTERACTIVE)
     s.add([i1])
-    s.tier = object()  # type: ignore[assignment]  # any tier: an allocation may need a write-back
-    assert not s.schedule_nested(paused, 0.0).scheduled
-    s.tier = None
-    assert [x.seq for x in s.schedule_nested(paused, 0.0).scheduled] == [i1]
+    tier = s.tier
+    s.tier = TierAdmission(s.kv, TierLookup(HostTierStore(1 << 20)))  # any tier: an allocation
+    assert not nested_step(s, paused, 0.0).scheduled  # may evict a block to write back first
+    s.tier = tier
+    assert [x.seq for x in nested_step(s, paused, 0.0).scheduled] == [i1]
 
 
 def test_a_borrowed_seat_goes_back_by_preemption_at_the_next_step():
-    s = make_scheduler(64, max_num_seqs=2, preempt_streaming=True)
+    s = make_scheduler(64, max_num_seqs=2)
     rows, paused = batch_in_flight(s, 2)
     i1 = seq(INTERACTIVE)
     s.add([i1])
-    nested = s.schedule_nested(paused, 0.0)  # every seat taken: borrowed from a batch row
+    nested = nested_step(s, paused, 0.0)  # every seat taken: borrowed from a batch row
     assert [x.seq for x in nested.scheduled] == [i1] and len(s.running) == 3
     finish_step(s, nested)
     finish_step(s, paused)
@@ -128,11 +132,11 @@ def test_a_borrowed_seat_goes_back_by_preemption_at_the_next_step():
 
 
 def test_no_seat_to_borrow_means_no_nested_step():
-    # Streamed batch rows are no victims without preempt_streaming; reserve never preempts.
-    for cfg in ({}, {"policy": "reserve"}):
+    # Reserve never preempts: no seat to borrow.
+    for cfg in ({"policy": "reserve"},):
         s = make_scheduler(64, max_num_seqs=2, **cfg)
         _, paused = batch_in_flight(s, 2)
         i1 = seq(INTERACTIVE)
         s.add([i1])
-        assert not s.schedule_nested(paused, 0.0).scheduled, cfg
+        assert not nested_step(s, paused, 0.0).scheduled, cfg
         assert i1.status is SeqStatus.WAITING and len(s.running) == 2

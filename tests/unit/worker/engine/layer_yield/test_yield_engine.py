@@ -1,4 +1,4 @@
-"""Layer-level yield in the engine (``yield_step.py``): a step paused between decoder layers
+"""Layer-level yield in the engine (``layer_yield/forward.py``): a step paused between decoder layers
 for a nested interactive prefill, over the real tiny runners, against transformers.
 
 The arrival is forced (never timed): :class:`LayerArrivals` makes the requests "arrive"
@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
+import types
 from typing import Callable
 
 import pytest
@@ -211,8 +212,9 @@ def test_an_arrival_the_step_does_not_yield_to_is_taken_once_and_never_pauses(
 
 def test_layer_yield_needs_a_pausable_executor(tiny_llama_dir) -> None:
     engine, rec = make_engine(tiny_llama_dir)
+    whole = types.SimpleNamespace(pausable=False)  # e.g. tensor-parallel ranks
     with pytest.raises(ValueError, match="layer_yield"):
-        Engine(rec.executor.runner, engine.kv, engine.tokenizer, b"x", [], 64, 10,
+        Engine(whole, engine.kv, engine.tokenizer, b"x", [], 64, 10,  # type: ignore[arg-type]
                dataclasses.replace(engine.scheduler.config, layer_yield=True))
 
 
@@ -232,13 +234,12 @@ def test_engine_loop_takes_new_requests_mid_step_and_applies_an_abort_after_it(
         engine.step()  # both prefill: the next step is two decode rows
         eloop._inbox.put(_Abort(victim.request_id, FinishReason.CANCELLED))
         eloop._inbox.put(_Add(nested[0], Outbox(64, lambda: None, "t"), loop.create_future()))
-        eloop._arrived.set()
         outs = engine.step(eloop)
-        assert eloop._deferred and engine.is_active(victim.request_id), "abort waits"
+        assert eloop._inbox.deferred and engine.is_active(victim.request_id), "abort waits"
         assert [p.chunks[0].seq_id for p in rec.plans[-2:-1]] == [f"{nested[0].request_id}#0"]
         assert any(o.request_id == victim.request_id for o in outs)
         eloop._drain_inbox(block=False)
-        assert not engine.is_active(victim.request_id) and not eloop._deferred
+        assert not engine.is_active(victim.request_id) and not eloop._inbox.deferred
         while engine.has_work:
             engine.step(eloop)
         engine.kv.check_invariants()

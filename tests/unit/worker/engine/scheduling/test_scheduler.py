@@ -8,6 +8,7 @@ import pytest
 from kvfleet.errors import ResourceExhausted
 from kvfleet.sampling_params import SamplingParams
 from kvfleet.worker.engine.request import SeqStatus, SequenceState
+from kvfleet.worker.engine.scheduling.config import SchedulerConfig
 from kvfleet.worker.engine.scheduling.scheduler import Scheduler
 from tests.unit.worker.scheduler_harness import ARRIVALS, BS, make_scheduler, new_seq, run_step
 
@@ -221,3 +222,10 @@ def test_siblings_of_a_leader_that_ends_before_its_prompt_go_on_alone():
     assert s.kv.num_free_blocks == 16 and not s.pending_forks
     out = s.schedule()
     assert [(x.seq, x.num_new_tokens) for x in out.scheduled] == [(sib, 4)]
+
+
+@pytest.mark.parametrize("watermark", [-0.1, 1.0, 2.0, float("nan")])
+def test_a_watermark_out_of_range_is_refused_at_construction(watermark):
+    with pytest.raises(ValueError, match=r"watermark must be in \[0, 1\)"):
+        SchedulerConfig(watermark=watermark)
+    assert SchedulerConfig(watermark=0.0).watermark == 0.0

@@ -79,7 +79,7 @@ def test_running_sequences_are_served_by_class_so_a_higher_prefill_gets_the_budg
     assert [(x.seq.seq_id, x.num_new_tokens) for x in out.scheduled] == [(i.seq_id, 16)]
 
 
-def test_a_higher_class_preempts_only_lower_class_sequences_that_have_not_streamed():
+def test_a_higher_class_preempts_the_newest_lower_class_sequence():
     s = make(max_num_seqs=2, max_num_batched_tokens=64)
     streaming = seq(BATCH)
     s.add([streaming])
@@ -90,31 +90,29 @@ def test_a_higher_class_preempts_only_lower_class_sequences_that_have_not_stream
     assert prefilling.status is SeqStatus.RUNNING and not prefilling.output_token_ids
     i = seq(INTERACTIVE)
     s.add([i])
-    out = s.schedule()  # no seat: the non-streamed batch request gives its seat up
+    out = s.schedule()  # no seat: the newest batch request gives its seat up
     assert ids(out.preempted) == [prefilling.seq_id]
     assert prefilling.status is SeqStatus.WAITING and prefilling.num_preemptions == 1
     assert streaming.status is SeqStatus.RUNNING and i.status is SeqStatus.RUNNING
     assert ids(s.waiting) == [prefilling.seq_id]
 
 
-def test_streaming_lower_class_sequences_are_preempted_only_with_preempt_streaming():
-    for flag, victims in ((False, 0), (True, 1)):
-        s = make(max_num_seqs=1, preempt_streaming=flag)
-        b = seq(BATCH)
-        s.add([b])
-        step(s)
-        i = seq(INTERACTIVE)
-        s.add([i])
-        out = step(s)
-        assert len(out.preempted) == victims
-        assert (i.status is SeqStatus.RUNNING) == bool(victims)
-        if victims:  # recompute: its streamed token stays, the KV is computed again
-            assert b.status is SeqStatus.WAITING and b.num_computed_tokens == 0
-            assert b.output_token_ids == [7]
+def test_a_streaming_lower_class_sequence_is_preempted_too_and_keeps_its_tokens():
+    s = make(max_num_seqs=1)
+    b = seq(BATCH)
+    s.add([b])
+    step(s)  # b has streamed a token
+    i = seq(INTERACTIVE)
+    s.add([i])
+    out = step(s)
+    assert ids(out.preempted) == [b.seq_id] and i.status is SeqStatus.RUNNING
+    # Recompute: its streamed token stays, the KV is computed again.
+    assert b.status is SeqStatus.WAITING and b.num_computed_tokens == 0
+    assert b.output_token_ids == [7]
 
 
 def test_the_same_or_a_higher_class_is_never_preempted_for_a_waiting_one():
-    s = make(max_num_seqs=2, max_num_batched_tokens=64, preempt_streaming=True)
+    s = make(max_num_seqs=2, max_num_batched_tokens=64)
     i_run, d_run = seq(INTERACTIVE, prompt_len=40), seq(DEFAULT, prompt_len=40)
     s.add([i_run, d_run])
     s.schedule()
@@ -164,7 +162,7 @@ def test_batch_share_caps_the_batch_band_and_keeps_seats_for_higher_classes():
 
 
 def test_a_preempted_sequence_returns_to_its_class_and_fcfs_place():
-    s = make(max_num_seqs=1, preempt_streaming=True)
+    s = make(max_num_seqs=1)
     b_old = seq(BATCH)
     s.add([b_old])
     step(s)
@@ -177,7 +175,7 @@ def test_a_preempted_sequence_returns_to_its_class_and_fcfs_place():
 
 
 def test_a_burst_of_higher_class_arrivals_takes_its_seats_in_one_step():
-    s = make(n_blocks=64, max_num_seqs=4, max_num_batched_tokens=16, preempt_streaming=True)
+    s = make(n_blocks=64, max_num_seqs=4, max_num_batched_tokens=16)
     batch = [seq(BATCH) for _ in range(4)]
     s.add(batch)
     step(s)  # every seat holds a streaming batch sequence
@@ -221,7 +219,7 @@ class CountingRules:
 def test_with_a_tenant_share_a_burst_takes_victims_once_per_preemption():
     # 4 seats, share 0.5: tenants a and c each run 2 streaming batch sequences; b's
     # interactive burst of 3 may take 2 seats (its share), preempting the newest two (c's).
-    s = make(n_blocks=64, max_num_seqs=4, max_num_batched_tokens=64, preempt_streaming=True,
+    s = make(n_blocks=64, max_num_seqs=4, max_num_batched_tokens=64,
              tenant_share=0.5)
     batch = [seq(BATCH, tenant=t) for t in "aacc"]
     s.add(batch)

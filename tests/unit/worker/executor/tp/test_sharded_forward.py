@@ -25,7 +25,10 @@ def _error(model_dir, logits) -> float:
 
 CASES = [("tiny_llama_dir", 2), ("tiny_llama_dir", 4),  # 4 q / 2 KV heads: split, replicated
          ("llama_8q4kv_dir", 2), ("llama_8q4kv_dir", 4), ("llama_8q2kv_dir", 4),
-         ("tiny_qwen2_dir", 2), ("tiny_mistral_dir", 2)]
+         ("tiny_qwen2_dir", 2), ("tiny_mistral_dir", 2), ("tiny_llama3_dir", 2),
+         ("tiny_qwen3_dir", 2), ("tiny_qwen3_dir", 4),
+         ("tiny_gemma3_dir", 2), ("tiny_gemma3_dir", 4),  # 1 KV head: replicated 2 and 4 times
+         ("tiny_phi3_dir", 2), ("tiny_phi3_dir", 4)]  # fused qkv_proj split, then replicated
 
 
 @pytest.mark.parametrize("fixture, tp", CASES)

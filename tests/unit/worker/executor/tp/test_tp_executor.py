@@ -28,9 +28,9 @@ BLOCK = 4
 
 
 @pytest.fixture
-def tp2_threads(tiny_llama_dir, monkeypatch):
-    """The engine harness's runner becomes a tp=2 thread-rank executor."""
-    with thread_executor(tiny_llama_dir, 2) as ex:
+def tp2_threads(model_dir, monkeypatch):
+    """The engine harness's runner becomes a tp=2 thread-rank executor (of ``model_dir``)."""
+    with thread_executor(model_dir, 2) as ex:
         monkeypatch.setattr(engine_harness, "runner_for", lambda model_dir, block_size=4: ex)
         yield ex
 
@@ -41,20 +41,34 @@ def budget(request) -> dict:
     return exact.ITL_TARGET if request.param == "itl-target" else {}
 
 
-def test_preempted_then_resumed_through_the_plan_diff(tp2_threads, tiny_llama_dir, budget) -> None:
+LLAMA = pytest.mark.parametrize("model_dir", ["tiny_llama_dir"], indirect=True)
+# Llama under both budgets; each family whose decoder differs under the token budget.
+FAMILIES_TP2 = pytest.mark.parametrize("model_dir, budget", [
+    ("tiny_llama_dir", "tokens"), ("tiny_llama_dir", "itl-target"),
+    *((f, "tokens") for f in ("tiny_qwen3_dir", "tiny_gemma3_dir", "tiny_phi3_dir"))],
+    indirect=True)
+
+
+@FAMILIES_TP2
+def test_preempted_then_resumed_through_the_plan_diff(tp2_threads, model_dir, budget) -> None:
     """Sequences leave (preempted) and come back with new tables: rank 1 rebuilds each table."""
-    exact.test_preempted_then_resumed(tiny_llama_dir, budget)
+    exact.test_preempted_then_resumed(model_dir, budget)
 
 
-def test_copy_on_write_and_mixed_batch_through_the_plan_diff(tp2_threads, tiny_llama_dir,
-                                                             budget) -> None:
-    exact.test_n2_siblings_after_copy_on_write(tiny_llama_dir, budget)
-    exact.test_mixed_batch_of_eight_joining_and_leaving_equals_each_alone(tiny_llama_dir, budget)
+@FAMILIES_TP2
+def test_copy_on_write_through_the_plan_diff(tp2_threads, model_dir, budget) -> None:
+    exact.test_n2_siblings_after_copy_on_write(model_dir, budget)
 
 
-def test_rows_sitting_out_a_step_through_the_plan_diff(tp2_threads, tiny_llama_dir) -> None:
+@LLAMA
+def test_mixed_batch_through_the_plan_diff(tp2_threads, model_dir, budget) -> None:
+    exact.test_mixed_batch_of_eight_joining_and_leaving_equals_each_alone(model_dir, budget)
+
+
+@LLAMA
+def test_rows_sitting_out_a_step_through_the_plan_diff(tp2_threads, model_dir) -> None:
     """Rows left out of a plan (class_step) are forgotten by rank 1 and sent whole again."""
-    exact.test_rows_sitting_out_for_a_higher_class_or_less_served_tenant(tiny_llama_dir)
+    exact.test_rows_sitting_out_for_a_higher_class_or_less_served_tenant(model_dir)
 
 
 def _decode_plans(context: int, steps: int, slot: int = 0, block: int = BLOCK) -> list[StepPlan]:

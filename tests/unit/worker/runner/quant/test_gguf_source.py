@@ -103,7 +103,7 @@ def test_blocks_that_disagree_with_the_floats_are_not_used(tiny_llama_dir, tmp_p
     with caplog.at_level(logging.INFO, logger="kvfleet.worker.runner.quant.gguf_source"):
         runner = ModelRunner(model_dir, 16, BLOCK_SIZE, quantization=QuantConfig("int4"))
     assert f"{name}: the GGUF's Q4_0 blocks do not match" in caplog.text
-    up = runner.model.layers[1].gate_up.weight.dequantize()[-runner.config.intermediate_size:]
+    up = runner.model.layers[1].mlp.gate_up.weight.dequantize()[-runner.config.intermediate_size:]
     assert (up - weights[name]).abs().max() < weights[name].abs().max() / 10  # from the floats
 
 

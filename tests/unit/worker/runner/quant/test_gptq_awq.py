@@ -110,7 +110,7 @@ def test_int4_checkpoints_are_repacked_exactly(tiny_llama_dir, tmp_path, caplog,
         p = f"model.layers.{i}."
         want = torch.cat([floats[p + f"self_attn.{m}_proj.weight"] for m in "qkv"])
         assert torch.equal(layer.qkv.weight.dequantize(), want)
-        assert torch.equal(layer.down.weight.dequantize(), floats[p + "mlp.down_proj.weight"])
+        assert torch.equal(layer.mlp.down.weight.dequantize(), floats[p + "mlp.down_proj.weight"])
     # the float embedding and LM head are quantized at load: compare with what is served
     served = dequantized_dir(model_dir, QuantConfig("int4"), tmp_path / "served")
     assert scaled_error(_logits(int4), reference_logits(served, TOKENS)) <= 1

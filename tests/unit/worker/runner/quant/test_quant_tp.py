@@ -26,7 +26,7 @@ def test_sharded_quantized_logits_match_the_dequantized_weights(tiny_llama_dir, 
     whole = ModelRunner(tiny_llama_dir, 16, BLOCK_SIZE, quantization=quant)
     layer = [r.model.layers[0] for r in runners]
     # the sharded projections hold half the packed bytes each; the embedding is replicated
-    assert layer[0].gate_up.nbytes + layer[1].gate_up.nbytes == whole.model.layers[0].gate_up.nbytes
+    assert layer[0].mlp.gate_up.nbytes + layer[1].mlp.gate_up.nbytes == whole.model.layers[0].mlp.gate_up.nbytes
     assert runners[1].weight_nbytes() < runners[0].weight_nbytes() < whole.weight_nbytes()
 
 
