@@ -70,6 +70,20 @@ def read_chat_template(model_dir: Path) -> str:
     return ""
 
 
+QUANT_METHODS = ("none", "int8", "int4")  # weight-only quantization a replica may serve
+
+
+def served_weights(weights_fingerprint: str, quantization: str = "none",
+                   group_size: int = 32) -> str:
+    """The fingerprint of the weights a replica serves: the directory's, plus the weight-only
+    quantization (``int8`` / ``int4`` and its group size) when there is one, so that KV
+    computed by quantized weights never shares an identity with the float model's. Router
+    and worker both derive it from the same settings."""
+    if quantization == "none":
+        return weights_fingerprint
+    return f"{weights_fingerprint}+{quantization}-g{group_size}"
+
+
 def fingerprint_model_dir(model_dir: str | Path) -> ModelFingerprints:
     """Fingerprint a HuggingFace-format model directory.
 

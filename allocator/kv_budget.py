@@ -16,6 +16,7 @@ from fractions import Fraction
 from typing import Iterable
 
 from kvfleet.allocator.kv_bytes import (
+    KV_DTYPE_BYTES,
     SCALE_BYTES,
     bytes_per_token,
     dtype_bytes,
@@ -58,11 +59,29 @@ def reserve_slots(lengths: Iterable[int], block_size: int) -> Reservation:
     return Reservation(reserved_tokens=reserved, live_tokens=sum(lengths))
 
 
-def weight_bytes(num_params: int, weight_dtype: str = "bf16") -> int:
-    """Weight payload of ``num_params`` parameters stored as ``weight_dtype`` (7e9 bf16: 14 GB)."""
+# Weight-only quantized formats (kvfleet --quantization): bits per weight, and the fp16 values
+# each group of weights carries (a scale; for int4 also an offset).
+QUANTIZED_WEIGHTS = {"int8": (8, 1), "int4": (4, 2)}
+WEIGHT_FORMATS = (*KV_DTYPE_BYTES, *QUANTIZED_WEIGHTS)
+
+
+def weight_bytes(num_params: int, weight_dtype: str = "bf16", group_size: int = 32) -> int:
+    """Weight payload of ``num_params`` parameters stored as ``weight_dtype``: a float dtype
+    (7e9 bf16: 14 GB) or ``int8`` / ``int4`` with one fp16 scale (int4: and one fp16 offset)
+    per ``group_size`` weights (7e9 int4, groups of 32: 4.375 GB).
+
+    Raises:
+        CapacityError: ``num_params`` or ``group_size`` not positive.
+        DtypeError: an unknown format (the message names ``--weights``).
+    """
     if num_params <= 0:
         raise CapacityError(f"--params: must be positive, got {num_params}")
-    return num_params * dtype_bytes(weight_dtype, "--weight-dtype")
+    if weight_dtype in QUANTIZED_WEIGHTS:
+        if group_size <= 0:
+            raise CapacityError(f"--quant-group-size: must be positive, got {group_size}")
+        bits, values = QUANTIZED_WEIGHTS[weight_dtype]
+        return cdiv(num_params * bits, 8) + cdiv(num_params, group_size) * 2 * values
+    return num_params * dtype_bytes(weight_dtype, "--weights")
 
 
 def reserved_request_bytes(spec: ModelKVSpec, num_tokens: int, kv_dtype: str,
@@ -111,11 +130,13 @@ def _margin_bytes(memory_bytes: int, margin: float | str | Fraction) -> int:
 def plan_capacity(spec: ModelKVSpec, *, memory_bytes: int, tokens_per_request: int, tp: int = 1,
                   weights_bytes: int | None = None, num_params: int | None = None,
                   weight_dtype: str = "bf16", kv_dtype: str = "bf16", reserve_bytes: int = 0,
-                  margin: float | str | Fraction = 0, block_size: int = 16) -> CapacityPlan:
+                  margin: float | str | Fraction = 0, block_size: int = 16,
+                  quant_group_size: int = 32) -> CapacityPlan:
     """Block budget and concurrent-request capacity of one rank.
 
     ``memory_bytes`` is the usable memory of one device; the weights are ``weights_bytes`` in
-    total (or ``num_params * bytes(weight_dtype)``), split evenly over ``tp`` ranks;
+    total (or :func:`weight_bytes` of ``num_params`` in ``weight_dtype``, int8 / int4 with
+    groups of ``quant_group_size``), split evenly over ``tp`` ranks;
     ``reserve_bytes`` is the measured non-KV reserve per device; ``margin`` a fraction of
     ``memory_bytes`` kept free. Each request holds ``tokens_per_request`` tokens
     (prompt + max_tokens).
@@ -135,7 +156,7 @@ def plan_capacity(spec: ModelKVSpec, *, memory_bytes: int, tokens_per_request: i
     if weights_bytes is None:
         if num_params is None:
             raise CapacityError("--params: needed with --memory (the weights share the memory)")
-        weights_bytes = weight_bytes(num_params, weight_dtype)
+        weights_bytes = weight_bytes(num_params, weight_dtype, quant_group_size)
     rank = rank_spec(spec, tp)
     per_rank_weights = cdiv(weights_bytes, tp)
     margin_bytes = _margin_bytes(memory_bytes, margin)

@@ -13,7 +13,12 @@ import json
 import sys
 from typing import Any
 
-from kvfleet.allocator.kv_budget import plan_capacity, reserve_slots
+from kvfleet.allocator.kv_budget import (
+    QUANTIZED_WEIGHTS,
+    WEIGHT_FORMATS,
+    plan_capacity,
+    reserve_slots,
+)
 from kvfleet.allocator.kv_bytes import (
     KV_DTYPE_BYTES,
     bytes_per_token,
@@ -61,13 +66,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--params", metavar="N", help="parameter count: 7e9, 7B or an integer")
     p.add_argument("--margin", type=float, default=0.0, metavar="FRACTION",
                    help="fraction of --memory kept free (default 0)")
-    p.add_argument("--weight-dtype", choices=DTYPES, default="bf16",
-                   help="weight storage dtype (default bf16)")
+    p.add_argument("--weights", "--weight-dtype", dest="weight_dtype", choices=WEIGHT_FORMATS,
+                   default="bf16", help="weight storage: a float dtype, or int8 / int4 "
+                   "(kvfleet --quantization: codes plus fp16 group scales) (default bf16)")
+    p.add_argument("--quant-group-size", type=int, default=32, metavar="N",
+                   help="weights per scale for --weights int8/int4 (default 32)")
     p.add_argument("--num-kv-heads", type=int, metavar="N",
                    help="override the config's KV head count")
     p.add_argument("--max-loras", type=int, default=0, metavar="N",
                    help="LoRA adapter slots per replica, counted at --max-lora-rank with every "
-                        "projection targeted, in --weight-dtype (default 0)")
+                        "projection targeted, in --weights (bf16 for int8/int4: adapters stay "
+                        "float) (default 0)")
     p.add_argument("--max-lora-rank", type=int, default=64, metavar="R",
                    help="largest adapter rank a slot holds (default 64)")
     p.add_argument("--kv-host-memory", metavar="SIZE",
@@ -149,9 +158,9 @@ def compute_budget(args: argparse.Namespace) -> dict[str, Any]:
     if args.max_loras:
         _check_positive(args.max_loras, "--max-loras")
         _check_positive(args.max_lora_rank, "--max-lora-rank")
+        adapter_dtype = "bf16" if args.weight_dtype in QUANTIZED_WEIGHTS else args.weight_dtype
         slot, slot_per_rank = lora_slot_bytes(args.config, args.max_lora_rank,
-                                              dtype_bytes(args.weight_dtype, "--weight-dtype"),
-                                              args.tp)
+                                              dtype_bytes(adapter_dtype, "--weights"), args.tp)
         lora_bytes, lora_bytes_per_rank = args.max_loras * slot, args.max_loras * slot_per_rank
         report.update(max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                       lora_slot_bytes=slot, lora_bytes=lora_bytes,
@@ -163,9 +172,10 @@ def compute_budget(args: argparse.Namespace) -> dict[str, Any]:
             weight_dtype=args.weight_dtype, kv_dtype=dtype,
             reserve_bytes=parse_size(args.reserve, "--reserve") + lora_bytes_per_rank,
             margin=args.margin,
-            block_size=args.block_size)
+            block_size=args.block_size, quant_group_size=args.quant_group_size)
         report.update(
             memory_bytes=plan.memory_bytes, weights_bytes=plan.weights_bytes,
+            weights=args.weight_dtype,
             reserve_bytes=plan.reserve_bytes, margin_bytes=plan.margin_bytes,
             available_kv_bytes=plan.available_kv_bytes, shortfall_bytes=plan.shortfall_bytes,
             block_bytes=plan.block_bytes, num_blocks=plan.num_blocks,
@@ -212,7 +222,7 @@ def format_table(r: dict[str, Any]) -> str:
     if "memory_bytes" in r:
         rows += [
             ("usable memory", f"{describe_bytes(r['memory_bytes'])} per device"),
-            ("weights", f"{describe_bytes(r['weights_bytes'])} per rank"),
+            ("weights", f"{describe_bytes(r['weights_bytes'])} per rank ({r['weights']})"),
             ("reserve + margin", f"{describe_bytes(r['reserve_bytes'])} + "
                                  f"{describe_bytes(r['margin_bytes'])}"),
             ("available for KV", f"{describe_bytes(r['available_kv_bytes'])} per rank"),

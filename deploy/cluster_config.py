@@ -27,7 +27,8 @@ from kvfleet.worker.replica.replica import ReplicaConfig
 # What the router shares with the replicas, as (RouterConfig field, ReplicaConfig field): set
 # on the replica only; the router's copy is filled from it (ClusterConfig.router_config).
 SHARED = (("model_name", "model_name"), ("model_dir", "model_dir"),
-          ("block_size", "block_size"), ("kv_dtype", "dtype"), ("namespace", "namespace"),
+          ("block_size", "block_size"), ("kv_dtype", "dtype"), ("quantization", "quantization"),
+          ("quant_group_size", "quant_group_size"), ("namespace", "namespace"),
           ("redis_url", "redis_url"), ("internal_tls_dir", "internal_tls_dir"),
           ("telemetry", "telemetry"))
 _ROUTER_DEFAULTS = RouterConfig()

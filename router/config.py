@@ -35,6 +35,8 @@ class RouterConfig:
     model_dir: str = ""
     block_size: int = 16
     kv_dtype: str = "float32"
+    quantization: str = "none"  # the replicas' weights, part of the cache identity
+    quant_group_size: int = 32
     host: str = "127.0.0.1"
     port: int = 50051
     # The OpenAI-compatible HTTP front (kvfleet.router.http_front) on this port, same host;

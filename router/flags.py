@@ -11,6 +11,7 @@ import argparse
 import os
 from typing import Any, Mapping, Optional, Sequence
 
+from kvfleet.allocator.fingerprint import QUANT_METHODS
 from kvfleet.arg_types import positive_int, priority_admit
 from kvfleet.flag_table import Flag, add_flags, declared_default, render_argv, values_by_owner
 from kvfleet.priority import format_admit
@@ -40,6 +41,12 @@ ROUTER_FLAGS: tuple[Flag, ...] = (
          "cache", type=int, always=True),
     Flag("--kv-dtype", "kv_dtype", "the replicas' KV dtype, part of the cache identity (default "
          "{default})", "cache", always=True),
+    Flag("--quantization", "quantization", "weight-only quantization of every projection, the "
+         "embedding and the LM head (default {default}): int8 or int4, from the checkpoint's "
+         "floats, a GGUF beside them or a GPTQ/AWQ checkpoint, read as they are where they "
+         "map; part of the cache identity", "model", choices=QUANT_METHODS),
+    Flag("--quant-group-size", "quant_group_size", "inputs sharing one scale when weights are "
+         "quantized at load (default {default})", "model", type=positive_int("--quant-group-size")),
     Flag("--host", "host", "interface both ports bind (default {default})", "fleet", always=True),
     Flag("--port", "port", "router port (default {default}; 0 = a free port)", "fleet", type=int,
          always=True),

@@ -63,7 +63,8 @@ class RouterServer:
         cfg = self.cfg
         policy = make_policy(cfg.policy, **cfg.policy_options)
         auth = Authenticator.from_file(cfg.api_keys_file)
-        model = ServedModel.load(cfg.model_name, cfg.model_dir, cfg.block_size, cfg.kv_dtype)
+        model = ServedModel.load(cfg.model_name, cfg.model_dir, cfg.block_size, cfg.kv_dtype,
+                                 cfg.quantization, cfg.quant_group_size)
         redis_index = RedisPrefixIndex(cfg.redis_url, namespace=cfg.namespace,
                                        replica_ttl_s=cfg.replica_ttl_s)
         index: PrefixIndex = redis_index

@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 
 import tokenizers
 
-from kvfleet.allocator.fingerprint import fingerprint_model_dir, read_chat_template
+from kvfleet.allocator.fingerprint import fingerprint_model_dir, read_chat_template, served_weights
 from kvfleet.allocator.hashing import CacheIdentity, root_hash
 from kvfleet.allocator.model_spec import ConfigError, load_config, served_context
 from kvfleet.errors import InvalidArgument
@@ -40,8 +40,10 @@ class ServedModel:
 
     @classmethod
     def load(cls, name: str, model_dir: str | Path, block_size: int,
-             kv_dtype: str = "float32") -> "ServedModel":
-        """Load tokenizer, chat template and identity from a model directory.
+             kv_dtype: str = "float32", quantization: str = "none",
+             quant_group_size: int = 32) -> "ServedModel":
+        """Load tokenizer, chat template and identity from a model directory (the replicas'
+        weight-only ``quantization`` is part of the identity: see ``served_weights``).
 
         Raises:
             FileNotFoundError: ``tokenizer.json`` is missing.
@@ -53,7 +55,8 @@ class ServedModel:
         source = read_chat_template(d)
         special = _special_tokens(d)
         fp = fingerprint_model_dir(d)
-        identity = CacheIdentity(model=name, weights_fingerprint=fp.weights,
+        identity = CacheIdentity(model=name, weights_fingerprint=served_weights(
+                                     fp.weights, quantization, quant_group_size),
                                  tokenizer_fingerprint=fp.tokenizer,
                                  chat_template_fingerprint=fp.chat_template,
                                  kv_dtype=kv_dtype, block_size=block_size)

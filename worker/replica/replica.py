@@ -20,7 +20,7 @@ import grpc
 import tokenizers
 import torch
 
-from kvfleet.allocator.fingerprint import fingerprint_model_dir
+from kvfleet.allocator.fingerprint import fingerprint_model_dir, served_weights
 from kvfleet.allocator.hashing import CacheIdentity
 from kvfleet.allocator.kv_bytes import kv_heads_per_rank
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
@@ -73,6 +73,7 @@ from kvfleet.worker.runner.kv_cache import num_blocks_for_memory
 from kvfleet.worker.runner.memory import trim_heap
 from kvfleet.worker.runner.model_config import ModelConfig, load_model_config
 from kvfleet.worker.runner.model_runner import ModelRunner
+from kvfleet.worker.runner.quant.config import DEFAULT_GROUP_SIZE, FLOAT_WEIGHTS, QuantConfig
 from kvfleet.worker.service.engine_loop import EngineLoop
 from kvfleet.worker.service.server import WorkerService
 from kvfleet.worker.step_cost.calibration import CalibrationKey, device_name, load_or_calibrate
@@ -146,6 +147,11 @@ class ReplicaConfig:
     # A second copy of each weight for batch-1 decode (see worker/runner/models/linear.py):
     # lower batch-1 ITL on CPU for twice the weight memory (docs/benchmarks.md, Engine).
     one_row_weights: bool = True
+    # Weight-only quantization of every projection, the embedding and the LM head
+    # (kvfleet.worker.runner.quant): "none", "int8" or "int4", groups of quant_group_size
+    # inputs when quantized at load; part of the cache identity.
+    quantization: str = "none"
+    quant_group_size: int = DEFAULT_GROUP_SIZE
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     redis_url: Optional[str] = None
     namespace: str = "kvfleet:"
@@ -193,6 +199,15 @@ class ReplicaConfig:
     # the registry. inf: no bound in seconds (the sequence count alone).
     max_queue_wait_s: float = 60.0
 
+    @property
+    def quant_config(self) -> QuantConfig:
+        """``quantization`` and ``quant_group_size`` as the runner takes them.
+
+        Raises:
+            ValueError: an unknown method or a bad group size (naming the field).
+        """
+        return QuantConfig(self.quantization, self.quant_group_size)
+
     def __post_init__(self) -> None:
         if not self.drain_timeout_s > 0:
             raise ValueError(f"drain_timeout_s must be > 0, got {self.drain_timeout_s}")
@@ -212,6 +227,7 @@ class ReplicaConfig:
         if self.scheduler.layer_yield and self.tensor_parallel_size > 1:
             raise ValueError("scheduler.layer_yield (--layer-yield) needs tensor_parallel_size 1 "
                              "(a forward pauses between layers only in one process)")
+        QuantConfig(self.quantization, self.quant_group_size)  # ValueError naming the field
         if self.scheduler.layer_yield and self.kv_host_memory_bytes:
             raise ValueError("scheduler.layer_yield (--layer-yield) does not run beside a host KV "
                              "tier (kv_host_memory_bytes, --kv-host-memory): its forward cannot "
@@ -230,10 +246,13 @@ class ReplicaConfig:
                              f"(--internal-tls-dir)")
 
 
-def cache_identity(model_name: str, model_dir: str | Path, kv_dtype: str, block_size: int) -> CacheIdentity:
-    """The identity both router and worker derive from the same model directory (docs/design.md §2)."""
+def cache_identity(model_name: str, model_dir: str | Path, kv_dtype: str, block_size: int,
+                   quant: QuantConfig = FLOAT_WEIGHTS) -> CacheIdentity:
+    """The identity both router and worker derive from the same model directory and weight
+    quantization (docs/design.md §2)."""
     fp = fingerprint_model_dir(model_dir)
-    return CacheIdentity(model=model_name, weights_fingerprint=fp.weights,
+    return CacheIdentity(model=model_name,
+                         weights_fingerprint=served_weights(fp.weights, quant.method, quant.group_size),
                          tokenizer_fingerprint=fp.tokenizer,
                          chat_template_fingerprint=fp.chat_template,
                          kv_dtype=kv_dtype, block_size=block_size)
@@ -263,20 +282,21 @@ def build_engine(cfg: ReplicaConfig, on_rank_failure: Callable[[str], None] = la
     # The node's host tier (Ray: the replica runs in it); the cost model has no KV to keep.
     tier = (_node_tier(cfg, load_model_config(model_dir))
             if cfg.kv_host_memory_bytes and cfg.executor == "model" else None)
-    identity = cache_identity(cfg.model_name, model_dir, cfg.dtype, cfg.block_size)
+    identity = cache_identity(cfg.model_name, model_dir, cfg.dtype, cfg.block_size, cfg.quant_config)
     if cfg.executor == "cost-model":
         executor: Executor = cost_model_executor(load_model_config(model_dir), tokenizer,
                                                  num_blocks, cfg.block_size, cfg.cost_model)
     elif tp > 1:
         spec = RankSpec(str(model_dir), tp, num_blocks, cfg.block_size, dtype,
                         cfg.one_row_weights, cfg.device, max_loras=max_loras, tier=tier,
+                        quantization=cfg.quant_config,
                         tier_tag=identity.digest())
         group = RankGroup(spec, cfg.tp, cfg.replica_id, on_rank_failure)
         executor = TPExecutor(group.start(), group)
     else:
         runner = ModelRunner(model_dir, num_blocks=num_blocks, block_size=cfg.block_size,
                              dtype=dtype, device=cfg.device, one_row_weights=cfg.one_row_weights,
-                             max_loras=max_loras)
+                             max_loras=max_loras, quantization=cfg.quant_config)
         executor = LocalExecutor(runner, RankTier(tier, 0, runner.kv_cache, tag=identity.digest())
                                  if tier else None)
     kv = KVCacheManager(num_blocks, cfg.block_size)

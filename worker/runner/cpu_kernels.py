@@ -1,4 +1,4 @@
-"""Builds and calls kvfleet's two C kernels (fp32, CPU):
+"""Builds and calls kvfleet's C kernels (fp32 activations, CPU):
 
 * ``paged_decode.c`` — decode attention read in place from the paged cache. The torch
   formulation costs two gather copies and an SDPA call per decode per layer, a large share of
@@ -6,8 +6,10 @@
   for every decode of a step in one call.
 * ``gemv.c`` — the one-row projection of batch-1 decode steps, streaming each weight once
   (oneDNN's packed path falls well short of the read bandwidth with a single row).
+* ``quant/qgemm.c`` — products with int8 / int4 packed weights (bound and called by
+  :mod:`kvfleet.worker.runner.quant.kernels`).
 
-Both use OpenMP, sharing torch's own runtime (its bundled ``libgomp.so.1`` is already loaded
+All use OpenMP, sharing torch's own runtime (its bundled ``libgomp.so.1`` is already loaded
 under that soname) and its thread count.
 
 The library is compiled once per machine with the system C compiler (``$CC``, default ``cc``)
@@ -33,7 +35,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_decode.c", "gemv.c"))
+SOURCES = (*(Path(__file__).with_name(name) for name in ("paged_decode.c", "gemv.c")),
+           Path(__file__).parent / "quant" / "qgemm.c")
 # The relaxed-math flags let GCC vectorise the dot products and sums; never
 # -ffast-math or -funsafe-math-optimizations: with them GCC links crtfastmath.o, whose load
 # switches the whole process (torch included) to flush-denormals-to-zero.

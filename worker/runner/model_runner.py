@@ -21,11 +21,13 @@ from kvfleet.worker.runner.kv_cache import KVCache, kv_bytes_per_block
 from kvfleet.worker.runner.lora.adapter import AdapterSpec, read_adapter
 from kvfleet.worker.runner.lora.layer import apply_lora
 from kvfleet.worker.runner.lora.slots import LoraBatch, LoraSlots
-from kvfleet.worker.runner.model_config import ModelConfig, load_model_config
+from kvfleet.worker.runner.model_config import ModelConfig, UnsupportedModel, load_model_config
 from kvfleet.worker.runner.models import build_model
+from kvfleet.worker.runner.quant.config import FLOAT_WEIGHTS, QuantConfig
+from kvfleet.worker.runner.quant.sources import load_rank_weights
+from kvfleet.worker.runner.quant.tensor import QuantizedOpError
 from kvfleet.worker.runner.tp.layout import shard_layout
 from kvfleet.worker.runner.tp.linear import parallelize
-from kvfleet.worker.runner.tp.shard_weights import load_shard_weights
 
 
 @dataclass(frozen=True)
@@ -83,15 +85,20 @@ class ModelRunner:
         shard: this rank of a tensor-parallel group (default: the whole model); only rank 0
             holds an LM head.
         max_loras: LoRA adapter slots (1..max_loras; see :meth:`load_adapter`).
+        quantization: weight-only int8 / int4 (:mod:`kvfleet.worker.runner.quant`): every
+            projection, the embedding and the LM head held packed; adapters stay float.
 
     Raises:
         ShardingError: heads or MLP width that do not split over ``shard.tp``.
+        QuantLayoutError: a quantization group size or split the weights do not allow.
+        UnsupportedModel: a quantized checkpoint format, or a family whose weights cannot
+            be held quantized (named).
     """
 
     def __init__(self, model_dir: str | Path, num_blocks: int, block_size: int,
                  dtype: torch.dtype = torch.float32, device: str = "cpu",
                  one_row_weights: bool = True, shard: Shard = WHOLE,
-                 max_loras: int = 0) -> None:
+                 max_loras: int = 0, quantization: QuantConfig = FLOAT_WEIGHTS) -> None:
         self.config: ModelConfig = load_model_config(model_dir)  # the whole model's
         self.device = torch.device(device)
         self.dtype = dtype
@@ -100,9 +107,14 @@ class ModelRunner:
         self.rank = shard.rank
         self.layout = shard_layout(self.config, shard.tp, shard.rank)
         self.local_config = self.layout.local_config(self.config)
-        weights = load_shard_weights(model_dir, self.layout, dtype)
-        self.model = build_model(self.local_config, weights, dtype, self.device, one_row_weights,
-                                 lm_head=self.layout.holds_lm_head)
+        self.quantization = quantization
+        weights = load_rank_weights(model_dir, self.layout, dtype, quantization)
+        try:
+            self.model = build_model(self.local_config, weights, dtype, self.device,
+                                     one_row_weights, lm_head=self.layout.holds_lm_head)
+        except QuantizedOpError as exc:
+            raise UnsupportedModel(f"{self.config.architecture} cannot serve --quantization "
+                                   f"{quantization.method}: {exc}") from None
         del weights
         self.lora_slots = LoraSlots(max_loras)
         self._adapters = apply_lora(self.model, max_loras)
@@ -140,11 +152,15 @@ class ModelRunner:
 
     def weight_nbytes(self) -> int:
         """Bytes of every weight this rank holds, each copy counted: norms, the embedding, each
-        projection (packed or plain) and its one-row copy, the LM head beside a tied embedding."""
+        projection (packed or plain) and its one-row copy, the LM head beside a tied embedding
+        (once where the two share one quantized weight)."""
         if self.released:
             return 0
-        return (sum(p.nbytes for p in self.model.parameters())
-                + sum(p.held_nbytes for p in self.model.projections()))
+        projections = list(self.model.projections())
+        shared = {id(getattr(p, "weight", None)) for p in projections}
+        return (sum(p.nbytes for p in self.model.parameters()
+                    if id(getattr(p, "packed", p)) not in shared)
+                + sum(p.held_nbytes for p in projections))
 
     @staticmethod
     def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

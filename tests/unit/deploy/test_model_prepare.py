@@ -14,7 +14,7 @@ from kvfleet.deploy.models import DEFAULT_MODEL, ModelNotPrepared, prepare_model
 
 def test_prepared_dir_is_complete(smollm2_dir) -> None:
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-                 "chat_template.jinja", "generation_config.json"):
+                 "chat_template.jinja", "generation_config.json", models.SOURCE_GGUF):
         assert (smollm2_dir / name).is_file(), name
     template = json.loads((smollm2_dir / "tokenizer_config.json").read_text())["chat_template"]
     assert "<|im_start|>" in template and template == read_chat_template(smollm2_dir)
@@ -26,6 +26,23 @@ def test_prepare_is_idempotent(smollm2_dir) -> None:
     start = time.monotonic()
     assert prepare_model(DEFAULT_MODEL, smollm2_dir.parent.parent, progress=False) == smollm2_dir
     assert time.monotonic() - start < 1.0
+
+
+def test_a_directory_prepared_without_its_gguf_gets_it(tmp_path, monkeypatch) -> None:
+    """Directories prepared before the GGUF was kept gain it on the next prepare (for
+    ``--quantization`` to read its blocks), without a conversion."""
+    target = models.prepared_dir(DEFAULT_MODEL, tmp_path)
+    target.mkdir(parents=True)
+    (target / "config.json").write_text("{}")
+    (target / "model.safetensors").write_bytes(b"weights")
+    gguf = tmp_path / "shipped.gguf"
+    gguf.write_bytes(b"GGUF blocks")
+    monkeypatch.setattr(models, "_gguf_path", lambda source: gguf)
+    monkeypatch.setattr(models, "_convert", lambda *a: pytest.fail("converted again"))
+    assert prepare_model(DEFAULT_MODEL, tmp_path, progress=False) == target
+    assert (target / models.SOURCE_GGUF).read_bytes() == b"GGUF blocks"
+    assert sorted(p.name for p in target.iterdir()) == ["config.json", "model.safetensors",
+                                                        models.SOURCE_GGUF]
 
 
 def test_resolve_known_name_and_path(smollm2_dir, tiny_llama_dir) -> None:

@@ -30,6 +30,7 @@ from kvfleet.worker.kv_tier.store import TierStore
 from kvfleet.worker.runner.lora.adapter import AdapterSpec, read_adapter
 from kvfleet.worker.runner.lora.slots import Weights as LoraWeights
 from kvfleet.worker.runner.model_runner import ModelRunner, Shard
+from kvfleet.worker.runner.quant.config import FLOAT_WEIGHTS, QuantConfig
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ class RankSpec:
     max_loras: int = 0  # LoRA adapter slots (see ModelRunner.load_adapter)
     tier: Optional[TierStore] = None  # the node's host KV tier (a RayTier across processes)
     tier_tag: bytes = b""  # the replica's identity digest, kept with its write-backs
+    quantization: QuantConfig = FLOAT_WEIGHTS  # weight-only int8 / int4 (each rank its shard)
 
 
 def build_rank_runner(spec: RankSpec, rank: int, reduce) -> ModelRunner:
@@ -56,7 +58,7 @@ def build_rank_runner(spec: RankSpec, rank: int, reduce) -> ModelRunner:
     torch.set_num_threads(spec.num_threads)
     return ModelRunner(spec.model_dir, spec.num_blocks, spec.block_size, spec.dtype, spec.device,
                        spec.one_row_weights, shard=Shard(spec.tp, rank, reduce),
-                       max_loras=spec.max_loras)
+                       max_loras=spec.max_loras, quantization=spec.quantization)
 
 
 class RankWorker:

@@ -10,7 +10,9 @@ best single choice over 1-512 rows); elsewhere, or where this torch build lacks 
 
 :class:`Projection` is what a model calls; the tensor-parallel and LoRA layers
 (:mod:`kvfleet.worker.runner.tp.linear`, :mod:`kvfleet.worker.runner.lora.layer`) wrap a
-:class:`Linear` and are projections too.
+:class:`Linear` and are projections too. A model packs each loaded weight with
+:func:`projection`, which gives a quantized weight (:mod:`kvfleet.worker.runner.quant`) its
+:class:`~kvfleet.worker.runner.quant.linear.QuantLinear` instead.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from typing import Protocol
 import torch
 
 from kvfleet.worker.runner import cpu_kernels
+from kvfleet.worker.runner.quant.linear import QuantLinear
+from kvfleet.worker.runner.quant.tensor import QuantTensor
 
 PACK_BATCH_HINT = 16
 
@@ -100,6 +104,16 @@ class Linear:
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return torch.mm(x, self.weight) if self.bias is None else torch.addmm(self.bias, x, self.weight)
+
+
+def projection(weight: torch.Tensor, bias: torch.Tensor | None = None,
+               one_row_copy: bool = False) -> Projection:
+    """The projection a model packs a loaded ``[in, out]`` weight into: a
+    :class:`~kvfleet.worker.runner.quant.linear.QuantLinear` for a quantized weight (one packed
+    copy; ``one_row_copy`` does not apply), else a :class:`Linear`."""
+    if isinstance(weight, QuantTensor):
+        return QuantLinear(weight, bias)
+    return Linear(weight, bias, one_row_copy)
 
 
 class NoLinear:

@@ -27,7 +27,7 @@ from kvfleet.worker.runner.attention import AttentionMetadata, paged_attention
 from kvfleet.worker.runner.kv_cache import KVCache
 from kvfleet.worker.runner.model_config import ModelConfig
 from kvfleet.worker.runner.models.checkpoint import fuse_hf_weights
-from kvfleet.worker.runner.models.linear import Linear, NoLinear, Projection
+from kvfleet.worker.runner.models.linear import NoLinear, Projection, projection
 from kvfleet.worker.runner.models.mlp import mlp_for_layer
 from kvfleet.worker.runner.models.rope import apply_rope, stacked_rope_tables
 
@@ -91,11 +91,11 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp: Any = mlp_for_layer(config, layer_idx)
 
     def pack(self, one_row_copy: bool = False) -> None:
-        """Replace the loaded matrices by :class:`Linear` projections (``one_row_copy``: see
-        :class:`Linear`)."""
+        """Replace the loaded matrices by projections (:func:`~.linear.projection`;
+        ``one_row_copy``: see :class:`~.linear.Linear`)."""
         for name in self.PROJECTIONS:
             weight, bias = f"{name}_weight", f"{name}_bias"
-            setattr(self, name, Linear(getattr(self, weight), getattr(self, bias), one_row_copy))
+            setattr(self, name, projection(getattr(self, weight), getattr(self, bias), one_row_copy))
             delattr(self, weight)
             delattr(self, bias)
         self.mlp.pack(one_row_copy)
@@ -184,12 +184,13 @@ class LlamaForCausalLM(nn.Module):
         return hidden, last + 1
 
     def pack(self, one_row_copy: bool = False) -> None:
-        """Turn every loaded matrix into a :class:`Linear` (packed where the platform allows;
-        ``one_row_copy``: also a copy for batch-1 decode, see :class:`Linear`)."""
+        """Turn every loaded matrix into a projection (:func:`~.linear.projection`: packed
+        where the platform allows; ``one_row_copy``: also a copy for batch-1 decode, see
+        :class:`~.linear.Linear`)."""
         for layer in self._decoder_layers():
             layer.pack(one_row_copy)
         head = self.lm_head_weight
-        self.lm_head = (Linear(head, None, one_row_copy) if head is not None
+        self.lm_head = (projection(head, None, one_row_copy) if head is not None
                         else NoLinear(self.config.vocab_size))
         del self.lm_head_weight
 

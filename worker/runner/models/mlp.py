@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvfleet.worker.runner.model_config import ModelConfig
-from kvfleet.worker.runner.models.linear import Linear, Projection
+from kvfleet.worker.runner.models.linear import Projection, projection
 
 # config.json activation name → the gate's activation (applied in place where it can be).
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -46,10 +46,10 @@ class DenseMLP(nn.Module):
         self.down_weight = _weight(intermediate_size, hidden_size)
 
     def pack(self, one_row_copy: bool = False) -> None:
-        """Replace the loaded matrices by :class:`Linear` projections (``one_row_copy``: see
-        :class:`Linear`)."""
+        """Replace the loaded matrices by projections (:func:`~.linear.projection`;
+        ``one_row_copy``: see :class:`~.linear.Linear`)."""
         for name in self.PROJECTIONS:
-            setattr(self, name, Linear(getattr(self, f"{name}_weight"), None, one_row_copy))
+            setattr(self, name, projection(getattr(self, f"{name}_weight"), None, one_row_copy))
             delattr(self, f"{name}_weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

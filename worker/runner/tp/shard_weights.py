@@ -51,6 +51,36 @@ def load_shard_weights(model_dir: str | Path, layout: ShardLayout,
     return load_weights(model_dir, dtype, read if layout.tp > 1 else None)
 
 
+class _InMemory:
+    """One tensor behind the two accessors :func:`_read` uses (a safetensors file's
+    ``get_tensor`` / ``get_slice``)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self.tensor
+
+    def get_slice(self, name: str) -> _InMemory:
+        return self
+
+    def get_shape(self) -> list[int]:
+        return list(self.tensor.shape)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self.tensor[index]
+
+
+def shard_tensor(name: str, tensor: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
+    """This rank's share of HF tensor ``name`` already in memory, by the rule the loader
+    applies to the checkpoint's (the module docstring); the tensor itself at tp=1.
+
+    Raises:
+        ValueError: a split dimension that is not the size the layout expects.
+    """
+    return tensor if layout.tp == 1 else _read(_InMemory(tensor), name, layout)
+
+
 def _read(f, name: str, layout: ShardLayout) -> torch.Tensor:
     # "model.layers.{i}.self_attn.q_proj.weight" → module "q_proj", kind "weight"
     module, kind = name.split(".")[-2:] if ".layers." in name else ("", "")

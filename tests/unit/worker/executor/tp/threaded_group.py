@@ -27,16 +27,17 @@ def prefill_plans(tokens: list[int], split: int) -> list[StepPlan]:
 
 
 def run_group(model_dir: Path, tp: int, plans: list[StepPlan],
-              reduce: Optional[Callable[[RankComm], Callable]] = None
+              reduce: Optional[Callable[[RankComm], Callable]] = None, **runner_options
               ) -> tuple[list[torch.Tensor], list[ModelRunner]]:
     """Run ``plans`` on ``tp`` ranks; returns rank 0's logits per plan and every runner.
 
-    ``reduce(comm)`` replaces the all-reduce a rank's model uses (negative controls).
+    ``reduce(comm)`` replaces the all-reduce a rank's model uses (negative controls);
+    ``runner_options``: further :class:`ModelRunner` arguments (``quantization``).
     """
     def rank(comm: RankComm) -> tuple[ModelRunner, list[torch.Tensor]]:
         fn = reduce(comm) if reduce else comm.all_reduce
         runner = ModelRunner(model_dir, 16, BLOCK_SIZE, one_row_weights=False,
-                             shard=Shard(tp, comm.rank, fn))
+                             shard=Shard(tp, comm.rank, fn), **runner_options)
         return runner, [runner.execute(plan) for plan in plans]
 
     results, _ = on_ranks(tp, rank)

@@ -1,0 +1,1 @@
+"""Weight-only quantized projections: packing, the C kernels' binding and the weight sources."""

@@ -1,0 +1,75 @@
+"""Products with a :class:`~.packed.PackedWeight`: the C kernel (``qgemm.c``) on CPU, a torch
+path everywhere else.
+
+The C kernel streams the packed codes once per call for every row of ``x`` (fp32 activations,
+fp32 accumulation); it is built with kvfleet's other kernels by
+:mod:`kvfleet.worker.runner.cpu_kernels`. The torch path dequantizes the weight and multiplies
+(a CUDA device, a non-fp32 activation dtype, or no C compiler): correct, not tuned.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import torch
+
+from kvfleet.worker.runner import cpu_kernels
+from kvfleet.worker.runner.quant.packed import PackedWeight
+
+_i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+_INT8_ARGS: list[Any] = [_ptr, _i64, _i64, _ptr, _ptr, _int, _i64, _i64, _i64, _ptr, _ptr, _i64, _int]
+_INT4_ARGS: list[Any] = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _int, _i64, _i64, _i64, _ptr, _ptr, _i64, _int]
+
+
+def load() -> ctypes.CDLL | None:
+    """The kernel library with the quantized products' signatures set, or None where the C
+    kernels are unavailable (see :func:`kvfleet.worker.runner.cpu_kernels.load`)."""
+    lib = cpu_kernels.load()
+    if lib is not None and lib.qgemm_int8.restype is not None:  # not yet bound
+        lib.qgemm_int8.argtypes, lib.qgemm_int8.restype = _INT8_ARGS, None
+        lib.qgemm_int4.argtypes, lib.qgemm_int4.restype = _INT4_ARGS, _int
+    return lib
+
+
+def runs_in_c(weight: PackedWeight, dtype: torch.dtype) -> bool:
+    """Whether products of ``weight`` with ``dtype`` activations can take the C kernel."""
+    return weight.codes.device.type == "cpu" and dtype == torch.float32
+
+
+def qmatmul_c(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None,
+              lib: ctypes.CDLL) -> torch.Tensor:
+    """``x`` ``(T, in)`` fp32 CPU · ``weight``ᵀ (+ ``bias`` ``(out,)``) → ``(T, out)`` fp32,
+    through ``lib`` (from :func:`load`).
+
+    Raises:
+        ValueError: ``x`` of the wrong width.
+        MemoryError: the kernel could not allocate its scratch.
+    """
+    rows, width = x.shape
+    if width != weight.in_features:
+        raise ValueError(f"quantized product: x has {width} columns, the weight {weight.in_features} inputs")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    y = x.new_empty(rows, weight.out_features)
+    if rows == 0:
+        return y
+    bias_ptr = None if bias is None else bias.data_ptr()
+    common = (weight.half_scales, weight.in_features, weight.out_features, weight.group, bias_ptr,
+              y.data_ptr(), y.stride(0), torch.get_num_threads())
+    if weight.bits == 8:
+        lib.qgemm_int8(x.data_ptr(), x.stride(0), rows, weight.codes.data_ptr(),
+                       weight.scale.data_ptr(), *common)
+    else:
+        assert weight.offset is not None
+        if lib.qgemm_int4(x.data_ptr(), x.stride(0), rows, weight.codes.data_ptr(),
+                          weight.scale.data_ptr(), weight.offset.data_ptr(), *common) != 0:
+            raise MemoryError("quantized product: the kernel could not allocate its group sums")
+    return y
+
+
+def qmatmul_torch(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """As :func:`qmatmul_c` for any device and dtype: the weight dequantized, then a matmul in
+    ``x``'s dtype (no copy is kept)."""
+    w = weight.dequantize().to(x.dtype)
+    return torch.nn.functional.linear(x, w, bias)
