@@ -50,7 +50,7 @@ def _schema_constraint(schema: Any, field: str) -> Constraint:
         text = schema
     elif isinstance(schema, (dict, bool)):
         check_json_depth(schema, MAX_SCHEMA_DEPTH, field)  # before json.dumps recurses into it
-        text = json.dumps(schema, sort_keys=True, separators=(",", ":"))
+        text = json.dumps(schema, separators=(",", ":"))  # property order is output order
     else:
         raise InvalidArgument(f"{field} must be a JSON Schema object", field=field)
     return Constraint("json_schema", text, field).validate()

@@ -39,6 +39,15 @@ def test_response_formats_and_guided_fields_become_constraints():
     assert c.kind == "grammar"
 
 
+def test_an_http_schema_keeps_its_property_order_which_is_the_outputs_key_order():
+    schema = {"type": "object", "required": ["zeta", "alpha"],
+              "properties": {"zeta": {"type": "integer"}, "alpha": {"type": "string"}}}
+    c = parse_chat({"messages": HI, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "a", "schema": schema}}}).constraint
+    assert list(json.loads(c.spec)) == list(schema)
+    assert list(json.loads(c.spec)["properties"]) == ["zeta", "alpha"]
+
+
 @pytest.mark.parametrize("body, field", [
     ({"response_format": {"type": "xml"}}, "response_format.type"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA}}},
