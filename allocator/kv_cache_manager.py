@@ -129,6 +129,17 @@ class KVCacheManager:
         for i in range(from_token // self.block_size, num_full):
             self.pool.register(table[i], block_hashes[i])
 
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Release the request's blocks past those that hold ``num_tokens`` positions, tail
+        first (the blocks only rejected speculative drafts were written to; such blocks were
+        never registered, so they go back to the free list)."""
+        table = self._tables.get(request_id)
+        keep = self.blocks_for(num_tokens, self.block_size)
+        if table is not None and len(table) > keep:
+            tail = table[keep:]
+            del table[keep:]
+            self.pool.release(reversed(tail))
+
     def free(self, request_id: str) -> None:
         """Release every reference of the request (unknown id: no-op), tail block first, so the
         end of a cached chain is evicted before its beginning."""

@@ -36,6 +36,7 @@ from kvfleet.router.flags import ROUTER_FLAGS
 from kvfleet.telemetry import TelemetryConfig
 from kvfleet.worker.engine.scheduling.config import POLICIES as ADMISSION_POLICIES
 from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig
+from kvfleet.worker.engine.speculative.speculator import MODES as SPECULATIVE_MODES
 from kvfleet.worker.replica.autoscale import AutoscaleTargets
 from kvfleet.worker.replica.replica import DEFAULT_KV_MEMORY_BYTES, EXECUTORS, ReplicaConfig
 
@@ -187,6 +188,14 @@ SCHEDULER_FLAGS: tuple[Flag, ...] = (
          "a batch step in flight pauses between decoder layers for a nested step of newly "
          "arrived higher-class prompts (interactive TTFT beside a batch flood; --tp 1 only: "
          "refused otherwise)", "scheduling", action="store_true"),
+    Flag("--speculative", "replica.scheduler.speculative",
+         "speculative decoding, drafts verified in the batch (the answer never changes): ngram "
+         "copies from the request's own prompt and output, suffix also from recent outputs of "
+         "the same cache scope; each row's draft length follows its acceptance and the "
+         "step-cost model (default {default})", "scheduling", choices=SPECULATIVE_MODES),
+    Flag("--speculative-tokens", "replica.scheduler.speculative_tokens",
+         "speculative decoding: drafts per decode row per step at most (default {default})",
+         "scheduling", type=positive_int("--speculative-tokens")),
     Flag("--max-grammar-compile-s", "replica.grammar.max_compile_s",
          "structured output: a schema, regex or grammar whose compile takes longer is refused "
          "with INVALID_ARGUMENT, and so is that constraint from then on; a compile also waits "

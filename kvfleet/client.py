@@ -28,7 +28,8 @@ from kvfleet.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 _FINISH = {common_pb2.STOP: "stop", common_pb2.LENGTH: "length"}
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "n", "ignore_eos",
-                    "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs")
+                    "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs",
+                    "speculative")
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,8 @@ def build_request(prompt: Optional[str] = None, *, messages: Optional[Sequence[d
     (``adapter``: a LoRA adapter the replicas serve, by name; empty = the base model).
 
     ``sampling`` keys: max_tokens, temperature, top_p, top_k, seed, n, ignore_eos,
-    presence_penalty, frequency_penalty, repetition_penalty, logprobs (None = server default).
+    presence_penalty, frequency_penalty, repetition_penalty, logprobs, speculative (False opts
+    out of speculative decoding) (None = server default).
 
     Raises:
         ValueError: zero or several prompt forms, an unknown sampling key, or a value its

@@ -56,6 +56,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: Optional[int] = None
+    # False opts this request out of the replica's speculative decoding (the answer is the
+    # same either way; only its speed differs).
+    speculative: bool = True
 
     def validate(self) -> "SamplingParams":
         """Check every bound; returns self. Raises InvalidArgument naming the field."""
@@ -114,7 +117,8 @@ class SamplingParams:
         """
         kw: dict = {}
         for name in ("max_tokens", "temperature", "top_p", "top_k", "n", "ignore_eos",
-                     "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs"):
+                     "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs",
+                     "speculative"):
             if msg.HasField(name):
                 kw[name] = getattr(msg, name)
         kw["seed"] = msg.seed if msg.HasField("seed") else secrets.randbits(63)
@@ -125,7 +129,7 @@ class SamplingParams:
     def to_proto(self, msg) -> None:
         """Fill a ``kvfleet.v1.SamplingParams`` message with every field set explicitly."""
         for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "n", "ignore_eos",
-                     "presence_penalty", "frequency_penalty", "repetition_penalty"):
+                     "presence_penalty", "frequency_penalty", "repetition_penalty", "speculative"):
             setattr(msg, name, getattr(self, name))
         if self.logprobs is not None:
             msg.logprobs = self.logprobs

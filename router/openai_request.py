@@ -3,7 +3,8 @@
 OpenAI's defaults apply, not gRPC's: ``temperature`` 1, completions ``max_tokens`` 16, chat
 bounded only by the context. kvfleet extras keep their own names as vLLM's do (``top_k``,
 ``repetition_penalty``, ``cache_salt``, ``ignore_eos``, ``stop_token_ids``, ``guided_*``,
-``priority``: a class name or an integer, :mod:`kvfleet.priority`).
+``priority``: a class name or an integer, :mod:`kvfleet.priority`; ``speculative``: false opts
+the request out of the replica's speculative decoding).
 Structured output and tools: :mod:`kvfleet.router.openai_structured`. A field kvfleet
 does not support (``echo``, ``logit_bias``, …, or any unknown name) is an
 :class:`~kvfleet.errors.InvalidArgument` naming it unless it holds its "off" value (null,
@@ -35,7 +36,7 @@ MAX_PROMPTS = 64  # prompts in one completions array
 _COMMON = {"model", "stream", "stream_options", "n", "stop", "seed", "temperature", "top_p",
            "presence_penalty", "frequency_penalty", "max_tokens", "user",
            "top_k", "repetition_penalty", "cache_salt", "ignore_eos", "stop_token_ids",
-           "priority"}
+           "priority", "speculative"}
 CHAT_FIELDS = _COMMON | STRUCTURED_FIELDS | TOOL_FIELDS | {"messages", "max_completion_tokens",
                                                           "logprobs", "top_logprobs"}
 COMPLETION_FIELDS = _COMMON | STRUCTURED_FIELDS | {"prompt", "logprobs"}
@@ -109,7 +110,8 @@ def _sampling(body: dict, max_tokens: Optional[int], logprobs: Optional[int]) ->
                               ("frequency_penalty", (int, float), "a number"),
                               ("repetition_penalty", (int, float), "a number"),
                               ("top_k", int, "an integer"), ("n", int, "an integer"),
-                              ("ignore_eos", bool, "a boolean")):
+                              ("ignore_eos", bool, "a boolean"),
+                              ("speculative", bool, "a boolean")):
         value = _type(body, name, kinds, what)
         if value is not None:
             kw[name] = float(value) if kinds == (int, float) else value

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvfleet/v1/common.proto\x12\nkvfleet.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.kvfleet.v1.ChatMessage\"\xe4\x03\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0e\n\x01n\x18\x06 \x01(\x05H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x17\n\nignore_eos\x18\t \x01(\x08H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\n \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x02H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x02H\t\x88\x01\x01\x12\x15\n\x08logprobs\x18\r \x01(\x05H\n\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x04\n\x02_nB\r\n\x0b_ignore_eosB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobs\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\"N\n\x06Timing\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x10\n\x08\x64\x65\x63ode_s\x18\x03 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x04 \x01(\x01\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.kvfleet.v1.TopLogprob\"\x8d\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12*\n\x08logprobs\x18\x05 \x03(\x0b\x32\x18.kvfleet.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x18.kvfleet.v1.FinishReason\x12 \n\x05usage\x18\x07 \x01(\x0b\x32\x11.kvfleet.v1.Usage\x12\x12\n\nreplica_id\x18\x08 \x01(\t\x12\"\n\x06timing\x18\t \x01(\x0b\x32\x12.kvfleet.v1.Timing\"\x84\x01\n\nRankStatus\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x0b\n\x03pid\x18\x04 \x01(\x05\x12\x10\n\x08kv_bytes\x18\x05 \x01(\x03\x12\x12\n\nnum_blocks\x18\x06 \x01(\x05\x12\x14\n\x0cweight_bytes\x18\x07 \x01(\x03\"?\n\x12LoadAdapterRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04path\x18\x03 \x01(\t\"3\n\x14UnloadAdapterRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\"K\n\x14ReplicaAdapterResult\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\t\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"A\n\x0c\x41\x64\x61pterReply\x12\x31\n\x07results\x18\x01 \x03(\x0b\x32 .kvfleet.v1.ReplicaAdapterResult*C\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\n\n\x06LENGTH\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvfleet/v1/common.proto\x12\nkvfleet.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.kvfleet.v1.ChatMessage\"\x8e\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0e\n\x01n\x18\x06 \x01(\x05H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x17\n\nignore_eos\x18\t \x01(\x08H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\n \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x02H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x02H\t\x88\x01\x01\x12\x15\n\x08logprobs\x18\r \x01(\x05H\n\x88\x01\x01\x12\x18\n\x0bspeculative\x18\x0e \x01(\x08H\x0b\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x04\n\x02_nB\r\n\x0b_ignore_eosB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x0e\n\x0c_speculative\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\"N\n\x06Timing\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x10\n\x08\x64\x65\x63ode_s\x18\x03 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x04 \x01(\x01\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.kvfleet.v1.TopLogprob\"\x8d\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12*\n\x08logprobs\x18\x05 \x03(\x0b\x32\x18.kvfleet.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x18.kvfleet.v1.FinishReason\x12 \n\x05usage\x18\x07 \x01(\x0b\x32\x11.kvfleet.v1.Usage\x12\x12\n\nreplica_id\x18\x08 \x01(\t\x12\"\n\x06timing\x18\t \x01(\x0b\x32\x12.kvfleet.v1.Timing\"\x84\x01\n\nRankStatus\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x0b\n\x03pid\x18\x04 \x01(\x05\x12\x10\n\x08kv_bytes\x18\x05 \x01(\x03\x12\x12\n\nnum_blocks\x18\x06 \x01(\x05\x12\x14\n\x0cweight_bytes\x18\x07 \x01(\x03\"?\n\x12LoadAdapterRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04path\x18\x03 \x01(\t\"3\n\x14UnloadAdapterRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\"K\n\x14ReplicaAdapterResult\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\t\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"A\n\x0c\x41\x64\x61pterReply\x12\x31\n\x07results\x18\x01 \x03(\x0b\x32 .kvfleet.v1.ReplicaAdapterResult*C\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\n\n\x06LENGTH\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvfleet.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1631
-  _globals['_FINISHREASON']._serialized_end=1698
+  _globals['_FINISHREASON']._serialized_start=1673
+  _globals['_FINISHREASON']._serialized_end=1740
   _globals['_CHATMESSAGE']._serialized_start=39
   _globals['_CHATMESSAGE']._serialized_end=83
   _globals['_TOKENIDS']._serialized_start=85
@@ -40,25 +40,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGES']._serialized_start=110
   _globals['_CHATMESSAGES']._serialized_end=167
   _globals['_SAMPLINGPARAMS']._serialized_start=170
-  _globals['_SAMPLINGPARAMS']._serialized_end=654
-  _globals['_USAGE']._serialized_start=656
-  _globals['_USAGE']._serialized_end=743
-  _globals['_TIMING']._serialized_start=745
-  _globals['_TIMING']._serialized_end=823
-  _globals['_TOPLOGPROB']._serialized_start=825
-  _globals['_TOPLOGPROB']._serialized_end=872
-  _globals['_TOKENLOGPROB']._serialized_start=874
-  _globals['_TOKENLOGPROB']._serialized_end=960
-  _globals['_GENERATERESPONSE']._serialized_start=963
-  _globals['_GENERATERESPONSE']._serialized_end=1232
-  _globals['_RANKSTATUS']._serialized_start=1235
-  _globals['_RANKSTATUS']._serialized_end=1367
-  _globals['_LOADADAPTERREQUEST']._serialized_start=1369
-  _globals['_LOADADAPTERREQUEST']._serialized_end=1432
-  _globals['_UNLOADADAPTERREQUEST']._serialized_start=1434
-  _globals['_UNLOADADAPTERREQUEST']._serialized_end=1485
-  _globals['_REPLICAADAPTERRESULT']._serialized_start=1487
-  _globals['_REPLICAADAPTERRESULT']._serialized_end=1562
-  _globals['_ADAPTERREPLY']._serialized_start=1564
-  _globals['_ADAPTERREPLY']._serialized_end=1629
+  _globals['_SAMPLINGPARAMS']._serialized_end=696
+  _globals['_USAGE']._serialized_start=698
+  _globals['_USAGE']._serialized_end=785
+  _globals['_TIMING']._serialized_start=787
+  _globals['_TIMING']._serialized_end=865
+  _globals['_TOPLOGPROB']._serialized_start=867
+  _globals['_TOPLOGPROB']._serialized_end=914
+  _globals['_TOKENLOGPROB']._serialized_start=916
+  _globals['_TOKENLOGPROB']._serialized_end=1002
+  _globals['_GENERATERESPONSE']._serialized_start=1005
+  _globals['_GENERATERESPONSE']._serialized_end=1274
+  _globals['_RANKSTATUS']._serialized_start=1277
+  _globals['_RANKSTATUS']._serialized_end=1409
+  _globals['_LOADADAPTERREQUEST']._serialized_start=1411
+  _globals['_LOADADAPTERREQUEST']._serialized_end=1474
+  _globals['_UNLOADADAPTERREQUEST']._serialized_start=1476
+  _globals['_UNLOADADAPTERREQUEST']._serialized_end=1527
+  _globals['_REPLICAADAPTERRESULT']._serialized_start=1529
+  _globals['_REPLICAADAPTERRESULT']._serialized_end=1604
+  _globals['_ADAPTERREPLY']._serialized_start=1606
+  _globals['_ADAPTERREPLY']._serialized_end=1671
 # @@protoc_insertion_point(module_scope)

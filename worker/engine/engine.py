@@ -29,6 +29,7 @@ from kvfleet.worker.engine.output.sample_io import SampleIO, final_output
 from kvfleet.worker.engine.output.sampling import Sampler
 from kvfleet.worker.engine.request import EngineRequest, FinishReason, SequenceState
 from kvfleet.worker.engine.scheduling.scheduler import Fork, Scheduler, SchedulerConfig, SchedulerOutput
+from kvfleet.worker.engine.speculative.verify import Verification
 from kvfleet.worker.executor.base import Executor
 from kvfleet.worker.kv_tier.export import ExportDone, TierExports
 from kvfleet.worker.kv_tier.lookup import TierLookup
@@ -144,7 +145,7 @@ class Engine:
                      prompt_token_ids=list(req.prompt_token_ids), params=req.params,
                      root_hash=root, block_size=self.kv.block_size, arrival_seq=arrival,
                      deadline=req.deadline, tenant=req.tenant, priority=req.priority,
-                     tier_skip=req.tier_skip)
+                     tier_skip=req.tier_skip, may_speculate=req.constraint is None)
             for i in range(req.params.n)
         ]
         if pinned is not None:
@@ -212,47 +213,72 @@ class Engine:
         return self._sample_and_emit(out, forks, logits)
 
     def _sample_and_emit(self, out: SchedulerOutput, forks: list[Fork], logits) -> list[SeqOutput]:
-        rows = [i for i, s in enumerate(out.scheduled) if s.sample]
-        seqs = [out.scheduled[i].seq for i in rows]
+        """Sample every row that reaches its last token; a row with drafts goes on verifying
+        them (:class:`~kvfleet.worker.engine.speculative.verify.Verification`): round ``j``
+        samples position ``j`` of each row whose drafts so far all matched, so a row emits
+        its matching drafts and the first token that differs (or the one after them all)."""
+        offsets = out.plan.logit_offsets()
+        chunks = [i for i, s in enumerate(out.scheduled) if s.sample]
+        # A chunk's sampling row is its last real token's: the first of its 1 + drafts rows.
+        rows = [offsets[i] for i in chunks]
+        seqs = [out.scheduled[i].seq for i in chunks]
+        drafts = [out.scheduled[i].draft_token_ids for i in chunks]
         if forks:  # siblings draw their first token from their leader's logits row
-            row_of = {out.scheduled[i].seq.seq_id: i for i in rows}
+            row_of = {out.scheduled[i].seq.seq_id: offsets[i] for i in chunks}
             for f in forks:
                 f.sibling.timing.first_scheduled = f.leader.timing.first_scheduled
                 f.sibling.timing.prefill_chunks = list(f.leader.timing.prefill_chunks)
                 rows.append(row_of[f.leader.seq_id])
                 seqs.append(f.sibling)
+                drafts.append(())
         if not rows:
             return []
-        picked = logits if rows == list(range(len(logits))) else logits[rows]
-        ios = [self._io[s.seq_id] for s in seqs]
-        # Constrained rows sample (and report logprobs) from the masked distribution.
-        masked = mask_logits(picked, [io.matcher for io in ios], self.mask_budget_s)
-        results = self.sampler(masked.logits, [io.state for io in ios])
-        # A row whose mask took past the budget ends its request (only it), constraint refused.
-        failed = {seqs[i].request_id: self.grammars.too_slow_to_mask(ios[i].constraint, took)
-                  for i, took in masked.over_budget}
+        v = Verification(seqs, drafts)
+        failed: dict[str, BaseException] = {}
         now = time.monotonic()
+        while (live := v.live()):
+            at = [rows[i] + v.round for i in live]
+            picked = logits if at == list(range(len(logits))) else logits[at]
+            ios = [self._io[seqs[i].seq_id] for i in live]
+            # Constrained rows sample (and report logprobs) from the masked distribution.
+            masked = mask_logits(picked, [io.matcher for io in ios], self.mask_budget_s)
+            results = self.sampler(masked.logits, [io.state for io in ios])
+            # A row whose mask took past the budget ends its request (only it), refused.
+            for k, took in masked.over_budget:
+                seq = seqs[live[k]]
+                failed[seq.request_id] = self.grammars.too_slow_to_mask(ios[k].constraint, took)
+            for i, io, res in zip(live, ios, results, strict=True):
+                if seqs[i].request_id in failed:
+                    continue  # emits nothing more this step
+                try:
+                    v.add(i, res, io.append(seqs[i], res, now, self.eos_token_ids))
+                except Exception as exc:  # one request's failure stays with that request
+                    log.exception("post-processing failed for %s", seqs[i].seq_id)
+                    v.fail(i, exc)
         outputs = []
-        for seq, res in zip(seqs, results, strict=True):
+        for i, seq in enumerate(seqs):
+            if seq.is_finished:
+                continue  # a sibling's error ended it already
             if seq.request_id in failed:
-                if not seq.is_finished:
-                    outputs.append(self._finish(seq, FinishReason.ERROR, failed[seq.request_id]))
+                outputs.append(self._finish(seq, FinishReason.ERROR, failed[seq.request_id]))
                 continue
-            try:
-                outputs.append(self._append(seq, res, now))
-            except Exception as exc:  # one request's failure stays with that request
-                log.exception("post-processing failed for %s", seq.seq_id)
-                outputs.append(self._finish(seq, FinishReason.ERROR, exc))
+            got = v.emitted[i]
+            if got.error is not None:
+                outputs.append(self._finish(seq, FinishReason.ERROR, got.error))
+                continue
+            if drafts[i]:
+                self.scheduler.spec.verified(seq, len(drafts[i]), got.accepted)
+            if got.reason is None:
+                if drafts[i]:
+                    self.scheduler.accept_drafts(seq, got.accepted)
+                outputs.append(SeqOutput(seq.request_id, seq.index, tuple(got.token_ids),
+                                         got.text, tuple(got.logprobs)))
+            else:
+                outputs.append(self._finish(seq, got.reason, token_ids=tuple(got.token_ids),
+                                            text=got.text, logprobs=tuple(got.logprobs)))
         for rid, error in failed.items():  # its samples not in this step
             outputs += self.abort(rid, FinishReason.ERROR, error)
         return outputs
-
-    def _append(self, seq: SequenceState, res, now: float) -> SeqOutput:
-        got = self._io[seq.seq_id].append(seq, res, now, self.eos_token_ids)
-        if got.reason is None:
-            return SeqOutput(seq.request_id, seq.index, (res.token_id,), got.text, got.logprobs)
-        return self._finish(seq, got.reason, token_ids=(res.token_id,), text=got.text,
-                            logprobs=got.logprobs)
 
     def _expire_deadlines(self) -> list[SeqOutput]:
         now = time.monotonic()

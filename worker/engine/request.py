@@ -69,6 +69,9 @@ class SequenceState:
     num_preemptions: int = 0
     class_preemptions: int = 0  # of num_preemptions, those for a higher class (bounded)
     tier_skip: bool = False  # a host-tier restore for it failed: recompute from now on
+    may_speculate: bool = True  # False: never carries drafts (a structured-output row)
+    spec_drafted: int = 0  # draft tokens verified for it, and of those accepted
+    spec_accepted: int = 0
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: Optional[FinishReason] = None
     error: Optional[BaseException] = None

@@ -18,6 +18,12 @@ class SeqChunk:
     to keys ``0 .. num_computed_tokens + j`` of this sequence only. ``block_table`` lists the
     sequence's KV blocks in order and covers every position up to the chunk's last token.
     ``adapter_slot`` is the runner's LoRA slot its tokens use (0 = the base model).
+
+    ``num_draft_tokens`` (speculative decoding): the last ``num_draft_tokens`` of
+    ``token_ids`` are proposed, not yet verified, continuations of a decode row; the runner
+    returns the logits of the chunk's last ``1 + num_draft_tokens`` positions (0: of its last
+    token only). Their K/V is written like any other token's; the engine counts as computed
+    only the positions it verifies, so a rejected draft's slots are simply written again.
     """
 
     seq_id: str  # the sequence's id (``<request id>#<sample index>`` in the engine)
@@ -25,6 +31,12 @@ class SeqChunk:
     num_computed_tokens: int
     block_table: tuple[int, ...]
     adapter_slot: int = 0
+    num_draft_tokens: int = 0
+
+    @property
+    def num_logit_rows(self) -> int:
+        """Logits rows the runner returns for this chunk: its last ``1 + num_draft_tokens``."""
+        return 1 + self.num_draft_tokens
 
 
 @dataclass(frozen=True)
@@ -50,3 +62,16 @@ class StepPlan:
     @property
     def num_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.chunks)
+
+    @property
+    def num_logit_rows(self) -> int:
+        """Rows of the executor's logits for this plan: ``len(chunks)`` without drafts."""
+        return sum(c.num_logit_rows for c in self.chunks)
+
+    def logit_offsets(self) -> list[int]:
+        """``(len(chunks) + 1,)`` offsets: chunk ``i``'s logits rows are
+        ``offsets[i] .. offsets[i + 1] - 1`` (its last token's is ``offsets[i + 1] - 1``)."""
+        out = [0]
+        for c in self.chunks:
+            out.append(out[-1] + c.num_logit_rows)
+        return out

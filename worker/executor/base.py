@@ -86,7 +86,8 @@ class Executor(Protocol):
         """Copy-on-write, then one forward over every chunk of ``plan``.
 
         Returns:
-            float32 ``(len(plan.chunks), vocab_size)``: each chunk's last-token logits.
+            float32 ``(plan.num_logit_rows, vocab_size)``: each chunk's last-token logits (a
+            chunk with drafts: its last ``1 + num_draft_tokens`` tokens').
 
         Raises:
             OutOfRange, InvalidArgument, ValueError: see :meth:`validate` (nothing ran).

@@ -93,7 +93,7 @@ class CostModelExecutor:
     tier = NO_RANK_TIER  # no KV to write back or restore
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
-        """Wait the modelled step time; returns float32 ``(len(plan.chunks), vocab_size)``.
+        """Wait the modelled step time; returns float32 ``(plan.num_logit_rows, vocab_size)``.
 
         Raises:
             ValueError: see :meth:`validate`.
@@ -115,8 +115,8 @@ class CostModelExecutor:
         self.steps += 1
         if should_yield is None:  # one sleep, as before layer yield
             self._sleep_until(start + seconds)
-            return self._row.expand(len(plan.chunks), -1).clone()
-        return self.resume(PausedSleep(len(plan.chunks), seconds / self.config.num_layers, 0,
+            return self._row.expand(plan.num_logit_rows, -1).clone()
+        return self.resume(PausedSleep(plan.num_logit_rows, seconds / self.config.num_layers, 0,
                                        start), should_yield)
 
     def resume(self, paused: PausedSleep, should_yield: Callable[[], bool] | None = None

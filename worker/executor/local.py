@@ -58,7 +58,7 @@ class LocalExecutor:
         self.runner.validate(plan)
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
-        """See :meth:`ModelRunner.execute`: float32 ``(len(plan.chunks), vocab_size)``."""
+        """See :meth:`ModelRunner.execute`: float32 ``(plan.num_logit_rows, vocab_size)``."""
         return self.runner.execute(plan)
 
     def execute_pausable(self, plan: StepPlan, should_yield: ShouldYield | None

@@ -178,6 +178,9 @@ class ModelRunner:
         n = len(chunk.token_ids)
         if n == 0:
             raise ValueError(f"sequence {chunk.seq_id}: empty chunk")
+        if not 0 <= chunk.num_draft_tokens < n:
+            raise ValueError(f"sequence {chunk.seq_id}: {chunk.num_draft_tokens} drafts in a "
+                             f"chunk of {n} tokens")
         last = chunk.num_computed_tokens + n - 1
         check_context_length(last + 1, self.config.max_position_embeddings,
                              f"sequence {chunk.seq_id}: {chunk.num_computed_tokens} computed "
@@ -210,7 +213,8 @@ class ModelRunner:
         Performs ``plan.block_copies`` first, then writes the new tokens' K/V.
 
         Returns:
-            float32 ``(len(plan.chunks), vocab_size)``: each chunk's last-token logits; on a
+            float32 ``(plan.num_logit_rows, vocab_size)``: each chunk's last-token logits
+            (with drafts, its last ``1 + num_draft_tokens`` tokens', in order); on a
             tensor-parallel rank other than 0, ``(0, vocab_size)`` (it computes no logits).
 
         Raises:
@@ -291,4 +295,16 @@ class ModelRunner:
         rows = f.meta.last_token_indices
         if f.plan_order is not None:
             rows = rows[f.plan_order.to(rows.device)]
+        if any(c.num_draft_tokens for c in f.plan.chunks):
+            rows = _draft_rows(f.plan, rows)
         return self.model.compute_logits(hidden[rows]).float().cpu()
+
+
+def _draft_rows(plan: StepPlan, last: torch.Tensor) -> torch.Tensor:
+    """Rows of the flat batch whose logits a plan with drafts returns, in plan order: each
+    chunk's last ``1 + num_draft_tokens`` tokens (``last``: each chunk's last token's row,
+    plan order)."""
+    ends = last.tolist()
+    rows = [r for c, end in zip(plan.chunks, ends, strict=True)
+            for r in range(end - c.num_draft_tokens, end + 1)]
+    return torch.tensor(rows, dtype=torch.long, device=last.device)

@@ -55,6 +55,7 @@ class RecordingExecutor:
     def __init__(self, executor: Executor) -> None:
         self.executor = executor
         self.logits: dict[str, list[tuple[int, torch.Tensor]]] = defaultdict(list)
+        self.inputs: dict[str, list[tuple[int, tuple[int, ...]]]] = defaultdict(list)
         self.plans: list[StepPlan] = []
 
     def __getattr__(self, name: str):
@@ -74,10 +75,23 @@ class RecordingExecutor:
         if not isinstance(out, torch.Tensor):
             return out  # paused
         self.plans.append(plan)
-        for chunk, row in zip(plan.chunks, out, strict=True):
-            pos = chunk.num_computed_tokens + len(chunk.token_ids) - 1
-            self.logits[chunk.seq_id].append((pos, row.clone()))
+        assert len(out) == plan.num_logit_rows
+        offsets = plan.logit_offsets()
+        for k, chunk in enumerate(plan.chunks):
+            n = len(chunk.token_ids)
+            for j, row in zip(range(n - chunk.num_logit_rows, n), out[offsets[k]: offsets[k + 1]],
+                              strict=True):
+                self.logits[chunk.seq_id].append((chunk.num_computed_tokens + j, row.clone()))
+                self.inputs[chunk.seq_id].append(
+                    (chunk.num_computed_tokens, chunk.token_ids[: j + 1]))
         return out
+
+    def verified(self, seq_id: str, tokens: list[int]) -> list[tuple[int, torch.Tensor]]:
+        """The rows of ``seq_id`` computed on its own final ``tokens`` (a rejected draft's
+        row, computed on a token the sequence did not keep, was discarded: left out)."""
+        return [pr for pr, (start, inp) in zip(self.logits[seq_id], self.inputs[seq_id],
+                                                strict=True)
+                if tuple(tokens[start: start + len(inp)]) == inp]
 
 
 @dataclass
@@ -194,7 +208,7 @@ def seq_tokens(req: EngineRequest, res: Result) -> list[int]:
 
 def reference_error(model_dir: Path, rec: RecordingExecutor, seq_id: str, tokens: list[int]) -> float:
     """Every logits row the engine computed for ``seq_id`` against transformers on ``tokens``."""
-    rows = rec.logits[seq_id]
+    rows = rec.verified(seq_id, tokens)
     assert rows, f"no logits recorded for {seq_id}"
     ref = reference_logits(model_dir, tokens[: max(p for p, _ in rows) + 1])
     return max(scaled_error({p: row}, ref) for p, row in rows)

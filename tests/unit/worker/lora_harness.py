@@ -68,7 +68,7 @@ def lora_error(model_dir: Path, adapter_dir: Path | None, rec: RecordingExecutor
                req: EngineRequest, res: Result) -> float:
     """Every logits row the engine computed for ``req`` against peft (base: transformers)
     on its own tokens, in tolerances (<= 1 passes)."""
-    rows = rec.logits[f"{req.request_id}#0"]
+    rows = rec.verified(f"{req.request_id}#0", seq_tokens(req, res))
     assert rows, f"no logits recorded for {req.request_id}"
     tokens = seq_tokens(req, res)[: max(p for p, _ in rows) + 1]
     ref = peft_logits(model_dir, adapter_dir, tokens)

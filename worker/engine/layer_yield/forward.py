@@ -69,7 +69,7 @@ class LayerYield:
         arrivals it yields to (whole when ``arrivals`` is None: a nested step itself).
 
         Returns:
-            ``(logits, nested_s)``: ``out``'s float32 ``(len(out.plan.chunks), vocab)`` logits,
+            ``(logits, nested_s)``: ``out``'s float32 ``(out.plan.num_logit_rows, vocab)`` logits,
             as :meth:`Executor.execute` returns them, and the seconds spent in nested steps
             (not part of ``out``'s own forward time).
 

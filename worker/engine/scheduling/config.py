@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from kvfleet.worker.engine.scheduling.priority_queue import PriorityRules
+from kvfleet.worker.engine.speculative.speculator import check_mode
 
 POLICIES = ("watermark", "reserve")
 
@@ -44,6 +45,10 @@ class SchedulerConfig:
     # decoder layers for a nested step of newly arrived higher-class prompts. tp = 1 only
     # (the engine refuses an executor that cannot pause).
     layer_yield: bool = False
+    # Speculative decoding (kvfleet.worker.engine.speculative): "off", "ngram" or "suffix";
+    # drafts per decode row per step at most (the step-cost model sizes each row's 0..this).
+    speculative: str = "off"
+    speculative_tokens: int = 4
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -57,6 +62,7 @@ class SchedulerConfig:
         if self.itl_target_ms is not None and not 0 < self.itl_target_ms < float("inf"):
             raise ValueError(f"itl_target_ms must be > 0, got {self.itl_target_ms}")
         PriorityRules(self.max_num_seqs, self.batch_share)  # checks
+        check_mode(self.speculative, self.speculative_tokens)
 
     @property
     def max_sequences(self) -> int:

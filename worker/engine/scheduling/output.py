@@ -21,20 +21,25 @@ if TYPE_CHECKING:  # annotations only
 @dataclass(frozen=True)
 class ScheduledSeq:
     """One sequence's part of a step. ``sample`` is true when the chunk reaches the sequence's
-    last known token, so its logits give the next token."""
+    last known token, so its logits give the next token. ``draft_token_ids``: speculative
+    drafts after that token (a decode row only), computed in the same chunk but counted as
+    computed only once verified (``num_new_tokens`` does not include them)."""
 
     seq: SequenceState
     num_new_tokens: int
     sample: bool
+    draft_token_ids: tuple[int, ...] = ()
 
     def chunk(self, block_table: Sequence[int]) -> SeqChunk:
         """The plan's chunk: the ``num_new_tokens`` tokens after the sequence's computed ones
         (call before they are counted as computed), over its ``block_table`` (block ids)."""
         start = self.seq.num_computed_tokens
         return SeqChunk(seq_id=self.seq.seq_id,
-                        token_ids=self.seq.token_slice(start, start + self.num_new_tokens),
+                        token_ids=(self.seq.token_slice(start, start + self.num_new_tokens)
+                                   + self.draft_token_ids),
                         num_computed_tokens=start, block_table=tuple(block_table),
-                        adapter_slot=self.seq.adapter_slot)
+                        adapter_slot=self.seq.adapter_slot,
+                        num_draft_tokens=len(self.draft_token_ids))
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,9 @@ What a step decided travels with it, never through state read later: the rows th
 the favoured prefill (:class:`~.class_step.StepContents`), the cached blocks its allocations
 evicted and the host-tier restores it admitted (:class:`~.admission.StepWork`, in the plan).
 
+Speculative decoding (:mod:`kvfleet.worker.engine.speculative`), when on, runs last: decode
+rows may carry drafts in the token budget and free blocks the step left (never a preemption).
+
 Parallel sampling (``n > 1``): only sample 0 is queued; its siblings fork its blocks once its
 prompt is computed, and a shared partial block is copied before a write (:mod:`.forks`).
 """
@@ -52,6 +55,8 @@ from kvfleet.worker.engine.scheduling.priority_queue import PriorityRules, inser
 from kvfleet.worker.engine.scheduling.seats import TenantSeats, seats_taken
 from kvfleet.worker.engine.scheduling.step_budget import StepBudget, step_budget
 from kvfleet.worker.engine.scheduling.tenant_service import TenantService
+from kvfleet.worker.engine.speculative.drafts import add_drafts
+from kvfleet.worker.engine.speculative.speculator import Speculator
 from kvfleet.worker.engine.step_plan import StepPlan
 from kvfleet.worker.kv_tier.admission import HitCounts, NoTierAdmission, TierAdmission
 from kvfleet.worker.kv_tier.lookup import TierLookup
@@ -92,6 +97,7 @@ class Scheduler:
         # leader seq_id -> siblings waiting for its prompt to be computed (n > 1)
         self.pending_forks: dict[str, list[SequenceState]] = {}
         self.blocks = BlockAdmission(kv, config.policy, config.watermark)
+        self.spec = Speculator(config.speculative, config.speculative_tokens)
         self.rules = PriorityRules(config.max_num_seqs, config.batch_share)
         self.service = TenantService()  # per-tenant service: who is admitted next
         self.seats = TenantSeats(config.max_num_seqs, config.tenant_share, seats_by_service,
@@ -168,6 +174,8 @@ class Scheduler:
             first = ()  # the running set and the queue changed since the pick: pick again
         admitted = Pass(Mode.STEP, Held.of(self.running, self.pending_forks), work, now, contents)
         scheduled += admit_waiting(self, budget, admitted, first)
+        if self.spec.enabled:
+            scheduled = add_drafts(self, scheduled, budget.tokens_left, work)
         chunks = tuple(s.chunk(self.kv.block_table(s.seq.seq_id)) for s in scheduled)
         restores = tuple(work.restores)
         return SchedulerOutput(StepPlan(chunks, tuple(copies), tuple(work.evicted or ()),
@@ -280,6 +288,18 @@ class Scheduler:
                 forks += new
         return forks
 
+    def accept_drafts(self, seq: SequenceState, accepted: int) -> None:
+        """``seq``'s last step verified ``accepted`` of its drafts (their tokens are appended
+        already): count their positions as computed, register the blocks they filled, and
+        give back blocks only rejected drafts were written to."""
+        before = seq.num_computed_tokens
+        seq.num_computed_tokens += accepted
+        if accepted:
+            self.service.charge(seq.tenant, decode_tokens=accepted)
+        self.kv.cache_full_blocks(seq.seq_id, seq.block_hashes, seq.num_computed_tokens,
+                                  from_token=before)
+        self.kv.trim(seq.seq_id, seq.num_tokens)
+
     def finish(self, seq: SequenceState) -> None:
         """Remove a sequence wherever it is and return its blocks (idempotent). A leader that
         ends before its prompt was computed leaves its siblings to run on their own."""
@@ -295,4 +315,6 @@ class Scheduler:
         for orphan in reversed(self.pending_forks.pop(seq.seq_id, [])):
             insert_waiting(self.waiting, orphan)
         self.kv.free(seq.seq_id)
+        if seq.status is not SeqStatus.FINISHED:
+            self.spec.finished(seq)
         seq.status = SeqStatus.FINISHED

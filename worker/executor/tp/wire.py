@@ -21,6 +21,10 @@ it decodes) and the blocks appended after those; a sequence absent from a plan i
      n_copies × (src_block, dst_block),
      n_commits × (slot, prepared)]
 
+A chunk's speculative drafts are ordinary tokens of it here: ranks other than 0 compute every
+token's K/V alike and no logits, so which tokens are drafts (``num_draft_tokens``) is rank
+0's business alone and does not travel.
+
 ``n_commits`` adapter slot changes to make before the forward: ``prepared`` > 0 installs the
 adapter a rank prepared under that id (off the step path); 0 empties the slot.
 
