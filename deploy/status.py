@@ -44,7 +44,8 @@ def replica_rows(serve_replicas: Iterable[dict], entries: Iterable[RegistryEntry
                      "state": "starting" if host["state"] in _STARTING else "failed",
                      "serve_state": host["state"], "tp": tp, "ranks": [], "adapters": [],
                      "running": 0, "waiting": 0, "kv_blocks_used": 0, "kv_blocks_total": 0,
-                     "queue_delay_s": None, "prefix_hit_rate_1m": 0.0, "heartbeat_age_s": None, "address": "",
+                     "queue_delay_s": None, "spec_acceptance": None, "prefix_hit_rate_1m": 0.0,
+                     "heartbeat_age_s": None, "address": "",
                      "pid": host.get("pid"), "identity": ""})
     return sorted(rows, key=lambda r: r["replica_id"])
 
@@ -69,6 +70,8 @@ def _registered_row(e: RegistryEntry, host: Optional[dict]) -> dict:
         "kv_blocks_total": load.num_total_blocks if load else 0,
         # Predicted wait before a new request's prefill starts (None: not advertised).
         "queue_delay_s": load.queue_delay_s if load else None,
+        # Speculative decoding since the replica started: accepted ÷ drafted (None: none).
+        "spec_acceptance": load.spec_acceptance if load else None,
         "prefix_hit_rate_1m": info.prefix_hit_rate,
         "heartbeat_age_s": None if e.heartbeat_age_s is None else round(e.heartbeat_age_s, 2),
         "address": info.address, "pid": host.get("pid") if host else None,
@@ -85,17 +88,20 @@ def format_status(status: dict) -> str:
                      f"{app['target_replicas']} replicas wanted")
         lines += autoscale_lines(app.get("autoscale"))
         lines.append(f"  {'REPLICA':<28} {'EPOCH':>5} {'STATE':<9} {'TP':>2} {'RUN':>4} "
-                     f"{'WAIT':>4} {'QDELAY':>7} {'KV USED':>11} {'HIT 1m':>6} {'BEAT':>6}  RANKS")
+                     f"{'WAIT':>4} {'QDELAY':>7} {'KV USED':>11} {'HIT 1m':>6} {'SPEC':>5} "
+                     f"{'BEAT':>6}  RANKS")
         for r in app["replicas"]:
             beat = "-" if r["heartbeat_age_s"] is None else f"{r['heartbeat_age_s']:.1f}s"
             delay = r.get("queue_delay_s")
             qdelay = "-" if delay is None else f"{delay:.2f}s"
+            acc = r.get("spec_acceptance")
+            spec = "-" if acc is None else f"{acc:.0%}"
             ranks = ", ".join(f"{k['rank']}:{(k['node'] or '?')[:8]}/{k['device']}"
                               for k in r["ranks"]) or "-"
             lines.append(f"  {r['replica_id']:<28} {r['epoch']:>5} {r['state']:<9} {r['tp']:>2} "
                          f"{r['running']:>4} {r['waiting']:>4} {qdelay:>7} "
                          f"{r['kv_blocks_used']:>5}/{r['kv_blocks_total']:<5} "
-                         f"{r['prefix_hit_rate_1m']:>6.0%} {beat:>6}  {ranks}")
+                         f"{r['prefix_hit_rate_1m']:>6.0%} {spec:>5} {beat:>6}  {ranks}")
             for k in r["ranks"]:
                 if k.get("kv_bytes") or k.get("weight_bytes"):
                     lines.append(f"    rank {k['rank']}: KV {format_bytes(k['kv_bytes'])} "

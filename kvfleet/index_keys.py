@@ -102,7 +102,7 @@ EVENT_LOG_MAXLEN = 10_000  # entries kept in {ns}kv_events (~); a reader further
 # Appended fields only (a rolling upgrade reads records written by older replicas, which lack
 # the tail: ReplicaLoad.from_fields takes them as absent).
 LOAD_FIELDS = ("running", "waiting", "num_free_blocks", "num_total_blocks", "updated_at",
-               "queue_delay_s", "prefill_token_s")
+               "queue_delay_s", "prefill_token_s", "spec_drafted_tokens", "spec_accepted_tokens")
 REQUIRED_LOAD_FIELDS = 5  # the leading fields every record carries
 
 
@@ -188,6 +188,8 @@ class ReplicaLoad:
     ``queue_delay_s``: predicted seconds until a request arriving at report time could start its
     prefill; ``prefill_token_s``: the replica's marginal seconds per uncached prompt token
     (``worker/step_cost/queue_delay.py``). Both ``None`` when not advertised (an older replica).
+    ``spec_drafted_tokens`` / ``spec_accepted_tokens``: speculative decoding's drafts verified
+    and accepted since the replica started (``None``: not advertised).
     """
 
     running: int
@@ -197,6 +199,15 @@ class ReplicaLoad:
     updated_at: float
     queue_delay_s: Optional[float] = None
     prefill_token_s: Optional[float] = None
+    spec_drafted_tokens: Optional[int] = None
+    spec_accepted_tokens: Optional[int] = None
+
+    @property
+    def spec_acceptance(self) -> Optional[float]:
+        """Accepted ÷ drafted speculative tokens (None: none drafted, or not advertised)."""
+        if not self.spec_drafted_tokens or self.spec_accepted_tokens is None:
+            return None
+        return self.spec_accepted_tokens / self.spec_drafted_tokens
 
     @property
     def has_forecast(self) -> bool:
@@ -207,7 +218,8 @@ class ReplicaLoad:
         """Values in ``LOAD_FIELDS`` order, as strings for Redis ("" = not advertised)."""
         return [str(self.running), str(self.waiting), str(self.num_free_blocks),
                 str(self.num_total_blocks), repr(float(self.updated_at)),
-                _optional_float(self.queue_delay_s), _optional_float(self.prefill_token_s)]
+                _optional_float(self.queue_delay_s), _optional_float(self.prefill_token_s),
+                _optional_int(self.spec_drafted_tokens), _optional_int(self.spec_accepted_tokens)]
 
     @classmethod
     def from_fields(cls, values: list) -> "ReplicaLoad | None":
@@ -218,13 +230,19 @@ class ReplicaLoad:
         if len(head) < REQUIRED_LOAD_FIELDS or any(v is None or v is False for v in head):
             return None
         r, w, free, total, at = head
-        delay, per_token = (_parse_optional(v) for v in
-                            (list(values[REQUIRED_LOAD_FIELDS:]) + [None, None])[:2])
-        return cls(int(r), int(w), int(free), int(total), float(at), delay, per_token)
+        tail = (list(values[REQUIRED_LOAD_FIELDS:]) + [None] * 4)[:4]
+        delay, per_token = (_parse_optional(v) for v in tail[:2])
+        drafted, accepted = (None if v is None else int(v) for v in map(_parse_optional, tail[2:]))
+        return cls(int(r), int(w), int(free), int(total), float(at), delay, per_token, drafted,
+                   accepted)
 
 
 def _optional_float(value: Optional[float]) -> str:
     return "" if value is None else repr(float(value))
+
+
+def _optional_int(value: Optional[int]) -> str:
+    return "" if value is None else str(int(value))
 
 
 def _parse_optional(value) -> Optional[float]:

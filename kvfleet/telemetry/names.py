@@ -81,6 +81,8 @@ KVFLEET_NETWORK_S = "kvfleet.network_s"            # router.dispatch − worker.
 KVFLEET_WORKER_S = "kvfleet.worker.duration_s"     # worker.Generate as the worker measured it
 KVFLEET_TTFT_S = "kvfleet.ttft_s"                  # worker-measured time to first token
 KVFLEET_TPOT_S = "kvfleet.time_per_output_token_s"
+KVFLEET_SPEC_DRAFTED = "kvfleet.speculative.drafted_tokens"    # drafts verified (decode span)
+KVFLEET_SPEC_ACCEPTED = "kvfleet.speculative.accepted_tokens"  # … of them accepted
 KVFLEET_CLIENT_TTFT_S = "kvfleet.client.ttft_s"    # client-observed time to first token
 KVFLEET_REQUEST_STATE = "kvfleet.request.state"    # running | waiting (gauge attribute)
 KVFLEET_KV_TIER = "kvfleet.kv.tier"                # device | host: where a prefix hit came from
@@ -113,6 +115,12 @@ METRIC_STEP_PREDICTED = "kvfleet.worker.step.predicted_time"
 METRIC_STEP_MEASURED = "kvfleet.worker.step.measured_time"
 METRIC_STEPS = "kvfleet.worker.steps"
 METRIC_NESTED_STEPS = "kvfleet.worker.nested_steps"
+# Speculative decoding: drafted / accepted tokens (per request at its finish, summed), and the
+# acceptance (accepted ÷ drafted) of each request that drafted.
+METRIC_SPEC_DRAFTED = "kvfleet.worker.speculative.drafted_tokens"
+METRIC_SPEC_ACCEPTED = "kvfleet.worker.speculative.accepted_tokens"
+METRIC_SPEC_ACCEPTANCE = "kvfleet.worker.speculative.acceptance"
+SPEC_ACCEPTANCE_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 METRIC_STEP_COST_SCALE = "kvfleet.worker.step.cost_scale"
 METRIC_TENANT_SERVICE = "kvfleet.worker.tenant.service"  # weighted tokens computed per tenant
 METRIC_QUEUE_DELAY = "kvfleet.worker.queue_delay"  # predicted (the load report's queue_delay_s)

@@ -73,6 +73,16 @@ class WorkerTelemetry:
             description="Prompt tokens reused from the prefix cache (not computed)")
         self.output_tokens = m.create_counter(n.METRIC_OUTPUT_TOKENS, unit="{token}",
                                               description="Generated tokens")
+        self.spec_drafted = m.create_counter(
+            n.METRIC_SPEC_DRAFTED, unit="{token}",
+            description="Speculative decoding: draft tokens verified (finished requests)")
+        self.spec_accepted = m.create_counter(
+            n.METRIC_SPEC_ACCEPTED, unit="{token}",
+            description="Speculative decoding: draft tokens accepted (finished requests)")
+        self.spec_acceptance = m.create_histogram(
+            n.METRIC_SPEC_ACCEPTANCE, unit="1",
+            description="Speculative decoding: accepted ÷ drafted tokens of each request that drafted",
+            explicit_bucket_boundaries_advisory=n.SPEC_ACCEPTANCE_BUCKETS)
         if stats_fn is not None:
             m.create_observable_gauge(n.METRIC_KV_CACHE_USAGE, [self._kv_usage], unit="1",
                                       description="Fraction of KV blocks referenced by live requests")
@@ -266,6 +276,11 @@ class WorkerRequestTrace:
         wt.prompt_tokens.add(sum(u.prompt_tokens for u in usage), attrs)
         wt.hit_tokens.add(sum(u.cached_prompt_tokens for u in usage), attrs)
         wt.output_tokens.add(sum(u.completion_tokens for u in usage), attrs)
+        drafted, accepted = self._speculated()
+        if drafted:
+            wt.spec_drafted.add(drafted, attrs)
+            wt.spec_accepted.add(accepted, attrs)
+            wt.spec_acceptance.record(accepted / drafted, attrs)
         if abnormal is None and first is not None:  # GenAI conventions: successful responses
             # Per class (a bounded label): whether the classes' latency targets hold.
             by_class = {**attrs, n.KVFLEET_PRIORITY_CLASS: priority.label(self.priority)}
@@ -273,6 +288,11 @@ class WorkerRequestTrace:
             tpot = self._tpot()
             if tpot is not None:
                 wt.tpot.record(tpot, by_class)
+
+    def _speculated(self) -> tuple[int, int]:
+        """Speculative drafts verified and accepted over the request's samples."""
+        ms = [o.milestones for o in self.finals if o.milestones is not None]
+        return sum(m.spec_drafted for m in ms), sum(m.spec_accepted for m in ms)
 
     def _tpot(self) -> Optional[float]:
         o = self.finals[0]
@@ -346,4 +366,8 @@ class WorkerRequestTrace:
         tpot = self._tpot()
         if tpot is not None:
             attrs[n.KVFLEET_TPOT_S] = tpot
+        drafted, accepted = self._speculated()
+        if drafted:
+            attrs[n.KVFLEET_SPEC_DRAFTED] = drafted
+            attrs[n.KVFLEET_SPEC_ACCEPTED] = accepted
         return n.WORKER_DECODE, start, end, attrs, [(n.EVENT_FIRST_TOKEN, {}, start)]

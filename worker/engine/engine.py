@@ -333,7 +333,10 @@ class Engine:
         ``prefill_tokens_queued`` (tokens of waiting and running sequences still to compute
         before their next sample: prompts, recompute after preemption), ``context_tokens``
         (tokens with KV of the running sequences), ``nested_steps`` (layer yield's steps run
-        inside a paused one, cumulative), per-tenant service, and the load forecast
+        inside a paused one, cumulative), speculative decoding's totals
+        (``spec_drafted_tokens``, ``spec_accepted_tokens``, ``spec_verify_rows``,
+        ``spec_accepted_hist``: verify rows by drafts accepted), per-tenant service, and the
+        load forecast
         a router routes on (``queue_delay_s``, ``prefill_token_s``:
         :mod:`kvfleet.worker.step_cost.queue_delay`)."""
         sched = self.scheduler
@@ -351,5 +354,6 @@ class Engine:
             "prefill_tokens_queued": queued,
             "context_tokens": sum(s.num_computed_tokens for s in running),
             "nested_steps": self.forward.nested_steps,
+            **self.scheduler.spec.counts.as_dict(),
             **sched.tier.stats(sched.hits, self.executor.tier),
         }

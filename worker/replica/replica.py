@@ -472,7 +472,9 @@ class ReplicaServer:
                            num_free_blocks=s["num_free_blocks"],
                            num_total_blocks=s["num_total_blocks"], updated_at=time.time(),
                            queue_delay_s=s.get("queue_delay_s"),
-                           prefill_token_s=s.get("prefill_token_s"))
+                           prefill_token_s=s.get("prefill_token_s"),
+                           spec_drafted_tokens=s.get("spec_drafted_tokens"),
+                           spec_accepted_tokens=s.get("spec_accepted_tokens"))
 
     def autoscale_report(self, revision: str = "") -> dict[str, float]:
         """This replica's signals for Serve's autoscaler (kvfleet.worker.replica.load_report);

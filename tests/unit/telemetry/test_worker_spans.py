@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import grpc
 import pytest
@@ -196,3 +197,25 @@ def test_predicted_and_measured_step_time_are_exported(worker_capture):
     # 0.010 s of 0.024 s), normalized by the sum of the squared shares (296 / 24²)
     scales = {p.attributes[n.KVFLEET_STEP_SIDE]: p.value for p in worker_capture.points(n.METRIC_STEP_COST_SCALE)}
     assert scales == pytest.approx({"decode": 2 ** (0.5 * 14 * 24 / 296), "prefill": 2 ** (0.5 * 10 * 24 / 296)})
+
+
+async def test_speculative_counts_on_the_decode_span_and_in_metrics(wt, worker_capture):
+    """Drafts verified / accepted: attributes of worker.decode summed over the samples, token
+    counters, and one acceptance point per request that drafted."""
+    rt = wt.start(request("s1", n_samples=2), [("traceparent", PARENT)])
+    base = rt.start
+    for i, (drafted, accepted) in enumerate(((10, 6), (6, 2))):
+        f = final("s1", base, index=i)
+        wt.on_finished(dataclasses.replace(f, milestones=dataclasses.replace(
+            f.milestones, spec_drafted=drafted, spec_accepted=accepted)))
+    rt.handler_done()
+    d = worker_capture.spans()[n.WORKER_DECODE]
+    assert d.attributes[n.KVFLEET_SPEC_DRAFTED] == 16 and d.attributes[n.KVFLEET_SPEC_ACCEPTED] == 8
+    assert worker_capture.points(n.METRIC_SPEC_DRAFTED)[0].value == 16
+    assert worker_capture.points(n.METRIC_SPEC_ACCEPTED)[0].value == 8
+    (acceptance,) = worker_capture.points(n.METRIC_SPEC_ACCEPTANCE)
+    assert acceptance.count == 1 and acceptance.sum == pytest.approx(0.5)
+    plain = wt.start(request("s2"), [])
+    wt.on_finished(final("s2", plain.start))
+    plain.handler_done()
+    assert n.KVFLEET_SPEC_DRAFTED not in worker_capture.spans()[n.WORKER_DECODE].attributes

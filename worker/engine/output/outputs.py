@@ -38,7 +38,8 @@ class Milestones:
 
     ``None`` where the sample never got there (e.g. cancelled while waiting); ``finished`` is
     when the engine ended it; ``prefill_chunks`` holds (step start, prompt tokens computed)
-    for each prefill chunk, recompute after preemption included.
+    for each prefill chunk, recompute after preemption included; ``spec_drafted`` /
+    ``spec_accepted``: the sample's speculative drafts verified and accepted.
     """
 
     arrival: float
@@ -47,6 +48,8 @@ class Milestones:
     last_token: Optional[float]
     finished: float
     prefill_chunks: tuple[tuple[float, int], ...] = ()
+    spec_drafted: int = 0  # speculative drafts verified for this sample
+    spec_accepted: int = 0  # … and of those accepted
 
 
 @dataclass(frozen=True)

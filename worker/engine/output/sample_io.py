@@ -90,6 +90,7 @@ def final_output(seq: SequenceState, reason: FinishReason, error: BaseException 
                     decode_s=(t.last_token or first) - first, ttft_s=first - t.arrival)
     usage = Usage(seq.num_prompt_tokens, seq.num_cached_tokens or 0, len(seq.output_token_ids))
     milestones = Milestones(t.arrival, t.first_scheduled, t.first_token, t.last_token,
-                            time.monotonic(), tuple(t.prefill_chunks))
+                            time.monotonic(), tuple(t.prefill_chunks), seq.spec_drafted,
+                            seq.spec_accepted)
     return SeqOutput(seq.request_id, seq.index, token_ids, text, logprobs, reason, usage,
                      timing, error, milestones)

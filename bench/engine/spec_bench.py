@@ -1,0 +1,128 @@
+"""Speculative decoding on SmolLM2: output tok/s with drafts off vs on, same requests, one run.
+
+    .venv/bin/python -m bench spec [--quick] [--modes ngram,suffix] [--out DIR]
+
+Three workloads, each at batch 1 (two requests one after the other) and batch 4 (four at
+once), greedy: **edit** (about 300 tokens of this repository's code, to be rewritten with a
+rename: the answer copies most of its prompt), **quote** (a passage of the Declaration of
+Independence, to be quoted and explained), **none** (short poems: nothing to copy). Per cell:
+output tok/s, the ratio to ``off``, drafts accepted ÷ drafted, output tokens per row-step,
+and whether every answer equals the ``off`` answer token for token. The host's load average
+is recorded beside the numbers (timings on a shared machine move with it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+from bench.common.plots import lines_plot
+from bench.common.result_file import RESULTS, ROOT, write_json
+from bench.engine import engine_runs as er
+from kvfleet.deploy.models import prepare_model
+from kvfleet.sampling_params import SamplingParams
+from kvfleet.worker.engine.engine import EngineRequest
+from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig
+
+CODE_FILES = ("allocator/block_pool.py", "worker/engine/output/stop_checker.py",
+              "allocator/units.py", "worker/step_cost/host_lock.py")
+RENAMES = (("block_id", "bid"), ("text", "chunk"), ("tokens", "toks"), ("path", "where"))
+TOPICS = ("the sea at night", "a lost key", "autumn in a small town", "a robot learning to paint")
+
+
+def _chat(tok, text: str) -> list[int]:
+    return tok.encode(f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n").ids
+
+
+def _slice(tok, text: str, tokens: int) -> str:
+    ids = tok.encode(text).ids[:tokens]
+    return tok.decode(ids)
+
+
+def workloads(tok) -> dict[str, tuple[list[list[int]], int]]:
+    """name → (four prompts, max_tokens)."""
+    edit = []
+    for f, (old, new) in zip(CODE_FILES, RENAMES, strict=True):
+        code = _slice(tok, (ROOT / f).read_text().split('"""', 2)[-1], 300)
+        edit.append(_chat(tok, f"Rewrite this Python code, renaming `{old}` to `{new}`. "
+                               f"Change nothing else.\n\n```python\n{code}\n```"))
+    text = (Path(__file__).parent / "data" / "declaration_of_independence.txt").read_text()
+    words = text.split()
+    quote = [_chat(tok, "Quote the first three sentences of this passage exactly, then say in "
+                        "one line what they mean.\n\n" + _slice(tok, " ".join(words[i * 220:]), 300))
+             for i in range(4)]
+    none = [_chat(tok, f"Write a short poem about {t}.") for t in TOPICS]
+    return {"edit": (edit, 192), "quote": (quote, 128), "none": (none, 128)}
+
+
+def run_cell(factory: er.EngineFactory, prompts: list[list[int]], max_tokens: int,
+             batch: int, mode: str) -> dict:
+    """``prompts`` in groups of ``batch`` submitted at once; one engine for the cell."""
+    engine = factory.engine(SchedulerConfig(max_num_seqs=8, speculative=mode))
+    answers: dict[str, list[int]] = {}
+    row_steps = 0
+    t0 = time.perf_counter()
+    for g in range(0, len(prompts), batch):
+        for i, p in enumerate(prompts[g: g + batch]):
+            params = SamplingParams(max_tokens=max_tokens).validate()  # greedy
+            engine.add_request(EngineRequest(f"{mode}-{g + i}", tuple(p), params))
+        while engine.has_work:
+            outs = engine.step()
+            row_steps += sum(1 for o in outs if o.token_ids)
+            for o in outs:
+                answers.setdefault(o.request_id.split("-", 1)[1], []).extend(o.token_ids)
+    wall = time.perf_counter() - t0
+    counts = engine.scheduler.spec.counts
+    tokens = sum(len(a) for a in answers.values())
+    return {"mode": mode, "batch": batch, "wall_s": wall, "output_tokens": tokens,
+            "tok_s": tokens / wall, "tokens_per_row_step": tokens / max(1, row_steps),
+            "drafted": counts.drafted, "accepted": counts.accepted,
+            "acceptance": counts.accepted / counts.drafted if counts.drafted else None,
+            "answers": answers}
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="bench spec", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="batch 1 only, shorter answers")
+    p.add_argument("--modes", default="ngram,suffix")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    a = p.parse_args(argv)
+    model_dir = prepare_model(progress=False)
+    factory = er.EngineFactory(model_dir, 2048, SchedulerConfig())
+    loads = [os.getloadavg()]
+    run_cell(factory, [_chat(factory.tokenizer, "Say hi.")], 8, 1, "off")  # warm-up
+    rows = []
+    modes = ["off", *a.modes.split(",")]
+    for name, (prompts, max_tokens) in workloads(factory.tokenizer).items():
+        max_tokens = max_tokens // 3 if a.quick else max_tokens
+        for batch in ((1,) if a.quick else (1, 4)):
+            chosen = prompts[:2] if batch == 1 else prompts
+            cells = {m: run_cell(factory, chosen, max_tokens, batch, m) for m in modes}
+            off = cells["off"]
+            for m, c in cells.items():
+                same = sum(c["answers"][k] == off["answers"][k] for k in off["answers"])
+                row = {k: v for k, v in c.items() if k != "answers"}
+                row.update(workload=name, ratio=c["tok_s"] / off["tok_s"],
+                           identical=f"{same}/{len(off['answers'])}")
+                rows.append(row)
+                acc = "-" if row["acceptance"] is None else f"{row['acceptance']:.0%}"
+                print(f"{name:6s} b{batch} {m:7s} {row['tok_s']:7.1f} tok/s  ×{row['ratio']:.2f}  "
+                      f"accept {acc:>4s}  tok/row-step {row['tokens_per_row_step']:.2f}  "
+                      f"identical {row['identical']}", flush=True)
+            loads.append(os.getloadavg())
+    record = {"model": str(model_dir.name), "rows": rows, "load_avg_1m": [x[0] for x in loads],
+              "cpus": os.cpu_count()}
+    a.out.mkdir(parents=True, exist_ok=True)
+    if a.out == RESULTS:
+        write_json("spec.json", record)
+    else:
+        (a.out / "spec.json").write_text(json.dumps(record, indent=2) + "\n")
+    series = {f"{w} {m}": ([1, 4], [r["ratio"] for r in rows if r["workload"] == w and r["mode"] == m])
+              for w in ("edit", "quote", "none") for m in modes if m != "off"}
+    if not a.quick:
+        lines_plot(a.out / "spec.png", series, "speculative decoding: output tok/s ÷ off (SmolLM2)",
+                   "batch", "× off")
+    return 0
