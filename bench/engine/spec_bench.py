@@ -1,6 +1,7 @@
 """Speculative decoding on SmolLM2: output tok/s with drafts off vs on, same requests, one run.
 
-    .venv/bin/python -m bench spec [--quick] [--modes ngram,suffix] [--out DIR]
+    .venv/bin/python -m bench spec [--quick] [--modes ngram,suffix] [--workloads edit,quote,none]
+                                   [--batches 1,4] [--max-tokens N] [--out DIR]
 
 Three workloads, each at batch 1 (two requests one after the other) and batch 4 (four at
 once), greedy: **edit** (about 300 tokens of this repository's code, to be rewritten with a
@@ -88,6 +89,10 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="bench spec", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="batch 1 only, shorter answers")
     p.add_argument("--modes", default="ngram,suffix")
+    p.add_argument("--workloads", default="edit,quote,none")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="answer length for every workload (default: each workload's own)")
+    p.add_argument("--batches", default="1,4")
     p.add_argument("--out", type=Path, default=RESULTS)
     a = p.parse_args(argv)
     model_dir = prepare_model(progress=False)
@@ -96,9 +101,13 @@ def main(argv: list[str]) -> int:
     run_cell(factory, [_chat(factory.tokenizer, "Say hi.")], 8, 1, "off")  # warm-up
     rows = []
     modes = ["off", *a.modes.split(",")]
+    chosen_workloads = a.workloads.split(",")
+    batches = [int(b) for b in a.batches.split(",")]
     for name, (prompts, max_tokens) in workloads(factory.tokenizer).items():
-        max_tokens = max_tokens // 3 if a.quick else max_tokens
-        for batch in ((1,) if a.quick else (1, 4)):
+        if name not in chosen_workloads:
+            continue
+        max_tokens = a.max_tokens or (max_tokens // 3 if a.quick else max_tokens)
+        for batch in ((1,) if a.quick else batches):
             chosen = prompts[:2] if batch == 1 else prompts
             cells = {m: run_cell(factory, chosen, max_tokens, batch, m) for m in modes}
             off = cells["off"]
@@ -120,8 +129,9 @@ def main(argv: list[str]) -> int:
         write_json("spec.json", record)
     else:
         (a.out / "spec.json").write_text(json.dumps(record, indent=2) + "\n")
-    series = {f"{w} {m}": ([1, 4], [r["ratio"] for r in rows if r["workload"] == w and r["mode"] == m])
-              for w in ("edit", "quote", "none") for m in modes if m != "off"}
+    series = {f"{w} {m}": ([r["batch"] for r in rows if r["workload"] == w and r["mode"] == m],
+                           [r["ratio"] for r in rows if r["workload"] == w and r["mode"] == m])
+              for w in chosen_workloads for m in modes if m != "off"}
     if not a.quick:
         lines_plot(a.out / "spec.png", series, "speculative decoding: output tok/s ÷ off (SmolLM2)",
                    "batch", "× off")
