@@ -10,6 +10,9 @@ Checks, each fatal (exit status 1, the failed check named):
   sliding layers' masks are exercised (they keep every block);
 - the same prompts again, all at once: batched with each other and hitting the prefix cache,
   the same tokens;
+- the long prompt's top-5 log-probabilities at every generated position (gRPC ``logprobs``)
+  are within 1e-3 of transformers' full-prefix forward with the windows; the difference to
+  the same forward without windows is recorded (it shows the check tells the two apart);
 - ``POST /v1/completions`` gives the gRPC text; ``POST /v1/chat/completions`` is refused 400
   ``failed_precondition`` naming the missing chat template (the base model has none);
   ``GET /v1/models`` lists the model;
@@ -17,9 +20,9 @@ Checks, each fatal (exit status 1, the failed check named):
   the router advertises.
 
 Printed and written to ``bench/results/gemma3_e2e.json``: the seconds to prepare (0 when
-already prepared), to start the cluster, and decode tokens/s of the router and of
-transformers (one request each, this machine). Takes a few minutes on 2 cores (the first
-prepare about 1.5 more).
+already prepared), to start the cluster, the router's decode tokens/s (one request) and
+transformers' ``generate`` tokens/s (prefill included), both on this machine as loaded.
+Takes a few minutes on 2 cores (the first prepare about 1.5 more).
 
     .venv/bin/python -m bench gemma3_e2e
 """
@@ -45,6 +48,8 @@ KVFLEET = [sys.executable, "-m", "kvfleet.deploy.cli"]
 SHORT = "The capital of France is"
 MEDIUM = "Here is a list of the planets of the solar system, in order from the Sun:"
 # Counting past the window: about 700 tokens (Gemma's tokenizer splits digits), > 512.
+TOP_LOGPROBS = 5
+LOGPROB_TOL = 1e-3  # fp32: a different summation order, not a different computation
 LONG = "Counting: " + ", ".join(str(i) for i in range(1, 200)) + ","
 
 
@@ -57,9 +62,10 @@ def check(ok: bool, what: str) -> None:
         raise CheckFailed(what)
 
 
-def reference(model_dir: Path, prompts: list[str], max_tokens: int) -> tuple[list, list, float]:
-    """transformers' prompt ids, greedy ``generate`` ids (new tokens only) and the first
-    prompt's new tokens per second of ``generate`` (its prefill included; after a warm-up)."""
+def reference(model_dir: Path, prompts: list[str], max_tokens: int) -> tuple[list, list, float, tuple]:
+    """transformers' prompt ids, greedy ``generate`` ids (new tokens only), the first prompt's
+    new tokens per second of ``generate`` (its prefill included; after a warm-up), and the
+    last prompt's continuation log-probabilities with and without the sliding windows."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -78,7 +84,23 @@ def reference(model_dir: Path, prompts: list[str], max_tokens: int) -> tuple[lis
             outs.append(new)
             if i == 0:
                 rate = len(new) / took
-    return prompt_ids, outs, rate
+        # The last (long) prompt: each generated token's log-probability in a full-prefix
+        # forward, with the sliding windows and with every layer seeing the whole sequence.
+        windowed = _logprobs(model, out, len(outs[-1]))
+        model.config.sliding_window = out.shape[1] + 1
+        unwindowed = _logprobs(model, out, len(outs[-1]))
+    return prompt_ids, outs, rate, (windowed, unwindowed)
+
+
+def _logprobs(model, ids, num_new: int) -> list[list[float]]:
+    """For each of the last ``num_new`` positions of ``ids`` ``[1, n]``, one forward's
+    ``TOP_LOGPROBS`` largest log-probabilities, descending (the chosen token's first, under
+    greedy decoding; the others are far from 0, so they test the numbers, not the argmax)."""
+    import torch
+
+    n = ids.shape[1]
+    lp = torch.log_softmax(model(ids).logits[0].float(), -1)  # [n, vocab]
+    return lp[n - num_new - 1:n - 1].topk(TOP_LOGPROBS, -1).values.tolist()
 
 
 class Up:
@@ -129,8 +151,9 @@ def _http(address: str, path: str, body: dict | None = None) -> tuple[int, dict]
         return err.code, json.loads(err.read())
 
 
-def run_checks(up: Up, prompts: list[str], ref_prompt: list, ref: list, max_tokens: int) -> dict:
-    from kvfleet.client import Client
+def run_checks(up: Up, prompts: list[str], ref_prompt: list, ref: list, ref_logprobs: tuple,
+               max_tokens: int) -> dict:
+    from kvfleet.client import Client, build_request
     from kvfleet.v1 import router_pb2
 
     out: dict = {}
@@ -164,6 +187,25 @@ def run_checks(up: Up, prompts: list[str], ref_prompt: list, ref: list, max_toke
     check(status == 200, f"/v1/completions: HTTP {status} {body}")
     check(body["choices"][0]["text"] == serial[0][1], "/v1/completions text != the gRPC text")
     check(body["usage"]["completion_tokens"] == len(ref[0]), "/v1/completions usage")
+    # The sliding windows, seen in the numbers: the long prompt's top log-probabilities match
+    # the windowed forward, and the window-less one differs by more than that tolerance.
+    windowed, unwindowed = ref_logprobs
+    with Client(up.router) as client:
+        req = build_request(prompts[-1], model=MODEL, max_tokens=max_tokens, temperature=0.0,
+                            logprobs=TOP_LOGPROBS)
+        served = [sorted((t.logprob for t in lp.top), reverse=True)
+                  for m in client._stub.Generate(req, timeout=300) for lp in m.logprobs]
+    check([len(t) for t in served] == [len(t) for t in windowed],
+          f"logprobs: {[len(t) for t in served]} served, {[len(t) for t in windowed]} expected")
+
+    def max_diff(ref_rows: list[list[float]]) -> float:
+        return max(abs(a - b) for got, want in zip(served, ref_rows, strict=True)
+                   for a, b in zip(got, want, strict=True))
+
+    out["logprob_max_diff_windowed"] = max_diff(windowed)
+    out["logprob_max_diff_without_windows"] = max_diff(unwindowed)
+    check(out["logprob_max_diff_windowed"] < LOGPROB_TOL,
+          f"long prompt: logprobs differ from the windowed forward by {out['logprob_max_diff_windowed']}")
     status, body = _http(up.http, "/v1/chat/completions", {
         "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
     check(status == 400 and body["error"]["code"] == "failed_precondition"
@@ -202,12 +244,13 @@ def main(argv: list[str]) -> int:
     model_dir = prepare_model(MODEL)
     record["prepare_s"] = round(time.monotonic() - start, 1)
     prompts = [SHORT, MEDIUM, LONG]
-    ref_prompt, ref, record["transformers_decode_tok_s"] = reference(model_dir, prompts, a.max_tokens)
+    ref_prompt, ref, record["transformers_generate_tok_s"], ref_logprobs = reference(
+        model_dir, prompts, a.max_tokens)
     check(len(ref_prompt[-1]) > 512, f"the long prompt has {len(ref_prompt[-1])} tokens, not > 512")
     up = Up(a.up_arg)
     try:
         record["up_ready_s"] = round(up.wait_ready(a.ready_timeout), 1)
-        record.update(run_checks(up, prompts, ref_prompt, ref, a.max_tokens))
+        record.update(run_checks(up, prompts, ref_prompt, ref, ref_logprobs, a.max_tokens))
         record["ok"] = True
     except CheckFailed as exc:
         record["ok"], record["failed"] = False, str(exc)
