@@ -230,9 +230,9 @@ class PrefillPace:
     """The deadline of the prefill the floor paces, fixed when a running prefill becomes the
     one paced (or restarts after a preemption; a waiting one gets a fresh allowance each
     step): ``stretch`` × the predicted time of its remaining tokens without the target, from
-    then. Counted from its turn, not its admission or arrival: a prompt admitted beside an
-    older one (a chunk of leftover room) or queued for a seat waited as long without the
-    target. Counted in real time: steps slower than predicted
+    its turn: its admission, or the older paced prefill's last step where that came later (a
+    prompt admitted beside an older one with a sliver of leftover room, or queued for a seat,
+    waited as long without the target). Counted in real time: steps slower than predicted
     (time outside the forward, a loaded host) make it late, and a late prompt's floor grows
     to all it has left, so prefill keeps up with its arrivals.
 
@@ -246,18 +246,25 @@ class PrefillPace:
         self.stretch = stretch
         self._key: Optional[tuple[str, int]] = None
         self._deadline = 0.0
+        self._last_seen = float("-inf")  # the last step that paced a running prefill
 
     def left_s(self, seq: SequenceState, budget: StepBudget, now: float) -> float:
         """Seconds left at monotonic time ``now`` before ``seq``'s prompt should be computed
         (negative: late)."""
-        fresh = self.stretch * budget.untargeted_s(seq.num_computed_tokens,
-                                                   seq.num_tokens - seq.num_computed_tokens)
         if seq.status is not SeqStatus.RUNNING:
-            return fresh  # not admitted yet (it may wait for a seat): no turn has started
+            # not admitted yet (it may wait for a seat): no turn has started
+            return self.stretch * budget.untargeted_s(seq.num_computed_tokens,
+                                                      seq.num_tokens - seq.num_computed_tokens)
         key = (seq.seq_id, seq.num_preemptions)
         if key != self._key:
+            # Its turn began at its admission, or at the older prefill's last step if later;
+            # its allowance is for the prompt as admitted (a prefix hit is not computed).
+            started = now if seq.timing.prefill_started is None else seq.timing.prefill_started
+            first = min(seq.num_cached_tokens or 0, seq.num_computed_tokens)
             self._key = key
-            self._deadline = now + fresh
+            self._deadline = max(started, self._last_seen) + self.stretch * budget.untargeted_s(
+                first, seq.num_tokens - first)
+        self._last_seen = now
         return self._deadline - now
 
 

@@ -282,3 +282,25 @@ def test_a_preempted_sequence_restarts_its_pace():
     assert floor_now(s, 1000.0) < 200  # waiting again: a fresh allowance, not all at once
     step(s, 1000.0)
     assert s.pace.left_s(a, b, 1000.0) > 0  # its recompute is a new turn
+
+
+def test_steps_slower_than_predicted_make_the_prompt_late_and_its_floor_grows():
+    """The deadline is in real time: when every step takes 3 × its prediction (time outside
+    the forward, a loaded host), the paced prompt falls behind and its floor grows to catch
+    up, so it ends in fewer steps than at the predicted pace — prefill keeps up."""
+
+    def chunks_for(slowdown: float) -> list[int]:
+        s, now = decoding_over_target(16)
+        late = seq(480, max_tokens=2, arrival=now)
+        s.add([late])
+        sizes = []
+        while not late.output_token_ids:
+            out = step(s, now)
+            sizes += [len(c.token_ids) for c in out.plan.chunks if c.seq_id == late.seq_id]
+            now += slowdown * COST.step_seconds(out.plan)
+        return sizes
+
+    on_time, slow = chunks_for(1.0), chunks_for(3.0)
+    assert sum(on_time) == sum(slow) == 480
+    assert len(slow) < len(on_time), (on_time, slow)
+    assert max(slow) > max(on_time)
