@@ -9,7 +9,8 @@ router process), once without and once with ``--itl-target-ms``; in each, seeded
 ``--streams`` greedy decode streams (64-token prompts, 256 tokens each, replaced when done)
 and a ``--prompt``-token request (16 tokens) every ``--period`` seconds, for ``--seconds``.
 The target is ``--itl-target-ms``, or ``--target-x`` × the single-stream ITL p50 measured
-first on the target-off cluster (one stream alone). Every streamed message is timestamped at
+first on the target-off cluster (one stream alone). Each cluster runs in a process of its own
+(Ray and Serve start clean). Every streamed message is timestamped at
 the client (``time.monotonic``): the streams' ITL is the gap between a stream's messages
 carrying tokens; the long prompts' TTFT is send to first token. Reported per run and on ÷ off:
 ITL p50 / p99 and p99 ÷ p50, output tokens/s, long-prompt TTFT p50 / p99, and whether every
@@ -159,6 +160,42 @@ def run_cluster(flags: list[str], body) -> object:
         cluster.stop()
 
 
+def phase(a: argparse.Namespace) -> None:
+    """One cluster (``--phase off|on``) in this process; the raw streams go to ``--dump``."""
+    from dataclasses import asdict
+
+    base = ["--replicas", "1", "--max-num-seqs", "16", "--max-num-batched-tokens", "512"]
+    flags = base if a.phase == "off" else [*base, "--itl-target-ms", f"{a.itl_target_ms:.0f}"]
+
+    def body(address: str) -> dict:
+        single = asyncio.run(single_stream_itl(address)) if a.phase == "off" else None
+        runs = asyncio.run(workload(address, a.seconds, a.streams, a.prompt, a.period, a.seed))
+        return {"single": single, "runs": [asdict(r) for r in runs]}
+
+    with open(a.dump, "w") as f:
+        json.dump(run_cluster(flags, body), f)
+
+
+def run_phase(a: argparse.Namespace, name: str, target_ms: Optional[float]) -> dict:
+    """``phase`` in a fresh process (Ray and Serve start clean for each cluster)."""
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+        cmd = [sys.executable, "-m", "bench", "slo_rows", "--phase", name, "--dump", tmp.name,
+               "--seconds", str(a.seconds), "--streams", str(a.streams), "--prompt",
+               str(a.prompt), "--period", str(a.period), "--seed", str(a.seed)]
+        if target_ms is not None:
+            cmd += ["--itl-target-ms", str(target_ms)]
+        subprocess.run(cmd, check=True)
+        with open(tmp.name) as f:
+            data = json.load(f)
+    data["runs"] = [Stream(**{**r, "stamps": [tuple(x) for x in r["stamps"]]})
+                    for r in data["runs"]]
+    return data
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench slo_rows", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -170,22 +207,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--itl-target-ms", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(RESULTS / "slo_rows.json"))
+    p.add_argument("--phase", choices=("off", "on"), help=argparse.SUPPRESS)
+    p.add_argument("--dump", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    base = ["--replicas", "1", "--max-num-seqs", "16", "--max-num-batched-tokens", "512"]
+    if a.phase:
+        phase(a)
+        return 0
     load: dict = {"start": os.getloadavg()}
-    single: Optional[float] = None
-
-    def off_body(address: str):
-        nonlocal single
-        single = asyncio.run(single_stream_itl(address))
-        return asyncio.run(workload(address, a.seconds, a.streams, a.prompt, a.period, a.seed))
-
-    off = run_cluster(base, off_body)
+    first = run_phase(a, "off", None)
+    off, single = first["runs"], first["single"]
     target_ms = a.itl_target_ms or a.target_x * single * 1e3
     print(f"single-stream ITL p50 {single * 1e3:.0f} ms; target {target_ms:.0f} ms", flush=True)
     load["between"] = os.getloadavg()
-    on = run_cluster([*base, "--itl-target-ms", f"{target_ms:.0f}"], lambda address: asyncio.run(
-        workload(address, a.seconds, a.streams, a.prompt, a.period, a.seed)))
+    on = run_phase(a, "on", target_ms)["runs"]
     load["end"] = os.getloadavg()
     r_off, r_on = summarize(off, a.seconds), summarize(on, a.seconds)
     result = {"single_stream_itl_p50_s": single, "target_ms": target_ms, "off": r_off,
