@@ -1,0 +1,115 @@
+"""A Hugging Face ``*ForCausalLM`` behind the runner's :class:`~kvfleet.worker.runner.models.CausalLM`.
+
+The base model runs in one call over the step's flattened tokens (batch 1, ``T`` tokens,
+``position_ids`` the absolute positions), its attention layers calling
+:func:`~.attention.paged_attention_forward` with the step's metadata and KV cache passed as
+forward kwargs. The LM head is the class's ``lm_head`` followed by what its forward applies
+after it in the families transformers has (``logits_scaling``: Granite;
+``final_logit_softcapping``). :meth:`embed` does no arithmetic (the class embeds inside its
+forward): its ``hidden`` is the token ids and ``cos``/``sin`` the positions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+from kvfleet.worker.runner.attention import AttentionMetadata
+from kvfleet.worker.runner.fallback.attention import register
+from kvfleet.worker.runner.fallback.tp import check_plan, local_kv_heads, shard_by_plan
+from kvfleet.worker.runner.kv_cache import KVCache
+from kvfleet.worker.runner.model_config import ModelConfig
+
+
+class TransformersCausalLM:
+    """``hf``: a ``*ForCausalLM`` loaded with ``attn_implementation`` :data:`~.attention.NAME`;
+    ``windows[i]``: layer ``i``'s sliding window (kvfleet's reading, the one the step's masks
+    were built for); ``lm_head``: whether this rank computes logits."""
+
+    def __init__(self, hf, config: ModelConfig, lm_head: bool = True) -> None:
+        self.hf = hf
+        self.base = hf.base_model
+        self.layers = list(self.base.layers)
+        self.vocab_size = config.vocab_size
+        self.windows = config.sliding_windows
+        self.holds_lm_head = lm_head
+        self.logits_scaling = getattr(hf.config, "logits_scaling", None)
+        self.softcap = getattr(hf.config, "final_logit_softcapping", None)
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(T,)`` ids and positions, passed through to :meth:`run_layers`."""
+        return input_ids, positions, positions
+
+    def run_layers(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   meta: AttentionMetadata, kv_cache: KVCache, start: int = 0,
+                   should_yield: Callable[[], bool] | None = None) -> tuple[torch.Tensor, int]:
+        """Every layer in one call (``hidden``: the ids, ``cos``: the positions, see
+        :meth:`embed`) → ``(T, hidden_size)`` final-normed states and ``len(layers)``; it never
+        pauses (``--layer-yield`` is refused for it at start)."""
+        assert start == 0, "the transformers fallback runs its layers in one call"
+        out = self.base(input_ids=hidden[None], position_ids=cos[None], use_cache=False,
+                        kvfleet_meta=meta, kvfleet_cache=kv_cache, kvfleet_windows=self.windows)
+        return out.last_hidden_state[0], len(self.layers)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
+        return self.run_layers(input_ids, positions, positions, meta, kv_cache)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``(N, hidden_size)`` (final norm applied by the base model) → ``(N, vocab_size)``."""
+        if not self.holds_lm_head:
+            return hidden.new_empty(0, self.vocab_size)
+        logits = self.hf.lm_head(hidden)
+        if self.logits_scaling is not None:
+            logits = logits / self.logits_scaling
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    def projections(self) -> list:
+        """None: the class's linears are plain ``nn.Linear`` parameters (:meth:`parameters`)."""
+        return []
+
+    def parameters(self) -> Iterator[torch.nn.Parameter]:
+        return self.hf.parameters()
+
+    def weight_bytes_per_decode(self) -> int:
+        """Every weight but the embedding table's rows (one per token; a tied LM head counts)."""
+        embed = self.hf.get_input_embeddings().weight
+        tied = self.hf.lm_head.weight is embed
+        return sum(p.nbytes for p in self.hf.parameters() if p is not embed) + (
+            embed.nbytes if tied else 0)
+
+
+def build_fallback(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
+                   device: torch.device, tp: int = 1, rank: int = 0,
+                   reduce: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
+                   ) -> tuple[TransformersCausalLM, ModelConfig]:
+    """Load ``config.architecture``'s class from ``model_dir`` with the paged attention
+    registered, sharded for ``rank`` of ``tp`` by its plan; returns the model and the local
+    config the rank's KV cache is built from (its KV heads).
+
+    Raises:
+        UnsupportedModel, ShardingError: see :func:`~.check.check_fallback`.
+    """
+    import transformers
+
+    from kvfleet.worker.runner.fallback.check import model_class
+
+    cls = model_class(config.architecture)
+    hf_config = transformers.AutoConfig.from_pretrained(model_dir)
+    plan = dict(hf_config.base_model_tp_plan or {})
+    check_plan(plan, config, tp)
+    hf = cls.from_pretrained(model_dir, config=hf_config, dtype=dtype,
+                             attn_implementation=register())
+    hf.eval().requires_grad_(False)
+    if tp > 1:
+        shard_by_plan(hf.base_model, plan, tp, rank, reduce)
+    hf.to(device)
+    local = dataclasses.replace(config, num_heads=config.num_heads // tp,
+                                num_kv_heads=local_kv_heads(plan, config, tp))
+    return TransformersCausalLM(hf, config, lm_head=rank == 0), local
