@@ -26,6 +26,7 @@ from kvfleet.worker.runner.model_families import (
     RopeScaling,
     UnsupportedModel,
     family_of,
+    refuse_towers,
     supported_families,
 )
 from kvfleet.worker.runner.model_impl import TRANSFORMERS, resolve_impl
@@ -182,6 +183,7 @@ def _fallback_config(raw: dict[str, Any], generation: dict[str, Any] | None) -> 
         UnsupportedModel: MLA latents, hybrid layers (the paged cache holds K and V only).
         ConfigError: a missing or malformed shape field (named).
     """
+    refuse_towers(raw)
     kv = _attention_shape(raw)
     head_dim = kv.layers[0].head_dim
     archs = raw.get("architectures") or []

@@ -51,6 +51,7 @@ class RankSpec:
     tier: Optional[TierStore] = None  # the node's host KV tier (a RayTier across processes)
     tier_tag: bytes = b""  # the replica's identity digest, kept with its write-backs
     quantization: QuantConfig = FLOAT_WEIGHTS  # weight-only int8 / int4 (each rank its shard)
+    model_impl: str = "native"  # --model-impl (kvfleet.worker.runner.model_impl)
 
 
 def build_rank_runner(spec: RankSpec, rank: int, reduce) -> ModelRunner:
@@ -58,7 +59,8 @@ def build_rank_runner(spec: RankSpec, rank: int, reduce) -> ModelRunner:
     torch.set_num_threads(spec.num_threads)
     return ModelRunner(spec.model_dir, spec.num_blocks, spec.block_size, spec.dtype, spec.device,
                        spec.one_row_weights, shard=Shard(spec.tp, rank, reduce),
-                       max_loras=spec.max_loras, quantization=spec.quantization)
+                       max_loras=spec.max_loras, quantization=spec.quantization,
+                       model_impl=spec.model_impl)
 
 
 class RankWorker:
