@@ -60,10 +60,9 @@ def model_refusal(argv: list[str]) -> Optional[str]:
     ``--quantization`` and ``--layer-yield`` ask of it (that imports transformers); an
     unprepared or missing model, and every other flag, are left to the full parse."""
     from kvfleet.deploy.models import DEFAULT_MODEL, ModelNotPrepared, resolve_model
-    from kvfleet.worker.runner.models import check_model_dir
-
     from kvfleet.worker.runner.fallback.check import FallbackRequest
     from kvfleet.worker.runner.model_impl import MODEL_IMPLS
+    from kvfleet.worker.runner.models import check_model_dir
 
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--model", default=DEFAULT_MODEL)

@@ -258,9 +258,8 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
     them). Raises ModelNotPrepared / ValueError (UnsupportedModel, ConfigError)."""
     from kvfleet.worker.executor.cost_model import MEASURED, CostModel
     from kvfleet.worker.replica.adapter_catalog import adapter_roots
-    from kvfleet.worker.runner.models import check_model_dir
-
     from kvfleet.worker.runner.fallback.check import FallbackRequest
+    from kvfleet.worker.runner.models import check_model_dir
 
     name, model_dir = resolve_model(args.model)
     values = values_by_owner(args, FLAGS, OWNERS)

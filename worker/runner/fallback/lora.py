@@ -19,7 +19,6 @@ from kvfleet.worker.runner.model_config import UnsupportedModel
 from kvfleet.worker.runner.models import PROJECTIONS
 
 
-
 class FallbackAdapters(AdapterMapping):
     """The step's adapter rows (see :class:`AdapterMapping`) and the ``(layer, group)`` pairs
     whose every member linear was found, which alone an adapter may target."""

@@ -21,9 +21,8 @@ from kvfleet.worker.runner.model_families import FAMILIES
 if TYPE_CHECKING:
     import torch
 
-    from kvfleet.worker.runner.fallback.check import FallbackRequest
-
     from kvfleet.worker.runner.attention import AttentionMetadata
+    from kvfleet.worker.runner.fallback.check import FallbackRequest
     from kvfleet.worker.runner.kv_cache import KVCache
     from kvfleet.worker.runner.models.linear import Projection
 

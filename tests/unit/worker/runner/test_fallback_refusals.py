@@ -12,11 +12,11 @@ import pytest
 
 from kvfleet.allocator.kv_bytes import ShardingError
 from kvfleet.deploy import cli
+from kvfleet.worker.replica.replica import ReplicaConfig
 from kvfleet.worker.runner.fallback.check import FallbackRequest, check_fallback
 from kvfleet.worker.runner.fallback.tp import check_plan
 from kvfleet.worker.runner.model_config import UnsupportedModel, parse_model_config
 from kvfleet.worker.runner.model_impl import resolve_impl
-from kvfleet.worker.replica.replica import ReplicaConfig
 from tests.fixtures.models import TINY_SHAPE
 
 
