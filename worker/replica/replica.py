@@ -285,8 +285,13 @@ def build_engine(cfg: ReplicaConfig, on_rank_failure: Callable[[str], None] = la
     num_blocks = cfg.num_blocks
     if num_blocks is None:
         mc = load_model_config(model_dir, cfg.model_impl)
+        kv_tp = tp
+        if mc.impl == "transformers":  # its plan may keep every KV head on every rank
+            from kvfleet.worker.runner.fallback.check import kv_split
+
+            kv_tp = kv_split(model_dir, mc, tp)
         num_blocks = num_blocks_for_memory(mc, cfg.block_size, dtype,
-                                           cfg.kv_memory_bytes or DEFAULT_KV_MEMORY_BYTES, tp)
+                                           cfg.kv_memory_bytes or DEFAULT_KV_MEMORY_BYTES, kv_tp)
     tokenizer = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     # The node's host tier (Ray: the replica runs in it); the cost model has no KV to keep.
     tier = (_node_tier(cfg, load_model_config(model_dir, cfg.model_impl))

@@ -81,3 +81,15 @@ def check_fallback(model_dir: str | Path, config: ModelConfig, raw: dict[str, An
                                f"its transformers class does not take a registered attention "
                                f"function (_supports_attention_backend is unset)")
     check_plan(tp_plan(model_dir) if request.tp > 1 else None, config, request.tp)
+
+
+def kv_split(model_dir: str | Path, config: ModelConfig, tp: int) -> int:
+    """Over how many ranks the fallback's KV heads split at ``tp``: ``tp`` when the plan splits
+    ``k_proj``'s output, 1 when every rank caches every head (a gathered projection, OLMo 2) —
+    the ``tp`` to size a rank's KV blocks with
+    (:func:`kvfleet.worker.runner.kv_cache.num_blocks_for_memory`)."""
+    from kvfleet.worker.runner.fallback.tp import local_kv_heads
+
+    if tp == 1:
+        return 1
+    return config.num_kv_heads // local_kv_heads(tp_plan(model_dir), config, tp)

@@ -11,7 +11,10 @@ import functools
 from pathlib import Path
 
 import pytest
+import torch
 
+from kvfleet.worker.runner.fallback.check import kv_split
+from kvfleet.worker.runner.kv_cache import kv_bytes_per_block
 from kvfleet.worker.runner.model_runner import ModelRunner
 from tests.unit.worker.engine_harness import (
     make_engine,
@@ -106,6 +109,11 @@ def test_tp2_by_the_class_plan_matches_transformers(request_fixture, arch) -> No
     assert [r.model.holds_lm_head for r in runners] == [True, False]
     kv_heads = {"tiny_olmo2_dir": 2, "tiny_granite_dir": 1}[arch]
     assert {r.local_config.num_kv_heads for r in runners} == {kv_heads}
+    # the replica sizes a rank's blocks by the heads it really caches
+    split = kv_split(model_dir, runners[0].config, 2)
+    assert split == 2 // kv_heads
+    per_block = kv_bytes_per_block(runners[0].config, 4, torch.float32, split)
+    assert {r.kv_cache.nbytes for r in runners} == {16 * per_block}
     q = runners[1].model.layers[0].self_attn.q_proj.weight
     assert q.shape[0] == runners[0].config.q_size // 2  # each rank holds half the q rows
 
