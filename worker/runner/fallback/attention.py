@@ -29,8 +29,9 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     head_dim)`` and no weights. ``module.layer_idx`` picks the layer's cache and window.
 
     Raises:
-        ValueError: called without the runner's metadata, or asked for what the paged kernels
-            do not compute (attention soft-capping, attention sinks, dropout).
+        ValueError: called without the runner's metadata, asked for what the paged kernels
+            do not compute (attention soft-capping, attention sinks, dropout), or for a
+            sliding window other than the one the step's masks were built for.
     """
     meta, cache = kwargs.get("kvfleet_meta"), kwargs.get("kvfleet_cache")
     if meta is None or cache is None:
@@ -41,12 +42,15 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if dropout:
         raise ValueError(f"{NAME}: attention dropout is a training feature")
     layer = module.layer_idx
+    window = kwargs["kvfleet_windows"][layer]
+    if kwargs.get("sliding_window") not in (None, window):  # the step's masks are built for ours
+        raise ValueError(f"{NAME}: layer {layer} asks for a window of {kwargs['sliding_window']} "
+                         f"tokens, config.json's reading gives {window}")
     key_cache, value_cache = cache.layer(layer)
     q = query[0].transpose(0, 1).contiguous()  # (T, heads, head_dim)
     k = key[0].transpose(0, 1).contiguous()
     v = value[0].transpose(0, 1).contiguous()
-    out = paged_attention(q, k, v, key_cache, value_cache, meta, kwargs["kvfleet_windows"][layer],
-                          scaling)
+    out = paged_attention(q, k, v, key_cache, value_cache, meta, window, scaling)
     return out.view(1, q.shape[0], q.shape[1], q.shape[2]), None
 
 
