@@ -32,12 +32,13 @@ ARCHS = ["tiny_olmo2_dir", "tiny_granite_dir"]
 
 
 @functools.cache
-def fallback_runner(model_dir: Path, impl: str = "transformers") -> ModelRunner:
-    """One fallback runner per model per session (shared like ``paged_driver.runner_for``)."""
+def fallback_runner(model_dir: Path, impl: str) -> ModelRunner:
+    """One runner per model per session (shared like ``paged_driver.runner_for``)."""
     return ModelRunner(model_dir, num_blocks=160, block_size=4, model_impl=impl)
 
 
-def _engine(model_dir, impl: str = "transformers", **scheduler):
+def _engine(model_dir, impl: str = "auto", **scheduler):
+    """An engine over ``--model-impl auto``: the fallback for OLMo 2 and Granite."""
     return make_engine(model_dir, runner=fallback_runner(Path(model_dir), impl), **scheduler)
 
 
@@ -48,7 +49,7 @@ def _check(model_dir, rec, req, res, index: int = 0) -> None:
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_auto_picks_the_fallback_for_an_unregistered_family(request_fixture, arch) -> None:
-    runner = fallback_runner(request_fixture(arch), "auto")
+    runner = fallback_runner(Path(request_fixture(arch)), "auto")
     assert runner.config.impl == "transformers"
     assert type(runner.model).__name__ == "TransformersCausalLM"
 
@@ -91,10 +92,10 @@ def test_prefix_hits_copy_on_write_and_preemption(request_fixture, arch) -> None
     engine, rec = _engine(model_dir, num_blocks=10, watermark=0.0)
     results, _ = run_preempting(engine, reqs)
     for r in reqs:
-        res = results[(r.request_id, 0)]
-        _check(model_dir, rec, r, res)
-        alone, _ = _engine(model_dir)
-        assert run(alone, [r])[(r.request_id, 0)].token_ids == res.token_ids
+        _check(model_dir, rec, r, results[(r.request_id, 0)])
+    alone, _ = _engine(model_dir)  # recompute after preemption: the tokens of a solo run
+    assert run(alone, reqs[:1])[(reqs[0].request_id, 0)].token_ids == \
+        results[(reqs[0].request_id, 0)].token_ids
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -130,8 +131,8 @@ def test_tp2_without_the_all_reduce_is_wrong(tiny_granite_dir) -> None:
 def test_on_a_native_family_it_gives_the_native_tokens(tiny_llama_dir) -> None:
     reqs = [request(prompt(p, seed=40 + p), max_tokens=10) for p in (7, 19)]
     native, _ = make_engine(tiny_llama_dir)
-    fallback, rec = _engine(tiny_llama_dir)
-    assert fallback_runner(Path(tiny_llama_dir)).config.impl == "transformers"
+    fallback, rec = _engine(tiny_llama_dir, "transformers")
+    assert fallback_runner(Path(tiny_llama_dir), "transformers").config.impl == "transformers"
     want, got = run(native, reqs), run(fallback, reqs)
     for r in reqs:
         assert got[(r.request_id, 0)].token_ids == want[(r.request_id, 0)].token_ids
