@@ -12,8 +12,9 @@ forward): its ``hidden`` is the token ids and ``cos``/``sin`` the positions.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -22,6 +23,7 @@ from kvfleet.worker.runner.fallback.attention import register
 from kvfleet.worker.runner.fallback.tp import check_plan, local_kv_heads, shard_by_plan
 from kvfleet.worker.runner.kv_cache import KVCache
 from kvfleet.worker.runner.model_config import ModelConfig
+from kvfleet.worker.runner.models.linear import Projection
 
 
 class TransformersCausalLM:
@@ -32,7 +34,7 @@ class TransformersCausalLM:
     def __init__(self, hf, config: ModelConfig, lm_head: bool = True) -> None:
         self.hf = hf
         self.base = hf.base_model
-        self.layers = list(self.base.layers)
+        self.layers: Sequence[Any] = list(self.base.layers)
         self.vocab_size = config.vocab_size
         self.windows = config.sliding_windows
         self.holds_lm_head = lm_head
@@ -70,9 +72,9 @@ class TransformersCausalLM:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
 
-    def projections(self) -> list:
+    def projections(self) -> Iterator[Projection]:
         """None: the class's linears are plain ``nn.Linear`` parameters (:meth:`parameters`)."""
-        return []
+        return iter(())
 
     def parameters(self) -> Iterator[torch.nn.Parameter]:
         return self.hf.parameters()
