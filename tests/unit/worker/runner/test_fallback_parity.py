@@ -26,7 +26,16 @@ from tests.unit.worker.engine_harness import (
     seq_tokens,
 )
 from tests.unit.worker.executor.tp.threaded_group import prefill_plans, run_group
-from tests.unit.worker.paged_driver import random_prompt, reference_logits, scaled_error
+from tests.unit.worker.paged_driver import (
+    BlockPool,
+    Seq,
+    decode,
+    prefill,
+    random_prompt,
+    reference_logits,
+    scaled_error,
+)
+from tests.unit.worker.paged_driver import reference_error as driver_error
 
 ARCHS = ["tiny_olmo2_dir", "tiny_granite_dir"]
 
@@ -142,3 +151,16 @@ def test_on_a_native_family_it_gives_the_native_tokens(tiny_llama_dir) -> None:
 @pytest.fixture
 def request_fixture(request):
     return request.getfixturevalue
+
+
+def test_bfloat16_runs_close_to_fp32(tiny_olmo2_dir) -> None:
+    """Not a parity claim (bf16 has ~3 significant digits): the class loads in the runner's
+    dtype and its KV cache and masks follow it."""
+    runner = ModelRunner(tiny_olmo2_dir, num_blocks=16, block_size=4, dtype=torch.bfloat16,
+                         model_impl="transformers")
+    assert runner.kv_cache.data.dtype == torch.bfloat16
+    assert next(runner.model.parameters()).dtype == torch.bfloat16
+    seq = Seq("a", random_prompt(12, seed=9), BlockPool(16, seed=9).take(5))
+    prefill(runner, seq, [7, 5])
+    decode(runner, seq, 3)
+    assert driver_error(tiny_olmo2_dir, seq) < 500  # within 5e-2 of the logit scale
