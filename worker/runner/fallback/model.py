@@ -3,14 +3,17 @@
 The base model runs in one call over the step's flattened tokens (batch 1, ``T`` tokens,
 ``position_ids`` the absolute positions), its attention layers calling
 :func:`~.attention.paged_attention_forward` with the step's metadata and KV cache passed as
-forward kwargs. The LM head is the class's ``lm_head`` followed by what its forward applies
-after it in the families transformers has (``logits_scaling``: Granite;
-``final_logit_softcapping``). :meth:`embed` does no arithmetic (the class embeds inside its
-forward): its ``hidden`` is the token ids and ``cos``/``sin`` the positions.
+forward kwargs. The logits are the class's own forward over given hidden states: a shallow
+copy of the ``*ForCausalLM`` whose base model is :class:`_GivenHidden` runs the class's head
+code (its ``lm_head`` and whatever it applies after: Granite's ``logits_scaling``, Cohere's
+``logit_scale``, soft-capping), so no family's head is restated here. :meth:`embed` does no
+arithmetic (the class embeds inside its forward): its ``hidden`` is the token ids and
+``cos``/``sin`` the positions.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -26,6 +29,19 @@ from kvfleet.worker.runner.model_config import ModelConfig
 from kvfleet.worker.runner.models.linear import Projection
 
 
+class _GivenHidden(torch.nn.Module):
+    """Stands in for the base model under the head copy: returns the states it was given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden: torch.Tensor | None = None
+
+    def forward(self, *args, **kwargs):
+        from transformers.modeling_outputs import BaseModelOutputWithPast
+
+        return BaseModelOutputWithPast(last_hidden_state=self.hidden)
+
+
 class TransformersCausalLM:
     """``hf``: a ``*ForCausalLM`` loaded with ``attn_implementation`` :data:`~.attention.NAME`;
     ``windows[i]``: layer ``i``'s sliding window (kvfleet's reading, the one the step's masks
@@ -38,8 +54,9 @@ class TransformersCausalLM:
         self.vocab_size = config.vocab_size
         self.windows = config.sliding_windows
         self.holds_lm_head = lm_head
-        self.logits_scaling = getattr(hf.config, "logits_scaling", None)
-        self.softcap = getattr(hf.config, "final_logit_softcapping", None)
+        self._given = _GivenHidden()
+        self._head = copy.copy(hf)  # shares the head's weights and config, not the base model
+        self._head._modules = {**hf._modules, hf.base_model_prefix: self._given}
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -62,15 +79,16 @@ class TransformersCausalLM:
         return self.run_layers(input_ids, positions, positions, meta, kv_cache)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``(N, hidden_size)`` (final norm applied by the base model) → ``(N, vocab_size)``."""
+        """``(N, hidden_size)`` (final norm applied by the base model) → ``(N, vocab_size)``,
+        through the class's own forward after its base model (see the module docstring)."""
         if not self.holds_lm_head:
             return hidden.new_empty(0, self.vocab_size)
-        logits = self.hf.lm_head(hidden)
-        if self.logits_scaling is not None:
-            logits = logits / self.logits_scaling
-        if self.softcap is not None:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
+        self._given.hidden = hidden[None]
+        try:
+            ids = torch.zeros(1, hidden.shape[0], dtype=torch.long, device=hidden.device)
+            return self._head(input_ids=ids, use_cache=False, logits_to_keep=0).logits[0]
+        finally:
+            self._given.hidden = None
 
     def projections(self) -> Iterator[Projection]:
         """None: the class's linears are plain ``nn.Linear`` parameters (:meth:`parameters`)."""

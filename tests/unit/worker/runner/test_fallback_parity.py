@@ -16,6 +16,7 @@ import torch
 from kvfleet.worker.runner.fallback.check import kv_split
 from kvfleet.worker.runner.kv_cache import kv_bytes_per_block
 from kvfleet.worker.runner.model_runner import ModelRunner
+from tests.fixtures.fallback_models import write_hf_model
 from tests.unit.worker.engine_harness import (
     make_engine,
     prompt,
@@ -164,3 +165,21 @@ def test_bfloat16_runs_close_to_fp32(tiny_olmo2_dir) -> None:
     prefill(runner, seq, [7, 5])
     decode(runner, seq, 3)
     assert driver_error(tiny_olmo2_dir, seq) < 500  # within 5e-2 of the logit scale
+
+
+@pytest.mark.parametrize("config_cls, model_cls", [
+    ("SmolLM3Config", "SmolLM3ForCausalLM"),  # RoPE skipped on every 4th layer (NoPE)
+    ("CohereConfig", "CohereForCausalLM"),  # parallel attention + MLP, logits × logit_scale
+])
+def test_more_architectures_chunked_then_token_by_token(config_cls, model_cls, smollm2_dir,
+                                                       tmp_path) -> None:
+    """Beyond the two fully checked: the head is the class's own (Cohere's ``logit_scale``),
+    the layers' oddities are the class's (SmolLM3's NoPE layers)."""
+    model_dir = write_hf_model(tmp_path / model_cls, config_cls, model_cls, smollm2_dir, seed=23,
+                               pad_token_id=0)
+    runner = ModelRunner(model_dir, num_blocks=16, block_size=4, model_impl="auto")
+    assert runner.config.impl == "transformers"
+    seq = Seq("a", random_prompt(13, seed=12), BlockPool(16, seed=12).take(6))
+    prefill(runner, seq, [5, 8])
+    decode(runner, seq, 6)
+    assert driver_error(model_dir, seq) <= 1
