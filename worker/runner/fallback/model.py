@@ -121,6 +121,7 @@ def build_fallback(model_dir: str | Path, config: ModelConfig, dtype: torch.dtyp
     from kvfleet.worker.runner.fallback.check import model_class
 
     cls = model_class(config.architecture)
+    transformers.utils.logging.disable_progress_bar()  # a replica's log is not a terminal
     hf_config = transformers.AutoConfig.from_pretrained(model_dir)
     plan = dict(hf_config.base_model_tp_plan or {})
     check_plan(plan, config, tp)
