@@ -100,11 +100,17 @@ class TierAdmission:
         return tuple(out)
 
     def restored(self, restores: Sequence[Restore]) -> None:
-        """Every rank restored ``restores``: register their blocks in the prefix cache."""
+        """Every rank restored ``restores``: register their blocks in the prefix cache, as
+        held by the tier already (their eviction writes nothing back)."""
+        pool = self.kv.pool
         for r in restores:
             end = (r.first + len(r.hashes)) * self.kv.block_size
             self.kv.cache_full_blocks(r.seq.seq_id, r.seq.block_hashes, end,
                                       from_token=r.first * self.kv.block_size)
+            table = self.kv.block_table(r.seq.seq_id)[r.first:r.first + len(r.hashes)]
+            # A hash another block registered first keeps that block (not from the tier).
+            pool.mark_in_tier(b for b, h in zip(table, r.hashes, strict=True)
+                              if pool.lookup(h) == b)
             self.restored_blocks += len(r.hashes)
 
     def undo(self, restores: Sequence[Restore], preempt: Preempt) -> None:
