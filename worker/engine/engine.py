@@ -187,6 +187,8 @@ class Engine:
         if not out.scheduled:
             if self.lora.has_waiting and not outputs:
                 self.lora.wait(0.01)  # nothing to run but a load: do not spin
+            elif self.scheduler.tier.lookups_pending and not outputs:
+                self.scheduler.tier.wait_lookups(0.01)  # nothing to run but a tier lookup
             return outputs
         return outputs + self.run(out, arrivals)
 
