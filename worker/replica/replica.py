@@ -105,6 +105,14 @@ def _node_tier(cfg: ReplicaConfig, mc: ModelConfig) -> LayoutTier:
                                 namespace=cfg.namespace), layout)
 
 
+def worker_interceptors(mutual_tls: bool) -> list[AuthInterceptor]:
+    """The Worker server's interceptors: every method (``ExportBlocks`` included) authorised
+    as :func:`internal_authorizer` says: the router's certificate anything, a replica's
+    certificate the peer methods only."""
+    return [AuthInterceptor(internal_authorizer(mutual_tls, ROUTER_NAME,
+                                                {REPLICA_NAME: PEER_METHODS}))]
+
+
 def _kv_tier_id(engine: Engine) -> str:
     """The index's name of the node tier the engine restores from ("" without one)."""
     return engine.scheduler.tier.tier_id
@@ -322,7 +330,7 @@ def build_engine(cfg: ReplicaConfig, on_rank_failure: Callable[[str], None] = la
                   mc.max_position_embeddings, mc.vocab_size, cfg.scheduler,
                   adapters=residency, identity=identity, grammar=cfg.grammar,
                   step_cost=_step_cost(cfg, executor, identity),
-                  tier=TierLookup(tier, tp) if tier else None)
+                  tier=TierLookup(tier, tp, background=True) if tier else None)
 
 
 def _step_cost(cfg: ReplicaConfig, executor: Executor, identity: CacheIdentity) -> StepCost:
@@ -375,9 +383,8 @@ class ReplicaServer:
     async def start(self) -> str:
         """Start serving; returns ``host:port``. Raises OSError if the port is taken."""
         aio_loop = self._aio_loop = asyncio.get_running_loop()
-        self._server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[AuthInterceptor(
-            internal_authorizer(bool(self.cfg.internal_tls_dir), ROUTER_NAME,
-                                {REPLICA_NAME: PEER_METHODS}))])
+        self._server = grpc.aio.server(options=SERVER_OPTIONS,
+                                       interceptors=worker_interceptors(bool(self.cfg.internal_tls_dir)))
         # Follows the directory: a renewed certificate is served from the next handshake on.
         creds = (reloading_worker_credentials(self.cfg.internal_tls_dir)
                  if self.cfg.internal_tls_dir else None)
