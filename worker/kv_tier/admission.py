@@ -73,6 +73,11 @@ class TierAdmission:
         """The index's name of the node tier ("" when the store has none)."""
         return getattr(self.lookup.store, "tier_id", "")
 
+    @property
+    def lookup_ranks(self) -> list[int]:
+        """The replica's ranks (a block is in the tier when every one's shard is)."""
+        return self.lookup.ranks
+
     def eviction_log(self) -> Optional[list[tuple[int, bytes]]]:
         """A list for a step's allocations to record evicted blocks in (written back first)."""
         return []
@@ -168,6 +173,7 @@ class NoTierAdmission:
     enabled = False
     tier_id = ""
     restored_blocks = 0
+    lookup_ranks: list[int] = []
 
     def eviction_log(self) -> Optional[list[tuple[int, bytes]]]:
         return None  # evicted blocks are simply dropped
