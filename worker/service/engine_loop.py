@@ -254,16 +254,15 @@ class EngineLoop:
         self.loop.call_soon_threadsafe(_set_result, item.done, n)
 
     def _export(self, item: _Export) -> None:
-        answer: list[tuple[bytes, ...]] = []
+        def done(hashes: tuple[bytes, ...]) -> None:
+            # Rank 0's puts of this export, read right after its transfer (engine thread).
+            saved = self.engine.executor.tier.last_saved if hashes else Saved()
+            self.loop.call_soon_threadsafe(_set_result, item.done, (hashes, saved))
+
         try:
-            self.engine.export_blocks(item.hashes, answer.append)
+            self.engine.export_blocks(item.hashes, done)
         except Exception as exc:
             self.loop.call_soon_threadsafe(_set_exception, item.done, exc)
-            return
-        exported = answer[0] if answer else ()
-        # Rank 0's puts of this export (read now: the next step's write-backs replace it).
-        saved = self.engine.executor.tier.last_saved if exported else Saved()
-        self.loop.call_soon_threadsafe(_set_result, item.done, (exported, saved))
 
     def _add(self, item: _Add) -> None:
         try:
