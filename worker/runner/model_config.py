@@ -22,6 +22,7 @@ from typing import Any
 from kvfleet.allocator.model_spec import ConfigError, ModelKVSpec, _positive_int, spec_from_config
 from kvfleet.worker.runner.model_families import (
     DecoderStyle,
+    MoeSpec,
     Rope,
     RopeScaling,
     UnsupportedModel,
@@ -29,7 +30,7 @@ from kvfleet.worker.runner.model_families import (
     supported_families,
 )
 
-__all__ = ["ConfigError", "DecoderStyle", "ModelConfig", "Rope", "RopeScaling", "UnsupportedModel",
+__all__ = ["ConfigError", "DecoderStyle", "ModelConfig", "MoeSpec", "Rope", "RopeScaling", "UnsupportedModel",
            "load_model_config", "parse_model_config"]
 
 
@@ -42,7 +43,8 @@ class ModelConfig:
     where the family gives them their own (``local_rope``, Gemma 3), the sliding ones.
     ``max_position_embeddings`` is the context served (the allocator's reading).
     ``eos_token_ids`` merges ``generation_config.json`` and ``config.json``, generation
-    config first.
+    config first. ``moe``: the mixture-of-experts block of the family's sparse layers (None:
+    every layer has the dense MLP of ``intermediate_size``).
     """
 
     architecture: str
@@ -65,6 +67,7 @@ class ModelConfig:
     bos_token_id: int | None
     local_rope: Rope | None = None
     style: DecoderStyle = field(default_factory=DecoderStyle)
+    moe: MoeSpec | None = None
 
     @property
     def sliding_window(self) -> int | None:
@@ -154,6 +157,7 @@ def parse_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = 
         eos_token_ids=tuple(eos),
         bos_token_id=raw.get("bos_token_id"),
         style=family.style(raw),
+        moe=family.moe(raw),
     )
 
 
