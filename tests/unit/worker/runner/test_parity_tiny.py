@@ -130,10 +130,10 @@ def test_bfloat16_runs_close_to_fp32(model_dir) -> None:
     seq = Seq("a", random_prompt(12, seed=9), BlockPool(16, seed=9).take(5))
     prefill(runner, seq, [7, 5])
     decode(runner, seq, 3)
-    last = max(seq.logits)
+    tokens = seq.tokens[: max(seq.logits) + 1]
     with torch.no_grad():
-        theirs = hf_model_bf16(model_dir)(torch.tensor([seq.tokens[: last + 1]])).logits[0].float()
-    floor = scaled_error({p: theirs[p] for p in seq.logits}, reference_logits(model_dir, seq.tokens[: last + 1]))
+        theirs = hf_model_bf16(model_dir)(torch.tensor([tokens])).logits[0].float()
+    floor = scaled_error({p: theirs[p] for p in seq.logits}, reference_logits(model_dir, tokens))
     assert reference_error(model_dir, seq) < max(500, 2 * floor)
 
 
