@@ -16,6 +16,7 @@ import torch
 
 from kvfleet.worker.runner.models import PROJECTIONS, CausalLM
 from kvfleet.worker.runner.models.linear import Projection
+from kvfleet.worker.runner.models.moe import SparseMoE
 from kvfleet.worker.runner.tp.layout import ROW, SPLITS, ShardLayout
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
@@ -67,5 +68,5 @@ one all-reduce of the experts' partial sums. At tp=1
             if row_parallel(name):
                 setattr(holder, name, RowParallelLinear(getattr(holder, name), reduce))
         mlp = getattr(layer, "mlp", None)
-        if hasattr(mlp, "reduce"):  # a sparse block: its experts' summed partial outputs
+        if isinstance(mlp, SparseMoE):  # its experts' partial outputs, summed once
             mlp.reduce = reduce
