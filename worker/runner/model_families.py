@@ -377,6 +377,19 @@ def supported_families() -> str:
     return ", ".join(f"{t} ({', '.join(f.architectures)})" for t, f in sorted(FAMILIES.items()))
 
 
+def refuse_towers(raw: Mapping[str, Any]) -> None:
+    """Refuse a composite (vision / audio) checkpoint, whichever implementation would run it.
+
+    Raises:
+        UnsupportedModel: naming the tower's field and the text-only families that work.
+    """
+    tower = next((t for t in _TOWERS if raw.get(t) is not None), None)
+    if tower is not None:
+        raise UnsupportedModel(f"{tower}: multimodal checkpoints ({raw.get('model_type')!r}) are "
+                               f"not supported; text-only families that work: "
+                               f"{supported_families()}")
+
+
 def family_of(raw: Mapping[str, Any]) -> tuple[Family, str]:
     """``(family, architecture)`` of a raw ``config.json`` (a config without ``model_type``
     is matched by its ``architectures``).
@@ -386,11 +399,7 @@ def family_of(raw: Mapping[str, Any]) -> tuple[Family, str]:
             its family does not build; the message names the field and the families that work.
     """
     _refuse_set(raw, "mlp_bias")
-    tower = next((t for t in _TOWERS if raw.get(t) is not None), None)
-    if tower is not None:
-        raise UnsupportedModel(f"{tower}: multimodal checkpoints ({raw.get('model_type')!r}) are "
-                               f"not supported; text-only families that work: "
-                               f"{supported_families()}")
+    refuse_towers(raw)
     archs = raw.get("architectures") or []
     model_type = raw.get("model_type")
     if not model_type:
