@@ -22,6 +22,7 @@ from typing import Any
 from kvfleet.allocator.model_spec import ConfigError, ModelKVSpec, _positive_int, spec_from_config
 from kvfleet.worker.runner.model_families import (
     DecoderStyle,
+    MoeSpec,
     Rope,
     RopeScaling,
     UnsupportedModel,
@@ -31,7 +32,7 @@ from kvfleet.worker.runner.model_families import (
 )
 from kvfleet.worker.runner.model_impl import TRANSFORMERS, resolve_impl
 
-__all__ = ["ConfigError", "DecoderStyle", "ModelConfig", "Rope", "RopeScaling", "UnsupportedModel",
+__all__ = ["ConfigError", "DecoderStyle", "ModelConfig", "MoeSpec", "Rope", "RopeScaling", "UnsupportedModel",
            "load_model_config", "parse_model_config"]
 
 
@@ -44,7 +45,8 @@ class ModelConfig:
     where the family gives them their own (``local_rope``, Gemma 3), the sliding ones.
     ``max_position_embeddings`` is the context served (the allocator's reading).
     ``eos_token_ids`` merges ``generation_config.json`` and ``config.json``, generation
-    config first.
+    config first. ``moe``: the mixture-of-experts block of the family's sparse layers (None:
+    every layer has the dense MLP of ``intermediate_size``).
     """
 
     architecture: str
@@ -67,6 +69,7 @@ class ModelConfig:
     bos_token_id: int | None
     local_rope: Rope | None = None
     style: DecoderStyle = field(default_factory=DecoderStyle)
+    moe: MoeSpec | None = None
     # "native": a registered family's module runs it; "transformers": the Hugging Face class
     # does (:mod:`kvfleet.worker.runner.fallback`), and only the shape, EOS ids and context
     # above are read (rope, norms, biases and style keep their defaults, unused).
@@ -166,6 +169,7 @@ def parse_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = 
         eos_token_ids=tuple(eos),
         bos_token_id=raw.get("bos_token_id"),
         style=family.style(raw),
+        moe=family.moe(raw),
     )
 
 

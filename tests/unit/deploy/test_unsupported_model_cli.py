@@ -62,6 +62,18 @@ CASES = {
     # unregistered: --model-impl auto tries the fallback, which caches K/V only
     "mamba-hybrid": (load("jamba-1.5-mini"), "error: attn_layer_period: hybrid (non-attention) "
                                              "layers are not supported"),
+    # mixture-of-experts configs: a top-k above the expert count, a missing expert field
+    "moe-top-k-above-experts": ({**load("qwen3-30b-a3b"), "num_experts_per_tok": 129},
+                                "error: num_experts_per_tok: 129 exceeds the 128 experts"),
+    "moe-missing-expert-width": ({k: v for k, v in load("qwen3-30b-a3b").items()
+                                  if k != "moe_intermediate_size"},
+                                 "error: moe_intermediate_size: missing from config.json"),
+    "moe-missing-expert-count": ({k: v for k, v in load("mixtral-8x7b-v0.1").items()
+                                  if k != "num_local_experts"},
+                                 "error: num_local_experts: missing from config.json"),
+    "moe-missing-top-k": ({k: v for k, v in load("gpt-oss-20b").items()
+                           if k != "num_experts_per_tok"},
+                          "error: num_experts_per_tok: missing from config.json"),
 }
 
 
