@@ -39,6 +39,7 @@ from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig
 from kvfleet.worker.engine.speculative.speculator import MODES as SPECULATIVE_MODES
 from kvfleet.worker.replica.autoscale import AutoscaleTargets
 from kvfleet.worker.replica.replica import DEFAULT_KV_MEMORY_BYTES, EXECUTORS, ReplicaConfig
+from kvfleet.worker.runner.model_impl import MODEL_IMPLS
 
 # Config path prefix -> the dataclass holding the fields below it ("" = ClusterConfig).
 OWNERS: dict[str, type] = {"": ClusterConfig, "replica": ReplicaConfig, "router": RouterConfig,
@@ -96,6 +97,11 @@ REPLICA_FLAGS: tuple[Flag, ...] = (
     Flag("--device", "replica.device",
          "cuda: one GPU per rank, NCCL between ranks (default {default}, gloo)", "model",
          choices=("cpu", "cuda")),
+    Flag("--model-impl", "replica.model_impl",
+         "native: a registered family's module; transformers: the Hugging Face class itself "
+         "behind kvfleet's paged attention (the transformers extra; no layer yield, float "
+         "weights, TP by the class's base_model_tp_plan); auto: native when the family is "
+         "registered, else transformers (default {default})", "model", choices=MODEL_IMPLS),
     _ROUTER["--quantization"].at("replica.quantization"),
     _ROUTER["--quant-group-size"].at("replica.quant_group_size"),
     Flag("--no-one-row-weights", "replica.one_row_weights",
@@ -137,6 +143,17 @@ REPLICA_FLAGS: tuple[Flag, ...] = (
          "a draining replica drops its cached blocks (default: with --kv-host-memory, it "
          "writes its hottest blocks back to the node tier first, within its drain timeout)",
          "cache", action="store_false"),
+    Flag("--kv-write-back-queue", "replica.kv_write_back_queue_bytes",
+         "with --kv-host-memory: write-back bytes each rank queues for the node tier at once, "
+         "e.g. 64MiB (default {default}); what does not fit is dropped (counted), the step "
+         "never waits; a drain hands over in turns of it", "cache", type=str,
+         convert=lambda text: parse_size(text, "--kv-write-back-queue"),
+         show=lambda v: format_bytes(v).replace(" ", "")),
+    Flag("--kv-write-back-run", "replica.kv_write_back_run_bytes",
+         "with --kv-host-memory: the most bytes one put into the node tier carries (a run "
+         "of blocks; default {default}); a larger write-back goes as several", "cache",
+         type=str, convert=lambda text: parse_size(text, "--kv-write-back-run"),
+         show=lambda v: format_bytes(v).replace(" ", "")),
     Flag("--kv-prewarm-s", "replica.kv_prewarm_s",
          "with --kv-host-memory: a new replica first restores its node tier's most recently "
          "used blocks of its model into its pool, for at most this many seconds before it "
@@ -261,15 +278,19 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
     them). Raises ModelNotPrepared / ValueError (UnsupportedModel, ConfigError)."""
     from kvfleet.worker.executor.cost_model import MEASURED, CostModel
     from kvfleet.worker.replica.adapter_catalog import adapter_roots
+    from kvfleet.worker.runner.fallback.check import FallbackRequest
     from kvfleet.worker.runner.models import check_model_dir
 
     name, model_dir = resolve_model(args.model)
-    model = check_model_dir(model_dir)  # an unsupported family or field: refused before Ray
     values = values_by_owner(args, FLAGS, OWNERS)
     # Beyond loopback: mutual TLS by default (~/.kvfleet/internal-tls), never plaintext.
     replica_values = with_default_internal_tls(values["replica"])
+    # An unsupported family or field, or what the fallback cannot do: refused before Ray.
+    model = check_model_dir(model_dir, replica_values["model_impl"], FallbackRequest(
+        replica_values["tensor_parallel_size"], replica_values["quantization"],
+        values["replica.scheduler"]["layer_yield"]))
     _check_device(replica_values["device"])
-    if replica_values["tensor_parallel_size"] != 1:  # refuse a split the model cannot take
+    if replica_values["tensor_parallel_size"] != 1 and model.impl == "native":
         from kvfleet.worker.runner.tp.layout import check_tp
 
         check_tp(model, replica_values["tensor_parallel_size"])

@@ -59,7 +59,11 @@ from kvfleet.worker.kv_tier.lookup import TierLookup
 from kvfleet.worker.kv_tier.node_tier import TierIndex, node_tier
 from kvfleet.worker.kv_tier.peer_client import PEER_METHODS
 from kvfleet.worker.kv_tier.prewarm import prewarm_before_serving
-from kvfleet.worker.kv_tier.rank_tier import RankTier
+from kvfleet.worker.kv_tier.rank_tier import (
+    DEFAULT_MAX_PENDING_BYTES,
+    DEFAULT_MAX_RUN_BYTES,
+    RankTier,
+)
 from kvfleet.worker.kv_tier.tier_layout import LayoutTier, TierLayout
 from kvfleet.worker.replica.adapter_admin import AdapterAdmin
 from kvfleet.worker.replica.adapter_catalog import check_catalog
@@ -72,6 +76,7 @@ from kvfleet.worker.replica.shared_calibration import shared_or_calibrate
 from kvfleet.worker.runner.kv_cache import num_blocks_for_memory
 from kvfleet.worker.runner.memory import trim_heap
 from kvfleet.worker.runner.model_config import ModelConfig, load_model_config
+from kvfleet.worker.runner.model_impl import MODEL_IMPLS
 from kvfleet.worker.runner.model_runner import ModelRunner
 from kvfleet.worker.runner.quant.config import DEFAULT_GROUP_SIZE, FLOAT_WEIGHTS, QuantConfig
 from kvfleet.worker.service.engine_loop import EngineLoop
@@ -99,6 +104,14 @@ def _node_tier(cfg: ReplicaConfig, mc: ModelConfig) -> LayoutTier:
     layout = TierLayout(tp, kv_heads_per_rank(mc.num_kv_heads, mc.num_heads, tp))
     return LayoutTier(node_tier(cfg.kv_host_memory_bytes, index=index,
                                 namespace=cfg.namespace), layout)
+
+
+def worker_interceptors(mutual_tls: bool) -> list[AuthInterceptor]:
+    """The Worker server's interceptors: every method (``ExportBlocks`` included) authorised
+    as :func:`internal_authorizer` says: the router's certificate anything, a replica's
+    certificate the peer methods only."""
+    return [AuthInterceptor(internal_authorizer(mutual_tls, ROUTER_NAME,
+                                                {REPLICA_NAME: PEER_METHODS}))]
 
 
 def _kv_tier_id(engine: Engine) -> str:
@@ -143,6 +156,10 @@ class ReplicaConfig:
     # Before serving, restore the node tier's hottest blocks of this identity into the pool
     # for at most this long (0: off; needs the host tier).
     kv_prewarm_s: float = 0.0
+    # Write-back bytes each rank queues for the host tier at once (what does not fit is
+    # dropped, counted), and the bytes of one put into it (a run of blocks).
+    kv_write_back_queue_bytes: int = DEFAULT_MAX_PENDING_BYTES
+    kv_write_back_run_bytes: int = DEFAULT_MAX_RUN_BYTES
     dtype: str = "float32"
     # A second copy of each weight for batch-1 decode (see worker/runner/models/linear.py):
     # lower batch-1 ITL on CPU for twice the weight memory (docs/benchmarks.md, Engine).
@@ -152,6 +169,10 @@ class ReplicaConfig:
     # inputs when quantized at load; part of the cache identity.
     quantization: str = "none"
     quant_group_size: int = DEFAULT_GROUP_SIZE
+    # Which implementation runs the model (kvfleet.worker.runner.model_impl): "native" (a
+    # registered family), "transformers" (the Hugging Face class behind the paged attention,
+    # kvfleet.worker.runner.fallback) or "auto" (native when registered).
+    model_impl: str = "auto"
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     redis_url: Optional[str] = None
     namespace: str = "kvfleet:"
@@ -213,6 +234,10 @@ class ReplicaConfig:
             raise ValueError(f"drain_timeout_s must be > 0, got {self.drain_timeout_s}")
         if not 0 <= self.kv_prewarm_s < float("inf"):
             raise ValueError(f"kv_prewarm_s must be >= 0 and finite, got {self.kv_prewarm_s}")
+        if self.kv_write_back_queue_bytes < 0 or self.kv_write_back_run_bytes <= 0:
+            raise ValueError(f"kv_write_back_queue_bytes must be >= 0 and kv_write_back_run_bytes "
+                             f"> 0, got {self.kv_write_back_queue_bytes} and "
+                             f"{self.kv_write_back_run_bytes}")
         if not self.max_queue_wait_s > 0:
             raise ValueError(f"max_queue_wait_s must be > 0, got {self.max_queue_wait_s}")
         if not self.calibration_budget_s > 0:
@@ -228,6 +253,9 @@ class ReplicaConfig:
             raise ValueError("scheduler.layer_yield (--layer-yield) needs tensor_parallel_size 1 "
                              "(a forward pauses between layers only in one process)")
         QuantConfig(self.quantization, self.quant_group_size)  # ValueError naming the field
+        if self.model_impl not in MODEL_IMPLS:
+            raise ValueError(f"model_impl must be one of {', '.join(MODEL_IMPLS)}, got "
+                             f"{self.model_impl!r}")
         if self.scheduler.layer_yield and self.kv_host_memory_bytes:
             raise ValueError("scheduler.layer_yield (--layer-yield) does not run beside a host KV "
                              "tier (kv_host_memory_bytes, --kv-host-memory): its forward cannot "
@@ -268,37 +296,47 @@ def build_engine(cfg: ReplicaConfig, on_rank_failure: Callable[[str], None] = la
         ShardingError: the model's heads do not split over ``tensor_parallel_size``.
     """
     tp = cfg.tensor_parallel_size
-    catalog = check_catalog(cfg.adapters, load_model_config(cfg.model_dir), cfg.max_lora_rank)
+    catalog = check_catalog(cfg.adapters, load_model_config(cfg.model_dir, cfg.model_impl),
+                            cfg.max_lora_rank)
     max_loras = cfg.max_loras if cfg.executor == "model" else 0
     torch.set_num_threads(cfg.num_threads if tp == 1 else 1)
     dtype = DTYPES[cfg.dtype]
     model_dir = Path(cfg.model_dir)
     num_blocks = cfg.num_blocks
     if num_blocks is None:
-        mc = load_model_config(model_dir)
+        mc = load_model_config(model_dir, cfg.model_impl)
+        kv_tp = tp
+        if mc.impl == "transformers":  # its plan may keep every KV head on every rank
+            from kvfleet.worker.runner.fallback.check import kv_split
+
+            kv_tp = kv_split(model_dir, mc, tp)
         num_blocks = num_blocks_for_memory(mc, cfg.block_size, dtype,
-                                           cfg.kv_memory_bytes or DEFAULT_KV_MEMORY_BYTES, tp)
+                                           cfg.kv_memory_bytes or DEFAULT_KV_MEMORY_BYTES, kv_tp)
     tokenizer = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     # The node's host tier (Ray: the replica runs in it); the cost model has no KV to keep.
-    tier = (_node_tier(cfg, load_model_config(model_dir))
+    tier = (_node_tier(cfg, load_model_config(model_dir, cfg.model_impl))
             if cfg.kv_host_memory_bytes and cfg.executor == "model" else None)
     identity = cache_identity(cfg.model_name, model_dir, cfg.dtype, cfg.block_size, cfg.quant_config)
     if cfg.executor == "cost-model":
-        executor: Executor = cost_model_executor(load_model_config(model_dir), tokenizer,
+        executor: Executor = cost_model_executor(load_model_config(model_dir, cfg.model_impl),
+                                                 tokenizer,
                                                  num_blocks, cfg.block_size, cfg.cost_model)
     elif tp > 1:
         spec = RankSpec(str(model_dir), tp, num_blocks, cfg.block_size, dtype,
                         cfg.one_row_weights, cfg.device, max_loras=max_loras, tier=tier,
-                        quantization=cfg.quant_config,
-                        tier_tag=identity.digest())
+                        quantization=cfg.quant_config, model_impl=cfg.model_impl,
+                        tier_tag=identity.digest(), tier_queue_bytes=cfg.kv_write_back_queue_bytes,
+                        tier_run_bytes=cfg.kv_write_back_run_bytes)
         group = RankGroup(spec, cfg.tp, cfg.replica_id, on_rank_failure)
         executor = TPExecutor(group.start(), group)
     else:
         runner = ModelRunner(model_dir, num_blocks=num_blocks, block_size=cfg.block_size,
                              dtype=dtype, device=cfg.device, one_row_weights=cfg.one_row_weights,
-                             max_loras=max_loras, quantization=cfg.quant_config)
-        executor = LocalExecutor(runner, RankTier(tier, 0, runner.kv_cache, tag=identity.digest())
-                                 if tier else None)
+                             max_loras=max_loras, quantization=cfg.quant_config,
+                             model_impl=cfg.model_impl)
+        executor = LocalExecutor(runner, RankTier(
+            tier, 0, runner.kv_cache, cfg.kv_write_back_queue_bytes, identity.digest(),
+            cfg.kv_write_back_run_bytes) if tier else None)
     kv = KVCacheManager(num_blocks, cfg.block_size)
     mc = executor.config
     if catalog and not max_loras:
@@ -308,7 +346,7 @@ def build_engine(cfg: ReplicaConfig, on_rank_failure: Callable[[str], None] = la
                   mc.max_position_embeddings, mc.vocab_size, cfg.scheduler,
                   adapters=residency, identity=identity, grammar=cfg.grammar,
                   step_cost=_step_cost(cfg, executor, identity),
-                  tier=TierLookup(tier, tp) if tier else None)
+                  tier=TierLookup(tier, tp, background=True) if tier else None)
 
 
 def _step_cost(cfg: ReplicaConfig, executor: Executor, identity: CacheIdentity) -> StepCost:
@@ -361,9 +399,8 @@ class ReplicaServer:
     async def start(self) -> str:
         """Start serving; returns ``host:port``. Raises OSError if the port is taken."""
         aio_loop = self._aio_loop = asyncio.get_running_loop()
-        self._server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[AuthInterceptor(
-            internal_authorizer(bool(self.cfg.internal_tls_dir), ROUTER_NAME,
-                                {REPLICA_NAME: PEER_METHODS}))])
+        self._server = grpc.aio.server(options=SERVER_OPTIONS,
+                                       interceptors=worker_interceptors(bool(self.cfg.internal_tls_dir)))
         # Follows the directory: a renewed certificate is served from the next handshake on.
         creds = (reloading_worker_credentials(self.cfg.internal_tls_dir)
                  if self.cfg.internal_tls_dir else None)
