@@ -18,6 +18,11 @@ class SeqChunk:
     to keys ``0 .. num_computed_tokens + j`` of this sequence only. ``block_table`` lists the
     sequence's KV blocks in order and covers every position up to the chunk's last token.
     ``adapter_slot`` is the runner's LoRA slot its tokens use (0 = the base model).
+
+    With layer groups (:mod:`kvfleet.allocator.layer_groups`) ``block_table`` is group 0's
+    table and ``group_tables`` those of groups 1.. (empty for one group); a sliding group's
+    table holds ``-1`` for the blocks before its window (released: no query of this chunk
+    sees them).
     """
 
     seq_id: str  # the sequence's id (``<request id>#<sample index>`` in the engine)
@@ -25,6 +30,11 @@ class SeqChunk:
     num_computed_tokens: int
     block_table: tuple[int, ...]
     adapter_slot: int = 0
+    group_tables: tuple[tuple[int, ...], ...] = ()
+
+    def tables(self) -> tuple[tuple[int, ...], ...]:
+        """Every layer group's table, group 0 first."""
+        return (self.block_table, *self.group_tables)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from kvfleet.allocator.layer_groups import LayerGroups
 from kvfleet.errors import InvalidArgument
 from kvfleet.sampling_params import check_context_length
 from kvfleet.worker.engine.step_plan import SeqChunk, StepPlan
@@ -59,7 +60,7 @@ class PausedForward:
 
     plan: StepPlan
     plan_order: torch.Tensor | None  # rows back to plan order (None: already are)
-    meta: attention.AttentionMetadata
+    meta: attention.AttentionMetadata | attention.GroupedMetadata
     lora: LoraBatch | None
     hidden: torch.Tensor
     cos: torch.Tensor
@@ -87,6 +88,9 @@ class ModelRunner:
         max_loras: LoRA adapter slots (1..max_loras; see :meth:`load_adapter`).
         quantization: weight-only int8 / int4 (:mod:`kvfleet.worker.runner.quant`): every
             projection, the embedding and the LM head held packed; adapters stay float.
+        layer_groups: the KV cache's layer groups (:mod:`kvfleet.allocator.layer_groups`;
+            the scheduler's manager must use the same windows); None: one group of every
+            layer, which keeps every block.
 
     Raises:
         ShardingError: heads or MLP width that do not split over ``shard.tp``.
@@ -98,7 +102,8 @@ class ModelRunner:
     def __init__(self, model_dir: str | Path, num_blocks: int, block_size: int,
                  dtype: torch.dtype = torch.float32, device: str = "cpu",
                  one_row_weights: bool = True, shard: Shard = WHOLE,
-                 max_loras: int = 0, quantization: QuantConfig = FLOAT_WEIGHTS) -> None:
+                 max_loras: int = 0, quantization: QuantConfig = FLOAT_WEIGHTS,
+                 layer_groups: LayerGroups | None = None) -> None:
         self.config: ModelConfig = load_model_config(model_dir)  # the whole model's
         self.device = torch.device(device)
         self.dtype = dtype
@@ -119,7 +124,9 @@ class ModelRunner:
         self.lora_slots = LoraSlots(max_loras)
         self._adapters = apply_lora(self.model, max_loras)
         parallelize(self.model, self.layout, shard.reduce)
-        self.kv_cache = KVCache(self.local_config, num_blocks, block_size, dtype, self.device)
+        self.layer_groups = layer_groups or LayerGroups.single(self.config.num_layers)
+        self.kv_cache = KVCache(self.local_config, num_blocks, block_size, dtype, self.device,
+                                self.layer_groups)
         self._windows = tuple(dict.fromkeys(self.config.sliding_windows))
         self.released = False
 
@@ -187,12 +194,20 @@ class ModelRunner:
                 f"sequence {chunk.seq_id}: token_ids must lie in [0, {self.config.vocab_size})"
             )
         needed = last // self.block_size + 1
-        table = chunk.block_table[:needed]
-        if len(table) < needed or min(table) < 0 or max(table) >= self.num_blocks:
-            raise ValueError(
-                f"sequence {chunk.seq_id}: block_table must hold {needed} blocks in "
-                f"[0, {self.num_blocks}) for position {last}, got {len(chunk.block_table)}"
-            )
+        tables = chunk.tables()
+        if len(tables) != self.layer_groups.num_groups:
+            raise ValueError(f"sequence {chunk.seq_id}: {len(tables)} block tables for "
+                             f"{self.layer_groups.num_groups} layer groups")
+        for table, window in zip(tables, self.layer_groups.windows, strict=True):
+            # A sliding group may have released the blocks before the chunk's first query's
+            # window: those entries are never read.
+            first = 0 if window is None else max(0, chunk.num_computed_tokens - window + 1)
+            used = table[first // self.block_size:needed]
+            if len(table) < needed or min(used) < 0 or max(used) >= self.num_blocks:
+                raise ValueError(
+                    f"sequence {chunk.seq_id}: block_table must hold {needed} blocks in "
+                    f"[0, {self.num_blocks}) for position {last}, got {len(table)}"
+                )
         if not self.lora_slots.is_loaded(chunk.adapter_slot):
             raise ValueError(f"sequence {chunk.seq_id}: adapter slot {chunk.adapter_slot} "
                              f"holds no adapter")
@@ -252,8 +267,7 @@ class ModelRunner:
                ) -> torch.Tensor | PausedForward:
         """Embed ``chunks`` (copies done, validated) and run the layers; ``plan_order``:
         indices into ``chunks`` giving the plan's row order (None: as given)."""
-        meta = attention.build_attention_metadata(chunks, self.block_size, self._windows,
-                                                  self.device, self.dtype)
+        meta = self._metadata(chunks)
         input_ids = torch.tensor(
             list(itertools.chain.from_iterable(c.token_ids for c in chunks)),
             dtype=torch.long, device=self.device,
@@ -263,6 +277,20 @@ class ModelRunner:
         hidden, cos, sin = self.model.embed(input_ids, meta.positions)
         return self._layers(PausedForward(plan, plan_order, meta, lora, hidden, cos, sin, 0),
                             should_yield)
+
+    def _metadata(self, chunks: tuple[SeqChunk, ...]
+                  ) -> attention.AttentionMetadata | attention.GroupedMetadata:
+        """The step's attention metadata: one for one layer group keeping every block (the
+        layout without groups), else one per group over that group's tables."""
+        groups = self.layer_groups
+        if groups.num_groups == 1 and not groups.windowed:
+            return attention.build_attention_metadata(chunks, self.block_size, self._windows,
+                                                      self.device, self.dtype)
+        metas = tuple(attention.build_attention_metadata(
+            chunks, self.block_size, (w,), self.device, self.dtype, group=g, freed_window=w)
+            for g, w in enumerate(groups.windows))
+        return attention.GroupedMetadata(
+            metas, tuple(groups.group_of(i) for i in range(groups.num_layers)))
 
     @torch.inference_mode()
     def resume(self, paused: PausedForward, should_yield: ShouldYield | None = None

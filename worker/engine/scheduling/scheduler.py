@@ -91,7 +91,8 @@ class Scheduler:
         self.running: list[SequenceState] = []
         # leader seq_id -> siblings waiting for its prompt to be computed (n > 1)
         self.pending_forks: dict[str, list[SequenceState]] = {}
-        self.blocks = BlockAdmission(kv, config.policy, config.watermark)
+        self.blocks = BlockAdmission(kv, config.policy, config.watermark,
+                                     lambda: self.config.max_num_batched_tokens)
         self.rules = PriorityRules(config.max_num_seqs, config.batch_share)
         self.service = TenantService()  # per-tenant service: who is admitted next
         self.seats = TenantSeats(config.max_num_seqs, config.tenant_share, seats_by_service,
@@ -168,7 +169,7 @@ class Scheduler:
             first = ()  # the running set and the queue changed since the pick: pick again
         admitted = Pass(Mode.STEP, Held.of(self.running, self.pending_forks), work, now, contents)
         scheduled += admit_waiting(self, budget, admitted, first)
-        chunks = tuple(s.chunk(self.kv.block_table(s.seq.seq_id)) for s in scheduled)
+        chunks = tuple(s.chunk(self.kv.block_tables(s.seq.seq_id)) for s in scheduled)
         restores = tuple(work.restores)
         return SchedulerOutput(StepPlan(chunks, tuple(copies), tuple(work.evicted or ()),
                                         self.tier.plan_restores(restores)),
@@ -223,16 +224,16 @@ class Scheduler:
 
     def _grow(self, seq: SequenceState, num_tokens: int, copies: list[tuple[int, int]],
               work: StepWork) -> bool:
-        """Make ``seq``'s table cover ``num_tokens`` positions; first, if the block its next
-        token goes into is shared (a fork's partial prompt block), swap in a private copy and
-        append ``(src, dst)`` to ``copies``. Returns False, changing nothing, when too few
-        blocks are free."""
+        """Make ``seq``'s tables cover ``num_tokens`` positions; first, if the block its next
+        token goes into is shared (a fork's partial prompt block; in each layer group), swap
+        in a private copy and append ``(src, dst)`` to ``copies``. Returns False, changing
+        nothing, when too few blocks are free."""
         cow = self.blocks.pending_copy(seq)
-        new = self.blocks.blocks_for(num_tokens) - self.kv.num_blocks(seq.seq_id)
+        new = self.kv.new_blocks(seq.seq_id, num_tokens)
         if new + cow > self.kv.num_free_blocks:
             return False
-        if cow and (copy := self.kv.copy_on_write(seq.seq_id, evicted=work.evicted)) is not None:
-            copies.append(copy)
+        if cow:
+            copies += self.kv.copy_on_write(seq.seq_id, evicted=work.evicted)
         allocated = self.kv.allocate_slots(seq.seq_id, num_tokens, evicted=work.evicted)
         assert allocated is not None, "free blocks were counted just above"
         return True
@@ -274,6 +275,8 @@ class Scheduler:
                 self.service.charge(seq.tenant, prefill_tokens=s.num_new_tokens)
             self.kv.cache_full_blocks(seq.seq_id, seq.block_hashes, seq.num_computed_tokens,
                                       from_token=before)
+            # A sliding group's blocks no token still to compute attends to go back now.
+            self.kv.free_out_of_window(seq.seq_id, seq.num_computed_tokens)
             if s.sample and seq.seq_id in self.pending_forks:
                 new = fork_siblings(self.kv, seq, self.pending_forks.pop(seq.seq_id))
                 self.running += [f.sibling for f in new]

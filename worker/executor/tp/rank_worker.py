@@ -22,6 +22,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from kvfleet.allocator.layer_groups import LayerGroups
 from kvfleet.worker.executor.local import rank_info
 from kvfleet.worker.executor.tp.comm import GroupAddress, RankComm
 from kvfleet.worker.executor.tp.wire import Commit, PlanDecoder, decode_call, decode_moves
@@ -51,6 +52,7 @@ class RankSpec:
     tier: Optional[TierStore] = None  # the node's host KV tier (a RayTier across processes)
     tier_tag: bytes = b""  # the replica's identity digest, kept with its write-backs
     quantization: QuantConfig = FLOAT_WEIGHTS  # weight-only int8 / int4 (each rank its shard)
+    layer_groups: Optional[LayerGroups] = None  # the KV cache's layer groups (None: one)
 
 
 def build_rank_runner(spec: RankSpec, rank: int, reduce) -> ModelRunner:
@@ -58,7 +60,8 @@ def build_rank_runner(spec: RankSpec, rank: int, reduce) -> ModelRunner:
     torch.set_num_threads(spec.num_threads)
     return ModelRunner(spec.model_dir, spec.num_blocks, spec.block_size, spec.dtype, spec.device,
                        spec.one_row_weights, shard=Shard(spec.tp, rank, reduce),
-                       max_loras=spec.max_loras, quantization=spec.quantization)
+                       max_loras=spec.max_loras, quantization=spec.quantization,
+                       layer_groups=spec.layer_groups)
 
 
 class RankWorker:

@@ -178,7 +178,7 @@ class LlamaForCausalLM(nn.Module):
         last = len(self.layers) - 1
         for i in range(start, last + 1):
             key_cache, value_cache = kv_cache.layer(i)
-            hidden = self.layers[i].forward(hidden, cos, sin, meta, key_cache, value_cache)
+            hidden = self.layers[i].forward(hidden, cos, sin, meta.layer(i), key_cache, value_cache)
             if should_yield is not None and i < last and should_yield():
                 return hidden, i + 1
         return hidden, last + 1
