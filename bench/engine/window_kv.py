@@ -10,8 +10,9 @@ sliding layers release the blocks behind their window. For each:
 - reported capacity: the pool's requests of ``prompt + max_tokens`` tokens held at once
   (:meth:`KVCacheManager.capacity`, the same arithmetic as ``kvfleet budget``'s
   ``max_concurrent_requests``);
-- an actual run: ``capacity_after + 2`` requests arrive at once (watermark 0); the most
-  sequences decoding at once with their whole prompt computed, and the preemptions;
+- an actual run: ``capacity + 1`` requests arrive at once (watermark 0, ``max_tokens`` long
+  enough that the first is still decoding when the last has prefilled); the most sequences
+  decoding at once with their whole prompt computed;
 - decode tok/s at equal batch: ``--batch`` sequences prefilled, then decode-only steps timed.
 
 Targets: after ÷ before ≥ 4 in capacity and in the run; decode tok/s after ÷ before ≥ 0.95.
@@ -34,12 +35,11 @@ from kvfleet.sampling_params import SamplingParams
 from kvfleet.worker.engine.engine import Engine, EngineRequest
 from kvfleet.worker.engine.scheduling.config import SchedulerConfig
 from kvfleet.worker.executor.local import LocalExecutor
-from kvfleet.worker.runner.kv_cache import num_blocks_for_memory
+from kvfleet.worker.runner.kv_cache import kv_bytes_per_block, num_blocks_for_memory
 from kvfleet.worker.runner.model_config import load_model_config
 from kvfleet.worker.runner.model_runner import ModelRunner
 
 BLOCK = 16
-MAX_TOKENS = 16
 
 
 def _model(window: int, context: int) -> Path:
@@ -70,17 +70,22 @@ def _requests(n: int, prompt: int, max_tokens: int, tag: str) -> list[EngineRequ
 
 
 def _run(engine: Engine, reqs: list[EngineRequest], prompt: int) -> dict:
-    """All ``reqs`` at once; the most decoding at once (prompt computed) and preemptions."""
+    """All ``reqs`` at once, until each has had its prompt computed: the most decoding at
+    once (prompt computed) and the preemptions seen."""
     for r in reqs:
         engine.add_request(r)
     peak = preemptions = steps = 0
-    while engine.has_work:
+    prefilled: set[str] = set()
+    while engine.has_work and len(prefilled) < len(reqs):
         engine.step()
         steps += 1
         running = engine.scheduler.running
-        peak = max(peak, sum(1 for s in running if s.num_computed_tokens >= prompt))
+        decoding = [s for s in running if s.num_computed_tokens >= prompt]
+        prefilled.update(s.seq_id for s in decoding)
+        peak = max(peak, len(decoding))
         preemptions = max(preemptions, sum(s.num_preemptions for s in running))
-    return {"peak_decoding": peak, "steps": steps, "max_preemptions_seen": preemptions}
+    return {"requests": len(reqs), "peak_decoding": peak, "steps": steps,
+            "preemptions": preemptions}
 
 
 def _decode_rate(engine: Engine, batch: int, prompt: int, decode_tokens: int) -> float:
@@ -107,34 +112,38 @@ def main(argv: list[str]) -> int:
     p.add_argument("--before-seqs", type=int, default=2,
                    help="size --kv-memory to hold this many sequences without layer groups")
     p.add_argument("--batch", type=int, default=2, help="decode batch for the tok/s ratio")
-    p.add_argument("--decode-tokens", type=int, default=48)
+    p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--max-tokens", type=int,
+                   help="per request (default: 12 prefill chunks' worth of steps per prompt)")
     p.add_argument("--quick", action="store_true", help="2,048-token prompts, window 128")
     p.add_argument("--out", default="window_kv.json")
     args = p.parse_args(argv)
     if args.quick:
         args.prompt, args.window = 2048, 128
     torch.set_num_threads(2)
-    total = args.prompt + MAX_TOKENS
+    sched = SchedulerConfig(max_num_seqs=256, watermark=0.0)
+    chunks = -(-args.prompt // sched.max_num_batched_tokens)
+    max_tokens = args.max_tokens or 12 * chunks
+    total = args.prompt + max_tokens
     model_dir = _model(args.window, max(2 * total, 4096))
     cfg = load_model_config(model_dir)
     layouts = {"before": LayerGroups.single(cfg.num_layers),
                "after": LayerGroups.from_windows(cfg.sliding_windows)}
     # --kv-memory: what the layout without groups needs for --before-seqs sequences, + 1 block
-    from kvfleet.worker.runner.kv_cache import kv_bytes_per_block
     per_block = kv_bytes_per_block(cfg, BLOCK, torch.float32)
     kv_memory = (args.before_seqs * (-(-total // BLOCK)) + 1) * per_block
-    sched = SchedulerConfig(max_num_seqs=256, watermark=0.0)
-    record: dict = {"prompt": args.prompt, "window": args.window, "kv_memory_bytes": kv_memory,
+    record: dict = {"prompt": args.prompt, "max_tokens": max_tokens, "window": args.window,
+                    "kv_memory_bytes": kv_memory,
                     "max_num_batched_tokens": sched.max_num_batched_tokens}
     for name, groups in layouts.items():
         engine = _engine(model_dir, groups, kv_memory, sched)
         record[name] = {"groups": groups.num_groups, "pages": engine.kv.num_total_blocks,
                         "capacity": engine.kv.capacity(total)}
         print(name, record[name], flush=True)
-    n = record["after"]["capacity"] + 2
     for name, groups in layouts.items():
         engine = _engine(model_dir, groups, kv_memory, sched)
-        record[name]["run"] = _run(engine, _requests(n, args.prompt, MAX_TOKENS, name), args.prompt)
+        n = record[name]["capacity"] + 1
+        record[name]["run"] = _run(engine, _requests(n, args.prompt, max_tokens, name), args.prompt)
         print(name, record[name]["run"], flush=True)
     for name, groups in layouts.items():
         engine = _engine(model_dir, groups, 4 * kv_memory, sched)

@@ -117,3 +117,19 @@ def test_budget_capacity_is_the_pools_arithmetic():
     old_block = plan.block_bytes * groups.num_groups
     old = (2 * 10**9 // old_block) // (8208 // 16 + 1)
     assert plan.max_concurrent_requests >= 4 * old
+
+
+def test_replica_groups_by_window_and_refuses_the_host_tier_with_sliding_groups(tiny_gemma3_dir,
+                                                                                 tiny_llama_dir):
+    from kvfleet.worker.replica.replica import ReplicaConfig, kv_layer_groups
+    from kvfleet.worker.runner.model_config import load_model_config
+
+    gemma, llama = load_model_config(tiny_gemma3_dir), load_model_config(tiny_llama_dir)
+    cfg = ReplicaConfig(replica_id="r", model_name="m", model_dir=str(tiny_gemma3_dir))
+    assert kv_layer_groups(cfg, gemma) == LayerGroups.from_windows(gemma.sliding_windows)
+    assert kv_layer_groups(cfg, llama) == LayerGroups.single(llama.num_layers)
+    tiered = ReplicaConfig(replica_id="r", model_name="m", model_dir=str(tiny_gemma3_dir),
+                           kv_host_memory_bytes=1 << 20)
+    with pytest.raises(ValueError, match="--kv-host-memory"):
+        kv_layer_groups(tiered, gemma)
+    assert kv_layer_groups(tiered, llama).num_groups == 1
