@@ -141,3 +141,18 @@ def test_windowed_groups_at_tp2(windowed) -> None:
     with thread_executor(model_dir, 2, num_blocks=300, layer_groups=runner.layer_groups) as ex:
         watch, _, copies = _check_scenarios(model_dir, ex, range(1))
     assert watch.holes > 0 and copies
+
+
+def test_start_up_calibration_runs_over_layer_groups(windowed) -> None:
+    """The step-cost calibration's plans carry a table for every group (the runner refuses a
+    plan with fewer)."""
+    from kvfleet.worker.step_cost.calibration import measure, startup_plans, with_group_tables
+
+    _, runner = windowed
+    groups = runner.layer_groups
+    plans = startup_plans(runner.num_blocks, BLOCK_SIZE, 256, runner.config.vocab_size)[:3]
+    if groups.num_groups > 1:
+        with pytest.raises(ValueError, match="layer groups"):
+            runner.validate(plans[0])
+    samples = measure(runner, [with_group_tables(p, groups.num_groups) for p in plans], repeats=2)
+    assert len(samples) == 3
