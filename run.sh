@@ -6,7 +6,8 @@
 #   bash run.sh bench [bench flags]         run the benchmarks
 #   bash run.sh lint                        ruff + mypy over router worker allocator deploy kvfleet
 # Each call creates/updates .venv; all but lint also install redis-server (Debian) when missing
-# and prepare the default model once (~1 min the first time), so nothing else needs doing by hand.
+# and prepare the default model once (~1 min the first time; `up`/`demo --model NAME` of another
+# known model prepares that one too), so nothing else needs doing by hand.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 
@@ -51,6 +52,16 @@ ensure_redis() {
 
 ensure_model() {
   .venv/bin/kvfleet model prepare >&2 || die "model preparation failed (see above)"
+  # `up`/`demo --model NAME` of another known model (not a directory): prepare it too.
+  local want="" prev=""
+  for arg in "$@"; do
+    case "$arg" in --model=*) want="${arg#--model=}" ;; esac
+    [ "$prev" = "--model" ] && want="$arg"
+    prev="$arg"
+  done
+  if [ -n "$want" ] && [ ! -d "$want" ]; then
+    .venv/bin/kvfleet model prepare "$want" >&2 || die "model preparation failed (see above)"
+  fi
 }
 
 lint() {
@@ -75,8 +86,8 @@ lint() {
 cmd="${1:-}"
 [ $# -gt 0 ] && shift
 case "$cmd" in
-  demo)  ensure_venv; ensure_redis; ensure_model; exec .venv/bin/kvfleet demo "$@" ;;
-  up)    ensure_venv; ensure_redis; ensure_model; exec .venv/bin/kvfleet up "$@" ;;
+  demo)  ensure_venv; ensure_redis; ensure_model "$@"; exec .venv/bin/kvfleet demo "$@" ;;
+  up)    ensure_venv; ensure_redis; ensure_model "$@"; exec .venv/bin/kvfleet up "$@" ;;
   test)  ensure_venv; ensure_redis; ensure_model; exec .venv/bin/python -m pytest -n 2 --dist loadgroup "$@" ;;
   bench) ensure_venv; ensure_redis; ensure_model; exec .venv/bin/python -m bench "$@" ;;
   lint)  ensure_venv; lint ;;

@@ -40,6 +40,9 @@ class BlockPool:
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._hash_to_block: dict[bytes, int] = {}
         self._block_to_hash: dict[int, bytes] = {}
+        # Registered blocks whose KV the host tier already holds (restored from it): evicting
+        # one writes nothing back.
+        self._in_tier: set[int] = set()
         self._stored: dict[bytes, None] = {}  # insertion-ordered sets
         self._removed: dict[bytes, None] = {}
 
@@ -71,7 +74,8 @@ class BlockPool:
         """Take ``n`` blocks (ref count 1 each): free list first (FIFO), then evict LRU.
         ``evicted``: where to append ``(block, hash)`` of each registered block evicted for
         reuse, in eviction order (the host tier writes their KV back before a forward
-        overwrites them); None: not recorded.
+        overwrites them), but those the tier holds already (:meth:`mark_in_tier`); None: not
+        recorded.
 
         Raises:
             NoFreeBlocksError: fewer than ``n`` blocks are free; nothing changed.
@@ -84,7 +88,7 @@ class BlockPool:
                 block = self._free.popleft()
             else:
                 block, _ = self._evictable.popitem(last=False)
-                if evicted is not None:
+                if evicted is not None and block not in self._in_tier:
                     evicted.append((block, self._block_to_hash[block]))
                 self._unregister(block)
             self._ref_counts[block] = 1
@@ -130,7 +134,15 @@ class BlockPool:
             self._stored[block_hash] = None
         return True
 
+    def mark_in_tier(self, block_ids: Iterable[int]) -> None:
+        """The host tier holds these registered blocks' KV (they were restored from it): their
+        eviction is not recorded for write-back. Forgotten when a block is unregistered."""
+        for block in block_ids:
+            assert block in self._block_to_hash, f"block {block} is not registered"
+            self._in_tier.add(block)
+
     def _unregister(self, block_id: int) -> None:
+        self._in_tier.discard(block_id)
         block_hash = self._block_to_hash.pop(block_id)
         del self._hash_to_block[block_hash]
         if block_hash in self._stored:
@@ -171,3 +183,4 @@ class BlockPool:
             assert self._block_to_hash.get(block) == block_hash, "registry not a bijection"
         assert self.enable_caching or not self._hash_to_block, "registered with caching off"
         assert not (self._stored.keys() & self._removed.keys()), "events not net"
+        assert self._in_tier <= self._block_to_hash.keys(), "a tier mark outlived its hash"

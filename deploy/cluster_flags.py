@@ -136,6 +136,17 @@ REPLICA_FLAGS: tuple[Flag, ...] = (
          "a draining replica drops its cached blocks (default: with --kv-host-memory, it "
          "writes its hottest blocks back to the node tier first, within its drain timeout)",
          "cache", action="store_false"),
+    Flag("--kv-write-back-queue", "replica.kv_write_back_queue_bytes",
+         "with --kv-host-memory: write-back bytes each rank queues for the node tier at once, "
+         "e.g. 64MiB (default {default}); what does not fit is dropped (counted), the step "
+         "never waits; a drain hands over in turns of it", "cache", type=str,
+         convert=lambda text: parse_size(text, "--kv-write-back-queue"),
+         show=lambda v: format_bytes(v).replace(" ", "")),
+    Flag("--kv-write-back-run", "replica.kv_write_back_run_bytes",
+         "with --kv-host-memory: the most bytes one put into the node tier carries (a run "
+         "of blocks; default {default}); a larger write-back goes as several", "cache",
+         type=str, convert=lambda text: parse_size(text, "--kv-write-back-run"),
+         show=lambda v: format_bytes(v).replace(" ", "")),
     Flag("--kv-prewarm-s", "replica.kv_prewarm_s",
          "with --kv-host-memory: a new replica first restores its node tier's most recently "
          "used blocks of its model into its pool, for at most this many seconds before it "

@@ -68,6 +68,8 @@ def cluster_config(k: K8sConfig) -> ClusterConfig:
         replica_id=k.model_name, model_name=k.model_name,
         model_dir=f"{k.models_mount}/{k.model_name}", kv_memory_bytes=k.kv_memory_bytes,
         kv_host_memory_bytes=k.kv_host_memory_bytes, kv_prewarm_s=k.kv_prewarm_s,
+        kv_write_back_queue_bytes=k.kv_write_back_queue_bytes,
+        kv_write_back_run_bytes=k.kv_write_back_run_bytes,
         dtype=k.dtype, host="0.0.0.0", redis_url=redis_url(k), tensor_parallel_size=k.tp,
         device="cuda", drain_timeout_s=k.drain_timeout_s, internal_tls_dir=INTERNAL_TLS_MOUNT,
         scheduler=SchedulerConfig(itl_target_ms=k.itl_target_ms),

@@ -33,6 +33,11 @@ FLAGS = {
                                                           "(default: none; inside --worker-memory)"),
     "--kv-prewarm-s": ("kv_prewarm_s", float, "seconds a new replica may restore its node "
                                               "tier's blocks before serving (0: off)"),
+    "--kv-write-back-queue-bytes": ("kv_write_back_queue_bytes", int,
+                                    "write-back bytes a rank queues for the node tier at once "
+                                    "(what does not fit is dropped)"),
+    "--kv-write-back-run-bytes": ("kv_write_back_run_bytes", int,
+                                  "the most bytes one put into the node tier carries"),
     "--dtype": ("dtype", str, "weights and KV dtype"),
     "--drain-timeout": ("drain_timeout_s", float, "seconds a stopping replica or router lets "
                                                  "its streams run on"),

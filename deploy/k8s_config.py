@@ -47,6 +47,9 @@ class K8sConfig:
     kv_memory_bytes: int = 8 << 30  # per rank
     kv_host_memory_bytes: Optional[int] = None  # the node's host KV tier (None: none)
     kv_prewarm_s: float = 0.0  # a new replica's pre-warm from the node tier (0: off)
+    # Write-back bytes a rank queues for the node tier at once; bytes of one put (a run).
+    kv_write_back_queue_bytes: int = _REPLICA_DEFAULTS["kv_write_back_queue_bytes"]
+    kv_write_back_run_bytes: int = _REPLICA_DEFAULTS["kv_write_back_run_bytes"]
     dtype: str = "bfloat16"
     drain_timeout_s: float = _REPLICA_DEFAULTS["drain_timeout_s"]  # the replica's own default
     revision: str = ""  # a new one rolls every replica in place, one at a time

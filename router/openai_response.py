@@ -25,6 +25,7 @@ FINISH = {common_pb2.STOP: "stop", common_pb2.LENGTH: "length"}
 _HTTP = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
     grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),  # e.g. chat, no template
     grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
     grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
     grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),

@@ -17,10 +17,15 @@ import tokenizers
 from kvfleet.allocator.fingerprint import fingerprint_model_dir, read_chat_template, served_weights
 from kvfleet.allocator.hashing import CacheIdentity, root_hash
 from kvfleet.allocator.model_spec import ConfigError, load_config, served_context
-from kvfleet.errors import InvalidArgument
+from kvfleet.errors import FailedPrecondition, InvalidArgument
 from kvfleet.router.chat_template import ChatTemplate
 
 VALID_ROLES = ("system", "user", "assistant", "tool")
+# A base model ships no chat format, and guessing one would feed it markup it never saw.
+NO_TEMPLATE = ("messages: model {name!r} has no chat template (a base model): send a prompt "
+               "(text, or /v1/completions), or give the model a template "
+               "(kvfleet model prepare NAME --chat-template FILE, or chat_template.jinja in its "
+               "directory) and restart")
 _cached_root_hash = functools.lru_cache(maxsize=4096)(root_hash)
 _with_adapter = functools.lru_cache(maxsize=1024)(CacheIdentity.with_adapter)
 
@@ -87,11 +92,11 @@ class ServedModel:
         """Render with the chat template (adding the assistant prompt) and tokenize once.
 
         Raises:
-            InvalidArgument: no chat template, an unknown role, or an empty list.
+            FailedPrecondition: the model has no chat template (a base model).
+            InvalidArgument: an unknown role, or an empty list.
         """
         if self.chat_template is None:
-            raise InvalidArgument(f"messages: model {self.name!r} has no chat template; send text",
-                                  field="messages")
+            raise FailedPrecondition(NO_TEMPLATE.format(name=self.name), field="messages")
         if not messages:
             raise InvalidArgument("messages must not be empty", field="messages")
         for i, m in enumerate(messages):

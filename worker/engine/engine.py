@@ -187,6 +187,8 @@ class Engine:
         if not out.scheduled:
             if self.lora.has_waiting and not outputs:
                 self.lora.wait(0.01)  # nothing to run but a load: do not spin
+            elif self.scheduler.tier.lookups_pending and not outputs:
+                self.scheduler.tier.wait_lookups(0.01)  # nothing to run but a tier lookup
             return outputs
         return outputs + self.run(out, arrivals)
 
@@ -274,19 +276,33 @@ class Engine:
 
     def hand_over(self, max_blocks: int, timeout_s: float = 10.0) -> int:
         """Write up to ``max_blocks`` of the hottest cached blocks back to the host tier (a
-        drain: the node's other replicas then restore them), waiting up to ``timeout_s`` for
-        rank 0's puts. Engine thread only. Returns the blocks handed over (0 without a tier).
+        drain: the node's other replicas then restore them), within ``timeout_s``: in turns of
+        what rank 0's write-back queue holds, each waited for before the next (the other
+        ranks: best effort). Engine thread only. Returns the blocks that landed in the tier
+        on rank 0 (0 without a tier), never merely the blocks asked.
 
         Raises:
             Unavailable: the executor can no longer run (a rank died).
         """
         if not self.scheduler.tier.enabled or max_blocks <= 0:
             return 0
-        saves = self.kv.pool.hot_blocks()[:max_blocks]
+        deadline = time.monotonic() + timeout_s
+        tier = self.executor.tier  # rank 0's writer
+        tier.flush(timeout_s)  # earlier write-backs first: the queue's whole room
         # Coldest first: a run lands in order, so the tier's LRU keeps the hottest longest.
-        self.executor.transfer_blocks(saves[::-1], ())
-        self.executor.tier.flush(timeout_s)  # rank 0's writer (the others: best effort)
-        return len(saves)
+        saves = self.kv.pool.hot_blocks()[:max_blocks][::-1]
+        landed = 0
+        while saves and time.monotonic() < deadline:
+            self.executor.transfer_blocks(saves, ())
+            saved = tier.last_saved
+            if not saved.blocks:
+                break  # no room for one block: the queue is smaller than a block, or stuck
+            got = saved.landed(max(0.0, deadline - time.monotonic()))
+            landed += got
+            if got < saved.blocks:
+                break  # a put failed or is late: the tier is not taking more
+            saves = saves[saved.blocks:]
+        return landed
 
     def export_blocks(self, hashes: Sequence[bytes], done: ExportDone) -> int:
         """A peer asks for the blocks under ``hashes``: the leading run held in the pool is

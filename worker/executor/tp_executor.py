@@ -30,6 +30,7 @@ from kvfleet.errors import Unavailable
 from kvfleet.worker.engine.step_plan import StepPlan
 from kvfleet.worker.executor.base import RankInfo
 from kvfleet.worker.executor.tp.group import RankGroup
+from kvfleet.worker.executor.tp.rank_worker import rank_tier
 from kvfleet.worker.executor.tp.wire import Commit, PlanEncoder, encode_call, encode_moves
 from kvfleet.worker.kv_tier.rank_tier import NO_RANK_TIER, NoRankTier, RankTier, transfer
 from kvfleet.worker.runner.lora.adapter import AdapterSpec
@@ -51,7 +52,7 @@ class TPExecutor:
         self.local, self.group = local, group
         spec_tier = group.spec.tier
         self.tier: RankTier | NoRankTier = (
-            RankTier(spec_tier, 0, local.kv_cache, tag=group.spec.tier_tag)
+            rank_tier(group.spec, 0, local.kv_cache)
             if spec_tier is not None else NO_RANK_TIER)
         self.tensor_parallel_size = group.spec.tp
         self._lock = threading.Lock()  # one call on the ranks at a time, in plan order

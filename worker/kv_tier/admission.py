@@ -73,23 +73,44 @@ class TierAdmission:
         """The index's name of the node tier ("" when the store has none)."""
         return getattr(self.lookup.store, "tier_id", "")
 
+    @property
+    def lookup_ranks(self) -> list[int]:
+        """The replica's ranks (a block is in the tier when every one's shard is)."""
+        return self.lookup.ranks
+
     def eviction_log(self) -> Optional[list[tuple[int, bytes]]]:
         """A list for a step's allocations to record evicted blocks in (written back first)."""
         return []
 
-    def hits(self, seq: SequenceState, num_device_blocks: int) -> tuple[bytes, ...]:
-        """Hashes of the blocks after the device hits that the tier can restore for ``seq``."""
+    def hits(self, seq: SequenceState, num_device_blocks: int) -> Optional[tuple[bytes, ...]]:
+        """Hashes of the blocks after the device hits that the tier can restore for ``seq``;
+        None while its lookup runs off the engine thread (:class:`TierLookup`)."""
         if seq.tier_skip:
             return ()
         limit = max(0, (seq.num_tokens - 1) // self.kv.block_size)
         wanted = seq.block_hashes[num_device_blocks:limit]
-        return tuple(wanted[:self.lookup.lookup(wanted)])
+        held = self.lookup.held(seq.seq_id, wanted)
+        return None if held is None else tuple(wanted[:held])
 
     def admitted(self, seq: SequenceState, num_device_blocks: int, hashes: Sequence[bytes]
                  ) -> Optional[Restore]:
         """``seq`` was admitted with ``hashes`` to restore after its device blocks: the restore
         its step carries (None: nothing to restore)."""
+        self.lookup.forget(seq.seq_id)
         return Restore(seq, num_device_blocks, tuple(hashes)) if hashes else None
+
+    def forget(self, seq: SequenceState) -> None:
+        """``seq`` ended: its lookup's answer goes."""
+        self.lookup.forget(seq.seq_id)
+
+    def wait_lookups(self, timeout_s: float) -> bool:
+        """Wait at most ``timeout_s`` for the lookups running off the engine thread (call only
+        when the step has nothing to run); True when none is left."""
+        return self.lookup.wait(timeout_s)
+
+    @property
+    def lookups_pending(self) -> bool:
+        return self.lookup.pending > 0
 
     def plan_restores(self, restores: Sequence[Restore]) -> tuple[tuple[int, bytes], ...]:
         """``(block, hash)`` of every block of ``restores`` (for the plan)."""
@@ -100,18 +121,24 @@ class TierAdmission:
         return tuple(out)
 
     def restored(self, restores: Sequence[Restore]) -> None:
-        """Every rank restored ``restores``: register their blocks in the prefix cache."""
+        """Every rank restored ``restores``: register their blocks in the prefix cache, as
+        held by the tier already (their eviction writes nothing back)."""
+        pool = self.kv.pool
         for r in restores:
             end = (r.first + len(r.hashes)) * self.kv.block_size
             self.kv.cache_full_blocks(r.seq.seq_id, r.seq.block_hashes, end,
                                       from_token=r.first * self.kv.block_size)
+            table = self.kv.block_table(r.seq.seq_id)[r.first:r.first + len(r.hashes)]
+            # A hash another block registered first keeps that block (not from the tier).
+            pool.mark_in_tier(b for b, h in zip(table, r.hashes, strict=True)
+                              if pool.lookup(h) == b)
             self.restored_blocks += len(r.hashes)
 
     def undo(self, restores: Sequence[Restore], preempt: Preempt) -> None:
         """``restores`` failed: ``preempt`` each restoring sequence (its blocks are freed; the
-        unregistered restore targets go back to the free list) so it recomputes, and back off
-        the tier for a moment."""
-        self.lookup.mark_down()
+        unregistered restore targets go back to the free list) so it recomputes. A miss (the
+        tier evicted a block since the lookup) is no outage: the tier stays on for the others
+        (a tier that does not answer backs off through its lookups)."""
         for r in restores:
             r.seq.tier_skip = True
             r.seq.num_cached_tokens = None  # counted again at its real admission
@@ -146,12 +173,21 @@ class NoTierAdmission:
     enabled = False
     tier_id = ""
     restored_blocks = 0
+    lookup_ranks: list[int] = []
 
     def eviction_log(self) -> Optional[list[tuple[int, bytes]]]:
         return None  # evicted blocks are simply dropped
 
-    def hits(self, seq: SequenceState, num_device_blocks: int) -> tuple[bytes, ...]:
+    def hits(self, seq: SequenceState, num_device_blocks: int) -> Optional[tuple[bytes, ...]]:
         return ()
+
+    def forget(self, seq: SequenceState) -> None:
+        """No lookups."""
+
+    def wait_lookups(self, timeout_s: float) -> bool:
+        return True
+
+    lookups_pending = False
 
     def admitted(self, seq: SequenceState, num_device_blocks: int, hashes: Sequence[bytes]
                  ) -> Optional[Restore]:

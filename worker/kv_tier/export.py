@@ -5,8 +5,9 @@ An export is asked between steps (engine thread). Its blocks are looked up in th
 and snapshotted on every rank right away (:meth:`Executor.transfer_blocks`, write-backs only),
 as a drain's hand-over is: nothing is referenced across a step, so an export never takes
 blocks that admission counted as free. Each rank's writer thread puts the snapshot into the
-tier in the background, as it does every write-back; the caller waits for that put, not the
-engine.
+tier in the background, as it does every write-back; the caller waits for those puts (rank
+0's :class:`~.rank_tier.Saved` completions of this export), not for the engine nor for the
+writer to go idle.
 """
 
 from __future__ import annotations
@@ -50,15 +51,18 @@ class TierExports:
 
     def request(self, hashes: Sequence[bytes], done: ExportDone) -> int:
         """Snapshot the leading run of ``hashes`` held in the pool for write-back, then call
-        ``done`` with the hashes exported (``()`` when none is held or the transfer call
-        failed). Returns the blocks found."""
+        ``done`` with the hashes queued for the tier (``()`` when none is held, rank 0's
+        write-back queue had no room, or the transfer call failed); their puts' completions
+        are then rank 0's ``tier.last_saved``. Returns the blocks found."""
         moves = held_run(self.kv, hashes)
         exported: tuple[bytes, ...] = ()
         if moves:
             try:
-                self.executor().transfer_blocks(moves, ())
-                exported = tuple(h for _, h in moves)
-                self.exported_blocks += len(moves)
+                executor = self.executor()
+                executor.transfer_blocks(moves, ())
+                queued = executor.tier.last_saved.blocks  # rank 0's: what it will answer
+                exported = tuple(h for _, h in moves[:queued])
+                self.exported_blocks += queued
             except Exception:  # a rank failed: the replica's own checks report it
                 log.exception("export of %d blocks failed", len(moves))
         try:

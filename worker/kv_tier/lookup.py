@@ -1,9 +1,21 @@
 """Rank 0's view of the host tier at admission: how many leading blocks of a chain it holds
-for every rank of the replica, and a short back-off after a failed restore."""
+for every rank of the replica, asked once per waiting sequence, and a short back-off after the
+tier failed to answer.
+
+A node tier is a Ray actor, whose calls wait behind other replicas' puts: with ``background``
+the lookups run on a thread of their own, never on the engine thread, and admission sees
+"not answered yet" (None) until the answer is in; the sequence then waits its turn (the rows
+already running are planned as ever). An in-process store answers at once, on the caller's
+thread. Either way a sequence's answer is kept until it is admitted or ends, so a sequence that
+waits many steps costs one lookup; a lookup changes no recency in the tier (only a restore,
+of an admitted sequence, does).
+"""
 
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
 from typing import Callable, Optional, Sequence
 
@@ -13,17 +25,24 @@ log = logging.getLogger(__name__)
 
 
 class TierLookup:
-    """``store`` as the scheduler asks it. After :meth:`mark_down` (a restore failed: the tier's
-    actor may be gone) every lookup answers 0 for ``retry_after_s`` seconds, so the steps in
-    between recompute rather than wait on a dead actor again."""
+    """``store`` as the scheduler asks it. A lookup that fails (the tier's actor may be gone)
+    makes every lookup answer 0 for ``retry_after_s`` seconds, so the steps in between
+    recompute rather than ask a dead actor again. ``background``: run lookups on a thread of
+    their own (a store whose calls may block)."""
 
     def __init__(self, store: TierStore, tp: int = 1, retry_after_s: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, background: bool = False) -> None:
         self.store, self.ranks, self.retry_after_s = store, list(range(tp)), retry_after_s
         self._clock = clock
         self._down_until = 0.0
         self.lookups = self.hits = 0  # calls, and blocks they found
         self.node_stats: Optional[TierStats] = None  # the node tier's, as last refreshed
+        self._lock = threading.Lock()
+        self._answered = threading.Condition(self._lock)
+        self._answers: dict[str, tuple[tuple[bytes, ...], int]] = {}  # key -> (hashes, held)
+        self._asked: dict[str, tuple[bytes, ...]] = {}  # key -> hashes being looked up
+        self._queue: Optional[queue.SimpleQueue] = queue.SimpleQueue() if background else None
+        self._thread: Optional[threading.Thread] = None
 
     def refresh_node_stats(self) -> Optional[TierStats]:
         """Read the node tier's counters (a Ray call when the tier is the node's actor: off
@@ -37,8 +56,71 @@ class TierLookup:
             log.debug("kv tier stats unavailable: %s", exc)
         return self.node_stats
 
+    def held(self, key: str, hashes: Sequence[bytes]) -> Optional[int]:
+        """Leading ``hashes`` held for every rank, as looked up for ``key`` (a sequence) and
+        these hashes: asked once, then remembered until :meth:`forget`. None while the
+        lookup runs in the background (started by this call when none is). 0 while backing
+        off after a failure."""
+        wanted = tuple(hashes)
+        if not wanted or self._clock() < self._down_until:
+            return 0
+        with self._lock:
+            answer = self._answers.get(key)
+            if answer is not None and answer[0] == wanted:
+                return answer[1]
+            if self._queue is not None:
+                if self._asked.get(key) != wanted:
+                    self._asked[key] = wanted
+                    self._start()
+                    self._queue.put((key, wanted))
+                return None
+        found = self.lookup(wanted)
+        with self._lock:
+            self._answers[key] = (wanted, found)
+        return found
+
+    def forget(self, key: str) -> None:
+        """Drop ``key``'s answer (admitted or ended); a lookup still running for it is
+        discarded when it answers."""
+        with self._answered:
+            self._answers.pop(key, None)
+            if self._asked.pop(key, None) is not None:
+                self._answered.notify_all()
+
+    @property
+    def pending(self) -> int:
+        """Lookups asked and not answered yet."""
+        with self._lock:
+            return len(self._asked)
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait at most ``timeout_s`` until no lookup is pending; True if none is."""
+        with self._answered:
+            return self._answered.wait_for(lambda: not self._asked, timeout_s)
+
+    def _start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._answer, daemon=True,
+                                            name="kv-tier-lookup")
+            self._thread.start()
+
+    def _answer(self) -> None:
+        assert self._queue is not None
+        while True:
+            key, wanted = self._queue.get()
+            with self._lock:
+                if self._asked.get(key) != wanted:
+                    continue  # forgotten, or asked again for other hashes
+            found = self.lookup(wanted)
+            with self._answered:
+                if self._asked.get(key) == wanted:
+                    del self._asked[key]
+                    self._answers[key] = (wanted, found)
+                self._answered.notify_all()
+
     def lookup(self, hashes: Sequence[bytes]) -> int:
-        """Leading ``hashes`` held for every rank (0 while backing off, or on any error)."""
+        """Ask the store now (blocking): leading ``hashes`` held for every rank (0 while
+        backing off, or on any error)."""
         if not hashes or self._clock() < self._down_until:
             return 0
         self.lookups += 1
@@ -52,4 +134,5 @@ class TierLookup:
         return found
 
     def mark_down(self) -> None:
+        """The tier failed to answer: answer 0 for ``retry_after_s`` seconds."""
         self._down_until = self._clock() + self.retry_after_s

@@ -1,9 +1,11 @@
 """The engine's block moves before a step's forward: write back evicted blocks, restore hits.
 
-If any rank fails to restore, the restoring sequences go back to wait and the step is planned
-again without them (they recompute); the first plan's copy-on-writes are kept, since its
-block tables already changed. A failure of the transfer call itself (a tensor-parallel group
-that died) is left to the forward, which reports it as it reports any rank failure.
+If any rank fails to restore (a block the tier evicted since the lookup, a tier that did not
+answer), the restoring sequences go back to wait and recompute, and the step runs the rest of
+its plan without them: the plan is filtered, never made again (planning is not idempotent:
+it preempts, charges and counts). The first plan's copy-on-writes and write-backs stand. A
+failure of the transfer call itself (a tensor-parallel group that died) is left to the
+forward, which reports it as it reports any rank failure.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from kvfleet.worker.engine.scheduling.scheduler import Scheduler, SchedulerOutpu
 from kvfleet.worker.executor.base import Executor
 
 log = logging.getLogger(__name__)
-_MAX_REPLANS = 3
 
 
 def _transfer(executor: Executor, out: SchedulerOutput) -> bool | None:
@@ -31,20 +32,18 @@ def _transfer(executor: Executor, out: SchedulerOutput) -> bool | None:
 def move_blocks(executor: Executor, scheduler: Scheduler, out: SchedulerOutput
                 ) -> SchedulerOutput:
     """Run ``out``'s saves and restores on every rank. Returns the plan to execute: ``out``
-    itself, or a new plan without the restores that failed."""
-    copies = out.plan.block_copies
-    for _ in range(_MAX_REPLANS):
-        if not (out.plan.block_saves or out.plan.block_restores):
-            break
-        if _transfer(executor, out):
-            scheduler.tier.restored(out.restores)
-            break
-        if not out.plan.block_restores:
-            break  # only write-backs failed: they are dropped, the step runs as planned
-        log.warning("kv tier restore of %d blocks failed: recomputing",
-                    len(out.plan.block_restores))
-        scheduler.undo_restores(out)
-        out = scheduler.schedule()
-        copies += out.plan.block_copies
-        out = replace(out, plan=replace(out.plan, block_copies=copies))
-    return out
+    itself, or ``out`` without the sequences whose restores failed (they wait again)."""
+    if not (out.plan.block_saves or out.plan.block_restores):
+        return out
+    if _transfer(executor, out):
+        scheduler.tier.restored(out.restores)
+        return out
+    if not out.plan.block_restores:
+        return out  # only write-backs failed: they are dropped, the step runs as planned
+    log.info("kv tier restore of %d blocks missed: recomputing them",
+             len(out.plan.block_restores))
+    gone = {r.seq.seq_id for r in out.restores}
+    scheduler.undo_restores(out)
+    keep = [i for i, s in enumerate(out.scheduled) if s.seq.seq_id not in gone]
+    plan = replace(out.plan, chunks=tuple(out.plan.chunks[i] for i in keep), block_restores=())
+    return replace(out, plan=plan, scheduled=tuple(out.scheduled[i] for i in keep), restores=())

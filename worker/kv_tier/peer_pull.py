@@ -100,9 +100,6 @@ class PeerClient(Protocol):
 
 # Copies a peer node's blocks into this node's tier: (source node, hashes) -> blocks copied.
 Relay = Callable[[str, Sequence[bytes]], Awaitable[int]]
-# Leading hashes this node's tier holds for every rank of this replica (TierStore.lookup).
-Landed = Callable[[Sequence[bytes]], int]
-LANDED_POLL_S = 0.005
 
 
 @dataclass
@@ -155,8 +152,6 @@ class PeerPuller:
             node's tier into this node's (None: such a pull counts as failed).
         min_timeout_s, max_timeout_s: bounds of a pull's wait, which is otherwise the
             predicted recompute time.
-        landed: under tensor parallelism, how many of the exported blocks the tier holds for
-            every rank (the peer awaits only its rank 0's put): the pull waits for all of them.
         tiers: answers a hint that names a node tier instead of a replica (:class:`TierPeer
             <kvfleet.worker.kv_tier.peer_client.TierPeer>`); None: such hints are skipped.
         adapter_digest: the chain root's identity digest of a request for an adapter (its
@@ -170,7 +165,7 @@ class PeerPuller:
                  node_id: str = "", relay: Optional[Relay] = None,
                  max_timeout_s: float = MAX_PULL_TIMEOUT_S,
                  min_timeout_s: float = MIN_PULL_TIMEOUT_S,
-                 landed: Optional[Landed] = None, tiers: Optional[PeerClient] = None,
+                 tiers: Optional[PeerClient] = None,
                  adapter_digest: Optional[Callable[[str], bytes]] = None) -> None:
         self.client, self.step_cost, self.cost = client, step_cost, cost
         self.adapter_digest = adapter_digest
@@ -178,7 +173,6 @@ class PeerPuller:
         self.identity_digest, self.node_id, self.relay = identity_digest, node_id, relay
         self.block_size, self.max_batched_tokens = block_size, max_batched_tokens
         self.max_timeout_s, self.min_timeout_s = max_timeout_s, min_timeout_s
-        self.landed = landed
         self.stats = PullStats()
 
     def recompute_s(self, first_block: int, num_blocks: int) -> float:
@@ -254,11 +248,7 @@ class PeerPuller:
             if self.relay is None:
                 raise RuntimeError(f"blocks landed on node {exported.node_id}, no relay")
             await self.relay(exported.node_id, hashes)
-        while self.landed is not None and hashes:  # the other ranks' puts (bounded by the caller)
-            if await asyncio.to_thread(self.landed, hashes) >= len(hashes):
-                break
-            await asyncio.sleep(LANDED_POLL_S)
-        return len(hashes)
+        return len(hashes)  # the peer answers only blocks in the tier for every rank
 
 
 def _is_timeout(exc: BaseException) -> bool:

@@ -1,12 +1,15 @@
 """One rank's side of the host tier: write back evicted blocks, restore hit blocks.
 
 Write-back (:meth:`RankTier.save`) runs on the step path but only copies: the evicted blocks'
-K/V are gathered into one fresh tensor (one memory copy; the pool may overwrite the blocks as
-soon as this returns) and handed to a background thread, which puts the run into the tier.
+K/V are gathered into fresh tensors (one memory copy; the pool may overwrite the blocks as
+soon as this returns) and handed to a background thread, which puts them into the tier in
+runs of at most ``max_run_bytes`` (one put call, one object in Ray's object store, each).
 On CUDA the gather and the device → host copy run on a side stream through pinned memory
 (:mod:`.device_copy`).
-A write-back that finds more than ``max_pending_bytes`` still queued is dropped (counted),
-never waited for: the step never blocks on the tier.
+At most ``max_pending_bytes`` are queued at a time: a save queues the leading blocks that fit
+and drops (counts) the rest, never waiting: the step never blocks on the tier. Each queued
+run has its own completion (:class:`Saved`), so a caller that needs its blocks in the tier (a
+peer's export) waits for its own puts, not for the writer to go idle.
 
 Restore (:meth:`RankTier.restore`) fetches one run for the step and copies it into the pool
 blocks it was given, or reports failure (missing, timed out, the tier's actor gone, a run of
@@ -20,7 +23,8 @@ import logging
 import queue
 import threading
 import warnings
-from dataclasses import dataclass
+from concurrent.futures import Future, InvalidStateError, wait
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -31,7 +35,30 @@ from kvfleet.worker.kv_tier.store import TierStore
 from kvfleet.worker.runner.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
-DEFAULT_MAX_PENDING_BYTES = 64 << 20
+DEFAULT_MAX_PENDING_BYTES = 64 << 20  # write-back bytes queued at once (--kv-write-back-queue)
+DEFAULT_MAX_RUN_BYTES = 16 << 20  # bytes of one put call
+
+
+@dataclass(frozen=True)
+class Saved:
+    """What one :meth:`RankTier.save` queued: its leading ``blocks`` (the rest were dropped),
+    in runs of ``sizes`` blocks, each with its completion (same order): a
+    :class:`~concurrent.futures.Future` set to True once the run is in the tier, False when
+    its put failed (never an exception)."""
+
+    blocks: int = 0
+    completions: tuple[Future, ...] = field(default_factory=tuple)
+    sizes: tuple[int, ...] = ()
+
+    def landed(self, timeout_s: float) -> int:
+        """Wait at most ``timeout_s`` in all; the leading blocks whose runs are in the tier."""
+        wait(self.completions, timeout_s)
+        n = 0
+        for done, size in zip(self.completions, self.sizes, strict=True):
+            if not (done.done() and done.result()):
+                break
+            n += size
+        return n
 
 
 @dataclass
@@ -57,10 +84,16 @@ class RankTier:
     enabled = True  # see NoRankTier
 
     def __init__(self, store: TierStore, rank: int, kv_cache: KVCache,
-                 max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES, tag: bytes = b"") -> None:
+                 max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES, tag: bytes = b"",
+                 max_run_bytes: int = DEFAULT_MAX_RUN_BYTES) -> None:
+        if max_pending_bytes < 0 or max_run_bytes <= 0:
+            raise ValueError(f"max_pending_bytes must be >= 0 and max_run_bytes > 0, got "
+                             f"{max_pending_bytes} and {max_run_bytes}")
         self.store, self.rank, self.kv = store, rank, kv_cache
         self.tag = tag  # the replica's model identity, kept with its blocks (pre-warm)
-        self.max_pending_bytes = max_pending_bytes
+        self.max_pending_bytes, self.max_run_bytes = max_pending_bytes, max_run_bytes
+        # The last save's runs (engine thread): what an export that just transferred waits on.
+        self.last_saved = Saved()
         self.stats = RankTierStats()
         self.copies = device_copies(kv_cache.data.device)
         self._pending_bytes = 0
@@ -78,28 +111,55 @@ class RankTier:
         return (d.shape[0], 2, d.shape[3], d.shape[4], d.shape[5] * d.element_size())
 
     # ---- write-back ------------------------------------------------------------------------
-    def save(self, blocks: Sequence[int], hashes: Sequence[bytes]) -> None:
-        """Snapshot ``blocks`` (registered under ``hashes``) and queue their write-back; or
-        drop them if too much is queued already. Returns at once after the copy."""
+    def save(self, blocks: Sequence[int], hashes: Sequence[bytes]) -> int:
+        """Snapshot the leading ``blocks`` (registered under ``hashes``) that fit in the
+        queue's room and queue their write-back, in runs of at most ``max_run_bytes``; the
+        rest are dropped (counted). Returns the blocks queued at once, after the copy (also
+        :attr:`last_saved`, with each run's completion). Never raises: a snapshot that fails
+        drops its blocks and gives their room back."""
+        self.last_saved = Saved()
         if not blocks:
-            return
-        nbytes = len(blocks) * int(np.prod(self.block_shape))
+            return 0
+        block_bytes = int(np.prod(self.block_shape))
         with self._lock:
-            if self._pending_bytes + nbytes > self.max_pending_bytes:
-                self.stats.dropped_write_backs += len(blocks)
-                return
-            self._pending_bytes += nbytes
-        self._queue.put((list(hashes), self.copies.snapshot(self.kv.data, blocks), nbytes))
+            room = max(0, self.max_pending_bytes - self._pending_bytes) // block_bytes
+            n = min(len(blocks), room)
+            self._pending_bytes += n * block_bytes
+            self.stats.dropped_write_backs += len(blocks) - n
+        per_run = max(1, self.max_run_bytes // block_bytes)
+        queued, completions, sizes = 0, [], []
+        try:
+            for i in range(0, n, per_run):
+                run = list(blocks[i:min(n, i + per_run)])
+                snapshot = self.copies.snapshot(self.kv.data, run)
+                done: Future = Future()
+                self._queue.put((list(hashes[i:i + len(run)]), snapshot, len(run) * block_bytes,
+                                 done))
+                queued += len(run)
+                completions.append(done)
+                sizes.append(len(run))
+        except Exception as exc:  # e.g. no pinned memory: these blocks are simply not kept
+            log.warning("kv tier snapshot of %d blocks failed: %s", n - queued, str(exc))
+        finally:
+            if queued < n:  # the room taken for blocks never queued goes back
+                with self._lock:
+                    self._pending_bytes -= (n - queued) * block_bytes
+                    self.stats.dropped_write_backs += n - queued
+                    self._idle.notify_all()
+        self.last_saved = Saved(queued, tuple(completions), tuple(sizes))
+        return queued
 
     def _writer(self) -> None:
         while True:
             item = self._queue.get()
             if item is None:
                 return
-            hashes, snapshot, nbytes = item
+            hashes, snapshot, nbytes, done = item
+            landed = False
             try:
                 run = snapshot()  # (n, L, 2, bs, H, D) on the host
                 self.store.put(self.rank, hashes, run.view(torch.uint8).numpy(), self.tag)
+                landed = True
                 with self._lock:
                     self.stats.write_backs += len(hashes)
                     self.stats.bytes_written += nbytes
@@ -111,6 +171,7 @@ class RankTier:
                 with self._lock:
                     self._pending_bytes -= nbytes
                     self._idle.notify_all()
+                _complete(done, landed)
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait until every queued write-back has finished (tests, drain); True if it did."""
@@ -156,14 +217,23 @@ class RankTier:
             self._thread.join(5.0)
 
 
+def _complete(done: Future, landed: bool) -> None:
+    try:
+        done.set_result(landed)
+    except InvalidStateError:  # its waiter gave up (cancelled): nobody reads it
+        pass
+
+
 class NoRankTier:
     """A rank of a replica without a host tier: write-backs are dropped, a restore of any
     block fails (the engine recomputes), nothing is ever pending."""
 
     enabled = False
+    last_saved = Saved()
 
-    def save(self, blocks: Sequence[int], hashes: Sequence[bytes]) -> None:
-        """Nothing is kept."""
+    def save(self, blocks: Sequence[int], hashes: Sequence[bytes]) -> int:
+        """Nothing is kept: 0 queued."""
+        return 0
 
     def restore(self, blocks: Sequence[int], hashes: Sequence[bytes]) -> bool:
         return not blocks

@@ -149,15 +149,13 @@ class HostTierStore:
             return [h for h, r in self._blocks if shard_rank(r) == 0]
 
     def lookup(self, hashes: Sequence[bytes], ranks: Sequence[ShardKey]) -> int:
-        """How many leading ``hashes`` are held for every rank in ``ranks`` (marked recently
-        used, so a restore that follows finds them)."""
+        """How many leading ``hashes`` are held for every rank in ``ranks``. Changes no
+        recency: a sequence looked up may never be admitted (only :meth:`get`, a restore,
+        and :meth:`put` make blocks recently used)."""
         with self._lock:
             for i, h in enumerate(hashes):
-                keys = [(bytes(h), r) for r in ranks]
-                if not all(k in self._blocks for k in keys):
+                if not all((bytes(h), r) in self._blocks for r in ranks):
                     return i
-                for k in keys:
-                    self._blocks.move_to_end(k)
             return len(hashes)
 
     def get(self, rank: ShardKey, hashes: Sequence[bytes]) -> np.ndarray | None:

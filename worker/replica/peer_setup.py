@@ -38,8 +38,6 @@ def build_puller(engine: Engine, enabled: bool, tls_dir: Optional[str],
     return PeerPuller(GrpcPeerClient(credentials=credentials), engine.step_cost, engine.identity_digest,
                       engine.kv.block_size, sched.max_num_batched_tokens,
                       PullCost(int(np.prod(tier.block_shape))), node_id, relay,
-                      landed=((lambda hashes: tier.store.lookup(hashes, all_ranks))
-                              if len(all_ranks) > 1 else None),
                       tiers=TierPeer(relay.source, all_ranks),
                       adapter_digest=adapter_digest(engine))
 

@@ -60,7 +60,11 @@ from kvfleet.worker.kv_tier.lookup import TierLookup
 from kvfleet.worker.kv_tier.node_tier import TierIndex, node_tier
 from kvfleet.worker.kv_tier.peer_client import PEER_METHODS
 from kvfleet.worker.kv_tier.prewarm import prewarm_before_serving
-from kvfleet.worker.kv_tier.rank_tier import RankTier
+from kvfleet.worker.kv_tier.rank_tier import (
+    DEFAULT_MAX_PENDING_BYTES,
+    DEFAULT_MAX_RUN_BYTES,
+    RankTier,
+)
 from kvfleet.worker.kv_tier.tier_layout import LayoutTier, TierLayout
 from kvfleet.worker.replica.adapter_admin import AdapterAdmin
 from kvfleet.worker.replica.adapter_catalog import check_catalog
@@ -100,6 +104,14 @@ def _node_tier(cfg: ReplicaConfig, mc: ModelConfig) -> LayoutTier:
     layout = TierLayout(tp, kv_heads_per_rank(mc.num_kv_heads, mc.num_heads, tp))
     return LayoutTier(node_tier(cfg.kv_host_memory_bytes, index=index,
                                 namespace=cfg.namespace), layout)
+
+
+def worker_interceptors(mutual_tls: bool) -> list[AuthInterceptor]:
+    """The Worker server's interceptors: every method (``ExportBlocks`` included) authorised
+    as :func:`internal_authorizer` says: the router's certificate anything, a replica's
+    certificate the peer methods only."""
+    return [AuthInterceptor(internal_authorizer(mutual_tls, ROUTER_NAME,
+                                                {REPLICA_NAME: PEER_METHODS}))]
 
 
 def _kv_tier_id(engine: Engine) -> str:
@@ -144,6 +156,10 @@ class ReplicaConfig:
     # Before serving, restore the node tier's hottest blocks of this identity into the pool
     # for at most this long (0: off; needs the host tier).
     kv_prewarm_s: float = 0.0
+    # Write-back bytes each rank queues for the host tier at once (what does not fit is
+    # dropped, counted), and the bytes of one put into it (a run of blocks).
+    kv_write_back_queue_bytes: int = DEFAULT_MAX_PENDING_BYTES
+    kv_write_back_run_bytes: int = DEFAULT_MAX_RUN_BYTES
     dtype: str = "float32"
     # A second copy of each weight for batch-1 decode (see worker/runner/models/linear.py):
     # lower batch-1 ITL on CPU for twice the weight memory (docs/benchmarks.md, Engine).
@@ -214,6 +230,10 @@ class ReplicaConfig:
             raise ValueError(f"drain_timeout_s must be > 0, got {self.drain_timeout_s}")
         if not 0 <= self.kv_prewarm_s < float("inf"):
             raise ValueError(f"kv_prewarm_s must be >= 0 and finite, got {self.kv_prewarm_s}")
+        if self.kv_write_back_queue_bytes < 0 or self.kv_write_back_run_bytes <= 0:
+            raise ValueError(f"kv_write_back_queue_bytes must be >= 0 and kv_write_back_run_bytes "
+                             f"> 0, got {self.kv_write_back_queue_bytes} and "
+                             f"{self.kv_write_back_run_bytes}")
         if not self.max_queue_wait_s > 0:
             raise ValueError(f"max_queue_wait_s must be > 0, got {self.max_queue_wait_s}")
         if not self.calibration_budget_s > 0:
@@ -312,7 +332,8 @@ def build_engine(cfg: ReplicaConfig, on_rank_failure: Callable[[str], None] = la
         spec = RankSpec(str(model_dir), tp, num_blocks, cfg.block_size, dtype,
                         cfg.one_row_weights, cfg.device, max_loras=max_loras, tier=tier,
                         quantization=cfg.quant_config,
-                        tier_tag=identity.digest(), layer_groups=groups)
+                        tier_tag=identity.digest(), tier_queue_bytes=cfg.kv_write_back_queue_bytes,
+                        tier_run_bytes=cfg.kv_write_back_run_bytes, layer_groups=groups)
         group = RankGroup(spec, cfg.tp, cfg.replica_id, on_rank_failure)
         executor = TPExecutor(group.start(), group)
     else:
@@ -320,8 +341,9 @@ def build_engine(cfg: ReplicaConfig, on_rank_failure: Callable[[str], None] = la
                              dtype=dtype, device=cfg.device, one_row_weights=cfg.one_row_weights,
                              max_loras=max_loras, quantization=cfg.quant_config,
                              layer_groups=groups)
-        executor = LocalExecutor(runner, RankTier(tier, 0, runner.kv_cache, tag=identity.digest())
-                                 if tier else None)
+        executor = LocalExecutor(runner, RankTier(
+            tier, 0, runner.kv_cache, cfg.kv_write_back_queue_bytes, identity.digest(),
+            cfg.kv_write_back_run_bytes) if tier else None)
     kv = KVCacheManager(num_blocks, cfg.block_size, windows=groups.windows)
     mc = executor.config
     if catalog and not max_loras:
@@ -331,7 +353,7 @@ def build_engine(cfg: ReplicaConfig, on_rank_failure: Callable[[str], None] = la
                   mc.max_position_embeddings, mc.vocab_size, cfg.scheduler,
                   adapters=residency, identity=identity, grammar=cfg.grammar,
                   step_cost=_step_cost(cfg, executor, identity),
-                  tier=TierLookup(tier, tp) if tier else None)
+                  tier=TierLookup(tier, tp, background=True) if tier else None)
 
 
 def _step_cost(cfg: ReplicaConfig, executor: Executor, identity: CacheIdentity) -> StepCost:
@@ -384,9 +406,8 @@ class ReplicaServer:
     async def start(self) -> str:
         """Start serving; returns ``host:port``. Raises OSError if the port is taken."""
         aio_loop = self._aio_loop = asyncio.get_running_loop()
-        self._server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[AuthInterceptor(
-            internal_authorizer(bool(self.cfg.internal_tls_dir), ROUTER_NAME,
-                                {REPLICA_NAME: PEER_METHODS}))])
+        self._server = grpc.aio.server(options=SERVER_OPTIONS,
+                                       interceptors=worker_interceptors(bool(self.cfg.internal_tls_dir)))
         # Follows the directory: a renewed certificate is served from the next handshake on.
         creds = (reloading_worker_credentials(self.cfg.internal_tls_dir)
                  if self.cfg.internal_tls_dir else None)

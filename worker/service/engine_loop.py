@@ -23,7 +23,7 @@ from kvfleet.stream_limits import DEFAULT_MAX_UNREAD, Outbox
 from kvfleet.worker.engine.engine import Engine, EngineRequest
 from kvfleet.worker.engine.output.outputs import SeqOutput
 from kvfleet.worker.engine.request import FinishReason
-from kvfleet.worker.kv_tier.rank_tier import RankTier
+from kvfleet.worker.kv_tier.rank_tier import Saved
 from kvfleet.worker.service.inbox import Inbox
 
 log = logging.getLogger(__name__)
@@ -165,13 +165,15 @@ class EngineLoop:
 
     async def export_blocks(self, hashes: tuple[bytes, ...], timeout_s: float) -> tuple[bytes, ...]:
         """Export the leading run of ``hashes`` held in the pool to the node's host tier for a
-        peer (:meth:`Engine.export_blocks`), and wait, at most ``timeout_s`` in all, until rank
-        0's write-back of them has landed. Returns the hashes exported (in order): the leading
-        run of them the tier then holds (a dropped write-back, or a put that failed, lands
-        nothing).
+        peer (:meth:`Engine.export_blocks`), and wait, at most ``timeout_s`` in all, for the
+        export's own puts (not for other write-backs). Returns the hashes exported (in
+        order): the leading run of them in the tier for every rank by then (a dropped
+        write-back, a put that failed or is late, lands nothing). No thread waits meanwhile
+        (under tensor parallelism the other ranks' shards are looked up, each a short call).
 
         Raises:
-            FailedPrecondition: no host tier. TimeoutError: not done within ``timeout_s``.
+            FailedPrecondition: no host tier. TimeoutError: the engine thread did not take
+                the export within ``timeout_s``.
             Unavailable: the engine thread is not running (nothing would answer).
         """
         if not self.alive:
@@ -179,14 +181,14 @@ class EngineLoop:
         deadline = self.loop.time() + timeout_s
         done = self.loop.create_future()
         self._inbox.put(_Export(hashes, done))
-        exported = await asyncio.wait_for(done, timeout_s)
-        tier = self.engine.executor.tier  # rank 0's writer
-        if exported and isinstance(tier, RankTier):
-            left = max(0.0, deadline - self.loop.time())
-            if not await asyncio.to_thread(tier.flush, left):
-                raise TimeoutError(f"write-back of {len(exported)} blocks not done in time")
-            landed = await asyncio.to_thread(tier.store.lookup, list(exported), [tier.rank])
-            exported = exported[:landed]
+        exported, saved = await asyncio.wait_for(done, timeout_s)
+        if not exported:
+            return ()
+        exported = exported[:await own_puts(saved, max(0.0, deadline - self.loop.time()))]
+        ranks = self.engine.scheduler.tier.lookup_ranks
+        if exported and len(ranks) > 1:
+            exported = exported[:await every_rank(self.engine.executor.tier, exported, ranks,
+                                                  deadline, self.loop)]
         return exported
 
     def fail(self, error: BaseException) -> None:
@@ -253,7 +255,9 @@ class EngineLoop:
 
     def _export(self, item: _Export) -> None:
         def done(hashes: tuple[bytes, ...]) -> None:
-            self.loop.call_soon_threadsafe(_set_result, item.done, hashes)
+            # Rank 0's puts of this export, read right after its transfer (engine thread).
+            saved = self.engine.executor.tier.last_saved if hashes else Saved()
+            self.loop.call_soon_threadsafe(_set_result, item.done, (hashes, saved))
 
         try:
             self.engine.export_blocks(item.hashes, done)
@@ -294,6 +298,41 @@ class EngineLoop:
                 self.on_step(stored, removed, self._stats)
             except Exception:
                 log.exception("step hook failed")
+
+
+LANDED_POLL_S = 0.005  # between looks at the other ranks' shards of an export
+
+
+async def own_puts(saved: Saved, timeout_s: float) -> int:
+    """Wait at most ``timeout_s`` for ``saved``'s runs (no thread waits: each completion
+    wakes the event loop); the leading blocks that landed."""
+    waits = [asyncio.wrap_future(done) for done in saved.completions]
+    if waits:
+        await asyncio.wait(waits, timeout=timeout_s)
+    landed = 0
+    for wait, size in zip(waits, saved.sizes, strict=True):
+        if not (wait.done() and not wait.cancelled() and wait.result()):
+            break
+        landed += size
+    for wait in waits:
+        wait.cancel()  # those still waiting: nobody reads them
+    return landed
+
+
+async def every_rank(tier, exported: tuple[bytes, ...], ranks: list[int], deadline: float,
+                     loop: asyncio.AbstractEventLoop) -> int:
+    """The leading ``exported`` blocks the tier holds for every rank in ``ranks``, looked up
+    until all are in or ``deadline`` (the other ranks' writers put their shards on their
+    own); 0 when the tier does not answer."""
+    while True:
+        try:
+            held = await asyncio.to_thread(tier.store.lookup, list(exported), ranks)
+        except Exception as exc:  # a dead or slow tier: nothing is known to have landed
+            log.warning("kv tier lookup of an export failed: %s", exc)
+            return 0
+        if held >= len(exported) or loop.time() >= deadline:
+            return held
+        await asyncio.sleep(LANDED_POLL_S)
 
 
 def _set_result(fut: asyncio.Future, value) -> None:

@@ -13,7 +13,7 @@ from typing import Callable, Optional
 
 import grpc
 
-from kvfleet import priority
+from kvfleet import grpc_auth, priority
 from kvfleet.constraint import Constraint
 from kvfleet.errors import (
     FailedPrecondition,
@@ -33,7 +33,8 @@ from kvfleet.worker.engine.request import FinishReason
 from kvfleet.worker.kv_tier.peer_pull import PeerHint, PeerPuller
 from kvfleet.worker.replica.adapter_admin import AdapterAdmin
 from kvfleet.worker.service.engine_loop import EngineLoop
-from kvfleet.worker.service.peer_export import export_blocks
+from kvfleet.worker.service.export_limits import ExportLimits
+from kvfleet.worker.service.peer_export import export_blocks, export_hashes
 from kvfleet.worker.service.reservations import Reservations
 from kvfleet.worker.service.wait_bound import WaitBound
 
@@ -91,8 +92,11 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                  limits: StreamLimits = StreamLimits(),
                  adapter_admin: Optional[AdapterAdmin] = None,
                  puller: Optional[PeerPuller] = None,
-                 max_queue_wait_s: float = float("inf")) -> None:
+                 max_queue_wait_s: float = float("inf"),
+                 export_limits: Optional[ExportLimits] = None) -> None:
         self.loop = loop
+        # Each caller's bounds on ExportBlocks (calls and hashes a second).
+        self.export_limits = export_limits or ExportLimits()
         self.puller = puller  # pulls a hinted prefix from a peer (None: never)
         self.limits = limits
         self.adapter_admin = adapter_admin  # None: this replica serves no adapters
@@ -298,10 +302,13 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.AbortResponse(found=found)
 
     async def ExportBlocks(self, request, context):
-        """A peer's pull (see ``peer_export``): these blocks, into the node's host tier."""
+        """A peer's pull (see ``peer_export``): these blocks, into the node's host tier;
+        within the caller's bounds (:class:`ExportLimits`: RESOURCE_EXHAUSTED past them)."""
         try:
             if self.draining:
                 raise Unavailable(f"replica {self.replica_id} is draining")
+            hashes = export_hashes(request)  # a malformed request is refused first
+            self.export_limits.take(_caller(context), len(hashes))
             ranks = self.ranks_fn()
             return await export_blocks(self.loop, request, ranks[0].node_id if ranks else "",
                                        context.time_remaining())
@@ -358,6 +365,18 @@ class _Stamped:
     def put_nowait(self, frame) -> None:
         self._sent[0] = time.monotonic()
         self._out.put_nowait(frame)
+
+
+def _caller(context) -> str:
+    """Who a call counts against: its authorised identity (every replica presents the same
+    one) at its network host (``ipv4:10.0.0.7:4001`` → ``10.0.0.7``: any port)."""
+    try:
+        identity = grpc_auth.caller()
+    except LookupError:  # served without the interceptor (in-process tests)
+        identity = ""
+    peer = context.peer() or ""
+    host = peer.split(":", 1)[-1].rsplit(":", 1)[0] if ":" in peer else peer
+    return f"{identity}@{host}"
 
 
 def _ensure_id(request: worker_pb2.WorkerGenerateRequest) -> None:

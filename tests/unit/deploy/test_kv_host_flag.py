@@ -86,3 +86,25 @@ def test_stopping_a_deployment_removes_its_node_tiers(tiny_llama_dir, monkeypatc
     assert removed == [cfg.replica.namespace]  # after the replicas drained into them
     cluster.stop()  # idempotent: nothing left to remove
     assert removed == [cfg.replica.namespace]
+
+
+def test_the_write_back_queue_and_run_are_flags_up_and_k8s_render_carry(tiny_llama_dir, tmp_path,
+                                                                      capsys) -> None:
+    from kvfleet.deploy.k8s_cli import main as k8s
+    from kvfleet.worker.kv_tier.rank_tier import DEFAULT_MAX_PENDING_BYTES
+
+    args = ["up", "--model", str(tiny_llama_dir), "--kv-host-memory", "1GiB",
+            "--kv-write-back-queue", "256MiB", "--kv-write-back-run", "4MiB"]
+    replica = cluster_config(cli.build_parser().parse_args(args)).replica
+    assert (replica.kv_write_back_queue_bytes, replica.kv_write_back_run_bytes) == (256 << 20,
+                                                                                    4 << 20)
+    default = cluster_config(cli.build_parser().parse_args(["up", "--model", str(tiny_llama_dir)]))
+    assert default.replica.kv_write_back_queue_bytes == DEFAULT_MAX_PENDING_BYTES
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["up", "--help"])
+    assert "--kv-write-back-queue" in capsys.readouterr().out
+    assert cli.main(["up", "--model", str(tiny_llama_dir), "--kv-write-back-run", "0"]) == 2
+    assert "kv_write_back_run_bytes" in capsys.readouterr().err
+    assert k8s(["render", "--out", str(tmp_path), "--kv-host-memory-bytes", str(2 << 30),
+                "--kv-write-back-queue-bytes", str(128 << 20)]) == 0
+    assert f"kv_write_back_queue_bytes: {128 << 20}" in (tmp_path / "rayservice.yaml").read_text()

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import time
 
 import pytest
 
 from kvfleet.allocator.fingerprint import read_chat_template
-from kvfleet.deploy import models
+from kvfleet.deploy import model_sources, models
 from kvfleet.deploy.models import DEFAULT_MODEL, ModelNotPrepared, prepare_model, resolve_model
 
 
@@ -37,7 +39,10 @@ def test_a_directory_prepared_without_its_gguf_gets_it(tmp_path, monkeypatch) ->
     (target / "model.safetensors").write_bytes(b"weights")
     gguf = tmp_path / "shipped.gguf"
     gguf.write_bytes(b"GGUF blocks")
-    monkeypatch.setattr(models, "_gguf_path", lambda source: gguf)
+    source = dataclasses.replace(models.KNOWN_MODELS[DEFAULT_MODEL],
+                                 sha256=hashlib.sha256(b"GGUF blocks").hexdigest())
+    monkeypatch.setitem(models.KNOWN_MODELS, DEFAULT_MODEL, source)
+    monkeypatch.setattr(model_sources, "part_paths", lambda source: [gguf])
     monkeypatch.setattr(models, "_convert", lambda *a: pytest.fail("converted again"))
     assert prepare_model(DEFAULT_MODEL, tmp_path, progress=False) == target
     assert (target / models.SOURCE_GGUF).read_bytes() == b"GGUF blocks"
@@ -66,7 +71,7 @@ def test_unknown_model_is_named(tmp_path) -> None:
 
 
 def test_interrupted_prepare_leaves_nothing(tmp_path, monkeypatch) -> None:
-    def convert_then_die(gguf, out, bar):
+    def convert_then_die(gguf, out, bar, needs_template):
         (out / "config.json").write_text("{}")
         raise KeyboardInterrupt
 

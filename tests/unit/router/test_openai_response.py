@@ -14,6 +14,7 @@ C = grpc.StatusCode
 
 @pytest.mark.parametrize("code, status, kind", [
     (C.INVALID_ARGUMENT, 400, "invalid_request_error"), (C.OUT_OF_RANGE, 400, "invalid_request_error"),
+    (C.FAILED_PRECONDITION, 400, "invalid_request_error"),
     (C.UNAUTHENTICATED, 401, "authentication_error"), (C.NOT_FOUND, 404, "not_found_error"),
     (C.ALREADY_EXISTS, 409, "conflict_error"), (C.RESOURCE_EXHAUSTED, 429, "rate_limit_error"),
     (C.UNAVAILABLE, 503, "service_unavailable_error"), (C.DEADLINE_EXCEEDED, 504, "timeout_error"),

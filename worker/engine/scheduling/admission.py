@@ -58,6 +58,7 @@ class Refusal(enum.Enum):
     SEATS = "seats"                # no free seat (max_num_seqs)
     BUDGET = "budget"              # the step's tokens (or time) are spent
     BLOCKS = "blocks"              # the block policy refuses it (or the allocation failed)
+    TIER_LOOKUP = "tier lookup"    # its host-tier lookup has not answered yet
 
 
 class Budget(Protocol):
@@ -126,7 +127,7 @@ class StepWork:
 
     evicted: Optional[list[tuple[int, bytes]]] = None  # None: no tier to write back to
     restores: list[Restore] = field(default_factory=list)
-    hits: dict[tuple[str, int], tuple[bytes, ...]] = field(default_factory=dict)
+    hits: dict[tuple[str, int], Optional[tuple[bytes, ...]]] = field(default_factory=dict)
 
 
 def _none(seq: SequenceState) -> int:
@@ -187,6 +188,9 @@ def try_admit(sched: Scheduler, seq: SequenceState, budget: Budget, p: Pass
     if key not in p.work.hits:
         p.work.hits[key] = sched.tier.hits(seq, len(computed))
     hits = p.work.hits[key]
+    if hits is None:
+        del p.work.hits[key]  # asked again next time: it may have answered by then
+        return Refusal.TIER_LOOKUP
     num_cached = (len(computed) + len(hits)) * kv.block_size
     n = budget.grant(num_cached, seq.num_tokens - num_cached)
     if n <= 0:

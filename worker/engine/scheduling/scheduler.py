@@ -297,5 +297,6 @@ class Scheduler:
             self.service.leave(seq.tenant)
         for orphan in reversed(self.pending_forks.pop(seq.seq_id, [])):
             insert_waiting(self.waiting, orphan)
+        self.tier.forget(seq)
         self.kv.free(seq.seq_id)
         seq.status = SeqStatus.FINISHED

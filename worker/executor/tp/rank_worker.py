@@ -26,7 +26,14 @@ from kvfleet.allocator.layer_groups import LayerGroups
 from kvfleet.worker.executor.local import rank_info
 from kvfleet.worker.executor.tp.comm import GroupAddress, RankComm
 from kvfleet.worker.executor.tp.wire import Commit, PlanDecoder, decode_call, decode_moves
-from kvfleet.worker.kv_tier.rank_tier import NO_RANK_TIER, NoRankTier, RankTier, transfer
+from kvfleet.worker.kv_tier.rank_tier import (
+    DEFAULT_MAX_PENDING_BYTES,
+    DEFAULT_MAX_RUN_BYTES,
+    NO_RANK_TIER,
+    NoRankTier,
+    RankTier,
+    transfer,
+)
 from kvfleet.worker.kv_tier.store import TierStore
 from kvfleet.worker.runner.lora.adapter import AdapterSpec, read_adapter
 from kvfleet.worker.runner.lora.slots import Weights as LoraWeights
@@ -51,6 +58,8 @@ class RankSpec:
     max_loras: int = 0  # LoRA adapter slots (see ModelRunner.load_adapter)
     tier: Optional[TierStore] = None  # the node's host KV tier (a RayTier across processes)
     tier_tag: bytes = b""  # the replica's identity digest, kept with its write-backs
+    tier_queue_bytes: int = DEFAULT_MAX_PENDING_BYTES  # write-back bytes queued at once
+    tier_run_bytes: int = DEFAULT_MAX_RUN_BYTES  # bytes of one put
     quantization: QuantConfig = FLOAT_WEIGHTS  # weight-only int8 / int4 (each rank its shard)
     layer_groups: Optional[LayerGroups] = None  # the KV cache's layer groups (None: one)
 
@@ -62,6 +71,13 @@ def build_rank_runner(spec: RankSpec, rank: int, reduce) -> ModelRunner:
                        spec.one_row_weights, shard=Shard(spec.tp, rank, reduce),
                        max_loras=spec.max_loras, quantization=spec.quantization,
                        layer_groups=spec.layer_groups)
+
+
+def rank_tier(spec: RankSpec, rank: int, kv_cache) -> RankTier:
+    """Rank ``rank``'s side of ``spec.tier`` over its ``kv_cache``."""
+    assert spec.tier is not None
+    return RankTier(spec.tier, rank, kv_cache, spec.tier_queue_bytes, spec.tier_tag,
+                    spec.tier_run_bytes)
 
 
 class RankWorker:
@@ -103,7 +119,7 @@ class RankWorker:
             spec = replace(spec, device="cuda:0")
         self.runner = build_rank_runner(spec, self.rank, lambda t: self._comm.all_reduce(t))
         if spec.tier is not None:
-            self.tier = RankTier(spec.tier, self.rank, self.runner.kv_cache, tag=spec.tier_tag)
+            self.tier = rank_tier(spec, self.rank, self.runner.kv_cache)
         return rank_info(self.runner, self.rank)
 
     def connect(self, addr: GroupAddress) -> bool:

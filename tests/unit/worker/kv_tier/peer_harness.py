@@ -32,13 +32,13 @@ class LoopPeer(InProcessPeer):
         return exported._replace(hashes=self.answer(exported.hashes))
 
 
-def puller(client, engine, max_timeout_s: float = 5.0, landed=None, node: str = NODE,
+def puller(client, engine, max_timeout_s: float = 5.0, node: str = NODE,
            relay=None, tiers=None) -> PeerPuller:
     """A puller for ``engine`` (its identity, block size and budget) over ``client`` (on
     ``node``, copying from other nodes with ``relay``, asking node tiers through ``tiers``)."""
     return PeerPuller(client, SLOW_PREFILL, engine.identity_digest, BLOCK_SIZE,
                       engine.scheduler.config.max_num_batched_tokens, PullCost(1 << 16), node,
-                      relay, max_timeout_s=max_timeout_s, landed=landed, tiers=tiers)
+                      relay, max_timeout_s=max_timeout_s, tiers=tiers)
 
 
 class InProcessRelay(NodeRelay):

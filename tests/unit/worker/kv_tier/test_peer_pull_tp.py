@@ -12,6 +12,7 @@ from tests.unit.worker.executor.tp.thread_executor import thread_executor
 from tests.unit.worker.kv_tier.peer_harness import LoopPeer, hint, puller, with_loop
 from tests.unit.worker.kv_tier.tier_harness import (
     TIER_BYTES,
+    chain_of,
     parity_error,
     restored_blocks,
     tier_engine,
@@ -30,7 +31,7 @@ def test_tp2_a_pulled_prefix_equals_recompute(tiny_llama_dir, monkeypatch) -> No
         again = request(base + prompt(2, seed=72), max_tokens=3)
 
         async def pull(loop):
-            p = puller(LoopPeer(loop), b, landed=lambda hashes: store.lookup(hashes, [0, 1]))
+            p = puller(LoopPeer(loop), b)  # A answers what is in the tier for both ranks
             return await p.prepare(again, hint(5)), p
 
         pulled, p = asyncio.run(with_loop(a, pull))
@@ -43,3 +44,35 @@ def test_tp2_a_pulled_prefix_equals_recompute(tiny_llama_dir, monkeypatch) -> No
         assert parity_error(tiny_llama_dir, rec, again, results) <= 1
         a.kv.check_invariants()
         assert a.kv.num_free_blocks == a.kv.num_total_blocks
+
+
+def test_tp2_an_export_answers_only_blocks_in_the_tier_for_every_rank(tiny_llama_dir,
+                                                                      monkeypatch) -> None:
+    """A's rank 1 cannot put its shard: A answers none of the blocks (rank 0's alone are no
+    block), and B recomputes instead of waiting on a shard that never comes."""
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+
+    class _Rank1Fails(HostTierStore):
+        def put(self, rank, hashes, run, tag=b""):
+            if rank == 1:
+                raise TimeoutError("rank 1's put did not answer")
+            return super().put(rank, hashes, run, tag)
+
+    store = _Rank1Fails(TIER_BYTES)
+    with thread_executor(tiny_llama_dir, 2, tier=store) as ex_a, \
+            thread_executor(tiny_llama_dir, 2, tier=store) as ex_b:
+        a, _, _, _ = tier_engine(tiny_llama_dir, store, executor=ex_a, tp=2)
+        b, _, _, _ = tier_engine(tiny_llama_dir, store, executor=ex_b, tp=2)
+        base = prompt(22, seed=73)
+        run(a, [request(base, max_tokens=2)])
+        again = request(base + prompt(2, seed=74), max_tokens=3)
+
+        async def pull(loop):
+            p = puller(LoopPeer(loop), b, max_timeout_s=1.0)
+            return await p.prepare(again, hint(5)), p
+
+        pulled, p = asyncio.run(with_loop(a, pull))
+        assert (p.stats.pulls, p.stats.pulled_blocks) == (0, 0)
+        assert store.lookup(chain_of(a, again)[:5], [0]) == 5  # rank 0's shards did land
+        run(b, [pulled])
+        a.kv.check_invariants()

@@ -60,3 +60,34 @@ def test_the_hand_over_is_bounded_and_hottest_first(tiny_llama_dir) -> None:
     # Without a tier there is nothing to hand over.
     plain, _ = make_engine(tiny_llama_dir, num_blocks=POOL_BLOCKS)
     assert plain.hand_over(10) == 0
+
+
+def test_a_hand_over_past_the_write_back_queue_lands_whole(tiny_llama_dir) -> None:
+    """A pool larger than the write-back queue is handed over in turns (each queued, then
+    waited for), not dropped whole; the count is what the tier got."""
+    store = HostTierStore(TIER_BYTES)
+    engine, _, tier, _ = tier_engine(tiny_llama_dir, store)
+    run(engine, [request(prompt(9, seed=45), max_tokens=1)])
+    run(engine, [request(prompt(9, seed=46), max_tokens=1)])
+    hot = engine.kv.pool.hot_blocks()
+    assert len(hot) == 4
+    tier.max_pending_bytes = tier.max_run_bytes = _block_bytes(tier)  # one block at a time
+    assert engine.hand_over(4) == 4
+    assert store.lookup([h for _, h in hot], [0]) == 4
+
+
+def test_a_hand_over_counts_what_landed_not_what_was_asked(tiny_llama_dir) -> None:
+    class _Refusing(HostTierStore):
+        def put(self, rank, hashes, run, tag=b""):
+            raise TimeoutError("the tier did not answer")
+
+    store = _Refusing(TIER_BYTES)
+    engine, _, _, _ = tier_engine(tiny_llama_dir, store)
+    run(engine, [request(prompt(9, seed=47), max_tokens=1)])
+    assert engine.hand_over(2) == 0 and store.stats().blocks == 0
+
+
+def _block_bytes(tier) -> int:
+    import numpy as np
+
+    return int(np.prod(tier.block_shape))
