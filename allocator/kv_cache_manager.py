@@ -207,10 +207,10 @@ class KVCacheManager:
                 w is None or runs[g][k - 1] >= k - self._first_needed(k * self.block_size, w)
                 for g, w in enumerate(self.windows)):
             k -= 1
-        heads = []
+        heads: list[list[int]] = []
         for g, w in enumerate(self.windows):
             first = 0 if w is None else min(k, self._first_needed(k * self.block_size, w))
-            heads.append([NULL_BLOCK] * first + [b for b in found[g][first:k]])
+            heads.append([NULL_BLOCK] * first + [b for b in found[g][first:k] if b is not None])
         return ComputedBlocks(heads)
 
     def _first_needed(self, num_computed: int, window: int) -> int:

@@ -21,7 +21,6 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
-from kvfleet.allocator.layer_groups import LayerGroups
 from kvfleet.worker.engine.step_plan import StepPlan
 from kvfleet.worker.kv_tier.rank_tier import NoRankTier, RankTier
 from kvfleet.worker.runner.lora.adapter import AdapterSpec
@@ -70,11 +69,6 @@ class Executor(Protocol):
     @property
     def block_size(self) -> int:
         """Tokens per KV block."""
-        ...
-
-    @property
-    def layer_groups(self) -> LayerGroups:
-        """The KV cache's layer groups (the scheduler's manager uses their windows)."""
         ...
 
     def validate(self, plan: StepPlan) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Mapping, Sequence
 
-from kvfleet.allocator.kv_cache_manager import KVCacheManager
+from kvfleet.allocator.kv_cache_manager import ComputedBlocks, KVCacheManager
 from kvfleet.allocator.units import cdiv
 from kvfleet.errors import ResourceExhausted
 from kvfleet.worker.engine.request import SequenceState
@@ -73,7 +73,7 @@ class BlockAdmission:
                 f"{self.kv.block_size} tokens; this replica has {self.kv.num_total_blocks} in total"
             )
 
-    def new_blocks(self, computed: Sequence[int], num_tokens: int) -> int:
+    def new_blocks(self, computed: Sequence[int] | ComputedBlocks, num_tokens: int) -> int:
         """Free blocks a sequence takes to hold ``num_tokens`` tokens when ``computed`` (its
         prefix-cache hits, block ids) are reused: new ones plus unreferenced cached ones."""
         unreferenced = sum(1 for b in computed if self.kv.ref_count(b) == 0)
@@ -86,7 +86,8 @@ class BlockAdmission:
             return 0  # the next token starts a new block
         return self.kv.pending_copies(seq.seq_id)
 
-    def admissible(self, seq: SequenceState, computed: Sequence[int], num_tokens: int,
+    def admissible(self, seq: SequenceState, computed: Sequence[int] | ComputedBlocks,
+                   num_tokens: int,
                    running: Sequence[SequenceState], forks: Forks, claimed_blocks: int = 0) -> bool:
         """Would admitting ``seq`` (computing up to ``num_tokens``, reusing the cached blocks
         ``computed``) respect the policy, beside ``running`` and the siblings waiting in

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvfleet.worker.runner.attention import AttentionMetadata, paged_attention
+from kvfleet.worker.runner.attention import AttentionMetadata, GroupedMetadata, paged_attention
 from kvfleet.worker.runner.kv_cache import KVCache
 from kvfleet.worker.runner.model_config import ModelConfig
 from kvfleet.worker.runner.models.checkpoint import fuse_hf_weights
@@ -150,7 +150,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_scale: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
+                meta: AttentionMetadata | GroupedMetadata, kv_cache: KVCache) -> torch.Tensor:
         """``input_ids``/``positions`` ``(T,)`` → hidden states ``(T, hidden_size)`` (pre final
         norm)."""
         hidden, cos, sin = self.embed(input_ids, positions)
@@ -166,7 +166,7 @@ class LlamaForCausalLM(nn.Module):
         return hidden, self.rope_cos[:, positions].unsqueeze(2), self.rope_sin[:, positions].unsqueeze(2)
 
     def run_layers(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   meta: AttentionMetadata, kv_cache: KVCache, start: int = 0,
+                   meta: AttentionMetadata | GroupedMetadata, kv_cache: KVCache, start: int = 0,
                    should_yield: Callable[[], bool] | None = None) -> tuple[torch.Tensor, int]:
         """Decoder layers ``start..`` over ``hidden`` ``(T, hidden_size)``; after each layer but
         the last, stop when ``should_yield()`` is true (layer-level yield).
