@@ -30,7 +30,8 @@ from kvfleet.allocator.kv_bytes import (
     scale_bytes_per_token,
 )
 from kvfleet.allocator.lora_bytes import lora_slot_bytes
-from kvfleet.allocator.model_spec import ModelKVSpec, spec_from_config
+from kvfleet.allocator.model_spec import ConfigError, ModelKVSpec, load_config, spec_from_config
+from kvfleet.allocator.param_count import ParamCount, is_moe, param_count
 from kvfleet.allocator.units import describe_bytes, format_bytes, parse_count, parse_size
 
 PROG = "kvfleet budget"
@@ -63,7 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="usable memory per device: 80GB, 24GiB or bytes (enables capacity)")
     p.add_argument("--reserve", metavar="SIZE", default="0",
                    help="measured non-KV reserve per device (default 0)")
-    p.add_argument("--params", metavar="N", help="parameter count: 7e9, 7B or an integer")
+    p.add_argument("--params", metavar="N", help="parameter count: 7e9, 7B or an integer, or "
+                   "'config' to count it from config.json (a mixture-of-experts model's every "
+                   "expert included)")
     p.add_argument("--margin", type=float, default=0.0, metavar="FRACTION",
                    help="fraction of --memory kept free (default 0)")
     p.add_argument("--weights", "--weight-dtype", dest="weight_dtype", choices=WEIGHT_FORMATS,
@@ -123,11 +126,24 @@ def describe_spec(spec: ModelKVSpec) -> str:
     return text
 
 
+def _counted(config: Any, required: bool) -> ParamCount | None:
+    """The config's parameter count, or None where it cannot be read and is not ``required``
+    (a mixture-of-experts config's errors always surface: its expert fields are the budget's)."""
+    cfg = load_config(config)
+    try:
+        return param_count(cfg)
+    except ConfigError:
+        if required or is_moe(cfg):
+            raise
+        return None
+
+
 def compute_budget(args: argparse.Namespace) -> dict[str, Any]:
     """The report of one ``kvfleet budget`` call (the ``--json`` object)."""
     for flag in ("tp", "batch", "block_size"):
         _check_positive(getattr(args, flag), "--" + flag.replace("_", "-"))
     spec = spec_from_config(args.config, num_kv_heads=args.num_kv_heads)
+    counted = _counted(args.config, args.params == "config")
     rank = rank_spec(spec, args.tp)
     t, b, dtype = _context(spec, args.context), args.batch, args.kv_dtype
     reservation = reserve_slots([t], args.block_size)
@@ -154,6 +170,8 @@ def compute_budget(args: argparse.Namespace) -> dict[str, Any]:
         "reserved_tokens_per_request": reservation.reserved_tokens,
         "tail_waste_tokens": reservation.tail_waste_tokens,
     }
+    if counted is not None:  # held (every expert once) and run per token
+        report.update(params=counted.total, active_params=counted.active)
     lora_bytes = lora_bytes_per_rank = 0
     if args.max_loras:
         _check_positive(args.max_loras, "--max-loras")
@@ -168,7 +186,7 @@ def compute_budget(args: argparse.Namespace) -> dict[str, Any]:
     if args.memory is not None:
         plan = plan_capacity(
             spec, memory_bytes=parse_size(args.memory, "--memory"), tokens_per_request=t,
-            tp=args.tp, num_params=parse_count(args.params, "--params") if args.params else None,
+            tp=args.tp, num_params=_num_params(args.params, counted),
             weight_dtype=args.weight_dtype, kv_dtype=dtype,
             reserve_bytes=parse_size(args.reserve, "--reserve") + lora_bytes_per_rank,
             margin=args.margin,
@@ -189,6 +207,13 @@ def compute_budget(args: argparse.Namespace) -> dict[str, Any]:
         report.update(kv_host_memory_bytes=host, host_tier_blocks=host // block,
                       host_tier_tokens=host // block * args.block_size)
     return report
+
+
+def _num_params(flag: str | None, counted: ParamCount | None) -> int | None:
+    if flag == "config":
+        assert counted is not None
+        return counted.total
+    return parse_count(flag, "--params") if flag else None
 
 
 def _pair(total: int, per_rank: int, tp: int) -> str:
@@ -217,6 +242,9 @@ def format_table(r: dict[str, Any]) -> str:
         rows.append((f"LoRA {r['max_loras']} x rank {r['max_lora_rank']}",
                      _pair(r["lora_bytes"], r["lora_bytes_per_rank"], r["tp"])
                      + " (in the reserve below)" * ("memory_bytes" in r)))
+    if "params" in r:
+        rows.append(("parameters", f"{r['params'] / 1e9:.2f}B held, {r['active_params'] / 1e9:.2f}B "
+                                   "run per token"))
     rows.append(("reserved/request", f"{r['reserved_tokens_per_request']} tokens "
                                      f"({r['tail_waste_tokens']} tokens tail waste)"))
     if "memory_bytes" in r:

@@ -55,21 +55,32 @@ def build_parser(cluster_flags: bool = True) -> argparse.ArgumentParser:
 def model_refusal(argv: list[str]) -> Optional[str]:
     """Why ``--model`` (default: the default model) cannot be served, checked before the
     cluster flags' parser loads (it imports torch and the worker: seconds), or None. Only the
-    model's family and config fields are judged here (torch-free); an unprepared or missing
-    model, and every other flag, are left to the full parse."""
+    model's family and config fields are judged here (torch-free), and for a model the
+    transformers fallback would run, its class and what ``--model-impl``, ``--tp``,
+    ``--quantization`` and ``--layer-yield`` ask of it (that imports transformers); an
+    unprepared or missing model, and every other flag, are left to the full parse."""
     from kvfleet.deploy.models import DEFAULT_MODEL, ModelNotPrepared, resolve_model
+    from kvfleet.worker.runner.fallback.check import FallbackRequest
+    from kvfleet.worker.runner.model_impl import MODEL_IMPLS
     from kvfleet.worker.runner.models import check_model_dir
 
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--model", default=DEFAULT_MODEL)
+    pre.add_argument("--model-impl", default="auto")
+    pre.add_argument("--tp", default="1")
+    pre.add_argument("--quantization", default="none")
+    pre.add_argument("--layer-yield", action="store_true")
     known, _ = pre.parse_known_args(argv)
+    if known.model_impl not in MODEL_IMPLS or not known.tp.isdigit():
+        return None  # the full parser names the bad value
     try:
         _, model_dir = resolve_model(known.model)
     except (ModelNotPrepared, OSError):
         return None
     try:
-        check_model_dir(model_dir)
-    except ValueError as exc:  # UnsupportedModel, ConfigError: they name the field
+        check_model_dir(model_dir, known.model_impl,
+                        FallbackRequest(int(known.tp), known.quantization, known.layer_yield))
+    except ValueError as exc:  # UnsupportedModel, ConfigError, ShardingError: they name it
         return str(exc)
     return None
 

@@ -38,6 +38,7 @@ from kvfleet.worker.engine.scheduling.config import POLICIES as ADMISSION_POLICI
 from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig
 from kvfleet.worker.replica.autoscale import AutoscaleTargets
 from kvfleet.worker.replica.replica import DEFAULT_KV_MEMORY_BYTES, EXECUTORS, ReplicaConfig
+from kvfleet.worker.runner.model_impl import MODEL_IMPLS
 
 # Config path prefix -> the dataclass holding the fields below it ("" = ClusterConfig).
 OWNERS: dict[str, type] = {"": ClusterConfig, "replica": ReplicaConfig, "router": RouterConfig,
@@ -95,6 +96,11 @@ REPLICA_FLAGS: tuple[Flag, ...] = (
     Flag("--device", "replica.device",
          "cuda: one GPU per rank, NCCL between ranks (default {default}, gloo)", "model",
          choices=("cpu", "cuda")),
+    Flag("--model-impl", "replica.model_impl",
+         "native: a registered family's module; transformers: the Hugging Face class itself "
+         "behind kvfleet's paged attention (the transformers extra; no layer yield, float "
+         "weights, TP by the class's base_model_tp_plan); auto: native when the family is "
+         "registered, else transformers (default {default})", "model", choices=MODEL_IMPLS),
     _ROUTER["--quantization"].at("replica.quantization"),
     _ROUTER["--quant-group-size"].at("replica.quant_group_size"),
     Flag("--no-one-row-weights", "replica.one_row_weights",
@@ -263,15 +269,19 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
     them). Raises ModelNotPrepared / ValueError (UnsupportedModel, ConfigError)."""
     from kvfleet.worker.executor.cost_model import MEASURED, CostModel
     from kvfleet.worker.replica.adapter_catalog import adapter_roots
+    from kvfleet.worker.runner.fallback.check import FallbackRequest
     from kvfleet.worker.runner.models import check_model_dir
 
     name, model_dir = resolve_model(args.model)
-    model = check_model_dir(model_dir)  # an unsupported family or field: refused before Ray
     values = values_by_owner(args, FLAGS, OWNERS)
     # Beyond loopback: mutual TLS by default (~/.kvfleet/internal-tls), never plaintext.
     replica_values = with_default_internal_tls(values["replica"])
+    # An unsupported family or field, or what the fallback cannot do: refused before Ray.
+    model = check_model_dir(model_dir, replica_values["model_impl"], FallbackRequest(
+        replica_values["tensor_parallel_size"], replica_values["quantization"],
+        values["replica.scheduler"]["layer_yield"]))
     _check_device(replica_values["device"])
-    if replica_values["tensor_parallel_size"] != 1:  # refuse a split the model cannot take
+    if replica_values["tensor_parallel_size"] != 1 and model.impl == "native":
         from kvfleet.worker.runner.tp.layout import check_tp
 
         check_tp(model, replica_values["tensor_parallel_size"])

@@ -11,7 +11,10 @@ from tests.fixtures.redis import redis_namespace, redis_server  # noqa: E402,F40
 from tests.fixtures.models import (llama_8q2kv_dir, llama_8q4kv_dir,  # noqa: E402,F401
                                    smollm2_dir, tiny_gemma3_dir, tiny_llama3_dir,
                                    tiny_llama_dir, tiny_llama_long_dir, tiny_mistral_dir,
-                                   tiny_phi3_dir, tiny_qwen2_dir, tiny_qwen3_dir)
+                                   tiny_phi3_dir, tiny_qwen2_dir, tiny_qwen3_dir,
+                                   tiny_qwen3_moe_dir, tiny_mixtral_dir, tiny_gpt_oss_dir)
+from tests.fixtures.fallback_models import (tiny_granite_dir,  # noqa: E402,F401
+                                            tiny_olmo2_dir)
 from tests.fixtures.cluster import ray_session, tiny_cluster  # noqa: E402,F401
 from tests.fixtures.adapters import adapter_factory, tiny_adapters  # noqa: E402,F401
 

@@ -77,6 +77,7 @@ from kvfleet.worker.replica.shared_calibration import shared_or_calibrate
 from kvfleet.worker.runner.kv_cache import num_blocks_for_memory
 from kvfleet.worker.runner.memory import trim_heap
 from kvfleet.worker.runner.model_config import ModelConfig, load_model_config
+from kvfleet.worker.runner.model_impl import MODEL_IMPLS, TRANSFORMERS
 from kvfleet.worker.runner.model_runner import ModelRunner
 from kvfleet.worker.runner.quant.config import DEFAULT_GROUP_SIZE, FLOAT_WEIGHTS, QuantConfig
 from kvfleet.worker.service.engine_loop import EngineLoop
@@ -169,6 +170,10 @@ class ReplicaConfig:
     # inputs when quantized at load; part of the cache identity.
     quantization: str = "none"
     quant_group_size: int = DEFAULT_GROUP_SIZE
+    # Which implementation runs the model (kvfleet.worker.runner.model_impl): "native" (a
+    # registered family), "transformers" (the Hugging Face class behind the paged attention,
+    # kvfleet.worker.runner.fallback) or "auto" (native when registered).
+    model_impl: str = "auto"
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     redis_url: Optional[str] = None
     namespace: str = "kvfleet:"
@@ -249,6 +254,9 @@ class ReplicaConfig:
             raise ValueError("scheduler.layer_yield (--layer-yield) needs tensor_parallel_size 1 "
                              "(a forward pauses between layers only in one process)")
         QuantConfig(self.quantization, self.quant_group_size)  # ValueError naming the field
+        if self.model_impl not in MODEL_IMPLS:
+            raise ValueError(f"model_impl must be one of {', '.join(MODEL_IMPLS)}, got "
+                             f"{self.model_impl!r}")
         if self.scheduler.layer_yield and self.kv_host_memory_bytes:
             raise ValueError("scheduler.layer_yield (--layer-yield) does not run beside a host KV "
                              "tier (kv_host_memory_bytes, --kv-host-memory): its forward cannot "
@@ -281,14 +289,16 @@ def cache_identity(model_name: str, model_dir: str | Path, kv_dtype: str, block_
 
 def kv_layer_groups(cfg: ReplicaConfig, mc: ModelConfig) -> LayerGroups:
     """The KV cache's layer groups: by window when some layer slides (window-sized KV), one
-    group of every layer otherwise, and for the cost-model executor (it keeps no KV).
+    group of every layer otherwise, for the cost-model executor (it keeps no KV) and for the
+    transformers fallback (its attention reads one block table).
 
     Raises:
         ValueError: a host KV tier (``--kv-host-memory``) with sliding-window groups: the tier
             and peer pulls move one block of every layer per hash and do not move each
             group's blocks yet.
     """
-    if cfg.executor != "model" or all(w is None for w in mc.sliding_windows):
+    if (cfg.executor != "model" or mc.impl == TRANSFORMERS
+            or all(w is None for w in mc.sliding_windows)):
         return LayerGroups.single(mc.num_layers)
     if cfg.kv_host_memory_bytes:
         raise ValueError(
@@ -308,30 +318,37 @@ def build_engine(cfg: ReplicaConfig, on_rank_failure: Callable[[str], None] = la
         ShardingError: the model's heads do not split over ``tensor_parallel_size``.
     """
     tp = cfg.tensor_parallel_size
-    catalog = check_catalog(cfg.adapters, load_model_config(cfg.model_dir), cfg.max_lora_rank)
+    catalog = check_catalog(cfg.adapters, load_model_config(cfg.model_dir, cfg.model_impl),
+                            cfg.max_lora_rank)
     max_loras = cfg.max_loras if cfg.executor == "model" else 0
     torch.set_num_threads(cfg.num_threads if tp == 1 else 1)
     dtype = DTYPES[cfg.dtype]
     model_dir = Path(cfg.model_dir)
     num_blocks = cfg.num_blocks
-    groups = kv_layer_groups(cfg, load_model_config(model_dir))
+    groups = kv_layer_groups(cfg, load_model_config(model_dir, cfg.model_impl))
     if num_blocks is None:
-        mc = load_model_config(model_dir)
+        mc = load_model_config(model_dir, cfg.model_impl)
+        kv_tp = tp
+        if mc.impl == "transformers":  # its plan may keep every KV head on every rank
+            from kvfleet.worker.runner.fallback.check import kv_split
+
+            kv_tp = kv_split(model_dir, mc, tp)
         num_blocks = num_blocks_for_memory(mc, cfg.block_size, dtype,
-                                           cfg.kv_memory_bytes or DEFAULT_KV_MEMORY_BYTES, tp,
+                                           cfg.kv_memory_bytes or DEFAULT_KV_MEMORY_BYTES, kv_tp,
                                            groups)
     tokenizer = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     # The node's host tier (Ray: the replica runs in it); the cost model has no KV to keep.
-    tier = (_node_tier(cfg, load_model_config(model_dir))
+    tier = (_node_tier(cfg, load_model_config(model_dir, cfg.model_impl))
             if cfg.kv_host_memory_bytes and cfg.executor == "model" else None)
     identity = cache_identity(cfg.model_name, model_dir, cfg.dtype, cfg.block_size, cfg.quant_config)
     if cfg.executor == "cost-model":
-        executor: Executor = cost_model_executor(load_model_config(model_dir), tokenizer,
+        executor: Executor = cost_model_executor(load_model_config(model_dir, cfg.model_impl),
+                                                 tokenizer,
                                                  num_blocks, cfg.block_size, cfg.cost_model)
     elif tp > 1:
         spec = RankSpec(str(model_dir), tp, num_blocks, cfg.block_size, dtype,
                         cfg.one_row_weights, cfg.device, max_loras=max_loras, tier=tier,
-                        quantization=cfg.quant_config,
+                        quantization=cfg.quant_config, model_impl=cfg.model_impl,
                         tier_tag=identity.digest(), tier_queue_bytes=cfg.kv_write_back_queue_bytes,
                         tier_run_bytes=cfg.kv_write_back_run_bytes, layer_groups=groups)
         group = RankGroup(spec, cfg.tp, cfg.replica_id, on_rank_failure)
@@ -340,7 +357,7 @@ def build_engine(cfg: ReplicaConfig, on_rank_failure: Callable[[str], None] = la
         runner = ModelRunner(model_dir, num_blocks=num_blocks, block_size=cfg.block_size,
                              dtype=dtype, device=cfg.device, one_row_weights=cfg.one_row_weights,
                              max_loras=max_loras, quantization=cfg.quant_config,
-                             layer_groups=groups)
+                             model_impl=cfg.model_impl, layer_groups=groups)
         executor = LocalExecutor(runner, RankTier(
             tier, 0, runner.kv_cache, cfg.kv_write_back_queue_bytes, identity.digest(),
             cfg.kv_write_back_run_bytes) if tier else None)

@@ -236,7 +236,28 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     return cache.view(cache.shape[0], -1).index_select(0, blocks)
 
 
-def _prefill_attention(query, key, value, key_cache, value_cache, meta, window, out, scale):
+def _sdpa(q, k, v, mask, causal, scale, sinks):
+    """SDPA of ``q`` ``(heads, n, d)`` over ``k``/``v`` ``(kv_heads, ctx, d)``; with ``sinks``
+    ``(heads,)`` each head's sink joins the softmax as one more key whose logit is the sink
+    and whose value is zero (a zero key under an additive mask holding the sink), so it
+    only adds to the denominator. Returns ``(heads, n, d)``."""
+    if sinks is not None:
+        heads, n, ctx = q.shape[0], q.shape[1], k.shape[1]
+        if mask is None:
+            mask = torch.zeros(n, ctx, dtype=q.dtype, device=q.device)
+            if causal:
+                mask.masked_fill_(~causal_mask(ctx - n, n, None).to(q.device), float("-inf"))
+        mask = torch.cat([mask.to(q.dtype).expand(heads, n, ctx),
+                          sinks.to(q.dtype).view(heads, 1, 1).expand(heads, n, 1)], dim=-1)
+        k = torch.cat([k, k.new_zeros(k.shape[0], 1, k.shape[2])], dim=1)
+        v = torch.cat([v, v.new_zeros(v.shape[0], 1, v.shape[2])], dim=1)
+        causal = False
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask,
+                                          is_causal=causal, scale=scale, enable_gqa=True)[0]
+
+
+def _prefill_attention(query, key, value, key_cache, value_cache, meta, window, out, scale,
+                       sinks=None):
     """Each prefill chunk on its own through SDPA (GQA without repeated K/V): a fresh chunk
     over its own new K/V with a plain causal mask, a continued one over its cached context
     with the offset (and windowed) additive mask from the metadata."""
@@ -253,13 +274,12 @@ def _prefill_attention(query, key, value, key_cache, value_cache, meta, window, 
             ctx = computed + n - skip
             k = _gather(key_cache, table).view(-1, kv_heads, head_dim)[:ctx]
             v = _gather(value_cache, table).view(-1, kv_heads, head_dim)[:ctx]
-        o = F.scaled_dot_product_attention(  # (1, heads, n, d)
-            query[start:end].transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-            attn_mask=None if causal else bias, is_causal=causal, scale=scale, enable_gqa=True)
-        out[start:end] = o[0].transpose(0, 1)
+        o = _sdpa(query[start:end].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                  None if causal else bias, causal, scale, sinks)  # (heads, n, d)
+        out[start:end] = o.transpose(0, 1)
 
 
-def _decode_attention(query, key_cache, value_cache, meta, window, out, scale):
+def _decode_attention(query, key_cache, value_cache, meta, window, out, scale, sinks=None):
     """Each decode against exactly its own keys (no padding to the longest context), one SDPA
     call per decode (GQA without repeated K/V)."""
     kv_heads, head_dim = key_cache.shape[2:]
@@ -268,9 +288,8 @@ def _decode_attention(query, key_cache, value_cache, meta, window, out, scale):
                                      meta.decode_context, meta.decode_bias[window], strict=True):
         k = _gather(key_cache, table).view(-1, kv_heads, head_dim)[:ctx].transpose(0, 1)
         v = _gather(value_cache, table).view(-1, kv_heads, head_dim)[:ctx].transpose(0, 1)
-        out[idx] = F.scaled_dot_product_attention(
-            query[idx].view(1, num_heads, 1, head_dim), k[None], v[None], attn_mask=bias,
-            scale=scale, enable_gqa=True).view(num_heads, head_dim)
+        out[idx] = _sdpa(query[idx].view(num_heads, 1, head_dim), k, v, bias, False, scale,
+                         sinks).view(num_heads, head_dim)
 
 
 def paged_attention(
@@ -282,6 +301,7 @@ def paged_attention(
     meta: AttentionMetadata,
     window: int | None = None,
     scale: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend every query to its own request's keys.
 
@@ -291,6 +311,8 @@ def paged_attention(
         key_cache, value_cache: ``(num_blocks, block_size, num_kv_heads, head_dim)``, updated in place.
         window: this layer's sliding window in tokens, or ``None``.
         scale: this layer's softmax scale (``None``: ``head_dim ** -0.5``).
+        sinks: ``(num_heads,)`` per-head sink logits joining every softmax's denominator
+            (gpt-oss), or ``None``.
 
     Returns:
         ``(T, num_heads * head_dim)`` attention output.
@@ -302,9 +324,11 @@ def paged_attention(
     if meta.decode_kernel is not None:
         k = meta.decode_kernel
         cpu_kernels.decode_attention(query, key_cache, value_cache, out, meta.decode_token_indices,
-                                       k.tables, k.table_start, k.first_key[window], k.context, scale)
+                                       k.tables, k.table_start, k.first_key[window], k.context, scale,
+                                       sinks)
     elif meta.decode_token_indices.numel():
-        _decode_attention(query, key_cache, value_cache, meta, window, out, scale)
+        _decode_attention(query, key_cache, value_cache, meta, window, out, scale, sinks)
     if meta.prefill:
-        _prefill_attention(query, key, value, key_cache, value_cache, meta, window, out, scale)
+        _prefill_attention(query, key, value, key_cache, value_cache, meta, window, out, scale,
+                           sinks)
     return out.view(num_tokens, num_heads * head_dim)

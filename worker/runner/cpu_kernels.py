@@ -101,7 +101,7 @@ def load() -> ctypes.CDLL | None:
     fn = lib.paged_decode_attention
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64,
-                   ctypes.c_float, ctypes.c_int]
+                   ctypes.c_float, ptr, ctypes.c_int]
     fn.restype = ctypes.c_int
     lib.gemv_rows.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_int]
     lib.gemv_rows.restype = None
@@ -142,9 +142,10 @@ def _loaded(lib: ctypes.CDLL | None) -> ctypes.CDLL:
 def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      out: torch.Tensor, token: torch.Tensor, tables: torch.Tensor,
                      table_start: torch.Tensor, first: torch.Tensor, ctx: torch.Tensor,
-                     scale: float) -> None:
+                     scale: float, sinks: torch.Tensor | None = None) -> None:
     """Write ``out[token[d]]`` = attention of ``query[token[d]]`` over keys ``first[d] ..
-    ctx[d] - 1`` of decode ``d`` (all int64 CPU tensors; see ``paged_decode.c`` for layouts).
+    ctx[d] - 1`` of decode ``d`` (all int64 CPU tensors; see ``paged_decode.c`` for layouts);
+    ``sinks`` ``(num_heads,)`` fp32: per-head sink logits in each softmax's denominator.
 
     ``query``/``out`` ``(T, num_heads, head_dim)`` with the last two dims contiguous; caches
     ``(num_blocks, block_size, num_kv_heads, head_dim)`` contiguous. Indices are trusted: the
@@ -159,10 +160,15 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     if not (key_cache.is_contiguous() and value_cache.is_contiguous()
             and query.stride()[1:] == (head_dim, 1) and out.stride()[1:] == (head_dim, 1)):
         raise ValueError("decode kernel: caches must be contiguous and rows (heads, head_dim) dense")
+    if sinks is not None:
+        sinks = sinks.to(torch.float32).contiguous()
+        if sinks.shape != (num_heads,):
+            raise ValueError(f"decode kernel: sinks {tuple(sinks.shape)}, want ({num_heads},)")
     status = _loaded(None).paged_decode_attention(
         query.data_ptr(), query.stride(0), out.data_ptr(), out.stride(0),
         key_cache.data_ptr(), value_cache.data_ptr(), token.data_ptr(), tables.data_ptr(),
         table_start.data_ptr(), first.data_ptr(), ctx.data_ptr(), token.numel(), num_heads,
-        kv_heads, head_dim, block_size, scale, torch.get_num_threads())
+        kv_heads, head_dim, block_size, scale, None if sinks is None else sinks.data_ptr(),
+        torch.get_num_threads())
     if status != 0:
         raise MemoryError("decode kernel: could not allocate its scratch buffers")

@@ -22,14 +22,17 @@ from typing import Any
 from kvfleet.allocator.model_spec import ConfigError, ModelKVSpec, _positive_int, spec_from_config
 from kvfleet.worker.runner.model_families import (
     DecoderStyle,
+    MoeSpec,
     Rope,
     RopeScaling,
     UnsupportedModel,
     family_of,
+    refuse_towers,
     supported_families,
 )
+from kvfleet.worker.runner.model_impl import TRANSFORMERS, resolve_impl
 
-__all__ = ["ConfigError", "DecoderStyle", "ModelConfig", "Rope", "RopeScaling", "UnsupportedModel",
+__all__ = ["ConfigError", "DecoderStyle", "ModelConfig", "MoeSpec", "Rope", "RopeScaling", "UnsupportedModel",
            "load_model_config", "parse_model_config"]
 
 
@@ -42,7 +45,8 @@ class ModelConfig:
     where the family gives them their own (``local_rope``, Gemma 3), the sliding ones.
     ``max_position_embeddings`` is the context served (the allocator's reading).
     ``eos_token_ids`` merges ``generation_config.json`` and ``config.json``, generation
-    config first.
+    config first. ``moe``: the mixture-of-experts block of the family's sparse layers (None:
+    every layer has the dense MLP of ``intermediate_size``).
     """
 
     architecture: str
@@ -65,6 +69,11 @@ class ModelConfig:
     bos_token_id: int | None
     local_rope: Rope | None = None
     style: DecoderStyle = field(default_factory=DecoderStyle)
+    moe: MoeSpec | None = None
+    # "native": a registered family's module runs it; "transformers": the Hugging Face class
+    # does (:mod:`kvfleet.worker.runner.fallback`), and only the shape, EOS ids and context
+    # above are read (rope, norms, biases and style keep their defaults, unused).
+    impl: str = "native"
 
     @property
     def sliding_window(self) -> int | None:
@@ -116,8 +125,12 @@ def _attention_shape(raw: dict[str, Any]) -> ModelKVSpec:
     return kv
 
 
-def parse_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
-    """Build a :class:`ModelConfig` from parsed ``config.json`` (and ``generation_config.json``).
+def parse_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = None,
+                       model_impl: str = "native") -> ModelConfig:
+    """Build a :class:`ModelConfig` from parsed ``config.json`` (and ``generation_config.json``);
+    ``model_impl`` (:data:`~.model_impl.MODEL_IMPLS`): ``native`` applies the family's rules,
+    ``transformers`` reads only what the fallback's runner needs (:func:`_fallback_config`),
+    ``auto`` the first when the family is registered, else the second.
 
     Raises:
         UnsupportedModel: unknown ``model_type`` or architecture, a feature the family's rules
@@ -125,13 +138,15 @@ def parse_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = 
             vision tower; the message names the field and the families that work.
         ConfigError: a required field is missing or malformed (the message names it).
     """
+    if resolve_impl(raw, model_impl) == TRANSFORMERS:
+        return _fallback_config(raw, generation)
     family, architecture = family_of(raw)
     kv = _attention_shape(raw)
     head_dim = kv.layers[0].head_dim
     defaults = family.defaults
     attention_bias = raw.get("attention_bias")
     rope, local_rope = family.ropes(raw, head_dim)
-    eos = list(dict.fromkeys(_ids((generation or {}).get("eos_token_id")) + _ids(raw.get("eos_token_id"))))
+    eos = _eos_ids(raw, generation)
     return ModelConfig(
         architecture=architecture,
         model_type=str(raw.get("model_type") or family.model_type),
@@ -154,11 +169,50 @@ def parse_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = 
         eos_token_ids=tuple(eos),
         bos_token_id=raw.get("bos_token_id"),
         style=family.style(raw),
+        moe=family.moe(raw),
     )
 
 
-def load_model_config(model_dir: str | Path) -> ModelConfig:
-    """Read ``config.json`` (required) and ``generation_config.json`` (optional) from a directory.
+def _eos_ids(raw: dict[str, Any], generation: dict[str, Any] | None) -> list[int]:
+    return list(dict.fromkeys(_ids((generation or {}).get("eos_token_id"))
+                              + _ids(raw.get("eos_token_id"))))
+
+
+def _fallback_config(raw: dict[str, Any], generation: dict[str, Any] | None) -> ModelConfig:
+    """The :class:`ModelConfig` of a model the Hugging Face class runs: the KV shape (the
+    allocator's reading), vocabulary, EOS ids and context; the forward's own fields stay in
+    the class's config. ``intermediate_size`` is 0 where the config has none.
+
+    Raises:
+        UnsupportedModel: MLA latents, hybrid layers (the paged cache holds K and V only).
+        ConfigError: a missing or malformed shape field (named).
+    """
+    refuse_towers(raw)
+    kv = _attention_shape(raw)
+    head_dim = kv.layers[0].head_dim
+    archs = raw.get("architectures") or []
+    if not archs:
+        raise ConfigError("architectures", "the transformers implementation needs the model "
+                                           "class named in config.json")
+    return ModelConfig(
+        architecture=str(archs[0]), model_type=str(raw.get("model_type") or archs[0]),
+        vocab_size=_positive_int(raw, "vocab_size"),
+        hidden_size=_positive_int(raw, "hidden_size"),
+        intermediate_size=int(raw.get("intermediate_size") or 0),
+        num_layers=kv.num_hidden_layers, num_heads=kv.num_attention_heads,
+        num_kv_heads=kv.num_kv_heads, head_dim=head_dim, rope=Rope(10000.0, head_dim),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(kv.max_position_embeddings or 0),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        sliding_windows=kv.windows, qkv_bias=False, o_bias=False,
+        eos_token_ids=tuple(_eos_ids(raw, generation)), bos_token_id=raw.get("bos_token_id"),
+        impl=TRANSFORMERS,
+    )
+
+
+def load_model_config(model_dir: str | Path, model_impl: str = "native") -> ModelConfig:
+    """Read ``config.json`` (required) and ``generation_config.json`` (optional) from a directory
+    (``model_impl``: see :func:`parse_model_config`).
 
     Raises:
         FileNotFoundError: no ``config.json``.
@@ -175,4 +229,4 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         raise ConfigError("config.json", f"{path} is not a JSON object")
     gen_path = d / "generation_config.json"
     generation = json.loads(gen_path.read_text()) if gen_path.is_file() else None
-    return parse_model_config(raw, generation)
+    return parse_model_config(raw, generation, model_impl)

@@ -30,7 +30,10 @@ class RopeScaling:
     smooth ramp between ``low_freq_factor`` and ``high_freq_factor``. ``longrope`` (Phi-3's
     ``su``): frequency ``i`` ÷ ``short_factor[i]`` and cos/sin × ``attention_factor``; the long
     factors apply only past ``original_max_position_embeddings``, which the served context
-    never reaches (see :func:`kvfleet.allocator.model_spec.served_context`).
+    never reaches (see :func:`kvfleet.allocator.model_spec.served_context`). ``yarn``: each
+    frequency blends its original and its ÷ ``factor`` value along a ramp between the dims
+    that turn ``beta_fast`` and ``beta_slow`` times over ``original_max_position_embeddings``
+    (bounds rounded outwards when ``truncate``), and cos/sin × ``attention_factor``.
     """
 
     rope_type: str
@@ -40,6 +43,9 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
     short_factor: tuple[float, ...] = ()
     attention_factor: float = 1.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
 
 
 @dataclass(frozen=True)
@@ -66,6 +72,8 @@ class DecoderStyle:
     ``attn_scale``: the softmax scale (None: ``head_dim ** -0.5``; Gemma:
     ``query_pre_attn_scalar ** -0.5``).
     ``final_logit_softcap``: logits = ``c * tanh(logits / c)`` (None: off).
+    ``attn_sinks``: each attention head has a learned logit that joins every softmax's
+    denominator (gpt-oss): the weights over the keys then sum to less than 1.
     """
 
     qk_norm: bool = False
@@ -75,6 +83,35 @@ class DecoderStyle:
     activation: str = "silu"
     attn_scale: float | None = None
     final_logit_softcap: float | None = None
+    attn_sinks: bool = False
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    """A sparse mixture-of-experts MLP: which layers have it and how it routes.
+
+    ``num_experts`` experts of width ``intermediate_size`` each; every token runs
+    ``top_k`` of them. ``router``: ``softmax_topk`` (softmax over all experts, then the top-k
+    probabilities, renormalised to sum to 1 when ``norm_topk_prob``: Qwen3-MoE, Mixtral) or
+    ``topk_softmax`` (the top-k logits, then a softmax over those: gpt-oss). ``sparse[i]``:
+    whether layer ``i`` holds the sparse block (else the dense MLP of the config's
+    ``intermediate_size``). ``prefix``: the checkpoint module of the block
+    (``model.layers.{i}.<prefix>.``). ``bias``: router and experts carry biases (gpt-oss).
+    ``swiglu_limit`` / ``swiglu_alpha``: gpt-oss's clamped SwiGLU
+    (``(clamp(up, ±limit) + 1) * g * sigmoid(alpha * g)``, ``g = min(gate, limit)``); None:
+    the family's plain gated activation.
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    router: str
+    norm_topk_prob: bool
+    sparse: tuple[bool, ...]
+    prefix: str = "mlp"
+    bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
 
 def _number(params: Mapping[str, Any], name: str, where: str) -> float:
@@ -113,7 +150,34 @@ def _longrope(params: Mapping[str, Any], raw: Mapping[str, Any], rotary_dim: int
                        short_factor=short, attention_factor=float(attention))
 
 
-ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn(params: Mapping[str, Any], raw: Mapping[str, Any]) -> RopeScaling:
+    """YaRN as transformers computes it: ``factor`` defaults to ``max_position_embeddings /
+    original_max_position_embeddings``; ``attention_factor`` to ``0.1 ln(factor) + 1`` (or the
+    ratio of the two ``mscale`` terms where ``mscale`` and ``mscale_all_dim`` are set)."""
+    original = params.get("original_max_position_embeddings",
+                          raw.get("original_max_position_embeddings", raw.get("max_position_embeddings")))
+    if isinstance(original, bool) or not isinstance(original, int) or original <= 1:
+        raise ConfigError("rope_scaling.original_max_position_embeddings",
+                          f"YaRN needs it as an integer > 1, got {original!r}")
+    factor = (_number(params, "factor", "rope_scaling") if params.get("factor") is not None
+              else int(raw["max_position_embeddings"]) / original)
+    attention = params.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
+                     if mscale and mscale_all else _yarn_mscale(factor))
+    return RopeScaling("yarn", factor, original_max_position_embeddings=original,
+                       attention_factor=float(attention),
+                       beta_fast=float(params.get("beta_fast") or 32.0),
+                       beta_slow=float(params.get("beta_slow") or 1.0),
+                       truncate=bool(params.get("truncate", True)))
+
+
+ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 
 
 def parse_rope(params: Mapping[str, Any], raw: Mapping[str, Any], head_dim: int,
@@ -140,6 +204,8 @@ def parse_rope(params: Mapping[str, Any], raw: Mapping[str, Any], head_dim: int,
     scaling = None
     if rope_type == "longrope":
         scaling = _longrope(params, raw, rotary_dim)
+    elif rope_type == "yarn":
+        scaling = _yarn(params, raw)
     elif rope_type != "default":
         scaling = RopeScaling(
             rope_type=rope_type,
@@ -209,6 +275,65 @@ def _gemma3_style(raw: Mapping[str, Any]) -> DecoderStyle:
     )
 
 
+def _gpt_oss_style(raw: Mapping[str, Any]) -> DecoderStyle:
+    return DecoderStyle(attn_sinks=True)
+
+
+def _count(raw: Mapping[str, Any], *names: str) -> int:
+    """The first of ``names`` the config sets, as a positive integer (the error names the first)."""
+    name = next((n for n in names if raw.get(n) is not None), names[0])
+    value = raw.get(name)
+    if value is None:
+        raise ConfigError(name, "missing from config.json (a mixture-of-experts model needs it)")
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(name, f"must be a positive integer, got {value!r}")
+    return value
+
+
+def _experts(raw: Mapping[str, Any], *names: str) -> tuple[int, int]:
+    """``(num_experts, num_experts_per_tok)``, refusing a top-k above the expert count."""
+    experts, top_k = _count(raw, *names), _count(raw, "num_experts_per_tok")
+    if top_k > experts:
+        raise ConfigError("num_experts_per_tok", f"{top_k} exceeds the {experts} experts "
+                                                 f"({names[0]})")
+    return experts, top_k
+
+
+def _layers(raw: Mapping[str, Any]) -> int:
+    return _count(raw, "num_hidden_layers")
+
+
+def _qwen3_moe(raw: Mapping[str, Any]) -> MoeSpec:
+    """Layer ``i`` is sparse unless listed in ``mlp_only_layers``, and only when
+    ``(i + 1) % decoder_sparse_step == 0`` (transformers' rule)."""
+    experts, top_k = _experts(raw, "num_experts", "num_local_experts")
+    step = _count({"decoder_sparse_step": raw.get("decoder_sparse_step", 1)}, "decoder_sparse_step")
+    dense = raw.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or not all(isinstance(i, int) for i in dense):
+        raise ConfigError("mlp_only_layers", f"must list layer indices, got {dense!r}")
+    return MoeSpec(experts, top_k, _count(raw, "moe_intermediate_size"), "softmax_topk",
+                   bool(raw.get("norm_topk_prob", False)),
+                   tuple(i not in dense and (i + 1) % step == 0 for i in range(_layers(raw))))
+
+
+def _mixtral_moe(raw: Mapping[str, Any]) -> MoeSpec:
+    experts, top_k = _experts(raw, "num_local_experts")
+    return MoeSpec(experts, top_k, _count(raw, "intermediate_size"), "softmax_topk", True,
+                   (True,) * _layers(raw), prefix="block_sparse_moe")
+
+
+def _gpt_oss_moe(raw: Mapping[str, Any]) -> MoeSpec:
+    experts, top_k = _experts(raw, "num_local_experts")
+    limit = _number({"swiglu_limit": raw.get("swiglu_limit", 7.0)}, "swiglu_limit", "config")
+    alpha = _number({"swiglu_alpha": raw.get("swiglu_alpha", 1.702)}, "swiglu_alpha", "config")
+    return MoeSpec(experts, top_k, _count(raw, "intermediate_size"), "topk_softmax", False,
+                   (True,) * _layers(raw), bias=True, swiglu_limit=limit, swiglu_alpha=alpha)
+
+
+def _no_moe(raw: Mapping[str, Any]) -> MoeSpec | None:
+    return None
+
+
 @dataclass(frozen=True)
 class Family:
     """One natively run family (``model_type`` is its key in :data:`FAMILIES`).
@@ -216,7 +341,8 @@ class Family:
     ``module``: the model module whose ``build_model`` builds it; ``defaults``: what its
     HuggingFace config class defaults when ``config.json`` omits a field (``qkv_bias``,
     ``o_bias`` for ``attention_bias``); ``style`` and ``ropes`` read its decoder changes and
-    ``(rope, local_rope)`` from the raw config (refusing what the engine cannot run).
+    ``(rope, local_rope)`` from the raw config (refusing what the engine cannot run);
+    ``moe`` its mixture-of-experts block (None: dense MLPs only).
     """
 
     model_type: str
@@ -225,6 +351,7 @@ class Family:
     defaults: Mapping[str, Any] = field(default_factory=dict)
     style: Callable[[Mapping[str, Any]], DecoderStyle] = _llama_style
     ropes: Callable[[Mapping[str, Any], int], tuple[Rope, Rope | None]] = _one_rope
+    moe: Callable[[Mapping[str, Any]], MoeSpec | None] = _no_moe
 
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
@@ -235,6 +362,10 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("gemma3_text", ("Gemma3ForCausalLM",), defaults={"tie_word_embeddings": True},
            style=_gemma3_style, ropes=_gemma3_ropes),
     Family("phi3", ("Phi3ForCausalLM",), defaults={"rms_norm_eps": 1e-5}),
+    Family("qwen3_moe", ("Qwen3MoeForCausalLM",), style=_qwen3_style, moe=_qwen3_moe),
+    Family("mixtral", ("MixtralForCausalLM",), defaults={"rms_norm_eps": 1e-5}, moe=_mixtral_moe),
+    Family("gpt_oss", ("GptOssForCausalLM",), style=_gpt_oss_style, moe=_gpt_oss_moe,
+           defaults={"qkv_bias": True, "o_bias": True, "rms_norm_eps": 1e-5}),
 )}
 
 # Fields of composite checkpoints whose extra towers the engine does not run.
@@ -246,6 +377,19 @@ def supported_families() -> str:
     return ", ".join(f"{t} ({', '.join(f.architectures)})" for t, f in sorted(FAMILIES.items()))
 
 
+def refuse_towers(raw: Mapping[str, Any]) -> None:
+    """Refuse a composite (vision / audio) checkpoint, whichever implementation would run it.
+
+    Raises:
+        UnsupportedModel: naming the tower's field and the text-only families that work.
+    """
+    tower = next((t for t in _TOWERS if raw.get(t) is not None), None)
+    if tower is not None:
+        raise UnsupportedModel(f"{tower}: multimodal checkpoints ({raw.get('model_type')!r}) are "
+                               f"not supported; text-only families that work: "
+                               f"{supported_families()}")
+
+
 def family_of(raw: Mapping[str, Any]) -> tuple[Family, str]:
     """``(family, architecture)`` of a raw ``config.json`` (a config without ``model_type``
     is matched by its ``architectures``).
@@ -255,11 +399,7 @@ def family_of(raw: Mapping[str, Any]) -> tuple[Family, str]:
             its family does not build; the message names the field and the families that work.
     """
     _refuse_set(raw, "mlp_bias")
-    tower = next((t for t in _TOWERS if raw.get(t) is not None), None)
-    if tower is not None:
-        raise UnsupportedModel(f"{tower}: multimodal checkpoints ({raw.get('model_type')!r}) are "
-                               f"not supported; text-only families that work: "
-                               f"{supported_families()}")
+    refuse_towers(raw)
     archs = raw.get("architectures") or []
     model_type = raw.get("model_type")
     if not model_type:

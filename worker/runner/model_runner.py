@@ -7,6 +7,7 @@ keeps no per-request state between steps (everything it needs arrives in the pla
 from __future__ import annotations
 
 import itertools
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -23,6 +24,7 @@ from kvfleet.worker.runner.lora.adapter import AdapterSpec, read_adapter
 from kvfleet.worker.runner.lora.layer import apply_lora
 from kvfleet.worker.runner.lora.slots import LoraBatch, LoraSlots
 from kvfleet.worker.runner.model_config import ModelConfig, UnsupportedModel, load_model_config
+from kvfleet.worker.runner.model_impl import TRANSFORMERS
 from kvfleet.worker.runner.models import build_model
 from kvfleet.worker.runner.quant.config import FLOAT_WEIGHTS, QuantConfig
 from kvfleet.worker.runner.quant.sources import load_rank_weights
@@ -91,6 +93,8 @@ class ModelRunner:
         layer_groups: the KV cache's layer groups (:mod:`kvfleet.allocator.layer_groups`;
             the scheduler's manager must use the same windows); None: one group of every
             layer, which keeps every block.
+        model_impl: ``native``, ``transformers`` (the Hugging Face class behind the paged
+            attention, :mod:`~.fallback`) or ``auto`` (:mod:`~.model_impl`).
 
     Raises:
         ShardingError: heads or MLP width that do not split over ``shard.tp``.
@@ -103,32 +107,57 @@ class ModelRunner:
                  dtype: torch.dtype = torch.float32, device: str = "cpu",
                  one_row_weights: bool = True, shard: Shard = WHOLE,
                  max_loras: int = 0, quantization: QuantConfig = FLOAT_WEIGHTS,
-                 layer_groups: LayerGroups | None = None) -> None:
-        self.config: ModelConfig = load_model_config(model_dir)  # the whole model's
+                 model_impl: str = "native", layer_groups: LayerGroups | None = None) -> None:
+        # the whole model's
+        self.config: ModelConfig = load_model_config(model_dir, model_impl)
         self.device = torch.device(device)
         self.dtype = dtype
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.rank = shard.rank
         self.layout = shard_layout(self.config, shard.tp, shard.rank)
-        self.local_config = self.layout.local_config(self.config)
         self.quantization = quantization
-        weights = load_rank_weights(model_dir, self.layout, dtype, quantization)
-        try:
-            self.model = build_model(self.local_config, weights, dtype, self.device,
-                                     one_row_weights, lm_head=self.layout.holds_lm_head)
-        except QuantizedOpError as exc:
-            raise UnsupportedModel(f"{self.config.architecture} cannot serve --quantization "
-                                   f"{quantization.method}: {exc}") from None
-        del weights
         self.lora_slots = LoraSlots(max_loras)
-        self._adapters = apply_lora(self.model, max_loras)
-        parallelize(self.model, self.layout, shard.reduce)
+        if self.config.impl == TRANSFORMERS:
+            self._build_fallback(model_dir, shard, max_loras)
+        else:
+            self._build_native(model_dir, shard, one_row_weights, max_loras)
         self.layer_groups = layer_groups or LayerGroups.single(self.config.num_layers)
+        if self.config.impl == TRANSFORMERS and self.layer_groups.num_groups > 1:
+            raise ValueError("layer groups need the native decoder (--model-impl native)")
         self.kv_cache = KVCache(self.local_config, num_blocks, block_size, dtype, self.device,
                                 self.layer_groups)
         self._windows = tuple(dict.fromkeys(self.config.sliding_windows))
         self.released = False
+
+    def _build_native(self, model_dir: str | Path, shard: Shard, one_row_weights: bool,
+                      max_loras: int) -> None:
+        """The family's module from this rank's weights, then LoRA, then TP wrappers."""
+        self.local_config = self.layout.local_config(self.config)
+        weights = load_rank_weights(model_dir, self.layout, self.dtype, self.quantization)
+        try:
+            self.model = build_model(self.local_config, weights, self.dtype, self.device,
+                                     one_row_weights, lm_head=self.layout.holds_lm_head)
+        except QuantizedOpError as exc:
+            raise UnsupportedModel(f"{self.config.architecture} cannot serve --quantization "
+                                   f"{self.quantization.method}: {exc}") from None
+        del weights
+        self._adapters = apply_lora(self.model, max_loras)
+        parallelize(self.model, self.layout, shard.reduce)
+
+    def _build_fallback(self, model_dir: str | Path, shard: Shard, max_loras: int) -> None:
+        """The Hugging Face class (:mod:`.fallback`), sharded by its plan, LoRA on its linears."""
+        from kvfleet.worker.runner.fallback.check import FallbackRequest, check_fallback
+        from kvfleet.worker.runner.fallback.lora import apply_fallback_lora
+        from kvfleet.worker.runner.fallback.model import build_fallback
+
+        raw = json.loads((Path(model_dir) / "config.json").read_text())
+        check_fallback(model_dir, self.config, raw,
+                       FallbackRequest(shard.tp, self.quantization.method))
+        self.model, self.local_config = build_fallback(model_dir, self.config, self.dtype,
+                                                       self.device, shard.tp, shard.rank,
+                                                       shard.reduce)
+        self._adapters = apply_fallback_lora(self.model, max_loras)
 
     def release(self) -> None:
         """Free the weights, adapters and KV cache for good: a stopped replica that is still
@@ -150,8 +179,10 @@ class ModelRunner:
         """
         if not 1 <= slot <= self.lora_slots.max_loras:
             raise ValueError(f"adapter slot must lie in [1, {self.lora_slots.max_loras}], got {slot}")
-        self.lora_slots.install(slot, read_adapter(spec, self.config, self.layout, self.dtype,
-                                                   self.device))
+        weights = read_adapter(spec, self.config, self.layout, self.dtype, self.device)
+        if self.config.impl == TRANSFORMERS:
+            self._adapters.check(weights)  # type: ignore[attr-defined]
+        self.lora_slots.install(slot, weights)
 
     def unload_adapter(self, slot: int) -> None:
         """Empty ``slot`` (no running request may use it)."""

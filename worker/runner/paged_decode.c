@@ -8,6 +8,8 @@
  *   k_cache, v_cache  (num_blocks, block_size, num_kv_heads, head_dim)
  *   tables  the decodes' block tables concatenated; table_start[d] .. table_start[d + 1]
  *   first[d] .. ctx[d] - 1  the keys decode d sees (first > 0 under a sliding window)
+ *   sinks   NULL, or (num_heads,) per-head sink logits: each joins its head's softmax
+ *           denominator (a key with that logit and a zero value), so the weights sum below 1
  * One task per decode: it walks its keys in cache order, each slot's heads in one contiguous
  * read (the prefetcher then streams whole blocks), the next block's slot prefetched ahead.
  * Softmax in two passes over a scores buffer (max, then exp and sum), as SDPA's math does.
@@ -28,7 +30,8 @@ int paged_decode_attention(const float *query, int64_t q_stride, float *out, int
                             const int64_t *tables, const int64_t *table_start,
                             const int64_t *first, const int64_t *ctx, int64_t num_decodes,
                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                            int64_t block_size, float scale, int num_threads) {
+                            int64_t block_size, float scale, const float *sinks,
+                            int num_threads) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t slot_stride = num_kv_heads * head_dim;
     const int64_t ahead = 4;  /* keys prefetched ahead: covers the jump to the next block */
@@ -60,9 +63,10 @@ int paged_decode_attention(const float *query, int64_t q_stride, float *out, int
             }
         }
         for (int64_t hq = 0; hq < num_heads; ++hq) {
-            float *sh = scores + hq * n, m = -INFINITY, sum = 0.f;
+            float *sh = scores + hq * n, m = sinks ? sinks[hq] : -INFINITY, sum = 0.f;
             for (int64_t i = 0; i < n; ++i) m = sh[i] > m ? sh[i] : m;
             for (int64_t i = 0; i < n; ++i) { sh[i] = expf(sh[i] - m); sum += sh[i]; }
+            if (sinks) sum += expf(sinks[hq] - m);
             const float inv = 1.f / sum;
             for (int64_t i = 0; i < n; ++i) sh[i] *= inv;
         }

@@ -36,7 +36,8 @@ def weight_files(model_dir: str | Path) -> list[Path]:
 def load_weights(model_dir: str | Path, dtype: torch.dtype | None = None,
                  read: Callable[[Any, str], torch.Tensor | None] | None = None
                  ) -> dict[str, torch.Tensor]:
-    """All tensors of the checkpoint by HF name, cast to ``dtype`` when given (CPU tensors).
+    """All tensors of the checkpoint by HF name, float ones cast to ``dtype`` when given (CPU
+    tensors; integer ones, packed MXFP4 blocks and scales, stay as stored).
 
     ``read(f, name)``, when given, reads tensor ``name`` from the open safetensors file ``f``
     instead of the whole tensor (a slice, say), or returns None to leave it out.
@@ -53,5 +54,6 @@ def load_weights(model_dir: str | Path, dtype: torch.dtype | None = None,
                     raise ValueError(f"tensor {name} appears in more than one shard ({path.name})")
                 t = f.get_tensor(name) if read is None else read(f, name)
                 if t is not None:
-                    out[name] = t if dtype is None or t.dtype == dtype else t.to(dtype)
+                    cast = dtype is not None and t.dtype != dtype and t.is_floating_point()
+                    out[name] = t.to(dtype) if cast else t
     return out

@@ -35,9 +35,11 @@ sys.exit(code)
 
 
 def test_an_unknown_model_type_exits_2_with_one_line_before_loading_torch(tmp_path) -> None:
+    """``--model-impl native``: only registered families (``auto`` would try the fallback)."""
     d = _model_dir(tmp_path, "olmo", {**load("qwen3-0.6b"), "model_type": "olmo2",
                                       "architectures": ["Olmo2ForCausalLM"]})
-    out = subprocess.run([sys.executable, "-c", CLI, "up", "--model", str(d)],
+    out = subprocess.run([sys.executable, "-c", CLI, "up", "--model", str(d),
+                          "--model-impl", "native"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stderr[-2000:]
     lines = out.stderr.strip().splitlines()
@@ -57,7 +59,21 @@ CASES = {
                               "error: attn_logit_softcapping: 50.0 is not supported"),
     "mla": ({**load("llama-3-8b"), "kv_lora_rank": 512, "qk_rope_head_dim": 64},
             "error: kv_lora_rank: MLA attention is not supported"),
-    "mamba-hybrid": (load("jamba-1.5-mini"), "error: model_type: 'jamba' is not supported"),
+    # unregistered: --model-impl auto tries the fallback, which caches K/V only
+    "mamba-hybrid": (load("jamba-1.5-mini"), "error: attn_layer_period: hybrid (non-attention) "
+                                             "layers are not supported"),
+    # mixture-of-experts configs: a top-k above the expert count, a missing expert field
+    "moe-top-k-above-experts": ({**load("qwen3-30b-a3b"), "num_experts_per_tok": 129},
+                                "error: num_experts_per_tok: 129 exceeds the 128 experts"),
+    "moe-missing-expert-width": ({k: v for k, v in load("qwen3-30b-a3b").items()
+                                  if k != "moe_intermediate_size"},
+                                 "error: moe_intermediate_size: missing from config.json"),
+    "moe-missing-expert-count": ({k: v for k, v in load("mixtral-8x7b-v0.1").items()
+                                  if k != "num_local_experts"},
+                                 "error: num_local_experts: missing from config.json"),
+    "moe-missing-top-k": ({k: v for k, v in load("gpt-oss-20b").items()
+                           if k != "num_experts_per_tok"},
+                          "error: num_experts_per_tok: missing from config.json"),
 }
 
 

@@ -117,7 +117,9 @@ class RankGroup:
         from kvfleet.worker.runner.model_config import load_model_config
         from kvfleet.worker.runner.tp.layout import check_tp
 
-        check_tp(load_model_config(self.spec.model_dir), self.spec.tp)
+        config = load_model_config(self.spec.model_dir, self.spec.model_impl)
+        if config.impl == "native":  # the fallback's plan is checked as its ranks build
+            check_tp(config, self.spec.tp)
         try:
             return self._start()
         except BaseException:

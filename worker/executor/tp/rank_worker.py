@@ -61,6 +61,7 @@ class RankSpec:
     tier_queue_bytes: int = DEFAULT_MAX_PENDING_BYTES  # write-back bytes queued at once
     tier_run_bytes: int = DEFAULT_MAX_RUN_BYTES  # bytes of one put
     quantization: QuantConfig = FLOAT_WEIGHTS  # weight-only int8 / int4 (each rank its shard)
+    model_impl: str = "native"  # --model-impl (kvfleet.worker.runner.model_impl)
     layer_groups: Optional[LayerGroups] = None  # the KV cache's layer groups (None: one)
 
 
@@ -70,6 +71,7 @@ def build_rank_runner(spec: RankSpec, rank: int, reduce) -> ModelRunner:
     return ModelRunner(spec.model_dir, spec.num_blocks, spec.block_size, spec.dtype, spec.device,
                        spec.one_row_weights, shard=Shard(spec.tp, rank, reduce),
                        max_loras=spec.max_loras, quantization=spec.quantization,
+                       model_impl=spec.model_impl,
                        layer_groups=spec.layer_groups)
 
 

@@ -46,6 +46,7 @@ from kvfleet.worker.runner.lora.config import (
     AdapterConfig,
     AdapterError,
     TargetSpec,
+    expert_module,
     parse_adapter_config,
 )
 from kvfleet.worker.runner.model_config import ModelConfig
@@ -112,7 +113,8 @@ def check_adapter(name: str, adapter_dir: str | Path, model: ModelConfig,
             shape that does not match the base model, or a tensor the config does not target.
     """
     d = Path(adapter_dir)
-    cfg = parse_adapter_config(d, model.num_layers)
+    sparse = frozenset(i for i, s in enumerate(model.moe.sparse) if s) if model.moe else frozenset()
+    cfg = parse_adapter_config(d, model.num_layers, sparse)
     cfg_path = d / CONFIG_FILE
     for t in cfg.targets:
         if t.rank > max_lora_rank:
@@ -136,6 +138,12 @@ def check_adapter(name: str, adapter_dir: str | Path, model: ModelConfig,
             raise AdapterError(f"{path}: tensor {tensor} has shape {list(shapes[tensor])}, the base "
                                f"model and 'r' imply {list(shape)}")
     extra = sorted(set(shapes) - set(expected))
+    experts = [t for t in extra if expert_module(t) is not None]
+    if experts:
+        raise AdapterError(f"{path}: tensor {experts[0]} targets expert weights (module "
+                           f"{expert_module(experts[0])}): LoRA on a mixture-of-experts block's "
+                           f"experts or router is not supported; attention and dense-MLP "
+                           f"adapters are")
     if extra:
         raise AdapterError(f"{path}: tensor {extra[0]} is not a LoRA update of a targeted "
                            f"projection ({len(extra)} such tensors)")

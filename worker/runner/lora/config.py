@@ -40,6 +40,19 @@ MODULES: dict[str, tuple[str, str, int]] = {
     "down_proj": ("mlp.down_proj", "down", 0),
 }
 GROUPS = ("qkv", "o", "gate_up", "down")
+# A mixture-of-experts block's modules (router and experts, the three families' names): LoRA
+# on them is refused (the experts are not projections here, see models/moe.py).
+EXPERT_MODULES = ("experts", "gate", "router", "block_sparse_moe", "w1", "w2", "w3",
+                  "gate_up_proj")
+_EXPERT_KEY = re.compile(r"\.(experts|block_sparse_moe|router)\.|\.mlp\.gate$|\.mlp\.gate\.")
+
+
+def expert_module(key: str) -> str | None:
+    """The expert/router module a PEFT key or tensor name points into (``model.layers.0.mlp.
+    experts.3.gate_proj``), or None."""
+    if _EXPERT_KEY.search(key) is None:
+        return None
+    return key.split(".lora_")[0].removeprefix("base_model.model.")
 
 _REFUSED = {  # field → the value that means "not used"
     "use_dora": False, "modules_to_save": None, "bias": "none", "lora_bias": False,
@@ -141,9 +154,18 @@ def _check_fields(raw: dict[str, Any], bad: Bad) -> None:
             raise bad(field, f"= {value!r} is unknown to kvfleet; refusing rather than ignoring it")
 
 
-def _target_modules(raw: dict[str, Any], num_layers: int, bad: Bad) -> str | list[str]:
-    """``target_modules`` checked: a regex, or a list of module names or keys of this model."""
+def _target_modules(raw: dict[str, Any], num_layers: int, bad: Bad,
+                    moe: bool = False) -> str | list[str]:
+    """``target_modules`` checked: a regex, or a list of module names or keys of this model
+    (``moe``: names of expert or router modules refused as such)."""
     targets = raw.get("target_modules")
+    if moe and isinstance(targets, list):
+        experts = [t for t in targets if isinstance(t, str) and (
+            t.split(".")[-1] in EXPERT_MODULES or expert_module(t) is not None)]
+        if experts:
+            raise bad("target_modules", f"targets expert weights ({', '.join(experts)}): LoRA on "
+                      "a mixture-of-experts block's experts or router is not supported (attention "
+                      "and dense-MLP adapters are)")
     if isinstance(targets, str) and targets.lower() == "all-linear":
         targets = list(MODULES)
     if isinstance(targets, str):
@@ -184,9 +206,12 @@ def _layers_to_transform(raw: dict[str, Any], targets: str | list[str], num_laye
     return layers
 
 
-def parse_adapter_config(adapter_dir: str | Path, num_layers: int) -> AdapterConfig:
+def parse_adapter_config(adapter_dir: str | Path, num_layers: int,
+                         sparse_layers: frozenset[int] = frozenset()) -> AdapterConfig:
     """Read and resolve ``adapter_dir/adapter_config.json`` for a model of ``num_layers``
-    Llama-family layers.
+    Llama-family layers; in ``sparse_layers`` (a mixture-of-experts model's) the MLP slot holds
+    experts, which have no ``gate_proj``/``up_proj``/``down_proj`` module an adapter could
+    target (PEFT matches module names that exist: those layers get no MLP target).
 
     Raises:
         AdapterError: the file is missing or malformed, a field is refused (see the module
@@ -198,6 +223,11 @@ def parse_adapter_config(adapter_dir: str | Path, num_layers: int) -> AdapterCon
     def bad(field: str, why: str) -> AdapterError:
         return AdapterError(f"{path}: field {field!r} {why}")
 
+    params = raw.get("target_parameters")
+    if sparse_layers and params:  # PEFT's all-linear on a MoE model adds the experts' tensors
+        raise bad("target_parameters", f"= {params!r} targets expert weights: LoRA on a "
+                  "mixture-of-experts block's experts or router is not supported (attention "
+                  "and dense-MLP adapters are)")
     _check_fields(raw, bad)
     r, alpha = raw.get("r", 8), raw.get("lora_alpha", 8)
     if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
@@ -206,11 +236,13 @@ def parse_adapter_config(adapter_dir: str | Path, num_layers: int) -> AdapterCon
         raise bad("lora_alpha", f"must be a number, got {alpha!r}")
     rslora = bool(raw.get("use_rslora", False))
     ranks, alphas = raw.get("rank_pattern") or {}, raw.get("alpha_pattern") or {}
-    targets = _target_modules(raw, num_layers, bad)
+    targets = _target_modules(raw, num_layers, bad, bool(sparse_layers))
     layers = _layers_to_transform(raw, targets, num_layers, bad)
     specs = []
     for i in range(num_layers):
         for module, (sub, _, _) in MODULES.items():
+            if i in sparse_layers and sub.startswith("mlp."):
+                continue
             key = f"model.layers.{i}.{sub}"
             if not _targeted(targets, key, i, layers):
                 continue

@@ -10,6 +10,7 @@ one table of families: architectures, module, config rules). A family's module h
 from __future__ import annotations
 
 import importlib
+import json
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvfleet.worker.runner.attention import AttentionMetadata, GroupedMetadata
+    from kvfleet.worker.runner.fallback.check import FallbackRequest
     from kvfleet.worker.runner.kv_cache import KVCache
     from kvfleet.worker.runner.models.linear import Projection
 
@@ -40,14 +42,27 @@ PROJECTIONS: dict[str, tuple[str, ...]] = {
 }
 
 
-def check_model_dir(model_dir: str | Path) -> ModelConfig:
-    """Read ``model_dir``'s config and check a registered family builds it (torch-free).
+def check_model_dir(model_dir: str | Path, model_impl: str = "native",
+                    request: FallbackRequest | None = None) -> ModelConfig:
+    """Read ``model_dir``'s config and check that it can be served: a registered family builds
+    it (torch-free), or under ``model_impl`` ``transformers``/``auto`` for an unregistered one,
+    the Hugging Face class can run behind the paged attention as ``request`` asks (tp,
+    quantization, layer yield; this imports transformers,
+    :func:`~kvfleet.worker.runner.fallback.check.check_fallback`).
 
     Raises:
         FileNotFoundError: no ``config.json``.
-        UnsupportedModel, ConfigError: see :func:`~.model_config.parse_model_config`.
+        UnsupportedModel, ConfigError: see :func:`~.model_config.parse_model_config` and
+            :func:`~kvfleet.worker.runner.fallback.check.check_fallback`.
+        ShardingError: the fallback's heads do not split over ``request.tp``.
     """
-    config = load_model_config(model_dir)
+    config = load_model_config(model_dir, model_impl)
+    if config.impl == "transformers":
+        from kvfleet.worker.runner.fallback.check import FallbackRequest, check_fallback
+
+        raw = json.loads((Path(model_dir) / "config.json").read_text())
+        check_fallback(model_dir, config, raw, request or FallbackRequest())
+        return config
     _module_for(config)
     return config
 

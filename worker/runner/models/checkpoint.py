@@ -61,11 +61,55 @@ def _qk_norm(config: ModelConfig, src: _Source, attn: str) -> torch.Tensor:
     return torch.cat([q.expand(config.num_heads, -1), k.expand(config.num_kv_heads, -1)])
 
 
+# Per-expert checkpoint modules: (gate, up, down) names.
+_EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+
+
+def _stack_t(src: _Source, names: list[str]) -> torch.Tensor:
+    return torch.stack([src.take_t(n) for n in names])
+
+
+def _moe_tensors(config: ModelConfig, src: _Source, theirs: str, ours: str) -> dict[str, torch.Tensor]:
+    """A sparse block's tensors (:class:`~.moe.SparseMoE`): the router ``[hidden, E]``, and the
+    experts stacked, ``[in, out]`` each, gate | up fused. Per-expert modules
+    (``experts.{e}.gate_proj`` / Mixtral's ``w1``, ``w3``, ``w2``), or gpt-oss's stacked
+    ``experts.gate_up_proj`` ``[E, in, 2I]`` whose gate and up columns interleave (de-interleaved
+    here) with its biases; MXFP4 blocks are dequantized before this (:mod:`.mxfp4`)."""
+    moe = config.moe
+    assert moe is not None
+    e = moe.num_experts
+    router = theirs + ("router." if moe.bias else "gate.")
+    out = {ours + "router_weight": src.take_t(router + "weight")}
+    if moe.bias:
+        out[ours + "router_bias"] = src.take(router + "bias")
+    ex = theirs + "experts."
+    if ex + "gate_up_proj" in src.src:
+        gate_up = src.take(ex + "gate_up_proj")
+        out[ours + "gate_up"] = torch.cat([gate_up[..., ::2], gate_up[..., 1::2]], dim=-1).contiguous()
+        out[ours + "down"] = src.take(ex + "down_proj")
+        if moe.bias:
+            b = src.take(ex + "gate_up_proj_bias")
+            out[ours + "gate_up_bias"] = torch.cat([b[..., ::2], b[..., 1::2]], dim=-1).contiguous()
+            out[ours + "down_bias"] = src.take(ex + "down_proj_bias")
+        return out
+    gate, up, down = next((n for n in _EXPERT_NAMES if f"{ex}0.{n[0]}.weight" in src.src),
+                          _EXPERT_NAMES[0])
+    out[ours + "gate_up"] = torch.cat([_stack_t(src, [f"{ex}{i}.{gate}.weight" for i in range(e)]),
+                                       _stack_t(src, [f"{ex}{i}.{up}.weight" for i in range(e)])],
+                                      dim=-1)
+    out[ours + "down"] = _stack_t(src, [f"{ex}{i}.{down}.weight" for i in range(e)])
+    return out
+
+
 def mlp_tensors(config: ModelConfig, src: _Source, layer: int, theirs: str, ours: str
                 ) -> dict[str, torch.Tensor]:
     """Layer ``layer``'s MLP slot tensors (:func:`~.mlp.mlp_for_layer`), from checkpoint prefix
     ``theirs`` (``model.layers.{i}.mlp.``) to state-dict prefix ``ours``: the dense gated MLP's
-    gate|up (fused) and down, ``[in, out]``."""
+    gate|up (fused) and down, ``[in, out]``; a sparse layer's block (:func:`_moe_tensors`),
+    read from the family's module (``block_sparse_moe.`` for Mixtral)."""
+    moe = config.moe
+    if moe is not None and moe.sparse[layer]:
+        return _moe_tensors(config, src, theirs.removesuffix("mlp.") + moe.prefix + ".", ours)
     return {ours + "gate_up_weight": src.take_fused_t(
                 theirs + "gate_up_proj.weight", theirs + "gate_proj.weight", theirs + "up_proj.weight"),
             ours + "down_weight": src.take_t(theirs + "down_proj.weight")}
@@ -98,6 +142,8 @@ def fuse_hf_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor],
             out[o + "o_bias"] = src.take(attn + "o_proj.bias")
         if config.style.qk_norm:
             out[o + "qk_norm"] = _qk_norm(config, src, attn)
+        if config.style.attn_sinks:
+            out[o + "sinks"] = src.take(attn + "sinks")
         out.update(mlp_tensors(config, src, i, mlp, o + "mlp."))
         for ours, theirs in _NORMS[config.style.sandwich_norms].items():
             out[o + ours] = src.take(f"{p}{theirs}.weight")

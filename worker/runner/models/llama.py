@@ -1,5 +1,6 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 3, Phi-3): RMSNorm, RoPE, GQA
-attention, a gated MLP.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 3, Phi-3, and with a sparse
+mixture-of-experts MLP slot Qwen3-MoE, Mixtral, gpt-oss): RMSNorm, RoPE, GQA attention (with
+per-head sinks for gpt-oss), a gated MLP or experts (:mod:`.moe`).
 
 Differences between the families live in :class:`ModelConfig` (sliding window per layer,
 QKV/O bias, RoPE per layer, and its :class:`~kvfleet.worker.runner.model_config.DecoderStyle`:
@@ -29,6 +30,7 @@ from kvfleet.worker.runner.model_config import ModelConfig
 from kvfleet.worker.runner.models.checkpoint import fuse_hf_weights
 from kvfleet.worker.runner.models.linear import NoLinear, Projection, projection
 from kvfleet.worker.runner.models.mlp import mlp_for_layer
+from kvfleet.worker.runner.models.moe import SparseMoE
 from kvfleet.worker.runner.models.rope import apply_rope, stacked_rope_tables
 
 
@@ -61,7 +63,8 @@ class LlamaDecoderLayer(nn.Module):
     Norms: ``input_norm`` before attention and ``mlp_norm`` before the MLP; with
     ``sandwich_norms`` also ``attn_out_norm`` / ``mlp_out_norm`` on their outputs; with
     ``qk_norm``, ``qk_norm`` ``(heads + kv_heads, head_dim)``: q's per-head weight repeated
-    over the query heads, then k's over the KV heads (one norm call for both)."""
+    over the query heads, then k's over the KV heads (one norm call for both). With
+    ``attn_sinks``, ``sinks`` ``(heads,)``: each query head's sink logit."""
 
     qkv: Projection
     o: Projection
@@ -85,6 +88,7 @@ class LlamaDecoderLayer(nn.Module):
         self.o_bias = _weight(h) if config.o_bias else None
         self.qk_norm = (_weight(self.num_heads + self.num_kv_heads, self.head_dim)
                         if style.qk_norm else None)
+        self.sinks = _weight(self.num_heads) if style.attn_sinks else None
         self.attn_out_norm = _weight(h) if style.sandwich_norms else None
         self.mlp_norm = _weight(h)
         self.mlp_out_norm = _weight(h) if style.sandwich_norms else None
@@ -120,7 +124,8 @@ class LlamaDecoderLayer(nn.Module):
         qk = apply_rope(qk, cos[self.rope_index], sin[self.rope_index])
         v = qkv[:, heads * self.head_dim :].view(t, self.num_kv_heads, self.head_dim)
         attn = self.o(paged_attention(qk[:, : self.num_heads], qk[:, self.num_heads :], v,
-                                      key_cache, value_cache, meta, self.window, self.scale))
+                                      key_cache, value_cache, meta, self.window, self.scale,
+                                      self.sinks))
         if self.attn_out_norm is not None:
             attn = self.norm(attn, self.attn_out_norm, self.eps)
         hidden = hidden + attn
@@ -204,8 +209,13 @@ class LlamaForCausalLM(nn.Module):
 
     def weight_bytes_per_decode(self) -> int:
         """Bytes of weights one decode step reads: everything but the embedding table, of
-        which it reads one row per token (a tied LM head counts through its own copy)."""
+        which it reads one row per token (a tied LM head counts through its own copy), and of
+        a sparse block's experts the ``top_k`` one token runs."""
         norms = sum(p.nbytes for name, p in self.named_parameters() if name != "embed_tokens")
+        for layer in self._decoder_layers():
+            if isinstance(layer.mlp, SparseMoE):
+                held = layer.mlp.expert_bytes()
+                norms -= held - held * layer.mlp.top_k // layer.mlp.num_experts
         return norms + sum(p.nbytes for p in self.projections())
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

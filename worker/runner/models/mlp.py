@@ -17,6 +17,7 @@ from torch import nn
 
 from kvfleet.worker.runner.model_config import ModelConfig
 from kvfleet.worker.runner.models.linear import Projection, projection
+from kvfleet.worker.runner.models.moe import SparseMoE
 
 # config.json activation name → the gate's activation (applied in place where it can be).
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -58,9 +59,13 @@ class DenseMLP(nn.Module):
         return self.down(self.act(gate).mul_(up))
 
 
-def mlp_for_layer(config: ModelConfig, layer_idx: int) -> DenseMLP:
-    """What fills layer ``layer_idx``'s MLP slot: the dense gated MLP. (A mixture-of-experts
-    family fills its sparse layers here instead, with a block that has ``forward``, ``pack``
-    and ``PROJECTIONS`` like :class:`DenseMLP`; its checkpoint tensors are read by
-    :func:`kvfleet.worker.runner.models.checkpoint.mlp_tensors`.)"""
+def mlp_for_layer(config: ModelConfig, layer_idx: int) -> nn.Module:
+    """What fills layer ``layer_idx``'s MLP slot: the dense gated MLP, or in a
+    mixture-of-experts family's sparse layers its :class:`~.moe.SparseMoE` (same ``forward``,
+    ``pack`` and ``PROJECTIONS``; checkpoint tensors read by
+    :func:`kvfleet.worker.runner.models.checkpoint.mlp_tensors`)."""
+    moe = config.moe
+    if moe is not None and moe.sparse[layer_idx]:
+        return SparseMoE(config.hidden_size, moe, moe.intermediate_size,
+                         ACTIVATIONS[config.style.activation])
     return DenseMLP(config.hidden_size, config.intermediate_size, config.style.activation)

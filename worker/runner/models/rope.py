@@ -35,6 +35,26 @@ def _longrope_scaling(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
     return inv_freq / torch.tensor(s.short_factor, dtype=torch.float32)
 
 
+def _yarn_scaling(inv_freq: torch.Tensor, s: RopeScaling, theta: float) -> torch.Tensor:
+    """YaRN: frequencies that turn more than ``beta_fast`` times over the original context
+    stay, those under ``beta_slow`` turns are ÷ ``factor``, a linear ramp over the dims between."""
+    dim = 2 * inv_freq.numel()
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi))
+                / (2 * math.log(theta)))
+
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as the reference: no zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    keep = 1 - ramp  # 1: the original frequency (extrapolation), 0: ÷ factor (interpolation)
+    return inv_freq / s.factor * (1 - keep) + inv_freq * keep
+
+
 _ROPE_SCALING: dict[str, Callable[[torch.Tensor, RopeScaling], torch.Tensor]] = {
     "linear": lambda inv_freq, s: inv_freq / s.factor,
     "llama3": _llama3_scaling,
@@ -48,7 +68,10 @@ def rope_tables(rope: Rope, max_positions: int, dtype: torch.dtype, device: torc
     dim = rope.rotary_dim
     inv_freq = 1.0 / (rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     attention_factor = 1.0
-    if rope.scaling is not None:
+    if rope.scaling is not None and rope.scaling.rope_type == "yarn":
+        inv_freq = _yarn_scaling(inv_freq, rope.scaling, rope.theta)
+        attention_factor = rope.scaling.attention_factor
+    elif rope.scaling is not None:
         inv_freq = _ROPE_SCALING[rope.scaling.rope_type](inv_freq, rope.scaling)
         attention_factor = rope.scaling.attention_factor
     freqs = torch.arange(max_positions).float()[:, None] * inv_freq[None, :]

@@ -37,12 +37,16 @@ from kvfleet.worker.runner.weights import load_weights
 log = logging.getLogger(__name__)
 
 METHODS = ("gptq", "awq")
+# Formats whose tensors the float loader decodes itself (gpt-oss's MXFP4 experts, see
+# kvfleet.worker.runner.mxfp4): the checkpoint is then read as a float one.
+DEQUANTIZED_AT_LOAD = ("mxfp4",)
 _AWQ_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # output 8c + r sits in nibble _AWQ_ORDER[r] of word c
 _PARTS = (".qweight", ".qzeros", ".scales", ".g_idx")
 
 
 def read_format(model_dir: str | Path) -> dict[str, Any] | None:
-    """``config.json``'s ``quantization_config``, or None for a float checkpoint.
+    """``config.json``'s ``quantization_config``, or None for a float checkpoint (or one whose
+    format the float loader dequantizes: :data:`DEQUANTIZED_AT_LOAD`).
 
     Raises:
         UnsupportedModel: a method other than GPTQ / AWQ, or an AWQ version other than gemm.
@@ -52,6 +56,8 @@ def read_format(model_dir: str | Path) -> dict[str, Any] | None:
     if not qc:
         return None
     method = str(qc.get("quant_method", "")).lower()
+    if method in DEQUANTIZED_AT_LOAD:
+        return None
     if method not in METHODS:
         raise UnsupportedModel(f"quantization_config.quant_method {method!r} is not supported "
                                f"({', '.join(METHODS)})")

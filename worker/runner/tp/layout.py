@@ -3,8 +3,10 @@
 Query heads split evenly: rank ``r`` holds heads ``r * H/T .. (r + 1) * H/T - 1``. KV heads
 split evenly when ``num_kv_heads % T == 0``; when ``T % num_kv_heads == 0`` every rank holds one
 KV head, each replicated ``T / num_kv_heads`` times (rank ``r`` holds head ``r // (T / KV)``,
-the one its query heads read). The MLP's intermediate columns split evenly. The embedding and
-norms are replicated; the LM head is held by rank 0 alone (see :mod:`.shard_weights` for why).
+the one its query heads read). The MLP's intermediate columns split evenly, and so do every
+expert's of a mixture-of-experts block (each rank holds its slice of every expert, see
+docs/models.md for why not expert parallelism). The embedding, norms and routers are
+replicated; the LM head is held by rank 0 alone (see :mod:`.shard_weights` for why).
 
 :data:`SPLITS` is the rule for each projection, read alike by the checkpoint loader
 (:mod:`.shard_weights`), the LoRA loader (:mod:`kvfleet.worker.runner.lora.adapter`) and
@@ -27,7 +29,7 @@ from kvfleet.worker.runner.model_config import ModelConfig
 
 COLUMN, ROW = 0, 1  # the HF ``[out, in]`` weight dimension a projection splits along
 
-Part = Literal["q", "kv", "ffn"]
+Part = Literal["q", "kv", "ffn", "expert"]
 
 
 class Split(NamedTuple):
@@ -53,6 +55,11 @@ FUSED: dict[str, tuple[str, ...]] = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
 }
 
+# A per-expert module (``...experts.{e}.<name>.weight``, HF ``[out, in]``) → its split axis
+# along the expert's intermediate dimension (Qwen3-MoE's names, Mixtral's w1 / w3 / w2).
+EXPERT_SPLITS: dict[str, int] = {"gate_proj": COLUMN, "up_proj": COLUMN, "down_proj": ROW,
+                                 "w1": COLUMN, "w3": COLUMN, "w2": ROW}
+
 
 @dataclass(frozen=True)
 class ShardLayout:
@@ -67,6 +74,7 @@ class ShardLayout:
     num_kv_heads: int
     head_dim: int
     intermediate_size: int
+    expert_intermediate_size: int = 0
 
     @property
     def local_heads(self) -> int:
@@ -99,6 +107,12 @@ class ShardLayout:
         return range(self.rank * n, (self.rank + 1) * n)
 
     @property
+    def expert_columns(self) -> range:
+        """This rank's slice of every expert's intermediate dimension."""
+        n = self.expert_intermediate_size // self.tp
+        return range(self.rank * n, (self.rank + 1) * n)
+
+    @property
     def holds_lm_head(self) -> bool:
         """Whether this rank holds the LM head and computes logits (rank 0 alone)."""
         return self.rank == 0
@@ -108,38 +122,48 @@ class ShardLayout:
         :meth:`full_size` (head ranges times ``head_dim`` for ``q``/``kv``)."""
         if part == "ffn":
             return self.ffn_columns
+        if part == "expert":
+            return self.expert_columns
         heads = self.q_heads if part == "q" else self.kv_heads
         return range(heads.start * self.head_dim, heads.stop * self.head_dim)
 
     def full_size(self, part: Part) -> int:
         """The whole model's size, in elements, of a dimension split by ``part``."""
         return {"q": self.num_heads * self.head_dim, "kv": self.num_kv_heads * self.head_dim,
-                "ffn": self.intermediate_size}[part]
+                "ffn": self.intermediate_size, "expert": self.expert_intermediate_size}[part]
 
     def local_config(self, config: ModelConfig) -> ModelConfig:
         """``config`` with this rank's head counts and MLP width: the model code, unchanged,
         built from it holds exactly this rank's shard."""
+        moe = config.moe
+        if moe is not None:
+            moe = dataclasses.replace(moe, intermediate_size=moe.intermediate_size // self.tp)
         return dataclasses.replace(config, num_heads=self.local_heads,
                                    num_kv_heads=self.local_kv_heads,
-                                   intermediate_size=self.intermediate_size // self.tp)
+                                   intermediate_size=self.intermediate_size // self.tp, moe=moe)
 
 
 def check_tp(config: ModelConfig, tp: int) -> None:
     """Refuse a ``tp`` the model cannot be split over, before anything is started.
 
     Raises:
-        ShardingError: query heads, KV heads or MLP width do not split over ``tp``; the message
+        ShardingError: query heads, KV heads, MLP or expert width do not split over ``tp``; the message
             names the rule broken, both head counts and every TP size that would work.
     """
+    expert = config.moe.intermediate_size if config.moe is not None else 0
     works = [t for t in valid_tp_sizes(config.num_kv_heads, config.num_heads)
-             if config.intermediate_size % t == 0]
+             if config.intermediate_size % t == 0 and expert % t == 0]
     if tp in works:
         return
     sizes = (f"{config.num_heads} query / {config.num_kv_heads} KV heads, "
-             f"{config.intermediate_size} MLP columns; tp sizes that work: "
-             f"{', '.join(map(str, works))}")
+             f"{config.intermediate_size} MLP columns"
+             + (f", {expert} columns per expert" if expert else "")
+             + f"; tp sizes that work: {', '.join(map(str, works))}")
     field, reason = head_split_refusal(config.num_kv_heads, config.num_heads, tp) or (
-        "intermediate_size", f"{config.intermediate_size} MLP columns do not split over tp={tp}")
+        ("intermediate_size", f"{config.intermediate_size} MLP columns do not split over tp={tp}")
+        if config.intermediate_size % tp else
+        ("moe_intermediate_size" if config.model_type == "qwen3_moe" else "intermediate_size",
+         f"{expert} columns per expert do not split over tp={tp}"))
     raise ShardingError(field, f"{reason} ({sizes})")
 
 
@@ -154,4 +178,5 @@ def shard_layout(config: ModelConfig, tp: int, rank: int) -> ShardLayout:
     if not 0 <= rank < tp:
         raise ValueError(f"rank must lie in [0, {tp}), got {rank}")
     return ShardLayout(tp, rank, config.num_heads, config.num_kv_heads, config.head_dim,
-                       config.intermediate_size)
+                       config.intermediate_size,
+                       config.moe.intermediate_size if config.moe is not None else 0)

@@ -16,6 +16,7 @@ import torch
 
 from kvfleet.worker.runner.models import PROJECTIONS, CausalLM
 from kvfleet.worker.runner.models.linear import Projection
+from kvfleet.worker.runner.models.moe import SparseMoE
 from kvfleet.worker.runner.tp.layout import ROW, SPLITS, ShardLayout
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
@@ -55,7 +56,9 @@ def row_parallel(name: str) -> bool:
 
 def parallelize(model: CausalLM, layout: ShardLayout, reduce: Reduce) -> None:
     """Wrap every row-parallel projection of ``model`` (built from ``layout``'s local config)
-    in a :class:`RowParallelLinear` summing over ``layout.tp`` ranks with ``reduce``. At tp=1
+    in a :class:`RowParallelLinear` summing over ``layout.tp`` ranks with ``reduce``, and give a
+sparse MLP block (:class:`~kvfleet.worker.runner.models.moe.SparseMoE`) ``reduce`` for its
+one all-reduce of the experts' partial sums. At tp=1
     every product is already whole: nothing is wrapped. Apply LoRA first
     (:func:`kvfleet.worker.runner.lora.layer.apply_lora`)."""
     if layout.tp == 1:
@@ -64,3 +67,6 @@ def parallelize(model: CausalLM, layout: ShardLayout, reduce: Reduce) -> None:
         for name, holder in layer.projection_holders().items():
             if row_parallel(name):
                 setattr(holder, name, RowParallelLinear(getattr(holder, name), reduce))
+        mlp = getattr(layer, "mlp", None)
+        if isinstance(mlp, SparseMoE):  # its experts' partial outputs, summed once
+            mlp.reduce = reduce

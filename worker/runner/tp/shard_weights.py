@@ -6,7 +6,11 @@ slice of a fused matrix), ``gate_proj``, ``up_proj``. Row-parallel (split along 
 dim 1): ``o_proj``, ``down_proj``; their partial outputs are summed by one all-reduce each. A
 row-parallel bias is kept whole by rank 0 and zero elsewhere, so the sum adds it once.
 
-Replicated: norms and the embedding table (every rank needs the whole hidden state). The LM head
+Experts (:data:`~kvfleet.worker.runner.tp.layout.EXPERT_SPLITS`, gpt-oss's stacked tensors):
+each rank reads its slice of every expert's intermediate dimension, gate/up by column and down
+by row, like a dense MLP (:func:`_read_expert`). Attention sinks follow their query heads.
+
+Replicated: norms, routers and the embedding table (every rank needs the whole hidden state). The LM head
 is **not sharded but held by rank 0 alone**: only rank 0 samples, so the other ranks never
 compute logits and need no head at all. A vocab-parallel head would split that matmul over the
 ranks but add a gather of ``(N, vocab)`` logits to rank 0 every step: one more collective and
@@ -28,7 +32,8 @@ from pathlib import Path
 
 import torch
 
-from kvfleet.worker.runner.tp.layout import FUSED, ROW, SPLITS, ShardLayout
+from kvfleet.worker.runner.mxfp4 import dequantize_checkpoint
+from kvfleet.worker.runner.tp.layout import EXPERT_SPLITS, FUSED, ROW, SPLITS, ShardLayout
 from kvfleet.worker.runner.weights import load_weights
 
 
@@ -48,7 +53,8 @@ def load_shard_weights(model_dir: str | Path, layout: ShardLayout,
             return None
         return _read(f, name, layout)
 
-    return load_weights(model_dir, dtype, read if layout.tp > 1 else None)
+    weights = load_weights(model_dir, dtype, read if layout.tp > 1 else None)
+    return dequantize_checkpoint(weights, dtype, lambda name, t: shard_tensor(name, t, layout))
 
 
 class _InMemory:
@@ -84,6 +90,10 @@ def shard_tensor(name: str, tensor: torch.Tensor, layout: ShardLayout) -> torch.
 def _read(f, name: str, layout: ShardLayout) -> torch.Tensor:
     # "model.layers.{i}.self_attn.q_proj.weight" → module "q_proj", kind "weight"
     module, kind = name.split(".")[-2:] if ".layers." in name else ("", "")
+    if ".experts." in name:
+        return _read_expert(f, name, layout)
+    if kind == "sinks":  # one per query head
+        return f.get_slice(name)[layout.q_heads.start:layout.q_heads.stop]
     if module in FUSED and kind in ("weight", "bias"):
         return _read_fused(f, name, FUSED[module], layout)
     split = SPLITS.get(module) if kind in ("weight", "bias") else None
@@ -99,6 +109,38 @@ def _read(f, name: str, layout: ShardLayout) -> torch.Tensor:
     if size != total:
         raise ValueError(f"{name}: dimension {axis} is {size}, config.json implies {total}")
     return sl[span.start:span.stop] if axis == 0 else sl[:, span.start:span.stop]
+
+
+def _read_expert(f, name: str, layout: ShardLayout) -> torch.Tensor:
+    """This rank's slice of an expert tensor along the expert's intermediate dimension:
+    per-expert ``[out, in]`` weights by :data:`~.layout.EXPERT_SPLITS`; gpt-oss's stacked
+    ``gate_up_proj`` ``[E, in, 2I]`` (gate and up columns interleaved, so a contiguous span
+    ``2s .. 2e``) and its bias, ``down_proj`` ``[E, I, out]``; a row-parallel bias whole on rank
+    0, zero elsewhere. MXFP4 blocks and scales are read whole, dequantized, then sliced
+    (:func:`load_shard_weights`)."""
+    parts = name.split(".")
+    kind = parts[-1]
+    if kind.endswith(("_blocks", "_scales")):
+        return f.get_tensor(name)
+    if kind == "down_proj_bias":
+        t = f.get_tensor(name)
+        return t if layout.rank == 0 else torch.zeros_like(t)
+    span, total = layout.expert_columns, layout.expert_intermediate_size
+    sl = f.get_slice(name)
+    shape = sl.get_shape()
+    if kind == "weight" and parts[-2] in EXPERT_SPLITS:
+        axis = EXPERT_SPLITS[parts[-2]]
+    elif kind in ("gate_up_proj", "gate_up_proj_bias"):
+        axis, span, total = len(shape) - 1, range(2 * span.start, 2 * span.stop), 2 * total
+    elif kind == "down_proj":
+        axis = 1
+    else:
+        return f.get_tensor(name)
+    if shape[axis] != total:
+        raise ValueError(f"{name}: dimension {axis} is {shape[axis]}, config.json implies {total}")
+    index = [slice(None)] * len(shape)
+    index[axis] = slice(span.start, span.stop)
+    return sl[tuple(index)]
 
 
 def _read_fused(f, name: str, members: tuple[str, ...], layout: ShardLayout) -> torch.Tensor:

@@ -43,7 +43,8 @@ def budget(request) -> dict:
 CACHE_PATHS = pytest.mark.parametrize("model_dir, budget", [
     ("tiny_llama_dir", "tokens"), ("tiny_llama_dir", "itl-target"),
     *((f, "tokens") for f in ("tiny_llama3_dir", "tiny_qwen3_dir", "tiny_gemma3_dir",
-                              "tiny_phi3_dir"))], indirect=True)
+                              "tiny_phi3_dir", "tiny_qwen3_moe_dir", "tiny_mixtral_dir",
+                              "tiny_gpt_oss_dir"))], indirect=True)
 
 
 def _check(model_dir, rec, req, res, index: int = 0) -> None:

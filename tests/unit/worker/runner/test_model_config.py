@@ -119,7 +119,7 @@ def test_architecture_from_model_type_when_absent() -> None:
 
 
 @pytest.mark.parametrize("change, match", [
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0}}, "yarn"),
+    ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "dynamic"),
     ({"hidden_act": "gelu"}, "gelu"),
     ({"mlp_bias": True}, "mlp_bias"),
     ({"architectures": None, "model_type": "gpt2"}, "^model_type: 'gpt2' is not supported"),

@@ -18,6 +18,7 @@ from tests.unit.worker.paged_driver import (
     prefill,
     random_prompt,
     reference_error,
+    reference_logits,
     replay,
     runner_for,
     scaled_error,
@@ -119,7 +120,9 @@ def test_sliding_window_beyond_window(tiny_mistral_dir) -> None:
 
 def test_bfloat16_runs_close_to_fp32(model_dir) -> None:
     """Not a parity claim (bf16 has ~3 significant digits): the dtype plumbing works end to end
-    (Gemma's fp32 norm weights beside bf16 activations included)."""
+    (Gemma's fp32 norm weights beside bf16 activations included). Within 5e-2 of the logit
+    scale, or twice transformers' own bf16 error where that is larger (tiny gpt-oss: its
+    SwiGLU clamp and sinks make bf16 itself drift further)."""
     from kvfleet.worker.runner.model_runner import ModelRunner
 
     runner = ModelRunner(model_dir, num_blocks=16, block_size=4, dtype=torch.bfloat16)
@@ -127,4 +130,14 @@ def test_bfloat16_runs_close_to_fp32(model_dir) -> None:
     seq = Seq("a", random_prompt(12, seed=9), BlockPool(16, seed=9).take(5))
     prefill(runner, seq, [7, 5])
     decode(runner, seq, 3)
-    assert reference_error(model_dir, seq) < 500  # within 5e-2 of the logit scale
+    tokens = seq.tokens[: max(seq.logits) + 1]
+    with torch.no_grad():
+        theirs = hf_model_bf16(model_dir)(torch.tensor([tokens])).logits[0].float()
+    floor = scaled_error({p: theirs[p] for p in seq.logits}, reference_logits(model_dir, tokens))
+    assert reference_error(model_dir, seq) < max(500, 2 * floor)
+
+
+def hf_model_bf16(model_dir):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()

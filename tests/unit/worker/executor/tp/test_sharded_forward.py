@@ -28,7 +28,11 @@ CASES = [("tiny_llama_dir", 2), ("tiny_llama_dir", 4),  # 4 q / 2 KV heads: spli
          ("tiny_qwen2_dir", 2), ("tiny_mistral_dir", 2), ("tiny_llama3_dir", 2),
          ("tiny_qwen3_dir", 2), ("tiny_qwen3_dir", 4),
          ("tiny_gemma3_dir", 2), ("tiny_gemma3_dir", 4),  # 1 KV head: replicated 2 and 4 times
-         ("tiny_phi3_dir", 2), ("tiny_phi3_dir", 4)]  # fused qkv_proj split, then replicated
+         ("tiny_phi3_dir", 2), ("tiny_phi3_dir", 4),  # fused qkv_proj split, then replicated
+         # every expert's intermediate dim split (Qwen3-MoE's dense layer 1 too); gpt-oss's
+         # stacked, interleaved gate_up, sinks per query head, biases on rank 0; 1 KV head a rank
+         ("tiny_qwen3_moe_dir", 2), ("tiny_qwen3_moe_dir", 4), ("tiny_mixtral_dir", 2),
+         ("tiny_gpt_oss_dir", 2), ("tiny_gpt_oss_dir", 4)]
 
 
 @pytest.mark.parametrize("fixture, tp", CASES)

@@ -45,7 +45,8 @@ LLAMA = pytest.mark.parametrize("model_dir", ["tiny_llama_dir"], indirect=True)
 # Llama under both budgets; each family whose decoder differs under the token budget.
 FAMILIES_TP2 = pytest.mark.parametrize("model_dir, budget", [
     ("tiny_llama_dir", "tokens"), ("tiny_llama_dir", "itl-target"),
-    *((f, "tokens") for f in ("tiny_qwen3_dir", "tiny_gemma3_dir", "tiny_phi3_dir"))],
+    *((f, "tokens") for f in ("tiny_qwen3_dir", "tiny_gemma3_dir", "tiny_phi3_dir",
+                              "tiny_qwen3_moe_dir", "tiny_gpt_oss_dir"))],
     indirect=True)
 
 

@@ -1,0 +1,89 @@
+"""Decode cost per token of a mixture-of-experts model: 8 vs 64 experts at the same top-2.
+
+    .venv/bin/python -m bench moe [--quick] [--rounds N] [--batch B ...] [--experts E ...]
+
+Seeded random Qwen3-MoE checkpoints of one shape (hidden 256, 4 layers, 8 query / 4 KV heads
+of 32, vocab 32000; experts 256 wide, top 2, so every token runs the same parameters whatever
+the expert count; built once into the kvfleet cache), fp32, the model runner alone (paged KV,
+no scheduler): B sequences each prefilled with ``--context`` tokens, then ``--steps`` decode
+steps of all B timed. Expert counts run interleaved within each round (the order alternates);
+the figure of merit is the per-token cost at 64 experts ÷ at 8 — the block groups tokens by
+expert and runs only the experts chosen, so it should stay near 1 at batch 1 (two experts
+either way). At larger batches more distinct experts are touched at 64 (up to ``2B``, each a
+smaller matmul), which the ratio shows too. Results go to ``bench/results/moe.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+
+import torch
+
+from bench.common.result_file import write_json
+from bench.common.seeded import seeded_model_dir
+from bench.engine.family_bench import BLOCK, CLOCKS, _per_token_s
+from kvfleet.worker.runner.model_runner import ModelRunner
+
+SHAPE = dict(vocab_size=32000, hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
+             num_key_value_heads=4, head_dim=32, intermediate_size=1024,
+             moe_intermediate_size=256, num_experts_per_tok=2, norm_topk_prob=True,
+             max_position_embeddings=1024, initializer_range=0.1, bos_token_id=1,
+             eos_token_id=2, tie_word_embeddings=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench moe", description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="2 rounds of 16 steps (a smoke run)")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=48, help="decode steps timed per round")
+    p.add_argument("--context", type=int, default=128, help="prompt tokens per sequence")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--experts", type=int, nargs="+", default=[8, 64])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--clock", choices=list(CLOCKS), default="wall",
+                   help="wall (default) or cpu: CPU seconds of this process, for a shared host")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.rounds, args.steps = 2, 16
+    torch.set_num_threads(args.threads)
+    names = [f"E{e}" for e in args.experts]
+    runners = {}
+    for e, name in zip(args.experts, names, strict=True):
+        d = seeded_model_dir(f"moe-{name}-top2", "Qwen3Moe", {**SHAPE, "num_experts": e}, seed=0)
+        blocks = max(args.batch) * -(-(args.context + args.steps) // BLOCK)
+        runners[name] = ModelRunner(d, num_blocks=blocks, block_size=BLOCK)
+    seconds = {b: {n: [] for n in names} for b in args.batch}
+    steps = {b: {n: [] for n in names} for b in args.batch}
+    load = [os.getloadavg()[0]]
+    for r in range(args.rounds):
+        order = names if r % 2 == 0 else names[::-1]
+        for batch in args.batch:
+            for name in order:
+                step_s = _per_token_s(runners[name], batch, args.context, args.steps,
+                                      CLOCKS[args.clock])
+                seconds[batch][name].append(statistics.mean(step_s))
+                steps[batch][name] += step_s
+    load.append(os.getloadavg()[0])
+    base = names[0]
+    ratios = {b: {n: statistics.median(x / y for x, y in zip(v[n], v[base], strict=True))
+                  for n in names} for b, v in seconds.items()}
+    decile = {b: {n: statistics.quantiles(s, n=10)[0] for n, s in v.items()}
+              for b, v in steps.items()}
+    record = {"load_average_1m": load, "threads": args.threads, "clock": args.clock,
+              "rounds": args.rounds, "steps": args.steps, "context": args.context,
+              "shape": SHAPE, "experts": args.experts,
+              "lower_decile_step_per_token_ms": {b: {n: 1e3 * s for n, s in v.items()}
+                                                 for b, v in decile.items()},
+              f"lower_decile_ratio_vs_{base}": {b: {n: s / v[base] for n, s in v.items()}
+                                               for b, v in decile.items()},
+              f"median_round_ratio_vs_{base}": ratios}
+    for b, v in ratios.items():
+        cells = ", ".join(f"{n} {1e3 * decile[b][n]:.3f} ms ({decile[b][n] / decile[b][base]:.3f}x"
+                          f", rounds {x:.3f}x)" for n, x in v.items())
+        print(f"batch {b}: per-token decode ({args.clock}), top-2, lower-decile step (ratio; "
+              f"median paired round ratio): {cells}")
+    print(f"host load average (1 min) before / after: {load[0]:.1f} / {load[1]:.1f}")
+    write_json("moe.json", record)
+    return 0
