@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.sim.itl_sim import simulate
 from bench.engine.step_trace import TracingStepCost, summarize
+from bench.sim.itl_sim import simulate
 from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig
 from kvfleet.worker.step_cost.model import CostModel, StepShape
 
@@ -24,7 +24,8 @@ def test_trace_records_each_forward_with_its_steps_wall_time():
     assert cost.records[1].predicted_s == pytest.approx(0.01 + 0.004 + 0.1 + 0.0003)
     s = summarize(cost.records, target_s=0.1)
     assert s["decode_only"]["steps"] == 1 and s["with_prefill"]["steps"] == 1
-    assert {k: v["steps"] for k, v in s["by_prefill_tokens"].items()} == {"1-32": 0, "33-128": 1, "129-512": 0}
+    by_size = {k: v["steps"] for k, v in s["by_prefill_tokens"].items()}
+    assert by_size == {"1-32": 0, "33-128": 1, "129-512": 0}
     assert s["over_target"] == 1 and s["forward_s_total"] == pytest.approx(0.25)
 
 
@@ -35,6 +36,7 @@ def test_the_target_shortens_the_longest_token_gap_on_the_virtual_clock():
     runs = [simulate(long_prompts, c, COST) for c in (off, SchedulerConfig(
         max_num_seqs=8, max_num_batched_tokens=512, itl_target_ms=80.0))]
     # Off, the short prompts' decodes share steps with up to 512 prefill tokens (~0.4 s); on,
-    # steps stay within the 80 ms target but for the floor.
-    assert runs[0]["itl_p99_s"] > 0.3 > 0.1 > runs[1]["itl_p99_s"]
+    # steps stay within the 80 ms target but for the floor that keeps each long prompt within
+    # the stretch of its time without the target.
+    assert runs[0]["itl_p99_s"] > 0.3 > 0.15 > runs[1]["itl_p99_s"]
     assert runs[1]["ttft_p50_s"] < runs[0]["ttft_p50_s"]  # the short prompts no longer wait

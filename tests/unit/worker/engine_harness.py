@@ -36,8 +36,9 @@ from tests.unit.worker.paged_driver import random_prompt, reference_logits, runn
 BLOCK_SIZE = 4
 _ids = itertools.count()
 # An ITL target that changes chunk boundaries, with a fixed (never corrected) cost model: 10 s
-# a token against a 65 s target leaves 6 tokens a step, decode rows included; the floor (one
-# block) only grows after a prefill has run 4 targets (260 s), so chunking does not depend on
+# a token against a 65 s target leaves 6 tokens a step, decode rows included, and the floor
+# paces a prompt within 1.5 × its modelled time without the target (minutes), counted in
+# real time from its turn: the test's steps never make it late, so chunking does not depend on
 # the clock.
 ITL_TARGET = {"itl_target_ms": 65_000.0,
               "step_cost": StepCost(CostModel(0.0, 10.0, 10.0, "test: 10 s a token"), alpha=0.0)}

@@ -91,7 +91,8 @@ def nested_step(sched: Scheduler, paused: SchedulerOutput, now: float) -> Schedu
         return SchedulerOutput(StepPlan(()), ())
     in_paused = {s.seq.seq_id for s in paused.scheduled}
     config, kv = sched.config, sched.kv
-    budget = step_budget(config, kv.block_size, sched.step_cost, (), True, frozenset(), now)
+    head = sched.waiting[0] if sched.waiting else None
+    budget = step_budget(config, kv.block_size, sched.step_cost, (), head, frozenset(), now)
 
     def borrowable(seq: SequenceState) -> int:  # seats class preemption could take for it
         return len(sched.rules.victims(seq, sched.running)) if config.policy == "watermark" else 0

@@ -50,7 +50,7 @@ from kvfleet.worker.engine.scheduling.preemption import (
 )
 from kvfleet.worker.engine.scheduling.priority_queue import PriorityRules, insert_waiting, order_key
 from kvfleet.worker.engine.scheduling.seats import TenantSeats, seats_taken
-from kvfleet.worker.engine.scheduling.step_budget import StepBudget, step_budget
+from kvfleet.worker.engine.scheduling.step_budget import PrefillPace, StepBudget, step_budget
 from kvfleet.worker.engine.scheduling.tenant_service import TenantService
 from kvfleet.worker.engine.step_plan import StepPlan
 from kvfleet.worker.kv_tier.admission import HitCounts, NoTierAdmission, TierAdmission
@@ -99,6 +99,7 @@ class Scheduler:
                                  self.service)
         self.class_step = (ClassStep(step_cost, config.max_num_batched_tokens, config.itl_target_ms)
                            if step_cost and config.itl_target_ms and class_step else None)
+        self.pace = PrefillPace()  # the ITL target's floor: the paced prefill's deadline
         # seq_id -> steps in a row it sat out, as of the last plan (its StepContents.skipped)
         self.skipped: Mapping[str, int] = {}
 
@@ -162,7 +163,8 @@ class Scheduler:
             preempted += preempt_for_higher_class(self, work, now)
         contents, first = self._contents()
         budget = step_budget(self.config, self.kv.block_size, self.step_cost, self.running,
-                             bool(self.waiting), contents.sit_out, now)
+                             self.waiting[0] if self.waiting else None, contents.sit_out, now,
+                             self.pace)
         num_preempted = len(preempted)
         scheduled = self._schedule_running(budget, contents.sit_out, preempted, copies, work)
         if len(preempted) > num_preempted:

@@ -10,14 +10,19 @@ stay within the target:
 * a prefill chunk gets the most tokens that keep the prediction within the target, and ends
   on a KV block boundary when it stops short of its prompt's end (a whole block is what the
   prefix cache can share);
-* a **floor** of prefill tokens runs each step even past the target, so a waiting prompt
-  always advances: ``block_size × (1 + ⌊wait ÷ (FLOOR_GROWTH × target)⌋)``, the wait
-  counted from the admission of the oldest prefill still in progress (not its arrival:
-  requests queued for a seat would lift the floor past the token budget and switch the
-  target off). Past its first block the floor stops where the step's prediction reaches
-  ``FLOOR_CAP`` × the target (or × the decode rows' own predicted time, where longer): the
-  floor is the only way a step runs past its target, so it bounds the ITL tail. Why these
-  constants, with measurements: docs/slo.md.
+* a prefill chunk that stops short of its prompt takes no more than it needs: its prompt's
+  remaining tokens split evenly over the fewest steps the target allows (a chunk stretched to
+  the target that does not save a step only lengthens the decode rows' gaps);
+* a **floor** of prefill tokens runs each step even past the target, so a prompt's time to
+  first token stays within about ``TTFT_STRETCH`` × its time without the target: for the
+  oldest prefill in progress (or, with none, the sequence admission takes next), the floor
+  is the smallest chunk whose steps, at the predicted length of this one, compute the
+  prompt's remaining tokens within ``TTFT_STRETCH`` × their predicted time without the
+  target (chunks of the token budget beside the step's decode rows), counted from when it
+  became the one paced (:class:`PrefillPace`, :meth:`StepBudget.pace`). Both times come
+  from the same cost model, so its scale cancels; the deadline is in real time, so a prompt
+  made late by steps slower than predicted gets all it has left. The floor is the only way
+  a step runs past its target. Why this rule, with measurements: docs/slo.md.
 
 Decode rows alone may predict more than the target (many rows, long contexts): the target
 then only keeps prefill to its floor. The token count stays a hard limit throughout.
@@ -27,26 +32,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
-from kvfleet.worker.engine.request import SequenceState
+from kvfleet.worker.engine.request import SeqStatus, SequenceState
 from kvfleet.worker.step_cost.model import StepCostModel, attended
 
 if TYPE_CHECKING:  # only for annotations
     from kvfleet.worker.engine.scheduling.config import SchedulerConfig
 
-FLOOR_GROWTH = 4  # targets of waiting per extra block of floor
-# A floor past one block stops where the step's prediction reaches this × the target (or ×
-# its decode rows' own time, where they alone take longer).
-FLOOR_CAP = 2.0
-
-
-def floor_tokens(block_size: int, target_s: float, oldest_wait_s: Optional[float],
-                 growth: float = FLOOR_GROWTH) -> int:
-    """Prefill tokens a step runs past the target: one block, plus one per ``growth``
-    targets the oldest prefill in progress has run (``oldest_wait_s``; None: no prefill
-    pending, floor 0)."""
-    if oldest_wait_s is None:
-        return 0
-    return block_size * (1 + int(max(0.0, oldest_wait_s) // (growth * target_s)))
+# A prompt's tokens are paced to be computed within this × their predicted time without the
+# target; the client's bound (2×) also has to hold the step in flight at its arrival.
+TTFT_STRETCH = 1.5
 
 
 class StepBudget:
@@ -54,29 +48,30 @@ class StepBudget:
 
     :meth:`grant` says how many of a chunk's tokens fit (it changes nothing); :meth:`take`
     commits a chunk that was scheduled. ``reserved`` marks a running decode row already
-    counted by :meth:`reserve_decodes`.
+    counted by :meth:`reserve_decodes`. Under a target the floor is set by :meth:`pace`
+    after the decode rows are reserved.
 
     Args:
         max_tokens: ``max_num_batched_tokens``.
         block_size: tokens per KV block (chunk ends are aligned to it under a target).
         cost: the replica's step-cost model; with ``target_s`` None it is not consulted.
         target_s: the ITL target in seconds (None: tokens only).
-        floor: prefill tokens this step runs even past the target (:func:`floor_tokens`).
-        floor_cap: past its first block, the floor stops where the step's prediction reaches
-            this × the target (or × the decode rows' own predicted time, where longer).
+        floor: prefill tokens this step runs even past the target (default none; :meth:`pace`).
+
+    Raises:
+        ValueError: a target without a cost model.
     """
 
     def __init__(self, max_tokens: int, block_size: int, cost: Optional[StepCostModel] = None,
-                 target_s: Optional[float] = None, floor: int = 0,
-                 floor_cap: float = FLOOR_CAP) -> None:
+                 target_s: Optional[float] = None, floor: int = 0) -> None:
         if target_s is not None and cost is None:
             raise ValueError("an ITL target needs a step-cost model")
+        self.max_tokens = max_tokens
         self.tokens_left = max_tokens
         self.block_size = block_size
         self.cost = cost
         self.target_s = target_s
         self.floor_left = floor
-        self.floor_cap = floor_cap
         self.decode_rows = 0
         self.prefill_tokens = 0
         self.context_tokens = 0
@@ -103,21 +98,57 @@ class StepBudget:
                 self._add(c, 1)
             self.decodes_s = self.predicted_s()
 
+    def untargeted_s(self, num_computed: int, prompt: int) -> float:
+        """Predicted seconds to compute ``prompt`` tokens after ``num_computed`` without the
+        target: chunks of the token budget left beside the reserved decode rows, one a step,
+        each step with those rows."""
+        per_step = max(1, self.max_tokens - self.decode_rows)
+        total, done = 0.0, 0
+        while done < prompt:
+            n = min(per_step, prompt - done)
+            total += self._with(num_computed + done, n)
+            done += n
+        return total
+
+    def pace(self, num_computed: int, remaining: int, left_s: float) -> int:
+        """Set and return the floor for a prompt with ``remaining`` tokens to compute after
+        ``num_computed`` that should end within ``left_s`` seconds: the smallest chunk (whole
+        blocks, or all that is left) whose steps, each as long as this step's prediction with
+        it, end in time; all that is left (within the token budget) when even one step would
+        not. Call after :meth:`reserve_decodes`.
+
+        Raises:
+            ValueError: ``remaining`` < 0.
+        """
+        if remaining < 0:
+            raise ValueError(f"remaining must be >= 0, got {remaining}")
+        if not self.timed or remaining <= 1:
+            return self.floor_left
+        # k steps of ceil(remaining / k) tokens (block-rounded): fewer steps, longer each;
+        # their total grows with k, so search for the most steps that still end in time.
+        lo, hi = 1, max(1, -(-remaining // self.block_size))
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._steps_s(num_computed, remaining, mid) <= left_s:
+                lo = mid
+            else:
+                hi = mid - 1
+        self.floor_left = min(self._chunk(num_computed, remaining, lo), self.tokens_left)
+        return self.floor_left
+
     def grant(self, num_computed: int, want: int, reserved: bool = False) -> int:
         """Tokens (0..``want``) of a chunk starting after ``num_computed`` tokens that fit."""
         cap = min(want, self.tokens_left)
         if not self.timed or cap <= 0 or reserved:
             return max(cap, 0)
         floor = min(cap, self.floor_left)
-        if floor > self.block_size:  # past one block, the floor stops at floor_cap targets
-            limit = self.floor_cap * max(self._target(), self.decodes_s)
-            floor = max(self.block_size, self._fits(num_computed, floor, limit))
-        n = max(self._fits(num_computed, cap), floor)
-        if 0 < n < want:  # stopping short of the prompt's end: end on a block boundary
-            aligned = (num_computed + n) // self.block_size * self.block_size - num_computed
-            n = aligned if aligned > 0 else n
+        n = self._align(num_computed, max(self._fits(num_computed, cap), floor), want)
         if n > floor and self._with(num_computed, n) > self._target():
-            return floor  # aligned down to one token: a 1-token chunk costs a decode row
+            # aligned down to one token (a 1-token chunk costs a decode row): the floor only
+            n = self._align(num_computed, floor, want)
+        if floor < n < want:  # no longer than the fewest steps the target allows need
+            even = self._chunk(num_computed, want, -(-want // n))
+            n = max(self._align(num_computed, floor, want), min(n, even))
         return n
 
     def take(self, num_computed: int, n: int, reserved: bool = False) -> None:
@@ -128,6 +159,30 @@ class StepBudget:
             self.floor_left = max(0, self.floor_left - n)
 
     # ---- helpers -------------------------------------------------------------------------
+    def _align(self, num_computed: int, n: int, want: int) -> int:
+        """``n`` ended on a block boundary (rounded down) when it stops short of ``want`` and
+        a boundary lies inside it (a whole block is what the prefix cache can share)."""
+        if 0 < n < want:
+            aligned = (num_computed + n) // self.block_size * self.block_size - num_computed
+            return aligned if aligned > 0 else n
+        return n
+
+    def _chunk(self, num_computed: int, remaining: int, steps: int) -> int:
+        """``remaining`` tokens after ``num_computed`` split over ``steps`` steps: the first
+        chunk, ended on a block boundary (rounded up; all of ``remaining`` when less)."""
+        per = -(-remaining // steps)
+        end = -(-(num_computed + per) // self.block_size) * self.block_size
+        return min(remaining, end - num_computed)
+
+    def _steps_s(self, num_computed: int, remaining: int, steps: int) -> float:
+        """Predicted seconds of ``remaining`` tokens run in chunks of :meth:`_chunk`'s size
+        beside this step's decode rows: the full chunks priced as the first (the prefix grows
+        little), the last one at its own size."""
+        n = self._chunk(num_computed, remaining, steps)
+        full = -(-remaining // n) - 1
+        last = remaining - full * n
+        return full * self._with(num_computed, n) + self._with(num_computed + full * n, last)
+
     def _add(self, num_computed: int, n: int) -> None:
         if n == 1:
             self.decode_rows += 1
@@ -146,43 +201,83 @@ class StepBudget:
         assert self.target_s is not None, "only a timed budget has a target"
         return self.target_s
 
-    def _fits(self, num_computed: int, cap: int, limit_s: Optional[float] = None) -> int:
-        """The most tokens (<= ``cap``) whose chunk keeps the prediction within ``limit_s``
-        (default: the target; the prediction grows with ``n``: binary search)."""
-        limit = self._target() if limit_s is None else limit_s
+    def _fits(self, num_computed: int, cap: int) -> int:
+        """The most tokens (<= ``cap``) whose chunk keeps the prediction within the target
+        (the prediction grows with ``n``: binary search)."""
         lo, hi = 0, cap
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self._with(num_computed, mid) <= limit:
+            if self._with(num_computed, mid) <= self._target():
                 lo = mid
             else:
                 hi = mid - 1
         return lo
 
 
-def prefill_wait(running: Iterable[SequenceState], any_waiting: bool, now: float
-                 ) -> Optional[float]:
-    """Seconds at monotonic time ``now`` since the oldest prefill still in progress among
-    ``running`` (a sequence with more than one token to compute) was admitted; 0.0 when
-    none is but a sequence waits (``any_waiting``); None when no prefill is pending.
+def paced_prefill(running: Iterable[SequenceState], next_waiting: Optional[SequenceState]
+                  ) -> Optional[SequenceState]:
+    """The prefill the floor paces: the oldest-admitted running sequence with more than one
+    token to compute (the order a step without the target serves them); with none,
+    ``next_waiting`` (admission's next); None when neither exists."""
+    pending = [s for s in running if s.num_tokens - s.num_computed_tokens > 1]
+    if pending:
+        return min(pending, key=lambda s: (s.timing.prefill_started is None,
+                                           s.timing.prefill_started or 0.0, s.arrival_seq))
+    return next_waiting
 
-    Counted from admission, not arrival: a queue waiting for seats must not grow the floor,
-    or the floor outgrows the step and the target stops acting.
+
+class PrefillPace:
+    """The deadline of the prefill the floor paces, fixed when a running prefill becomes the
+    one paced (or restarts after a preemption; a waiting one gets a fresh allowance each
+    step): ``stretch`` × the predicted time of its remaining tokens without the target, from
+    its turn: its admission, or the older paced prefill's last step where that came later (a
+    prompt admitted beside an older one with a sliver of leftover room, or queued for a seat,
+    waited as long without the target). Counted in real time: steps slower than predicted
+    (time outside the forward, a loaded host) make it late, and a late prompt's floor grows
+    to all it has left, so prefill keeps up with its arrivals.
+
+    Raises:
+        ValueError: ``stretch`` < 1.
     """
-    started = [now if s.timing.prefill_started is None else s.timing.prefill_started
-               for s in running if s.num_tokens - s.num_computed_tokens > 1]
-    if started:
-        return max(0.0, now - min(started))
-    return 0.0 if any_waiting else None
+
+    def __init__(self, stretch: float = TTFT_STRETCH) -> None:
+        if not stretch >= 1:
+            raise ValueError(f"stretch must be >= 1, got {stretch}")
+        self.stretch = stretch
+        self._key: Optional[tuple[str, int]] = None
+        self._deadline = 0.0
+        self._last_seen = float("-inf")  # the last step that paced a running prefill
+
+    def left_s(self, seq: SequenceState, budget: StepBudget, now: float) -> float:
+        """Seconds left at monotonic time ``now`` before ``seq``'s prompt should be computed
+        (negative: late)."""
+        if seq.status is not SeqStatus.RUNNING:
+            # not admitted yet (it may wait for a seat): no turn has started
+            return self.stretch * budget.untargeted_s(seq.num_computed_tokens,
+                                                      seq.num_tokens - seq.num_computed_tokens)
+        key = (seq.seq_id, seq.num_preemptions)
+        if key != self._key:
+            # Its turn began at its admission, or at the older prefill's last step if later;
+            # its allowance is for the prompt as admitted (a prefix hit is not computed).
+            started = now if seq.timing.prefill_started is None else seq.timing.prefill_started
+            first = min(seq.num_cached_tokens or 0, seq.num_computed_tokens)
+            self._key = key
+            self._deadline = max(started, self._last_seen) + self.stretch * budget.untargeted_s(
+                first, seq.num_tokens - first)
+        self._last_seen = now
+        return self._deadline - now
 
 
 def step_budget(config: SchedulerConfig, block_size: int, cost: Optional[StepCostModel],
-                running: Sequence[SequenceState], any_waiting: bool, sit_out: frozenset[str],
-                now: float) -> StepBudget:
+                running: Sequence[SequenceState], next_waiting: Optional[SequenceState],
+                sit_out: frozenset[str], now: float,
+                pacer: Optional[PrefillPace] = None) -> StepBudget:
     """The allowance of the step planned at monotonic time ``now``: ``max_num_batched_tokens``
     alone without ``config.itl_target_ms``; with it also the target, the running decode rows
     (one token to compute; but those whose seq_id is in ``sit_out``) counted first, and a
-    floor that follows the oldest prefill in progress (:func:`prefill_wait`).
+    floor that paces the oldest prefill in progress, or ``next_waiting`` (the head of the
+    waiting queue) when none is (:func:`paced_prefill`), by ``pacer``'s deadline (a fresh
+    one, from ``now``, when None: a nested step's prompts are paced from their own step).
 
     Raises:
         ValueError: an ITL target without a step-cost model ``cost``.
@@ -190,11 +285,12 @@ def step_budget(config: SchedulerConfig, block_size: int, cost: Optional[StepCos
     target_ms = config.itl_target_ms
     if target_ms is None:
         return StepBudget(config.max_num_batched_tokens, block_size)
-    target_s = target_ms / 1e3
-    floor = floor_tokens(block_size, target_s, prefill_wait(running, any_waiting, now))
-    budget = StepBudget(config.max_num_batched_tokens, block_size, cost, target_s, floor)
+    budget = StepBudget(config.max_num_batched_tokens, block_size, cost, target_ms / 1e3)
     budget.reserve_decodes(s.num_computed_tokens for s in running
                            if s.num_tokens - s.num_computed_tokens == 1
                            and s.seq_id not in sit_out)
+    paced = paced_prefill(running, next_waiting)
+    if paced is not None:
+        left = (pacer or PrefillPace()).left_s(paced, budget, now)
+        budget.pace(paced.num_computed_tokens, paced.num_tokens - paced.num_computed_tokens, left)
     return budget
-

@@ -70,7 +70,8 @@ def test_uneven_chunks(model_dir, budget) -> None:
     chunks = [len(p.chunks[0].token_ids) for p in rec.plans]
     if budget:  # at most 6 tokens a step, cut back to block boundaries where they can be
         starts = [p.chunks[0].num_computed_tokens for p in rec.plans]
-        prefill = [(c, n, w) for c, n, w in zip(starts, chunks, widths + [64] * 99) if c < 34]
+        prefill = [(c, n, w) for c, n, w in zip(starts, chunks, widths + [64] * 99, strict=False)
+                   if c < 34]
         assert sum(n for _, n, _ in prefill) == 34 and chunks[len(prefill):] == [1] * 5
         assert chunks[:len(widths)] != widths
         for c, n, w in prefill[:-1]:
@@ -115,7 +116,8 @@ def test_mixed_batch_of_eight_joining_and_leaving_equals_each_alone(model_dir, b
     arrivals = {0: reqs[:2], 1: [reqs[2]], 3: reqs[3:5], 6: [reqs[5]], 9: reqs[6:]}
     engine, rec = make_engine(model_dir, max_num_batched_tokens=24, **budget)
     results = run(engine, arrivals)
-    assert max(len(p.chunks) for p in rec.plans) >= 5
+    # Under the target the paced floor finishes prompts in fewer, larger chunks: 4 at once.
+    assert max(len(p.chunks) for p in rec.plans) >= (4 if budget else 5)
     assert any(len({len(c.token_ids) > 1 for c in p.chunks}) == 2 for p in rec.plans), \
         "some step must mix prefill chunks and decodes"
     for req in reqs:

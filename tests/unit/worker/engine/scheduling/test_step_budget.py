@@ -1,9 +1,11 @@
 """The ITL target's step budget with a fake (fixed, known) cost model and a fake clock: a step
-never predicts past the target except by its floor, a waiting prefill always advances, the
-floor grows with the oldest wait, and chunks that stop short end on block boundaries."""
+never predicts past the target except by its floor, a waiting prefill always advances and
+reaches its first token within the stretch of its time without the target, a chunk is never
+stretched where it saves no step, and chunks that stop short end on block boundaries."""
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -13,11 +15,11 @@ from kvfleet.sampling_params import SamplingParams
 from kvfleet.worker.engine.request import SeqStatus, SequenceState
 from kvfleet.worker.engine.scheduling.scheduler import Scheduler, SchedulerConfig
 from kvfleet.worker.engine.scheduling.step_budget import (
-    FLOOR_CAP,
-    FLOOR_GROWTH,
+    TTFT_STRETCH,
+    PrefillPace,
     StepBudget,
-    floor_tokens,
-    prefill_wait,
+    paced_prefill,
+    step_budget,
 )
 from kvfleet.worker.step_cost.model import CostModel, plan_shape
 
@@ -55,25 +57,88 @@ def step(s: Scheduler, now: float):
     return out
 
 
-def oldest_wait(s: Scheduler, now: float, admitted: dict[str, float]) -> float | None:
-    """The floor's wait: since the admission (as the test saw it, in ``admitted``) of the
-    oldest running sequence still prefilling; 0 if none but one waits."""
-    t = [admitted[x.seq_id] for x in s.running if x.num_tokens - x.num_computed_tokens > 1]
-    return now - min(t) if t else (0.0 if s.waiting else None)
+def floor_now(s: Scheduler, now: float) -> int:
+    """The floor the scheduler's next step at ``now`` will have (its pacer copied, so the
+    step itself starts from the same state)."""
+    head = s.waiting[0] if s.waiting else None
+    return step_budget(s.config, BS, COST, s.running, head, frozenset(), now,
+                       copy.deepcopy(s.pace)).floor_left
 
 
-def note_admissions(out, admitted: dict[str, float], now: float) -> None:
-    """Record ``now`` for each sequence that starts a prefill in ``out`` (from 0 tokens or
-    its prefix-cache hit: a chunk of a sequence not yet in ``admitted``)."""
-    for x in out.scheduled:
-        if x.seq.seq_id not in admitted:
-            admitted[x.seq.seq_id] = now
+def test_the_floor_is_the_smallest_chunk_whose_steps_end_the_prompt_in_time():
+    b = StepBudget(512, BS, COST, TARGET_MS / 1e3)
+    b.reserve_decodes([40] * 6)
+    left = 0.06
+    f = b.pace(0, 400, left)
+    assert f % BS == 0 and b.floor_left == f
+
+    def steps_s(n: int) -> float:  # ceil(400 / n) steps: the full ones as this one with n
+        full = -(-400 // n) - 1
+        last = 400 - full * n
+        return full * COST.predict_step_s(6, n, 6 * 41 + n) + COST.predict_step_s(
+            6, last, 6 * 41 + full * n + last)
+    assert steps_s(f) <= left
+    assert steps_s(f - BS) > left  # a block less would be late
+    # More time, a smaller floor; late (even one step is too long): all that is left.
+    assert b.pace(0, 400, 2 * left) < f
+    assert b.pace(0, 400, 0.001) == 400 and b.pace(0, 600, -1.0) == 512  # within the tokens
+    assert b.pace(0, 1, 0.0) == 512 and StepBudget(8, BS).pace(0, 9, 0.0) == 0  # kept; untimed
+    with pytest.raises(ValueError, match="remaining"):
+        b.pace(0, -1, 1.0)
 
 
-def test_floor_grows_by_a_block_per_four_targets_waited():
-    assert FLOOR_GROWTH == 4
-    assert floor_tokens(16, 0.05, None) == 0
-    assert [floor_tokens(16, 0.05, w) for w in (0.0, 0.199, 0.201, 0.51, 2.01)] == [16, 16, 32, 48, 176]
+def test_the_untargeted_time_is_token_budget_chunks_beside_the_rows():
+    b = StepBudget(100, BS, COST, TARGET_MS / 1e3)
+    b.reserve_decodes([9] * 4)
+    rows = (4, 4 * 10)
+    expect = (COST.predict_step_s(4, 96, rows[1] + 96) + COST.predict_step_s(4, 96, rows[1] + 192)
+              + COST.predict_step_s(4, 58, rows[1] + 250))
+    assert b.untargeted_s(0, 250) == pytest.approx(expect)
+
+
+def test_a_chunk_that_saves_no_step_is_not_stretched_to_the_target():
+    """80 tokens where the target allows 36 a step: 3 steps either way, so 28 (27 rounded up
+    to a block) rather than 36, 36, 8; a prompt that fits is run whole."""
+    b = StepBudget(512, BS, COST, TARGET_MS / 1e3)
+    fits = 36
+    target = TARGET_MS / 1e3
+    assert COST.predict_step_s(0, fits, fits) <= target < COST.predict_step_s(0, fits + BS, fits + BS)
+    assert b.grant(0, 80) == 28
+    assert b.grant(0, 72) == 36  # two full steps: nothing to trim
+    assert b.grant(0, 30) == 30
+    # Without a target nothing is trimmed: the token budget.
+    assert StepBudget(512, BS).grant(0, 100) == 100
+
+
+def test_the_pace_deadline_runs_from_the_prompts_turn_in_real_time():
+    pace = PrefillPace()
+    s = make()
+    a = seq(200)
+    s.add([a])
+    b = StepBudget(512, BS, COST, TARGET_MS / 1e3)
+    fresh = TTFT_STRETCH * b.untargeted_s(0, 200)
+    assert pace.left_s(a, b, 5.0) == pytest.approx(fresh)  # waiting: a fresh allowance each step
+    assert pace.left_s(a, b, 9.0) == pytest.approx(fresh)
+    step(s, 10.0)
+    assert a.status is SeqStatus.RUNNING and 0 < a.num_computed_tokens < 200
+    left = pace.left_s(a, b, 10.0)  # its turn starts: the deadline is fixed from now
+    assert pace.left_s(a, b, 10.0 + left / 2) == pytest.approx(left / 2)
+    assert pace.left_s(a, b, 11.0 + left) < 0  # late
+    s.preempt(a)  # a recompute is a new turn
+    a.status = SeqStatus.RUNNING
+    assert pace.left_s(a, b, 50.0) == pytest.approx(TTFT_STRETCH * b.untargeted_s(0, 200))
+    with pytest.raises(ValueError, match="stretch"):
+        PrefillPace(0.5)
+
+
+def test_the_paced_prefill_is_the_oldest_admitted_then_the_next_waiting():
+    x, y, w = seq(50), seq(50), seq(50)
+    for q, t in ((x, 3.0), (y, 1.0)):
+        q.timing.prefill_started = t
+    assert paced_prefill([x, y], w) is y
+    y.num_computed_tokens = y.num_tokens - 1  # decoding now
+    assert paced_prefill([x, y], w) is x
+    assert paced_prefill([y], w) is w and paced_prefill([y], None) is None
 
 
 def test_without_a_target_the_budget_is_the_token_count():
@@ -118,17 +183,16 @@ def test_random_mixed_load_never_exceeds_the_target_but_by_the_floor():
     rng = random.Random(11)
     s = make(max_num_seqs=8)
     now, pending = 0.0, [seq(rng.randrange(2, 120), rng.randrange(1, 12)) for _ in range(40)]
-    steps, admitted = 0, {}
+    steps = 0
     while pending or s.num_unfinished:
         for _ in range(rng.randrange(0, 3)):
             if pending:
                 x = pending.pop()
                 x.timing.arrival = now
                 s.add([x])
-        floor = floor_tokens(BS, TARGET_MS / 1e3, oldest_wait(s, now, admitted))
+        floor = floor_now(s, now)
         reserved = {x.seq_id for x in s.running if x.num_tokens - x.num_computed_tokens == 1}
         out = step(s, now)
-        note_admissions(out, admitted, now)
         _check_step(out, reserved, floor)
         now += max(COST.step_seconds(out.plan), 0.001)
         steps += 1
@@ -136,11 +200,12 @@ def test_random_mixed_load_never_exceeds_the_target_but_by_the_floor():
     assert s.kv.num_free_blocks == s.kv.num_total_blocks
 
 
-def decoding_over_target(max_num_seqs: int) -> tuple[Scheduler, float]:
+def decoding_over_target(max_num_seqs: int, target_ms: float | None = TARGET_MS
+                         ) -> tuple[Scheduler, float]:
     """A scheduler whose 12 running sequences all decode (prompts of 300, 400 tokens to go):
     12 rows at ~300 tokens of context predict 1 + 6 + 3.6 ms, over the 5 ms target. Returns
     it and the virtual time after their prefills."""
-    s = make(n_blocks=3000, max_num_seqs=max_num_seqs)
+    s = make(n_blocks=3000, max_num_seqs=max_num_seqs, target_ms=target_ms)
     decoders = [seq(300, max_tokens=400) for _ in range(12)]
     s.add(decoders)
     now = 0.0
@@ -150,33 +215,42 @@ def decoding_over_target(max_num_seqs: int) -> tuple[Scheduler, float]:
     return s, now
 
 
-def test_a_waiting_prefill_advances_every_step_even_behind_decodes_over_the_target():
-    s, now = decoding_over_target(max_num_seqs=16)
-    late = seq(120, max_tokens=2, arrival=now)
+def first_token_s(s: Scheduler, now: float, prompt: int, gaps: list[float] | None = None) -> float:
+    """Seconds from a ``prompt``-token arrival at ``now`` to its first token on the virtual
+    clock (each step as long as the cost model says); every step must give it tokens.
+    ``gaps``: the steps' lengths are appended."""
+    late = seq(prompt, max_tokens=2, arrival=now)
     s.add([late])
-    chunks = []
+    start = now
     while not late.output_token_ids:
         out = step(s, now)
-        mine = [c for c in out.plan.chunks if c.seq_id == late.seq_id]
-        assert mine, "the waiting prompt got no tokens this step"
-        chunks.append(len(mine[0].token_ids))
+        assert any(c.seq_id == late.seq_id for c in out.plan.chunks), "no tokens this step"
         now += COST.step_seconds(out.plan)
-    assert sum(chunks) == 120
-    assert chunks[0] == BS and chunks[:-1] == sorted(chunks[:-1]) and chunks[-2] > chunks[0], chunks
+        if gaps is not None:
+            gaps.append(COST.step_seconds(out.plan))
+    return now - start
 
 
-def test_with_the_target_off_steps_are_the_token_budgets():
-    s = make(target_ms=None, max_num_batched_tokens=6)
-    a, b = seq(3), seq(10)
-    s.add([a, b])
-    out = step(s, 0.0)
-    assert [(x.seq.seq_id, x.num_new_tokens) for x in out.scheduled] == [(a.seq_id, 3), (b.seq_id, 3)]
+@pytest.mark.parametrize("prompt", [40, 120, 480])
+def test_behind_decodes_over_the_target_a_prompt_keeps_within_the_stretch_of_no_target(prompt):
+    """12 decode rows already past the target leave no room: the floor alone carries the
+    prompt, in chunks sized from the cost model, and its time to first token stays within
+    the stretch of the same prompt's without the target (where it runs in one step)."""
+    off, t_off = decoding_over_target(16, target_ms=None)
+    on, t_on = decoding_over_target(16)
+    without = first_token_s(off, t_off, prompt)
+    gaps: list[float] = []
+    with_target = first_token_s(on, t_on, prompt, gaps)
+    assert with_target <= TTFT_STRETCH * without + 1e-9
+    if prompt >= 120:  # (40 tokens in two steps would be late: one step)
+        assert len(gaps) > 1  # it was paced, not run whole
+        assert max(gaps) < without  # and no step as long as the untargeted one
 
 
 def test_a_queue_waiting_for_seats_does_not_lift_the_floor():
-    """Requests that waited long for a seat start at a one-block floor, which then grows with
-    the time since their admission: the target keeps acting (it did not when the floor
-    counted the wait from arrival: 100 s of queueing lifted it past the token budget)."""
+    """Requests that waited long for a seat are paced from their admission (their turn), not
+    their arrival: the first is chunked over several steps, not run whole at once as it
+    would be if 100 s of queueing counted as lateness."""
     s, _ = decoding_over_target(max_num_seqs=13)
     queued = [seq(200, max_tokens=2, arrival=0.0) for _ in range(6)]  # waiting since t=0
     s.add(queued)
@@ -187,38 +261,46 @@ def test_a_queue_waiting_for_seats_does_not_lift_the_floor():
         out = step(s, now)
         assert [c.seq_id for c in out.plan.chunks if len(c.token_ids) > 1] == [first.seq_id]
         chunks.append(sum(len(c.token_ids) for c in out.plan.chunks if c.seq_id == first.seq_id))
-        assert chunks[-1] == floor_tokens(BS, TARGET_MS / 1e3, now - 100.0) or sum(chunks) == 200
         now += COST.step_seconds(out.plan)
-    assert chunks[0] == BS and sum(chunks) == 200 and len(chunks) > 3, chunks
+    assert sum(chunks) == 200 and len(chunks) > 1, chunks
     assert first.timing.prefill_started == 100.0
     assert all(q.timing.prefill_started is None for q in queued[1:])  # still waiting for a seat
 
 
-def test_a_preempted_sequence_restarts_its_floor():
+def test_a_preempted_sequence_restarts_its_pace():
     s = make(n_blocks=400)
     a = seq(200, max_tokens=4)
     s.add([a])
     step(s, 3.0)
+    step(s, 3.01)  # running: its turn's deadline is fixed
     assert 0 < a.num_computed_tokens < 199  # still prefilling
-    assert a.timing.prefill_started == 3.0 and prefill_wait(s.running, bool(s.waiting), 4.0) == 1.0
+    b = StepBudget(512, BS, COST, TARGET_MS / 1e3)
+    late_by = s.pace.left_s(a, b, 1000.0)
+    assert late_by < 0
     s.preempt(a)
-    assert a.timing.prefill_started is None and prefill_wait(s.running, bool(s.waiting), 4.0) == 0.0
-    s.finish(a)
-    assert prefill_wait(s.running, bool(s.waiting), 4.0) is None
+    assert paced_prefill(s.running, s.waiting[0]) is a
+    assert floor_now(s, 1000.0) < 200  # waiting again: a fresh allowance, not all at once
+    step(s, 1000.0)
+    assert s.pace.left_s(a, b, 1000.0) > 0  # its recompute is a new turn
 
 
-def test_a_grown_floor_stops_at_twice_the_target_or_twice_the_decode_rows():
-    target = TARGET_MS / 1e3
-    alone = StepBudget(512, BS, COST, target, floor=400)
-    n = alone.grant(0, 400)
-    assert n % BS == 0 and COST.predict_step_s(0, n, n) <= FLOOR_CAP * target
-    assert COST.predict_step_s(0, n + BS, n + BS) > FLOOR_CAP * target  # as large as allowed
-    # Decode rows predicting past the target themselves: the cap is twice their time.
-    behind = StepBudget(512, BS, COST, target, floor=400)
-    behind.reserve_decodes([300] * 12)
-    assert behind.decodes_s > target
-    m = behind.grant(0, 400)
-    assert COST.predict_step_s(12, m, 12 * 301 + m) <= FLOOR_CAP * behind.decodes_s
-    assert m > n // 2 and m > BS
-    # A floor of one block is never capped.
-    assert StepBudget(512, BS, COST, 0.0001, floor=BS).grant(0, 400) == BS
+def test_steps_slower_than_predicted_make_the_prompt_late_and_its_floor_grows():
+    """The deadline is in real time: when every step takes 3 × its prediction (time outside
+    the forward, a loaded host), the paced prompt falls behind and its floor grows to catch
+    up, so it ends in fewer steps than at the predicted pace — prefill keeps up."""
+
+    def chunks_for(slowdown: float) -> list[int]:
+        s, now = decoding_over_target(16)
+        late = seq(480, max_tokens=2, arrival=now)
+        s.add([late])
+        sizes = []
+        while not late.output_token_ids:
+            out = step(s, now)
+            sizes += [len(c.token_ids) for c in out.plan.chunks if c.seq_id == late.seq_id]
+            now += slowdown * COST.step_seconds(out.plan)
+        return sizes
+
+    on_time, slow = chunks_for(1.0), chunks_for(3.0)
+    assert sum(on_time) == sum(slow) == 480
+    assert len(slow) < len(on_time), (on_time, slow)
+    assert max(slow) > max(on_time)

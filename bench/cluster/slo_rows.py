@@ -1,0 +1,244 @@
+"""The client-side SLO table's first row on a real ``kvfleet up``: ITL target off vs on.
+
+    .venv/bin/python -m bench slo_rows [--seconds 60] [--target-x 3] [--itl-target-ms MS]
+                                       [--streams 4] [--prompt 480] [--period 1.5]
+
+One real replica of the default model (SmolLM2-135M) behind the router, started from
+``kvfleet up``'s own flags (:class:`~kvfleet.deploy.launcher.LocalCluster`: Redis, local Ray,
+router process), once without and once with ``--itl-target-ms``; in each, seeded and the same:
+``--streams`` greedy decode streams (64-token prompts, 256 tokens each, replaced when done)
+and a ``--prompt``-token request (16 tokens) every ``--period`` seconds, for ``--seconds``.
+The target is ``--itl-target-ms``, or ``--target-x`` × the single-stream ITL p50 measured
+first on the target-off cluster (one stream alone). Each cluster runs in a process of its own
+(Ray and Serve start clean). Every streamed message is timestamped at
+the client (``time.monotonic``): the streams' ITL is the gap between a stream's messages
+carrying tokens; the long prompts' TTFT is send to first token. Reported per run and on ÷ off:
+ITL p50 / p99 and p99 ÷ p50, output tokens/s, long-prompt TTFT p50 / p99, and whether every
+request's greedy tokens were identical in both runs (targets: p99 ≤ 3 × p50, ≥ 0.85 × tok/s,
+long TTFT p99 ≤ 2 ×). The host's load average is recorded beside the numbers: on a loaded host
+they measure the load as much as the policy. The second and third rows (classes, fairness)
+are ``bench priority`` and ``bench overload fair``. JSON: ``bench/results/slo_rows.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from bench.common.result_file import RESULTS
+from bench.engine.engine_bench import pct
+
+STREAM_PROMPT, STREAM_TOKENS, LONG_TOKENS = 64, 256, 16
+
+
+@dataclass
+class Stream:
+    """One request as the client saw it: every message's arrival time and token count."""
+
+    kind: str  # "stream" | "long"
+    index: int
+    sent: float
+    stamps: list[tuple[float, int]] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    error: str = ""
+
+
+def prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(100, 40000) for _ in range(n)]
+
+
+async def generate(stub, ids: list[int], max_tokens: int, kind: str, index: int) -> Stream:
+    """One greedy ``Router.Generate``; never raises (an error is recorded)."""
+    import grpc
+
+    from kvfleet.v1 import router_pb2
+
+    req = router_pb2.GenerateRequest()
+    req.token_ids.ids.extend(ids)
+    req.sampling.max_tokens = max_tokens
+    req.sampling.ignore_eos = True
+    req.sampling.temperature = 0.0
+    out = Stream(kind, index, time.monotonic())
+    try:
+        async for m in stub.Generate(req, timeout=600.0):
+            if m.token_ids:
+                out.stamps.append((time.monotonic(), len(m.token_ids)))
+                out.tokens.extend(m.token_ids)
+    except grpc.aio.AioRpcError as exc:
+        out.error = f"{exc.code().name}: {exc.details()}"
+    return out
+
+
+async def workload(address: str, seconds: float, streams: int, long_prompt: int,
+                   period: float, seed: int = 0) -> list[Stream]:
+    """The row's load for ``seconds``; the same requests (by kind and index) in every run."""
+    import grpc
+
+    from kvfleet.grpc_util import CHANNEL_OPTIONS
+    from kvfleet.v1 import router_pb2_grpc
+
+    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as ch:
+        stub = router_pb2_grpc.RouterStub(ch)
+        await generate(stub, prompt(random.Random(-1), 16), 4, "warm", 0)  # warm-up
+        end = time.monotonic() + seconds
+
+        async def stream_loop(k: int) -> list[Stream]:
+            done, i = [], 0
+            while time.monotonic() < end:
+                ids = prompt(random.Random(seed * 1000 + k * 100 + i), STREAM_PROMPT)
+                done.append(await generate(stub, ids, STREAM_TOKENS, "stream", k * 100 + i))
+                i += 1
+            return done
+
+        async def long_loop() -> list[Stream]:
+            tasks, i, t0 = [], 0, time.monotonic()
+            while time.monotonic() < end:
+                ids = prompt(random.Random(seed * 1000 + 50_000 + i), long_prompt)
+                tasks.append(asyncio.create_task(generate(stub, ids, LONG_TOKENS, "long", i)))
+                i += 1
+                await asyncio.sleep(max(0.0, t0 + i * period - time.monotonic()))
+            return list(await asyncio.gather(*tasks))
+
+        parts = await asyncio.gather(long_loop(), *(stream_loop(k) for k in range(streams)))
+    return [s for part in parts for s in part]
+
+
+async def single_stream_itl(address: str, tokens: int = 64) -> float:
+    """ITL p50 (s) of one stream alone."""
+    import grpc
+
+    from kvfleet.grpc_util import CHANNEL_OPTIONS
+    from kvfleet.v1 import router_pb2_grpc
+
+    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as ch:
+        stub = router_pb2_grpc.RouterStub(ch)
+        await generate(stub, prompt(random.Random(-2), 16), 4, "warm", 0)
+        s = await generate(stub, prompt(random.Random(-3), STREAM_PROMPT), tokens, "alone", 0)
+    gaps = [b[0] - a[0] for a, b in zip(s.stamps, s.stamps[1:], strict=False)]
+    return pct(gaps, 0.5)
+
+
+def summarize(runs: list[Stream], seconds: float) -> dict:
+    itl = [b[0] - a[0] for s in runs if s.kind == "stream"
+           for a, b in zip(s.stamps, s.stamps[1:], strict=False)]
+    ttft = [s.stamps[0][0] - s.sent for s in runs if s.kind == "long" and s.stamps]
+    return {"itl_p50_s": pct(itl, 0.5), "itl_p99_s": pct(itl, 0.99),
+            "itl_p99_over_p50": pct(itl, 0.99) / pct(itl, 0.5),
+            "tokens_per_s": sum(len(s.tokens) for s in runs) / seconds,
+            "long_ttft_p50_s": pct(ttft, 0.5), "long_ttft_p99_s": pct(ttft, 0.99),
+            "long_prompts": len(ttft), "errors": sorted({s.error for s in runs if s.error})[:5]}
+
+
+def identical(off: list[Stream], on: list[Stream]) -> dict:
+    """Requests present (and complete) in both runs, and whether their tokens match."""
+    a = {(s.kind, s.index): s.tokens for s in off if not s.error}
+    b = {(s.kind, s.index): s.tokens for s in on if not s.error}
+    both = [k for k in a if k in b and len(a[k]) == len(b[k])]
+    return {"compared": len(both), "identical": all(a[k] == b[k] for k in both)}
+
+
+def run_cluster(flags: list[str], body) -> object:
+    """Start ``kvfleet up FLAGS`` (router on a free port), run ``body(address)``, stop it."""
+    from dataclasses import replace
+
+    from kvfleet.deploy import cli
+    from kvfleet.deploy.cluster_flags import cluster_config
+    from kvfleet.deploy.launcher import LocalCluster
+
+    cfg = cluster_config(cli.build_parser().parse_args(["up", *flags]))
+    cluster = LocalCluster(replace(cfg, router=replace(cfg.router, port=0)))
+    try:
+        address = cluster.start(timeout_s=900.0)
+        return body(address)
+    finally:
+        cluster.stop()
+
+
+def phase(a: argparse.Namespace) -> None:
+    """One cluster (``--phase off|on``) in this process; the raw streams go to ``--dump``."""
+    from dataclasses import asdict
+
+    base = ["--replicas", "1", "--max-num-seqs", "16", "--max-num-batched-tokens", "512"]
+    flags = base if a.phase == "off" else [*base, "--itl-target-ms", f"{a.itl_target_ms:.0f}"]
+
+    def body(address: str) -> dict:
+        single = asyncio.run(single_stream_itl(address)) if a.phase == "off" else None
+        runs = asyncio.run(workload(address, a.seconds, a.streams, a.prompt, a.period, a.seed))
+        return {"single": single, "runs": [asdict(r) for r in runs]}
+
+    with open(a.dump, "w") as f:
+        json.dump(run_cluster(flags, body), f)
+
+
+def run_phase(a: argparse.Namespace, name: str, target_ms: Optional[float]) -> dict:
+    """``phase`` in a fresh process (Ray and Serve start clean for each cluster)."""
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+        cmd = [sys.executable, "-m", "bench", "slo_rows", "--phase", name, "--dump", tmp.name,
+               "--seconds", str(a.seconds), "--streams", str(a.streams), "--prompt",
+               str(a.prompt), "--period", str(a.period), "--seed", str(a.seed)]
+        if target_ms is not None:
+            cmd += ["--itl-target-ms", str(target_ms)]
+        subprocess.run(cmd, check=True)
+        with open(tmp.name) as f:
+            data = json.load(f)
+    data["runs"] = [Stream(**{**r, "stamps": [tuple(x) for x in r["stamps"]]})
+                    for r in data["runs"]]
+    return data
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench slo_rows", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seconds", type=float, default=60.0)
+    p.add_argument("--streams", type=int, default=4)
+    p.add_argument("--prompt", type=int, default=480)
+    p.add_argument("--period", type=float, default=1.5)
+    p.add_argument("--target-x", type=float, default=3.0)
+    p.add_argument("--itl-target-ms", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=str(RESULTS / "slo_rows.json"))
+    p.add_argument("--phase", choices=("off", "on"), help=argparse.SUPPRESS)
+    p.add_argument("--dump", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.phase:
+        phase(a)
+        return 0
+    load: dict = {"start": os.getloadavg()}
+    first = run_phase(a, "off", None)
+    off, single = first["runs"], first["single"]
+    target_ms = a.itl_target_ms or a.target_x * single * 1e3
+    print(f"single-stream ITL p50 {single * 1e3:.0f} ms; target {target_ms:.0f} ms", flush=True)
+    load["between"] = os.getloadavg()
+    on = run_phase(a, "on", target_ms)["runs"]
+    load["end"] = os.getloadavg()
+    r_off, r_on = summarize(off, a.seconds), summarize(on, a.seconds)
+    result = {"single_stream_itl_p50_s": single, "target_ms": target_ms, "off": r_off,
+              "on": r_on, "ratios": {
+                  "tokens_per_s": r_on["tokens_per_s"] / r_off["tokens_per_s"],
+                  "long_ttft_p99": r_on["long_ttft_p99_s"] / r_off["long_ttft_p99_s"]},
+              "outputs": identical(off, on), "load_average": load, "args": vars(a)}
+    print(json.dumps(result, indent=1))
+    print(f"target {target_ms:.0f} ms: ITL p99/p50 {r_off['itl_p99_over_p50']:.2f} -> "
+          f"{r_on['itl_p99_over_p50']:.2f} (p50 {r_off['itl_p50_s'] * 1e3:.0f} -> "
+          f"{r_on['itl_p50_s'] * 1e3:.0f} ms); tok/s {result['ratios']['tokens_per_s']:.2f}x; "
+          f"long TTFT p99 {r_off['long_ttft_p99_s']:.2f} -> {r_on['long_ttft_p99_s']:.2f} s "
+          f"({result['ratios']['long_ttft_p99']:.2f}x); outputs {result['outputs']}; "
+          f"load {load}")
+    os.makedirs(os.path.dirname(a.out), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

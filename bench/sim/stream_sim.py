@@ -1,0 +1,132 @@
+"""Decode streams beside periodic long prompts, ITL target off and on, on a virtual clock.
+
+    .venv/bin/python -m bench stream_sim [--streams 4] [--prompt 480] [--period 1.5]
+                                         [--target-x 3] [--seconds 60] [--overhead-ms 0]
+
+The shape of the first row of docs/slo.md's client-side table, through the real scheduler and
+block pool, each step lasting what the cost model says (default: SmolLM2 at 2 threads on an
+idle host, as ``bench itl_sim``): ``--streams`` requests decode all the time (64-token prompts;
+a finished one is replaced at once), and a ``--prompt``-token request with 16 output tokens
+arrives every ``--period`` seconds. The target is ``--target-x`` × one stream's predicted step
+plus ``--overhead-ms`` (its single-stream ITL; the overhead is time outside the forward, which
+the scheduler's cost model does not see). Prints, target off and on: the streams' ITL p50 /
+p99 and their ratio, output tokens/s, and the long prompts' TTFT p50 / p99 (arrival to first token); then
+on ÷ off. Greedy tokens are not modelled here (``bench itl`` compares them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+
+from bench.engine.engine_bench import pct
+from bench.sim.itl_sim import IDLE_SMOLLM2
+from kvfleet.allocator.kv_cache_manager import KVCacheManager
+from kvfleet.sampling_params import SamplingParams
+from kvfleet.worker.engine.request import SeqStatus, SequenceState
+from kvfleet.worker.engine.scheduling.scheduler import Scheduler, SchedulerConfig
+from kvfleet.worker.step_cost.model import CostModel, StepCost
+
+BLOCK = 16
+STREAM_PROMPT = 64
+STREAM_TOKENS = 256  # a stream's output before it is replaced by a fresh one
+LONG_TOKENS = 16
+
+
+def simulate(config: SchedulerConfig, cost: CostModel, streams: int, prompt: int, period: float,
+             seconds: float, overhead_s: float = 0.0) -> dict:
+    """Run the workload for ``seconds`` of virtual time. Returns the streams' ITL p50 / p99
+    (s), output tokens/s, and the long prompts' TTFT p50 / p99 (s)."""
+    sched = Scheduler(config, KVCacheManager(4096, BLOCK), StepCost(cost, alpha=0.0))
+    counter = iter(range(10**9))
+
+    def new(prompt_len: int, max_tokens: int, now: float, kind: str) -> SequenceState:
+        i = next(counter)
+        s = SequenceState(seq_id=f"{kind}{i}", request_id=f"{kind}{i}", index=0,
+                          prompt_token_ids=[1 + (i * 31 + j) % 900 for j in range(prompt_len)],
+                          params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                          root_hash=b"s" * 16, block_size=BLOCK, arrival_seq=i)
+        s.timing.arrival = now
+        sched.add([s])
+        return s
+
+    last: dict[str, float] = {}
+    itl: list[float] = []
+    ttft: list[float] = []
+    tokens = 0
+    now, next_long = 0.0, 0.0
+    live = [new(STREAM_PROMPT, STREAM_TOKENS, now, "s") for _ in range(streams)]
+    while now < seconds:
+        while next_long <= now:
+            new(prompt, LONG_TOKENS, next_long, "L")
+            next_long += period
+        out = sched.schedule(now)
+        sched.on_step_done(out)
+        step_s = cost.step_seconds(out.plan)
+        if step_s == 0.0:  # idle until the next arrival
+            now = next_long
+            continue
+        now += step_s + overhead_s
+        for x in out.scheduled:
+            seq = x.seq
+            if not x.sample or seq.status is not SeqStatus.RUNNING:
+                continue
+            seq.append_token(1)
+            tokens += 1
+            if seq.seq_id.startswith("s"):
+                if seq.seq_id in last:
+                    itl.append(now - last[seq.seq_id])
+                last[seq.seq_id] = now
+            elif len(seq.output_token_ids) == 1:
+                ttft.append(now - seq.timing.arrival)
+            if len(seq.output_token_ids) >= seq.params.max_tokens:
+                sched.finish(seq)
+                if seq in live:
+                    live[live.index(seq)] = new(STREAM_PROMPT, STREAM_TOKENS, now, "s")
+    return {"itl_p50_s": pct(itl, 0.5), "itl_p99_s": pct(itl, 0.99),
+            "itl_p99_over_p50": pct(itl, 0.99) / pct(itl, 0.5),
+            "tokens_per_s": tokens / now, "long_ttft_p50_s": pct(ttft, 0.5),
+            "long_ttft_p99_s": pct(ttft, 0.99), "long_prompts": len(ttft)}
+
+
+def compare(cost: CostModel, streams: int = 4, prompt: int = 480, period: float = 1.5,
+            target_x: float = 3.0, seconds: float = 60.0, overhead_s: float = 0.0) -> dict:
+    """Target off and on (``target_x`` × one stream's predicted step), and on ÷ off."""
+    single = cost.predict_step_s(1, 0, STREAM_PROMPT + STREAM_TOKENS // 2) + overhead_s
+    off = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512)
+    on = replace(off, itl_target_ms=target_x * single * 1e3)
+    runs = {k: simulate(c, cost, streams, prompt, period, seconds, overhead_s)
+            for k, c in (("off", off), ("on", on))}
+    a, b = runs["off"], runs["on"]
+    return {"target_ms": on.itl_target_ms, **runs,
+            "ratios": {"itl_p50": b["itl_p50_s"] / a["itl_p50_s"],
+                       "tokens_per_s": b["tokens_per_s"] / a["tokens_per_s"],
+                       "long_ttft_p99": b["long_ttft_p99_s"] / a["long_ttft_p99_s"]}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench stream_sim", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--streams", type=int, default=4)
+    p.add_argument("--prompt", type=int, default=480)
+    p.add_argument("--period", type=float, default=1.5)
+    p.add_argument("--target-x", type=float, default=3.0)
+    p.add_argument("--seconds", type=float, default=60.0)
+    p.add_argument("--overhead-ms", type=float, default=0.0)
+    p.add_argument("--cost", help="calibration JSON (default: bench itl_sim's idle SmolLM2)")
+    a = p.parse_args(argv)
+    cost = CostModel.load(a.cost) if a.cost else IDLE_SMOLLM2
+    r = compare(cost, a.streams, a.prompt, a.period, a.target_x, a.seconds, a.overhead_ms / 1e3)
+    print(json.dumps(r, indent=1))
+    off, on = r["off"], r["on"]
+    print(f"target {r['target_ms']:.0f} ms: ITL p99/p50 {off['itl_p99_over_p50']:.2f} -> "
+          f"{on['itl_p99_over_p50']:.2f}, p50 {off['itl_p50_s'] * 1e3:.0f} -> "
+          f"{on['itl_p50_s'] * 1e3:.0f} ms; tok/s {r['ratios']['tokens_per_s']:.3f}x; "
+          f"long TTFT p99 {off['long_ttft_p99_s']:.2f} -> {on['long_ttft_p99_s']:.2f} s "
+          f"({r['ratios']['long_ttft_p99']:.2f}x)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
