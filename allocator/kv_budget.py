@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from kvfleet.allocator.kv_bytes import (
     KV_DTYPE_BYTES,
@@ -25,6 +25,7 @@ from kvfleet.allocator.kv_bytes import (
     scale_bytes_per_token,
     scales_per_token,
 )
+from kvfleet.allocator.layer_groups import LayerGroups
 from kvfleet.allocator.model_spec import ModelKVSpec
 from kvfleet.allocator.units import cdiv
 
@@ -57,6 +58,30 @@ def reserve_slots(lengths: Iterable[int], block_size: int) -> Reservation:
         raise CapacityError(f"--context: token counts must be >= 0, got {lengths}")
     reserved = sum(block_size * cdiv(n, block_size) for n in lengths)
     return Reservation(reserved_tokens=reserved, live_tokens=sum(lengths))
+
+
+def group_blocks(windows: Sequence[int | None], num_tokens: int, max_chunk: int,
+                 block_size: int) -> tuple[int, ...]:
+    """Per layer group (``windows[g]``: its sliding window, None for full attention), the most
+    blocks one sequence of ``num_tokens`` tokens holds when computed in chunks of at most
+    ``max_chunk`` tokens: ``ceil(T / block_size)`` for a full group; for a sliding group of
+    window ``w``, ``min(ceil(T / block_size), ceil((w - 1 + C) / block_size) + 1)`` with
+    ``C = min(max_chunk, T)`` — a chunk writes all its tokens and its first query sees
+    ``w - 1`` keys back; one more block for a span that does not start on a block boundary.
+    The KV cache manager reserves and reports with this same function.
+
+    Raises:
+        CapacityError: a negative ``num_tokens``, or ``max_chunk`` / ``block_size`` below 1.
+    """
+    if num_tokens < 0:
+        raise CapacityError(f"--context: token counts must be >= 0, got {num_tokens}")
+    if max_chunk < 1 or block_size < 1:
+        raise CapacityError(f"--max-num-batched-tokens / --block-size: must be >= 1, got "
+                            f"{max_chunk} / {block_size}")
+    full = cdiv(num_tokens, block_size)
+    chunk = min(max_chunk, num_tokens)
+    return tuple(full if w is None else min(full, cdiv(w - 1 + chunk, block_size) + 1)
+                 for w in windows)
 
 
 # Weight-only quantized formats (kvfleet --quantization): bits per weight, and the fp16 values
@@ -101,6 +126,26 @@ def reserved_request_bytes(spec: ModelKVSpec, num_tokens: int, kv_dtype: str,
     return total + recurrent_state_bytes(spec, kv_dtype)
 
 
+def pool_groups(spec: ModelKVSpec) -> LayerGroups | None:
+    """The layer groups the engine's pool pages ``spec`` with (:mod:`.layer_groups`), or None
+    when it keeps one block of every layer: no sliding layer, or layers whose per-token
+    elements differ (MLA, mixed head shapes), which the engine's pages do not split."""
+    if spec.recurrent is not None or not spec.layers:
+        return None
+    if all(layer.window is None for layer in spec.layers):
+        return None
+    if len({layer.elements_per_token for layer in spec.layers}) != 1:
+        return None
+    return LayerGroups.from_windows(spec.windows)
+
+
+def request_pages(groups: LayerGroups, num_tokens: int, block_size: int,
+                  max_chunk: int = 1) -> int:
+    """Pages one request of ``num_tokens`` tokens holds over every group
+    (:func:`group_blocks`; ``max_chunk`` 1: once prefilled, as while it decodes)."""
+    return sum(group_blocks(groups.windows, num_tokens, max_chunk, block_size))
+
+
 @dataclass(frozen=True)
 class CapacityPlan:
     """What one rank of a replica can hold. Every ``*_bytes`` field is bytes per rank."""
@@ -114,10 +159,13 @@ class CapacityPlan:
     margin_bytes: int          # ceil(memory_bytes * margin)
     available_kv_bytes: int    # memory - weights - reserve - margin, floored at 0
     shortfall_bytes: int       # > 0 when weights + reserve + margin exceed the memory
-    block_bytes: int           # one block of block_size tokens over every layer (+ scales)
+    block_bytes: int           # one block (page) of block_size tokens over every layer of
+    #                            one layer group — every layer without groups (+ scales)
     num_blocks: int            # available_kv_bytes // block_bytes
-    request_bytes: int         # what one request reserves (see reserved_request_bytes)
-    max_concurrent_requests: int  # available_kv_bytes // request_bytes
+    request_bytes: int         # what one request holds (reserved_request_bytes; with layer
+    #                            groups its pages, request_pages, times block_bytes)
+    max_concurrent_requests: int  # available_kv_bytes // request_bytes (with groups: whole
+    #                               pages, num_blocks // request_pages — the pool's arithmetic)
 
 
 def _margin_bytes(memory_bytes: int, margin: float | str | Fraction) -> int:
@@ -131,7 +179,7 @@ def plan_capacity(spec: ModelKVSpec, *, memory_bytes: int, tokens_per_request: i
                   weights_bytes: int | None = None, num_params: int | None = None,
                   weight_dtype: str = "bf16", kv_dtype: str = "bf16", reserve_bytes: int = 0,
                   margin: float | str | Fraction = 0, block_size: int = 16,
-                  quant_group_size: int = 32) -> CapacityPlan:
+                  quant_group_size: int = 32, max_chunk: int = 1) -> CapacityPlan:
     """Block budget and concurrent-request capacity of one rank.
 
     ``memory_bytes`` is the usable memory of one device; the weights are ``weights_bytes`` in
@@ -140,6 +188,11 @@ def plan_capacity(spec: ModelKVSpec, *, memory_bytes: int, tokens_per_request: i
     ``reserve_bytes`` is the measured non-KV reserve per device; ``margin`` a fraction of
     ``memory_bytes`` kept free. Each request holds ``tokens_per_request`` tokens
     (prompt + max_tokens).
+
+    With sliding-window layers (:func:`pool_groups`) the KV is paged as the engine pages it:
+    pages of one layer group, each request holding :func:`request_pages` of them (a sliding
+    group at most its window; ``max_chunk``: the prefill chunk counted in that span, 1 for
+    requests once prefilled).
 
     Raises:
         CapacityError: a negative size, a margin outside [0, 1), no weights given.
@@ -165,6 +218,11 @@ def plan_capacity(spec: ModelKVSpec, *, memory_bytes: int, tokens_per_request: i
     block_bytes = block_size * (bytes_per_token(rank, kv_dtype)
                                 + scale_bytes_per_token(rank, kv_dtype))
     request_bytes = reserved_request_bytes(rank, tokens_per_request, kv_dtype, block_size)
+    groups = pool_groups(rank)
+    if groups is not None:
+        block_bytes = block_bytes * groups.layers_per_group // groups.num_layers
+        pages = request_pages(groups, tokens_per_request, block_size, max_chunk)
+        request_bytes = pages * block_bytes
     return CapacityPlan(
         tp=tp, block_size=block_size, tokens_per_request=tokens_per_request,
         memory_bytes=memory_bytes, weights_bytes=per_rank_weights, reserve_bytes=reserve_bytes,

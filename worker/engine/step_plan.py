@@ -24,6 +24,11 @@ class SeqChunk:
     returns the logits of the chunk's last ``1 + num_draft_tokens`` positions (0: of its last
     token only). Their K/V is written like any other token's; the engine counts as computed
     only the positions it verifies, so a rejected draft's slots are simply written again.
+
+    With layer groups (:mod:`kvfleet.allocator.layer_groups`) ``block_table`` is group 0's
+    table and ``group_tables`` those of groups 1.. (empty for one group); a sliding group's
+    table holds ``-1`` for the blocks before its window (released: no query of this chunk
+    sees them).
     """
 
     seq_id: str  # the sequence's id (``<request id>#<sample index>`` in the engine)
@@ -32,11 +37,16 @@ class SeqChunk:
     block_table: tuple[int, ...]
     adapter_slot: int = 0
     num_draft_tokens: int = 0
+    group_tables: tuple[tuple[int, ...], ...] = ()
 
     @property
     def num_logit_rows(self) -> int:
         """Logits rows the runner returns for this chunk: its last ``1 + num_draft_tokens``."""
         return 1 + self.num_draft_tokens
+
+    def tables(self) -> tuple[tuple[int, ...], ...]:
+        """Every layer group's table, group 0 first."""
+        return (self.block_table, *self.group_tables)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ from typing import Sequence
 
 import torch
 
+from kvfleet.allocator.layer_groups import LayerGroups
 from kvfleet.worker.engine.step_plan import StepPlan
 from kvfleet.worker.executor.base import RankInfo
 from kvfleet.worker.kv_tier.rank_tier import NO_RANK_TIER, NoRankTier, RankTier, transfer
@@ -52,6 +53,10 @@ class LocalExecutor:
     @property
     def block_size(self) -> int:
         return self.runner.block_size
+
+    @property
+    def layer_groups(self) -> LayerGroups:
+        return self.runner.layer_groups
 
     def validate(self, plan: StepPlan) -> None:
         """See :meth:`ModelRunner.validate`."""

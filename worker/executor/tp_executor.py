@@ -25,6 +25,7 @@ from typing import Callable, Sequence, TypeVar
 import numpy as np
 import torch
 
+from kvfleet.allocator.layer_groups import LayerGroups
 from kvfleet.errors import Unavailable
 from kvfleet.worker.engine.step_plan import StepPlan
 from kvfleet.worker.executor.base import RankInfo
@@ -77,6 +78,10 @@ class TPExecutor:
     @property
     def block_size(self) -> int:
         return self.local.block_size
+
+    @property
+    def layer_groups(self) -> LayerGroups:
+        return self.local.layer_groups
 
     def validate(self, plan: StepPlan) -> None:
         """Rank 0's check of ``plan`` (see :meth:`ModelRunner.validate`)."""

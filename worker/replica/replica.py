@@ -24,6 +24,7 @@ from kvfleet.allocator.fingerprint import fingerprint_model_dir, served_weights
 from kvfleet.allocator.hashing import CacheIdentity
 from kvfleet.allocator.kv_bytes import kv_heads_per_rank
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
+from kvfleet.allocator.layer_groups import LayerGroups
 from kvfleet.constraint import GrammarConfig
 from kvfleet.errors import Unavailable
 from kvfleet.grpc_auth import AuthInterceptor, internal_authorizer
@@ -76,7 +77,7 @@ from kvfleet.worker.replica.shared_calibration import shared_or_calibrate
 from kvfleet.worker.runner.kv_cache import num_blocks_for_memory
 from kvfleet.worker.runner.memory import trim_heap
 from kvfleet.worker.runner.model_config import ModelConfig, load_model_config
-from kvfleet.worker.runner.model_impl import MODEL_IMPLS
+from kvfleet.worker.runner.model_impl import MODEL_IMPLS, TRANSFORMERS
 from kvfleet.worker.runner.model_runner import ModelRunner
 from kvfleet.worker.runner.quant.config import DEFAULT_GROUP_SIZE, FLOAT_WEIGHTS, QuantConfig
 from kvfleet.worker.service.engine_loop import EngineLoop
@@ -286,6 +287,27 @@ def cache_identity(model_name: str, model_dir: str | Path, kv_dtype: str, block_
                          kv_dtype=kv_dtype, block_size=block_size)
 
 
+def kv_layer_groups(cfg: ReplicaConfig, mc: ModelConfig) -> LayerGroups:
+    """The KV cache's layer groups: by window when some layer slides (window-sized KV), one
+    group of every layer otherwise, for the cost-model executor (it keeps no KV) and for the
+    transformers fallback (its attention reads one block table).
+
+    Raises:
+        ValueError: a host KV tier (``--kv-host-memory``) with sliding-window groups: the tier
+            and peer pulls move one block of every layer per hash and do not move each
+            group's blocks yet.
+    """
+    if (cfg.executor != "model" or mc.impl == TRANSFORMERS
+            or all(w is None for w in mc.sliding_windows)):
+        return LayerGroups.single(mc.num_layers)
+    if cfg.kv_host_memory_bytes:
+        raise ValueError(
+            f"--kv-host-memory: {mc.model_type} has sliding-window layers, whose KV is "
+            "window-sized (layer groups); the host KV tier and peer pulls do not move layer "
+            "groups yet: serve it without --kv-host-memory")
+    return LayerGroups.from_windows(mc.sliding_windows)
+
+
 def build_engine(cfg: ReplicaConfig, on_rank_failure: Callable[[str], None] = lambda msg: None
                  ) -> Engine:
     """Load the model (with tp > 1: start ranks 1..T-1 and take rank 0's shard) and size the
@@ -303,6 +325,7 @@ def build_engine(cfg: ReplicaConfig, on_rank_failure: Callable[[str], None] = la
     dtype = DTYPES[cfg.dtype]
     model_dir = Path(cfg.model_dir)
     num_blocks = cfg.num_blocks
+    groups = kv_layer_groups(cfg, load_model_config(model_dir, cfg.model_impl))
     if num_blocks is None:
         mc = load_model_config(model_dir, cfg.model_impl)
         kv_tp = tp
@@ -311,7 +334,8 @@ def build_engine(cfg: ReplicaConfig, on_rank_failure: Callable[[str], None] = la
 
             kv_tp = kv_split(model_dir, mc, tp)
         num_blocks = num_blocks_for_memory(mc, cfg.block_size, dtype,
-                                           cfg.kv_memory_bytes or DEFAULT_KV_MEMORY_BYTES, kv_tp)
+                                           cfg.kv_memory_bytes or DEFAULT_KV_MEMORY_BYTES, kv_tp,
+                                           groups)
     tokenizer = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     # The node's host tier (Ray: the replica runs in it); the cost model has no KV to keep.
     tier = (_node_tier(cfg, load_model_config(model_dir, cfg.model_impl))
@@ -326,18 +350,18 @@ def build_engine(cfg: ReplicaConfig, on_rank_failure: Callable[[str], None] = la
                         cfg.one_row_weights, cfg.device, max_loras=max_loras, tier=tier,
                         quantization=cfg.quant_config, model_impl=cfg.model_impl,
                         tier_tag=identity.digest(), tier_queue_bytes=cfg.kv_write_back_queue_bytes,
-                        tier_run_bytes=cfg.kv_write_back_run_bytes)
+                        tier_run_bytes=cfg.kv_write_back_run_bytes, layer_groups=groups)
         group = RankGroup(spec, cfg.tp, cfg.replica_id, on_rank_failure)
         executor = TPExecutor(group.start(), group)
     else:
         runner = ModelRunner(model_dir, num_blocks=num_blocks, block_size=cfg.block_size,
                              dtype=dtype, device=cfg.device, one_row_weights=cfg.one_row_weights,
                              max_loras=max_loras, quantization=cfg.quant_config,
-                             model_impl=cfg.model_impl)
+                             model_impl=cfg.model_impl, layer_groups=groups)
         executor = LocalExecutor(runner, RankTier(
             tier, 0, runner.kv_cache, cfg.kv_write_back_queue_bytes, identity.digest(),
             cfg.kv_write_back_run_bytes) if tier else None)
-    kv = KVCacheManager(num_blocks, cfg.block_size)
+    kv = KVCacheManager(num_blocks, cfg.block_size, windows=groups.windows)
     mc = executor.config
     if catalog and not max_loras:
         raise ValueError("serving adapters needs the model executor and max_loras >= 1")

@@ -71,9 +71,34 @@ class AttentionMetadata:
     prefill: tuple[int, ...]
     prefill_computed: tuple[int, ...]
     prefill_block_tables: tuple[torch.Tensor, ...]
-    # window → per chunk additive (q, c + q) 0/-inf: the causal mask, offset and windowed
-    # (None for a fresh chunk, which needs only the plain causal square)
+    prefill_skip: tuple[int, ...]  # leading keys of each chunk's context not read (holes)
+    # window → per chunk additive (q, c + q - skipped keys) 0/-inf: the causal mask, offset
+    # and windowed (None for a fresh chunk, which needs only the plain causal square)
     prefill_bias: dict[int | None, tuple[torch.Tensor | None, ...]]
+
+    def layer(self, i: int) -> "AttentionMetadata":
+        """The metadata layer ``i`` reads: this one (one layer group)."""
+        return self
+
+
+@dataclass(frozen=True)
+class GroupedMetadata:
+    """One :class:`AttentionMetadata` per layer group (their block tables differ), and which
+    group each layer is in; ``positions`` and ``last_token_indices`` are every group's."""
+
+    groups: tuple[AttentionMetadata, ...]
+    group_of: tuple[int, ...]  # layer → group
+
+    def layer(self, i: int) -> AttentionMetadata:
+        return self.groups[self.group_of[i]]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.groups[0].positions
+
+    @property
+    def last_token_indices(self) -> torch.Tensor:
+        return self.groups[0].last_token_indices
 
 
 def causal_mask(num_computed: int, q_len: int, window: int | None) -> torch.Tensor:
@@ -94,12 +119,14 @@ def _additive(keep: torch.Tensor) -> torch.Tensor:
     return torch.zeros(keep.shape).masked_fill_(~keep, float("-inf"))
 
 
-def _prefill_bias(chunk: SeqChunk, window: int | None, device, dtype) -> torch.Tensor | None:
-    """The chunk's additive mask, or None for a fresh chunk that a plain causal mask serves."""
+def _prefill_bias(chunk: SeqChunk, window: int | None, device, dtype,
+                  skip: int = 0) -> torch.Tensor | None:
+    """The chunk's additive mask, or None for a fresh chunk that a plain causal mask serves;
+    ``skip``: leading keys left out of the context (released blocks, all masked anyway)."""
     n, computed = len(chunk.token_ids), chunk.num_computed_tokens
     if computed == 0 and (window is None or window >= n):
         return None
-    return _additive(causal_mask(computed, n, window)).to(device, dtype)
+    return _additive(causal_mask(computed, n, window)[:, skip:]).to(device, dtype)
 
 
 def _decode_bias(ctx: int, window: int | None, device, dtype) -> torch.Tensor | None:
@@ -116,26 +143,41 @@ def build_attention_metadata(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     use_kernel: bool | None = None,
+    group: int = 0,
+    freed_window: int | None = None,
 ) -> AttentionMetadata:
     """Turn a step's chunks into the tensors every layer needs (``windows``: distinct per
     layer; ``dtype``: the model's, for the additive masks; ``use_kernel``: decode through the
     C kernel — by default wherever it applies (fp32 on CPU, library loaded), never elsewhere;
-    see :mod:`.cpu_kernels`)."""
+    see :mod:`.cpu_kernels`).
+
+    ``group``: the layer group whose tables to read (``SeqChunk.tables()``); ``freed_window``:
+    that group's window when its blocks before the window may be released (holes), so each
+    chunk reads its context from the first block its first query sees, never a hole."""
     positions: list[int] = []
     slots: list[int] = []
     starts = [0]
     decode: list[int] = []
     prefill: list[int] = []
+    tables = [c.block_table if group == 0 else c.group_tables[group - 1] for c in chunks]
     for i, c in enumerate(chunks):
         n, start = len(c.token_ids), c.num_computed_tokens
-        table = c.block_table
+        table = tables[i]
         positions += range(start, start + n)
         slots += [table[p // block_size] * block_size + p % block_size for p in range(start, start + n)]
         starts.append(starts[-1] + n)
         (decode if n == 1 else prefill).append(i)
 
-    ctx = [chunks[i].num_computed_tokens + 1 for i in decode]
-    used = [chunks[i].block_table[: cdiv(n, block_size)] for i, n in zip(decode, ctx, strict=True)]
+    def first_block(num_computed: int) -> int:  # the first block a query at num_computed sees
+        if freed_window is None:
+            return 0
+        return max(0, num_computed - freed_window + 1) // block_size
+
+    # Decodes: keys from the first block the window reaches; context counted from there.
+    skip = [first_block(chunks[i].num_computed_tokens) for i in decode]
+    ctx = [chunks[i].num_computed_tokens + 1 - f * block_size for i, f in zip(decode, skip, strict=True)]
+    used = [tables[i][f: f + cdiv(n, block_size)]
+            for i, f, n in zip(decode, skip, ctx, strict=True)]
     applies = (torch.device(device).type == "cpu" and dtype == torch.float32
                and cpu_kernels.load() is not None)
     use_kernel = applies if use_kernel is None else use_kernel and applies  # never on GPU memory
@@ -152,11 +194,13 @@ def build_attention_metadata(
             first_key={w: tensor([0 if w is None else max(0, n - w) for n in ctx]) for w in windows},
         )
 
-    pre_tables = []
+    pre_tables, pre_skip = [], []
     for i in prefill:
         c = chunks[i]
         context = c.num_computed_tokens + len(c.token_ids)
-        pre_tables.append(tensor(c.block_table[: cdiv(context, block_size)]))
+        f = first_block(c.num_computed_tokens) if c.num_computed_tokens else 0
+        pre_skip.append(f * block_size)
+        pre_tables.append(tensor(tables[i][f: cdiv(context, block_size)]))
     return AttentionMetadata(
         positions=tensor(positions),
         slot_mapping=tensor(slots),
@@ -171,8 +215,10 @@ def build_attention_metadata(
         prefill=tuple(prefill),
         prefill_computed=tuple(chunks[i].num_computed_tokens for i in prefill),
         prefill_block_tables=tuple(pre_tables),
-        prefill_bias={w: tuple(_prefill_bias(chunks[i], w, device, dtype) for i in prefill)
+        prefill_bias={w: tuple(_prefill_bias(chunks[i], w, device, dtype, k)
+                               for i, k in zip(prefill, pre_skip, strict=True))
                       for w in windows},
+        prefill_skip=tuple(pre_skip),
     )
 
 
@@ -216,16 +262,16 @@ def _prefill_attention(query, key, value, key_cache, value_cache, meta, window, 
     over its own new K/V with a plain causal mask, a continued one over its cached context
     with the offset (and windowed) additive mask from the metadata."""
     kv_heads, head_dim = key_cache.shape[2:]
-    for i, computed, table, bias in zip(meta.prefill, meta.prefill_computed,
-                                        meta.prefill_block_tables, meta.prefill_bias[window],
-                                        strict=True):
+    for i, computed, table, bias, skip in zip(meta.prefill, meta.prefill_computed,
+                                              meta.prefill_block_tables, meta.prefill_bias[window],
+                                              meta.prefill_skip, strict=True):
         start, end = meta.query_start[i], meta.query_start[i + 1]
         n = end - start
         causal = bias is None
         if computed == 0:
             k, v = key[start:end], value[start:end]
         else:
-            ctx = computed + n
+            ctx = computed + n - skip
             k = _gather(key_cache, table).view(-1, kv_heads, head_dim)[:ctx]
             v = _gather(value_cache, table).view(-1, kv_heads, head_dim)[:ctx]
         o = _sdpa(query[start:end].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),

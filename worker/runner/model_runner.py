@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from kvfleet.allocator.layer_groups import LayerGroups
 from kvfleet.errors import InvalidArgument
 from kvfleet.sampling_params import check_context_length
 from kvfleet.worker.engine.step_plan import SeqChunk, StepPlan
@@ -61,7 +62,7 @@ class PausedForward:
 
     plan: StepPlan
     plan_order: torch.Tensor | None  # rows back to plan order (None: already are)
-    meta: attention.AttentionMetadata
+    meta: attention.AttentionMetadata | attention.GroupedMetadata
     lora: LoraBatch | None
     hidden: torch.Tensor
     cos: torch.Tensor
@@ -89,6 +90,9 @@ class ModelRunner:
         max_loras: LoRA adapter slots (1..max_loras; see :meth:`load_adapter`).
         quantization: weight-only int8 / int4 (:mod:`kvfleet.worker.runner.quant`): every
             projection, the embedding and the LM head held packed; adapters stay float.
+        layer_groups: the KV cache's layer groups (:mod:`kvfleet.allocator.layer_groups`;
+            the scheduler's manager must use the same windows); None: one group of every
+            layer, which keeps every block.
         model_impl: ``native``, ``transformers`` (the Hugging Face class behind the paged
             attention, :mod:`~.fallback`) or ``auto`` (:mod:`~.model_impl`).
 
@@ -103,7 +107,7 @@ class ModelRunner:
                  dtype: torch.dtype = torch.float32, device: str = "cpu",
                  one_row_weights: bool = True, shard: Shard = WHOLE,
                  max_loras: int = 0, quantization: QuantConfig = FLOAT_WEIGHTS,
-                 model_impl: str = "native") -> None:
+                 model_impl: str = "native", layer_groups: LayerGroups | None = None) -> None:
         # the whole model's
         self.config: ModelConfig = load_model_config(model_dir, model_impl)
         self.device = torch.device(device)
@@ -118,7 +122,11 @@ class ModelRunner:
             self._build_fallback(model_dir, shard, max_loras)
         else:
             self._build_native(model_dir, shard, one_row_weights, max_loras)
-        self.kv_cache = KVCache(self.local_config, num_blocks, block_size, dtype, self.device)
+        self.layer_groups = layer_groups or LayerGroups.single(self.config.num_layers)
+        if self.config.impl == TRANSFORMERS and self.layer_groups.num_groups > 1:
+            raise ValueError("layer groups need the native decoder (--model-impl native)")
+        self.kv_cache = KVCache(self.local_config, num_blocks, block_size, dtype, self.device,
+                                self.layer_groups)
         self._windows = tuple(dict.fromkeys(self.config.sliding_windows))
         self.released = False
 
@@ -220,12 +228,20 @@ class ModelRunner:
                 f"sequence {chunk.seq_id}: token_ids must lie in [0, {self.config.vocab_size})"
             )
         needed = last // self.block_size + 1
-        table = chunk.block_table[:needed]
-        if len(table) < needed or min(table) < 0 or max(table) >= self.num_blocks:
-            raise ValueError(
-                f"sequence {chunk.seq_id}: block_table must hold {needed} blocks in "
-                f"[0, {self.num_blocks}) for position {last}, got {len(chunk.block_table)}"
-            )
+        tables = chunk.tables()
+        if len(tables) != self.layer_groups.num_groups:
+            raise ValueError(f"sequence {chunk.seq_id}: {len(tables)} block tables for "
+                             f"{self.layer_groups.num_groups} layer groups")
+        for table, window in zip(tables, self.layer_groups.windows, strict=True):
+            # A sliding group may have released the blocks before the chunk's first query's
+            # window: those entries are never read.
+            first = 0 if window is None else max(0, chunk.num_computed_tokens - window + 1)
+            used = table[first // self.block_size:needed]
+            if len(table) < needed or min(used) < 0 or max(used) >= self.num_blocks:
+                raise ValueError(
+                    f"sequence {chunk.seq_id}: block_table must hold {needed} blocks in "
+                    f"[0, {self.num_blocks}) for position {last}, got {len(table)}"
+                )
         if not self.lora_slots.is_loaded(chunk.adapter_slot):
             raise ValueError(f"sequence {chunk.seq_id}: adapter slot {chunk.adapter_slot} "
                              f"holds no adapter")
@@ -286,8 +302,7 @@ class ModelRunner:
                ) -> torch.Tensor | PausedForward:
         """Embed ``chunks`` (copies done, validated) and run the layers; ``plan_order``:
         indices into ``chunks`` giving the plan's row order (None: as given)."""
-        meta = attention.build_attention_metadata(chunks, self.block_size, self._windows,
-                                                  self.device, self.dtype)
+        meta = self._metadata(chunks)
         input_ids = torch.tensor(
             list(itertools.chain.from_iterable(c.token_ids for c in chunks)),
             dtype=torch.long, device=self.device,
@@ -297,6 +312,20 @@ class ModelRunner:
         hidden, cos, sin = self.model.embed(input_ids, meta.positions)
         return self._layers(PausedForward(plan, plan_order, meta, lora, hidden, cos, sin, 0),
                             should_yield)
+
+    def _metadata(self, chunks: tuple[SeqChunk, ...]
+                  ) -> attention.AttentionMetadata | attention.GroupedMetadata:
+        """The step's attention metadata: one for one layer group keeping every block (the
+        layout without groups), else one per group over that group's tables."""
+        groups = self.layer_groups
+        if groups.num_groups == 1 and not groups.windowed:
+            return attention.build_attention_metadata(chunks, self.block_size, self._windows,
+                                                      self.device, self.dtype)
+        metas = tuple(attention.build_attention_metadata(
+            chunks, self.block_size, (w,), self.device, self.dtype, group=g, freed_window=w)
+            for g, w in enumerate(groups.windows))
+        return attention.GroupedMetadata(
+            metas, tuple(groups.group_of(i) for i in range(groups.num_layers)))
 
     @torch.inference_mode()
     def resume(self, paused: PausedForward, should_yield: ShouldYield | None = None

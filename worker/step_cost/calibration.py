@@ -21,7 +21,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from hashlib import sha256
 from pathlib import Path
 from typing import Iterable, Iterator, Protocol
@@ -110,6 +110,13 @@ def startup_plans(num_blocks: int, block_size: int, max_model_len: int, vocab: i
                    and c.num_computed_tokens + len(c.token_ids) <= max_model_len for c in p.chunks)]
 
 
+def with_group_tables(plan: StepPlan, num_groups: int) -> StepPlan:
+    """``plan`` for a KV cache of ``num_groups`` layer groups: every group reads and writes
+    the chunk's one table (the groups' pages then overlap, which only timing runs may do)."""
+    return replace(plan, chunks=tuple(replace(c, group_tables=(c.block_table,) * (num_groups - 1))
+                                      for c in plan.chunks))
+
+
 def _mixed(rows: int, ctx: int, n: int, block_size: int, vocab: int) -> StepPlan:
     per = cdiv(ctx + 1, block_size)
     decodes = tuple(_chunk(f"d{i}", 1, ctx, i * per, block_size, vocab) for i in range(rows))
@@ -186,6 +193,9 @@ def _calibrate(executor, key: CalibrationKey, path: Path | None, budget_s: float
     cfg = executor.config
     plans = startup_plans(executor.num_blocks, executor.block_size,
                           cfg.max_position_embeddings, cfg.vocab_size)
+    groups = getattr(executor, "layer_groups", None)  # a cost-model executor has none
+    if groups is not None and groups.num_groups > 1:
+        plans = [with_group_tables(p, groups.num_groups) for p in plans]
     t0 = time.perf_counter()
     samples = measure(executor, plans, repeats=STARTUP_REPEATS, budget_s=budget_s)
     cost = fit(samples, f"start-up calibration {key.device} tp={key.tp} {key.dtype} "

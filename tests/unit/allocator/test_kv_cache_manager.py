@@ -148,11 +148,11 @@ def test_fork_and_copy_on_write(kv):
     kv.allocate_slots("p", 6)                   # [0, 1], block 1 half full
     kv.fork("p", "c")
     assert kv.block_table("c") == [0, 1] and kv.ref_count(1) == 2
-    assert kv.copy_on_write("c") == (1, 2)      # c gets a private copy of its last block
+    assert kv.copy_on_write("c") == [(1, 2)]    # c gets a private copy of its last block
     assert kv.block_table("c") == [0, 2] and kv.block_table("p") == [0, 1]
     assert (kv.ref_count(0), kv.ref_count(1), kv.ref_count(2)) == (2, 1, 1)
-    assert kv.copy_on_write("p") is None        # p's last block is no longer shared
-    assert kv.copy_on_write("unknown") is None
+    assert kv.copy_on_write("p") == []          # p's last block is no longer shared
+    assert kv.copy_on_write("unknown") == []
     kv.free("p")
     kv.free("c")
     assert kv.num_free_blocks == 10

@@ -89,9 +89,9 @@ class KVCacheMachine(RuleBasedStateMachine):
             except NoFreeBlocksError:
                 assert self._state() == before
                 return
-            if cow is not None:
+            if cow:
                 event("copy on write")
-                src, dst = cow
+                ((src, dst),) = cow
                 assert self.kv.ref_count(dst) == 1 and self.kv.ref_count(src) >= 1
                 for offset in range(pos % BS):  # the model runner copies the block's KV
                     self.slots[(dst, offset)] = self.slots[(src, offset)]
@@ -167,7 +167,7 @@ def test_a_write_without_copy_on_write_would_leak_to_the_sibling():
     slots = {(kv.block_table("p")[0], 0): 1, (kv.block_table("p")[0], 1): 1}
     slots[(kv.block_table("p")[0], 2)] = 9                 # in-place write by the parent
     assert slots.get((kv.block_table("c")[0], 2)) == 9      # ... the child sees it
-    src, dst = kv.copy_on_write("c")
+    ((src, dst),) = kv.copy_on_write("c")
     slots.update({(dst, o): slots[(src, o)] for o in range(2)})
     slots[(kv.block_table("c")[0], 2)] = 5                 # the child now writes privately
     assert slots[(kv.block_table("p")[0], 2)] == 9

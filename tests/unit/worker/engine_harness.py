@@ -111,10 +111,11 @@ class Result:
 
 def make_engine(model_dir: Path, num_blocks: int = 150, runner: ModelRunner | Executor | None = None,
                 adapters=None, identity=None, step_cost: StepCost | None = None,
-                tier=None,
+                tier=None, windows=None,
                 **scheduler) -> tuple[Engine, RecordingExecutor]:
     """A fresh engine (new KV cache manager) over the session's shared runner for ``model_dir``
-    (``adapters``, ``identity``, ``step_cost``, ``tier``: see :class:`Engine`; ``scheduler``: the
+    (``adapters``, ``identity``, ``step_cost``, ``tier``: see :class:`Engine`; ``windows``: the
+    manager's layer-group windows, by default the runner's; ``scheduler``: the
     :class:`SchedulerConfig` fields, e.g. ``**ITL_TARGET``'s).
 
     Sharing the runner's KV tensor across tests is safe: a new manager has no cached blocks,
@@ -123,7 +124,10 @@ def make_engine(model_dir: Path, num_blocks: int = 150, runner: ModelRunner | Ex
     runner = as_executor(runner or runner_for(Path(model_dir), block_size=BLOCK_SIZE))
     assert num_blocks <= runner.num_blocks
     rec = RecordingExecutor(runner)
-    kv = KVCacheManager(num_blocks, runner.block_size)
+    # The manager's layer groups are the runner's (one full group unless it was built with some).
+    groups = getattr(runner, "layer_groups", None)
+    kv = KVCacheManager(num_blocks, runner.block_size,
+                        windows=windows or (groups.windows if groups else (None,)))
     tok = tokenizers.Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
     cfg = runner.config
     digest = identity.digest() if identity is not None else b"engine-test-identity"

@@ -105,5 +105,5 @@ def nested_step(sched: Scheduler, paused: SchedulerOutput, now: float) -> Schedu
              borrowable=borrowable)
     scheduled = admit_waiting(sched, budget, p, allow=allow,
                               favour_first=sched.class_step is not None)
-    chunks = tuple(s.chunk(kv.block_table(s.seq.seq_id)) for s in scheduled)
+    chunks = tuple(s.chunk(kv.block_tables(s.seq.seq_id)) for s in scheduled)
     return SchedulerOutput(StepPlan(chunks), tuple(scheduled))

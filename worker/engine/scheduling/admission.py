@@ -28,6 +28,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional, Protocol
 
+from kvfleet.allocator.kv_cache_manager import ComputedBlocks
 from kvfleet.priority import BATCH
 from kvfleet.worker.engine.request import SeqStatus, SequenceState
 from kvfleet.worker.engine.scheduling.class_step import StepContents
@@ -219,7 +220,8 @@ def _tenant_may_take(sched: Scheduler, seq: SequenceState, group: int, p: Pass) 
     return bool(own) and sched.seats.may_take(seq.tenant, held - own, group, waiting)
 
 
-def _admit(sched: Scheduler, seq: SequenceState, computed: list[int], hits: tuple[bytes, ...],
+def _admit(sched: Scheduler, seq: SequenceState, computed: list[int] | ComputedBlocks,
+           hits: tuple[bytes, ...],
            n: int, p: Pass) -> bool:
     """Move waiting ``seq`` to the running set, reusing its cached blocks ``computed`` (device
     pool) and ``hits`` (host tier, restored before the forward) and allocating slots for ``n``

@@ -7,13 +7,16 @@
 
 Cached blocks that no live sequence references count as free (they are evictable), so
 reusing one uses up a free block just like allocating a new one.
+
+With layer groups every group's blocks count; a sliding group's promise stops growing at its
+window (:meth:`KVCacheManager.group_max_blocks`, chunks no wider than the step's token budget).
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
-from kvfleet.allocator.kv_cache_manager import KVCacheManager
+from kvfleet.allocator.kv_cache_manager import ComputedBlocks, KVCacheManager
 from kvfleet.allocator.units import cdiv
 from kvfleet.errors import ResourceExhausted
 from kvfleet.worker.engine.request import SequenceState
@@ -30,10 +33,12 @@ class BlockAdmission:
         watermark: fraction of all blocks kept free under ``watermark`` (0..1).
     """
 
-    def __init__(self, kv: KVCacheManager, policy: str, watermark: float) -> None:
+    def __init__(self, kv: KVCacheManager, policy: str, watermark: float,
+                 max_chunk: Callable[[], int] = lambda: 1 << 62) -> None:
         self.kv = kv
         self.reserve = policy == "reserve"
         self.watermark_blocks = int(watermark * kv.num_total_blocks)
+        self.max_chunk = max_chunk  # the widest chunk a step may give one sequence now
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks that hold ``num_tokens`` tokens."""
@@ -42,8 +47,14 @@ class BlockAdmission:
     def group_blocks(self, num_prompt_tokens: int, max_tokens: int, n: int = 1) -> int:
         """Blocks ``n`` samples of one request hold at most, siblings sharing the full prompt
         blocks (each sibling owns the rest, its copy of the partial prompt block included)."""
-        per_seq = self.blocks_for(num_prompt_tokens + max_tokens)
-        return per_seq + (n - 1) * (per_seq - num_prompt_tokens // self.kv.block_size)
+        total = num_prompt_tokens + max_tokens
+        shared = num_prompt_tokens // self.kv.block_size
+        need = 0
+        for w, per_seq in zip(self.kv.windows, self.kv.group_max_blocks(total, self.max_chunk()),
+                              strict=True):
+            # A sliding group's siblings may each slide past the shared prompt blocks.
+            need += per_seq + (n - 1) * (per_seq - (shared if w is None else 0))
+        return need
 
     def check_can_ever_fit(self, num_prompt_tokens: int, max_tokens: int, n: int = 1) -> None:
         """Would a request of ``n`` samples fit in all the blocks, alone? Under ``watermark``
@@ -62,20 +73,21 @@ class BlockAdmission:
                 f"{self.kv.block_size} tokens; this replica has {self.kv.num_total_blocks} in total"
             )
 
-    def new_blocks(self, computed: Sequence[int], num_tokens: int) -> int:
+    def new_blocks(self, computed: Sequence[int] | ComputedBlocks, num_tokens: int) -> int:
         """Free blocks a sequence takes to hold ``num_tokens`` tokens when ``computed`` (its
         prefix-cache hits, block ids) are reused: new ones plus unreferenced cached ones."""
         unreferenced = sum(1 for b in computed if self.kv.ref_count(b) == 0)
-        return self.blocks_for(num_tokens) - len(computed) + unreferenced
+        return (self.blocks_for(num_tokens) - len(computed)) * self.kv.num_groups + unreferenced
 
     def pending_copy(self, seq: SequenceState) -> int:
-        """1 if ``seq``'s next token lands in a partially filled block it shares, else 0."""
+        """Blocks to copy before ``seq``'s next token is written: one per layer group whose
+        partially filled last block it shares (0 when that token starts a new block)."""
         if seq.num_computed_tokens % self.kv.block_size == 0:
             return 0  # the next token starts a new block
-        table = self.kv.block_table(seq.seq_id)
-        return int(bool(table) and self.kv.ref_count(table[-1]) > 1)
+        return self.kv.pending_copies(seq.seq_id)
 
-    def admissible(self, seq: SequenceState, computed: Sequence[int], num_tokens: int,
+    def admissible(self, seq: SequenceState, computed: Sequence[int] | ComputedBlocks,
+                   num_tokens: int,
                    running: Sequence[SequenceState], forks: Forks, claimed_blocks: int = 0) -> bool:
         """Would admitting ``seq`` (computing up to ``num_tokens``, reusing the cached blocks
         ``computed``) respect the policy, beside ``running`` and the siblings waiting in
@@ -86,8 +98,9 @@ class BlockAdmission:
             # promised to the running ones.
             siblings = len(forks.get(seq.seq_id, ()))
             unreferenced = sum(1 for b in computed if self.kv.ref_count(b) == 0)
+            reused = sum(1 for _ in computed)
             need = (self.group_blocks(seq.num_prompt_tokens, seq.params.max_tokens, 1 + siblings)
-                    - len(computed) + unreferenced)
+                    - reused + unreferenced)
             return need + self.reserved(running, forks) <= self.kv.num_free_blocks
         # With nothing running nothing needs room to grow: the watermark must not keep a
         # request that fits out of an idle replica forever.
@@ -99,10 +112,13 @@ class BlockAdmission:
         """Blocks promised to ``running`` sequences (and their unforked siblings in ``forks``)
         under ``reserve`` but not yet allocated, pending copy-on-writes included."""
         total = 0
+        chunk = self.max_chunk()
+        shared = [self.kv.block_size if w is None else 0 for w in self.kv.windows]
         for s in running:
-            total += max(0, self.blocks_for(s.max_total_tokens) - self.kv.num_blocks(s.seq_id))
+            total += self.kv.blocks_to_grow(s.seq_id, s.max_total_tokens, chunk)
             total += self.pending_copy(s)
             for sib in forks.get(s.seq_id, ()):
-                total += (self.blocks_for(sib.max_total_tokens)
-                          - sib.num_prompt_tokens // self.kv.block_size)
+                bounds = self.kv.group_max_blocks(sib.max_total_tokens, chunk)
+                total += sum(b - (sib.num_prompt_tokens // bs if bs else 0)
+                             for b, bs in zip(bounds, shared, strict=True))
         return total

@@ -30,16 +30,18 @@ class ScheduledSeq:
     sample: bool
     draft_token_ids: tuple[int, ...] = ()
 
-    def chunk(self, block_table: Sequence[int]) -> SeqChunk:
+    def chunk(self, block_tables: Sequence[Sequence[int]]) -> SeqChunk:
         """The plan's chunk: the ``num_new_tokens`` tokens after the sequence's computed ones
-        (call before they are counted as computed), over its ``block_table`` (block ids)."""
+        (call before they are counted as computed), over its ``block_tables`` (block ids, one
+        table per layer group)."""
         start = self.seq.num_computed_tokens
         return SeqChunk(seq_id=self.seq.seq_id,
                         token_ids=(self.seq.token_slice(start, start + self.num_new_tokens)
                                    + self.draft_token_ids),
-                        num_computed_tokens=start, block_table=tuple(block_table),
+                        num_computed_tokens=start, block_table=tuple(block_tables[0]),
                         adapter_slot=self.seq.adapter_slot,
-                        num_draft_tokens=len(self.draft_token_ids))
+                        num_draft_tokens=len(self.draft_token_ids),
+                        group_tables=tuple(tuple(t) for t in block_tables[1:]))
 
 
 @dataclass(frozen=True)

@@ -96,7 +96,8 @@ class Scheduler:
         self.running: list[SequenceState] = []
         # leader seq_id -> siblings waiting for its prompt to be computed (n > 1)
         self.pending_forks: dict[str, list[SequenceState]] = {}
-        self.blocks = BlockAdmission(kv, config.policy, config.watermark)
+        self.blocks = BlockAdmission(kv, config.policy, config.watermark,
+                                     lambda: self.config.max_num_batched_tokens)
         self.spec = Speculator(config.speculative, config.speculative_tokens)
         self.rules = PriorityRules(config.max_num_seqs, config.batch_share)
         self.service = TenantService()  # per-tenant service: who is admitted next
@@ -178,7 +179,7 @@ class Scheduler:
         scheduled += admit_waiting(self, budget, admitted, first)
         if self.spec.enabled:
             scheduled = add_drafts(self, scheduled, budget.tokens_left, work)
-        chunks = tuple(s.chunk(self.kv.block_table(s.seq.seq_id)) for s in scheduled)
+        chunks = tuple(s.chunk(self.kv.block_tables(s.seq.seq_id)) for s in scheduled)
         restores = tuple(work.restores)
         return SchedulerOutput(StepPlan(chunks, tuple(copies), tuple(work.evicted or ()),
                                         self.tier.plan_restores(restores)),
@@ -233,16 +234,16 @@ class Scheduler:
 
     def _grow(self, seq: SequenceState, num_tokens: int, copies: list[tuple[int, int]],
               work: StepWork) -> bool:
-        """Make ``seq``'s table cover ``num_tokens`` positions; first, if the block its next
-        token goes into is shared (a fork's partial prompt block), swap in a private copy and
-        append ``(src, dst)`` to ``copies``. Returns False, changing nothing, when too few
-        blocks are free."""
+        """Make ``seq``'s tables cover ``num_tokens`` positions; first, if the block its next
+        token goes into is shared (a fork's partial prompt block; in each layer group), swap
+        in a private copy and append ``(src, dst)`` to ``copies``. Returns False, changing
+        nothing, when too few blocks are free."""
         cow = self.blocks.pending_copy(seq)
-        new = self.blocks.blocks_for(num_tokens) - self.kv.num_blocks(seq.seq_id)
+        new = self.kv.new_blocks(seq.seq_id, num_tokens)
         if new + cow > self.kv.num_free_blocks:
             return False
-        if cow and (copy := self.kv.copy_on_write(seq.seq_id, evicted=work.evicted)) is not None:
-            copies.append(copy)
+        if cow:
+            copies += self.kv.copy_on_write(seq.seq_id, evicted=work.evicted)
         allocated = self.kv.allocate_slots(seq.seq_id, num_tokens, evicted=work.evicted)
         assert allocated is not None, "free blocks were counted just above"
         return True
@@ -284,6 +285,8 @@ class Scheduler:
                 self.service.charge(seq.tenant, prefill_tokens=s.num_new_tokens)
             self.kv.cache_full_blocks(seq.seq_id, seq.block_hashes, seq.num_computed_tokens,
                                       from_token=before)
+            # A sliding group's blocks no token still to compute attends to go back now.
+            self.kv.free_out_of_window(seq.seq_id, seq.num_computed_tokens)
             if s.sample and seq.seq_id in self.pending_forks:
                 new = fork_siblings(self.kv, seq, self.pending_forks.pop(seq.seq_id))
                 self.running += [f.sibling for f in new]

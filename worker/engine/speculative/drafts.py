@@ -43,7 +43,7 @@ def add_drafts(sched: Scheduler, scheduled: list[ScheduledSeq], tokens_left: int
     for i, seq, d in zip(rows, seqs, drafts, strict=True):
         while d:  # fewer drafts until their blocks fit
             want = seq.num_computed_tokens + 1 + len(d)
-            new = sched.blocks.blocks_for(want) - sched.kv.num_blocks(seq.seq_id)
+            new = sched.kv.new_blocks(seq.seq_id, want)  # over every layer group
             spare = sched.kv.num_free_blocks - (0 if reserve else sched.blocks.watermark_blocks)
             if new <= 0 or new <= spare:
                 break

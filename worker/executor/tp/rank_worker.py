@@ -22,6 +22,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from kvfleet.allocator.layer_groups import LayerGroups
 from kvfleet.worker.executor.local import rank_info
 from kvfleet.worker.executor.tp.comm import GroupAddress, RankComm
 from kvfleet.worker.executor.tp.wire import Commit, PlanDecoder, decode_call, decode_moves
@@ -61,6 +62,7 @@ class RankSpec:
     tier_run_bytes: int = DEFAULT_MAX_RUN_BYTES  # bytes of one put
     quantization: QuantConfig = FLOAT_WEIGHTS  # weight-only int8 / int4 (each rank its shard)
     model_impl: str = "native"  # --model-impl (kvfleet.worker.runner.model_impl)
+    layer_groups: Optional[LayerGroups] = None  # the KV cache's layer groups (None: one)
 
 
 def build_rank_runner(spec: RankSpec, rank: int, reduce) -> ModelRunner:
@@ -69,7 +71,8 @@ def build_rank_runner(spec: RankSpec, rank: int, reduce) -> ModelRunner:
     return ModelRunner(spec.model_dir, spec.num_blocks, spec.block_size, spec.dtype, spec.device,
                        spec.one_row_weights, shard=Shard(spec.tp, rank, reduce),
                        max_loras=spec.max_loras, quantization=spec.quantization,
-                       model_impl=spec.model_impl)
+                       model_impl=spec.model_impl,
+                       layer_groups=spec.layer_groups)
 
 
 def rank_tier(spec: RankSpec, rank: int, kv_cache) -> RankTier:

@@ -16,8 +16,9 @@ it decodes) and the blocks appended after those; a sequence absent from a plan i
 (freed, preempted or not scheduled: it is sent whole if it comes back). Layout::
 
     [n_chunks, n_copies, n_commits,
-     n_chunks × (key, num_computed_tokens, adapter_slot, n_tokens, keep, n_tail,
-                 token_ids × n_tokens, tail × n_tail),
+     n_chunks × (key, num_computed_tokens, adapter_slot, n_tokens, keep, n_tail, n_groups,
+                 token_ids × n_tokens, tail × n_tail,
+                 n_groups × (n_entries, entries × n_entries)),
      n_copies × (src_block, dst_block),
      n_commits × (slot, prepared)]
 
@@ -25,6 +26,7 @@ A chunk's speculative drafts are ordinary tokens of it here: ranks other than 0 
 token's K/V alike and no logits, so which tokens are drafts (``num_draft_tokens``) is rank
 0's business alone and does not travel.
 
+``n_groups`` block tables of layer groups 1.. follow each chunk whole (0 for one group).
 ``n_commits`` adapter slot changes to make before the forward: ``prepared`` > 0 installs the
 adapter a rank prepared under that id (off the step path); 0 empties the slot.
 
@@ -42,7 +44,7 @@ import numpy as np
 from kvfleet.worker.engine.step_plan import SeqChunk, StepPlan
 
 METHODS = ("step", "barrier", "stop", "transfer")  # what rank 0 may call on the other ranks, by index
-_CHUNK_HEAD = 6
+_CHUNK_HEAD = 7
 Commit = tuple[int, int]  # (slot, prepared id; 0 = empty the slot)
 
 
@@ -131,9 +133,15 @@ class PlanEncoder:
             key, old = self._known.get(c.seq_id) or (next(self._keys), ())
             keep = _kept(old, c.block_table)
             tail = c.block_table[keep:]
-            out += (key, c.num_computed_tokens, c.adapter_slot, len(c.token_ids), keep, len(tail))
+            out += (key, c.num_computed_tokens, c.adapter_slot, len(c.token_ids), keep, len(tail),
+                    len(c.group_tables))
             out += c.token_ids
             out += tail
+            # Other layer groups' tables travel whole (their heads turn into holes as a
+            # sliding window moves, so a diff would rarely keep much).
+            for t in c.group_tables:
+                out.append(len(t))
+                out += t
             known[c.seq_id] = (key, c.block_table)
         for src, dst in plan.block_copies:
             out += (src, dst)
@@ -173,7 +181,7 @@ class PlanDecoder:
         n_chunks, n_copies, n_commits = r.take(3)
         chunks, tables = [], {}
         for _ in range(n_chunks):
-            key, computed, slot, n_tokens, keep, n_tail = r.take(_CHUNK_HEAD)
+            key, computed, slot, n_tokens, keep, n_tail, n_groups = r.take(_CHUNK_HEAD)
             tokens, tail = r.take(n_tokens), r.take(n_tail)
             old = self._tables.get(key, ())
             if key in tables or not 0 <= keep <= len(old):
@@ -181,7 +189,8 @@ class PlanDecoder:
                                  f"{len(old)} blocks")
             table = (old if keep == len(old) else old[:keep]) + tuple(tail)
             tables[key] = table
-            chunks.append(SeqChunk(str(key), tuple(tokens), computed, table, slot))
+            groups = tuple(tuple(r.take(r.take(1)[0])) for _ in range(n_groups))
+            chunks.append(SeqChunk(str(key), tuple(tokens), computed, table, slot, group_tables=groups))
         pairs = r.take(2 * n_copies)
         copies = tuple(zip(pairs[::2], pairs[1::2], strict=True))
         pairs = r.take(2 * n_commits)

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from kvfleet.worker.runner.attention import AttentionMetadata
+from kvfleet.worker.runner.attention import AttentionMetadata, GroupedMetadata
 from kvfleet.worker.runner.fallback.attention import register
 from kvfleet.worker.runner.fallback.tp import check_plan, local_kv_heads, shard_by_plan
 from kvfleet.worker.runner.kv_cache import KVCache
@@ -64,18 +64,20 @@ class TransformersCausalLM:
         return input_ids, positions, positions
 
     def run_layers(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   meta: AttentionMetadata, kv_cache: KVCache, start: int = 0,
+                   meta: AttentionMetadata | GroupedMetadata, kv_cache: KVCache, start: int = 0,
                    should_yield: Callable[[], bool] | None = None) -> tuple[torch.Tensor, int]:
         """Every layer in one call (``hidden``: the ids, ``cos``: the positions, see
         :meth:`embed`) → ``(T, hidden_size)`` final-normed states and ``len(layers)``; it never
-        pauses (``--layer-yield`` is refused for it at start)."""
+        pauses (``--layer-yield`` is refused for it at start). One layer group only (the
+        runner refuses layer groups for the fallback), so ``meta`` is never grouped."""
         assert start == 0, "the transformers fallback runs its layers in one call"
+        assert isinstance(meta, AttentionMetadata), "layer groups need the native decoder"
         out = self.base(input_ids=hidden[None], position_ids=cos[None], use_cache=False,
                         kvfleet_meta=meta, kvfleet_cache=kv_cache, kvfleet_windows=self.windows)
         return out.last_hidden_state[0], len(self.layers)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
+                meta: AttentionMetadata | GroupedMetadata, kv_cache: KVCache) -> torch.Tensor:
         return self.run_layers(input_ids, positions, positions, meta, kv_cache)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ from kvfleet.worker.runner.model_families import FAMILIES
 if TYPE_CHECKING:
     import torch
 
-    from kvfleet.worker.runner.attention import AttentionMetadata
+    from kvfleet.worker.runner.attention import AttentionMetadata, GroupedMetadata
     from kvfleet.worker.runner.fallback.check import FallbackRequest
     from kvfleet.worker.runner.kv_cache import KVCache
     from kvfleet.worker.runner.models.linear import Projection
@@ -83,7 +83,7 @@ class CausalLM(Protocol):
     layers: Sequence[Any]  # decoder layers, each with projection_holders() (see PROJECTIONS)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
+                meta: AttentionMetadata | GroupedMetadata, kv_cache: KVCache) -> torch.Tensor:
         """``input_ids``/``positions`` ``(T,)`` → hidden states ``(T, hidden_size)``."""
         ...
 
@@ -94,7 +94,7 @@ class CausalLM(Protocol):
         ...
 
     def run_layers(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   meta: AttentionMetadata, kv_cache: KVCache, start: int = 0,
+                   meta: AttentionMetadata | GroupedMetadata, kv_cache: KVCache, start: int = 0,
                    should_yield: Callable[[], bool] | None = None) -> tuple[torch.Tensor, int]:
         """Layers ``start..`` (stopping after one when ``should_yield()``) → ``(hidden,
         next_layer)``; ``next_layer == len(layers)`` once all ran."""

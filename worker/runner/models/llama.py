@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvfleet.worker.runner.attention import AttentionMetadata, paged_attention
+from kvfleet.worker.runner.attention import AttentionMetadata, GroupedMetadata, paged_attention
 from kvfleet.worker.runner.kv_cache import KVCache
 from kvfleet.worker.runner.model_config import ModelConfig
 from kvfleet.worker.runner.models.checkpoint import fuse_hf_weights
@@ -155,7 +155,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_scale: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
+                meta: AttentionMetadata | GroupedMetadata, kv_cache: KVCache) -> torch.Tensor:
         """``input_ids``/``positions`` ``(T,)`` → hidden states ``(T, hidden_size)`` (pre final
         norm)."""
         hidden, cos, sin = self.embed(input_ids, positions)
@@ -171,7 +171,7 @@ class LlamaForCausalLM(nn.Module):
         return hidden, self.rope_cos[:, positions].unsqueeze(2), self.rope_sin[:, positions].unsqueeze(2)
 
     def run_layers(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   meta: AttentionMetadata, kv_cache: KVCache, start: int = 0,
+                   meta: AttentionMetadata | GroupedMetadata, kv_cache: KVCache, start: int = 0,
                    should_yield: Callable[[], bool] | None = None) -> tuple[torch.Tensor, int]:
         """Decoder layers ``start..`` over ``hidden`` ``(T, hidden_size)``; after each layer but
         the last, stop when ``should_yield()`` is true (layer-level yield).
@@ -183,7 +183,7 @@ class LlamaForCausalLM(nn.Module):
         last = len(self.layers) - 1
         for i in range(start, last + 1):
             key_cache, value_cache = kv_cache.layer(i)
-            hidden = self.layers[i].forward(hidden, cos, sin, meta, key_cache, value_cache)
+            hidden = self.layers[i].forward(hidden, cos, sin, meta.layer(i), key_cache, value_cache)
             if should_yield is not None and i < last and should_yield():
                 return hidden, i + 1
         return hidden, last + 1

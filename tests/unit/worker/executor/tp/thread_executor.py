@@ -71,11 +71,11 @@ class ThreadGroup:
 
 @contextlib.contextmanager
 def thread_executor(model_dir: Path, tp: int = 2, num_blocks: int = 160, block_size: int = 4,
-                    max_loras: int = 0, tier=None) -> Iterator[TPExecutor]:
+                    max_loras: int = 0, tier=None, layer_groups=None) -> Iterator[TPExecutor]:
     """A started :class:`TPExecutor` of ``tp`` thread ranks (``tier``: every rank's host KV
-    tier store); every rank stopped on exit."""
+    tier store; ``layer_groups``: the KV cache's); every rank stopped on exit."""
     spec = RankSpec(str(model_dir), tp, num_blocks, block_size, one_row_weights=False,
-                    max_loras=max_loras, tier=tier)
+                    max_loras=max_loras, tier=tier, layer_groups=layer_groups)
     group = ThreadGroup(spec, TPSettings(collective_timeout_s=60, step_timeout_s=60))
     executor = TPExecutor(group.start(), group)  # type: ignore[arg-type]
     try:
