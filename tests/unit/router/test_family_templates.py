@@ -18,7 +18,7 @@ from kvfleet.router.served_model import ServedModel
 TEMPLATES = Path(__file__).resolve().parents[2] / "fixtures" / "templates"
 # template → the tiny checkpoint of its family
 FAMILIES = {"qwen3": "tiny_qwen3_dir", "gemma3": "tiny_gemma3_dir", "phi4": "tiny_phi3_dir",
-            "llama3": "tiny_llama3_dir"}
+            "llama3": "tiny_llama3_dir", "mixtral": "tiny_mixtral_dir", "gpt_oss": "tiny_gpt_oss_dir"}
 SYSTEM = {"role": "system", "content": "You answer in one word."}
 USER = {"role": "user", "content": "  Capital of France?  "}
 ASSISTANT = {"role": "assistant", "content": "<think>\nParis, surely.\n</think>\n\nParis"}
@@ -87,9 +87,29 @@ def test_gemma_folds_the_system_message_into_the_first_user_turn(tiny_gemma3_dir
 
 
 def test_each_family_s_template_is_its_own_cache_identity(tmp_path, tiny_qwen3_dir) -> None:
-    """Same weights and tokenizer, four chat formats: four identities, four chains."""
+    """Same weights and tokenizer, one chat format per family: one identity and chain each."""
     roots = set()
     for name in sorted(FAMILIES):
         d = _with_template(tiny_qwen3_dir, tmp_path / name, name)
         roots.add(ServedModel.load("m", d, block_size=16).root_hash("default", ""))
     assert len(roots) == len(FAMILIES)
+
+
+def test_mixtral_puts_the_system_message_before_the_first_user_turn(tiny_mixtral_dir,
+                                                                    tmp_path) -> None:
+    d = _with_template(tiny_mixtral_dir, tmp_path / "m", "mixtral")
+    model = ServedModel.load("m", d, block_size=16)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    text = model.chat_template.render(CHATS["system-first"])
+    assert text.startswith(f"{cfg['bos_token']}[INST] You answer in one word.\n\nCapital of France? [/INST]")
+    assert text.count("[INST]") == 2 and text.count(cfg["eos_token"]) == 1
+    with pytest.raises(InvalidArgument, match="roles must alternate"):
+        model.encode_messages([USER, USER])
+
+
+def test_gpt_oss_sends_the_system_message_as_a_developer_turn(tiny_gpt_oss_dir, tmp_path) -> None:
+    d = _with_template(tiny_gpt_oss_dir, tmp_path / "g", "gpt_oss")
+    text = ServedModel.load("g", d, block_size=16).chat_template.render(CHATS["system-first"])
+    assert "<|start|>developer<|message|># Instructions\n\nYou answer in one word.<|end|>" in text
+    assert "<|start|>assistant<|channel|>final<|message|>" in text
+    assert text.endswith("<|start|>user<|message|>And of Italy?<|end|><|start|>assistant")
