@@ -7,6 +7,7 @@ a dead actor is found again, and a deployment's stop removes its tiers."""
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 import pytest
@@ -77,6 +78,19 @@ def test_each_deployment_has_its_own_tier_and_its_stop_removes_it(namespaces):
     assert {r["namespace"] for r in node_tiers()} & set(namespaces) == {b_ns}
 
 
+def _kill(ray, actor) -> None:
+    """Kill ``actor`` and return once a call finds it dead (``ray.kill`` returns before the
+    actor is gone, so a call made right after it may still be served)."""
+    ray.kill(actor, no_restart=True)
+    for _ in range(600):
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=10)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the killed tier actor kept answering")
+
+
 def test_the_latest_replica_sets_the_capacity_and_a_dead_actor_is_found_again(
         ray_session, namespaces):
     ns = namespaces[0]
@@ -85,7 +99,7 @@ def test_the_latest_replica_sets_the_capacity_and_a_dead_actor_is_found_again(
     second = node_tier(CAPACITY // 2, namespace=ns)  # another --kv-host-memory
     assert second.actor._actor_id == first.actor._actor_id
     assert second.stats().capacity_bytes == CAPACITY // 2
-    ray_session.kill(first.actor, no_restart=True)
+    _kill(ray_session, first.actor)
     with pytest.raises(ray_session.exceptions.RayActorError):
         first.lookup(HASHES, [0])  # the call that finds it dead fails (the step recomputes)
     assert first.lookup(HASHES, [0]) == 0  # the next one has the node's new, empty tier
