@@ -17,14 +17,18 @@ go to ``bench/results/fallback.json``.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-
-import torch
 
 from bench.common.result_file import write_json
 from bench.common.seeded import seeded_model_dir
-from bench.engine.family_bench import BLOCK, CLOCKS, SHAPE, _per_token_s
+from bench.engine.family_bench import (
+    BLOCK,
+    SHAPE,
+    add_timing_args,
+    num_blocks,
+    parse_timing_args,
+    timed_rounds,
+)
 from kvfleet.worker.runner.model_runner import ModelRunner
 
 IMPLS = ("native", "transformers")
@@ -32,35 +36,13 @@ IMPLS = ("native", "transformers")
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench fallback", description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="2 rounds of 16 steps (a smoke run)")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--steps", type=int, default=48, help="decode steps timed per round")
-    p.add_argument("--context", type=int, default=128, help="prompt tokens per sequence")
-    p.add_argument("--batch", type=int, nargs="+", default=[1, 16])
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--clock", choices=list(CLOCKS), default="wall",
-                   help="wall (default) or cpu: CPU seconds of this process, for a shared host")
-    args = p.parse_args(argv)
-    if args.quick:
-        args.rounds, args.steps = 2, 16
-    torch.set_num_threads(args.threads)
+    add_timing_args(p)
+    args = parse_timing_args(p, argv)
     d = seeded_model_dir("family-llama", "Llama", SHAPE, seed=0)
-    blocks = max(args.batch) * -(-(args.context + args.steps) // BLOCK)
-    runners = {impl: ModelRunner(d, num_blocks=blocks, block_size=BLOCK, model_impl=impl)
+    runners = {impl: ModelRunner(d, num_blocks=num_blocks(args), block_size=BLOCK, model_impl=impl)
                for impl in IMPLS}
     assert runners["transformers"].config.impl == "transformers"
-    seconds = {b: {i: [] for i in IMPLS} for b in args.batch}
-    steps: dict[int, dict[str, list[float]]] = {b: {i: [] for i in IMPLS} for b in args.batch}
-    load = [os.getloadavg()[0]]
-    for r in range(args.rounds):
-        order = IMPLS if r % 2 == 0 else IMPLS[::-1]
-        for batch in args.batch:
-            for impl in order:
-                step_s = _per_token_s(runners[impl], batch, args.context, args.steps,
-                                      CLOCKS[args.clock])
-                seconds[batch][impl].append(statistics.mean(step_s))
-                steps[batch][impl] += step_s
-    load.append(os.getloadavg()[0])
+    seconds, steps, load = timed_rounds(runners, args)
     ratios = {b: statistics.median(f / n for f, n in zip(v["transformers"], v["native"], strict=True))
               for b, v in seconds.items()}
     decile = {b: {i: statistics.quantiles(s, n=10)[0] for i, s in v.items()}

@@ -74,33 +74,45 @@ def _per_token_s(runner: ModelRunner, batch: int, context: int, steps: int, cloc
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench family", description=__doc__.split("\n")[0])
+def add_timing_args(p: argparse.ArgumentParser) -> None:
+    """The flags every per-token decode bench of this kind takes (rounds, steps, context,
+    batch sizes, threads, clock, --quick)."""
     p.add_argument("--quick", action="store_true", help="2 rounds of 16 steps (a smoke run)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=48, help="decode steps timed per round")
     p.add_argument("--context", type=int, default=128, help="prompt tokens per sequence")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16])
-    p.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--clock", choices=list(CLOCKS), default="wall",
                    help="wall (default) or cpu: CPU seconds of this process, for a shared host")
+
+
+def parse_timing_args(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``p``'s arguments, with ``--quick`` applied and torch's thread count set."""
     args = p.parse_args(argv)
     if args.quick:
         args.rounds, args.steps = 2, 16
     torch.set_num_threads(args.threads)
-    families = ["llama", *(f for f in args.families if f != "llama")]
-    runners = {}
-    for name in families:
-        cls, extra = FAMILIES[name]
-        d = seeded_model_dir(f"family-{name}", cls, {**SHAPE, **extra}, seed=0)
-        blocks = max(args.batch) * -(-(args.context + args.steps) // BLOCK)
-        runners[name] = ModelRunner(d, num_blocks=blocks, block_size=BLOCK)
-    seconds: dict[int, dict[str, list[float]]] = {b: {f: [] for f in families} for b in args.batch}
-    steps: dict[int, dict[str, list[float]]] = {b: {f: [] for f in families} for b in args.batch}
+    return args
+
+
+def num_blocks(args: argparse.Namespace) -> int:
+    """KV blocks a runner needs for the largest batch of ``args``."""
+    return max(args.batch) * -(-(args.context + args.steps) // BLOCK)
+
+
+def timed_rounds(runners: dict[str, ModelRunner], args: argparse.Namespace
+                 ) -> tuple[dict[int, dict[str, list[float]]], dict[int, dict[str, list[float]]],
+                            list[float]]:
+    """Decode per-token seconds of every runner, rounds interleaved (order reversed every
+    other round so neither side always runs second). Returns ``(mean per round, every step,
+    load average before and after)``, the first two keyed by batch size then runner name."""
+    names = list(runners)
+    seconds: dict[int, dict[str, list[float]]] = {b: {n: [] for n in names} for b in args.batch}
+    steps: dict[int, dict[str, list[float]]] = {b: {n: [] for n in names} for b in args.batch}
     load = [os.getloadavg()[0]]
     for r in range(args.rounds):
-        order = families if r % 2 == 0 else families[::-1]
+        order = names if r % 2 == 0 else names[::-1]
         for batch in args.batch:
             for name in order:
                 step_s = _per_token_s(runners[name], batch, args.context, args.steps,
@@ -108,6 +120,21 @@ def main(argv: list[str] | None = None) -> int:
                 seconds[batch][name].append(statistics.mean(step_s))
                 steps[batch][name] += step_s
     load.append(os.getloadavg()[0])
+    return seconds, steps, load
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench family", description=__doc__.split("\n")[0])
+    add_timing_args(p)
+    p.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
+    args = parse_timing_args(p, argv)
+    families = ["llama", *(f for f in args.families if f != "llama")]
+    runners = {}
+    for name in families:
+        cls, extra = FAMILIES[name]
+        d = seeded_model_dir(f"family-{name}", cls, {**SHAPE, **extra}, seed=0)
+        runners[name] = ModelRunner(d, num_blocks=num_blocks(args), block_size=BLOCK)
+    seconds, steps, load = timed_rounds(runners, args)
     # Each round's ratio pairs measurements taken back to back; the median of those is what
     # a noisy host disturbs least. The lower decile of single steps (the cost with the least
     # interference) is given too.

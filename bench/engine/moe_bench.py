@@ -16,14 +16,11 @@ smaller matmul), which the ratio shows too. Results go to ``bench/results/moe.js
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-
-import torch
 
 from bench.common.result_file import write_json
 from bench.common.seeded import seeded_model_dir
-from bench.engine.family_bench import BLOCK, CLOCKS, _per_token_s
+from bench.engine.family_bench import BLOCK, add_timing_args, num_blocks, parse_timing_args, timed_rounds
 from kvfleet.worker.runner.model_runner import ModelRunner
 
 SHAPE = dict(vocab_size=32000, hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
@@ -35,37 +32,15 @@ SHAPE = dict(vocab_size=32000, hidden_size=256, num_hidden_layers=4, num_attenti
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench moe", description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="2 rounds of 16 steps (a smoke run)")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--steps", type=int, default=48, help="decode steps timed per round")
-    p.add_argument("--context", type=int, default=128, help="prompt tokens per sequence")
-    p.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    add_timing_args(p)
     p.add_argument("--experts", type=int, nargs="+", default=[8, 64])
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--clock", choices=list(CLOCKS), default="wall",
-                   help="wall (default) or cpu: CPU seconds of this process, for a shared host")
-    args = p.parse_args(argv)
-    if args.quick:
-        args.rounds, args.steps = 2, 16
-    torch.set_num_threads(args.threads)
+    args = parse_timing_args(p, argv)
     names = [f"E{e}" for e in args.experts]
     runners = {}
     for e, name in zip(args.experts, names, strict=True):
         d = seeded_model_dir(f"moe-{name}-top2", "Qwen3Moe", {**SHAPE, "num_experts": e}, seed=0)
-        blocks = max(args.batch) * -(-(args.context + args.steps) // BLOCK)
-        runners[name] = ModelRunner(d, num_blocks=blocks, block_size=BLOCK)
-    seconds = {b: {n: [] for n in names} for b in args.batch}
-    steps = {b: {n: [] for n in names} for b in args.batch}
-    load = [os.getloadavg()[0]]
-    for r in range(args.rounds):
-        order = names if r % 2 == 0 else names[::-1]
-        for batch in args.batch:
-            for name in order:
-                step_s = _per_token_s(runners[name], batch, args.context, args.steps,
-                                      CLOCKS[args.clock])
-                seconds[batch][name].append(statistics.mean(step_s))
-                steps[batch][name] += step_s
-    load.append(os.getloadavg()[0])
+        runners[name] = ModelRunner(d, num_blocks=num_blocks(args), block_size=BLOCK)
+    seconds, steps, load = timed_rounds(runners, args)
     base = names[0]
     ratios = {b: {n: statistics.median(x / y for x, y in zip(v[n], v[base], strict=True))
                   for n in names} for b, v in seconds.items()}
