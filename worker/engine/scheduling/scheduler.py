@@ -296,7 +296,8 @@ class Scheduler:
     def accept_drafts(self, seq: SequenceState, accepted: int) -> None:
         """``seq``'s last step verified ``accepted`` of its drafts (their tokens are appended
         already): count their positions as computed, register the blocks they filled, and
-        give back blocks only rejected drafts were written to."""
+        give back blocks only rejected drafts were written to (and, in sliding layer groups, the
+        blocks the window has now passed)."""
         before = seq.num_computed_tokens
         seq.num_computed_tokens += accepted
         if accepted:
@@ -304,6 +305,8 @@ class Scheduler:
         self.kv.cache_full_blocks(seq.seq_id, seq.block_hashes, seq.num_computed_tokens,
                                   from_token=before)
         self.kv.trim(seq.seq_id, seq.num_tokens)
+        # accepted drafts moved the window too
+        self.kv.free_out_of_window(seq.seq_id, seq.num_computed_tokens)
 
     def finish(self, seq: SequenceState) -> None:
         """Remove a sequence wherever it is and return its blocks (idempotent). A leader that

@@ -31,6 +31,7 @@ from kvfleet.worker.engine.engine import Engine
 from kvfleet.worker.runner.model_config import load_model_config
 from kvfleet.worker.runner.model_runner import ModelRunner
 from tests.fixtures.models import GEMMA3_SHAPE, write_tiny_model
+from tests.unit.worker.engine.speculative.spec_harness import use_oracle
 from tests.unit.worker.engine_harness import (
     BLOCK_SIZE,
     make_engine,
@@ -156,3 +157,29 @@ def test_start_up_calibration_runs_over_layer_groups(windowed) -> None:
             runner.validate(plans[0])
     samples = measure(runner, [with_group_tables(p, groups.num_groups) for p in plans], repeats=2)
     assert len(samples) == 3
+
+
+def test_speculative_drafts_over_sliding_groups(windowed) -> None:
+    """Verify rows over layer groups: drafts (some rejected, so their blocks are trimmed in
+    every group) give the plain run's tokens, every kept logits row equals transformers',
+    and the windows still release blocks."""
+    model_dir, runner = windowed
+    reqs = [request(prompt(9 + 5 * i, seed=60 + i), max_tokens=14) for i in range(4)]
+    engine, _ = make_engine(model_dir, num_blocks=200, runner=runner, max_num_batched_tokens=16)
+    plain = run(engine, {0: reqs[:2], 2: reqs[2:]})
+    refs = {f"{r.request_id}#0": list(r.prompt_token_ids) + plain[(r.request_id, 0)].token_ids
+            for r in reqs}
+    engine, rec = make_engine(model_dir, num_blocks=200, runner=runner, max_num_batched_tokens=16,
+                              speculative="ngram", speculative_tokens=4)
+    use_oracle(engine, refs, 4)
+    watch = WindowWatch()
+    spec = run(engine, {0: reqs[:2], 2: reqs[2:]}, on_step=watch)
+    for r in reqs:
+        got = spec[(r.request_id, 0)]
+        assert got.token_ids == plain[(r.request_id, 0)].token_ids
+        err = reference_error(model_dir, rec, f"{r.request_id}#0", seq_tokens(r, got))
+        assert err <= 1, f"{r.request_id}: {err:.2f}x the tolerance"
+    counts = engine.scheduler.spec.counts
+    assert 0 < counts.accepted < counts.drafted  # accepted and rejected drafts both happened
+    assert watch.holes > 0
+    engine.kv.check_invariants()
