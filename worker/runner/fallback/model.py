@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from kvfleet.worker.runner.kv_cache import KVCache
 from kvfleet.worker.runner.model_config import ModelConfig
 from kvfleet.worker.runner.models.linear import Projection
 
+_LOAD_LOCK = threading.Lock()
 
 class _GivenHidden(torch.nn.Module):
     """Stands in for the base model under the head copy: returns the states it was given."""
@@ -127,8 +129,11 @@ def build_fallback(model_dir: str | Path, config: ModelConfig, dtype: torch.dtyp
     hf_config = transformers.AutoConfig.from_pretrained(model_dir)
     plan = dict(hf_config.base_model_tp_plan or {})
     check_plan(plan, config, tp)
-    hf = cls.from_pretrained(model_dir, config=hf_config, dtype=dtype,
-                             attn_implementation=register())
+    # from_pretrained swaps process-wide state while it loads (weight init, tying), so two
+    # ranks loading at once in one process (thread ranks) could leave it changed for later loads.
+    with _LOAD_LOCK:
+        hf = cls.from_pretrained(model_dir, config=hf_config, dtype=dtype,
+                                 attn_implementation=register())
     hf.eval().requires_grad_(False)
     if tp > 1:
         shard_by_plan(hf.base_model, plan, tp, rank, reduce)
