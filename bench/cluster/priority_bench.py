@@ -39,7 +39,9 @@ from kvfleet.grpc_util import CHANNEL_OPTIONS
 from kvfleet.v1 import router_pb2, router_pb2_grpc
 
 KEYS = {"key-chat": {"tenant": "chat", "priority": "interactive"},
-        "key-batch": {"tenant": "batch", "priority": "batch"}}
+        "key-batch": {"tenant": "batch", "priority": "batch"},
+        # the unclassed phase: a batch key's class is a ceiling, so "default" needs its own key
+        "key-batch-default": {"tenant": "batch", "priority": "default"}}
 
 
 async def streams(stub, run: Run, seconds: float,
@@ -94,7 +96,7 @@ async def drive(a: argparse.Namespace, run: Run, cluster) -> dict:
         phases = {"interactive_alone": {"chat": chat}, "batch_alone": {"flood": flood},
                   "both": {"chat": chat, "flood": flood},
                   "both_unclassed": {"chat": (*chat[:2], "default"),
-                                     "flood": (*flood[:2], "default")}}
+                                     "flood": (flood[0], "key-batch-default", "default")}}
         out: dict = {"capacity_per_s": cap}
         for name, spec in phases.items():
             out[name] = await streams(stub, run, a.duration_s, spec, a.seed)

@@ -27,13 +27,20 @@ from bench.common.result_file import RESULTS
 ROW2_TARGET, ROW3_TARGET = 1.5, 2.0
 
 
-def _bench(args: list[str], result: str) -> dict:
-    """``python -m bench ARGS`` in a fresh process; its JSON result file, parsed.
+def _bench(args: list[str], result: str, tries: int = 2) -> dict:
+    """``python -m bench ARGS`` in a fresh process (again if it fails: a local Ray start can
+    time out on a loaded host), then its JSON result file, parsed.
 
     Raises:
-        subprocess.CalledProcessError: the bench failed.
+        subprocess.CalledProcessError: the bench failed ``tries`` times.
     """
-    subprocess.run([sys.executable, "-m", "bench", *args], check=True)
+    for attempt in range(tries):
+        try:
+            subprocess.run([sys.executable, "-m", "bench", *args], check=True)
+            break
+        except subprocess.CalledProcessError:
+            if attempt == tries - 1:
+                raise
     with open(RESULTS / result) as f:
         return json.load(f)
 

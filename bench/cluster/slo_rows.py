@@ -2,7 +2,7 @@
 
     .venv/bin/python -m bench slo_rows [--rows 1,2,3] [--runs 1] [--seed 0]
         [--seconds 60] [--target-x 3] [--itl-target-ms MS] [--streams 4] [--prompt 480]
-        [--period 1.5] [--class-seconds 15] [--class-target-ms 150]
+        [--period 1.5] [--class-seconds 30] [--class-target-ms 150]
 
 ``--runs N`` repeats each row with seeds ``--seed`` .. ``--seed + N - 1``; a compact table of
 every row, seed and setting is printed at the end. Row 1 is below; rows 2 and 3 (classes,
@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--period", type=float, default=1.5)
     p.add_argument("--target-x", type=float, default=3.0)
     p.add_argument("--itl-target-ms", type=float, default=None)
-    p.add_argument("--class-seconds", type=float, default=15.0,
+    p.add_argument("--class-seconds", type=float, default=30.0,
                    help="rows 2-3: seconds per phase")
     p.add_argument("--class-target-ms", type=float, default=150.0,
                    help="rows 2-3: the replicas' ITL target (the cost model's milliseconds)")
