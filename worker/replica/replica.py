@@ -257,10 +257,6 @@ class ReplicaConfig:
         if self.model_impl not in MODEL_IMPLS:
             raise ValueError(f"model_impl must be one of {', '.join(MODEL_IMPLS)}, got "
                              f"{self.model_impl!r}")
-        if self.scheduler.layer_yield and self.kv_host_memory_bytes:
-            raise ValueError("scheduler.layer_yield (--layer-yield) does not run beside a host KV "
-                             "tier (kv_host_memory_bytes, --kv-host-memory): its forward cannot "
-                             "pause; choose one")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.executor not in EXECUTORS:

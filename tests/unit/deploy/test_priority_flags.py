@@ -53,6 +53,6 @@ def test_layer_yield_flag_lands_off_by_default_and_is_refused_beside_tp(tiny_lla
     assert config("--layer-yield", "--executor", "cost-model").replica.scheduler.layer_yield
     with pytest.raises(ValueError, match="--layer-yield"):
         config("--layer-yield", "--tp", "2")
-    with pytest.raises(ValueError, match=r"--layer-yield.*--kv-host-memory"):
-        config("--layer-yield", "--kv-host-memory", "64MiB")
+    beside_tier = config("--layer-yield", "--kv-host-memory", "64MiB").replica
+    assert beside_tier.scheduler.layer_yield and beside_tier.kv_host_memory_bytes
     assert config("--kv-host-memory", "64MiB").replica.kv_host_memory_bytes

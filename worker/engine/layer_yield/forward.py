@@ -9,8 +9,9 @@ step's ``should_yield`` (called by the runner after each layer) is one cheap che
 requests into the engine (new requests only: aborts and other controls wait for the step's
 end) and pauses when the step yields to the head of the waiting queue
 (:func:`~.nested.may_yield`); otherwise the forward goes on, and the same arrival is not looked
-at again. Paused, it plans the nested step (:func:`~.nested.nested_step`), runs its forward on
-its own (disjoint, free) slots, samples and emits its outputs at once through
+at again. Paused, it plans the nested step (:func:`~.nested.nested_step`), moves its host-tier
+blocks (write-backs of what it evicted, restores of its hits), runs its forward on its own
+(disjoint, free) slots, samples and emits its outputs at once through
 :meth:`Arrivals.emit`, then resumes the paused forward, which may pause again for a later
 arrival. Only a :class:`~kvfleet.worker.executor.base.PausableExecutor` (tp = 1) can do this.
 """
@@ -26,6 +27,7 @@ from kvfleet.worker.engine.layer_yield.nested import may_yield, nested_step
 from kvfleet.worker.engine.output.outputs import SeqOutput
 from kvfleet.worker.engine.scheduling.output import SchedulerOutput
 from kvfleet.worker.executor.base import Executor, PausableExecutor
+from kvfleet.worker.kv_tier.moves import move_blocks
 
 if TYPE_CHECKING:  # annotations only: the engine imports this module
     from kvfleet.worker.engine.engine import Engine
@@ -92,6 +94,8 @@ class LayerYield:
         while not isinstance(result, torch.Tensor):
             start = time.perf_counter()
             nested = nested_step(engine.scheduler, out, time.monotonic())
+            # Its write-backs and restores touch no block the paused step holds (nested.py).
+            nested = move_blocks(engine.executor, engine.scheduler, nested)
             self.nested_steps += bool(nested.scheduled)
             arrivals.emit(engine.run(nested, None))
             nested_s += time.perf_counter() - start

@@ -29,9 +29,13 @@ The rule, so that the paused step is never disturbed:
   ``max_num_seqs`` (:func:`~kvfleet.worker.engine.scheduling.preemption.
   return_seats_over_limit`), unless sequences finished first and gave the seats back, so
   seats end where class preemption would have put them;
-* no n > 1 request (its siblings fork at the leader's first sample) and no host KV tier
-  (an allocation may evict a cached block that must be written back first): those wait for
-  the next whole step.
+* no n > 1 request (its siblings fork at the leader's first sample): it waits for the next
+  whole step;
+* beside a host KV tier it is planned as a whole step is: the cached blocks its allocations
+  evict are listed for write-back (``plan.block_saves``) and its tier hits for restore
+  (``plan.block_restores``); the engine moves them before the nested forward, as before any
+  step's. Both touch only blocks no running sequence holds (evicted blocks are unreferenced,
+  restore targets fresh), so never a slot of the paused step, whose own moves ran before it.
 
 Only an executor that runs the whole model in-process pauses (tp = 1): tensor-parallel
 ranks run each step in lockstep from one plan, so their steps stay whole (the flag is
@@ -70,8 +74,7 @@ def yields_to(out: SchedulerOutput, priority: int) -> bool:
 def may_yield(sched: Scheduler, paused: SchedulerOutput) -> bool:
     """Could a nested step run now beside ``paused`` (the step in flight): is the head of
     the waiting queue (its best class, oldest) one that ``paused`` yields to? Cheap."""
-    return (not sched.tier.enabled and bool(sched.waiting)
-            and yields_to(paused, sched.waiting[0].priority))
+    return bool(sched.waiting) and yields_to(paused, sched.waiting[0].priority)
 
 
 def nested_step(sched: Scheduler, paused: SchedulerOutput, now: float) -> SchedulerOutput:
@@ -83,9 +86,10 @@ def nested_step(sched: Scheduler, paused: SchedulerOutput, now: float) -> Schedu
     :meth:`Scheduler.schedule`.
 
     Returns:
-        The nested step (empty ``scheduled`` when nothing may run: then nothing changed).
-        Call :meth:`Scheduler.on_step_done` with it after its forward, independently of
-        ``paused``'s.
+        The nested step (empty ``scheduled`` when nothing may run: then nothing changed),
+        with the write-backs and tier restores its admissions made in its plan. Move those
+        (:func:`~kvfleet.worker.kv_tier.moves.move_blocks`) before its forward, and call
+        :meth:`Scheduler.on_step_done` with it after, independently of ``paused``'s.
     """
     if not may_yield(sched, paused):
         return SchedulerOutput(StepPlan(()), ())
@@ -101,9 +105,13 @@ def nested_step(sched: Scheduler, paused: SchedulerOutput, now: float) -> Schedu
         assert seq.seq_id not in in_paused, "a waiting sequence cannot be in the step in flight"
         return yields_to(paused, seq.priority)  # sorted by class: nothing behind it either
 
-    p = Pass(Mode.NESTED, Held.of(sched.running, sched.pending_forks), StepWork(), now,
+    work = StepWork(evicted=sched.tier.eviction_log())
+    p = Pass(Mode.NESTED, Held.of(sched.running, sched.pending_forks), work, now,
              borrowable=borrowable)
     scheduled = admit_waiting(sched, budget, p, allow=allow,
                               favour_first=sched.class_step is not None)
     chunks = tuple(s.chunk(kv.block_tables(s.seq.seq_id)) for s in scheduled)
-    return SchedulerOutput(StepPlan(chunks), tuple(scheduled))
+    restores = tuple(work.restores)
+    plan = StepPlan(chunks, block_saves=tuple(work.evicted or ()),
+                    block_restores=sched.tier.plan_restores(restores))
+    return SchedulerOutput(plan, tuple(scheduled), restores=restores)

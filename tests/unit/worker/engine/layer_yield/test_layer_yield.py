@@ -102,18 +102,37 @@ def test_no_yield_when_blocks_are_short_and_nothing_changes():
     s.kv.check_invariants()
 
 
-def test_nothing_better_waiting_or_a_host_tier_means_no_nested_step():
+def test_nothing_better_waiting_means_no_nested_step():
     s = make_scheduler(64, max_num_seqs=4)
     _, paused = batch_in_flight(s, 2)
     s.add([seq(BATCH)])
     assert not nested_step(s, paused, 0.0).scheduled
     i1 = seq(INTERACTIVE)
     s.add([i1])
-    tier = s.tier
-    s.tier = TierAdmission(s.kv, TierLookup(HostTierStore(1 << 20)))  # any tier: an allocation
-    assert not nested_step(s, paused, 0.0).scheduled  # may evict a block to write back first
-    s.tier = tier
     assert [x.seq for x in nested_step(s, paused, 0.0).scheduled] == [i1]
+
+
+def test_beside_a_host_tier_the_nested_plan_lists_the_cached_blocks_it_evicts():
+    """Every free block is a cached one: the nested allocation evicts some, and its plan
+    lists them for write-back (never a block of the paused step)."""
+    s = make_scheduler(8, max_num_seqs=4)
+    s.tier = TierAdmission(s.kv, TierLookup(HostTierStore(1 << 20)))
+    first = seq(DEFAULT, prompt_len=17)
+    s.add([first])
+    run_step(s)
+    s.finish(first)  # its 4 full blocks stay cached, unreferenced
+    assert s.kv.num_free_blocks == 8
+    _, paused = batch_in_flight(s, 2, prompt_len=4)  # 2 blocks each, both kept for decode
+    i1 = seq(INTERACTIVE, prompt_len=12)
+    s.add([i1])
+    nested = nested_step(s, paused, 0.0)
+    assert [x.seq for x in nested.scheduled] == [i1]
+    saved = {b for b, _ in nested.plan.block_saves}
+    assert saved and saved <= set(s.kv.block_table(i1.seq_id))
+    assert not saved & {b for x in paused.scheduled for b in s.kv.block_table(x.seq.seq_id)}
+    finish_step(s, nested)
+    finish_step(s, paused)
+    s.kv.check_invariants()
 
 
 def test_a_borrowed_seat_goes_back_by_preemption_at_the_next_step():
