@@ -203,8 +203,8 @@ SCHEDULER_FLAGS: tuple[Flag, ...] = (
          "{default}: no cap)", "scheduling", type=fraction("--batch-share")),
     Flag("--layer-yield", "replica.scheduler.layer_yield",
          "a batch step in flight pauses between decoder layers for a nested step of newly "
-         "arrived higher-class prompts (interactive TTFT beside a batch flood; --tp 1 only: "
-         "refused otherwise)", "scheduling", action="store_true"),
+         "arrived higher-class prompts (interactive TTFT beside a batch flood)", "scheduling",
+         action="store_true"),
     Flag("--speculative", "replica.scheduler.speculative",
          "speculative decoding, drafts verified in the batch (the answer never changes): ngram "
          "copies from the request's own prompt and output, suffix also from recent outputs of "

@@ -146,11 +146,11 @@ class Executor(Protocol):
 
 class PausableExecutor(Executor, Protocol):
     """An executor whose forward can stop between decoder layers and resume (layer-level
-    yield, :mod:`kvfleet.worker.engine.layer_yield.nested`): only one that runs the whole model in
-    one process (:class:`~kvfleet.worker.executor.local.LocalExecutor`, tp = 1; and the
-    cost-model executor, whose modelled step sleeps in per-layer slices). Ranks of a
-    tensor-parallel group run each step in lockstep from one broadcast plan, so a nested
-    step would have to be broadcast mid-forward: not built. ``pausable`` is True."""
+    yield, :mod:`kvfleet.worker.engine.layer_yield.nested`): the in-process one
+    (:class:`~kvfleet.worker.executor.local.LocalExecutor`), the tensor-parallel one (rank 0
+    broadcasts its pause decision after each layer and the ranks serve the nested step's
+    calls while paused, :mod:`kvfleet.worker.executor.tp.wire`), and the cost-model executor,
+    whose modelled step sleeps in per-layer slices. ``pausable`` is True."""
 
     def execute_pausable(self, plan: StepPlan, should_yield: Callable[[], bool] | None
                          ) -> Any:

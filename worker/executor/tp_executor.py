@@ -7,6 +7,10 @@ requests a keep-alive thread calls ``barrier`` whenever nothing has been sent fo
 the collective timeout, so waiting ranks never time out and a rank that hung while idle is
 found too.
 
+Layer-level yield: a ``pausable_step`` runs the same way, and after each layer but the last
+rank 0 broadcasts whether it pauses there (one flag, :meth:`TPExecutor.execute_pausable`);
+paused, the ranks hold their forward and serve the nested step's calls until ``resume``.
+
 Adapters load off the step stream: rank 0 reads its share, each other rank prepares its own
 beside its step loop (a slow read delays no step), and the next plan commits the slot.
 
@@ -35,7 +39,7 @@ from kvfleet.worker.executor.tp.wire import Commit, PlanEncoder, encode_call, en
 from kvfleet.worker.kv_tier.rank_tier import NO_RANK_TIER, NoRankTier, RankTier, transfer
 from kvfleet.worker.runner.lora.adapter import AdapterSpec
 from kvfleet.worker.runner.model_config import ModelConfig
-from kvfleet.worker.runner.model_runner import ModelRunner
+from kvfleet.worker.runner.model_runner import ModelRunner, PausedForward
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -46,7 +50,7 @@ class TPExecutor:
     :class:`RankGroup` (``local``: rank 0's shard, from :meth:`RankGroup.start`; with
     ``group.spec.tier`` every rank writes back and restores its own KV heads)."""
 
-    pausable = False  # ranks run each step in lockstep from one plan: see PausableExecutor
+    pausable = True  # layer-level yield: rank 0 broadcasts each layer's pause decision
 
     def __init__(self, local: ModelRunner, group: RankGroup) -> None:
         self.local, self.group = local, group
@@ -103,6 +107,53 @@ class TPExecutor:
             return encode_call("step", self._plans.encode(plan, commits))
 
         return self._call(message, lambda: self.local.execute(plan, validated=True))
+
+    def execute_pausable(self, plan: StepPlan, should_yield: Callable[[], bool] | None
+                         ) -> torch.Tensor | PausedForward:
+        """:meth:`execute` on every rank, pausing after a layer when ``should_yield()`` (rank
+        0's decision, broadcast after each layer but the last: every rank pauses there too).
+        Paused, the ranks serve the calls that follow (a nested step's :meth:`transfer_blocks`
+        and :meth:`execute`) until :meth:`resume`. Returns rank 0's logits or its
+        :class:`PausedForward`.
+
+        Raises:
+            See :meth:`execute`.
+        """
+        if should_yield is None:
+            return self.execute(plan)
+        self.local.validate(plan)
+
+        def message() -> np.ndarray:
+            with self._commits_lock:
+                commits, self._commits = self._commits, []
+            return encode_call("pausable_step", self._plans.encode(plan, commits))
+
+        return self._call(message, lambda: self.local.execute_pausable(
+            plan, self._told(should_yield), validated=True))
+
+    def resume(self, paused: PausedForward, should_yield: Callable[[], bool] | None = None
+               ) -> torch.Tensor | PausedForward:
+        """Continue a paused forward on every rank (it may pause again); see
+        :meth:`execute_pausable`.
+
+        Raises:
+            Unavailable: the group has failed.
+        """
+        return self._call(lambda: encode_call("resume"),
+                          lambda: self.local.resume(paused, self._told(should_yield)))
+
+    def _told(self, should_yield: Callable[[], bool] | None) -> Callable[[], bool]:
+        """``should_yield`` whose every answer is broadcast to the other ranks (they wait for
+        one after each layer but the last of a pausable forward)."""
+        comm = self.group.comm
+        assert comm is not None, "the group is started"
+
+        def decide() -> bool:
+            pause = should_yield is not None and should_yield()
+            comm.send_flag(pause)
+            return pause
+
+        return decide
 
     def transfer_blocks(self, saves: Sequence[tuple[int, bytes]],
                         restores: Sequence[tuple[int, bytes]]) -> bool:

@@ -250,9 +250,6 @@ class ReplicaConfig:
                              "exclude each other: each sizes the KV pool")
         if self.tensor_parallel_size > 1 and self.executor != "model":
             raise ValueError("tensor_parallel_size > 1 needs the model executor")
-        if self.scheduler.layer_yield and self.tensor_parallel_size > 1:
-            raise ValueError("scheduler.layer_yield (--layer-yield) needs tensor_parallel_size 1 "
-                             "(a forward pauses between layers only in one process)")
         QuantConfig(self.quantization, self.quant_group_size)  # ValueError naming the field
         if self.model_impl not in MODEL_IMPLS:
             raise ValueError(f"model_impl must be one of {', '.join(MODEL_IMPLS)}, got "

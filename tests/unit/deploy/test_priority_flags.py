@@ -44,15 +44,15 @@ def test_the_router_command_carries_its_class_fractions(capsys) -> None:
     assert exit_.value.code == 2 and "--priority-admit" in capsys.readouterr().err
 
 
-def test_layer_yield_flag_lands_off_by_default_and_is_refused_beside_tp(tiny_llama_dir) -> None:
+def test_layer_yield_flag_lands_off_by_default_and_runs_at_any_tp_and_beside_a_tier(
+        tiny_llama_dir) -> None:
     def config(*argv: str):
         return cluster_config(cli.build_parser().parse_args(
             ["up", "--model", str(tiny_llama_dir), *argv]))
     assert config("--layer-yield").replica.scheduler.layer_yield
     assert not config().replica.scheduler.layer_yield
     assert config("--layer-yield", "--executor", "cost-model").replica.scheduler.layer_yield
-    with pytest.raises(ValueError, match="--layer-yield"):
-        config("--layer-yield", "--tp", "2")
+    assert config("--layer-yield", "--tp", "2").replica.scheduler.layer_yield
     beside_tier = config("--layer-yield", "--kv-host-memory", "64MiB").replica
     assert beside_tier.scheduler.layer_yield and beside_tier.kv_host_memory_bytes
     assert config("--kv-host-memory", "64MiB").replica.kv_host_memory_bytes

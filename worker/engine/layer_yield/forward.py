@@ -13,7 +13,7 @@ at again. Paused, it plans the nested step (:func:`~.nested.nested_step`), moves
 blocks (write-backs of what it evicted, restores of its hits), runs its forward on its own
 (disjoint, free) slots, samples and emits its outputs at once through
 :meth:`Arrivals.emit`, then resumes the paused forward, which may pause again for a later
-arrival. Only a :class:`~kvfleet.worker.executor.base.PausableExecutor` (tp = 1) can do this.
+arrival. Only a :class:`~kvfleet.worker.executor.base.PausableExecutor` can do this.
 """
 
 from __future__ import annotations
@@ -56,13 +56,13 @@ class LayerYield:
     """Forwards that pause between layers for nested steps of new arrivals they yield to.
 
     Raises:
-        ValueError: ``executor`` cannot pause a forward (tensor parallelism).
+        ValueError: ``executor`` cannot pause a forward.
     """
 
     def __init__(self, executor: Executor) -> None:
         if not executor.pausable:
             raise ValueError("layer_yield (--layer-yield) needs an executor that can pause a "
-                             "forward between layers: tensor_parallel_size 1")
+                             "forward between layers")
         self.nested_steps = 0  # steps run while another step's forward paused (cumulative)
 
     def __call__(self, engine: Engine, out: SchedulerOutput, arrivals: Optional[Arrivals]

@@ -37,9 +37,9 @@ The rule, so that the paused step is never disturbed:
   step's. Both touch only blocks no running sequence holds (evicted blocks are unreferenced,
   restore targets fresh), so never a slot of the paused step, whose own moves ran before it.
 
-Only an executor that runs the whole model in-process pauses (tp = 1): tensor-parallel
-ranks run each step in lockstep from one plan, so their steps stay whole (the flag is
-refused with ``--tp > 1``).
+A pausable executor runs it: in process, or over tensor-parallel ranks, which all pause at
+the layer rank 0 decides and run the nested step's plan from the same broadcast as any
+step's.
 """
 
 from __future__ import annotations

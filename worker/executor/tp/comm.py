@@ -126,6 +126,7 @@ class RankComm:
             self.dev = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", self.store), rank,
                                              addr.world_size, nccl)
         self._buf = torch.zeros(MESSAGE_BUFFER_BYTES, dtype=torch.uint8)
+        self._flag = torch.zeros(1, dtype=torch.int64)
         self.times = CommTimes()
         self.shm: ShmAllReduce | None = None
         if addr.shm_name and addr.backend == "gloo" and platform.machine() in _TSO_MACHINES:
@@ -179,6 +180,16 @@ class RankComm:
         self.times.send_s += time.perf_counter() - start
         self.times.send_calls += 1
         self.times.send_bytes += len(data)
+
+    def send_flag(self, flag: bool) -> None:
+        """Rank 0: broadcast one yes/no (a paused forward's per-layer decision) to every rank."""
+        self._flag[0] = int(flag)
+        self.cpu.broadcast(self._flag, 0).wait()
+
+    def recv_flag(self) -> bool:
+        """Ranks 1..T-1: the next :meth:`send_flag`'s yes/no."""
+        self.cpu.broadcast(self._flag, 0).wait()
+        return bool(self._flag[0])
 
     def recv(self) -> np.ndarray:
         """Ranks 1..T-1: the next message rank 0 sent, as int64 (no object is decoded).

@@ -1,8 +1,10 @@
 """Ranks 1..T-1 of a tensor-parallel replica: a model shard and its KV cache, nothing else.
 
 A rank runs the calls rank 0 makes on every rank (:mod:`.wire`): ``step`` runs the same
-forward as rank 0, whose all-reduces meet its own, and computes no logits; ``barrier`` is the
-idle keep-alive; ``stop`` ends :meth:`RankWorker.serve`. It keeps no request state: block
+forward as rank 0, whose all-reduces meet its own, and computes no logits; ``pausable_step``
+the same, held between layers while rank 0 runs a nested step (layer-level yield, the
+protocol in :mod:`.wire`); ``barrier`` is the idle keep-alive; ``stop`` ends
+:meth:`RankWorker.serve`. It keeps no request state: block
 tables (beyond the last plan's, for the plan diff), scheduling and sampling live on rank 0.
 
 An adapter is read off the step path: rank 0 asks each rank to :meth:`RankWorker.prepare_adapter`
@@ -37,7 +39,7 @@ from kvfleet.worker.kv_tier.rank_tier import (
 from kvfleet.worker.kv_tier.store import TierStore
 from kvfleet.worker.runner.lora.adapter import AdapterSpec, read_adapter
 from kvfleet.worker.runner.lora.slots import Weights as LoraWeights
-from kvfleet.worker.runner.model_runner import ModelRunner, Shard
+from kvfleet.worker.runner.model_runner import ModelRunner, PausedForward, Shard
 from kvfleet.worker.runner.quant.config import FLOAT_WEIGHTS, QuantConfig
 
 log = logging.getLogger(__name__)
@@ -99,7 +101,9 @@ class RankWorker:
         # The methods rank 0 may call (wire.METHODS), and nothing else.
         self._calls: dict[str, Callable[..., None]] = {"step": self._step, "barrier": self._barrier,
                                                        "stop": self._stop,
-                                                       "transfer": self._transfer}
+                                                       "transfer": self._transfer,
+                                                       "pausable_step": self._pausable_step,
+                                                       "resume": self._resume}
         self.tier: RankTier | NoRankTier = NO_RANK_TIER
         self._serving = False
 
@@ -151,6 +155,28 @@ class RankWorker:
         plan, commits = self._plans.decode(msg)
         self._commit(commits)
         self._runner.execute(plan, validated=True)  # rank 0 validated it before sending
+
+    def _pausable_step(self, msg: np.ndarray) -> None:
+        """A step whose forward rank 0 may pause after any layer (its flag, broadcast after
+        each): paused, this rank runs rank 0's calls (the nested step's) until ``resume``."""
+        plan, commits = self._plans.decode(msg)
+        self._commit(commits)
+        flag = self._comm.recv_flag
+        result = self._runner.execute_pausable(plan, flag, validated=True)
+        while isinstance(result, PausedForward):
+            while True:  # the nested step's calls, until rank 0 resumes this forward
+                method, args = decode_call(self._comm.recv())
+                if method == "resume":
+                    break
+                if method == "pausable_step":
+                    raise ValueError("a pausable step inside a paused one (rank 0 nests none)")
+                self._calls[method](*args)
+                if not self._serving:
+                    return  # stopped while paused: the paused forward is dropped
+            result = self._runner.resume(result, flag)
+
+    def _resume(self) -> None:
+        raise ValueError("resume with no paused forward")
 
     def _barrier(self) -> None:
         self._comm.barrier()

@@ -30,6 +30,12 @@ token's K/V alike and no logits, so which tokens are drafts (``num_draft_tokens`
 ``n_commits`` adapter slot changes to make before the forward: ``prepared`` > 0 installs the
 adapter a rank prepared under that id (off the step path); 0 empties the slot.
 
+A ``pausable_step`` carries a plan as ``step`` does, and its forward may pause between
+layers (layer-level yield): after each layer but the last, rank 0 broadcasts one flag
+(:meth:`~.comm.RankComm.send_flag`); "pause" makes every rank hold the forward and serve
+calls (the nested step's ``transfer`` and ``step``) until ``resume`` (no arguments)
+continues it, flags again after each layer.
+
 Host-tier block moves (``transfer``, before a step's forward) travel as two arguments, the
 saves and the restores, each ``n × (block, hash[0:8], hash[8:16])`` (:func:`encode_moves`).
 """
@@ -43,7 +49,8 @@ import numpy as np
 
 from kvfleet.worker.engine.step_plan import SeqChunk, StepPlan
 
-METHODS = ("step", "barrier", "stop", "transfer")  # what rank 0 may call on the other ranks, by index
+# What rank 0 may call on the other ranks, by index.
+METHODS = ("step", "barrier", "stop", "transfer", "pausable_step", "resume")
 _CHUNK_HEAD = 7
 Commit = tuple[int, int]  # (slot, prepared id; 0 = empty the slot)
 

@@ -31,6 +31,7 @@ from tests.unit.worker.engine_harness import (
     request,
     seq_tokens,
 )
+from tests.unit.worker.executor.tp.thread_executor import thread_executor
 from tests.unit.worker.lora_harness import lora_error, make_lora_engine, with_adapter
 
 
@@ -248,13 +249,13 @@ def test_engine_loop_takes_new_requests_mid_step_and_applies_an_abort_after_it(
         loop.close()
 
 
-def test_a_replica_config_refuses_layer_yield_beside_tensor_parallel_ranks() -> None:
+def test_a_replica_config_takes_layer_yield_beside_tensor_parallel_ranks_and_a_tier() -> None:
     from kvfleet.worker.engine.scheduling.config import SchedulerConfig
     from kvfleet.worker.replica.replica import ReplicaConfig
 
-    with pytest.raises(ValueError, match="layer_yield"):
-        ReplicaConfig(replica_id="r", model_name="m", model_dir="/m", tensor_parallel_size=2,
-                      scheduler=SchedulerConfig(layer_yield=True))
+    cfg = ReplicaConfig(replica_id="r", model_name="m", model_dir="/m", tensor_parallel_size=2,
+                        kv_host_memory_bytes=1 << 26, scheduler=SchedulerConfig(layer_yield=True))
+    assert cfg.scheduler.layer_yield and cfg.tensor_parallel_size == 2
 
 
 class HoldAfterFirstLayer:
@@ -314,3 +315,24 @@ def test_engine_loop_thread_streams_the_nested_first_token_before_the_paused_ste
     plans = [[c.seq_id for c in p.chunks] for p in rec.plans]
     assert plans[:2] == [[f"{chat.request_id}#0"], [f"{batch.request_id}#0"]], "nested first"
     assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
+
+
+@pytest.mark.parametrize("model_dir", ["tiny_llama_dir", "tiny_qwen3_dir"], indirect=True)
+def test_paused_step_and_nested_prefill_over_tp2_ranks_match_transformers(model_dir) -> None:
+    """tp = 2 (thread ranks, real gloo): rank 0 pauses after layer 1, both ranks run the
+    nested plan and resume; every sequence's logits as transformers' full-prefix forward."""
+    arrivals, nested = workload()
+    with thread_executor(model_dir, 2) as ex:
+        engine, rec = make_engine(model_dir, runner=ex, max_num_batched_tokens=12,
+                                  layer_yield=True)
+        yielder = LayerArrivals(engine, nested)
+        results, _ = drive(engine, arrivals, yielder)
+        assert yielder.fired and engine.stats()["nested_steps"] == 1
+        i = rec.plans.index(yielder.paused_plan)
+        assert [c.seq_id for c in rec.plans[i - 1].chunks] == [f"{nested[0].request_id}#0"]
+        # After the nested plan, the next whole step still runs on both ranks.
+        engine.add_request(request(prompt(6, seed=85), max_tokens=2))
+        while engine.has_work:
+            engine.step()
+    errors = _errors(model_dir, rec, arrivals, nested, results)
+    assert max(errors.values()) <= 1, errors

@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import pytest
+
 from kvfleet.priority import BATCH, INTERACTIVE
 from kvfleet.worker.executor.local import LocalExecutor
 from kvfleet.worker.kv_tier.lookup import TierLookup
@@ -28,33 +30,50 @@ from tests.unit.worker.engine_harness import (
     run,
     seq_tokens,
 )
+from tests.unit.worker.executor.tp.thread_executor import thread_executor
 from tests.unit.worker.kv_tier.tier_harness import TIER_BYTES, chain_of
 from tests.unit.worker.paged_driver import runner_for
 
 POOL_BLOCKS = 24  # the flood and the nested prompt fit; the fillers cycle the whole pool
 
 
-def _engine(model_dir: Path):
-    store = HostTierStore(TIER_BYTES)
-    runner = runner_for(Path(model_dir), block_size=BLOCK_SIZE)
-    executor = LocalExecutor(runner, RankTier(store, 0, runner.kv_cache))
+def _engine(model_dir: Path, store: HostTierStore, executor=None):
+    """(engine, recorder, rank 0's tier) of POOL_BLOCKS blocks over ``executor`` (default:
+    the session's runner in process) writing back to ``store``."""
+    if executor is None:
+        runner = runner_for(Path(model_dir), block_size=BLOCK_SIZE)
+        executor = LocalExecutor(runner, RankTier(store, 0, runner.kv_cache))
+    tp = getattr(executor, "tensor_parallel_size", 1)
     engine, rec = make_engine(model_dir, num_blocks=POOL_BLOCKS, runner=executor,
-                              tier=TierLookup(store), max_num_batched_tokens=12,
+                              tier=TierLookup(store, tp), max_num_batched_tokens=12,
                               layer_yield=True)
-    executor.tier.tag = engine.identity_digest
+    if not executor.tier.tag:
+        executor.tier.tag = engine.identity_digest
     return engine, rec, executor.tier
 
 
-def test_nested_step_writes_back_and_restores_between_layers(tiny_llama_dir) -> None:
-    model_dir = tiny_llama_dir
-    engine, rec, tier = _engine(model_dir)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_nested_step_writes_back_and_restores_between_layers(tiny_llama_dir, tp,
+                                                             monkeypatch) -> None:
+    """tp = 2: thread ranks over real gloo, each moving its own shard of the blocks."""
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    store = HostTierStore(TIER_BYTES)
+    if tp == 1:
+        _check(tiny_llama_dir, *_engine(tiny_llama_dir, store), ())
+        return
+    with thread_executor(tiny_llama_dir, tp, tier=store) as ex:
+        _check(tiny_llama_dir, *_engine(tiny_llama_dir, store, ex),
+               tuple(w.tier for w in ex.group.workers))
+
+
+def _check(model_dir: Path, engine, rec, tier, other_ranks) -> None:
     shared = prompt(17, seed=70)  # 4 full blocks the nested request may take from the tier
     first = request(shared, max_tokens=2)
     run(engine, [first])
     for seed in (71, 72):  # push its blocks out of the pool (written back), fill it with others
         run(engine, [request(prompt(48, seed=seed), max_tokens=2)])
     assert all(engine.kv.pool.lookup(h) is None for h in chain_of(engine, first)), "not evicted"
-    assert tier.flush(), "write-backs did not finish"
+    assert all(t.flush() for t in (tier, *other_ranks)), "write-backs did not finish"
     saved_before = tier.stats.write_backs
 
     def batch(n: int, seed: int, m: int):
@@ -75,9 +94,11 @@ def test_nested_step_writes_back_and_restores_between_layers(tiny_llama_dir) -> 
     moved = {b for b, _ in nested.block_restores + nested.block_saves}
     assert not moved & paused_blocks, "a move touched the paused step's blocks"
     assert nested.chunks[0].num_computed_tokens == 16  # only the last prompt token computed
-    assert tier.flush() and tier.stats.write_backs > saved_before
+    assert all(t.flush() for t in (tier, *other_ranks))
+    assert tier.stats.write_backs > saved_before
+    ranks = list(range(1 + len(other_ranks)))
     for h in (h for _, h in nested.block_saves):
-        assert engine.scheduler.tier.lookup.store.lookup([h], [0]) == 1, "not in the tier"
+        assert engine.scheduler.tier.lookup.store.lookup([h], ranks) == 1, "not in the tier"
     reqs = [*arrivals[0], *arrivals[2], chat]
     errors = {r.request_id: reference_error(model_dir, rec, f"{r.request_id}#0",
                                             seq_tokens(r, results[(r.request_id, 0)]))
