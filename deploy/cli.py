@@ -69,7 +69,7 @@ def model_refusal(argv: list[str]) -> Optional[str]:
     pre.add_argument("--model-impl", default="auto")
     pre.add_argument("--tp", default="1")
     pre.add_argument("--quantization", default="none")
-    pre.add_argument("--layer-yield", action="store_true")
+    pre.add_argument("--layer-yield", default="auto")
     known, _ = pre.parse_known_args(argv)
     if known.model_impl not in MODEL_IMPLS or not known.tp.isdigit():
         return None  # the full parser names the bad value
@@ -79,7 +79,8 @@ def model_refusal(argv: list[str]) -> Optional[str]:
         return None
     try:
         check_model_dir(model_dir, known.model_impl,
-                        FallbackRequest(int(known.tp), known.quantization, known.layer_yield))
+                        FallbackRequest(int(known.tp), known.quantization,
+                                        known.layer_yield == "on"))
     except ValueError as exc:  # UnsupportedModel, ConfigError, ShardingError: they name it
         return str(exc)
     return None

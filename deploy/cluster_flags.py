@@ -34,6 +34,7 @@ from kvfleet.flag_table import declared_default as _declared_default
 from kvfleet.router.config import RouterConfig
 from kvfleet.router.flags import ROUTER_FLAGS
 from kvfleet.telemetry import TelemetryConfig
+from kvfleet.worker.engine.scheduling.config import LAYER_YIELD_MODES
 from kvfleet.worker.engine.scheduling.config import POLICIES as ADMISSION_POLICIES
 from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig
 from kvfleet.worker.engine.speculative.speculator import MODES as SPECULATIVE_MODES
@@ -202,9 +203,10 @@ SCHEDULER_FLAGS: tuple[Flag, ...] = (
          "fraction of a replica's running slots the batch priority class may hold (default "
          "{default}: no cap)", "scheduling", type=fraction("--batch-share")),
     Flag("--layer-yield", "replica.scheduler.layer_yield",
-         "a batch step in flight pauses between decoder layers for a nested step of newly "
-         "arrived higher-class prompts (interactive TTFT beside a batch flood)", "scheduling",
-         action="store_true"),
+         "a step in flight pauses between decoder layers for a nested step of newly arrived "
+         "higher-class prompts (interactive TTFT beside a batch flood): on, off, or auto = on "
+         "once the replica has taken requests of more than one priority (default {default})",
+         "scheduling", choices=LAYER_YIELD_MODES),
     Flag("--speculative", "replica.scheduler.speculative",
          "speculative decoding, drafts verified in the batch (the answer never changes): ngram "
          "copies from the request's own prompt and output, suffix also from recent outputs of "
@@ -288,7 +290,7 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
     # An unsupported family or field, or what the fallback cannot do: refused before Ray.
     model = check_model_dir(model_dir, replica_values["model_impl"], FallbackRequest(
         replica_values["tensor_parallel_size"], replica_values["quantization"],
-        values["replica.scheduler"]["layer_yield"]))
+        values["replica.scheduler"]["layer_yield"] == "on"))
     _check_device(replica_values["device"])
     if replica_values["tensor_parallel_size"] != 1 and model.impl == "native":
         from kvfleet.worker.runner.tp.layout import check_tp

@@ -133,9 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-share", type=float, default=1.0, help="replicas' --batch-share")
     p.add_argument("--itl-target-ms", type=float, default=None,
                    help="replicas' --itl-target-ms (in the scaled cost model's milliseconds)")
-    p.add_argument("--layer-yield", action="store_true",
-                   help="replicas' --layer-yield: a batch step pauses between layers for a "
-                        "nested interactive step (A/B)")
+    p.add_argument("--layer-yield", choices=("auto", "on", "off"), default="auto",
+                   help="replicas' --layer-yield (default auto, the replicas' own: on here, "
+                        "with two classes); off: atomic steps, for the A/B")
     p.add_argument("--seed", type=int, default=0, help="arrivals and prompts")
     p.add_argument("--tag", default="")
     p.add_argument("--router-arg", action="append", default=[], dest="router_args")
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     run = Run(replicas=a.replicas, scale=a.scale, router_args=tuple(a.router_args),
               scheduler={"batch_share": a.batch_share,
                          "itl_target_ms": a.itl_target_ms,
-                         **({"layer_yield": True} if a.layer_yield else {})})
+                         "layer_yield": a.layer_yield})
     RESULTS.mkdir(parents=True, exist_ok=True)
     keys_file = RESULTS / "priority-keys.json"
     keys_file.write_text(json.dumps({"keys": KEYS, "admins": ["chat"]}))

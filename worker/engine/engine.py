@@ -92,7 +92,10 @@ class Engine:
         self.vocab_size = vocab_size
         self.step_cost = step_cost or StepCost(MEASURED)
         # Whole steps, or layer-level yield's forward (its one seam).
-        self.forward = LayerYield(executor) if config.layer_yield else WholeStep()
+        mode = config.layer_yield
+        self.forward: WholeStep | LayerYield = (
+            LayerYield(executor, auto=mode == "auto")
+            if mode == "on" or (mode == "auto" and executor.pausable) else WholeStep())
         self.scheduler = Scheduler(config, kv, self.step_cost, tier)
         # Blocks a peer asks for, snapshotted at once through the engine's executor.
         self.exports = TierExports(kv, lambda: self.executor)

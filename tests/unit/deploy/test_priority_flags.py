@@ -44,15 +44,16 @@ def test_the_router_command_carries_its_class_fractions(capsys) -> None:
     assert exit_.value.code == 2 and "--priority-admit" in capsys.readouterr().err
 
 
-def test_layer_yield_flag_lands_off_by_default_and_runs_at_any_tp_and_beside_a_tier(
+def test_layer_yield_flag_is_auto_by_default_and_runs_at_any_tp_and_beside_a_tier(
         tiny_llama_dir) -> None:
     def config(*argv: str):
         return cluster_config(cli.build_parser().parse_args(
             ["up", "--model", str(tiny_llama_dir), *argv]))
-    assert config("--layer-yield").replica.scheduler.layer_yield
-    assert not config().replica.scheduler.layer_yield
-    assert config("--layer-yield", "--executor", "cost-model").replica.scheduler.layer_yield
-    assert config("--layer-yield", "--tp", "2").replica.scheduler.layer_yield
-    beside_tier = config("--layer-yield", "--kv-host-memory", "64MiB").replica
-    assert beside_tier.scheduler.layer_yield and beside_tier.kv_host_memory_bytes
+    assert config().replica.scheduler.layer_yield == "auto"
+    for mode in ("on", "off", "auto"):
+        assert config("--layer-yield", mode).replica.scheduler.layer_yield == mode
+    assert config("--layer-yield", "on", "--executor", "cost-model").replica.scheduler.layer_yield
+    assert config("--layer-yield", "on", "--tp", "2").replica.scheduler.layer_yield == "on"
+    beside_tier = config("--layer-yield", "on", "--kv-host-memory", "64MiB").replica
+    assert beside_tier.scheduler.layer_yield == "on" and beside_tier.kv_host_memory_bytes
     assert config("--kv-host-memory", "64MiB").replica.kv_host_memory_bytes

@@ -53,13 +53,16 @@ class Arrivals(Protocol):
 
 
 class LayerYield:
-    """Forwards that pause between layers for nested steps of new arrivals they yield to.
+    """Forwards that pause between layers for nested steps of new arrivals they yield to
+    (``auto``: only once the scheduler has taken requests of two priorities or more; before,
+    every forward runs whole, as without layer yield).
 
     Raises:
         ValueError: ``executor`` cannot pause a forward.
     """
 
-    def __init__(self, executor: Executor) -> None:
+    def __init__(self, executor: Executor, auto: bool = False) -> None:
+        self.auto = auto  # pause only once the replica has taken more than one priority
         if not executor.pausable:
             raise ValueError("layer_yield (--layer-yield) needs an executor that can pause a "
                              "forward between layers")
@@ -79,7 +82,7 @@ class LayerYield:
             Whatever ``out``'s forward raises (a nested forward's failure ends only its
             requests).
         """
-        if arrivals is None:
+        if arrivals is None or (self.auto and len(engine.scheduler.priorities_seen) < 2):
             return engine.executor.execute(out.plan), 0.0
         executor: PausableExecutor = engine.executor  # type: ignore[assignment]  # checked above
 

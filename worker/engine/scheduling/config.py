@@ -9,6 +9,7 @@ from kvfleet.worker.engine.scheduling.priority_queue import PriorityRules
 from kvfleet.worker.engine.speculative.speculator import check_mode
 
 POLICIES = ("watermark", "reserve")
+LAYER_YIELD_MODES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -42,9 +43,10 @@ class SchedulerConfig:
     # Priority classes: the fraction of max_num_seqs the batch band may run (1.0: no cap).
     batch_share: float = 1.0
     # Layer-level yield (kvfleet.worker.engine.layer_yield): a step in flight pauses between
-    # decoder layers for a nested step of newly arrived higher-class prompts. tp = 1 only
-    # (the engine refuses an executor that cannot pause).
-    layer_yield: bool = False
+    # decoder layers for a nested step of newly arrived higher-class prompts. "on"; "auto":
+    # once the replica has taken requests of more than one priority, where the executor can
+    # pause; "off": whole steps. A bool is read as "on" / "off".
+    layer_yield: str = "auto"
     # Speculative decoding (kvfleet.worker.engine.speculative): "off", "ngram" or "suffix";
     # drafts per decode row per step at most (the step-cost model sizes each row's 0..this).
     speculative: str = "off"
@@ -61,6 +63,11 @@ class SchedulerConfig:
             raise ValueError(f"tenant_share must be in (0, 1], got {self.tenant_share}")
         if self.itl_target_ms is not None and not 0 < self.itl_target_ms < float("inf"):
             raise ValueError(f"itl_target_ms must be > 0, got {self.itl_target_ms}")
+        if isinstance(self.layer_yield, bool):
+            object.__setattr__(self, "layer_yield", "on" if self.layer_yield else "off")
+        if self.layer_yield not in LAYER_YIELD_MODES:
+            raise ValueError(f"layer_yield must be one of {LAYER_YIELD_MODES}, got "
+                             f"{self.layer_yield!r}")
         PriorityRules(self.max_num_seqs, self.batch_share)  # checks
         check_mode(self.speculative, self.speculative_tokens)
 

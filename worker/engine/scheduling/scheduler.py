@@ -93,6 +93,7 @@ class Scheduler:
         self.tier: TierAdmission | NoTierAdmission = (
             TierAdmission(kv, tier) if tier is not None else NoTierAdmission())
         self.hits = HitCounts()  # prompt tokens admitted, hits by tier (metrics)
+        self.priorities_seen: set[int] = set()  # of every request queued (layer yield's auto)
         self.waiting: deque[SequenceState] = deque()
         self.running: list[SequenceState] = []
         # leader seq_id -> siblings waiting for its prompt to be computed (n > 1)
@@ -138,6 +139,7 @@ class Scheduler:
         groups: dict[str, list[SequenceState]] = {}
         for s in seqs:
             groups.setdefault(s.request_id, []).append(s)
+            self.priorities_seen.add(s.priority)
         for g in groups.values():
             self.check_can_ever_fit(g[0].num_prompt_tokens, g[0].params.max_tokens, len(g))
         num_new = sum(len(g) for g in groups.values())

@@ -93,7 +93,7 @@ def test_tp_needs_a_plan_of_known_styles() -> None:
 
 
 @pytest.mark.parametrize("flags, expected", [
-    (["--layer-yield"], "error: --layer-yield: --model-impl transformers"),
+    (["--layer-yield", "on"], "error: --layer-yield: --model-impl transformers"),
     (["--quantization", "int4"], "error: --quantization int4: --model-impl transformers"),
     (["--tp", "3"], "error: num_attention_heads: 4 heads do not split over tp=3"),
     (["--model-impl", "native"], "error: model_type: 'olmo2' is not supported"),
@@ -119,7 +119,7 @@ def test_cluster_config_takes_the_flag(tmp_path) -> None:
     cfg = cluster_config(cli.build_parser().parse_args(["up", "--model", str(d)]))
     assert cfg.replica.model_impl == "auto"
     with pytest.raises(UnsupportedModel, match="^--layer-yield"):
-        cluster_config(cli.build_parser().parse_args(["up", "--model", str(d), "--layer-yield"]))
+        cluster_config(cli.build_parser().parse_args(["up", "--model", str(d), "--layer-yield", "on"]))
 
 
 NATIVE_RUN = """

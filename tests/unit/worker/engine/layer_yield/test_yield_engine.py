@@ -21,6 +21,7 @@ from kvfleet.stream_limits import Outbox
 from kvfleet.worker.engine.engine import Engine, EngineRequest
 from kvfleet.worker.engine.output.outputs import SeqOutput
 from kvfleet.worker.engine.request import FinishReason
+from kvfleet.worker.engine.scheduling.config import SchedulerConfig
 from kvfleet.worker.engine.step_plan import StepPlan
 from kvfleet.worker.service.engine_loop import EngineLoop, _Abort, _Add
 from tests.unit.worker.engine_harness import (
@@ -31,6 +32,7 @@ from tests.unit.worker.engine_harness import (
     request,
     seq_tokens,
 )
+from tests.unit.worker.engine_harness import run as run_all
 from tests.unit.worker.executor.tp.thread_executor import thread_executor
 from tests.unit.worker.lora_harness import lora_error, make_lora_engine, with_adapter
 
@@ -336,3 +338,27 @@ def test_paused_step_and_nested_prefill_over_tp2_ranks_match_transformers(model_
             engine.step()
     errors = _errors(model_dir, rec, arrivals, nested, results)
     assert max(errors.values()) <= 1, errors
+
+
+def test_auto_pauses_once_the_replica_has_taken_two_priorities(tiny_llama_dir) -> None:
+    """The default (``auto``): while only batch requests were ever queued every forward runs
+    whole; once an interactive request was taken, a later one runs nested, and every logits
+    row still matches transformers."""
+    assert SchedulerConfig().layer_yield == "auto"
+    arrivals, nested = workload()
+    engine, rec = make_engine(tiny_llama_dir, max_num_batched_tokens=12)
+    yielder = LayerArrivals(engine, [], when=lambda plan: True)
+    drive(engine, arrivals, yielder)  # batch only: never a pausable forward
+    assert yielder.paused_plan is None and yielder.pending_calls == 0
+    engine, rec = make_engine(tiny_llama_dir, max_num_batched_tokens=12)
+    run_all(engine, [dataclasses.replace(request(prompt(4, seed=86), max_tokens=1),
+                                         priority=INTERACTIVE)])
+    yielder = LayerArrivals(engine, nested)
+    results, _ = drive(engine, arrivals, yielder)
+    assert engine.stats()["nested_steps"] == 1
+    errors = _errors(tiny_llama_dir, rec, arrivals, nested, results)
+    assert max(errors.values()) <= 1, errors
+    off = SchedulerConfig(layer_yield=False)
+    assert off.layer_yield == "off" and SchedulerConfig(layer_yield=True).layer_yield == "on"
+    with pytest.raises(ValueError, match="layer_yield"):
+        SchedulerConfig(layer_yield="sometimes")
