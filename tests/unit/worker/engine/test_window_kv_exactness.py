@@ -26,11 +26,9 @@ from typing import Callable
 import pytest
 
 from kvfleet.allocator.kv_cache_manager import NULL_BLOCK, KVCacheManager
-from kvfleet.allocator.layer_groups import LayerGroups
 from kvfleet.worker.engine.engine import Engine
-from kvfleet.worker.runner.model_config import load_model_config
 from kvfleet.worker.runner.model_runner import ModelRunner
-from tests.fixtures.models import GEMMA3_SHAPE, write_tiny_model
+from tests.fixtures.models import GEMMA3_SHAPE, write_windowed_model
 from tests.unit.worker.engine.speculative.spec_harness import use_oracle
 from tests.unit.worker.engine_harness import (
     BLOCK_SIZE,
@@ -55,10 +53,8 @@ MODELS = {
 def windowed(request, tmp_path_factory, smollm2_dir) -> tuple[Path, ModelRunner]:
     """A tiny windowed checkpoint and a runner over its layer groups."""
     family, shape = MODELS[request.param]
-    model_dir = write_tiny_model(tmp_path_factory.mktemp(request.param), family, smollm2_dir,
-                                 seed=11, **shape)
-    groups = LayerGroups.from_windows(load_model_config(model_dir).sliding_windows)
-    assert groups.windowed
+    model_dir, groups = write_windowed_model(tmp_path_factory.mktemp(request.param), family,
+                                             smollm2_dir, seed=11, **shape)
     return model_dir, ModelRunner(model_dir, num_blocks=300, block_size=BLOCK_SIZE,
                                   layer_groups=groups)
 
