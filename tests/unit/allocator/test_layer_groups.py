@@ -144,3 +144,28 @@ def test_layout_key_names_the_group_layout() -> None:
     keys = {gemma.layout_key, mistral.layout_key, other.layout_key, ""}
     assert len(keys) == 4
     assert gemma.layout_key == LayerGroups.from_windows([7, 7, None, 7, 7, None]).layout_key
+
+
+def test_the_longest_tier_hit_follows_the_per_group_rule() -> None:
+    """A hit of ``m`` blocks needs a full group's blocks up to ``m`` and a sliding group's
+    only those the query at ``m`` sees (window 7, blocks of 4: from block (4m - 6) // 4), after
+    the ``first`` the sequence already holds. Not one leading run: a sliding group holding
+    only its last blocks allows the longer hit and not the shorter one."""
+    from kvfleet.allocator.kv_cache_manager import KVCacheManager
+
+    kv = KVCacheManager(100, 4, windows=(None, 7))
+    assert kv.grouped and not KVCacheManager(100, 4).grouped
+
+    def mask(full: str, sliding: str) -> list[bool]:
+        return [c == "1" for c in full + sliding]
+
+    assert kv.longest_hit(0, mask("11111", "00011")) == 5
+    assert kv.longest_hit(0, mask("111111", "000011")) == 6  # 5 would need block 3
+    assert kv.longest_hit(0, mask("111111", "000110")) == 5
+    assert kv.longest_hit(0, mask("110111", "111111")) == 2  # the full group's run bounds it
+    assert kv.longest_hit(0, mask("11111", "11100")) == 3
+    assert kv.longest_hit(2, mask("111", "011")) == 3  # blocks 2..4; the window starts at 3
+    assert kv.longest_hit(2, mask("111", "000")) == 0
+    assert kv.group_keys([b"a" * 16]) == [b"a" * 16, kv.key(1, b"a" * 16)]
+    with pytest.raises(ValueError, match="held mask"):
+        kv.longest_hit(0, [True] * 3)

@@ -157,3 +157,68 @@ def test_a_windowed_layouts_pages_never_serve_another_layout(windowed) -> None:
     assert results[(again.request_id, 0)].last.usage.cached_prompt_tokens == 0
     assert not any(p.block_restores for p in rec.plans)
     assert parity_error(model_dir, rec, again, results) <= 1
+
+
+def test_a_pulled_windowed_prefix_equals_recompute(windowed) -> None:
+    """Replica A (same layout, same node tier) exports every group's pages of the prefix it
+    holds; B restores the full group's pages and the sliding groups' window, never computes
+    them, and its logits equal transformers'."""
+    import asyncio
+
+    from tests.unit.worker.kv_tier.peer_harness import LoopPeer, hint, puller, with_loop
+
+    model_dir, groups = windowed
+    store = HostTierStore(TIER_BYTES)
+    a, _, a_tier, _ = _grouped_engine(model_dir, groups, store)
+    base = prompt(22, seed=16)
+    run(a, [request(base, max_tokens=2)])
+    assert store.stats().blocks == 0 and a_tier.flush()
+    b, rec, b_tier, _ = _grouped_engine(model_dir, groups, store)
+    again = request(base + prompt(3, seed=17), max_tokens=4)
+
+    async def pull(loop):
+        p = puller(LoopPeer(loop), b)
+        return await p.prepare(again, hint(5)), p
+
+    pulled, p = asyncio.run(with_loop(a, pull))
+    assert p.stats.pulls == 1 and p.stats.pulled_blocks == 5
+    assert a.exports.exported_blocks == 5 and store.stats().blocks >= 5
+    a.kv.check_invariants()
+    assert a.kv.num_free_blocks == a.kv.num_total_blocks  # the export's references went
+    results = run(b, [pulled])
+    assert results[(again.request_id, 0)].last.usage.cached_prompt_tokens == 20
+    assert _restored_pages(rec, again.request_id) == _expected_pages(groups, 5)
+    assert parity_error(model_dir, rec, again, results) <= 1
+    assert b_tier.stats.failed_restores == 0
+    store.check_invariants()
+
+
+def test_a_drained_windowed_replicas_pages_cross_nodes(windowed) -> None:
+    """A grouped replica drains into node X's tier (every group's pages); a survivor on node
+    Y pulls through X's tier: the relay copies each group's pages X holds, and the survivor
+    restores by the per-group rule with the logits of full recomputation."""
+    import asyncio
+
+    from kvfleet.index_keys import tier_id
+    from kvfleet.worker.kv_tier.peer_client import TierPeer
+    from kvfleet.worker.kv_tier.peer_pull import PeerHint
+    from tests.unit.worker.kv_tier.peer_harness import InProcessRelay, puller
+
+    model_dir, groups = windowed
+    x_store, y_store = HostTierStore(TIER_BYTES), HostTierStore(TIER_BYTES)
+    drained, _, x_tier, x = _grouped_engine(model_dir, groups, x_store)
+    base = prompt(22, seed=18)
+    run(drained, [request(base, max_tokens=2)])
+    assert drained.hand_over(drained.kv.num_total_blocks) >= 5 and x_tier.flush()
+    survivor, rec, _, y = _grouped_engine(model_dir, groups, y_store)
+    relay = InProcessRelay(y, {"x": x}, num_groups=groups.num_groups)
+    p = puller(None, survivor, node="y", relay=relay, tiers=TierPeer(relay.source, [0]))
+    again = request(base + prompt(3, seed=19), max_tokens=3)
+    pulled = asyncio.run(p.prepare(again, PeerHint("", "", 5, 0, tier_id("x"))))
+    assert p.stats.pulls == 1 and p.stats.pulled_blocks == 5
+    results = run(survivor, [pulled])
+    assert results[(again.request_id, 0)].last.usage.cached_prompt_tokens == 20
+    assert _restored_pages(rec, again.request_id) == _expected_pages(groups, 5)
+    assert parity_error(model_dir, rec, again, results) <= 1
+    x_store.check_invariants()
+    y_store.check_invariants()
