@@ -54,12 +54,13 @@ def _layout(model_dir: Path, groups: LayerGroups, tp: int) -> TierLayout:
 
 
 def _restored_pages(rec, rid: str) -> dict[int, int]:
-    """Pages the plans restored for request ``rid``, by layer group (its first chunk's
-    tables)."""
-    chunk = next(c for p in rec.plans for c in p.chunks if c.seq_id == f"{rid}#0")
+    """Pages the plan of request ``rid``'s first chunk restored for it, by layer group (that
+    chunk's tables)."""
+    at, chunk = next((i, c) for i, p in enumerate(rec.plans) for c in p.chunks
+                     if c.seq_id == f"{rid}#0")
     by_block = {b: g for g, table in enumerate(chunk.tables()) for b in table if b != NULL_BLOCK}
     out: dict[int, int] = {}
-    for p in rec.plans:
+    for p in rec.plans[at:at + 1]:
         for b, _ in p.block_restores:
             if b in by_block:
                 out[by_block[b]] = out.get(by_block[b], 0) + 1
@@ -81,11 +82,13 @@ def _evict_then_ask_again(engine, tiers, base: list[int], again):
     return run(engine, [again])
 
 
-def _expected_pages(groups: LayerGroups, hit_blocks: int) -> dict[int, int]:
-    """Per group, the pages a hit of ``hit_blocks`` blocks restores with nothing on the
-    device: every block for a full group, those the query at the hit sees for a sliding one."""
+def _expected_pages(groups: LayerGroups, hit_blocks: int, first: int = 0) -> dict[int, int]:
+    """Per group, the pages a hit of ``hit_blocks`` blocks restores after the ``first`` the
+    device holds: every block for a full group, those the query at the hit sees for a
+    sliding one."""
     n = hit_blocks * BLOCK_SIZE
-    return {g: hit_blocks if w is None else hit_blocks - max(0, n - w + 1) // BLOCK_SIZE
+    return {g: hit_blocks - first if w is None
+            else hit_blocks - max(first, max(0, n - w + 1) // BLOCK_SIZE)
             for g, w in enumerate(groups.windows)}
 
 
@@ -120,6 +123,28 @@ def test_restored_group_pages_equal_recompute(windowed) -> None:
     engine, rec, rank_tier, _ = _grouped_engine(model_dir, groups, store)
     _check(model_dir, groups, engine, rec, [rank_tier], store)
     assert rank_tier.stats.failed_restores == 0
+
+
+def test_a_device_hit_extended_from_the_tier_equals_recompute(windowed) -> None:
+    """The device holds the head of the chain (the full group's first blocks, a sliding
+    group's window before them: restored for an earlier request), the tier the rest: the
+    restore starts after the device hit, takes each group's pages by the rule, releases the
+    device's sliding pages the longer hit's window no longer reaches, and the logits equal
+    transformers'."""
+    model_dir, groups = windowed
+    store = HostTierStore(TIER_BYTES)
+    engine, rec, rank_tier, _ = _grouped_engine(model_dir, groups, store)
+    base = prompt(22, seed=21)
+    mid = request(base[:13] + prompt(3, seed=22), max_tokens=2)  # reuses blocks 0..2
+    again = request(base + prompt(3, seed=23), max_tokens=3)
+    _evict_then_ask_again(engine, [rank_tier], base, mid)
+    assert _restored_pages(rec, mid.request_id) == _expected_pages(groups, 3)
+    results = run(engine, [again])
+    assert results[(again.request_id, 0)].last.usage.cached_prompt_tokens == 20
+    assert _restored_pages(rec, again.request_id) == _expected_pages(groups, 5, first=3)
+    assert parity_error(model_dir, rec, again, results) <= 1
+    engine.kv.check_invariants()
+    assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
 
 
 def test_restored_group_pages_equal_recompute_at_tp2(windowed, monkeypatch) -> None:
