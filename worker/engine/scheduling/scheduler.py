@@ -40,6 +40,7 @@ from typing import Iterable, Mapping, Optional
 
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
 from kvfleet.errors import ResourceExhausted
+from kvfleet.service_weights import PREFILL_WEIGHT
 from kvfleet.worker.engine.request import SeqStatus, SequenceState
 from kvfleet.worker.engine.scheduling.admission import Held, Mode, Pass, StepWork, admit_waiting
 from kvfleet.worker.engine.scheduling.blocks import BlockAdmission
@@ -100,7 +101,9 @@ class Scheduler:
                                      lambda: self.config.max_num_batched_tokens)
         self.spec = Speculator(config.speculative, config.speculative_tokens)
         self.rules = PriorityRules(config.max_num_seqs, config.batch_share)
-        self.service = TenantService()  # per-tenant service: who is admitted next
+        # per-tenant service: who is admitted next; a returning tenant may start up to one
+        # step's prefill behind the others
+        self.service = TenantService(credit=config.max_num_batched_tokens * PREFILL_WEIGHT)
         self.seats = TenantSeats(config.max_num_seqs, config.tenant_share, seats_by_service,
                                  self.service)
         self.class_step = (ClassStep(step_cost, config.max_num_batched_tokens, config.itl_target_ms)
