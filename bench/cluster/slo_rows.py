@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from bench.common.result_file import RESULTS
-from bench.engine.engine_bench import pct
+from bench.common.stream_stats import pct, stream_row
 
 STREAM_PROMPT, STREAM_TOKENS, LONG_TOKENS = 64, 256, 16
 
@@ -135,11 +135,8 @@ def summarize(runs: list[Stream], seconds: float) -> dict:
     itl = [b[0] - a[0] for s in runs if s.kind == "stream"
            for a, b in zip(s.stamps, s.stamps[1:], strict=False)]
     ttft = [s.stamps[0][0] - s.sent for s in runs if s.kind == "long" and s.stamps]
-    return {"itl_p50_s": pct(itl, 0.5), "itl_p99_s": pct(itl, 0.99),
-            "itl_p99_over_p50": pct(itl, 0.99) / pct(itl, 0.5),
-            "tokens_per_s": sum(len(s.tokens) for s in runs) / seconds,
-            "long_ttft_p50_s": pct(ttft, 0.5), "long_ttft_p99_s": pct(ttft, 0.99),
-            "long_prompts": len(ttft), "errors": sorted({s.error for s in runs if s.error})[:5]}
+    return {**stream_row(itl, ttft, sum(len(s.tokens) for s in runs) / seconds),
+            "errors": sorted({s.error for s in runs if s.error})[:5]}
 
 
 def identical(off: list[Stream], on: list[Stream]) -> dict:

@@ -99,7 +99,8 @@ class Scheduler:
         # leader seq_id -> siblings waiting for its prompt to be computed (n > 1)
         self.pending_forks: dict[str, list[SequenceState]] = {}
         self.blocks = BlockAdmission(kv, config.policy, config.watermark,
-                                     lambda: self.config.max_num_batched_tokens)
+                                     lambda: self.config.max_num_batched_tokens,
+                                     min_chunk=1 + config.speculative_tokens)
         self.spec = Speculator(config.speculative, config.speculative_tokens)
         self.rules = PriorityRules(config.max_num_seqs, config.batch_share)
         # per-tenant service: who is admitted next; a returning tenant may start up to one
@@ -202,7 +203,7 @@ class Scheduler:
             seq = self.running[i]
             remaining = seq.num_tokens - seq.num_computed_tokens
             n = 0 if seq.seq_id in sit_out else budget.grant(
-                seq.num_computed_tokens, remaining, reserved=remaining == 1)
+                seq.num_computed_tokens, self.blocks.chunk(remaining), reserved=remaining == 1)
             if n <= 0:
                 i += 1
                 continue
