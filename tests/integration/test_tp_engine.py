@@ -86,6 +86,20 @@ def test_tp2_mixed_batch_of_eight(tp2, tiny_llama_dir) -> None:
     exact.test_mixed_batch_of_eight_joining_and_leaving_equals_each_alone(tiny_llama_dir, {})
 
 
+def test_tp2_layer_yield_paused_step_and_nested_prefill(tp2, tiny_llama_dir) -> None:
+    """Ray rank actors: rank 0 pauses a mixed batch step after layer 1, both ranks run the
+    nested interactive prefill, then resume; logits as transformers'."""
+    import tests.unit.worker.engine.layer_yield.test_yield_engine as yield_engine
+
+    arrivals, nested = yield_engine.workload()
+    engine, rec = make_engine(tiny_llama_dir, max_num_batched_tokens=12, layer_yield="on")
+    yielder = yield_engine.LayerArrivals(engine, nested)
+    results, _ = yield_engine.drive(engine, arrivals, yielder)
+    assert yielder.fired and engine.stats()["nested_steps"] == 1
+    errors = yield_engine.parity_errors(tiny_llama_dir, rec, arrivals, nested, results)
+    assert max(errors.values()) <= 1, errors
+
+
 def test_tp2_preempted_then_resumed(tp2, tiny_llama_dir) -> None:
     exact.test_preempted_then_resumed(tiny_llama_dir, {})
 

@@ -136,7 +136,7 @@ def workload(adapter: str = "") -> tuple[dict[int, list[EngineRequest]], list[En
     return {0: early, 2: [late]}, [chat]
 
 
-def _errors(model_dir, rec, arrivals, nested, results) -> dict[str, float]:
+def parity_errors(model_dir, rec, arrivals, nested, results) -> dict[str, float]:
     reqs = [r for rs in arrivals.values() for r in rs] + nested
     return {r.request_id: reference_error(model_dir, rec, f"{r.request_id}#0",
                                           seq_tokens(r, results[(r.request_id, 0)]))
@@ -161,7 +161,7 @@ def test_paused_mixed_step_and_nested_prefill_match_transformers(model_dir) -> N
     step = next(s for s in per_step if any(o.request_id == nested[0].request_id for o in s))
     assert step[0].request_id == nested[0].request_id
     assert {o.request_id for o in step[1:]} >= {r.request_id for r in arrivals[0]}
-    errors = _errors(model_dir, rec, arrivals, nested, results)
+    errors = parity_errors(model_dir, rec, arrivals, nested, results)
     assert max(errors.values()) <= 1, errors
     for r in [*arrivals[0], *arrivals[2], *nested]:
         assert len(results[(r.request_id, 0)].token_ids) == r.params.max_tokens
@@ -174,7 +174,7 @@ def test_negative_control_nested_step_in_the_paused_slots_fails_parity(tiny_llam
     engine.executor = IntoPausedSlots(rec, yielder)
     results, _ = drive(engine, arrivals, yielder)
     assert yielder.fired
-    errors = _errors(tiny_llama_dir, rec, arrivals, nested, results)
+    errors = parity_errors(tiny_llama_dir, rec, arrivals, nested, results)
     assert max(errors.values()) > 1, f"corrupted slots went unnoticed: {errors}"
 
 
@@ -336,7 +336,7 @@ def test_paused_step_and_nested_prefill_over_tp2_ranks_match_transformers(model_
         engine.add_request(request(prompt(6, seed=85), max_tokens=2))
         while engine.has_work:
             engine.step()
-    errors = _errors(model_dir, rec, arrivals, nested, results)
+    errors = parity_errors(model_dir, rec, arrivals, nested, results)
     assert max(errors.values()) <= 1, errors
 
 
@@ -356,7 +356,7 @@ def test_auto_pauses_once_the_replica_has_taken_two_priorities(tiny_llama_dir) -
     yielder = LayerArrivals(engine, nested)
     results, _ = drive(engine, arrivals, yielder)
     assert engine.stats()["nested_steps"] == 1
-    errors = _errors(tiny_llama_dir, rec, arrivals, nested, results)
+    errors = parity_errors(tiny_llama_dir, rec, arrivals, nested, results)
     assert max(errors.values()) <= 1, errors
     off = SchedulerConfig(layer_yield=False)
     assert off.layer_yield == "off" and SchedulerConfig(layer_yield=True).layer_yield == "on"
