@@ -11,7 +11,7 @@ about one layer instead of a whole step.
 
 This module is the scheduler's rule, driven by the virtual-clock sim (``bench class_sim
 --layer-yield``) and by the engine through its one seam (:mod:`.forward`, with
-``SchedulerConfig.layer_yield``, default off: docs/slo.md, "Layer-level yield", says why).
+``SchedulerConfig.layer_yield``, default ``auto``: docs/slo.md, "Layer-level yield").
 The rule, so that the paused step is never disturbed:
 
 * it yields to a class when it holds a row of a strictly lower class, no row of a better
