@@ -33,7 +33,7 @@ from kvfleet.worker.executor.base import RankInfo
 from kvfleet.worker.kv_tier.rank_tier import NO_RANK_TIER
 from kvfleet.worker.runner.lora.adapter import AdapterSpec
 from kvfleet.worker.runner.model_config import ModelConfig
-from kvfleet.worker.step_cost.model import MEASURED, ZERO, CostModel
+from kvfleet.worker.step_cost.model import MEASURED, ZERO, CostModel, with_draft_prior
 
 FILLER_LOGIT = 30.0  # the filler token's logit; every other token's is 0
 __all__ = ["MEASURED", "ZERO", "CostModel", "CostModelExecutor", "cost_model_executor",
@@ -67,7 +67,8 @@ class CostModelExecutor:
         if not 0 <= filler_token_id < config.vocab_size:
             raise ValueError(f"filler_token_id must lie in [0, {config.vocab_size})")
         self.config = config
-        self.cost = cost
+        # the engine's own step-cost prior gives drafts this price too: sleep what it predicts
+        self.cost = with_draft_prior(cost)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._sleep, self._clock = sleep, clock

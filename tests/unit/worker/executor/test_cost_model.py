@@ -16,7 +16,7 @@ from kvfleet.worker.executor.cost_model import MEASURED, CostModel, CostModelExe
 from kvfleet.worker.replica.replica import ReplicaConfig, build_engine
 from kvfleet.worker.runner.model_config import load_model_config
 from kvfleet.worker.step_cost.calibration import StepSample, fit
-from kvfleet.worker.step_cost.model import plan_shape
+from kvfleet.worker.step_cost.model import plan_shape, with_draft_prior
 
 COST = CostModel(step_base_s=0.01, prefill_token_s=0.001, decode_token_s=0.002)
 
@@ -129,4 +129,5 @@ def test_a_replica_calibrates_its_step_cost_once_and_a_cost_model_replica_uses_i
     (cached,) = tmp_path.glob("*.json")
     assert build_engine(base).step_cost.prior == CostModel.load(cached) == first  # read, not re-timed
     modelled = build_engine(replace(base, executor="cost-model", cost_model=COST))
-    assert modelled.step_cost.prior == COST  # the simulator's engine predicts what it sleeps
+    # the simulator's engine predicts what it sleeps (a draft priced as a prefill token by both)
+    assert modelled.step_cost.prior == with_draft_prior(COST) == modelled.executor.cost
