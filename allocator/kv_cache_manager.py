@@ -23,10 +23,33 @@ from kvfleet.allocator.block_pool import BlockPool, NoFreeBlocksError
 from kvfleet.allocator.kv_budget import group_blocks
 from kvfleet.allocator.units import cdiv
 
-__all__ = ["NULL_BLOCK", "ComputedBlocks", "KVCacheManager", "NoFreeBlocksError"]
+__all__ = ["NULL_BLOCK", "ComputedBlocks", "KVCacheManager", "NoFreeBlocksError", "group_key",
+           "is_group_key", "split_group_key"]
 
 NULL_BLOCK = -1  # a table entry whose block a sliding group released (out of its window)
 _GROUP_TAG = b"\xffkv-group"  # registry keys of groups > 0: tag + group byte + chain hash
+
+
+def is_group_key(key: bytes) -> bool:
+    """Whether ``key`` names a page of a layer group other than the first (:func:`group_key`),
+    not a chain hash."""
+    return key.startswith(_GROUP_TAG)
+
+
+def group_key(group: int, block_hash: bytes) -> bytes:
+    """The key group ``group``'s page of the block ``block_hash`` is registered (and kept in
+    the host tier) under: the chain hash itself for group 0 (Raises ValueError outside
+    0..255)."""
+    if not 0 <= group <= 255:
+        raise ValueError(f"layer group {group} outside 0..255")
+    return block_hash if group == 0 else _GROUP_TAG + bytes((group,)) + block_hash
+
+
+def split_group_key(key: bytes) -> tuple[int, bytes]:
+    """``(group, chain hash)`` of a :func:`group_key`."""
+    if not is_group_key(key):
+        return 0, key
+    return key[len(_GROUP_TAG)], key[len(_GROUP_TAG) + 1:]
 
 
 class ComputedBlocks:
@@ -162,8 +185,47 @@ class KVCacheManager:
                    for bound, t, h in zip(bounds, tables, holes, strict=True))
 
     # ---- prefix hits ---------------------------------------------------------------------
-    def _key(self, group: int, block_hash: bytes) -> bytes:
-        return block_hash if group == 0 else _GROUP_TAG + bytes((group,)) + block_hash
+    @property
+    def grouped(self) -> bool:
+        """Whether the tables are layer groups (several, or a sliding one): a prefix hit is
+        then not one leading run of chain hashes."""
+        return self.num_groups > 1 or self._windowed
+
+    def key(self, group: int, block_hash: bytes) -> bytes:
+        """:func:`group_key`."""
+        return group_key(group, block_hash)
+
+    def group_keys(self, block_hashes: Sequence[bytes]) -> list[bytes]:
+        """Every group's keys of ``block_hashes``, group-major (``len(block_hashes)`` per
+        group): what :meth:`longest_hit` reads a held mask over."""
+        return [self.key(g, h) for g in range(self.num_groups) for h in block_hashes]
+
+    def longest_hit(self, first: int, held: Sequence[bool]) -> int:
+        """Blocks after the ``first`` a sequence already has that a store holding ``held``
+        (a mask over :meth:`group_keys` of the chain's blocks ``first .. first + n - 1``)
+        can supply: the largest ``m - first`` such that every full group holds blocks
+        ``first .. m - 1`` and each sliding group the blocks from ``max(first, b) .. m - 1``,
+        ``b`` the first block the query at ``m * block_size`` sees (blocks before ``first``
+        come with the sequence's own hit, which covers at least as much of the window).
+
+        Raises:
+            ValueError: ``held`` is not ``num_groups`` equal parts.
+        """
+        n, rest = divmod(len(held), self.num_groups)
+        if rest:
+            raise ValueError(f"a held mask of {len(held)} for {self.num_groups} layer groups")
+        rows = [held[g * n:(g + 1) * n] for g in range(self.num_groups)]
+        for m in range(first + n, first, -1):
+            ok = True
+            for row, w in zip(rows, self.windows, strict=True):
+                start = first if w is None else max(first,
+                                                    self._first_needed(m * self.block_size, w))
+                if not all(row[start - first:m - first]):
+                    ok = False
+                    break
+            if ok:
+                return m - first
+        return 0
 
     def get_computed_blocks(self, block_hashes: Sequence[bytes],
                             num_prompt_tokens: int) -> list[int] | ComputedBlocks:
@@ -190,7 +252,7 @@ class KVCacheManager:
         return self._computed_groups(block_hashes[:limit])
 
     def _computed_groups(self, hashes: Sequence[bytes]) -> ComputedBlocks:
-        found = [[self.pool.lookup(self._key(g, h)) for h in hashes]
+        found = [[self.pool.lookup(self.key(g, h)) for h in hashes]
                  for g in range(self.num_groups)]
         k = len(hashes)
         for g, w in enumerate(self.windows):
@@ -316,7 +378,7 @@ class KVCacheManager:
             num_full = min(num_computed_tokens // self.block_size, len(table), len(block_hashes))
             for i in range(from_token // self.block_size, num_full):
                 if table[i] != NULL_BLOCK:
-                    self.pool.register(table[i], self._key(g, block_hashes[i]))
+                    self.pool.register(table[i], self.key(g, block_hashes[i]))
 
     def trim(self, request_id: str, num_tokens: int) -> None:
         """Release the request's blocks past those that hold ``num_tokens`` positions, tail
@@ -398,15 +460,15 @@ class KVCacheManager:
         stored, removed = self.pool.take_events()
         if self.num_groups == 1:
             return stored, removed
-        return ([h for h in stored if not h.startswith(_GROUP_TAG)],
-                [h for h in removed if not h.startswith(_GROUP_TAG)])
+        return ([h for h in stored if not is_group_key(h)],
+                [h for h in removed if not is_group_key(h)])
 
     def cached_hashes(self) -> set[bytes]:
         """Every group-0 hash currently registered (referenced or evictable)."""
         hashes = self.pool.cached_hashes()
         if self.num_groups == 1:
             return hashes
-        return {h for h in hashes if not h.startswith(_GROUP_TAG)}
+        return {h for h in hashes if not is_group_key(h)}
 
     def check_invariants(self) -> None:
         """Pool invariants, plus: each block's ref count equals the number of table entries

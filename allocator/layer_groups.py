@@ -96,6 +96,18 @@ class LayerGroups:
         """Whether some group drops blocks outside its window."""
         return any(w is not None for w in self.windows)
 
+    @property
+    def layout_key(self) -> str:
+        """The layout as a stable string: ``""`` for one full group (the layout without
+        groups), else each group's window (``full`` or ``w<tokens>``) and layers, e.g.
+        ``"full:0,3|w7:1,2"`` for a full group of layers 0 and 3 beside a sliding one. KV
+        written under one layout is never valid under another (the host tier's shards and
+        the step-cost cache key carry it)."""
+        if self.num_groups == 1 and not self.windowed:
+            return ""
+        return "|".join(f"{'full' if w is None else f'w{w}'}:{','.join(map(str, layers))}"
+                        for layers, w in zip(self.layers, self.windows, strict=True))
+
     def group_of(self, layer: int) -> int:
         return self._group[layer]  # type: ignore[attr-defined]
 

@@ -192,10 +192,11 @@ async def capacity(stub, run: Run, seconds: float, key: Optional[str] = None) ->
 
 
 async def open_loop(stub, run: Run, rate: float, seconds: float, router: ProcStats,
-                    tenants: Optional[dict[str, tuple[float, Optional[str]]]] = None) -> dict:
+                    tenants: Optional[dict[str, tuple[float, Optional[str]]]] = None,
+                    seed: int = 0) -> dict:
     """Poisson arrivals for ``seconds``; ``tenants``: name → (rate, api key) instead of one
-    anonymous stream at ``rate``."""
-    rng = random.Random(3)
+    anonymous stream at ``rate``; ``seed`` picks the arrivals and prompts."""
+    rng = random.Random(3 + 1000 * seed)
     streams = tenants or {"": (rate, None)}
     arrivals = []
     for name, (r, key) in streams.items():
@@ -319,20 +320,23 @@ async def drive(a: argparse.Namespace, run: Run, cluster) -> dict:
             s["capacity_per_s"] = cap
             return s
         steady = {"steady": (a.steady_share * cap, "key-steady")}
-        alone = await open_loop(stub, run, 0, a.duration_s, router, steady)
+        alone = await open_loop(stub, run, 0, a.duration_s, router, steady, a.seed)
         await asyncio.sleep(2.0)  # the fleet drains
         both = await open_loop(stub, run, 0, a.duration_s, router,
-                               {"flood": (a.factor * cap, "key-flood"), **steady})
+                               {"flood": (a.factor * cap, "key-flood"), **steady}, a.seed)
+        alone_p99 = alone["per_tenant"]["steady"].get("ttft_p99_ms")
+        both_p99 = both["per_tenant"]["steady"].get("ttft_p99_ms")
+        ratio = both_p99 / alone_p99 if alone_p99 and both_p99 else None
+        if a.no_backlogged:
+            return {"capacity_per_s": cap, "steady_alone": alone["per_tenant"]["steady"],
+                    "with_flood": both, "steady_ttft_p99_ratio": ratio}
         await asyncio.sleep(2.0)
         flood_prompt = int(run.prompt_tokens * a.flood_prompt_factor)
         shares = await backlogged(stub, run, a.duration_s, run.replicas * run.max_num_seqs,
                                   {"flood": ("key-flood", flood_prompt),
                                    "steady": ("key-steady", run.prompt_tokens)})
-        alone_p99 = alone["per_tenant"]["steady"].get("ttft_p99_ms")
-        both_p99 = both["per_tenant"]["steady"].get("ttft_p99_ms")
         return {"capacity_per_s": cap, "steady_alone": alone["per_tenant"]["steady"],
-                "with_flood": both, "backlogged": shares,
-                "steady_ttft_p99_ratio": both_p99 / alone_p99 if alone_p99 and both_p99 else None}
+                "with_flood": both, "backlogged": shares, "steady_ttft_p99_ratio": ratio}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -353,6 +357,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="replicas' tenant_share: a tenant's share of running slots")
     f.add_argument("--flood-prompt-factor", type=float, default=4.0,
                    help="backlogged phase: flood's prompts are this many times steady's")
+    f.add_argument("--no-backlogged", action="store_true",
+                   help="stop after the flood phase (TTFT only, no shares)")
+    f.add_argument("--seed", type=int, default=0, help="the open-loop arrivals and prompts")
     for q in (o, f):
         q.add_argument("--factor", type=float, default=10.0)
         q.add_argument("--duration-s", type=float, default=30.0)

@@ -39,14 +39,17 @@ from kvfleet.grpc_util import CHANNEL_OPTIONS
 from kvfleet.v1 import router_pb2, router_pb2_grpc
 
 KEYS = {"key-chat": {"tenant": "chat", "priority": "interactive"},
-        "key-batch": {"tenant": "batch", "priority": "batch"}}
+        "key-batch": {"tenant": "batch", "priority": "batch"},
+        # the unclassed phase: a batch key's class is a ceiling, so "default" needs its own key
+        "key-batch-default": {"tenant": "batch", "priority": "default"}}
 
 
 async def streams(stub, run: Run, seconds: float,
-                  spec: dict[str, tuple[float, str, str]]) -> dict:
-    """Poisson arrivals for ``seconds``; ``spec``: stream name → (rate /s, api key, class).
-    Returns per stream: ``summarize``'s fields plus completions/s."""
-    rng = random.Random(5)
+                  spec: dict[str, tuple[float, str, str]], seed: int = 0) -> dict:
+    """Poisson arrivals for ``seconds``; ``spec``: stream name → (rate /s, api key, class);
+    ``seed`` picks the arrivals and prompts. Returns per stream: ``summarize``'s fields plus
+    completions/s."""
+    rng = random.Random(5 + 1000 * seed)
     arrivals = []
     for name, (rate, key, klass) in spec.items():
         t = 0.0
@@ -93,10 +96,10 @@ async def drive(a: argparse.Namespace, run: Run, cluster) -> dict:
         phases = {"interactive_alone": {"chat": chat}, "batch_alone": {"flood": flood},
                   "both": {"chat": chat, "flood": flood},
                   "both_unclassed": {"chat": (*chat[:2], "default"),
-                                     "flood": (*flood[:2], "default")}}
+                                     "flood": (flood[0], "key-batch-default", "default")}}
         out: dict = {"capacity_per_s": cap}
         for name, spec in phases.items():
-            out[name] = await streams(stub, run, a.duration_s, spec)
+            out[name] = await streams(stub, run, a.duration_s, spec, a.seed)
             print(f"{name}: " + ", ".join(
                 f"{s}: ttft p99 {r.get('ttft_p99_ms', float('nan')):.1f} ms, "
                 f"{r['completions_per_s']:.1f}/s" for s, r in out[name].items()), flush=True)
@@ -133,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layer-yield", action="store_true",
                    help="replicas' --layer-yield: a batch step pauses between layers for a "
                         "nested interactive step (A/B)")
+    p.add_argument("--seed", type=int, default=0, help="arrivals and prompts")
     p.add_argument("--tag", default="")
     p.add_argument("--router-arg", action="append", default=[], dest="router_args")
     a = p.parse_args(argv)

@@ -1,7 +1,15 @@
-"""The client-side SLO table's first row on a real ``kvfleet up``: ITL target off vs on.
+"""The client-side SLO table's rows on a real cluster: ITL target off vs on, per row.
 
-    .venv/bin/python -m bench slo_rows [--seconds 60] [--target-x 3] [--itl-target-ms MS]
-                                       [--streams 4] [--prompt 480] [--period 1.5]
+    .venv/bin/python -m bench slo_rows [--rows 1,2,3] [--runs 1] [--seed 0]
+        [--seconds 60] [--target-x 3] [--itl-target-ms MS] [--streams 4] [--prompt 480]
+        [--period 1.5] [--class-seconds 30] [--class-target-ms 150]
+
+``--runs N`` repeats each row with seeds ``--seed`` .. ``--seed + N - 1``; a compact table of
+every row, seed and setting is printed at the end. Row 1 is below; rows 2 and 3 (classes,
+fairness, on cost-model replicas, ``--class-seconds`` per phase, target
+``--class-target-ms``) are :mod:`bench.cluster.slo_class_rows`.
+
+Row 1:
 
 One real replica of the default model (SmolLM2-135M) behind the router, started from
 ``kvfleet up``'s own flags (:class:`~kvfleet.deploy.launcher.LocalCluster`: Redis, local Ray,
@@ -16,8 +24,7 @@ carrying tokens; the long prompts' TTFT is send to first token. Reported per run
 ITL p50 / p99 and p99 ÷ p50, output tokens/s, long-prompt TTFT p50 / p99, and whether every
 request's greedy tokens were identical in both runs (targets: p99 ≤ 3 × p50, ≥ 0.85 × tok/s,
 long TTFT p99 ≤ 2 ×). The host's load average is recorded beside the numbers: on a loaded host
-they measure the load as much as the policy. The second and third rows (classes, fairness)
-are ``bench priority`` and ``bench overload fair``. JSON: ``bench/results/slo_rows.json``.
+they measure the load as much as the policy. JSON: ``bench/results/slo_rows.json``.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from bench.common.result_file import RESULTS
-from bench.engine.engine_bench import pct
+from bench.common.stream_stats import pct, stream_row
 
 STREAM_PROMPT, STREAM_TOKENS, LONG_TOKENS = 64, 256, 16
 
@@ -128,11 +135,8 @@ def summarize(runs: list[Stream], seconds: float) -> dict:
     itl = [b[0] - a[0] for s in runs if s.kind == "stream"
            for a, b in zip(s.stamps, s.stamps[1:], strict=False)]
     ttft = [s.stamps[0][0] - s.sent for s in runs if s.kind == "long" and s.stamps]
-    return {"itl_p50_s": pct(itl, 0.5), "itl_p99_s": pct(itl, 0.99),
-            "itl_p99_over_p50": pct(itl, 0.99) / pct(itl, 0.5),
-            "tokens_per_s": sum(len(s.tokens) for s in runs) / seconds,
-            "long_ttft_p50_s": pct(ttft, 0.5), "long_ttft_p99_s": pct(ttft, 0.99),
-            "long_prompts": len(ttft), "errors": sorted({s.error for s in runs if s.error})[:5]}
+    return {**stream_row(itl, ttft, sum(len(s.tokens) for s in runs) / seconds),
+            "errors": sorted({s.error for s in runs if s.error})[:5]}
 
 
 def identical(off: list[Stream], on: list[Stream]) -> dict:
@@ -196,23 +200,8 @@ def run_phase(a: argparse.Namespace, name: str, target_ms: Optional[float]) -> d
     return data
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench slo_rows", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seconds", type=float, default=60.0)
-    p.add_argument("--streams", type=int, default=4)
-    p.add_argument("--prompt", type=int, default=480)
-    p.add_argument("--period", type=float, default=1.5)
-    p.add_argument("--target-x", type=float, default=3.0)
-    p.add_argument("--itl-target-ms", type=float, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=str(RESULTS / "slo_rows.json"))
-    p.add_argument("--phase", choices=("off", "on"), help=argparse.SUPPRESS)
-    p.add_argument("--dump", help=argparse.SUPPRESS)
-    a = p.parse_args(argv)
-    if a.phase:
-        phase(a)
-        return 0
+def row1(a: argparse.Namespace) -> dict:
+    """Row 1 once (seed ``a.seed``): target off, then on; the result's summary."""
     load: dict = {"start": os.getloadavg()}
     first = run_phase(a, "off", None)
     off, single = first["runs"], first["single"]
@@ -222,21 +211,71 @@ def main(argv: list[str] | None = None) -> int:
     on = run_phase(a, "on", target_ms)["runs"]
     load["end"] = os.getloadavg()
     r_off, r_on = summarize(off, a.seconds), summarize(on, a.seconds)
-    result = {"single_stream_itl_p50_s": single, "target_ms": target_ms, "off": r_off,
-              "on": r_on, "ratios": {
-                  "tokens_per_s": r_on["tokens_per_s"] / r_off["tokens_per_s"],
-                  "long_ttft_p99": r_on["long_ttft_p99_s"] / r_off["long_ttft_p99_s"]},
-              "outputs": identical(off, on), "load_average": load, "args": vars(a)}
-    print(json.dumps(result, indent=1))
-    print(f"target {target_ms:.0f} ms: ITL p99/p50 {r_off['itl_p99_over_p50']:.2f} -> "
-          f"{r_on['itl_p99_over_p50']:.2f} (p50 {r_off['itl_p50_s'] * 1e3:.0f} -> "
-          f"{r_on['itl_p50_s'] * 1e3:.0f} ms); tok/s {result['ratios']['tokens_per_s']:.2f}x; "
-          f"long TTFT p99 {r_off['long_ttft_p99_s']:.2f} -> {r_on['long_ttft_p99_s']:.2f} s "
-          f"({result['ratios']['long_ttft_p99']:.2f}x); outputs {result['outputs']}; "
-          f"load {load}")
+    return {"single_stream_itl_p50_s": single, "target_ms": target_ms, "off": r_off,
+            "on": r_on, "ratios": {
+                "tokens_per_s": r_on["tokens_per_s"] / r_off["tokens_per_s"],
+                "long_ttft_p99": r_on["long_ttft_p99_s"] / r_off["long_ttft_p99_s"]},
+            "outputs": identical(off, on), "load_average": load}
+
+
+def row1_line(seed: int, r: dict) -> str:
+    off, on = r["off"], r["on"]
+    return (f"row 1 seed {seed} target {r['target_ms']:.0f} ms | ITL p99/p50 "
+            f"{off['itl_p99_over_p50']:.2f} -> {on['itl_p99_over_p50']:.2f} (<= 3; p50 "
+            f"{off['itl_p50_s'] * 1e3:.0f} -> {on['itl_p50_s'] * 1e3:.0f} ms) | tok/s "
+            f"{r['ratios']['tokens_per_s']:.2f}x (>= 0.85) | long TTFT p99 "
+            f"{off['long_ttft_p99_s']:.2f} -> {on['long_ttft_p99_s']:.2f} s "
+            f"({r['ratios']['long_ttft_p99']:.2f}x, <= 2) | identical "
+            f"{r['outputs']['identical']} ({r['outputs']['compared']}) "
+            f"| load {r['load_average']['end'][0]:.1f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench.cluster import slo_class_rows
+
+    p = argparse.ArgumentParser(prog="python -m bench slo_rows", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", default="1", help="comma-separated rows of the table: 1,2,3")
+    p.add_argument("--runs", type=int, default=1, help="runs of each row (seeds seed..)")
+    p.add_argument("--seconds", type=float, default=60.0)
+    p.add_argument("--streams", type=int, default=4)
+    p.add_argument("--prompt", type=int, default=480)
+    p.add_argument("--period", type=float, default=1.5)
+    p.add_argument("--target-x", type=float, default=3.0)
+    p.add_argument("--itl-target-ms", type=float, default=None)
+    p.add_argument("--class-seconds", type=float, default=30.0,
+                   help="rows 2-3: seconds per phase")
+    p.add_argument("--class-target-ms", type=float, default=150.0,
+                   help="rows 2-3: the replicas' ITL target (the cost model's milliseconds)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=str(RESULTS / "slo_rows.json"))
+    p.add_argument("--phase", choices=("off", "on"), help=argparse.SUPPRESS)
+    p.add_argument("--dump", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.phase:
+        phase(a)
+        return 0
+    rows = sorted({int(r) for r in a.rows.split(",")})
+    if not set(rows) <= {1, 2, 3} or a.runs < 1:
+        p.error("--rows takes 1, 2 and 3; --runs must be >= 1")
+    seeds = range(a.seed, a.seed + a.runs)
+    result: dict = {"args": vars(a), "rows": {}}
+    lines: list[str] = []
+    if 1 in rows:
+        result["rows"][1] = {s: row1(argparse.Namespace(**{**vars(a), "seed": s}))
+                            for s in seeds}
+        lines += [row1_line(s, r) for s, r in result["rows"][1].items()]
+    fns = {2: slo_class_rows.row2, 3: slo_class_rows.row3}
+    classed = {row: {s: {k: fns[row](s, t, a.class_seconds)
+                         for k, t in (("off", None), ("on", a.class_target_ms))}
+                     for s in seeds} for row in rows if row in fns}
+    result["rows"].update(classed)
+    lines += slo_class_rows.table_lines(classed)
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
+    print("\n".join(lines))
+    print(f"wrote {a.out}")
     return 0
 
 

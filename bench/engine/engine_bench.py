@@ -27,6 +27,7 @@ import torch
 from bench.common.plots import line_plot
 from bench.common.result_file import RESULTS
 from bench.common.seeded import seeded_llama_dir
+from bench.common.stream_stats import pct
 from bench.engine import engine_runs as er
 from bench.engine.engine_baselines import RunResult, load_hf, run_single, run_static_batches
 from kvfleet.deploy.models import prepare_model
@@ -48,11 +49,6 @@ def workload(n: int, prompt: tuple[int, int], output: tuple[int, int], seed: int
     rng = random.Random(seed)
     return [([rng.randrange(100, 32000) for _ in range(rng.randint(*prompt))], rng.randint(*output))
             for _ in range(n)]
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
 def agreement(a: RunResult, k: RunResult) -> dict:

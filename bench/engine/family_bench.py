@@ -123,6 +123,40 @@ def timed_rounds(runners: dict[str, ModelRunner], args: argparse.Namespace
     return seconds, steps, load
 
 
+def report_vs_base(seconds: dict[int, dict[str, list[float]]],
+                   steps: dict[int, dict[str, list[float]]], load: list[float],
+                   args: argparse.Namespace, base: str, extra: dict, note: str,
+                   out_name: str) -> dict:
+    """Print and write (``bench/results/OUT_NAME``) :func:`timed_rounds`' results as ratios to
+    runner ``base``: per batch size, each runner's lower-decile step per token (ms) and its
+    ratio, and the median over rounds of each round's ratio. ``extra`` joins the JSON record
+    after the context length (the model shape, ...); ``note`` is put in each printed line after
+    the clock. Returns the record.
+    """
+    # Each round's ratio pairs measurements taken back to back; the median of those is what
+    # a noisy host disturbs least. The lower decile of single steps (the cost with the least
+    # interference) is given too.
+    ratios = {b: {n: statistics.median(x / y for x, y in zip(v[n], v[base], strict=True))
+                  for n in v} for b, v in seconds.items()}
+    decile = {b: {n: statistics.quantiles(s, n=10)[0] for n, s in v.items()}
+              for b, v in steps.items()}
+    record = {"load_average_1m": load, "threads": args.threads, "clock": args.clock,
+              "rounds": args.rounds, "steps": args.steps, "context": args.context, **extra,
+              "lower_decile_step_per_token_ms": {b: {n: 1e3 * s for n, s in v.items()}
+                                                 for b, v in decile.items()},
+              f"lower_decile_ratio_vs_{base}": {b: {n: s / v[base] for n, s in v.items()}
+                                               for b, v in decile.items()},
+              f"median_round_ratio_vs_{base}": ratios}
+    for b, v in ratios.items():
+        cells = ", ".join(f"{n} {1e3 * decile[b][n]:.3f} ms ({decile[b][n] / decile[b][base]:.3f}x"
+                          f", rounds {x:.3f}x)" for n, x in v.items())
+        print(f"batch {b}: per-token decode ({args.clock}),{note} lower-decile step (ratio; "
+              f"median paired round ratio): {cells}")
+    print(f"host load average (1 min) before / after: {load[0]:.1f} / {load[1]:.1f}")
+    write_json(out_name, record)
+    return record
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench family", description=__doc__.split("\n")[0])
     add_timing_args(p)
@@ -135,26 +169,5 @@ def main(argv: list[str] | None = None) -> int:
         d = seeded_model_dir(f"family-{name}", cls, {**SHAPE, **extra}, seed=0)
         runners[name] = ModelRunner(d, num_blocks=num_blocks(args), block_size=BLOCK)
     seconds, steps, load = timed_rounds(runners, args)
-    # Each round's ratio pairs measurements taken back to back; the median of those is what
-    # a noisy host disturbs least. The lower decile of single steps (the cost with the least
-    # interference) is given too.
-    ratios = {b: {f: statistics.median(x / y for x, y in zip(v[f], v["llama"], strict=True))
-                  for f in families} for b, v in seconds.items()}
-    decile = {b: {f: statistics.quantiles(s, n=10)[0] for f, s in v.items()}
-              for b, v in steps.items()}
-    record = {"load_average_1m": load, "threads": args.threads, "clock": args.clock,
-              "rounds": args.rounds,
-              "steps": args.steps, "context": args.context, "shape": SHAPE,
-              "lower_decile_step_per_token_ms": {b: {f: 1e3 * s for f, s in v.items()}
-                                                 for b, v in decile.items()},
-              "lower_decile_ratio_vs_llama": {b: {f: s / v["llama"] for f, s in v.items()}
-                                              for b, v in decile.items()},
-              "median_round_ratio_vs_llama": ratios}
-    for b, v in ratios.items():
-        cells = ", ".join(f"{f} {1e3 * decile[b][f]:.3f} ms ({decile[b][f] / decile[b]['llama']:.3f}x"
-                          f", rounds {x:.3f}x)" for f, x in v.items())
-        print(f"batch {b}: per-token decode ({args.clock}), lower-decile step (ratio; median "
-              f"paired round ratio): {cells}")
-    print(f"host load average (1 min) before / after: {load[0]:.1f} / {load[1]:.1f}")
-    write_json("family.json", record)
+    report_vs_base(seconds, steps, load, args, "llama", {"shape": SHAPE}, "", "family.json")
     return 0

@@ -28,9 +28,10 @@ import torch
 
 from bench.common.plots import plot_cdfs
 from bench.common.result_file import RESULTS
+from bench.common.stream_stats import pct
 from bench.engine import engine_runs as er
 from bench.engine.engine_baselines import RunResult
-from bench.engine.engine_bench import pct, workload
+from bench.engine.engine_bench import workload
 from bench.engine.step_trace import TracingStepCost, summarize
 from kvfleet.deploy.models import prepare_model
 from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig

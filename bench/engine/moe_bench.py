@@ -16,11 +16,16 @@ smaller matmul), which the ratio shows too. Results go to ``bench/results/moe.js
 from __future__ import annotations
 
 import argparse
-import statistics
 
-from bench.common.result_file import write_json
 from bench.common.seeded import seeded_model_dir
-from bench.engine.family_bench import BLOCK, add_timing_args, num_blocks, parse_timing_args, timed_rounds
+from bench.engine.family_bench import (
+    BLOCK,
+    add_timing_args,
+    num_blocks,
+    parse_timing_args,
+    report_vs_base,
+    timed_rounds,
+)
 from kvfleet.worker.runner.model_runner import ModelRunner
 
 SHAPE = dict(vocab_size=32000, hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
@@ -41,24 +46,6 @@ def main(argv: list[str] | None = None) -> int:
         d = seeded_model_dir(f"moe-{name}-top2", "Qwen3Moe", {**SHAPE, "num_experts": e}, seed=0)
         runners[name] = ModelRunner(d, num_blocks=num_blocks(args), block_size=BLOCK)
     seconds, steps, load = timed_rounds(runners, args)
-    base = names[0]
-    ratios = {b: {n: statistics.median(x / y for x, y in zip(v[n], v[base], strict=True))
-                  for n in names} for b, v in seconds.items()}
-    decile = {b: {n: statistics.quantiles(s, n=10)[0] for n, s in v.items()}
-              for b, v in steps.items()}
-    record = {"load_average_1m": load, "threads": args.threads, "clock": args.clock,
-              "rounds": args.rounds, "steps": args.steps, "context": args.context,
-              "shape": SHAPE, "experts": args.experts,
-              "lower_decile_step_per_token_ms": {b: {n: 1e3 * s for n, s in v.items()}
-                                                 for b, v in decile.items()},
-              f"lower_decile_ratio_vs_{base}": {b: {n: s / v[base] for n, s in v.items()}
-                                               for b, v in decile.items()},
-              f"median_round_ratio_vs_{base}": ratios}
-    for b, v in ratios.items():
-        cells = ", ".join(f"{n} {1e3 * decile[b][n]:.3f} ms ({decile[b][n] / decile[b][base]:.3f}x"
-                          f", rounds {x:.3f}x)" for n, x in v.items())
-        print(f"batch {b}: per-token decode ({args.clock}), top-2, lower-decile step (ratio; "
-              f"median paired round ratio): {cells}")
-    print(f"host load average (1 min) before / after: {load[0]:.1f} / {load[1]:.1f}")
-    write_json("moe.json", record)
+    report_vs_base(seconds, steps, load, args, names[0],
+                   {"shape": SHAPE, "experts": args.experts}, " top-2,", "moe.json")
     return 0

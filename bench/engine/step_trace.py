@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from bench.engine.engine_bench import pct
+from bench.common.stream_stats import pct
 from kvfleet.worker.step_cost.model import CostModel, StepCost, StepShape
 
 

@@ -1,6 +1,7 @@
 """Window-sized KV: concurrent 8k-token sequences a KV budget holds, layer groups vs none.
 
-    .venv/bin/python -m bench window_kv [--prompt 8192] [--window 512] [--quick] [--out FILE]
+    .venv/bin/python -m bench window_kv [--prompt 8192] [--window 512] [--admission reserve]
+                                        [--quick] [--out FILE]
 
 A seeded tiny Gemma 3 shape (five sliding layers of window ``--window`` per full layer, six
 layers, fp32, CPU) served two ways from the same ``--kv-memory`` bytes: *before*, one group of
@@ -9,7 +10,9 @@ sliding layers release the blocks behind their window. For each:
 
 - reported capacity: the pool's requests of ``prompt + max_tokens`` tokens held at once
   (:meth:`KVCacheManager.capacity`, the same arithmetic as ``kvfleet budget``'s
-  ``max_concurrent_requests``);
+  ``max_concurrent_requests``); under ``--admission reserve`` also what the policy promises
+  each sequence (its chunks: ``reserve_capacity``) and what it would promise with chunks as
+  wide as the token budget (``reserve_capacity_full_chunks``);
 - an actual run: ``capacity + 1`` requests arrive at once (watermark 0, ``max_tokens`` long
   enough that the first is still decoding when the last has prefilled); the most sequences
   decoding at once with their whole prompt computed;
@@ -115,13 +118,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("--decode-tokens", type=int, default=32)
     p.add_argument("--max-tokens", type=int,
                    help="per request (default: 12 prefill chunks' worth of steps per prompt)")
+    p.add_argument("--admission", choices=("watermark", "reserve"), default="watermark")
     p.add_argument("--quick", action="store_true", help="2,048-token prompts, window 128")
     p.add_argument("--out", default="window_kv.json")
     args = p.parse_args(argv)
     if args.quick:
         args.prompt, args.window = 2048, 128
     torch.set_num_threads(2)
-    sched = SchedulerConfig(max_num_seqs=256, watermark=0.0)
+    sched = SchedulerConfig(max_num_seqs=256, watermark=0.0, policy=args.admission)
     chunks = -(-args.prompt // sched.max_num_batched_tokens)
     max_tokens = args.max_tokens or 12 * chunks
     total = args.prompt + max_tokens
@@ -133,12 +137,19 @@ def main(argv: list[str]) -> int:
     per_block = kv_bytes_per_block(cfg, BLOCK, torch.float32)
     kv_memory = (args.before_seqs * (-(-total // BLOCK)) + 1) * per_block
     record: dict = {"prompt": args.prompt, "max_tokens": max_tokens, "window": args.window,
-                    "kv_memory_bytes": kv_memory,
+                    "kv_memory_bytes": kv_memory, "admission": args.admission,
                     "max_num_batched_tokens": sched.max_num_batched_tokens}
     for name, groups in layouts.items():
         engine = _engine(model_dir, groups, kv_memory, sched)
         record[name] = {"groups": groups.num_groups, "pages": engine.kv.num_total_blocks,
                         "capacity": engine.kv.capacity(total)}
+        if args.admission == "reserve":
+            blocks = engine.scheduler.blocks
+            record[name].update(
+                chunk=blocks.max_chunk(),
+                reserve_capacity=engine.kv.capacity(total, blocks.max_chunk()),
+                reserve_capacity_full_chunks=engine.kv.capacity(total,
+                                                                sched.max_num_batched_tokens))
         print(name, record[name], flush=True)
     for name, groups in layouts.items():
         engine = _engine(model_dir, groups, kv_memory, sched)
@@ -154,6 +165,9 @@ def main(argv: list[str]) -> int:
     record["ratios"] = {"capacity": a["capacity"] / b["capacity"],
                         "run_peak": a["run"]["peak_decoding"] / b["run"]["peak_decoding"],
                         "decode_tok_s": a["decode_tok_s"] / b["decode_tok_s"]}
+    if args.admission == "reserve":
+        for key in ("reserve_capacity", "reserve_capacity_full_chunks"):
+            record["ratios"][key] = a[key] / b[key]
     print("after / before:", {k: round(v, 2) for k, v in record["ratios"].items()})
     write_json(args.out, record)
     return 0

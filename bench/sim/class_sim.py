@@ -38,7 +38,7 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from bench.common.result_file import RESULTS
-from bench.engine.engine_bench import pct
+from bench.common.stream_stats import pct
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
 from kvfleet.priority import BATCH, DEFAULT, INTERACTIVE
 from kvfleet.sampling_params import SamplingParams

@@ -26,7 +26,8 @@ import math
 import random
 from dataclasses import replace
 
-from bench.engine.engine_bench import pct, workload
+from bench.common.stream_stats import pct
+from bench.engine.engine_bench import workload
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
 from kvfleet.sampling_params import SamplingParams
 from kvfleet.worker.engine.request import SeqStatus, SequenceState

@@ -20,7 +20,7 @@ import argparse
 import json
 from dataclasses import replace
 
-from bench.engine.engine_bench import pct
+from bench.common.stream_stats import stream_row
 from bench.sim.itl_sim import IDLE_SMOLLM2
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
 from kvfleet.sampling_params import SamplingParams
@@ -84,10 +84,7 @@ def simulate(config: SchedulerConfig, cost: CostModel, streams: int, prompt: int
                 sched.finish(seq)
                 if seq in live:
                     live[live.index(seq)] = new(STREAM_PROMPT, STREAM_TOKENS, now, "s")
-    return {"itl_p50_s": pct(itl, 0.5), "itl_p99_s": pct(itl, 0.99),
-            "itl_p99_over_p50": pct(itl, 0.99) / pct(itl, 0.5),
-            "tokens_per_s": tokens / now, "long_ttft_p50_s": pct(ttft, 0.5),
-            "long_ttft_p99_s": pct(ttft, 0.99), "long_prompts": len(ttft)}
+    return stream_row(itl, ttft, tokens / now)
 
 
 def compare(cost: CostModel, streams: int = 4, prompt: int = 480, period: float = 1.5,

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
-from kvfleet.allocator.kv_cache_manager import KVCacheManager
+from kvfleet.allocator.kv_cache_manager import NULL_BLOCK, KVCacheManager
 from kvfleet.worker.engine.request import SequenceState
 from kvfleet.worker.kv_tier.lookup import TierLookup
 
@@ -89,6 +89,11 @@ class TierAdmission:
             return ()
         limit = max(0, (seq.num_tokens - 1) // self.kv.block_size)
         wanted = seq.block_hashes[num_device_blocks:limit]
+        if self.kv.grouped:  # each group's pages, by the per-group hit rule
+            each = self.lookup.held_each(seq.seq_id, self.kv.group_keys(wanted))
+            if each is None:
+                return None
+            return tuple(wanted[:self.kv.longest_hit(num_device_blocks, each)])
         held = self.lookup.held(seq.seq_id, wanted)
         return None if held is None else tuple(wanted[:held])
 
@@ -97,7 +102,12 @@ class TierAdmission:
         """``seq`` was admitted with ``hashes`` to restore after its device blocks: the restore
         its step carries (None: nothing to restore)."""
         self.lookup.forget(seq.seq_id)
-        return Restore(seq, num_device_blocks, tuple(hashes)) if hashes else None
+        if not hashes:
+            return None
+        if self.kv.grouped:  # sliding pages before the restored prefix's window: not restored
+            self.kv.free_out_of_window(seq.seq_id,
+                                       (num_device_blocks + len(hashes)) * self.kv.block_size)
+        return Restore(seq, num_device_blocks, tuple(hashes))
 
     def forget(self, seq: SequenceState) -> None:
         """``seq`` ended: its lookup's answer goes."""
@@ -114,11 +124,18 @@ class TierAdmission:
 
     def plan_restores(self, restores: Sequence[Restore]) -> tuple[tuple[int, bytes], ...]:
         """``(block, hash)`` of every block of ``restores`` (for the plan)."""
+        return tuple(move for r in restores for move in self._moves(r))
+
+    def _moves(self, r: Restore) -> list[tuple[int, bytes]]:
+        """``(block, key)`` of each page ``r`` restores: every group's table entries at
+        ``r``'s positions, under that group's key, less the holes (a sliding group's pages
+        before the window)."""
         out: list[tuple[int, bytes]] = []
-        for r in restores:
-            table = self.kv.block_table(r.seq.seq_id)
-            out += zip(table[r.first:r.first + len(r.hashes)], r.hashes, strict=True)
-        return tuple(out)
+        end = r.first + len(r.hashes)
+        for g, table in enumerate(self.kv.block_tables(r.seq.seq_id)):
+            out += ((b, self.kv.key(g, h))
+                    for b, h in zip(table[r.first:end], r.hashes, strict=True) if b != NULL_BLOCK)
+        return out
 
     def restored(self, restores: Sequence[Restore]) -> None:
         """Every rank restored ``restores``: register their blocks in the prefix cache, as
@@ -128,10 +145,8 @@ class TierAdmission:
             end = (r.first + len(r.hashes)) * self.kv.block_size
             self.kv.cache_full_blocks(r.seq.seq_id, r.seq.block_hashes, end,
                                       from_token=r.first * self.kv.block_size)
-            table = self.kv.block_table(r.seq.seq_id)[r.first:r.first + len(r.hashes)]
             # A hash another block registered first keeps that block (not from the tier).
-            pool.mark_in_tier(b for b, h in zip(table, r.hashes, strict=True)
-                              if pool.lookup(h) == b)
+            pool.mark_in_tier(b for b, key in self._moves(r) if pool.lookup(key) == b)
             self.restored_blocks += len(r.hashes)
 
     def undo(self, restores: Sequence[Restore], preempt: Preempt) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from typing import Callable, Sequence
 
-from kvfleet.allocator.kv_cache_manager import KVCacheManager
+from kvfleet.allocator.kv_cache_manager import KVCacheManager, is_group_key
 from kvfleet.worker.executor.base import Executor
 
 log = logging.getLogger(__name__)
@@ -41,6 +41,23 @@ def held_run(kv: KVCacheManager, hashes: Sequence[bytes]) -> list[tuple[int, byt
     return moves
 
 
+def export_moves(kv: KVCacheManager, hashes: Sequence[bytes]) -> list[tuple[int, bytes]]:
+    """:func:`held_run`, with layer groups each block followed by the other groups' pages of
+    it that the pool still holds, under their own keys (a sliding group's page may be gone:
+    the peer's admission then restores the hit its window allows)."""
+    run = held_run(kv, hashes)
+    if not kv.grouped:
+        return run
+    moves: list[tuple[int, bytes]] = []
+    for block, h in run:
+        moves.append((block, h))
+        for g in range(1, kv.num_groups):
+            page = kv.pool.lookup(kv.key(g, h))
+            if page is not None:
+                moves.append((page, kv.key(g, h)))
+    return moves
+
+
 class TierExports:
     """Exports of one replica's blocks (``kv``) through the ranks of ``executor()`` (the
     engine's executor at the time of the export)."""
@@ -53,16 +70,16 @@ class TierExports:
         """Snapshot the leading run of ``hashes`` held in the pool for write-back, then call
         ``done`` with the hashes queued for the tier (``()`` when none is held, rank 0's
         write-back queue had no room, or the transfer call failed); their puts' completions
-        are then rank 0's ``tier.last_saved``. Returns the blocks found."""
-        moves = held_run(self.kv, hashes)
+        are then rank 0's ``tier.last_saved``. Returns the pages found."""
+        moves = export_moves(self.kv, hashes)
         exported: tuple[bytes, ...] = ()
         if moves:
             try:
                 executor = self.executor()
                 executor.transfer_blocks(moves, ())
                 queued = executor.tier.last_saved.blocks  # rank 0's: what it will answer
-                exported = tuple(h for _, h in moves[:queued])
-                self.exported_blocks += queued
+                exported = tuple(h for _, h in moves[:queued] if not is_group_key(h))
+                self.exported_blocks += len(exported)
             except Exception:  # a rank failed: the replica's own checks report it
                 log.exception("export of %d blocks failed", len(moves))
         try:

@@ -22,6 +22,8 @@ from typing import Callable, Optional, Sequence
 from kvfleet.worker.kv_tier.store import TierStats, TierStore
 
 log = logging.getLogger(__name__)
+Asked = tuple[tuple[bytes, ...], bool]  # (hashes, whether each one's residency is asked)
+Answer = int | tuple[bool, ...]  # leading hashes held, or each hash's residency
 
 
 class TierLookup:
@@ -39,8 +41,9 @@ class TierLookup:
         self.node_stats: Optional[TierStats] = None  # the node tier's, as last refreshed
         self._lock = threading.Lock()
         self._answered = threading.Condition(self._lock)
-        self._answers: dict[str, tuple[tuple[bytes, ...], int]] = {}  # key -> (hashes, held)
-        self._asked: dict[str, tuple[bytes, ...]] = {}  # key -> hashes being looked up
+        # key -> ((hashes, each), answer); key -> (hashes, each) being looked up
+        self._answers: dict[str, tuple[Asked, Answer]] = {}
+        self._asked: dict[str, Asked] = {}
         self._queue: Optional[queue.SimpleQueue] = queue.SimpleQueue() if background else None
         self._thread: Optional[threading.Thread] = None
 
@@ -61,23 +64,33 @@ class TierLookup:
         these hashes: asked once, then remembered until :meth:`forget`. None while the
         lookup runs in the background (started by this call when none is). 0 while backing
         off after a failure."""
-        wanted = tuple(hashes)
+        return self._ask(key, tuple(hashes), False)  # type: ignore[return-value]
+
+    def held_each(self, key: str, hashes: Sequence[bytes]) -> Optional[tuple[bool, ...]]:
+        """:meth:`held`, but whether each of ``hashes`` is held for every rank (layer groups:
+        a hit is not one leading run); all False while backing off."""
+        return self._ask(key, tuple(hashes), True)  # type: ignore[return-value]
+
+    def _ask(self, key: str, wanted: tuple[bytes, ...], each: bool) -> Answer | None:
         if not wanted or self._clock() < self._down_until:
-            return 0
+            return (False,) * len(wanted) if each else 0
         with self._lock:
             answer = self._answers.get(key)
-            if answer is not None and answer[0] == wanted:
+            if answer is not None and answer[0] == (wanted, each):
                 return answer[1]
             if self._queue is not None:
-                if self._asked.get(key) != wanted:
-                    self._asked[key] = wanted
+                if self._asked.get(key) != (wanted, each):
+                    self._asked[key] = (wanted, each)
                     self._start()
-                    self._queue.put((key, wanted))
+                    self._queue.put((key, (wanted, each)))
                 return None
-        found = self.lookup(wanted)
+        found = self._look(wanted, each)
         with self._lock:
-            self._answers[key] = (wanted, found)
+            self._answers[key] = ((wanted, each), found)
         return found
+
+    def _look(self, wanted: tuple[bytes, ...], each: bool) -> Answer:
+        return self.lookup_each(wanted) if each else self.lookup(wanted)
 
     def forget(self, key: str) -> None:
         """Drop ``key``'s answer (admitted or ended); a lookup still running for it is
@@ -111,7 +124,7 @@ class TierLookup:
             with self._lock:
                 if self._asked.get(key) != wanted:
                     continue  # forgotten, or asked again for other hashes
-            found = self.lookup(wanted)
+            found = self._look(*wanted)
             with self._answered:
                 if self._asked.get(key) == wanted:
                     del self._asked[key]
@@ -131,6 +144,21 @@ class TierLookup:
             self.mark_down()
             return 0
         self.hits += found
+        return found
+
+    def lookup_each(self, hashes: Sequence[bytes]) -> tuple[bool, ...]:
+        """Ask the store now (blocking): whether each of ``hashes`` is held for every rank
+        (all False while backing off, or on any error)."""
+        if not hashes or self._clock() < self._down_until:
+            return (False,) * len(hashes)
+        self.lookups += 1
+        try:
+            found = tuple(bool(h) for h in self.store.held(list(hashes), self.ranks))
+        except Exception as exc:  # a dead or slow tier: recompute, try again later
+            log.warning("kv tier lookup failed: %s", str(exc))
+            self.mark_down()
+            return (False,) * len(hashes)
+        self.hits += sum(found)
         return found
 
     def mark_down(self) -> None:

@@ -97,6 +97,9 @@ class NodeTierActor:
     def lookup(self, hashes: list[bytes], ranks: list[ShardKey]) -> int:
         return self.store.lookup(hashes, ranks)
 
+    def held(self, hashes: list[bytes], ranks: list[ShardKey]) -> list[bool]:
+        return self.store.held(hashes, ranks)
+
     def get(self, rank: ShardKey, hashes: list[bytes]) -> Optional[np.ndarray]:
         return self.store.get(rank, hashes)
 
@@ -147,6 +150,9 @@ class RayTier:
 
     def lookup(self, hashes: Sequence[bytes], ranks: Sequence[ShardKey]) -> int:
         return self._call("lookup", list(hashes), list(ranks))
+
+    def held(self, hashes: Sequence[bytes], ranks: Sequence[ShardKey]) -> list[bool]:
+        return self._call("held", list(hashes), list(ranks))
 
     def get(self, rank: ShardKey, hashes: Sequence[bytes]) -> Optional[np.ndarray]:
         return self._call("get", rank, list(hashes))

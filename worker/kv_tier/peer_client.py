@@ -11,6 +11,7 @@ from typing import Callable, Optional, Sequence
 
 import grpc
 
+from kvfleet.allocator.kv_cache_manager import group_key
 from kvfleet.index_keys import tier_node
 from kvfleet.tls import WORKER_CHANNEL_OPTIONS
 from kvfleet.v1 import worker_pb2, worker_pb2_grpc
@@ -70,8 +71,10 @@ class NodeRelay:
     shard (``ranks``), each call bounded by the tiers' own timeouts; they are kept with ``tag``
     (the receiver's identity: the puller asked for them by its own chain)."""
 
-    def __init__(self, local: TierStore, ranks: Sequence[int], tag: bytes = b"") -> None:
+    def __init__(self, local: TierStore, ranks: Sequence[int], tag: bytes = b"",
+                 num_groups: int = 1) -> None:
         self.local, self.ranks, self.tag = local, list(ranks), tag
+        self.num_groups = num_groups  # the KV cache's layer groups: each one's pages travel
 
     def source(self, node_id: str) -> TierStore:
         """The same deployment's tier on ``node_id``, seen through the same layout
@@ -80,16 +83,22 @@ class NodeRelay:
         return self.local.on_node(node_id)  # type: ignore[attr-defined]
 
     def copy(self, source: TierStore, hashes: Sequence[bytes]) -> int:
-        """Copy ``hashes`` of every rank from ``source``; returns the blocks copied.
+        """Copy ``hashes`` of every rank from ``source``, with layer groups also the other
+        groups' pages of them that ``source`` holds for every rank; returns the blocks copied.
 
         Raises:
             LookupError: ``source`` no longer holds them all.
         """
+        keys = list(hashes)
+        if self.num_groups > 1:
+            pages = [group_key(g, h) for g in range(1, self.num_groups) for h in hashes]
+            keys += [k for k, held in zip(pages, source.held(pages, self.ranks), strict=True)
+                     if held]
         for rank in self.ranks:
-            run = source.get(rank, hashes)
+            run = source.get(rank, keys)
             if run is None:
                 raise LookupError(f"rank {rank}'s blocks left the source tier")
-            self.local.put(rank, hashes, run, self.tag)
+            self.local.put(rank, keys, run, self.tag)
         return len(hashes)
 
     async def __call__(self, node_id: str, hashes: Sequence[bytes]) -> int:

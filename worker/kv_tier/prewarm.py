@@ -47,12 +47,16 @@ def prewarm(engine: Engine, seconds: float, run_blocks: int = RUN_BLOCKS,
     own timeout). The restored blocks are cached and evictable, the hottest released last
     (the pool evicts them last). Call before the engine thread starts (it uses the pool and
     the executor directly). Returns the blocks restored; any failure ends the pre-warm with
-    what was restored so far (the rest is simply not warm).
+    what was restored so far (the rest is simply not warm). A KV cache with layer groups is
+    not pre-warmed (0).
     """
     if seconds <= 0:
         return 0
-    deadline = clock() + seconds
     kv = engine.kv
+    if kv.grouped:  # its pages are per layer group, which the hottest-run plan does not pair
+        log.info("kv pre-warm: skipped (the KV cache has layer groups)")
+        return 0
+    deadline = clock() + seconds
     try:
         hottest = engine.scheduler.tier.hottest(engine.identity_digest, kv.num_free_blocks)
     except Exception as exc:  # a dead or slow tier: start cold

@@ -22,13 +22,18 @@ from typing import Callable, NamedTuple, Optional, Protocol, Sequence, Union
 
 import numpy as np
 
+from kvfleet.allocator.kv_cache_manager import is_group_key
+
 
 class Shard(NamedTuple):
-    """Rank ``rank`` of a ``tp``-way layout whose ranks hold ``kv_heads`` KV heads each."""
+    """Rank ``rank`` of a ``tp``-way layout whose ranks hold ``kv_heads`` KV heads each, its
+    pages cut by layer groups ``groups`` (:attr:`~kvfleet.allocator.layer_groups.LayerGroups.
+    layout_key`; ``""``: one page holds every layer)."""
 
     rank: int
     tp: int
     kv_heads: int
+    groups: str = ""
 
 
 ShardKey = Union[int, Shard]
@@ -38,6 +43,13 @@ Key = tuple[bytes, ShardKey]  # (chain hash, shard)
 def shard_rank(shard: ShardKey) -> int:
     """The rank of ``shard`` (rank 0's blocks are what the index is told about)."""
     return shard.rank if isinstance(shard, Shard) else shard
+
+
+def shown(key: Key) -> bool:
+    """Whether the index is told about ``key``: rank 0's blocks under a chain hash (a layer
+    group's own page key, :func:`~kvfleet.allocator.kv_cache_manager.is_group_key`, stays
+    local: the router keys the prefix, not the layout)."""
+    return shard_rank(key[1]) == 0 and not is_group_key(key[0])
 # Told rank 0's residency changes in order, under the store's lock: (chain hash, held now).
 ResidencyListener = Callable[[list[tuple[bytes, bool]]], None]
 
@@ -50,6 +62,8 @@ class TierStore(Protocol):
             tag: bytes = b"") -> int: ...
 
     def lookup(self, hashes: Sequence[bytes], ranks: Sequence[int]) -> int: ...
+
+    def held(self, hashes: Sequence[bytes], ranks: Sequence[int]) -> list[bool]: ...
 
     def get(self, rank: int, hashes: Sequence[bytes]) -> Optional[np.ndarray]: ...
 
@@ -64,6 +78,8 @@ class ShardStore(Protocol):
             tag: bytes = b"") -> int: ...
 
     def lookup(self, hashes: Sequence[bytes], ranks: Sequence[ShardKey]) -> int: ...
+
+    def held(self, hashes: Sequence[bytes], ranks: Sequence[ShardKey]) -> list[bool]: ...
 
     def get(self, rank: ShardKey, hashes: Sequence[bytes]) -> Optional[np.ndarray]: ...
 
@@ -133,7 +149,7 @@ class HostTierStore:
                 self._tags[key] = tag
                 self._bytes += block.nbytes
                 stored += 1
-                if shard_rank(rank) == 0:
+                if shown(key):
                     changes.append((key[0], True))
             self._stored += stored
             self._tell(changes)
@@ -146,7 +162,7 @@ class HostTierStore:
     def held_hashes(self) -> list[bytes]:
         """Chain hashes of every block whose rank-0 shard is held (what the index shows)."""
         with self._lock:
-            return [h for h, r in self._blocks if shard_rank(r) == 0]
+            return [h for h, r in self._blocks if shown((h, r))]
 
     def lookup(self, hashes: Sequence[bytes], ranks: Sequence[ShardKey]) -> int:
         """How many leading ``hashes`` are held for every rank in ``ranks``. Changes no
@@ -157,6 +173,13 @@ class HostTierStore:
                 if not all((bytes(h), r) in self._blocks for r in ranks):
                     return i
             return len(hashes)
+
+    def held(self, hashes: Sequence[bytes], ranks: Sequence[ShardKey]) -> list[bool]:
+        """For each of ``hashes``, whether it is held for every rank in ``ranks`` (what
+        admission needs for layer groups, whose hits are not one leading run). Changes no
+        recency."""
+        with self._lock:
+            return [all((bytes(h), r) in self._blocks for r in ranks) for h in hashes]
 
     def get(self, rank: ShardKey, hashes: Sequence[bytes]) -> np.ndarray | None:
         """The run ``(len(hashes), ...)`` of ``rank``'s blocks under ``hashes``, stacked into
@@ -206,13 +229,13 @@ class HostTierStore:
             self._tags.pop((h, r), None)
             self._bytes -= old.nbytes
             self._evicted += 1
-            if shard_rank(r) == 0:
+            if shown((h, r)):
                 changes.append((h, False))
 
     def clear(self) -> None:
         """Drop every block (counters are kept)."""
         with self._lock:
-            self._tell([(h, False) for h, r in self._blocks if shard_rank(r) == 0])
+            self._tell([(h, False) for h, r in self._blocks if shown((h, r))])
             self._blocks.clear()
             self._tags.clear()
             self._bytes = 0

@@ -2,9 +2,11 @@
 
 The tier keys a block by (chain hash, shard). The chain hash names the model, but not how a
 replica splits it: rank 1 of a tp=2 replica and rank 1 of a tp=4 one hold different KV heads
-(with replicated heads even of the same shape), so a rank's blocks are kept as
-:class:`~.store.Shard` (rank, tp, KV heads per rank). :class:`LayoutTier` turns the plain rank
-numbers the engine and its ranks use into those shards, so nothing above it changes.
+(with replicated heads even of the same shape), and a page of a replica with layer groups
+holds one group's layers, not every layer, so a rank's blocks are kept as
+:class:`~.store.Shard` (rank, tp, KV heads per rank, layer-group layout). :class:`LayoutTier`
+turns the plain rank numbers the engine and its ranks use into those shards, so nothing above
+it changes.
 """
 
 from __future__ import annotations
@@ -19,17 +21,20 @@ from kvfleet.worker.kv_tier.store import Shard, ShardStore
 
 @dataclass(frozen=True)
 class TierLayout:
-    """``tp`` ranks holding ``kv_heads`` KV heads each (Raises ValueError below 1)."""
+    """``tp`` ranks holding ``kv_heads`` KV heads each, pages cut by layer groups ``groups``
+    (:attr:`~kvfleet.allocator.layer_groups.LayerGroups.layout_key`; ``""``: one group of
+    every layer). Raises ValueError for ``tp`` or ``kv_heads`` below 1."""
 
     tp: int
     kv_heads: int
+    groups: str = ""
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.kv_heads < 1:
             raise ValueError(f"a tier layout needs tp >= 1 and kv_heads >= 1, got {self}")
 
     def shard(self, rank: int) -> Shard:
-        return Shard(rank, self.tp, self.kv_heads)
+        return Shard(rank, self.tp, self.kv_heads, self.groups)
 
 
 class LayoutTier:
@@ -57,6 +62,9 @@ class LayoutTier:
 
     def lookup(self, hashes: Sequence[bytes], ranks: Sequence[int]) -> int:
         return self.store.lookup(hashes, self._shards(ranks))
+
+    def held(self, hashes: Sequence[bytes], ranks: Sequence[int]) -> list[bool]:
+        return self.store.held(hashes, self._shards(ranks))
 
     def get(self, rank: int, hashes: Sequence[bytes]) -> Optional[np.ndarray]:
         return self.store.get(self.layout.shard(rank), hashes)

@@ -33,7 +33,8 @@ def build_puller(engine: Engine, enabled: bool, tls_dir: Optional[str],
     ranks = engine.executor.ranks()
     node_id = ranks[0].node_id if ranks else ""
     all_ranks = list(range(max(1, len(ranks))))
-    relay = NodeRelay(tier.store, all_ranks, tag=engine.identity_digest)
+    relay = NodeRelay(tier.store, all_ranks, tag=engine.identity_digest,
+                      num_groups=engine.kv.num_groups)
     sched = engine.scheduler.config
     return PeerPuller(GrpcPeerClient(credentials=credentials), engine.step_cost, engine.identity_digest,
                       engine.kv.block_size, sched.max_num_batched_tokens,

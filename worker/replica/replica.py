@@ -96,13 +96,15 @@ def _on_finish(telemetry: WorkerTelemetry, hits: HitWindow, latency: LatencyWind
     latency.record(out)
 
 
-def _node_tier(cfg: ReplicaConfig, mc: ModelConfig) -> LayoutTier:
+def _node_tier(cfg: ReplicaConfig, mc: ModelConfig, groups: LayerGroups) -> LayoutTier:
     """The deployment's tier on this node (its namespace's actor; index URL without the
-    password), seen through this replica's layout: its ranks' KV-head shards."""
+    password), seen through this replica's layout: its ranks' KV-head shards of its layer
+    groups' pages."""
     assert cfg.kv_host_memory_bytes
     tp = cfg.tensor_parallel_size
     index = TierIndex.of(cfg.redis_url, cfg.namespace) if cfg.redis_url else None
-    layout = TierLayout(tp, kv_heads_per_rank(mc.num_kv_heads, mc.num_heads, tp))
+    layout = TierLayout(tp, kv_heads_per_rank(mc.num_kv_heads, mc.num_heads, tp),
+                        groups.layout_key)
     return LayoutTier(node_tier(cfg.kv_host_memory_bytes, index=index,
                                 namespace=cfg.namespace), layout)
 
@@ -290,21 +292,11 @@ def cache_identity(model_name: str, model_dir: str | Path, kv_dtype: str, block_
 def kv_layer_groups(cfg: ReplicaConfig, mc: ModelConfig) -> LayerGroups:
     """The KV cache's layer groups: by window when some layer slides (window-sized KV), one
     group of every layer otherwise, for the cost-model executor (it keeps no KV) and for the
-    transformers fallback (its attention reads one block table).
-
-    Raises:
-        ValueError: a host KV tier (``--kv-host-memory``) with sliding-window groups: the tier
-            and peer pulls move one block of every layer per hash and do not move each
-            group's blocks yet.
-    """
+    transformers fallback (its attention reads one block table). The host KV tier and peer
+    pulls move each group's pages under the group layout (:attr:`LayerGroups.layout_key`)."""
     if (cfg.executor != "model" or mc.impl == TRANSFORMERS
             or all(w is None for w in mc.sliding_windows)):
         return LayerGroups.single(mc.num_layers)
-    if cfg.kv_host_memory_bytes:
-        raise ValueError(
-            f"--kv-host-memory: {mc.model_type} has sliding-window layers, whose KV is "
-            "window-sized (layer groups); the host KV tier and peer pulls do not move layer "
-            "groups yet: serve it without --kv-host-memory")
     return LayerGroups.from_windows(mc.sliding_windows)
 
 
@@ -338,7 +330,7 @@ def build_engine(cfg: ReplicaConfig, on_rank_failure: Callable[[str], None] = la
                                            groups)
     tokenizer = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     # The node's host tier (Ray: the replica runs in it); the cost model has no KV to keep.
-    tier = (_node_tier(cfg, load_model_config(model_dir, cfg.model_impl))
+    tier = (_node_tier(cfg, load_model_config(model_dir, cfg.model_impl), groups)
             if cfg.kv_host_memory_bytes and cfg.executor == "model" else None)
     identity = cache_identity(cfg.model_name, model_dir, cfg.dtype, cfg.block_size, cfg.quant_config)
     if cfg.executor == "cost-model":
@@ -376,12 +368,14 @@ def build_engine(cfg: ReplicaConfig, on_rank_failure: Callable[[str], None] = la
 def _step_cost(cfg: ReplicaConfig, executor: Executor, identity: CacheIdentity) -> StepCost:
     """The replica's step-cost model: a cost-model executor's own constants, or the real
     executor's start-up calibration (shared through Redis, else from the disk cache, when
-    this model/device/tp/dtype/threads was calibrated before)."""
+    this model/device/tp/dtype/threads/layer-group layout was calibrated before)."""
     if cfg.executor == "cost-model":
         return StepCost(cfg.cost_model or MEASURED)
     tp = cfg.tensor_parallel_size
+    groups = getattr(executor, "layer_groups", None)  # the KV layout its steps run over
     key = CalibrationKey(identity.digest().hex(), device_name(cfg.device), tp, cfg.dtype,
-                         cfg.num_threads if tp == 1 else 1)
+                         cfg.num_threads if tp == 1 else 1,
+                         layout=groups.layout_key if groups is not None else "")
     if cfg.step_cost_dir is None:
         from kvfleet.deploy.models import default_cache_dir  # the one kvfleet cache location
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import asdict
 from typing import Callable, Optional
 
 import redis
@@ -51,7 +50,7 @@ def shared_or_calibrate(redis_url: Optional[str], namespace: str, key: Calibrati
             return shared
         cost = calibrate()
         try:
-            client.set(name, json.dumps({"key": asdict(key), "cost_model": cost.to_json()}))
+            client.set(name, json.dumps({"key": key.fields(), "cost_model": cost.to_json()}))
         except redis.RedisError as exc:
             log.warning("step-cost calibration not shared (%s)", exc)
         return cost
@@ -67,7 +66,7 @@ def _read(client: redis.Redis, name: str, key: CalibrationKey) -> Optional[CostM
         return None
     try:
         data = json.loads(raw)
-        if data.get("key") == asdict(key):
+        if data.get("key") == key.fields():
             return CostModel.from_json(data["cost_model"], f"shared: {name}")
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         log.warning("shared step-cost calibration %s unreadable (%s): calibrating", name, exc)

@@ -7,7 +7,8 @@ the cost-model executor runs with). Both time plans with :func:`measure` and fit
 
 **Cache.** One JSON file per :class:`CalibrationKey` — the served model's cache-identity
 digest (weights, tokenizer, dtype, block size), the device (``cpu:<processor>:<cpus>`` or the
-CUDA device name), ``tp``, dtype, torch threads and :data:`FORMAT` — named by the key's
+CUDA device name), ``tp``, dtype, torch threads, the KV cache's layer-group layout (a
+windowed layout's steps read other pages than one group's) and :data:`FORMAT` — named by the key's
 digest: ``<cache dir>/<digest>.json``, holding the key itself, the fitted constants and the
 samples. A changed model, device or setting is a new file; delete one to recalibrate.
 
@@ -56,9 +57,18 @@ class CalibrationKey:
     dtype: str
     threads: int
     format: int = FORMAT
+    layout: str = ""  # the KV cache's layer groups (LayerGroups.layout_key; "": none)
+
+    def fields(self) -> dict:
+        """The key as stored in its file; without groups ``layout`` is left out, so a cache
+        written before layouts were keyed still matches."""
+        out = asdict(self)
+        if not self.layout:
+            del out["layout"]
+        return out
 
     def digest(self) -> str:
-        return sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:32]
+        return sha256(json.dumps(self.fields(), sort_keys=True).encode()).hexdigest()[:32]
 
 
 def device_name(device: str) -> str:
@@ -181,7 +191,7 @@ def _read_cache(path: Path | None, key: CalibrationKey) -> CostModel | None:
         return None
     try:
         data = json.loads(path.read_text())
-        if data.get("key") == asdict(key):
+        if data.get("key") == key.fields():
             return CostModel.from_json(data["cost_model"], str(path))
     except (OSError, ValueError, KeyError, TypeError) as exc:
         log.warning("step-cost cache %s unreadable (%s): recalibrating", path, exc)
@@ -206,7 +216,7 @@ def _calibrate(executor, key: CalibrationKey, path: Path | None, budget_s: float
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({"key": asdict(key), "cost_model": cost.to_json(),
+            tmp.write_text(json.dumps({"key": key.fields(), "cost_model": cost.to_json(),
                                        "samples": [asdict(s) for s in samples]}, indent=2) + "\n")
             tmp.replace(path)
         except OSError as exc:

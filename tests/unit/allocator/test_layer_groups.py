@@ -119,8 +119,8 @@ def test_budget_capacity_is_the_pools_arithmetic():
     assert plan.max_concurrent_requests >= 4 * old
 
 
-def test_replica_groups_by_window_and_refuses_the_host_tier_with_sliding_groups(tiny_gemma3_dir,
-                                                                                 tiny_llama_dir):
+def test_replica_groups_by_window_with_or_without_the_host_tier(tiny_gemma3_dir,
+                                                                tiny_llama_dir):
     from kvfleet.worker.replica.replica import ReplicaConfig, kv_layer_groups
     from kvfleet.worker.runner.model_config import load_model_config
 
@@ -130,6 +130,42 @@ def test_replica_groups_by_window_and_refuses_the_host_tier_with_sliding_groups(
     assert kv_layer_groups(cfg, llama) == LayerGroups.single(llama.num_layers)
     tiered = ReplicaConfig(replica_id="r", model_name="m", model_dir=str(tiny_gemma3_dir),
                            kv_host_memory_bytes=1 << 20)
-    with pytest.raises(ValueError, match="--kv-host-memory"):
-        kv_layer_groups(tiered, gemma)
+    assert kv_layer_groups(tiered, gemma) == kv_layer_groups(cfg, gemma)
     assert kv_layer_groups(tiered, llama).num_groups == 1
+
+
+def test_layout_key_names_the_group_layout() -> None:
+    """One full group is the layout without groups (""); any other layout has a key of its
+    own, so KV pages of two layouts never share a tier shard or a calibration."""
+    assert LayerGroups.single(6).layout_key == ""
+    gemma = LayerGroups.from_windows([7, 7, None, 7, 7, None])
+    mistral = LayerGroups.from_windows([7] * 6)
+    other = LayerGroups.from_windows([5, 5, None, 5, 5, None])
+    keys = {gemma.layout_key, mistral.layout_key, other.layout_key, ""}
+    assert len(keys) == 4
+    assert gemma.layout_key == LayerGroups.from_windows([7, 7, None, 7, 7, None]).layout_key
+
+
+def test_the_longest_tier_hit_follows_the_per_group_rule() -> None:
+    """A hit of ``m`` blocks needs a full group's blocks up to ``m`` and a sliding group's
+    only those the query at ``m`` sees (window 7, blocks of 4: from block (4m - 6) // 4), after
+    the ``first`` the sequence already holds. Not one leading run: a sliding group holding
+    only its last blocks allows the longer hit and not the shorter one."""
+    from kvfleet.allocator.kv_cache_manager import KVCacheManager
+
+    kv = KVCacheManager(100, 4, windows=(None, 7))
+    assert kv.grouped and not KVCacheManager(100, 4).grouped
+
+    def mask(full: str, sliding: str) -> list[bool]:
+        return [c == "1" for c in full + sliding]
+
+    assert kv.longest_hit(0, mask("11111", "00011")) == 5
+    assert kv.longest_hit(0, mask("111111", "000011")) == 6  # 5 would need block 3
+    assert kv.longest_hit(0, mask("111111", "000110")) == 5
+    assert kv.longest_hit(0, mask("110111", "111111")) == 2  # the full group's run bounds it
+    assert kv.longest_hit(0, mask("11111", "11100")) == 3
+    assert kv.longest_hit(2, mask("111", "011")) == 3  # blocks 2..4; the window starts at 3
+    assert kv.longest_hit(2, mask("111", "000")) == 0
+    assert kv.group_keys([b"a" * 16]) == [b"a" * 16, kv.key(1, b"a" * 16)]
+    with pytest.raises(ValueError, match="held mask"):
+        kv.longest_hit(0, [True] * 3)

@@ -193,7 +193,7 @@ def try_admit(sched: Scheduler, seq: SequenceState, budget: Budget, p: Pass
         del p.work.hits[key]  # asked again next time: it may have answered by then
         return Refusal.TIER_LOOKUP
     num_cached = (len(computed) + len(hits)) * kv.block_size
-    n = budget.grant(num_cached, seq.num_tokens - num_cached)
+    n = budget.grant(num_cached, sched.blocks.chunk(seq.num_tokens - num_cached))
     if n <= 0:
         return Refusal.BUDGET
     claimed = p.held.blocks if p.mode is Mode.CLAIM else 0

@@ -10,6 +10,9 @@ reusing one uses up a free block just like allocating a new one.
 
 With layer groups every group's blocks count; a sliding group's promise stops growing at its
 window (:meth:`KVCacheManager.group_max_blocks`, chunks no wider than the step's token budget).
+A chunk writes all its tokens before the window moves, so that promise is ``w - 1 + chunk``
+positions: under ``reserve`` a sequence's chunks are cut to half the smallest window
+(:func:`window_chunk`), which keeps the promise near the window.
 """
 
 from __future__ import annotations
@@ -24,6 +27,19 @@ from kvfleet.worker.engine.request import SequenceState
 Forks = Mapping[str, Sequence[SequenceState]]  # leader seq_id -> siblings waiting to fork
 
 
+def window_chunk(windows: Sequence[int | None], block_size: int, min_chunk: int = 1
+                 ) -> int | None:
+    """The widest chunk a sequence takes under ``reserve`` when some layer group slides: half
+    the smallest window in whole blocks (at least one block and ``min_chunk``), so a sliding
+    group's promise, the blocks covering ``w - 1 + chunk`` positions, stays within about
+    ``1.5 w`` instead of ``w + max_num_batched_tokens``; None without sliding groups (chunks
+    stay as the token budget allows)."""
+    sliding = [w for w in windows if w is not None]
+    if not sliding:
+        return None
+    return max(block_size, min_chunk, min(sliding) // 2 // block_size * block_size)
+
+
 class BlockAdmission:
     """Block counts of one replica's sequences against its KV cache manager.
 
@@ -34,11 +50,23 @@ class BlockAdmission:
     """
 
     def __init__(self, kv: KVCacheManager, policy: str, watermark: float,
-                 max_chunk: Callable[[], int] = lambda: 1 << 62) -> None:
+                 max_chunk: Callable[[], int] = lambda: 1 << 62, min_chunk: int = 1) -> None:
         self.kv = kv
         self.reserve = policy == "reserve"
         self.watermark_blocks = int(watermark * kv.num_total_blocks)
-        self.max_chunk = max_chunk  # the widest chunk a step may give one sequence now
+        self._step_chunk = max_chunk  # the widest chunk a step may give one sequence now
+        # Under reserve a sliding group's promise grows with the widest chunk: cap it.
+        self.chunk_cap = window_chunk(kv.windows, kv.block_size, min_chunk) if self.reserve else None
+
+    def max_chunk(self) -> int:
+        """The widest chunk one sequence computes in a step: the step's token budget, at most
+        :attr:`chunk_cap` (reserve with sliding groups)."""
+        step = self._step_chunk()
+        return step if self.chunk_cap is None else min(step, self.chunk_cap)
+
+    def chunk(self, want: int) -> int:
+        """``want`` tokens cut to :attr:`chunk_cap` (what a sequence may ask of one step)."""
+        return want if self.chunk_cap is None else min(want, self.chunk_cap)
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks that hold ``num_tokens`` tokens."""

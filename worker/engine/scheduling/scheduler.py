@@ -40,6 +40,7 @@ from typing import Iterable, Mapping, Optional
 
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
 from kvfleet.errors import ResourceExhausted
+from kvfleet.service_weights import PREFILL_WEIGHT
 from kvfleet.worker.engine.request import SeqStatus, SequenceState
 from kvfleet.worker.engine.scheduling.admission import Held, Mode, Pass, StepWork, admit_waiting
 from kvfleet.worker.engine.scheduling.blocks import BlockAdmission
@@ -97,10 +98,13 @@ class Scheduler:
         # leader seq_id -> siblings waiting for its prompt to be computed (n > 1)
         self.pending_forks: dict[str, list[SequenceState]] = {}
         self.blocks = BlockAdmission(kv, config.policy, config.watermark,
-                                     lambda: self.config.max_num_batched_tokens)
+                                     lambda: self.config.max_num_batched_tokens,
+                                     min_chunk=1 + config.speculative_tokens)
         self.spec = Speculator(config.speculative, config.speculative_tokens)
         self.rules = PriorityRules(config.max_num_seqs, config.batch_share)
-        self.service = TenantService()  # per-tenant service: who is admitted next
+        # per-tenant service: who is admitted next; a returning tenant may start up to one
+        # step's prefill behind the others
+        self.service = TenantService(credit=config.max_num_batched_tokens * PREFILL_WEIGHT)
         self.seats = TenantSeats(config.max_num_seqs, config.tenant_share, seats_by_service,
                                  self.service)
         self.class_step = (ClassStep(step_cost, config.max_num_batched_tokens, config.itl_target_ms)
@@ -197,7 +201,7 @@ class Scheduler:
             seq = self.running[i]
             remaining = seq.num_tokens - seq.num_computed_tokens
             n = 0 if seq.seq_id in sit_out else budget.grant(
-                seq.num_computed_tokens, remaining, reserved=remaining == 1)
+                seq.num_computed_tokens, self.blocks.chunk(remaining), reserved=remaining == 1)
             if n <= 0:
                 i += 1
                 continue

@@ -14,8 +14,12 @@ The next waiting request comes from the backlogged tenant with the least service
 Token Counter of Sheng et al., "Fairness in Serving Large Language Models", OSDI '24). A tenant
 that becomes backlogged (arrives, or returns from idle) starts at least at the smallest counter
 of the tenants already backlogged — or, when none is, at the highest counter yet (the tenant
-that ran alone meanwhile) — so idle time is not banked: it cannot come back and hold the
-replica for as long as it was away, nor for as long as another ran alone.
+that ran alone meanwhile) — less a bounded **credit** (the scheduler's: one step's token
+budget of prefill) — so idle time is banked only up to that credit: it cannot come back and
+hold the replica for as long as it was away, nor for as long as another ran alone, but a light
+tenant that comes back beside a flood is still behind it for its first prompts. Lifted to the
+flood's counter exactly, its first prefill would put it ahead, and the next prompt of a
+small burst (two arrivals close together) would wait behind the flood's next prefill.
 
 Weights: decode 2, prefill 1 (the paper's choice). A decode token costs a whole row of the
 batch for one token: on the calibrated CPU model several prefill tokens' worth, on a GPU far
@@ -36,24 +40,36 @@ class TenantService:
     :meth:`arrive` / :meth:`leave` count each tenant's unfinished sequences (a tenant with one
     or more is *backlogged*); :meth:`charge` adds computed tokens; :meth:`pick` chooses among
     tenants. Counters never decrease, so they can be exported as monotonic counters.
+
+    Args:
+        prefill_weight, decode_weight: service per prefill token computed / decode token.
+        credit: service a tenant that becomes backlogged may start below the floor (weighted
+            tokens, >= 0; 0: the floor exactly, as in VTC).
+
+    Raises:
+        ValueError: a negative weight or credit.
     """
 
     def __init__(self, prefill_weight: float = PREFILL_WEIGHT,
-                 decode_weight: float = DECODE_WEIGHT) -> None:
+                 decode_weight: float = DECODE_WEIGHT, credit: float = 0.0) -> None:
         if prefill_weight < 0 or decode_weight < 0:
             raise ValueError("service weights must be >= 0")
+        if not credit >= 0:
+            raise ValueError(f"credit must be >= 0, got {credit}")
         self.prefill_weight = prefill_weight
         self.decode_weight = decode_weight
+        self.credit = credit
         self.service: dict[str, float] = {}  # tenant -> weighted tokens computed
         self._high = 0.0  # the highest counter yet: where a tenant starts on an idle replica
         self._backlog: dict[str, int] = {}    # tenant -> unfinished sequences
 
     def arrive(self, tenant: str, num_seqs: int = 1) -> None:
         """``num_seqs`` sequences of ``tenant`` were queued. A tenant not backlogged until now
-        starts at the least service of those that are, or the highest yet when none is (its
-        own if higher)."""
+        starts at the least service of those that are, or the highest yet when none is, less
+        the credit (its own if higher)."""
         if tenant not in self._backlog:
-            floor = min((self.service.get(t, 0.0) for t in self._backlog), default=self._high)
+            floor = min((self.service.get(t, 0.0) for t in self._backlog),
+                        default=self._high) - self.credit
             self._forget_idle(floor)
             self.service[tenant] = max(self.service.get(tenant, 0.0), floor)
             self._backlog[tenant] = 0

@@ -41,11 +41,13 @@ from typing import Sequence
 
 import numpy as np
 
+from kvfleet.allocator.kv_cache_manager import group_key, split_group_key
 from kvfleet.worker.engine.step_plan import SeqChunk, StepPlan
 
 METHODS = ("step", "barrier", "stop", "transfer")  # what rank 0 may call on the other ranks, by index
 _CHUNK_HEAD = 7
 Commit = tuple[int, int]  # (slot, prepared id; 0 = empty the slot)
+_GROUP_SHIFT = 40  # a block move's layer group sits above this bit of its block word
 
 
 def encode_call(method: str, *args: np.ndarray) -> np.ndarray:
@@ -83,16 +85,21 @@ def decode_call(msg: np.ndarray) -> tuple[str, list[np.ndarray]]:
 
 
 def encode_moves(moves: Sequence[tuple[int, bytes]]) -> np.ndarray:
-    """``(block, 16-byte chain hash)`` pairs as int64 triples (the hash as two words).
+    """``(block, key)`` pairs as int64 triples: the key's 16-byte chain hash as two words, its
+    layer group (:func:`~kvfleet.allocator.kv_cache_manager.group_key`; 0 for a plain chain
+    hash) above bit :data:`_GROUP_SHIFT` of the block's word.
 
     Raises:
-        ValueError: a hash that is not 16 bytes.
+        ValueError: a chain hash that is not 16 bytes, or a block id past the group bits.
     """
     out = np.empty((len(moves), 3), dtype="<i8")
-    for i, (block, h) in enumerate(moves):
+    for i, (block, key) in enumerate(moves):
+        group, h = split_group_key(key)
         if len(h) != 16:
             raise ValueError(f"block hash of {len(h)} bytes, want 16")
-        out[i, 0] = block
+        if not 0 <= block < 1 << _GROUP_SHIFT:
+            raise ValueError(f"block id {block} outside 0..2**{_GROUP_SHIFT}")
+        out[i, 0] = block | (group << _GROUP_SHIFT)
         out[i, 1:] = np.frombuffer(h, dtype="<i8")
     return out.reshape(-1)
 
@@ -106,7 +113,9 @@ def decode_moves(arr: np.ndarray) -> list[tuple[int, bytes]]:
     if len(arr) % 3:
         raise ValueError(f"malformed block moves: {len(arr)} ints")
     rows = np.asarray(arr, dtype="<i8").reshape(-1, 3)
-    return [(int(r[0]), r[1:].tobytes()) for r in rows]
+    mask = (1 << _GROUP_SHIFT) - 1
+    return [(int(r[0]) & mask, group_key(int(r[0]) >> _GROUP_SHIFT, r[1:].tobytes()))
+            for r in rows]
 
 
 def _kept(old: tuple[int, ...], new: tuple[int, ...]) -> int:

@@ -37,6 +37,10 @@ def budget(request) -> dict:
     return ITL_TARGET if request.param == "itl-target" else {}
 
 
+# The scheduler's chunking (one token a step, uneven widths) and its joins and leaves, under
+# both budgets: no family changes them, and every family's forward over the same chunk widths
+# (token by token, uneven chunks, mixed batches against each alone) is test_parity_tiny's.
+LLAMA = pytest.mark.parametrize("model_dir", ["tiny_llama_dir"], indirect=True)
 # The cache-path scenarios (prefix hits, preemption + recompute, copy-on-write) for Llama under
 # both budgets, and for each family whose decoder differs under the token budget (the budget
 # moves chunk boundaries, which no family changes).
@@ -52,6 +56,7 @@ def _check(model_dir, rec, req, res, index: int = 0) -> None:
     assert err <= 1, f"{req.request_id}#{index}: {err:.2f}x the tolerance"
 
 
+@LLAMA
 def test_token_by_token(model_dir, budget) -> None:
     """A budget of one token per step: the prompt is fed one token at a time, then decodes."""
     engine, rec = make_engine(model_dir, max_num_batched_tokens=1, **budget)
@@ -62,6 +67,7 @@ def test_token_by_token(model_dir, budget) -> None:
     _check(model_dir, rec, req, res)
 
 
+@LLAMA
 def test_uneven_chunks(model_dir, budget) -> None:
     widths = [5, 11, 3, 7, 2, 6]  # 34 prompt tokens, none a multiple of the block size of 4
     engine, rec = make_engine(model_dir, **budget)
@@ -103,10 +109,7 @@ def test_prefix_hits_full_and_mid_block(model_dir, budget) -> None:
         _check(model_dir, rec, r, results[(r.request_id, 0)])
 
 
-# Batch invariance of every family's forward is test_parity_tiny's mixed batch (runner level);
-# this scenario adds the scheduler's joins and leaves, which no family changes.
-@pytest.mark.parametrize("model_dir", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_mistral_dir"],
-                         indirect=True)
+@LLAMA
 def test_mixed_batch_of_eight_joining_and_leaving_equals_each_alone(model_dir, budget) -> None:
     """Eight requests of different lengths arrive at different steps and finish at different
     steps; prefill chunks share steps with decodes. Each request's logits equal those it gets

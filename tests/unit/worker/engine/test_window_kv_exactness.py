@@ -26,11 +26,9 @@ from typing import Callable
 import pytest
 
 from kvfleet.allocator.kv_cache_manager import NULL_BLOCK, KVCacheManager
-from kvfleet.allocator.layer_groups import LayerGroups
 from kvfleet.worker.engine.engine import Engine
-from kvfleet.worker.runner.model_config import load_model_config
 from kvfleet.worker.runner.model_runner import ModelRunner
-from tests.fixtures.models import GEMMA3_SHAPE, write_tiny_model
+from tests.fixtures.models import GEMMA3_SHAPE, write_windowed_model
 from tests.unit.worker.engine.speculative.spec_harness import use_oracle
 from tests.unit.worker.engine_harness import (
     BLOCK_SIZE,
@@ -55,10 +53,8 @@ MODELS = {
 def windowed(request, tmp_path_factory, smollm2_dir) -> tuple[Path, ModelRunner]:
     """A tiny windowed checkpoint and a runner over its layer groups."""
     family, shape = MODELS[request.param]
-    model_dir = write_tiny_model(tmp_path_factory.mktemp(request.param), family, smollm2_dir,
-                                 seed=11, **shape)
-    groups = LayerGroups.from_windows(load_model_config(model_dir).sliding_windows)
-    assert groups.windowed
+    model_dir, groups = write_windowed_model(tmp_path_factory.mktemp(request.param), family,
+                                             smollm2_dir, seed=11, **shape)
     return model_dir, ModelRunner(model_dir, num_blocks=300, block_size=BLOCK_SIZE,
                                   layer_groups=groups)
 
@@ -183,3 +179,34 @@ def test_speculative_drafts_over_sliding_groups(windowed) -> None:
     assert 0 < counts.accepted < counts.drafted  # accepted and rejected drafts both happened
     assert watch.holes > 0
     engine.kv.check_invariants()
+
+
+def test_reserve_cuts_a_windowed_sequences_chunks_to_half_its_window(windowed) -> None:
+    """Under ``reserve`` a sequence's chunks stop at :func:`window_chunk` (half the smallest
+    window in blocks, at least a block and a speculative row), so each sliding group's
+    promise is the blocks covering ``w - 1 + cap`` positions; every step's tables stay
+    within each sequence's promise (the policy never runs out), and the logits equal
+    transformers'."""
+    from kvfleet.worker.engine.scheduling.blocks import window_chunk
+
+    model_dir, runner = windowed
+    reqs = [request(prompt(25 + 9 * i, seed=80 + i), max_tokens=5) for i in range(3)]
+    engine, rec = make_engine(model_dir, num_blocks=120, runner=runner, policy="reserve",
+                              max_num_batched_tokens=16)
+    kv, blocks = engine.kv, engine.scheduler.blocks
+    cap = window_chunk(kv.windows, BLOCK_SIZE, 5)
+    assert blocks.chunk_cap == cap and cap is not None and cap < 16
+    assert blocks.max_chunk() == cap
+    results = run(engine, {0: reqs[:2], 3: reqs[2:]})
+    widths = [len(c.token_ids) for p in rec.plans for c in p.chunks]
+    assert max(widths) == cap
+    totals = {f"{r.request_id}#0": len(r.prompt_token_ids) + 5 for r in reqs}
+    for p in rec.plans:
+        for c in p.chunks:
+            promise = kv.group_max_blocks(totals[c.seq_id], cap)
+            held = [sum(b != NULL_BLOCK for b in t) for t in c.tables()]
+            assert all(h <= bound for h, bound in zip(held, promise, strict=True)), (held, promise)
+    for r in reqs:
+        err = reference_error(model_dir, rec, f"{r.request_id}#0",
+                              seq_tokens(r, results[(r.request_id, 0)]))
+        assert err <= 1, f"{r.request_id}: {err:.2f}x the tolerance"

@@ -45,8 +45,9 @@ class InProcessRelay(NodeRelay):
     """A :class:`NodeRelay` over in-process stores standing in for the nodes' tier actors
     (``stores``: node id → store; an unknown node raises like a missing actor)."""
 
-    def __init__(self, local: TierStore, stores: dict[str, TierStore], ranks=(0,)) -> None:
-        super().__init__(local, ranks)
+    def __init__(self, local: TierStore, stores: dict[str, TierStore], ranks=(0,),
+                 num_groups: int = 1) -> None:
+        super().__init__(local, ranks, num_groups=num_groups)
         self.stores = stores
 
     def source(self, node_id: str) -> TierStore:

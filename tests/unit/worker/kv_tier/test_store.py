@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from kvfleet.allocator.block_pool import BlockPool
+from kvfleet.allocator.kv_cache_manager import group_key
 from kvfleet.worker.executor.tp.wire import decode_moves, encode_moves
 from kvfleet.worker.kv_tier.store import HostTierStore
 
@@ -80,6 +81,11 @@ def test_stored_blocks_are_copies_and_oversized_blocks_are_refused() -> None:
 def test_block_moves_round_trip_the_wire() -> None:
     moves = [(3, _h(7)), (11, bytes(range(16)))]
     assert decode_moves(encode_moves(moves)) == moves
+    grouped = moves + [(5, group_key(2, _h(7))), ((1 << 40) - 1, group_key(255, _h(8)))]
+    assert decode_moves(encode_moves(grouped)) == grouped  # a layer group's page keys too
+    assert list(encode_moves(moves)[::3]) == [3, 11]  # plain chain hashes: the block alone
+    with pytest.raises(ValueError, match="block id"):
+        encode_moves([(1 << 40, _h(7))])
     with pytest.raises(ValueError, match="16"):
         encode_moves([(1, b"short")])
     with pytest.raises(ValueError, match="malformed"):

@@ -46,6 +46,26 @@ def test_a_rank_finds_only_blocks_its_own_layout_wrote():
     store.check_invariants()
 
 
+def test_a_layer_group_layouts_pages_stay_its_own():
+    """A replica with layer groups (pages of one group's layers, each group's under its own
+    key) and one without share a node tier: neither finds the other's pages, ``held`` answers
+    each page, and only chain hashes of rank 0 reach the index."""
+    from kvfleet.allocator.kv_cache_manager import group_key
+
+    store = HostTierStore(CAPACITY)
+    grouped = LayoutTier(store, TierLayout(1, 1, "full:2,5|w7:0,1|w7:3,4"))
+    flat = LayoutTier(store, TierLayout(1, 1))
+    pages = [group_key(1, h) for h in HASHES[:2]]
+    grouped.put(0, HASHES, _run(1))
+    grouped.put(0, pages, _run(2)[:2])
+    assert flat.lookup(HASHES, [0]) == 0 and flat.get(0, HASHES) is None
+    assert grouped.held(HASHES + [group_key(1, HASHES[2])] + pages, [0]) == [True] * 3 + [
+        False, True, True]
+    assert flat.held(HASHES, [0]) == [False] * 3
+    assert sorted(store.held_hashes()) == HASHES  # a group's page key is never shown
+    store.check_invariants()
+
+
 def test_the_actor_reads_the_redis_password_from_its_environment(monkeypatch):
     index = TierIndex.of("redis://:s3cret@127.0.0.1:1/0", "kvtest-pw:")
     assert "s3cret" not in repr(index)  # what the actor is created with
@@ -73,6 +93,7 @@ def test_each_deployment_has_its_own_tier_and_its_stop_removes_it(namespaces):
     a, b = node_tier(CAPACITY, namespace=a_ns), node_tier(CAPACITY, namespace=b_ns)
     a.put(0, HASHES, _run(1))
     assert a.lookup(HASHES, [0]) == 3 and b.lookup(HASHES, [0]) == 0  # no shared KV
+    assert a.held(HASHES[::-1], [0]) == [True] * 3 and b.held(HASHES, [0]) == [False] * 3
     assert {(r["namespace"], r["blocks"]) for r in node_tiers()} >= {(a_ns, 3), (b_ns, 0)}
     assert remove_node_tiers(a_ns) == 1
     assert {r["namespace"] for r in node_tiers()} & set(namespaces) == {b_ns}

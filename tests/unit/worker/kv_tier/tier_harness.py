@@ -27,15 +27,15 @@ TIER_BYTES = 64 << 20
 
 
 def tier_engine(model_dir: Path, store: TierStore | None = None, executor=None, tp: int = 1,
-                runner=None, **engine_args):
-    """(engine, recorder, rank-0 RankTier, store): a fresh engine of POOL_BLOCKS blocks over the
+                runner=None, num_blocks: int = POOL_BLOCKS, **engine_args):
+    """(engine, recorder, rank-0 RankTier, store): a fresh engine of ``num_blocks`` blocks over the
     session's runner (or ``runner``, or a whole ``executor`` with its tier), writing back to
     and restoring from ``store`` (``engine_args``: for make_engine)."""
     store = store if store is not None else HostTierStore(TIER_BYTES)
     if executor is None:
         runner = runner or runner_for(Path(model_dir), block_size=BLOCK_SIZE)
         executor = LocalExecutor(runner, RankTier(store, 0, runner.kv_cache))
-    engine, rec = make_engine(model_dir, num_blocks=POOL_BLOCKS, runner=executor,
+    engine, rec = make_engine(model_dir, num_blocks=num_blocks, runner=executor,
                               tier=TierLookup(store, tp), **engine_args)
     if executor.tier.enabled and not executor.tier.tag:
         executor.tier.tag = engine.identity_digest  # as build_engine tags a replica's

@@ -227,3 +227,43 @@ def test_host_lock_waits_a_bounded_time_then_goes_on_unlocked(tmp_path):
     with pytest.raises(ValueError, match="wait_s"):
         with host_lock(lock, -1.0):
             pass
+
+
+def test_calibration_is_cached_per_layer_group_layout(tmp_path, tiny_llama_dir):
+    """A windowed layout's steps read other pages than the layout without groups: each
+    layout has a key, a file and a calibration of its own; the key without groups is the
+    one written before layouts were keyed (its old files still match). The replica keys
+    its start-up calibration by its executor's layout."""
+    from hashlib import sha256
+
+    from kvfleet.allocator.layer_groups import LayerGroups
+    from kvfleet.worker.replica.replica import ReplicaConfig, _step_cost
+
+    gemma = LayerGroups.from_windows([7, 7, None, 7, 7, None]).layout_key
+    mistral = LayerGroups.from_windows([7] * 6).layout_key
+    keys = [CalibrationKey(KEY.model_digest, KEY.device, 1, KEY.dtype, KEY.threads, layout=lay)
+            for lay in ("", gemma, mistral)]
+    assert keys[0] == KEY
+    old = {"model_digest": KEY.model_digest, "device": KEY.device, "tp": 1, "dtype": KEY.dtype,
+           "threads": KEY.threads, "format": KEY.format}
+    assert KEY.digest() == sha256(json.dumps(old, sort_keys=True).encode()).hexdigest()[:32]
+    assert len({k.digest() for k in keys}) == 3
+    ex = FakeExecutor()
+    for key in keys:
+        calls = len(ex.plans)
+        load_or_calibrate(ex, key, tmp_path)
+        assert len(ex.plans) > calls, key  # not served from another layout's file
+    assert json.loads((tmp_path / f"{keys[1].digest()}.json").read_text())["key"]["layout"] == gemma
+    assert len(list(tmp_path.glob("*.json"))) == 3
+
+    ex.layer_groups = LayerGroups.from_windows([7, 7, None, 7, 7, None])
+    cfg = ReplicaConfig(replica_id="r", model_name="m", model_dir=str(tiny_llama_dir),
+                        step_cost_dir=str(tmp_path))
+    before = set(tmp_path.glob("*.json"))
+    identity = SimpleNamespace(digest=lambda: bytes.fromhex(KEY.model_digest))
+    _step_cost(cfg, ex, identity)
+    ex.layer_groups = LayerGroups.single(6)
+    _step_cost(cfg, ex, identity)
+    new = {json.loads(p.read_text())["key"].get("layout", "")
+           for p in set(tmp_path.glob("*.json")) - before}
+    assert new == {gemma, ""}  # one calibration per layout of the replica's executor

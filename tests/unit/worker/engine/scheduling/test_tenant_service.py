@@ -4,6 +4,8 @@ backlogged tenants' minimum."""
 
 from __future__ import annotations
 
+import pytest
+
 from kvfleet.worker.engine.request import SeqStatus, SequenceState
 from kvfleet.worker.engine.scheduling.scheduler import Scheduler
 from kvfleet.worker.engine.scheduling.tenant_service import DECODE_WEIGHT, PREFILL_WEIGHT, TenantService
@@ -75,6 +77,28 @@ def test_a_tenant_back_on_an_idle_replica_starts_at_the_highest_counter():
     assert ts.pick(["b", "a"]) == "b" and ts.service["a"] == 305
 
 
+def test_a_returning_tenant_may_start_up_to_its_credit_below_the_floor():
+    ts = TenantService(credit=50)
+    ts.arrive("a")
+    ts.charge("a", prefill_tokens=300)
+    ts.arrive("b")  # one credit below a: its first prompts still go before a's next
+    assert ts.service["b"] == 250
+    ts.charge("b", prefill_tokens=40)  # a first prompt: b is still behind a
+    assert ts.pick(["a", "b"]) == "b"
+    ts.leave("b")
+    ts.charge("a", prefill_tokens=1000)
+    ts.arrive("b")  # idle for longer than the credit: banks no more than it
+    assert ts.service["b"] == 1250
+    ts.arrive("c")  # new: the credit below the backlogged minimum (b's)
+    assert ts.service["c"] == 1200
+    ts.check_invariants()
+
+
+def test_a_negative_credit_is_refused():
+    with pytest.raises(ValueError, match="credit"):
+        TenantService(credit=-1)
+
+
 def test_idle_tenants_below_the_floor_are_forgotten():
     ts = TenantService()
     for t in ("x", "y"):
@@ -103,9 +127,12 @@ def test_a_tenant_whose_prompts_hit_the_cache_is_charged_less_and_gets_more_turn
     # (16 per request) pays 4x what cached pays: cached takes 4 turns per fresh turn, where
     # counting running sequences would alternate. Ties go to the oldest waiting request.
     assert order == ["fresh", "cached", "cached", "cached", "cached", "fresh", "cached", "cached"]
-    # Both started at warmer's 16 (the highest counter: it ran alone), then paid their own.
-    assert s.service.service["cached"] == 16 + 6 * 4 * PREFILL_WEIGHT
-    assert s.service.service["fresh"] == 16 + 2 * 16 * PREFILL_WEIGHT
+    # Both started at warmer's 16 (the highest counter: it ran alone) less the scheduler's
+    # credit (one step's prefill: 16 here), then paid their own.
+    start = max(0.0, 16 - s.service.credit)
+    assert s.service.credit == 16 * PREFILL_WEIGHT
+    assert s.service.service["cached"] == start + 6 * 4 * PREFILL_WEIGHT
+    assert s.service.service["fresh"] == start + 2 * 16 * PREFILL_WEIGHT
     assert all(x.num_cached_tokens == 12 for x in cached)
 
 

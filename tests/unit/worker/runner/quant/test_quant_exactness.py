@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvfleet.worker.runner.quant.config import QuantConfig
+from tests.unit.worker.conftest import FAMILIES
 from tests.unit.worker.engine_harness import (
     make_engine,
     prompt,
@@ -47,10 +48,20 @@ def _check(ref_dir, rec, req, res, index: int = 0) -> None:
     assert err <= 1, f"{req.request_id}#{index}: {err:.2f}x the tolerance"
 
 
-@pytest.mark.parametrize("method", METHODS)
+# What a family changes in quantization (which projections, fused or tied, with biases) is the
+# same at either width, and what the width changes (packing, kernel) no family changes: Llama,
+# Qwen2 and Mistral run both, every other family int4.
+BOTH_WIDTHS = ("tiny_llama_dir", "tiny_qwen2_dir", "tiny_mistral_dir")
+FAMILY_METHODS = pytest.mark.parametrize("model_dir, method", [
+    *((f, m) for f in BOTH_WIDTHS for m in METHODS),
+    *((f, "int4") for f in FAMILIES if f not in BOTH_WIDTHS)], indirect=["model_dir"])
+
+
+@FAMILY_METHODS
 def test_token_by_token_and_mixed_chunks(model_dir, method, reference) -> None:
     """Every family (Llama; Qwen2 with QKV bias and a tied, quantized embedding; Mistral's
-    sliding window): a one-token budget, then a mixed batch with uneven chunks."""
+    sliding window; and the rest of ``FAMILIES``, MoE experts staying float): a one-token
+    budget, then a mixed batch with uneven chunks."""
     ref = reference(model_dir, method)
     engine, rec = _engine(model_dir, method, max_num_batched_tokens=1)
     req = request(prompt(13, seed=1), max_tokens=6)

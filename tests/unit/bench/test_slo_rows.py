@@ -1,0 +1,29 @@
+"""``bench slo_rows``: the compact table of rows 2 and 3, and the rows it accepts."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.cluster import slo_rows
+from bench.cluster.slo_class_rows import table_lines
+
+
+def test_the_table_has_one_line_per_row_seed_and_setting() -> None:
+    r2 = {"alone_p99_ms": 100.0, "both_p99_ms": 140.0, "ratio": 1.4, "batch_alone_per_s": 8.0,
+          "batch_both_per_s": 7.3, "batch_drop_per_s": 0.7, "interactive_per_s": 0.8,
+          "met": True, "load": 1.0}
+    r3 = {"alone_p99_ms": None, "both_p99_ms": 300.0, "ratio": None, "admitted": 0.5,
+          "met": False, "load": 2.0}
+    lines = table_lines({3: {0: {"off": r3}}, 2: {1: {"off": r2, "on": r2}, 0: {"on": r2}}})
+    assert [line.split(" |")[0] for line in lines] == [
+        "row 2 seed 0 target on ", "row 2 seed 1 target off", "row 2 seed 1 target on ",
+        "row 3 seed 0 target off"]
+    assert "(1.40x, <= 1.5)" in lines[0] and "lost 0.70 vs interactive 0.80/s" in lines[0]
+    assert "(n/a, <= 2.0)" in lines[3] and "B admitted 50%" in lines[3]
+
+
+@pytest.mark.parametrize("argv", [["--rows", "4"], ["--rows", "2", "--runs", "0"]])
+def test_unknown_rows_and_no_runs_are_refused(argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        slo_rows.main(argv)
+    assert exc.value.code == 2
