@@ -105,8 +105,8 @@ REPLICA_FLAGS: tuple[Flag, ...] = (
     _ROUTER["--quantization"].at("replica.quantization"),
     _ROUTER["--quant-group-size"].at("replica.quant_group_size"),
     Flag("--no-one-row-weights", "replica.one_row_weights",
-         "hold each weight once: halves weight memory, slower batch-1 decode (default: a "
-         "second copy streams faster for one-row decode steps)", "model", action="store_false"),
+         "hold each weight once: halves weight memory, slower small-batch decode (default: a "
+         "second copy streams faster for steps of a few rows)", "model", action="store_false"),
     Flag("--executor", "replica.executor",
          "model: the real forward; cost-model: a timed stand-in for the forward only "
          "(scheduler, KV cache, index, gRPC stay real)", "model", choices=EXECUTORS),

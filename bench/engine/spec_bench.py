@@ -2,6 +2,7 @@
 
     .venv/bin/python -m bench spec [--quick] [--modes ngram,suffix] [--workloads edit,quote,none]
                                    [--batches 1,4] [--max-tokens N] [--out DIR]
+    .venv/bin/python -m bench spec --identity 200 [--modes ngram,suffix] [--max-tokens N]
 
 Three workloads, each at batch 1 (two requests one after the other) and batch 4 (four at
 once), greedy: **edit** (about 300 tokens of this repository's code, to be rewritten with a
@@ -10,6 +11,13 @@ Independence, to be quoted and explained), **none** (short poems: nothing to cop
 output tok/s, the ratio to ``off``, drafts accepted ÷ drafted, output tokens per row-step,
 and whether every answer equals the ``off`` answer token for token. The host's load average
 is recorded beside the numbers (timings on a shared machine move with it).
+
+``--identity N``: no timing; ``N`` greedy requests varied over the three workloads (other code
+slices and renames, other passages, other poem forms and topics), all submitted at once to an
+engine of up to 8 rows, with speculation off and then with each mode: how many answers are
+token-for-token identical, and for each divergence its first position and the top-2 logprob
+gap there (the logit gap) on the plain path and on the speculative one — a divergence is
+benign only where that gap is within fp32 noise.
 """
 
 from __future__ import annotations
@@ -32,6 +40,10 @@ CODE_FILES = ("allocator/block_pool.py", "worker/engine/output/stop_checker.py",
               "allocator/units.py", "worker/step_cost/host_lock.py")
 RENAMES = (("block_id", "bid"), ("text", "chunk"), ("tokens", "toks"), ("path", "where"))
 TOPICS = ("the sea at night", "a lost key", "autumn in a small town", "a robot learning to paint")
+MORE_TOPICS = ("a train at dawn", "an old library", "winter birds", "a city in the rain",
+               "the first snow", "a lighthouse keeper")
+FORMS = ("short poem", "haiku sequence", "limerick", "four-line rhyme", "sonnet", "short story",
+         "song verse", "free-verse poem")
 
 
 def _chat(tok, text: str) -> list[int]:
@@ -57,6 +69,80 @@ def workloads(tok) -> dict[str, tuple[list[list[int]], int]]:
              for i in range(4)]
     none = [_chat(tok, f"Write a short poem about {t}.") for t in TOPICS]
     return {"edit": (edit, 192), "quote": (quote, 128), "none": (none, 128)}
+
+
+def identity_prompts(tok, n: int) -> list[list[int]]:
+    """``n`` greedy prompts cycling over edit, quote and nothing-to-copy, each one different."""
+    text = (Path(__file__).parent / "data" / "declaration_of_independence.txt").read_text().split()
+    sources = [(ROOT / f).read_text().split('"""', 2)[-1] for f in CODE_FILES]
+    topics = TOPICS + MORE_TOPICS
+    out = []
+    for i in range(n):
+        k = i // 3
+        if i % 3 == 0:
+            src = sources[k % len(sources)]
+            code = _slice(tok, tok.decode(tok.encode(src).ids[40 * (k // len(sources)):]), 300)
+            old, new = RENAMES[(k + k // len(sources)) % len(RENAMES)]
+            out.append(_chat(tok, f"Rewrite this Python code, renaming `{old}` to `{new}`. "
+                                  f"Change nothing else.\n\n```python\n{code}\n```"))
+        elif i % 3 == 1:
+            out.append(_chat(tok, "Quote the first three sentences of this passage exactly, then "
+                                  "say in one line what they mean.\n\n"
+                                  + _slice(tok, " ".join(text[(37 * k) % (len(text) - 400):]), 300)))
+        else:
+            out.append(_chat(tok, f"Write a {FORMS[k % len(FORMS)]} about "
+                                  f"{topics[(k // len(FORMS) + k) % len(topics)]}."))
+    return out
+
+
+def run_all(factory: er.EngineFactory, prompts: list[list[int]], max_tokens: int, mode: str
+            ) -> dict[int, tuple[list[int], list]]:
+    """Every prompt submitted at once (greedy, top-2 logprobs); answer index → (tokens,
+    per-token logprobs)."""
+    engine = factory.engine(SchedulerConfig(max_num_seqs=8, speculative=mode))
+    for i, p in enumerate(prompts):
+        params = SamplingParams(max_tokens=max_tokens, logprobs=2).validate()
+        engine.add_request(EngineRequest(f"{mode}-{i}", tuple(p), params))
+    answers: dict[int, tuple[list[int], list]] = {i: ([], []) for i in range(len(prompts))}
+    while engine.has_work:
+        for o in engine.step():
+            toks, lps = answers[int(o.request_id.split("-", 1)[1])]
+            toks.extend(o.token_ids)
+            lps.extend(o.logprobs)
+    return answers
+
+
+def _gap(lp) -> float | None:
+    return lp.top[0][1] - lp.top[1][1] if len(lp.top) >= 2 else None
+
+
+def identity(factory: er.EngineFactory, n: int, max_tokens: int, modes: list[str]) -> dict:
+    """The ``--identity`` check (module docstring); prints and returns its record."""
+    prompts = identity_prompts(factory.tokenizer, n)
+    loads = [os.getloadavg()[0]]
+    off = run_all(factory, prompts, max_tokens, "off")
+    record: dict = {"requests": n, "max_tokens": max_tokens, "modes": {}}
+    for mode in modes:
+        on = run_all(factory, prompts, max_tokens, mode)
+        loads.append(os.getloadavg()[0])
+        diverged = []
+        for i, (want, want_lp) in off.items():
+            got, got_lp = on[i]
+            if got == want:
+                continue
+            at = next((j for j, (a, b) in enumerate(zip(want, got, strict=False)) if a != b),
+                      min(len(want), len(got)))
+            diverged.append({"request": i, "workload": ("edit", "quote", "none")[i % 3], "at": at,
+                             "plain_gap": _gap(want_lp[at]) if at < len(want_lp) else None,
+                             "spec_gap": _gap(got_lp[at]) if at < len(got_lp) else None})
+        same = n - len(diverged)
+        record["modes"][mode] = {"identical": same, "divergences": diverged}
+        print(f"identity {mode}: {same}/{n} identical", flush=True)
+        for d in diverged:
+            print(f"  request {d['request']} ({d['workload']}) diverges at token {d['at']}: top-2 "
+                  f"logprob gap plain {d['plain_gap']}, speculative {d['spec_gap']}", flush=True)
+    record["load_avg_1m"] = loads
+    return record
 
 
 def run_cell(factory: er.EngineFactory, prompts: list[list[int]], max_tokens: int,
@@ -94,9 +180,19 @@ def main(argv: list[str]) -> int:
                    help="answer length for every workload (default: each workload's own)")
     p.add_argument("--batches", default="1,4")
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--identity", type=int, default=0, metavar="N",
+                   help="no timing: N greedy requests, off vs each mode, token for token")
     a = p.parse_args(argv)
     model_dir = prepare_model(progress=False)
     factory = er.EngineFactory(model_dir, 2048, SchedulerConfig())
+    if a.identity:
+        record = identity(factory, a.identity, a.max_tokens or 64, a.modes.split(","))
+        a.out.mkdir(parents=True, exist_ok=True)
+        if a.out == RESULTS:
+            write_json("spec_identity.json", record)
+        else:
+            (a.out / "spec_identity.json").write_text(json.dumps(record, indent=2) + "\n")
+        return 0 if all(m["identical"] == a.identity for m in record["modes"].values()) else 1
     loads = [os.getloadavg()]
     run_cell(factory, [_chat(factory.tokenizer, "Say hi.")], 8, 1, "off")  # warm-up
     rows = []

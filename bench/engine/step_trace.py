@@ -33,7 +33,7 @@ class TracingStepCost(StepCost):
         self._joined = 0
 
     def observe(self, shape: StepShape, measured_s: float) -> None:
-        self.records.append(StepRecord(*shape, self.predict_step_s(*shape), measured_s))
+        self.records.append(StepRecord(*shape[:3], self.predict_step_s(*shape), measured_s))
         super().observe(shape, measured_s)
 
     def step_done(self, wall_s: float) -> None:

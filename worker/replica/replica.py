@@ -164,8 +164,8 @@ class ReplicaConfig:
     kv_write_back_queue_bytes: int = DEFAULT_MAX_PENDING_BYTES
     kv_write_back_run_bytes: int = DEFAULT_MAX_RUN_BYTES
     dtype: str = "float32"
-    # A second copy of each weight for batch-1 decode (see worker/runner/models/linear.py):
-    # lower batch-1 ITL on CPU for twice the weight memory (docs/benchmarks.md, Engine).
+    # A second copy of each weight for steps of a few rows (worker/runner/models/linear.py):
+    # lower small-batch and verify-step ITL on CPU for twice the weight memory (docs/benchmarks.md, Engine).
     one_row_weights: bool = True
     # Weight-only quantization of every projection, the embedding and the LM head
     # (kvfleet.worker.runner.quant): "none", "int8" or "int4", groups of quant_group_size

@@ -4,8 +4,9 @@
   formulation costs two gather copies and an SDPA call per decode per layer, a large share of
   a decode step on CPU; the kernel reads each key and value once, where it lies,
   for every decode of a step in one call.
-* ``gemv.c`` — the one-row projection of batch-1 decode steps, streaming each weight once
-  (oneDNN's packed path falls well short of the read bandwidth with a single row).
+* ``gemv.c`` — projections of steps with a few query rows (a small decode batch, a verify
+  chunk), streaming each weight once for all rows (oneDNN's packed path falls well short of
+  the read bandwidth with so few rows).
 * ``layer_ops.c`` — a decoder layer's small ops (norm with residual add, RoPE with the K/V
   write, SiLU · up) fused, bound and called by :mod:`kvfleet.worker.runner.layer_ops`.
 * ``quant/qgemm.c`` — products with int8 / int4 packed weights (bound and called by
@@ -93,11 +94,11 @@ def load() -> ctypes.CDLL | None:
     try:
         lib = ctypes.CDLL(str(_build(compiler)))
     except subprocess.CalledProcessError as exc:
-        log.warning("C kernels (decode attention, one-row GEMV): %s failed (%s); using the "
+        log.warning("C kernels (decode attention, few-row GEMV): %s failed (%s); using the "
                     "torch path", compiler, (exc.stderr or "").strip()[:500])
         return None
     except (OSError, subprocess.SubprocessError) as exc:
-        log.warning("C kernels (decode attention, one-row GEMV) unavailable (%s); using the "
+        log.warning("C kernels (decode attention, few-row GEMV) unavailable (%s); using the "
                     "torch path", exc)
         return None
     fn = lib.paged_decode_attention
@@ -105,31 +106,48 @@ def load() -> ctypes.CDLL | None:
     fn.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64,
                    ctypes.c_float, ptr, ctypes.c_int]
     fn.restype = ctypes.c_int
-    lib.gemv_rows.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_int]
-    lib.gemv_rows.restype = None
+    lib.gemm_few_rows.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, ctypes.c_int]
+    lib.gemm_few_rows.restype = None
+    lib.few_rows_panel_width.restype = ctypes.c_int
     return lib
 
 
-def gemv(x: torch.Tensor, weight_out_in: torch.Tensor, bias: torch.Tensor | None,
+def pack_panels(weight_in_out: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """``weight_in_out`` ``[in, out]`` as :func:`gemv`'s panels: ``(ceil(out / w), in, w)``
+    contiguous, ``w`` the kernel's panel width, zero past column ``out``."""
+    width = _loaded(lib).few_rows_panel_width()
+    in_features, out_features = weight_in_out.shape
+    count = -(-out_features // width)
+    padded = weight_in_out.new_zeros(in_features, count * width)
+    padded[:, :out_features] = weight_in_out
+    return padded.view(in_features, count, width).permute(1, 0, 2).contiguous()
+
+
+def gemv(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int,
          lib: ctypes.CDLL | None = None) -> torch.Tensor:
-    """``x`` ``(1, in)`` · ``weight_out_in`` ``(out, in)``ᵀ (+ ``bias`` ``(out,)``) → ``(1, out)``.
+    """``x`` ``(m, in)`` · W (+ ``bias`` ``(out,)``) → ``(m, out_features)``, W held as
+    :func:`pack_panels`' ``panels``; reads W once for all ``m`` rows, so it is meant for a
+    few rows (see :data:`kvfleet.worker.runner.models.linear.FEW_ROWS`).
 
     ``lib``: the library a caller loaded when it chose this path (default :func:`load`, which
     callers check first); all tensors fp32 on CPU.
 
     Raises:
-        ValueError: shapes that do not match, or non-contiguous operands.
+        ValueError: shapes that do not match, no rows, or non-contiguous panels or bias.
     """
-    out_features, in_features = weight_out_in.shape
-    if x.shape != (1, in_features) or (bias is not None and bias.shape != (out_features,)):
-        raise ValueError(f"gemv: x {tuple(x.shape)}, weight {tuple(weight_out_in.shape)}")
+    count, in_features, width = panels.shape
+    if (x.dim() != 2 or x.shape[0] < 1 or x.shape[1] != in_features
+            or not count * width - width < out_features <= count * width
+            or (bias is not None and bias.shape != (out_features,))):
+        raise ValueError(f"gemv: x {tuple(x.shape)}, panels {tuple(panels.shape)}, "
+                         f"{out_features} outputs")
+    if not panels.is_contiguous() or (bias is not None and not bias.is_contiguous()):
+        raise ValueError("gemv: panels and bias must be contiguous")
     x = x.contiguous()
-    if not weight_out_in.is_contiguous() or (bias is not None and not bias.is_contiguous()):
-        raise ValueError("gemv: weight and bias must be contiguous")
-    y = x.new_empty(1, out_features)
-    _loaded(lib).gemv_rows(x.data_ptr(), weight_out_in.data_ptr(),
-                           None if bias is None else bias.data_ptr(),
-                           y.data_ptr(), in_features, out_features, torch.get_num_threads())
+    y = x.new_empty(x.shape[0], out_features)
+    _loaded(lib).gemm_few_rows(x.data_ptr(), x.shape[0], panels.data_ptr(),
+                               None if bias is None else bias.data_ptr(), y.data_ptr(),
+                               in_features, out_features, torch.get_num_threads())
     return y
 
 

@@ -83,7 +83,7 @@ class ModelRunner:
         model_dir: HF-format directory (``config.json``, ``*.safetensors``).
         num_blocks, block_size: KV cache geometry, in blocks and tokens per block.
         dtype: weights, activations and KV cache dtype; logits are returned as float32.
-        one_row_weights: hold every projection weight a second time for batch-1 decode steps
+        one_row_weights: hold every projection weight a second time for steps of a few rows
             (fp32 CPU with the C kernels): see :class:`~kvfleet.worker.runner.models.linear.Linear`.
         shard: this rank of a tensor-parallel group (default: the whole model); only rank 0
             holds an LM head.

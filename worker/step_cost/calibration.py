@@ -37,7 +37,7 @@ from kvfleet.worker.step_cost.host_lock import host_lock
 from kvfleet.worker.step_cost.model import MEASURED, CostModel, plan_shape
 
 log = logging.getLogger(__name__)
-FORMAT = 2  # bump when the model form, the plans or the fit change: old cache files stop matching
+FORMAT = 3  # bump when the model form, the plans or the fit change: old cache files stop matching
 DEFAULT_BUDGET_S = 20.0
 STARTUP_REPEATS = 4  # passes: the first two always run, the others within the budget
 LOCK_WAIT_S = 180.0  # longest wait for another replica's calibration of the same key
@@ -101,9 +101,10 @@ def calibration_plans(block_size: int, prefill_sizes: Iterable[int], contexts: I
 def startup_plans(num_blocks: int, block_size: int, max_model_len: int, vocab: int) -> list[StepPlan]:
     """The start-up calibration's shapes, sized to fit the KV pool and the context: decode
     batches of 1, 4 and up to 16 rows at a short context and 1 and 4 at a long one, prefill
-    chunks of 16-256 tokens from an empty prefix and 64-128 after a long one, and one step
-    mixing decode rows with a chunk (the scheduler's usual step), so each of the base,
-    decode, prefill and context terms varies on its own in more than one shape."""
+    chunks of 16-256 tokens from an empty prefix and 64-128 after a long one, one step
+    mixing decode rows with a chunk (the scheduler's usual step), and verify steps (decode
+    rows carrying 4 and 2 speculative drafts), so each of the base, decode, prefill, context
+    and draft terms varies on its own in more than one shape."""
     slots = num_blocks * block_size
     long_ctx = max(1, min(1024, max_model_len - 257, slots // 2 - 256))
     short_ctx = min(16, long_ctx)
@@ -115,6 +116,8 @@ def startup_plans(num_blocks: int, block_size: int, max_model_len: int, vocab: i
     for n, ctx in ((16, 0), (64, 0), (256, 0), (64, long_ctx), (128, long_ctx)):
         plans += calibration_plans(block_size, [n], [ctx], [], 0, vocab)
     plans.append(_mixed(min(4, batch), short_ctx, 64, block_size, vocab))
+    plans += [_verify(1, short_ctx, 4, block_size, vocab),
+              _verify(min(4, batch), short_ctx, 2, block_size, vocab)]
     return [p for p in plans  # a pool or context too small for a shape skips it
             if all(max(c.block_table) < num_blocks
                    and c.num_computed_tokens + len(c.token_ids) <= max_model_len for c in p.chunks)]
@@ -131,6 +134,12 @@ def _mixed(rows: int, ctx: int, n: int, block_size: int, vocab: int) -> StepPlan
     per = cdiv(ctx + 1, block_size)
     decodes = tuple(_chunk(f"d{i}", 1, ctx, i * per, block_size, vocab) for i in range(rows))
     return StepPlan(decodes + (_chunk("p", n, 0, rows * per, block_size, vocab),))
+
+
+def _verify(rows: int, ctx: int, drafts: int, block_size: int, vocab: int) -> StepPlan:
+    per = cdiv(ctx + 1 + drafts, block_size)
+    return StepPlan(tuple(replace(_chunk(f"v{i}", 1 + drafts, ctx, i * per, block_size, vocab),
+                                  num_draft_tokens=drafts) for i in range(rows)))
 
 
 def measure(runner: _Runs, plans: Iterable[StepPlan], repeats: int = 3,
@@ -160,7 +169,8 @@ def measure(runner: _Runs, plans: Iterable[StepPlan], repeats: int = 3,
     out = []
     for plan, seconds in zip(plans, best, strict=True):
         shape = plan_shape(plan)
-        out.append(StepSample(shape.prefill_tokens, shape.decode_rows, shape.context_tokens, seconds))
+        out.append(StepSample(shape.prefill_tokens, shape.decode_rows, shape.context_tokens, seconds,
+                              shape.draft_tokens))
     return out
 
 

@@ -4,7 +4,7 @@ Timings on a shared host are noisy upward (a neighbour only ever slows a step), 
 
 * each shape is timed several times and its **minimum** kept (:mod:`.calibration`);
 * the constants are the **non-negative least squares** fit (Lawson–Hanson) of
-  ``seconds ≈ base + prefill·p + decode·d + context·c`` in relative error (each row divided
+  ``seconds ≈ base + prefill·p + decode·d + context·c + draft·v`` in relative error (each row divided
   by its seconds, so a short decode step weighs as much as a long prefill): no constant can
   come out negative;
 * a shape that ran much slower than a fit of the other shapes predicts (a shape whose every
@@ -31,7 +31,7 @@ import torch
 from kvfleet.worker.step_cost.model import CostModel
 
 log = logging.getLogger(__name__)
-TERMS = ("step_base_s", "prefill_token_s", "decode_token_s", "context_token_s")
+TERMS = ("step_base_s", "prefill_token_s", "decode_token_s", "context_token_s", "draft_token_s")
 OUTLIER_LOG_RATIO = math.log(1.5)  # a shape fitted 1.5x off (either way) is suspect...
 OUTLIER_OVER_MEDIAN = 3.0          # ... when also 3x further off than the median shape
 CLAMP_LO, CLAMP_HI = 0.2, 5.0      # × the reference's constant, scaled to these timings
@@ -45,10 +45,12 @@ class StepSample:
     decode_tokens: int
     context_tokens: int
     seconds: float
+    draft_tokens: int = 0  # last: older calibration files omit it
 
     def features(self) -> list[float]:
-        """The row of the linear form: ``[1, prefill, decode, context]``."""
-        return [1.0, float(self.prefill_tokens), float(self.decode_tokens), float(self.context_tokens)]
+        """The row of the linear form: ``[1, prefill, decode, context, drafts]``."""
+        return [1.0, float(self.prefill_tokens), float(self.decode_tokens),
+                float(self.context_tokens), float(self.draft_tokens)]
 
 
 def nnls(a: torch.Tensor, b: torch.Tensor, max_iter: int = 50) -> torch.Tensor:
@@ -135,7 +137,8 @@ def clamp_to_reference(cost: CostModel, reference: CostModel,
     scaling ``reference`` to ``samples`` (the median of measured ÷ reference-predicted). A
     constant the reference has at 0 is left alone. Each clamp is logged as a warning."""
     ratios = [s.seconds / p for s in samples
-              if (p := reference.predict_step_s(s.decode_tokens, s.prefill_tokens, s.context_tokens)) > 0]
+              if (p := reference.predict_step_s(s.decode_tokens, s.prefill_tokens, s.context_tokens,
+                                                s.draft_tokens)) > 0]
     if not ratios:
         return cost
     level = median(ratios)
@@ -162,5 +165,5 @@ def fit(samples: Sequence[StepSample], source: str = "",
         ValueError: no samples.
     """
     coef, kept = robust_fit(samples)
-    cost = CostModel(coef[0], coef[1], coef[2], source, coef[3])
+    cost = CostModel(coef[0], coef[1], coef[2], source, coef[3], coef[4])
     return clamp_to_reference(cost, reference, kept) if reference is not None else cost

@@ -5,10 +5,15 @@ corrected online), by the cost-model executor (which sleeps this long) and so by
 simulator, so that all three agree::
 
     step_s = step_base_s + decode_token_s · decode_rows + prefill_token_s · prefill_tokens
-                         + context_token_s · context_tokens
+                         + context_token_s · context_tokens + draft_token_s · draft_tokens
 
 * ``decode_rows``: chunks of one new token (a decode, or the last token of a prompt);
 * ``prefill_tokens``: new tokens of the chunks longer than one token;
+* ``draft_tokens``: speculative drafts verified on decode rows (``SeqChunk.num_draft_tokens``).
+  A verify chunk is its decode row plus its drafts, not a prefill chunk: beside a decode step
+  a draft costs what an extra query row costs while the step still streams each weight once
+  (on CPU, the few-row kernel of :mod:`kvfleet.worker.runner.cpu_kernels`), which is neither a
+  decode row (its own attention read and sampling) nor a compute-bound prefill token;
 * ``context_tokens``: KV positions the step's attention reads, summed over its chunks: a
   chunk of ``n`` new tokens after ``c`` computed ones reads :func:`attended` ``(c, n) = c + n``
   positions of K and V. For decode rows that is the KV bytes a step streams, which dominates
@@ -24,7 +29,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import NamedTuple, Protocol
 
@@ -45,25 +50,29 @@ class StepShape(NamedTuple):
     decode_rows: int
     prefill_tokens: int
     context_tokens: int
+    draft_tokens: int = 0
 
 
 def plan_shape(plan: StepPlan) -> StepShape:
-    """The :class:`StepShape` of ``plan``: a one-token chunk counts as a decode row."""
-    decode = prefill = context = 0
+    """The :class:`StepShape` of ``plan``: a one-token chunk counts as a decode row, a chunk
+    with drafts as a decode row and its drafts."""
+    decode = prefill = context = drafts = 0
     for c in plan.chunks:
         n = len(c.token_ids)
-        if n == 1:
+        if n == 1 or c.num_draft_tokens:
             decode += 1
+            drafts += n - 1
         else:
             prefill += n
         context += attended(c.num_computed_tokens, n)
-    return StepShape(decode, prefill, context)
+    return StepShape(decode, prefill, context, drafts)
 
 
 class StepCostModel(Protocol):
     """What the scheduler's time budget and the router's queue-delay estimate code against."""
 
-    def predict_step_s(self, decode_rows: int, prefill_tokens: int, context_tokens: int) -> float:
+    def predict_step_s(self, decode_rows: int, prefill_tokens: int, context_tokens: int,
+                       draft_tokens: int = 0) -> float:
         """Predicted seconds of one step of this shape (0 for an empty step)."""
         ...
 
@@ -81,19 +90,22 @@ class CostModel:
     prefill_token_s: float
     decode_token_s: float
     source: str = ""
-    context_token_s: float = 0.0  # last: older calibration files and callers omit it
+    context_token_s: float = 0.0  # last two: older calibration files and callers omit them
+    draft_token_s: float = 0.0
 
     def __post_init__(self) -> None:
         if min(self.step_base_s, self.prefill_token_s, self.decode_token_s,
-               self.context_token_s) < 0:
+               self.context_token_s, self.draft_token_s) < 0:
             raise ValueError(f"cost model constants must be >= 0, got {self}")
 
-    def predict_step_s(self, decode_rows: int, prefill_tokens: int, context_tokens: int) -> float:
+    def predict_step_s(self, decode_rows: int, prefill_tokens: int, context_tokens: int,
+                       draft_tokens: int = 0) -> float:
         """Modelled seconds of one step of this shape (0 when it computes nothing)."""
         if decode_rows == 0 and prefill_tokens == 0:
             return 0.0
         return (self.step_base_s + self.decode_token_s * decode_rows
-                + self.prefill_token_s * prefill_tokens + self.context_token_s * context_tokens)
+                + self.prefill_token_s * prefill_tokens + self.context_token_s * context_tokens
+                + self.draft_token_s * draft_tokens)
 
     def step_seconds(self, plan: StepPlan) -> float:
         """Modelled duration of one forward over ``plan`` (0 for an empty plan)."""
@@ -109,18 +121,20 @@ class CostModel:
             raise ValueError(f"time scale must be > 0, got {factor}")
         return CostModel(self.step_base_s * factor, self.prefill_token_s * factor,
                          self.decode_token_s * factor, f"{self.source} × {factor:g}",
-                         self.context_token_s * factor)
+                         self.context_token_s * factor, self.draft_token_s * factor)
 
     @classmethod
     def from_json(cls, data: dict, source: str = "") -> "CostModel":
-        """From :meth:`to_json`'s object (``context_token_s`` may be absent: 0).
+        """From :meth:`to_json`'s object (``context_token_s``, ``draft_token_s`` may be absent:
+        0; a model without a draft term prices a draft as a prefill token, see
+        :func:`with_draft_prior`).
 
         Raises:
             KeyError, ValueError: a missing or bad constant.
         """
         return cls(float(data["step_base_s"]), float(data["prefill_token_s"]),
                    float(data["decode_token_s"]), str(data.get("source", source)),
-                   float(data.get("context_token_s", 0.0)))
+                   float(data.get("context_token_s", 0.0)), float(data.get("draft_token_s", 0.0)))
 
     @classmethod
     def load(cls, path: str | Path) -> "CostModel":
@@ -135,28 +149,41 @@ class CostModel:
 # Measured with ``python -m bench.calibrate`` on SmolLM2-135M-Instruct, fp32, one torch
 # thread, on the 2-core development machine (bench/results/calibration.json holds the samples).
 MEASURED = CostModel(*MEASURED_STEP_COSTS)
+
+
+def with_draft_prior(cost: CostModel) -> CostModel:
+    """``cost``, or where it has no draft term (an older calibration, :data:`MEASURED`) the
+    same with ``draft_token_s = prefill_token_s``: a draft priced as a prefill token until a
+    calibration or the online correction (:class:`StepCost`'s draft side) says otherwise."""
+    if cost.draft_token_s > 0 or cost.prefill_token_s <= 0:
+        return cost
+    return replace(cost, draft_token_s=cost.prefill_token_s)
+
+
 ZERO = CostModel(0.0, 0.0, 0.0, "zero: answers at once")
 
 MAX_LOG_RATIO = math.log(4.0)  # one step counts as at most ×4 off (a GC pause, a swap)
 MAX_LOG_SCALE = math.log(16.0)  # a side corrected past ×16 either way needs recalibrating
-SIDES = ("decode", "prefill")
+SIDES = ("decode", "prefill", "draft")
 
 
 class StepCost:
     """A replica's step-cost model: a calibrated :class:`CostModel` × an online correction
     per side of the step.
 
-    The prediction splits in two: the **decode side** (base + decode rows + KV positions
-    attended) and the **prefill side** (prefill tokens), each × its own scale. After each
+    The prediction splits in three: the **decode side** (base + decode rows + KV positions
+    attended), the **prefill side** (prefill tokens) and the **draft side** (speculative
+    drafts verified), each × its own scale; a prior without a draft term gets
+    :func:`with_draft_prior`'s. After each
     forward the engine calls :meth:`observe` with the step's shape and measured seconds; the
     error ``e = log(measured / predicted)``, clipped to ``±log 4``, is shared out by each
     side's share of the prediction: ``log scale_side += alpha × share_side × e / Σ share²``
     (a normalized gradient step on the squared log error: the step's own prediction moves by
     ``alpha × e``, as one scale's would). A decode-only step corrects the decode side alone,
     so a prefill priced 2× wrong is learnt from steps with prefill while decode steps keep
-    the decode side where it is. Bounded: one step moves a scale by at most ``4^(1.21
-    alpha)``, and a scale stays within ``16^±1`` of the calibration. ``alpha`` 0 keeps the
-    prior fixed (tests, a modelled executor).
+    the decode side where it is; likewise drafts from steps that verify some. Bounded: one
+    step moves a scale by at most ``4^(1.37 alpha)``, and a scale stays within ``16^±1`` of
+    the calibration. ``alpha`` 0 keeps the prior fixed (tests, a modelled executor).
 
     ``predicted_total_s`` / ``measured_total_s`` / ``steps`` (and the last pair) are what the
     metrics export, with :attr:`decode_scale` and :attr:`prefill_scale`: their rates' ratio
@@ -170,9 +197,9 @@ class StepCost:
     def __init__(self, prior: CostModel, alpha: float = 0.05) -> None:
         if not 0 <= alpha <= 1:
             raise ValueError(f"alpha must be in [0, 1], got {alpha}")
-        self.prior = prior
+        self.prior = with_draft_prior(prior)
         self.alpha = alpha
-        self.log_scales = [0.0, 0.0]  # decode side, prefill side
+        self.log_scales = [0.0] * len(SIDES)
         self.steps = 0
         self.predicted_total_s = 0.0
         self.measured_total_s = 0.0
@@ -189,16 +216,29 @@ class StepCost:
         """measured ÷ prior of the prefill side (prefill tokens), as estimated."""
         return math.exp(self.log_scales[1])
 
-    def _sides(self, decode_rows: int, prefill_tokens: int, context_tokens: int) -> tuple[float, float]:
-        """The prior's seconds of the decode side and of the prefill side (0, 0: empty)."""
-        total = self.prior.predict_step_s(decode_rows, prefill_tokens, context_tokens)
-        prefill = self.prior.prefill_token_s * prefill_tokens if total > 0 else 0.0
-        return total - prefill, prefill
+    @property
+    def draft_scale(self) -> float:
+        """measured ÷ prior of the draft side (drafts verified), as estimated."""
+        return math.exp(self.log_scales[2])
 
-    def predict_step_s(self, decode_rows: int, prefill_tokens: int, context_tokens: int) -> float:
+    def _sides(self, decode_rows: int, prefill_tokens: int, context_tokens: int,
+               draft_tokens: int = 0) -> tuple[float, ...]:
+        """The prior's seconds of each of :data:`SIDES` (all 0: empty)."""
+        total = self.prior.predict_step_s(decode_rows, prefill_tokens, context_tokens, draft_tokens)
+        if total <= 0:
+            return (0.0,) * len(SIDES)
+        prefill = self.prior.prefill_token_s * prefill_tokens
+        drafts = self.prior.draft_token_s * draft_tokens
+        return total - prefill - drafts, prefill, drafts
+
+    def _scaled(self, sides: tuple[float, ...]) -> list[float]:
+        return [part * math.exp(log) for part, log in zip(sides, self.log_scales, strict=True)]
+
+    def predict_step_s(self, decode_rows: int, prefill_tokens: int, context_tokens: int,
+                       draft_tokens: int = 0) -> float:
         """Predicted seconds of one step's forward of this shape (0 when it computes nothing)."""
-        d, p = self._sides(decode_rows, prefill_tokens, context_tokens)
-        return d * self.decode_scale + p * self.prefill_scale
+        return sum(self._scaled(self._sides(decode_rows, prefill_tokens, context_tokens,
+                                            draft_tokens)))
 
     def predict_plan_s(self, plan: StepPlan) -> float:
         """Predicted seconds of the forward over ``plan``."""
@@ -206,8 +246,7 @@ class StepCost:
 
     def observe(self, shape: StepShape, measured_s: float) -> None:
         """Record one forward of ``shape`` that took ``measured_s`` seconds."""
-        d, p = self._sides(*shape)
-        sides = (d * self.decode_scale, p * self.prefill_scale)
+        sides = self._scaled(self._sides(*shape))
         predicted = sum(sides)
         if predicted <= 0 or not measured_s > 0:
             return  # nothing computed, or a clock that did not move: no information
@@ -218,7 +257,7 @@ class StepCost:
         self.steps += 1
         error = max(-MAX_LOG_RATIO, min(MAX_LOG_RATIO, math.log(measured_s / predicted)))
         shares = [part / predicted for part in sides]
-        norm = sum(x * x for x in shares)  # in [1/2, 1]: the prediction moves by alpha × error
+        norm = sum(x * x for x in shares)  # in [1/3, 1]: the prediction moves by alpha × error
         for i, share in enumerate(shares):
             moved = self.log_scales[i] + self.alpha * share / norm * error
             self.log_scales[i] = max(-MAX_LOG_SCALE, min(MAX_LOG_SCALE, moved))

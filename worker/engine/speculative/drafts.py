@@ -23,7 +23,7 @@ def _shape(scheduled: Sequence[ScheduledSeq]) -> StepShape:
         n = s.num_new_tokens
         decode, prefill = (decode + 1, prefill) if n == 1 else (decode, prefill + n)
         context += attended(s.seq.num_computed_tokens, n)
-    return StepShape(decode, prefill, context)
+    return StepShape(decode, prefill, context, 0)
 
 
 def add_drafts(sched: Scheduler, scheduled: list[ScheduledSeq], tokens_left: int,

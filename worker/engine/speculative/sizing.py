@@ -4,8 +4,9 @@ expected tokens per predicted second.
 A row whose recent drafts were accepted at rate ``a`` (per drafted token) is modelled as
 accepting its ``j``-th draft with probability ``a^j``, so ``d`` drafts add ``a + … + a^d``
 expected tokens beside the one it samples anyway. Their price is the step-cost model's: a
-decode row that carries ``d`` drafts becomes a prefill-like chunk of ``1 + d`` tokens that
-attends ``d`` more positions (the model's online correction learns what such chunks cost).
+decode row that carries ``d`` drafts stays a decode row and adds ``d`` draft tokens, which
+attend ``d`` more positions (the model's draft term, calibrated on verify steps and corrected
+online from every step that verifies drafts; see :mod:`kvfleet.worker.step_cost.model`).
 Drafts are handed out greedily, best expected gain first, while each one raises the step's
 expected tokens ÷ predicted seconds: at a large batch or a low acceptance rate the answer is
 0 everywhere, which is speculation off.
@@ -71,23 +72,21 @@ def size_drafts(candidates: Sequence[Candidate], base: StepShape, sampled_rows: 
             drafts[i] = max(0, min(c.max_drafts, tokens_left))
             tokens_left -= drafts[i]
         return drafts
-    rows, prefill, context = base
+    rows, prefill, context, verified = base
     tokens = float(sampled_rows)
-    seconds = cost.predict_step_s(rows, prefill, context)
+    seconds = cost.predict_step_s(rows, prefill, context, verified)
     gains = [c.rate for c in candidates]  # expected gain of each row's next draft
     while tokens_left > 0:
         best = max((i for i, c in enumerate(candidates) if drafts[i] < c.max_drafts),
                    key=gains.__getitem__, default=None)
         if best is None:
             break
-        first = drafts[best] == 0  # the row turns from a decode into a verify chunk
-        shape = (rows - first, prefill + 1 + first, context + 1)
-        new_s = cost.predict_step_s(*shape)
+        new_s = cost.predict_step_s(rows, prefill, context + 1, verified + 1)
         if seconds > 0 and (tokens + gains[best]) * seconds <= tokens * new_s:
             break  # the best remaining draft no longer pays for itself
         drafts[best] += 1
         tokens += gains[best]
         gains[best] *= candidates[best].rate
-        rows, prefill, context, seconds = *shape, new_s
+        context, verified, seconds = context + 1, verified + 1, new_s
         tokens_left -= 1
     return drafts

@@ -122,7 +122,7 @@ def build_model(config: ModelConfig, weights: Mapping[str, torch.Tensor],
                 dtype: torch.dtype, device: torch.device | str,
                 one_row_copy: bool = False, lm_head: bool = True) -> CausalLM:
     """Instantiate the family that implements ``config.architecture`` from HF-named weights
-    (``one_row_copy``: keep a second copy of each weight for batch-1 decode steps, see
+    (``one_row_copy``: keep a second copy of each weight for steps of a few rows, see
     :class:`~kvfleet.worker.runner.models.linear.Linear`; ``lm_head=False``: no LM head, for a
     model that only computes hidden states).
 

@@ -26,6 +26,9 @@ from kvfleet.worker.runner.quant.linear import QuantLinear
 from kvfleet.worker.runner.quant.tensor import QuantTensor
 
 PACK_BATCH_HINT = 16
+# Most rows a product takes through the C few-row kernel (with a copy to run on); from there
+# on oneDNN's packed GEMM is as fast or faster (measured per projection: docs/speculative.md).
+FEW_ROWS = 8
 
 
 def pack_weight(weight_in_out: torch.Tensor) -> torch.Tensor | None:
@@ -68,22 +71,24 @@ class Linear:
     Args:
         weight: ``[in, out]`` (float, any device); replaced by its packed copy where available.
         bias: ``(out,)`` or None.
-        one_row_copy: also keep an ``[out, in]`` copy for one-row products through the C GEMV
-            of :mod:`kvfleet.worker.runner.cpu_kernels` (where it loads): batch-1 decode then streams
-            the weight at close to the read bandwidth, at the cost of holding it twice.
+        one_row_copy: also keep a panel copy (:func:`~kvfleet.worker.runner.cpu_kernels.pack_panels`)
+            for products of up to :data:`FEW_ROWS` rows through the C few-row kernel of
+            :mod:`kvfleet.worker.runner.cpu_kernels` (where it loads): a decode step of a few
+            rows, or a verify chunk, then streams the weight once at close to the read
+            bandwidth, at the cost of holding it twice.
     """
 
-    __slots__ = ("weight", "bias", "packed", "in_features", "out_features", "rows", "_lib")
+    __slots__ = ("weight", "bias", "packed", "in_features", "out_features", "panels", "_lib")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  one_row_copy: bool = False) -> None:
         self.in_features, self.out_features = weight.shape
         packed = pack_weight(weight)
         self.packed = packed is not None
-        self.rows = None
+        self.panels = None
         self._lib = cpu_kernels.load() if one_row_copy and self.packed else None
         if self._lib is not None:  # chosen once: a later KVFLEET_C_KERNELS change does not apply
-            self.rows = weight.t().contiguous()
+            self.panels = cpu_kernels.pack_panels(weight, self._lib)
         self.weight = packed if packed is not None else weight
         self.bias = bias
 
@@ -95,12 +100,12 @@ class Linear:
 
     @property
     def held_nbytes(self) -> int:
-        """Bytes held: :attr:`nbytes` plus the one-row copy, if any."""
-        return self.nbytes + (self.rows.nbytes if self.rows is not None else 0)
+        """Bytes held: :attr:`nbytes` plus the few-row panel copy, if any."""
+        return self.nbytes + (self.panels.nbytes if self.panels is not None else 0)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.rows is not None and x.shape[0] == 1:
-            return cpu_kernels.gemv(x, self.rows, self.bias, self._lib)
+        if self.panels is not None and 0 < x.shape[0] <= FEW_ROWS:
+            return cpu_kernels.gemv(x, self.panels, self.bias, self.out_features, self._lib)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return torch.mm(x, self.weight) if self.bias is None else torch.addmm(self.bias, x, self.weight)

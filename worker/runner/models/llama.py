@@ -217,7 +217,7 @@ class LlamaForCausalLM(nn.Module):
 
     def pack(self, one_row_copy: bool = False) -> None:
         """Turn every loaded matrix into a projection (:func:`~.linear.projection`: packed
-        where the platform allows; ``one_row_copy``: also a copy for batch-1 decode, see
+        where the platform allows; ``one_row_copy``: also a copy for steps of a few rows, see
         :class:`~.linear.Linear`)."""
         for layer in self._decoder_layers():
             layer.pack(one_row_copy)

@@ -1,4 +1,4 @@
-"""Projections: the packed oneDNN path and the one-row C GEMV equal a plain matmul; without a
+"""Projections: the packed oneDNN path and the few-row C kernel equal a plain matmul; without a
 C compiler everything falls back."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import torch
 from kvfleet.worker.engine.step_plan import SeqChunk
 from kvfleet.worker.runner import cpu_kernels
 from kvfleet.worker.runner.attention import build_attention_metadata
-from kvfleet.worker.runner.models.linear import Linear
+from kvfleet.worker.runner.models.linear import FEW_ROWS, Linear
 
 
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 3, 17])
+@pytest.mark.parametrize("rows", [1, 3, FEW_ROWS, 17])
 @pytest.mark.parametrize("one_row_copy", [False, True])
 def test_linear_matches_matmul(rows, bias, one_row_copy) -> None:
     g = torch.Generator().manual_seed(rows)
@@ -22,22 +22,58 @@ def test_linear_matches_matmul(rows, bias, one_row_copy) -> None:
     x = torch.randn(rows, 70, generator=g)
     lin = Linear(w, b, one_row_copy=one_row_copy)
     assert lin.packed  # fp32 CPU: this torch build packs for oneDNN
-    assert (lin.rows is not None) == one_row_copy
+    assert (lin.panels is not None) == one_row_copy
     want = x @ w + (b if bias else 0)
     torch.testing.assert_close(lin(x), want, rtol=1e-5, atol=1e-4)
     assert lin.nbytes == (70 * 45 + (45 if bias else 0)) * 4
 
 
+@pytest.mark.parametrize("rows", range(1, 11))
+@pytest.mark.parametrize("shape", [(576, 960), (1536, 576), (33, 130)])
+def test_few_row_kernel_matches_torch(rows, shape) -> None:
+    """Every row count through the tile and its remainders (1..3 rows past a multiple of four,
+    beyond FEW_ROWS too), outputs a multiple of the panel width or not, with and without bias:
+    the kernel equals torch's matmul within fp32 accumulation error."""
+    assert cpu_kernels.load() is not None
+    g = torch.Generator().manual_seed(rows * 7 + shape[1])
+    w = torch.randn(*shape, generator=g)  # [in, out]
+    b = torch.randn(shape[1], generator=g)
+    x = torch.randn(rows, shape[0], generator=g)
+    panels = cpu_kernels.pack_panels(w)
+    want = (x.double() @ w.double()).float()
+    tol = 2e-6 * shape[0] ** 0.5 * float(want.abs().max())
+    torch.testing.assert_close(cpu_kernels.gemv(x, panels, None, shape[1]), want, rtol=0, atol=tol)
+    torch.testing.assert_close(cpu_kernels.gemv(x, panels, b, shape[1]), want + b, rtol=0, atol=tol)
+    torch.testing.assert_close(cpu_kernels.gemv(x, panels, None, shape[1]), x @ w,
+                               rtol=1e-5, atol=1e-4)
+
+
+def test_few_rows_route_by_row_count(monkeypatch) -> None:
+    """Products of 1..FEW_ROWS rows take the C kernel, longer ones the packed GEMM."""
+    calls = []
+    real = cpu_kernels.gemv
+    monkeypatch.setattr(cpu_kernels, "gemv", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+    lin = Linear(torch.randn(40, 24), one_row_copy=True)
+    for rows in (1, FEW_ROWS, FEW_ROWS + 1):
+        lin(torch.randn(rows, 40))
+    assert calls == [1, FEW_ROWS]
+
+
 def test_gemv_rejects_mismatched_shapes() -> None:
     assert cpu_kernels.load() is not None
+    panels = cpu_kernels.pack_panels(torch.ones(4, 3))
     with pytest.raises(ValueError, match="gemv"):
-        cpu_kernels.gemv(torch.ones(1, 5), torch.ones(3, 4), None)
+        cpu_kernels.gemv(torch.ones(1, 5), panels, None, 3)
+    with pytest.raises(ValueError, match="gemv"):
+        cpu_kernels.gemv(torch.ones(0, 4), panels, None, 3)
+    with pytest.raises(ValueError, match="gemv"):
+        cpu_kernels.gemv(torch.ones(1, 4), panels, None, 300)
 
 
 def test_non_fp32_falls_back_to_plain_matmul() -> None:
     w = torch.randn(8, 6, dtype=torch.float64)
     lin = Linear(w, one_row_copy=True)
-    assert not lin.packed and lin.rows is None
+    assert not lin.packed and lin.panels is None
     x = torch.randn(1, 8, dtype=torch.float64)
     torch.testing.assert_close(lin(x), x @ w)
 
@@ -54,7 +90,7 @@ def test_without_a_compiler_everything_falls_back(monkeypatch, tmp_path, caplog)
         assert "torch path" in caplog.text
         w = torch.randn(16, 8)
         lin = Linear(w, one_row_copy=True)
-        assert lin.packed and lin.rows is None
+        assert lin.packed and lin.panels is None
         x = torch.randn(1, 16)
         torch.testing.assert_close(lin(x), x @ w, rtol=1e-5, atol=1e-5)
         meta = build_attention_metadata((SeqChunk("a", (0,), 3, (1,)),), 4, (None,))

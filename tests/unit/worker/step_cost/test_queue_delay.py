@@ -28,7 +28,8 @@ class FakeStepCost:
     def __init__(self) -> None:
         self.calls: list[tuple[int, int, int]] = []
 
-    def predict_step_s(self, decode_rows: int, prefill_tokens: int, context_tokens: int) -> float:
+    def predict_step_s(self, decode_rows: int, prefill_tokens: int, context_tokens: int,
+                       draft_tokens: int = 0) -> float:
         self.calls.append((decode_rows, prefill_tokens, context_tokens))
         return 1.0 + 0.01 * prefill_tokens + 0.1 * decode_rows
 

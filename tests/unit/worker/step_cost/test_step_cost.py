@@ -8,6 +8,7 @@ import math
 import random
 import threading
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -30,8 +31,24 @@ def plan(*chunks: tuple[int, int]) -> StepPlan:
 def test_shape_counts_decode_rows_prefill_tokens_and_positions_attended():
     assert attended(0, 1) == 1 and attended(9, 1) == 10  # a decode row: its context
     assert attended(4, 3) == 7                            # a chunk reads its prefix and itself
-    assert plan_shape(plan((100, 0), (20, 900), (1, 50))) == (1, 120, 100 + 920 + 51)
-    assert plan_shape(StepPlan(())) == (0, 0, 0)
+    assert plan_shape(plan((100, 0), (20, 900), (1, 50))) == (1, 120, 100 + 920 + 51, 0)
+    assert plan_shape(StepPlan(())) == (0, 0, 0, 0)
+    verify = SeqChunk("v", (5,) * 5, 40, tuple(range(4)), num_draft_tokens=4)
+    # a decode row carrying 4 drafts: one decode row and 4 drafts, not a 5-token prefill
+    assert plan_shape(StepPlan(plan((1, 50)).chunks + (verify,))) == (2, 0, 51 + 45, 4)
+
+
+def test_draft_term_prices_verify_steps_and_learns_on_its_own_side():
+    """A prior without a draft term prices a draft as a prefill token; verify steps measured
+    dearer correct the draft side, while the prefill side keeps its price."""
+    cost = StepCost(TRUE, alpha=0.2)
+    assert cost.prior.draft_token_s == TRUE.prefill_token_s
+    assert cost.predict_step_s(1, 0, 105, 4) == pytest.approx(TRUE.predict_step_s(1, 0, 105) + 0.004)
+    real = replace(TRUE, draft_token_s=0.003)
+    for shape in [(1, 0, 105, 4), (4, 0, 420, 8), (2, 64, 300, 0), (1, 0, 101, 0)] * 100:
+        cost.observe(shape, real.predict_step_s(*shape))
+    assert cost.draft_scale == pytest.approx(3.0, rel=0.05)
+    assert (cost.decode_scale, cost.prefill_scale) == pytest.approx((1.0, 1.0), abs=0.05)
 
 
 def test_prediction_is_the_linear_form_and_loads_older_files(tmp_path):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -30,6 +31,15 @@ def terms(c: CostModel) -> tuple[float, float, float, float]:
 def test_fit_recovers_all_four_constants_in_relative_error():
     samples = [StepSample(p, d, c, TRUE.predict_step_s(d, p, c)) for d, p, c in SHAPES]
     assert terms(fit(samples, "test")) == pytest.approx(terms(TRUE), rel=1e-6)
+
+
+def test_fit_recovers_the_draft_term_from_verify_steps():
+    true = replace(TRUE, draft_token_s=0.0004)
+    verify = [(1, 0, 21, 4), (4, 0, 76, 8)]
+    samples = [StepSample(p, d, c, true.predict_step_s(d, p, c, v), v)
+               for d, p, c, v in [(*s, 0) for s in SHAPES] + verify]
+    got = fit(samples, "test")
+    assert (*terms(got), got.draft_token_s) == pytest.approx((*terms(true), 0.0004), rel=1e-6)
 
 
 def test_fit_never_returns_a_negative_constant():
@@ -58,7 +68,7 @@ def test_an_outlier_shape_is_dropped_and_the_rest_refitted():
     samples.append(StepSample(32, 4, 200, 5 * TRUE.predict_step_s(4, 32, 200)))  # every repeat hit
     coef, kept = robust_fit(samples)
     assert len(kept) == len(SHAPES) and all(s.seconds < 1 for s in kept)
-    assert coef == pytest.approx(list(terms(TRUE)), rel=1e-6)
+    assert coef == pytest.approx([*terms(TRUE), 0.0], rel=1e-6)  # no drafts: draft term 0
 
 
 def test_a_degenerate_term_is_clamped_to_the_scaled_reference_and_logged(caplog):

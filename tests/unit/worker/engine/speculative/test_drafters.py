@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from kvfleet.sampling_params import SamplingParams
@@ -10,7 +12,7 @@ from kvfleet.worker.engine.speculative.ngram import NgramIndex
 from kvfleet.worker.engine.speculative.sizing import Acceptance, Candidate, size_drafts
 from kvfleet.worker.engine.speculative.speculator import Speculator, check_mode
 from kvfleet.worker.engine.speculative.suffix import SuffixIndex
-from kvfleet.worker.step_cost.model import CostModel, StepShape
+from kvfleet.worker.step_cost.model import CostModel, StepCost, StepShape
 
 
 def _seq(prompt, output=(), root=b"r" * 16, max_tokens=32, **params) -> SequenceState:
@@ -78,8 +80,8 @@ def test_speculator_eligibility_and_suffix_publication() -> None:
         check_mode("ngram", 0)
 
 
-CHEAP_VERIFY = CostModel(0.010, 0.001, 0.001, "test: a verify token costs a tenth of a step")
-DEAR_VERIFY = CostModel(0.010, 0.008, 0.0005, "test: a verify token costs most of a step")
+CHEAP_VERIFY = CostModel(0.010, 0.008, 0.001, "test: a draft costs a tenth of a step", 0.0, 0.001)
+DEAR_VERIFY = CostModel(0.010, 0.001, 0.0005, "test: a draft costs most of a step", 0.0, 0.008)
 
 
 def test_sizing_drafts_where_it_pays_and_stops_where_it_loses() -> None:
@@ -94,6 +96,35 @@ def test_sizing_drafts_where_it_pays_and_stops_where_it_loses() -> None:
     assert size_drafts([good] * 64, big, 64, DEAR_VERIFY, 512) == [0] * 64
     assert size_drafts([good, good], one, 1, None, 5) == [5, 0]  # no cost model: budget only
     assert size_drafts([good], one, 1, CHEAP_VERIFY, 2) == [2]  # the token budget
+
+
+def test_sizing_prices_drafts_by_the_draft_term_not_as_prefill() -> None:
+    """A verify row stays a decode row plus its drafts: cheap prefill tokens do not make drafts
+    look cheap (the old pricing turned the row into a prefill chunk, dropping its decode cost)."""
+    good = Candidate(0.6, 4, 100)
+    one = StepShape(1, 0, 101)
+    cheap_prefill_dear_drafts = CostModel(0.010, 0.0001, 0.010, "test", 0.0, 0.012)
+    assert size_drafts([good], one, 1, cheap_prefill_dear_drafts, 64) == [0]
+    assert size_drafts([good], one, 1, replace(cheap_prefill_dear_drafts, draft_token_s=0.001),
+                       64) == [4]
+
+
+def test_speculation_turns_itself_off_once_the_step_cost_learns_drafts_lose() -> None:
+    """A replica whose prior prices drafts cheaply drafts at first; verify steps that measure
+    dear move the draft side of the online correction until sizing drafts nothing, while
+    decode steps keep their price."""
+    cost = StepCost(CostModel(0.010, 0.001, 0.001, "test prior", 0.0, 0.001), alpha=0.2)
+    good = Candidate(0.7, 4, 100)
+    one = StepShape(1, 0, 101)
+    assert size_drafts([good], one, 1, cost, 64) == [4]
+    true = CostModel(0.010, 0.001, 0.001, "test machine", 0.0, 0.012)
+    for _ in range(60):
+        verify = StepShape(1, 0, 105, 4)
+        cost.observe(verify, true.predict_step_s(*verify))
+        cost.observe(one, true.predict_step_s(*one))
+    assert cost.draft_scale == pytest.approx(12, rel=0.1)
+    assert cost.decode_scale == pytest.approx(1.0, rel=0.05)
+    assert size_drafts([good], one, 1, cost, 64) == [0]
 
 
 def test_acceptance_follows_recent_verifications() -> None:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvfleet.constraint import Constraint
+from kvfleet.worker.step_cost.model import ZERO, StepCost
 from tests.fixtures.models import write_tiny_model
 from tests.unit.worker import engine_harness
 from tests.unit.worker.engine.speculative.spec_harness import drafted_chunks, use_oracle
@@ -132,12 +133,15 @@ def test_sampled_distribution_is_the_models(vocab8_dir) -> None:
     """Vocabulary of 8, temperature 1, 600 seeds, a fixed two-token draft on every decode
     row: the first and second decoded tokens (verified drafts or drawn after a rejection)
     follow transformers' marginals (chi-square below the 0.1 % critical value for 7 degrees
-    of freedom), and the first draft is accepted at the model's rate for it."""
+    of freedom), and the first draft is accepted at the model's rate for it. Drafts cost
+    nothing here (a zero step-cost model), so sizing keeps them on every row despite their low
+    acceptance (sizing that turns them off is test_drafters')."""
     draft = (3, 5)
     p = [4, 1, 6]
     n = 600
     reqs = [request(p, max_tokens=4, temperature=1.0, seed=s, rid=f"s{s}") for s in range(n)]
-    engine, _ = make_engine(vocab8_dir, max_num_seqs=32, max_waiting=600, speculative="ngram")
+    engine, _ = make_engine(vocab8_dir, max_num_seqs=32, max_waiting=600, speculative="ngram",
+                            step_cost=StepCost(ZERO, alpha=0))
     engine.scheduler.spec.propose = lambda seq: draft[: seq.params.max_tokens - len(seq.output_token_ids) - 1]  # type: ignore[method-assign]  # noqa: E501
     results = run(engine, reqs, max_steps=20000)
     outs = torch.tensor([results[(f"s{s}", 0)].token_ids for s in range(n)])  # (n, 4)
