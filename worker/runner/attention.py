@@ -302,8 +302,10 @@ def paged_attention(
     window: int | None = None,
     scale: float | None = None,
     sinks: torch.Tensor | None = None,
+    kv_written: bool = False,
 ) -> torch.Tensor:
-    """Write this step's K/V into the cache, then attend every query to its own request's keys.
+    """Write this step's K/V into the cache (unless ``kv_written``: the caller stored them at
+    ``meta.slot_mapping`` already), then attend every query to its own request's keys.
 
     Args:
         query: ``(T, num_heads, head_dim)``, RoPE applied.
@@ -317,7 +319,8 @@ def paged_attention(
     Returns:
         ``(T, num_heads * head_dim)`` attention output.
     """
-    write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
+    if not kv_written:
+        write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
     num_tokens, num_heads, head_dim = query.shape
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     out = query.new_empty(num_tokens, num_heads, head_dim)

@@ -7,6 +7,8 @@
 * ``gemv.c`` — projections of steps with a few query rows (a small decode batch, a verify
   chunk), streaming each weight once for all rows (oneDNN's packed path falls well short of
   the read bandwidth with so few rows).
+* ``layer_ops.c`` — a decoder layer's small ops (norm with residual add, RoPE with the K/V
+  write, SiLU · up) fused, bound and called by :mod:`kvfleet.worker.runner.layer_ops`.
 * ``quant/qgemm.c`` — products with int8 / int4 packed weights (bound and called by
   :mod:`kvfleet.worker.runner.quant.kernels`).
 
@@ -36,7 +38,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = (*(Path(__file__).with_name(name) for name in ("paged_decode.c", "gemv.c")),
+SOURCES = (*(Path(__file__).with_name(name) for name in ("paged_decode.c", "gemv.c", "layer_ops.c")),
            Path(__file__).parent / "quant" / "qgemm.c")
 # The relaxed-math flags let GCC vectorise the dot products and sums; never
 # -ffast-math or -funsafe-math-optimizations: with them GCC links crtfastmath.o, whose load
@@ -187,6 +189,6 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
         key_cache.data_ptr(), value_cache.data_ptr(), token.data_ptr(), tables.data_ptr(),
         table_start.data_ptr(), first.data_ptr(), ctx.data_ptr(), token.numel(), num_heads,
         kv_heads, head_dim, block_size, scale, None if sinks is None else sinks.data_ptr(),
-        torch.get_num_threads())
+        min(torch.get_num_threads(), token.numel()))  # one task per decode: no idle threads
     if status != 0:
         raise MemoryError("decode kernel: could not allocate its scratch buffers")

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvfleet.worker.runner import layer_ops
 from kvfleet.worker.runner.attention import AttentionMetadata, GroupedMetadata, paged_attention
 from kvfleet.worker.runner.kv_cache import KVCache
 from kvfleet.worker.runner.model_config import ModelConfig
@@ -113,6 +114,8 @@ class LlamaDecoderLayer(nn.Module):
                 ) -> torch.Tensor:
         """``hidden`` ``(T, hidden_size)`` → ``(T, hidden_size)``; writes this layer's K/V.
         ``cos``/``sin``: ``(num_ropes, T, 1, rotary_dim)``, every rope's rows."""
+        if self.qk_norm is None and layer_ops.applies(hidden):
+            return self._forward_fused(hidden, cos, sin, meta, key_cache, value_cache)
         t = hidden.shape[0]
         x = self.norm(hidden, self.input_norm, self.eps)
         qkv = self.qkv(x)
@@ -133,6 +136,30 @@ class LlamaDecoderLayer(nn.Module):
         if self.mlp_out_norm is not None:
             out = self.norm(out, self.mlp_out_norm, self.eps)
         return hidden + out
+
+    def _forward_fused(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       meta: AttentionMetadata, key_cache: torch.Tensor,
+                       value_cache: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` with the small ops between projections in C (:mod:`.layer_ops`;
+        fp32 on CPU, no qk-norm): norm, RoPE with the K/V write, residual add with norm."""
+        t, hd = hidden.shape[0], self.head_dim
+        q_end, k_end = self.num_heads * hd, (self.num_heads + self.num_kv_heads) * hd
+        _, x = layer_ops.add_rms_norm(hidden, None, self.input_norm, self.eps)
+        qkv = self.qkv(x)
+        layer_ops.rope_write_kv(qkv, cos[self.rope_index], sin[self.rope_index], self.num_heads,
+                                self.num_kv_heads, hd, key_cache, value_cache, meta.slot_mapping)
+        attn = self.o(paged_attention(
+            qkv[:, :q_end].view(t, self.num_heads, hd),
+            qkv[:, q_end:k_end].view(t, self.num_kv_heads, hd),
+            qkv[:, k_end:].view(t, self.num_kv_heads, hd), key_cache, value_cache, meta,
+            self.window, self.scale, self.sinks, kv_written=True))
+        if self.attn_out_norm is not None:
+            attn = self.norm(attn, self.attn_out_norm, self.eps)
+        hidden, x = layer_ops.add_rms_norm(hidden, attn, self.mlp_norm, self.eps)
+        out = self.mlp.forward(x)
+        if self.mlp_out_norm is not None:
+            out = self.norm(out, self.mlp_out_norm, self.eps)
+        return hidden.add_(out)  # a tensor of this layer's own (add_rms_norm's sum)
 
 
 class LlamaForCausalLM(nn.Module):

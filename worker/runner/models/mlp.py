@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvfleet.worker.runner import layer_ops
 from kvfleet.worker.runner.model_config import ModelConfig
 from kvfleet.worker.runner.models.linear import Projection, projection
 from kvfleet.worker.runner.models.moe import SparseMoE
@@ -43,6 +44,7 @@ class DenseMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, activation: str) -> None:
         super().__init__()
         self.act = ACTIVATIONS[activation]
+        self.silu = activation == "silu"
         self.gate_up_weight = _weight(hidden_size, 2 * intermediate_size)
         self.down_weight = _weight(intermediate_size, hidden_size)
 
@@ -55,6 +57,8 @@ class DenseMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``(T, hidden_size)`` (normed) → ``(T, hidden_size)``."""
+        if self.silu and layer_ops.applies(x):
+            return self.down(layer_ops.silu_mul(self.gate_up(x)))
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return self.down(self.act(gate).mul_(up))
 

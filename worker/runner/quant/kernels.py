@@ -37,35 +37,54 @@ def runs_in_c(weight: PackedWeight, dtype: torch.dtype) -> bool:
     return weight.codes.device.type == "cpu" and dtype == torch.float32
 
 
-def qmatmul_c(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None,
-              lib: ctypes.CDLL) -> torch.Tensor:
-    """``x`` ``(T, in)`` fp32 CPU · ``weight``ᵀ (+ ``bias`` ``(out,)``) → ``(T, out)`` fp32,
-    through ``lib`` (from :func:`load`).
+class BoundProduct:
+    """``x`` ``(T, in)`` fp32 CPU · ``weight``ᵀ (+ ``bias`` ``(out,)``) → ``(T, out)`` fp32
+    through ``lib`` (from :func:`load`), the weight's kernel arguments resolved once: a
+    decode step calls each projection's product once per layer, where rebuilding them
+    would cost about as much as a small product. Holds ``weight`` and ``bias`` (their
+    storage must stay where it is).
 
-    Raises:
+    Raises (on call):
         ValueError: ``x`` of the wrong width.
         MemoryError: the kernel could not allocate its scratch.
     """
-    rows, width = x.shape
-    if width != weight.in_features:
-        raise ValueError(f"quantized product: x has {width} columns, the weight {weight.in_features} inputs")
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    y = x.new_empty(rows, weight.out_features)
-    if rows == 0:
-        return y
-    bias_ptr = None if bias is None else bias.data_ptr()
-    common = (weight.half_scales, weight.in_features, weight.out_features, weight.group, bias_ptr,
-              y.data_ptr(), y.stride(0), torch.get_num_threads())
-    if weight.bits == 8:
-        lib.qgemm_int8(x.data_ptr(), x.stride(0), rows, weight.codes.data_ptr(),
-                       weight.scale.data_ptr(), *common)
-    else:
-        assert weight.offset is not None
-        if lib.qgemm_int4(x.data_ptr(), x.stride(0), rows, weight.codes.data_ptr(),
-                          weight.scale.data_ptr(), weight.offset.data_ptr(), *common) != 0:
+
+    __slots__ = ("in_features", "out_features", "_fn", "_weight_args", "_held")
+
+    def __init__(self, weight: PackedWeight, bias: torch.Tensor | None, lib: ctypes.CDLL) -> None:
+        self.in_features, self.out_features = weight.in_features, weight.out_features
+        self._weight_args: tuple[int | None, ...]
+        tail = (int(weight.half_scales), weight.in_features, weight.out_features, weight.group,
+                None if bias is None else bias.data_ptr())
+        if weight.bits == 8:
+            self._fn = lib.qgemm_int8
+            self._weight_args = (weight.codes.data_ptr(), weight.scale.data_ptr(), *tail)
+        else:
+            assert weight.offset is not None
+            self._fn = lib.qgemm_int4
+            self._weight_args = (weight.codes.data_ptr(), weight.scale.data_ptr(),
+                                 weight.offset.data_ptr(), *tail)
+        self._held = (weight, bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows, width = x.shape
+        if width != self.in_features:
+            raise ValueError(f"quantized product: x has {width} columns, the weight "
+                             f"{self.in_features} inputs")
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        y = x.new_empty(rows, self.out_features)
+        # int8's kernel returns nothing (None), int4's -1 when its scratch allocation failed
+        if rows and self._fn(x.data_ptr(), x.stride(0), rows, *self._weight_args, y.data_ptr(),
+                             y.stride(0), torch.get_num_threads()):
             raise MemoryError("quantized product: the kernel could not allocate its group sums")
-    return y
+        return y
+
+
+def qmatmul_c(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None,
+              lib: ctypes.CDLL) -> torch.Tensor:
+    """One product through :class:`BoundProduct` (see there: shapes, errors)."""
+    return BoundProduct(weight, bias, lib)(x)
 
 
 def qmatmul_torch(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:

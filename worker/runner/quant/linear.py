@@ -25,7 +25,7 @@ class QuantLinear:
         ValueError: ``weight`` is not ``[in, out]``.
     """
 
-    __slots__ = ("weight", "bias", "in_features", "out_features", "_lib")
+    __slots__ = ("weight", "bias", "in_features", "out_features", "_product")
 
     def __init__(self, weight: QuantTensor, bias: torch.Tensor | None = None) -> None:
         if not weight.transposed:
@@ -33,9 +33,12 @@ class QuantLinear:
         self.weight: PackedWeight = weight.packed
         self.in_features, self.out_features = self.weight.in_features, self.weight.out_features
         self.bias = bias
-        self._lib = kernels.load() if kernels.runs_in_c(self.weight, weight.dtype) else None
-        if self._lib is not None and bias is not None:
-            self.bias = bias.float().contiguous()
+        lib = kernels.load() if kernels.runs_in_c(self.weight, weight.dtype) else None
+        self._product = None
+        if lib is not None:
+            if bias is not None:
+                self.bias = bias.float().contiguous()
+            self._product = kernels.BoundProduct(self.weight, self.bias, lib)
 
     @property
     def nbytes(self) -> int:
@@ -48,6 +51,6 @@ class QuantLinear:
         return self.nbytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._lib is not None and x.dtype == torch.float32 and x.device.type == "cpu":
-            return kernels.qmatmul_c(x, self.weight, self.bias, self._lib)
+        if self._product is not None and x.dtype == torch.float32 and x.device.type == "cpu":
+            return self._product(x)
         return kernels.qmatmul_torch(x, self.weight, self.bias)

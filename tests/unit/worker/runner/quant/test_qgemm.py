@@ -74,7 +74,7 @@ def test_without_a_compiler_the_projection_runs_in_torch(monkeypatch, tmp_path) 
     try:
         w = torch.randn(24, 64)
         lin = QuantLinear(QuantTensor(quantize(w, 4, 32)).t(), torch.randn(24))
-        assert lin._lib is None
+        assert lin._product is None
         x = torch.randn(3, 64)
         torch.testing.assert_close(lin(x), x @ lin.weight.dequantize().t() + lin.bias)
     finally:
