@@ -43,6 +43,8 @@ class RecordingExecutor:
     """The engine's runner, unchanged, keeping every returned logits row by request and
     absolute position: ``rows[request_id][p]`` = float32 ``(vocab,)`` logits after token ``p``."""
 
+    pausable = False  # whole steps only: no execute_pausable
+
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         self.rows: dict[str, dict[int, torch.Tensor]] = {}

@@ -103,6 +103,8 @@ class ModelRunner:
             be held quantized (named).
     """
 
+    pausable = True  # execute_pausable / resume: usable as an engine's executor with layer yield
+
     def __init__(self, model_dir: str | Path, num_blocks: int, block_size: int,
                  dtype: torch.dtype = torch.float32, device: str = "cpu",
                  one_row_weights: bool = True, shard: Shard = WHOLE,

@@ -70,8 +70,9 @@ class TransformersCausalLM:
                    should_yield: Callable[[], bool] | None = None) -> tuple[torch.Tensor, int]:
         """Every layer in one call (``hidden``: the ids, ``cos``: the positions, see
         :meth:`embed`) → ``(T, hidden_size)`` final-normed states and ``len(layers)``; it never
-        pauses (``--layer-yield`` is refused for it at start). One layer group only (the
-        runner refuses layer groups for the fallback), so ``meta`` is never grouped."""
+        pauses (``--layer-yield on`` is refused for it at start; ``auto`` gets no pause). One
+        layer group only (the runner refuses layer groups for the fallback), so ``meta`` is
+        never grouped."""
         assert start == 0, "the transformers fallback runs its layers in one call"
         assert isinstance(meta, AttentionMetadata), "layer groups need the native decoder"
         out = self.base(input_ids=hidden[None], position_ids=cos[None], use_cache=False,

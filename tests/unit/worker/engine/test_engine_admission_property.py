@@ -39,6 +39,8 @@ def _tokenizer() -> Tokenizer:
 class CheckingRunner:
     """Validates each plan against the KV cache manager, returns content-derived logits."""
 
+    pausable = False  # whole steps only: no execute_pausable
+
     def __init__(self, kv: KVCacheManager) -> None:
         self.kv = kv
         self.steps = 0

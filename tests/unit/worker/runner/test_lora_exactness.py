@@ -99,6 +99,8 @@ def test_mixed_batch_of_three_adapters_and_base_equals_each_alone(tiny_llama_dir
 class ShiftedSlots:
     """Negative control: each chunk gets the next chunk's adapter slot (rotated by one)."""
 
+    pausable = False  # whole steps only: no execute_pausable
+
     def __init__(self, runner) -> None:
         self.runner, self.config = runner, runner.config
         self.num_blocks, self.block_size = runner.num_blocks, runner.block_size
