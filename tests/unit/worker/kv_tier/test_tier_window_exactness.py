@@ -2,7 +2,8 @@
 their own keys and restored by the per-group hit rule — a full group's pages up to the hit, a
 sliding group's only those covering the window before it — and the logits equal transformers'
 full recomputation, at tp=1 and tp=2. A windowed layout's pages never serve a replica of
-another layout (the tier's shard names the layout).
+another layout (the tier's shard names the layout). A fresh replica pre-warmed with a drained
+one's pages serves the prefix from its device pool by the same rule.
 
 Models (block size 4): Gemma 3 with window 7 (not a multiple of the block; 6 layers, full every
 3rd: one full group and two sliding ones of 2 layers each) and Mistral with window 6 (one
