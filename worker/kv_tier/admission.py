@@ -164,6 +164,11 @@ class TierAdmission:
         rank (pre-warm). Raises what the store raises (a dead tier)."""
         return self.lookup.store.hottest(identity, self.lookup.ranks, max_blocks)
 
+    def held(self, keys: Sequence[bytes]) -> list[bool]:
+        """For each of ``keys``, whether the tier holds it for every rank, asked now (pre-warm:
+        not counted as an admission lookup). Raises what the store raises (a dead tier)."""
+        return list(self.lookup.store.held(list(keys), self.lookup.ranks)) if keys else []
+
     def refresh_node_stats(self) -> None:
         """Re-read the node tier's counters (a Ray call: off the engine thread)."""
         self.lookup.refresh_node_stats()
@@ -219,6 +224,9 @@ class NoTierAdmission:
 
     def hottest(self, identity: bytes, max_blocks: int) -> list[bytes]:
         return []
+
+    def held(self, keys: Sequence[bytes]) -> list[bool]:
+        return [False] * len(keys)
 
     def refresh_node_stats(self) -> None:
         """No node tier."""

@@ -8,7 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvfleet.worker.kv_tier.prewarm import prewarm, prewarm_runs
+from kvfleet.allocator.kv_cache_manager import group_key
+from kvfleet.worker.kv_tier.prewarm import prewarm, prewarm_page_runs, prewarm_runs
 from kvfleet.worker.kv_tier.store import HostTierStore
 from tests.unit.worker.engine_harness import BLOCK_SIZE, prompt, request, run
 from tests.unit.worker.kv_tier.tier_harness import (
@@ -28,6 +29,30 @@ def test_the_plan_skips_cached_blocks_and_fits_the_free_pool():
     assert prewarm_runs(hot, cached.__contains__, free_blocks=0) == []
     with pytest.raises(ValueError):
         prewarm_runs(hot, cached.__contains__, 5, run_blocks=0)
+
+
+def test_the_group_plan_pairs_pages_by_block_and_keeps_blocks_whole():
+    """Groups: full, sliding 8, sliding 4. A sliding page comes only with its block's pages of
+    every wider group; a block ranks by its hottest page; a block that does not fit ends it."""
+    windows = (None, 8, 4)
+    a, b, c, d = (bytes([i]) * 16 for i in range(4))
+    k = group_key
+    held = {k(0, a), k(1, a), k(2, a),  # whole
+            k(0, b), k(2, b),           # group 2's partner in group 1 missing: full page only
+            k(1, c), k(2, c),           # no full page: nothing
+            k(0, d), k(1, d)}           # group 2 missing: groups 0 and 1
+    hottest = [k(2, b), k(0, a), k(1, c), k(1, d)]  # b is hottest (its sliding page)
+    cached = {k(1, a)}.__contains__
+    present = lambda key: key in held or cached(key)  # noqa: E731
+    runs = prewarm_page_runs(hottest, windows, present, cached, free_blocks=10, run_blocks=3)
+    assert runs == [[k(0, b), k(0, a), k(2, a)], [k(0, d), k(1, d)]]
+    # a's 2 pages would not fit after b's 1 in 2 free pages: the plan stops there.
+    assert prewarm_page_runs(hottest, windows, present, cached, free_blocks=2) == [[k(0, b)]]
+    # Runs never split a block that fits in one: a's pages start a run of their own.
+    assert prewarm_page_runs(hottest, windows, present, cached, 10, run_blocks=2) == [
+        [k(0, b)], [k(0, a), k(2, a)], [k(0, d), k(1, d)]]
+    with pytest.raises(ValueError):
+        prewarm_page_runs(hottest, windows, present, cached, 5, run_blocks=0)
 
 
 def test_a_prewarmed_replicas_first_request_hits_its_device_pool(tiny_llama_dir) -> None:

@@ -2,7 +2,8 @@
 their own keys and restored by the per-group hit rule — a full group's pages up to the hit, a
 sliding group's only those covering the window before it — and the logits equal transformers'
 full recomputation, at tp=1 and tp=2. A windowed layout's pages never serve a replica of
-another layout (the tier's shard names the layout).
+another layout (the tier's shard names the layout). A fresh replica pre-warmed with a drained
+one's pages serves the prefix from its device pool by the same rule.
 
 Models (block size 4): Gemma 3 with window 7 (not a multiple of the block; 6 layers, full every
 3rd: one full group and two sliding ones of 2 layers each) and Mistral with window 6 (one
@@ -247,3 +248,77 @@ def test_a_drained_windowed_replicas_pages_cross_nodes(windowed) -> None:
     assert parity_error(model_dir, rec, again, results) <= 1
     x_store.check_invariants()
     y_store.check_invariants()
+
+
+def test_a_prewarmed_windowed_replica_hits_its_device_pool(windowed) -> None:
+    """Replica A drains every group's pages into the node tier; a fresh replica B of the same
+    layout pre-warms them: each group's pages land under their own keys, so B's first request
+    reuses the whole prefix by the per-group rule from its device pool (nothing restored at
+    admission), with the logits of full recomputation; B's pool leaks nothing."""
+    from kvfleet.worker.kv_tier.prewarm import prewarm
+
+    model_dir, groups = windowed
+    store = HostTierStore(TIER_BYTES)
+    a, _, a_tier, _ = _grouped_engine(model_dir, groups, store)
+    base = prompt(22, seed=24)
+    run(a, [request(base, max_tokens=2)])
+    pages = len(a.kv.pool.cached_hashes())
+    assert a.hand_over(a.kv.num_total_blocks) == pages and a_tier.flush()
+
+    b, rec, b_tier, _ = _grouped_engine(model_dir, groups, store)
+    again = request(base + prompt(3, seed=25), max_tokens=3)
+    assert prewarm(b, seconds=30.0, run_blocks=4) == pages
+    chain = chain_of(b, again)[:5]
+    assert all(b.kv.pool.lookup(b.kv.key(g, h)) is not None
+               for g in range(groups.num_groups) for h in chain)
+    b.kv.check_invariants()
+    assert b.kv.num_free_blocks == b.kv.num_total_blocks  # cached, all evictable
+    assert b_tier.stats.restores == pages and b_tier.stats.failed_restores == 0
+
+    results = run(b, [again])
+    assert results[(again.request_id, 0)].last.usage.cached_prompt_tokens == 20
+    assert not any(p.block_restores for p in rec.plans)  # from the device pool, not the tier
+    assert b.stats()["prefix_hits"]["device"] == 20
+    assert parity_error(model_dir, rec, again, results) <= 1
+    b.kv.check_invariants()
+    assert b.kv.num_free_blocks == b.kv.num_total_blocks
+    store.check_invariants()
+
+
+def test_a_windowed_prewarm_whose_restore_fails_keeps_nothing(windowed) -> None:
+    """The tier answered hottest and held, then lost the pages before the restore: the first
+    run fails, and no page stays registered or referenced."""
+    from kvfleet.worker.kv_tier.prewarm import prewarm
+
+    model_dir, groups = windowed
+    store = HostTierStore(TIER_BYTES)
+    a, _, a_tier, _ = _grouped_engine(model_dir, groups, store)
+    run(a, [request(prompt(22, seed=26), max_tokens=2)])
+    assert a.hand_over(a.kv.num_total_blocks) >= 5 and a_tier.flush()
+
+    b, _, b_tier, _ = _grouped_engine(model_dir, groups, store)
+    lookup = b.scheduler.tier.lookup
+    hot = lookup.store.hottest(b.identity_digest, lookup.ranks, 100)
+    lookup.store = _Answered(lookup.store, hot)
+    store.clear()
+    assert prewarm(b, seconds=30.0) == 0
+    assert b_tier.stats.failed_restores == 1  # the first run was tried, the rest not
+    b.kv.check_invariants()
+    assert b.kv.pool.cached_hashes() == set()
+    assert b.kv.num_free_blocks == b.kv.num_total_blocks
+
+
+class _Answered:
+    """A tier whose ``hottest`` and ``held`` answer as before it lost its pages."""
+
+    def __init__(self, store, hot: list[bytes]) -> None:
+        self.store, self.hot = store, hot
+
+    def hottest(self, tag, ranks, max_blocks):
+        return self.hot[:max_blocks]
+
+    def held(self, keys, ranks):
+        return [k in self.hot for k in keys]
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
