@@ -52,6 +52,15 @@ def cache(compiler, **cfg) -> GrammarCache:
     return GrammarCache(None, 64, [0], GrammarConfig(**cfg), compiler=compiler)  # type: ignore[arg-type]
 
 
+async def first_started(fake: HeldCompiler) -> None:
+    """Wait until a compile thread has picked up a first call (threads start asynchronously;
+    bounded so a broken cache fails the test's own assertion instead of hanging)."""
+    for _ in range(2000):
+        if fake.started:
+            return
+        await asyncio.sleep(0.005)
+
+
 async def settle() -> None:
     """Let the event loop run what is ready (queued submissions, done callbacks)."""
     for _ in range(5):
@@ -101,6 +110,7 @@ async def test_a_tenants_slow_schemas_hold_one_thread_and_another_tenant_compile
     slow = [asyncio.create_task(grammars.compile_async(schema(1, title=f"t{i}", minProperties=i),
                                                        "a")) for i in range(12)]
     await settle()
+    await first_started(fake)  # a's first compile is in its thread before b asks
     got = await grammars.compile_async(schema(20), "b")
     assert got == ("compiled", schema(20).canonical_spec)
     assert len(fake.started) == 2 and fake.started[1] == schema(20).canonical_spec
