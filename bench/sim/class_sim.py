@@ -119,8 +119,6 @@ def simulate(streams: list[Stream], config: SchedulerConfig, seconds: float, see
     held = {st.tenant: 0 for st in streams}
     own = {st.tenant: 0.0 for st in streams}  # replica-seconds of each tenant's own work
     overhead = 0.0  # replica-seconds of pausing and resuming (no tenant's work)
-    lost = {st.tenant: 0.0 for st in streams}  # of ``own``: work a preemption threw away
-    since: dict[str, tuple[int, float]] = {}  # seq_id -> (its preemptions, own work since)
     n = i = yields = 0
     classes = {st.priority for st in streams}
 
@@ -151,14 +149,8 @@ def simulate(streams: list[Stream], config: SchedulerConfig, seconds: float, see
         rows = [(meta[x.seq.seq_id][0].tenant, _row_s(c))
                 for x, c in zip(out.scheduled, out.plan.chunks, strict=True)]
         total = sum(r for _, r in rows)
-        for x, (tenant, r) in zip(out.scheduled, rows, strict=True):
-            share = seconds_ * r / total if total > 0 else seconds_ / len(rows)
-            own[tenant] += share
-            seen, work = since.get(x.seq.seq_id, (0, 0.0))
-            if x.seq.num_preemptions > seen:  # recomputing: the work before it was lost
-                lost[tenant] += work
-                seen, work = x.seq.num_preemptions, 0.0
-            since[x.seq.seq_id] = (seen, work + share)
+        for tenant, r in rows:
+            own[tenant] += seconds_ * r / total if total > 0 else seconds_ / len(rows)
 
     def sample(out: SchedulerOutput, now: float) -> None:
         for x in out.scheduled:
@@ -248,7 +240,7 @@ def simulate(streams: list[Stream], config: SchedulerConfig, seconds: float, see
                      "ttft_p99_ms": 1e3 * pct(v, 0.99) if v else None, "requests": len(v),
                      "itl_p99_ms": 1e3 * pct(gaps[t], 0.99) if gaps[t] else None,
                      "completions_per_s": done[t] / seconds, "computed_tokens": tokens[t],
-                     "own_replica_s": own[t], "recomputed_replica_s": lost[t]}
+                     "own_replica_s": own[t]}
                  for t, v in ttft.items()}
     res["_yields"] = yields
     res["_overhead_replica_s"] = overhead
