@@ -1,6 +1,6 @@
 """Priority classes and tenant fairness under the ITL target on a virtual clock.
 
-    .venv/bin/python -m bench class_sim [--itl-target-ms 150] [--seconds 120] [--seeds 0,1,2]
+    .venv/bin/python -m bench class_sim [--itl-target-ms 150 (0: none)] [--seconds 120] [--seeds 0,1,2]
         [--layer-yield [--model smollm2-135m-instruct] [--yield-cost-layers 0]
         [--merge-within-ms MS]]
 
@@ -120,7 +120,6 @@ def simulate(streams: list[Stream], config: SchedulerConfig, seconds: float, see
     own = {st.tenant: 0.0 for st in streams}  # replica-seconds of each tenant's own work
     overhead = 0.0  # replica-seconds of pausing and resuming (no tenant's work)
     n = i = yields = 0
-    classes = {st.priority for st in streams}
 
     def arrive(until: float) -> None:
         nonlocal i, n
@@ -182,10 +181,15 @@ def simulate(streams: list[Stream], config: SchedulerConfig, seconds: float, see
         layer = total / yd.layers
         t, progress = start, 0.0  # virtual now, seconds of ``out`` done
         charge(out, total)
-        to = {p for p in classes if yields_to(out, p)}  # the classes ``out`` yields to
-        while to:
+        fair = config.tenant_share < 1
+        while True:
+            # the streams ``out`` yields to, as of the service charged so far
+            to = {st for st in streams if yields_to(out, st.priority, *(
+                (st.tenant, sched.service.service) if fair else ()))}
+            if not to:
+                break
             urgent = next((max(a[0], t) for a in itertools.islice(arrivals, i, None)
-                           if a[1].priority in to), None)
+                           if a[1] in to), None)
             if may_yield(sched, out):
                 urgent = t
             if urgent is None:
@@ -305,7 +309,8 @@ def model_layers(name_or_dir: str) -> int:
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="bench.sim.class_sim", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--itl-target-ms", type=float, default=150.0)
+    p.add_argument("--itl-target-ms", type=float, default=150.0,
+                   help="the replica's ITL target (0: none, the defaults)")
     p.add_argument("--seconds", type=float, default=120.0, help="virtual seconds per phase")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--seat-share", type=float, default=0.5,
@@ -326,7 +331,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     merge = None if a.merge_within_ms is None else a.merge_within_ms / 1e3
     ly = Yield(model_layers(a.model), a.yield_cost_layers, merge) if a.layer_yield else None
     base = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512, max_waiting=256,
-                           itl_target_ms=a.itl_target_ms)
+                           itl_target_ms=a.itl_target_ms or None)
     runs = {int(s): run_seed(base, a.seconds, int(s), a.seat_share, not a.fixed_seats, ly)
             for s in a.seeds.split(",")}
     print("seed class_step | §2 chat TTFT p99 alone → both (×) | batch drop vs chat /s "
@@ -346,7 +351,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                   f"{pr['interactive_replica_s_per_s']:.4f} + "
                   f"{pr['yield_overhead_replica_s_per_s']:.4f}")
     RESULTS.mkdir(parents=True, exist_ok=True)
-    tag = (("" if a.seat_share == 0.5 else f"-seats{a.seat_share:g}")
+    tag = (("" if a.itl_target_ms == 150 else f"-itl{a.itl_target_ms:g}")
+           + ("" if a.seat_share == 0.5 else f"-seats{a.seat_share:g}")
            + ("-fixed" if a.fixed_seats else "") + ("-yield" if a.layer_yield else "")
            + (f"{a.yield_cost_layers:g}" if a.layer_yield and a.yield_cost_layers else "")
            + (f"-merge{a.merge_within_ms:g}" if a.layer_yield and merge is not None else ""))
