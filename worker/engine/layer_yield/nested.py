@@ -32,7 +32,9 @@ The rule, so that the paused step is never disturbed:
   next :meth:`Scheduler.schedule` preempts such victims while the running set is over
   ``max_num_seqs`` (:func:`~kvfleet.worker.engine.scheduling.preemption.
   return_seats_over_limit`), unless sequences finished first and gave the seats back, so
-  seats end where class preemption would have put them;
+  seats end where class preemption would have put them. With ``tenant_share`` < 1, **one**
+  seat more while a same-class tenant served more runs: no victim is preempted for it, it
+  comes back at the next finish (the running set over ``max_num_seqs`` admits nothing);
 * no n > 1 request (its siblings fork at the leader's first sample): it waits for the next
   whole step;
 * beside a host KV tier it is planned as a whole step is: the cached blocks its allocations
@@ -130,8 +132,19 @@ def nested_step(sched: Scheduler, paused: SchedulerOutput, now: float) -> Schedu
     head = sched.waiting[0] if sched.waiting else None
     budget = step_budget(config, kv.block_size, sched.step_cost, (), head, frozenset(), now)
 
-    def borrowable(seq: SequenceState) -> int:  # seats class preemption could take for it
-        return len(sched.rules.victims(seq, sched.running)) if config.policy == "watermark" else 0
+    def borrowable(seq: SequenceState) -> int:
+        """Seats class preemption could take for ``seq``; with ``tenant_share`` < 1 one more
+        while a same-class tenant served more runs (it comes back when a sequence finishes:
+        nothing is preempted for it, and nothing admitted while the running set is over)."""
+        if config.policy != "watermark":
+            return 0
+        n = len(sched.rules.victims(seq, sched.running))
+        if config.tenant_share < 1:
+            served = sched.service.service
+            mine = served.get(seq.tenant, 0.0)
+            n += any(r.priority == seq.priority and served.get(r.tenant, 0.0) > mine
+                     for r in sched.running)
+        return n
 
     def allow(seq: SequenceState) -> bool:
         assert seq.seq_id not in in_paused, "a waiting sequence cannot be in the step in flight"

@@ -133,3 +133,41 @@ def test_without_an_itl_target_equally_served_tenants_share_a_step():
     both = [seq("A"), seq("B"), seq("A"), seq("B")]
     s.add(both)
     assert {x.seq.seq_id for x in s.schedule().scheduled} == {x.seq_id for x in both}
+
+
+def test_with_every_seat_taken_the_nested_step_borrows_one_from_a_more_served_tenant():
+    """Seats full (two tenants at their share): the less-served tenant's prompt borrows one
+    seat past ``max_num_seqs``, no more; nothing is preempted for it, and nothing more is
+    admitted until a finish gives the seat back."""
+    s = make_scheduler(64, max_num_seqs=4, max_num_batched_tokens=64, tenant_share=0.5)
+    rows = [seq("A"), seq("A"), seq("B"), seq("B")]
+    s.add(rows)
+    finish_step(s, s.schedule())  # equally served: all four in one step
+    s.service.charge("A", prefill_tokens=100)
+    paused = s.schedule()  # four decode rows, every seat taken
+    assert len(paused.scheduled) == 4
+    a3, b3, b4 = seq("A"), seq("B"), seq("B")
+    s.add([a3, b3, b4])  # B may run past its share while A, served more, waits
+    nested = nested_step(s, paused, 0.0)
+    assert [x.seq for x in nested.scheduled] == [b3] and not nested.preempted
+    finish_step(s, nested)
+    finish_step(s, paused)
+    out = s.schedule()
+    assert not out.preempted and len(s.running) == 5
+    assert b4.status is SeqStatus.WAITING and a3.status is SeqStatus.WAITING
+    finish_step(s, out)
+    for r in [*rows, a3, b3, b4]:
+        s.finish(r)
+    assert s.kv.num_free_blocks == s.kv.num_total_blocks
+    s.kv.check_invariants()
+
+
+def test_under_reserve_the_nested_step_borrows_no_seat():
+    s = make_scheduler(64, max_num_seqs=4, max_num_batched_tokens=64, tenant_share=0.5,
+                       policy="reserve")
+    s.add([seq("A"), seq("A"), seq("B"), seq("B")])
+    finish_step(s, s.schedule())
+    s.service.charge("A", prefill_tokens=100)
+    paused = s.schedule()
+    s.add([seq("A"), seq("B")])
+    assert not nested_step(s, paused, 0.0).scheduled
