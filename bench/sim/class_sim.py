@@ -23,7 +23,9 @@ first token). Per seed and with ``class_step`` off and on:
   B's share of computed tokens (uncached prompt + output) in the middle half (fair 0.5 ± 10 %).
 
 ``--layer-yield``: steps pause between decoder layers (as many as the model's config has) for
-a nested step of a higher class (:class:`Yield`, ``worker/engine/layer_yield/nested.py``).
+a nested step of a higher class, or in §3 of a less-served tenant (:class:`Yield`,
+``worker/engine/layer_yield/nested.py``). ``--itl-target-ms 0``: no ITL target (the replicas'
+defaults; ``class_step`` then has nothing to do, so its off and on rows agree).
 
 Capacity: completions/s of 16 closed-loop default clients. JSON: ``bench/results/class_sim.json``.
 """
@@ -69,8 +71,9 @@ class Stream:
 @dataclass(frozen=True)
 class Yield:
     """Layer-level yield on the virtual clock (``worker/engine/layer_yield/nested.py``): a step is
-    ``layers`` equal slices; a request of a strictly better class than every row of the step
-    in flight pauses it at the first layer boundary after its arrival, the real scheduler's
+    ``layers`` equal slices; a request the step in flight yields to (``yields_to``: a better
+    class; with ``tenant_share`` < 1 also a less-served tenant of its class) pauses it at the
+    first layer boundary after its arrival, the real scheduler's
     nested step (``layer_yield.nested.nested_step``) runs, and the paused step's remaining
     time, plus ``cost_layers`` layers' share of it for pausing and resuming, follows (default
     0, as the cost-model executor: the runner resumes on the same tensors and redoes nothing;
