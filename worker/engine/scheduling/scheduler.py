@@ -42,7 +42,14 @@ from kvfleet.allocator.kv_cache_manager import KVCacheManager
 from kvfleet.errors import ResourceExhausted
 from kvfleet.service_weights import PREFILL_WEIGHT
 from kvfleet.worker.engine.request import SeqStatus, SequenceState
-from kvfleet.worker.engine.scheduling.admission import Held, Mode, Pass, StepWork, admit_waiting
+from kvfleet.worker.engine.scheduling.admission import (
+    Held,
+    Mode,
+    Pass,
+    Refusal,
+    StepWork,
+    admit_waiting,
+)
 from kvfleet.worker.engine.scheduling.blocks import BlockAdmission
 from kvfleet.worker.engine.scheduling.class_step import ClassStep, StepContents
 from kvfleet.worker.engine.scheduling.config import SchedulerConfig
@@ -183,6 +190,8 @@ class Scheduler:
             first = ()  # the running set and the queue changed since the pick: pick again
         admitted = Pass(Mode.STEP, Held.of(self.running, self.pending_forks), work, now, contents)
         scheduled += admit_waiting(self, budget, admitted, first)
+        if self.waiting:
+            self.pace.admission_stopped(admitted.stopped_by not in (None, Refusal.BUDGET))
         if self.spec.enabled:
             scheduled = add_drafts(self, scheduled, budget.tokens_left, work)
         chunks = tuple(s.chunk(self.kv.block_tables(s.seq.seq_id)) for s in scheduled)

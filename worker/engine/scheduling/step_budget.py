@@ -120,10 +120,34 @@ class StepBudget:
         Raises:
             ValueError: ``remaining`` < 0.
         """
-        if remaining < 0:
-            raise ValueError(f"remaining must be >= 0, got {remaining}")
-        if not self.timed or remaining <= 1:
+        return self.pace_queue(num_computed, [(remaining, left_s)])
+
+    def pace_queue(self, num_computed: int, queue: Sequence[tuple[int, float]]) -> int:
+        """Set and return the floor for prompts computed one after another, oldest first:
+        ``queue`` holds each one's (tokens to compute, seconds left before it should end);
+        the first starts after ``num_computed`` tokens. The floor is the smallest chunk
+        with which every prompt ends in time when each step runs that many tokens of the
+        queue (:meth:`pace` for the tokens up to and including each prompt; the largest of
+        those); a prompt already late asks for all the tokens up to its end (within the
+        token budget). Call after :meth:`reserve_decodes`.
+
+        Raises:
+            ValueError: a prompt with < 0 tokens.
+        """
+        if any(n < 0 for n, _ in queue):
+            raise ValueError(f"remaining tokens must be >= 0, got {list(queue)}")
+        if not self.timed:
             return self.floor_left
+        floor, through = 0, 0
+        for n, left_s in queue:
+            through += n
+            if through > 1:
+                floor = max(floor, self._paced(num_computed, through, left_s))
+        self.floor_left = min(floor, self.tokens_left) if through > 1 else self.floor_left
+        return self.floor_left
+
+    def _paced(self, num_computed: int, remaining: int, left_s: float) -> int:
+        """The smallest chunk whose steps compute ``remaining`` tokens within ``left_s``."""
         # k steps of ceil(remaining / k) tokens (block-rounded): fewer steps, longer each;
         # their total grows with k, so search for the most steps that still end in time.
         lo, hi = 1, max(1, -(-remaining // self.block_size))
@@ -133,8 +157,7 @@ class StepBudget:
                 lo = mid
             else:
                 hi = mid - 1
-        self.floor_left = min(self._chunk(num_computed, remaining, lo), self.tokens_left)
-        return self.floor_left
+        return self._chunk(num_computed, remaining, lo)
 
     def grant(self, num_computed: int, want: int, reserved: bool = False) -> int:
         """Tokens (0..``want``) of a chunk starting after ``num_computed`` tokens that fit."""
@@ -214,27 +237,43 @@ class StepBudget:
         return lo
 
 
+def pending_prefills(running: Iterable[SequenceState]) -> list[SequenceState]:
+    """The running sequences with more than one token to compute, oldest-admitted first (the
+    order a step without the target serves them)."""
+    pending = [s for s in running if s.num_tokens - s.num_computed_tokens > 1]
+    return sorted(pending, key=lambda s: (s.timing.prefill_started is None,
+                                          s.timing.prefill_started or 0.0, s.arrival_seq))
+
+
 def paced_prefill(running: Iterable[SequenceState], next_waiting: Optional[SequenceState]
                   ) -> Optional[SequenceState]:
-    """The prefill the floor paces: the oldest-admitted running sequence with more than one
-    token to compute (the order a step without the target serves them); with none,
-    ``next_waiting`` (admission's next); None when neither exists."""
-    pending = [s for s in running if s.num_tokens - s.num_computed_tokens > 1]
-    if pending:
-        return min(pending, key=lambda s: (s.timing.prefill_started is None,
-                                           s.timing.prefill_started or 0.0, s.arrival_seq))
-    return next_waiting
+    """The prefill the floor paces first: the oldest-admitted running sequence with more than
+    one token to compute; with none, ``next_waiting`` (admission's next); None when neither
+    exists."""
+    pending = pending_prefills(running)
+    return pending[0] if pending else next_waiting
 
 
 class PrefillPace:
-    """The deadline of the prefill the floor paces, fixed when a running prefill becomes the
-    one paced (or restarts after a preemption; a waiting one gets a fresh allowance each
-    step): ``stretch`` × the predicted time of its remaining tokens without the target, from
-    its turn: its admission, or the older paced prefill's last step where that came later (a
-    prompt admitted beside an older one with a sliver of leftover room, or queued for a seat,
-    waited as long without the target). Counted in real time: steps slower than predicted
-    (time outside the forward, a loaded host) make it late, and a late prompt's floor grows
-    to all it has left, so prefill keeps up with its arrivals.
+    """The deadlines of the prefills the floor paces: ``stretch`` × each prompt's time to
+    first token *without* the target, from when it started waiting for prefill. That time is
+    read off a virtual schedule of the same prompts without the target: each one starts when
+    it started waiting or when the one before it would have ended without the target,
+    whichever is later, and lasts the predicted time of its tokens in chunks of the token
+    budget (:meth:`StepBudget.untargeted_s`). So a prompt queued behind another, running or
+    still waiting for the step's budget, is allowed the wait it would have had without the
+    target, never the wait the target itself caused: prefill has to keep up with its
+    arrivals. A prompt starts waiting for prefill at its arrival, or, when the queue was held
+    up for something else than the step's budget (a seat, blocks, a tenant's share:
+    :meth:`admission_stopped`), from the next step planned after that last happened before
+    its admission; it waited as long without the target. A recompute after a preemption
+    starts at its readmission.
+
+    A running prefill's deadline is fixed when it is first paced; the queue's head, while it
+    waits for the step's budget alone, is paced on a provisional one (the same rule, not yet
+    in the virtual schedule). Counted in real time: steps slower than predicted (time outside
+    the forward, a loaded host) make a prompt late, and a late prompt's floor grows to all it
+    has left.
 
     Raises:
         ValueError: ``stretch`` < 1.
@@ -244,28 +283,61 @@ class PrefillPace:
         if not stretch >= 1:
             raise ValueError(f"stretch must be >= 1, got {stretch}")
         self.stretch = stretch
-        self._key: Optional[tuple[str, int]] = None
-        self._deadline = 0.0
-        self._last_seen = float("-inf")  # the last step that paced a running prefill
+        self._deadlines: dict[tuple[str, int], float] = {}
+        self._virtual_end = float("-inf")  # when the last prompt given a deadline would end untargeted
+        # the last two steps planned after an admission pass held up for something else
+        # than the budget: what waited, waited for that until then
+        self._held_up = (float("-inf"), float("-inf"))
+        self._held = False  # the last admission pass was held up (see admission_stopped)
+
+    def admission_stopped(self, held_up: bool) -> None:
+        """The last step's admission pass left sequences waiting; ``held_up``: for another
+        reason than the step's budget (a seat, blocks, a share)."""
+        self._held = held_up
+
+    def plan(self, now: float) -> bool:
+        """A step is planned at ``now``; returns whether the queue's head waits for the
+        step's budget alone (the last pass did not hold it up for something else). A queue
+        held up in the last pass waited for that until now."""
+        held, self._held = self._held, False
+        if held:
+            self._held_up = (self._held_up[1], now)
+        return not held
+
+    def _start(self, seq: SequenceState, now: float) -> float:
+        """When ``seq`` started waiting for prefill (class docstring)."""
+        admitted = now if seq.timing.prefill_started is None else seq.timing.prefill_started
+        if seq.num_preemptions:
+            return admitted if seq.status is SeqStatus.RUNNING else now
+        before, last = self._held_up
+        held_up = last if last <= admitted else before  # one after its admission: the one before
+        return min(admitted, max(seq.timing.arrival, held_up))
+
+    def _deadline(self, seq: SequenceState, budget: StepBudget, now: float) -> tuple[float, float]:
+        """``seq``'s deadline and its end in the virtual schedule, were it given one now."""
+        started = self._start(seq, now)
+        # its allowance is for the prompt as admitted (a prefix hit is not computed)
+        first = min(seq.num_cached_tokens or 0, seq.num_computed_tokens)
+        end = max(started, self._virtual_end) + budget.untargeted_s(first, seq.num_tokens - first)
+        return started + self.stretch * (end - started), end
 
     def left_s(self, seq: SequenceState, budget: StepBudget, now: float) -> float:
         """Seconds left at monotonic time ``now`` before ``seq``'s prompt should be computed
-        (negative: late)."""
+        (negative: late). A running prefill seen for the first time joins the virtual
+        schedule, so those first seen together must be asked oldest first
+        (:func:`pending_prefills`); a waiting one gets a provisional deadline."""
         if seq.status is not SeqStatus.RUNNING:
-            # not admitted yet (it may wait for a seat): no turn has started
-            return self.stretch * budget.untargeted_s(seq.num_computed_tokens,
-                                                      seq.num_tokens - seq.num_computed_tokens)
+            return self._deadline(seq, budget, now)[0] - now
         key = (seq.seq_id, seq.num_preemptions)
-        if key != self._key:
-            # Its turn began at its admission, or at the older prefill's last step if later;
-            # its allowance is for the prompt as admitted (a prefix hit is not computed).
-            started = now if seq.timing.prefill_started is None else seq.timing.prefill_started
-            first = min(seq.num_cached_tokens or 0, seq.num_computed_tokens)
-            self._key = key
-            self._deadline = max(started, self._last_seen) + self.stretch * budget.untargeted_s(
-                first, seq.num_tokens - first)
-        self._last_seen = now
-        return self._deadline - now
+        if key not in self._deadlines:
+            self._deadlines[key], self._virtual_end = self._deadline(seq, budget, now)
+        return self._deadlines[key] - now
+
+    def forget_all_but(self, seqs: Iterable[SequenceState]) -> None:
+        """Drop the deadlines of prefills not in ``seqs`` (ended, finished or preempted)."""
+        keep = {(s.seq_id, s.num_preemptions) for s in seqs}
+        for key in [k for k in self._deadlines if k not in keep]:
+            del self._deadlines[key]
 
 
 def step_budget(config: SchedulerConfig, block_size: int, cost: Optional[StepCostModel],
@@ -289,8 +361,17 @@ def step_budget(config: SchedulerConfig, block_size: int, cost: Optional[StepCos
     budget.reserve_decodes(s.num_computed_tokens for s in running
                            if s.num_tokens - s.num_computed_tokens == 1
                            and s.seq_id not in sit_out)
-    paced = paced_prefill(running, next_waiting)
-    if paced is not None:
-        left = (pacer or PrefillPace()).left_s(paced, budget, now)
-        budget.pace(paced.num_computed_tokens, paced.num_tokens - paced.num_computed_tokens, left)
+    pacer = pacer or PrefillPace()
+    head_waits_for_budget = pacer.plan(now)
+    pending = pending_prefills(running)
+    pacer.forget_all_but(pending)
+    # every prefill in progress must end by its deadline, the oldest computed first, and so
+    # must the queue's head while only the step's budget keeps it waiting
+    paced = list(pending)
+    if next_waiting is not None and (not pending or head_waits_for_budget):
+        paced.append(next_waiting)
+    if paced:
+        budget.pace_queue(paced[0].num_computed_tokens,
+                          [(s.num_tokens - s.num_computed_tokens, pacer.left_s(s, budget, now))
+                           for s in paced])
     return budget
