@@ -14,14 +14,14 @@ stay within the target:
   remaining tokens split evenly over the fewest steps the target allows (a chunk stretched to
   the target that does not save a step only lengthens the decode rows' gaps);
 * a **floor** of prefill tokens runs each step even past the target, so a prompt's time to
-  first token stays within about ``TTFT_STRETCH`` × its time without the target: for the
-  oldest prefill in progress (or, with none, the sequence admission takes next), the floor
-  is the smallest chunk whose steps, at the predicted length of this one, compute the
-  prompt's remaining tokens within ``TTFT_STRETCH`` × their predicted time without the
-  target (chunks of the token budget beside the step's decode rows), counted from when it
-  became the one paced (:class:`PrefillPace`, :meth:`StepBudget.pace`). Both times come
-  from the same cost model, so its scale cancels; the deadline is in real time, so a prompt
-  made late by steps slower than predicted gets all it has left. The floor is the only way
+  first token stays within about ``TTFT_STRETCH`` × its time without the target. Each
+  prompt's deadline is that stretch of its time to first token on a virtual schedule of the
+  same prompts without the target, from its arrival (:class:`PrefillPace`); the floor is the
+  smallest chunk whose steps, at the predicted length of this one, end every prefill in
+  progress (and the queue's head while only the step's budget keeps it waiting) by its
+  deadline, oldest first (:meth:`StepBudget.pace_queue`). Both times come from the same
+  cost model, so its scale cancels; the deadlines are in real time, so a prompt made late
+  by steps slower than predicted gets all it has left. The floor is the only way
   a step runs past its target. Why this rule, with measurements: docs/slo.md.
 
 Decode rows alone may predict more than the target (many rows, long contexts): the target
