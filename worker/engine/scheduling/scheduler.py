@@ -59,9 +59,10 @@ from kvfleet.worker.engine.scheduling.preemption import (
     preempt_for_higher_class,
     return_seats_over_limit,
 )
+from kvfleet.worker.engine.scheduling.prefill_pace import PrefillPace
 from kvfleet.worker.engine.scheduling.priority_queue import PriorityRules, insert_waiting, order_key
 from kvfleet.worker.engine.scheduling.seats import TenantSeats, seats_taken
-from kvfleet.worker.engine.scheduling.step_budget import PrefillPace, StepBudget, step_budget
+from kvfleet.worker.engine.scheduling.step_budget import StepBudget, step_budget
 from kvfleet.worker.engine.scheduling.tenant_service import TenantService
 from kvfleet.worker.engine.speculative.drafts import add_drafts
 from kvfleet.worker.engine.speculative.speculator import Speculator

@@ -13,14 +13,9 @@ import pytest
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
 from kvfleet.sampling_params import SamplingParams
 from kvfleet.worker.engine.request import SeqStatus, SequenceState
+from kvfleet.worker.engine.scheduling.prefill_pace import TTFT_STRETCH, PrefillPace, paced_prefill
 from kvfleet.worker.engine.scheduling.scheduler import Scheduler, SchedulerConfig
-from kvfleet.worker.engine.scheduling.step_budget import (
-    TTFT_STRETCH,
-    PrefillPace,
-    StepBudget,
-    paced_prefill,
-    step_budget,
-)
+from kvfleet.worker.engine.scheduling.step_budget import StepBudget, step_budget
 from kvfleet.worker.step_cost.model import CostModel, plan_shape
 
 BS = 4
