@@ -142,7 +142,9 @@ class Pass:
     stay out), and the service it admitted per tenant (``planned``: charged after the step,
     counted by the queue's order meanwhile). ``own_victims(seq)``: running sequences of
     ``seq``'s tenant it could preempt (``CLAIM``: its share counts them as given up);
-    ``borrowable(seq)``: seats it may borrow past ``max_num_seqs`` (``NESTED``)."""
+    ``borrowable(seq)``: seats it may borrow past ``max_num_seqs`` (``NESTED``).
+    ``stopped_by``: why :func:`admit_waiting` stopped with sequences still waiting (None: it
+    did not, or the step's budget had no room left to try)."""
 
     mode: Mode
     held: Held
@@ -152,6 +154,7 @@ class Pass:
     planned: dict[str, float] = field(default_factory=dict)
     own_victims: Callable[[SequenceState], int] = _none
     borrowable: Callable[[SequenceState], int] = _none
+    stopped_by: Optional[Refusal] = None
 
 
 @dataclass(frozen=True)
@@ -263,9 +266,12 @@ def admit_waiting(sched: Scheduler, budget: Budget, p: Pass,
             sched.waiting, sched.pending_forks, p.held.by_tenant, p.planned, check_share)
         first = ()
         if picked is None or not allow(picked):
-            break  # every waiting tenant holds its share, or a class this pass may not take
+            # every waiting tenant holds its share, or a class this pass may not take
+            p.stopped_by = Refusal.TENANT_SHARE if picked is None else Refusal.HELD_BACK
+            break
         got = try_admit(sched, picked, budget, p)
         if isinstance(got, Refusal):
+            p.stopped_by = got
             break
         if favour_first and not scheduled:
             p.contents = StepContents(favoured=picked, within_class=within_class)

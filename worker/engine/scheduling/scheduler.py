@@ -42,7 +42,14 @@ from kvfleet.allocator.kv_cache_manager import KVCacheManager
 from kvfleet.errors import ResourceExhausted
 from kvfleet.service_weights import PREFILL_WEIGHT
 from kvfleet.worker.engine.request import SeqStatus, SequenceState
-from kvfleet.worker.engine.scheduling.admission import Held, Mode, Pass, StepWork, admit_waiting
+from kvfleet.worker.engine.scheduling.admission import (
+    Held,
+    Mode,
+    Pass,
+    Refusal,
+    StepWork,
+    admit_waiting,
+)
 from kvfleet.worker.engine.scheduling.blocks import BlockAdmission
 from kvfleet.worker.engine.scheduling.class_step import ClassStep, StepContents
 from kvfleet.worker.engine.scheduling.config import SchedulerConfig
@@ -52,9 +59,10 @@ from kvfleet.worker.engine.scheduling.preemption import (
     preempt_for_higher_class,
     return_seats_over_limit,
 )
+from kvfleet.worker.engine.scheduling.prefill_pace import PrefillPace
 from kvfleet.worker.engine.scheduling.priority_queue import PriorityRules, insert_waiting, order_key
 from kvfleet.worker.engine.scheduling.seats import TenantSeats, seats_taken
-from kvfleet.worker.engine.scheduling.step_budget import PrefillPace, StepBudget, step_budget
+from kvfleet.worker.engine.scheduling.step_budget import StepBudget, step_budget
 from kvfleet.worker.engine.scheduling.tenant_service import TenantService
 from kvfleet.worker.engine.speculative.drafts import add_drafts
 from kvfleet.worker.engine.speculative.speculator import Speculator
@@ -194,12 +202,14 @@ class Scheduler:
             first = ()  # the running set and the queue changed since the pick: pick again
         admitted = Pass(Mode.STEP, Held.of(self.running, self.pending_forks), work, now, contents)
         # Without class_step's contents, a tenant's first prompt in the step still keeps the
-        # prompts of its class's tenants served at least as much out of it where seats are
+        # prompts of its class's tenants served strictly more out of it where seats are
         # divided (tenant_share < 1): admitted behind it they would fill the step to the token
         # budget. Lower classes still fill it, as they always did without the ITL target.
         hold = self.class_step is None and self.config.tenant_share < 1
         scheduled += admit_waiting(self, budget, admitted, first, favour_first=hold,
                                    within_class=True)
+        if self.waiting:
+            self.pace.admission_stopped(admitted.stopped_by not in (None, Refusal.BUDGET))
         if self.spec.enabled:
             scheduled = add_drafts(self, scheduled, budget.tokens_left, work)
         chunks = tuple(s.chunk(self.kv.block_tables(s.seq.seq_id)) for s in scheduled)
