@@ -16,7 +16,8 @@ first token). Per seed and with ``class_step`` off and on:
   batch flood at 10 × capacity (refused past 80 % of the replica's sequences, as the router's
   ``--priority-admit``). Interactive TTFT p99 both ÷ alone (target
   ≤ 1.5), batch completions/s alone − both against interactive's (target ≤).
-* **§3** ``fair``: tenant B at 0.2 × capacity alone, then beside tenant A at 10 × (both
+* **§3** ``fair``: tenant B at 0.2 × capacity alone, then beside tenant A at 10 × with
+  ``--flood-prompt`` tokens a prompt (default 256, the cluster bench's shape; both
   ``default``; ``tenant_share`` 0.5 of running and of waiting seats, running seats lent by
   service past it: ``seats_by_service``, ``--fixed-seats`` for the fixed cap); B's TTFT p99
   both ÷ alone (target ≤ 2); then both backlogged (16 closed-loop clients each, A's prompts 256 tokens):
@@ -47,12 +48,15 @@ from kvfleet.priority import BATCH, DEFAULT, INTERACTIVE
 from kvfleet.sampling_params import SamplingParams
 from kvfleet.worker.engine.layer_yield.nested import may_yield, nested_step, yields_to
 from kvfleet.worker.engine.request import SeqStatus, SequenceState
+from kvfleet.worker.engine.scheduling.fair_bound import FAIR_SLACK
 from kvfleet.worker.engine.scheduling.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvfleet.worker.engine.step_plan import StepPlan
 from kvfleet.worker.step_cost.model import MEASURED, StepCost
 
 COST = MEASURED.scaled(0.05)
 BLOCK = 16
+# §3's flood prompts: 4 × the others, as ``bench overload fair``'s --flood-prompt-factor
+FLOOD_PROMPT = 256
 
 
 @dataclass(frozen=True)
@@ -255,21 +259,26 @@ def simulate(streams: list[Stream], config: SchedulerConfig, seconds: float, see
 
 
 def run_seed(base: SchedulerConfig, seconds: float, seed: int, seat_share: float = 0.5,
-             seats_by_service: bool = True, layer_yield: Optional[Yield] = None) -> dict:
+             seats_by_service: bool = True, layer_yield: Optional[Yield] = None,
+             flood_prompt: int = FLOOD_PROMPT, fair_slack: Optional[float] = FAIR_SLACK
+             ) -> dict:
     """Both sections with ``class_step`` off and on, one seed (``seat_share``: §3's
     ``tenant_share``; ``seats_by_service`` False: a fixed cap of running seats;
-    ``layer_yield``: steps pause between layers for a higher class, None: atomic steps)."""
+    ``layer_yield``: steps pause between layers for a higher class, None: atomic steps;
+    ``flood_prompt``: §3's tenant A's prompt tokens in the flood phase; ``fair_slack``: the
+    scheduler's, None: off)."""
     cap = simulate([Stream("c", clients=16)], base, seconds, seed, variant={"class_step": False})
     rate = cap["c"]["completions_per_s"]
     out: dict = {"capacity_per_s": rate}
     chat = Stream("chat", INTERACTIVE, rate=0.1 * rate)
     flood = Stream("batch", BATCH, rate=10 * rate, admit=0.8)
     b_alone = Stream("B", rate=0.2 * rate, share=seat_share)
-    a_flood = Stream("A", rate=10 * rate, share=seat_share)
+    a_flood = Stream("A", rate=10 * rate, prompt=flood_prompt, share=seat_share)
     for on in (False, True):
         prio = base
         fair = replace(base, tenant_share=seat_share)
-        ly, v = layer_yield, {"class_step": on, "seats_by_service": seats_by_service}
+        ly, v = layer_yield, {"class_step": on, "seats_by_service": seats_by_service,
+                              "fair_slack": fair_slack}
         alone = simulate([chat], prio, seconds, seed, ly, v)["chat"]
         batch = simulate([flood], prio, seconds, seed, ly, v)["batch"]
         both = simulate([chat, flood], prio, seconds, seed, ly, v)
@@ -318,6 +327,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--seat-share", type=float, default=0.5,
                    help="§3: replicas' tenant_share (of running and of waiting seats)")
+    p.add_argument("--flood-prompt", type=int, default=FLOOD_PROMPT,
+                   help="§3: tenant A's prompt tokens in the flood phase (default: the cluster "
+                        "bench's shape, 4 × 64; 64: the shape of earlier runs)")
+    p.add_argument("--fair-slack", type=float, default=FAIR_SLACK,
+                   help="§3 without a target: over-served prefill's bound, × the decode rows' "
+                        "step (fair_bound.py; < 0: off, the A/B)")
     p.add_argument("--fixed-seats", action="store_true",
                    help="§3: tenant_share caps running seats whatever the service (before)")
     p.add_argument("--layer-yield", action="store_true",
@@ -335,7 +350,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ly = Yield(model_layers(a.model), a.yield_cost_layers, merge) if a.layer_yield else None
     base = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512, max_waiting=256,
                            itl_target_ms=a.itl_target_ms or None)
-    runs = {int(s): run_seed(base, a.seconds, int(s), a.seat_share, not a.fixed_seats, ly)
+    runs = {int(s): run_seed(base, a.seconds, int(s), a.seat_share, not a.fixed_seats, ly,
+                             a.flood_prompt, None if a.fair_slack < 0 else a.fair_slack)
             for s in a.seeds.split(",")}
     print("seed class_step | §2 chat TTFT p99 alone → both (×) | batch drop vs chat /s "
           "| batch ITL p99 | §3 B TTFT p99 alone → both (×) | B token share | A ITL p99 (backlogged) "
@@ -356,6 +372,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     RESULTS.mkdir(parents=True, exist_ok=True)
     tag = (("" if a.itl_target_ms == 150 else f"-itl{a.itl_target_ms:g}")
            + ("" if a.seat_share == 0.5 else f"-seats{a.seat_share:g}")
+           + ("" if a.flood_prompt == FLOOD_PROMPT else f"-flood{a.flood_prompt}")
+           + ("" if a.fair_slack == FAIR_SLACK else f"-slack{a.fair_slack:g}")
            + ("-fixed" if a.fixed_seats else "") + ("-yield" if a.layer_yield else "")
            + (f"{a.yield_cost_layers:g}" if a.layer_yield and a.yield_cost_layers else "")
            + (f"-merge{a.merge_within_ms:g}" if a.layer_yield and merge is not None else ""))

@@ -38,13 +38,16 @@ def new_seq(prompt: Optional[list[int]] = None, *, prompt_len: int = 4, max_toke
                          block_size=BS, arrival_seq=a, **fields)
 
 
-def run_step(s: Scheduler, token: int = 7) -> SchedulerOutput:
+def run_step(s: Scheduler, token: int = 7, finish: bool = False) -> SchedulerOutput:
     """One step as the engine takes it: schedule, 'compute', append ``token`` to every running
-    sequence that samples; the KV cache's invariants hold after it."""
+    sequence that samples (``finish``: and finish those at their ``max_tokens``); the KV
+    cache's invariants hold after it."""
     out = s.schedule()
     s.on_step_done(out)
     for x in out.scheduled:
         if x.sample and x.seq.status is SeqStatus.RUNNING:
             x.seq.append_token(token)
+            if finish and len(x.seq.output_token_ids) >= x.seq.params.max_tokens:
+                s.finish(x.seq)
     s.kv.check_invariants()
     return out

@@ -68,9 +68,11 @@ class Budget(Protocol):
     @property
     def has_room(self) -> bool: ...
 
-    def grant(self, num_computed: int, want: int, reserved: bool = False) -> int: ...
+    def grant(self, num_computed: int, want: int, reserved: bool = False,
+              seq: Optional[SequenceState] = None) -> int: ...
 
-    def take(self, num_computed: int, n: int, reserved: bool = False) -> None: ...
+    def take(self, num_computed: int, n: int, reserved: bool = False,
+             seq: Optional[SequenceState] = None) -> None: ...
 
 
 class ClaimBudget:
@@ -85,10 +87,12 @@ class ClaimBudget:
     def has_room(self) -> bool:
         return self.claimed < self.max_tokens
 
-    def grant(self, num_computed: int, want: int, reserved: bool = False) -> int:
+    def grant(self, num_computed: int, want: int, reserved: bool = False,
+              seq: Optional[SequenceState] = None) -> int:
         return min(want, self.max_tokens)
 
-    def take(self, num_computed: int, n: int, reserved: bool = False) -> None:
+    def take(self, num_computed: int, n: int, reserved: bool = False,
+             seq: Optional[SequenceState] = None) -> None:
         self.claimed += n
 
 
@@ -196,7 +200,7 @@ def try_admit(sched: Scheduler, seq: SequenceState, budget: Budget, p: Pass
         del p.work.hits[key]  # asked again next time: it may have answered by then
         return Refusal.TIER_LOOKUP
     num_cached = (len(computed) + len(hits)) * kv.block_size
-    n = budget.grant(num_cached, sched.blocks.chunk(seq.num_tokens - num_cached))
+    n = budget.grant(num_cached, sched.blocks.chunk(seq.num_tokens - num_cached), seq=seq)
     if n <= 0:
         return Refusal.BUDGET
     claimed = p.held.blocks if p.mode is Mode.CLAIM else 0
@@ -207,7 +211,7 @@ def try_admit(sched: Scheduler, seq: SequenceState, budget: Budget, p: Pass
     if p.mode is not Mode.CLAIM and not _admit(sched, seq, computed, hits, n, p):
         return Refusal.BLOCKS
     p.held.take(seq, group, new_blocks if p.mode is Mode.CLAIM else 0)
-    budget.take(num_cached, n)
+    budget.take(num_cached, n, seq=seq)
     return Admitted(seq, n, num_cached, new_blocks)
 
 

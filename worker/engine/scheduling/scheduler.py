@@ -53,6 +53,7 @@ from kvfleet.worker.engine.scheduling.admission import (
 from kvfleet.worker.engine.scheduling.blocks import BlockAdmission
 from kvfleet.worker.engine.scheduling.class_step import ClassStep, StepContents
 from kvfleet.worker.engine.scheduling.config import SchedulerConfig
+from kvfleet.worker.engine.scheduling.fair_bound import FAIR_SLACK, fair_bound
 from kvfleet.worker.engine.scheduling.forks import drop_sibling, fork_siblings
 from kvfleet.worker.engine.scheduling.output import Fork, ScheduledSeq, SchedulerOutput
 from kvfleet.worker.engine.scheduling.preemption import (
@@ -82,7 +83,9 @@ class Scheduler:
     ``step_cost`` predicts a step's seconds; required when ``config.itl_target_ms`` is set.
     ``tier``: the node's host KV tier, looked up after the device pool at admission (None: no
     tier). ``class_step`` / ``seats_by_service``: the ITL target's step contents and the tenant
-    share's lending, both part of their setting (off only for the virtual-clock benches' A/B).
+    share's lending, both part of their setting (off only for the virtual-clock benches' A/B);
+    ``fair_slack``: without a target, the tenant share's bound on over-served prefill
+    (:mod:`.fair_bound`; None: off, for the same A/B).
 
     Raises:
         ValueError: an ITL target without a step-cost model.
@@ -91,7 +94,8 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
                  step_cost: Optional[StepCostModel] = None,
                  tier: TierLookup | None = None, *, class_step: bool = True,
-                 seats_by_service: bool = True) -> None:
+                 seats_by_service: bool = True,
+                 fair_slack: Optional[float] = FAIR_SLACK) -> None:
         if config.itl_target_ms is not None and step_cost is None:
             raise ValueError("itl_target_ms needs a step-cost model")
         self.config = config
@@ -119,6 +123,7 @@ class Scheduler:
                                  self.service)
         self.class_step = (ClassStep(step_cost, config.max_num_batched_tokens, config.itl_target_ms)
                            if step_cost and config.itl_target_ms and class_step else None)
+        self.fair_slack = fair_slack
         self.pace = PrefillPace()  # the ITL target's floor: the paced prefill's deadline
         # seq_id -> steps in a row it sat out, as of the last plan (its StepContents.skipped)
         self.skipped: Mapping[str, int] = {}
@@ -196,6 +201,13 @@ class Scheduler:
         budget = step_budget(self.config, self.kv.block_size, self.step_cost, self.running,
                              self.waiting[0] if self.waiting else None, contents.sit_out, now,
                              self.pace)
+        if (self.config.itl_target_ms is None and self.config.tenant_share < 1
+                and self.fair_slack is not None):
+            # an over-served tenant's prefill may not make the step long while a less-served
+            # one has rows (its seats turn over with the steps)
+            budget.fair = fair_bound(self.step_cost, self.running, self.waiting,
+                                     self.service.service, self.kv.block_size,
+                                     slack=self.fair_slack)
         num_preempted = len(preempted)
         scheduled = self._schedule_running(budget, contents.sit_out, preempted, copies, work)
         if len(preempted) > num_preempted:
@@ -230,7 +242,8 @@ class Scheduler:
             seq = self.running[i]
             remaining = seq.num_tokens - seq.num_computed_tokens
             n = 0 if seq.seq_id in sit_out else budget.grant(
-                seq.num_computed_tokens, self.blocks.chunk(remaining), reserved=remaining == 1)
+                seq.num_computed_tokens, self.blocks.chunk(remaining), reserved=remaining == 1,
+                seq=seq)
             if n <= 0:
                 i += 1
                 continue
@@ -245,7 +258,7 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted itself; it is the last one, loop ends
             scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens + n == seq.num_tokens))
-            budget.take(seq.num_computed_tokens, n, reserved=remaining == 1)
+            budget.take(seq.num_computed_tokens, n, reserved=remaining == 1, seq=seq)
             i += 1
         return scheduled
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
 from kvfleet.worker.engine.request import SequenceState
+from kvfleet.worker.engine.scheduling.fair_bound import FairBound
 from kvfleet.worker.engine.scheduling.prefill_pace import PrefillPace, pending_prefills
 from kvfleet.worker.step_cost.model import StepCostModel, attended
 
@@ -74,6 +75,8 @@ class StepBudget:
         self.prefill_tokens = 0
         self.context_tokens = 0
         self.decodes_s = 0.0  # the reserved decode rows' predicted seconds
+        # over-served tenants' prefill, bounded without a target (tenant_share < 1; None: not)
+        self.fair: Optional[FairBound] = None
 
     @property
     def timed(self) -> bool:
@@ -157,11 +160,16 @@ class StepBudget:
                 hi = mid - 1
         return self._chunk(num_computed, remaining, lo)
 
-    def grant(self, num_computed: int, want: int, reserved: bool = False) -> int:
-        """Tokens (0..``want``) of a chunk starting after ``num_computed`` tokens that fit."""
+    def grant(self, num_computed: int, want: int, reserved: bool = False,
+              seq: Optional[SequenceState] = None) -> int:
+        """Tokens (0..``want``) of a chunk starting after ``num_computed`` tokens that fit
+        (``seq``: the chunk's sequence, for :attr:`fair`'s bound; None: not bounded)."""
         cap = min(want, self.tokens_left)
         if not self.timed or cap <= 0 or reserved:
-            return max(cap, 0)
+            cap = max(cap, 0)
+            if self.fair is not None and seq is not None and not reserved and cap > 0:
+                cap = self._align(num_computed, self.fair.cap(seq, num_computed, cap), want)
+            return cap
         floor = min(cap, self.floor_left)
         n = self._align(num_computed, max(self._fits(num_computed, cap), floor), want)
         if n > floor and self._with(num_computed, n) > self._target():
@@ -172,9 +180,12 @@ class StepBudget:
             n = max(self._align(num_computed, floor, want), min(n, even))
         return n
 
-    def take(self, num_computed: int, n: int, reserved: bool = False) -> None:
-        """Commit a scheduled chunk of ``n`` tokens after ``num_computed``."""
+    def take(self, num_computed: int, n: int, reserved: bool = False,
+             seq: Optional[SequenceState] = None) -> None:
+        """Commit a scheduled chunk of ``n`` tokens after ``num_computed`` (of ``seq``)."""
         self.tokens_left -= n
+        if self.fair is not None and seq is not None and not reserved:
+            self.fair.take(seq, num_computed, n)
         if self.timed and not reserved:
             self._add(num_computed, n)
             self.floor_left = max(0, self.floor_left - n)
