@@ -1,6 +1,7 @@
 """Priority classes and tenant fairness under the ITL target on a virtual clock.
 
     .venv/bin/python -m bench class_sim [--itl-target-ms 150 (0: none)] [--seconds 120] [--seeds 0,1,2]
+        [--flood-prompt 256] [--fair-slack 0.5 (< 0: off)]
         [--layer-yield [--model smollm2-135m-instruct] [--yield-cost-layers 0]
         [--merge-within-ms MS]]
 

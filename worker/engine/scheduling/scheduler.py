@@ -8,7 +8,8 @@ A step (:meth:`Scheduler.schedule`) is composed of small policies, each in its o
 2. **step contents** (:mod:`.class_step`, under an ITL target): which running rows sit out so
    that a favoured prefill runs in a short step;
 3. **step budget** (:mod:`.step_budget`): ``max_num_batched_tokens`` tokens, and with
-   ``itl_target_ms`` a predicted time;
+   ``itl_target_ms`` a predicted time; without it, where seats are divided among tenants, a
+   time bound on over-served tenants' prefill (:mod:`.fair_bound`);
 4. **running** sequences first, best class first, oldest first (decodes, and prefills still
    catching up); one that cannot grow preempts the newest running sequence by recompute (its
    blocks are freed; it re-enters the waiting queue at its class and FCFS position and later
