@@ -9,7 +9,13 @@ import pytest
 from kvfleet.sampling_params import SamplingParams
 from kvfleet.worker.engine.request import SequenceState
 from kvfleet.worker.engine.speculative.ngram import NgramIndex
-from kvfleet.worker.engine.speculative.sizing import Acceptance, Candidate, size_drafts
+from kvfleet.worker.engine.speculative.sizing import (
+    CPU_FEW_ROWS,
+    Acceptance,
+    Candidate,
+    QueryRows,
+    size_drafts,
+)
 from kvfleet.worker.engine.speculative.speculator import Speculator, check_mode
 from kvfleet.worker.engine.speculative.suffix import SuffixIndex
 from kvfleet.worker.step_cost.model import CostModel, StepCost, StepShape
@@ -125,6 +131,41 @@ def test_speculation_turns_itself_off_once_the_step_cost_learns_drafts_lose() ->
     assert cost.draft_scale == pytest.approx(12, rel=0.1)
     assert cost.decode_scale == pytest.approx(1.0, rel=0.05)
     assert size_drafts([good], one, 1, cost, 64) == [0]
+
+
+def test_sizing_prices_a_few_row_pass_whole_and_stays_within_the_kernel() -> None:
+    """On a decode-only step, drafts that open another pass of the few-row kernel are priced
+    as the whole pass, and none takes the step past the kernel's row limit; a step with
+    prefill is priced by the linear model alone."""
+    rule = QueryRows(tile=4, limit=8)
+    cost = CostModel(0.010, 0.001, 0.001, "test", 0.0, 0.001)
+    one = StepShape(1, 0, 101)
+    assert size_drafts([Candidate(0.9, 4, 100)], one, 1, cost, 64, None) == [4]
+    assert size_drafts([Candidate(0.9, 4, 100)], one, 1, cost, 64, rule) == [3]
+    assert size_drafts([Candidate(0.9, 7, 100)], one, 1, cost, 64, rule) == [7]
+    four = StepShape(4, 0, 404)
+    good = Candidate(0.9, 6, 100)
+    assert size_drafts([good] * 4, four, 4, cost, 64, rule) == [1, 1, 1, 1]
+    one_draft = [Candidate(0.9, 1, 100)] + [Candidate(0.5, 0, 100)] * 3
+    assert size_drafts(one_draft, four, 4, cost, 64, rule) == [0, 0, 0, 0]
+    assert size_drafts(one_draft, four, 4, cost, 64, None) == [1, 0, 0, 0]
+    assert size_drafts([good] * 8, StepShape(8, 0, 808), 8, cost, 64, rule) == [0] * 8
+    assert sum(size_drafts([good] * 8, StepShape(8, 64, 872), 8, cost, 64, rule)) > 0
+    assert [rule.priced(1, d) for d in range(9)] == [0, 1, 2, 3, 7, 7, 7, 7, None]
+    assert [rule.priced(4, d) for d in range(6)] == [0, 4, 4, 4, 4, None]
+
+
+def test_the_few_row_rule_matches_the_cpu_kernel() -> None:
+    """The sizing rule's tile and limit are the runner's (its C kernel's rows per pass, the
+    rows past which a projection leaves the kernel)."""
+    import re
+    from pathlib import Path
+
+    from kvfleet.worker.runner.models import linear
+
+    gemv = (Path(linear.__file__).parents[1] / "gemv.c").read_text()
+    assert CPU_FEW_ROWS.limit == linear.FEW_ROWS
+    assert CPU_FEW_ROWS.tile == int(re.search(r"#define TILE_ROWS (\d+)", gemv).group(1))
 
 
 def test_acceptance_follows_recent_verifications() -> None:
