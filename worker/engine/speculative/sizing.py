@@ -64,22 +64,21 @@ class QueryRows:
     """What a step of decode rows (and their drafts) only, no prefill chunk, costs beyond the
     linear model: each projection runs the step's query rows through a few-row kernel that
     reads every weight once per ``tile`` rows, and past ``limit`` rows through a GEMM that
-    costs several such passes. So drafts that open another pass are priced as the whole pass
-    (one extra row costs nearly what a full pass does), and a decode-only step never grows
-    past ``limit`` rows.
+    costs several such passes. A draft that opens another pass costs a pass over the weights
+    (priced as a one-row decode step without context: the weights streamed once), and a
+    decode-only step never grows past ``limit`` rows.
     """
 
     tile: int
     limit: int
 
-    def priced(self, decode_rows: int, drafts: int) -> int | None:
-        """Draft tokens to price ``drafts`` drafts on ``decode_rows`` rows at (a pass they
-        open counted full), or None where the step would leave the kernel."""
+    def extra_passes(self, decode_rows: int, drafts: int) -> int | None:
+        """Weight passes ``drafts`` drafts add to ``decode_rows`` rows, or None where the step
+        would leave the kernel."""
         total = decode_rows + drafts
         if total > self.limit:
             return None
-        opened = -(-decode_rows // self.tile) * self.tile  # rows the decode rows' passes hold
-        return drafts if total <= opened else -(-total // self.tile) * self.tile - decode_rows
+        return -(-total // self.tile) - -(-decode_rows // self.tile)
 
 
 # The CPU runner's few-row kernel: four rows per weight pass, eight rows at most
@@ -94,7 +93,7 @@ def size_drafts(candidates: Sequence[Candidate], base: StepShape, sampled_rows: 
 
     The best ``D`` drafts are the ``D`` best expected gains (a row's next draft gains less
     than its last); the answer is the ``D`` with the most expected tokens per predicted
-    second, priced on a step without prefill by ``query_rows``.
+    second, with the weight passes ``query_rows`` says they open on a step without prefill.
 
     Args:
         base: the step's shape without any draft (every candidate counted as a decode row).
@@ -112,6 +111,7 @@ def size_drafts(candidates: Sequence[Candidate], base: StepShape, sampled_rows: 
             tokens_left -= drafts[i]
         return drafts
     tokens = float(sampled_rows)
+    pass_s = cost.predict_step_s(1, 0, 0)
     # (-expected gain of the row's next draft, row): the best draft first
     heap = [(-c.rate, i) for i, c in enumerate(candidates) if c.max_drafts > 0]
     heapq.heapify(heap)
@@ -126,16 +126,17 @@ def size_drafts(candidates: Sequence[Candidate], base: StepShape, sampled_rows: 
             heapq.heappush(heap, (neg_gain * candidates[i].rate, i))
         tokens -= neg_gain
         n = len(order)
-        priced: int | None = n
+        passes: int | None = 0
         if query_rows is not None and prefill == 0:
-            priced = query_rows.priced(rows, n)
-        if priced is None:
+            passes = query_rows.extra_passes(rows, n)
+        if passes is None:
             break
-        rate = tokens / cost.predict_step_s(rows, prefill, context + n, verified + priced)
+        rate = tokens / (cost.predict_step_s(rows, prefill, context + n, verified + n)
+                         + passes * pass_s)
         if rate > best_rate:
             best_rate, best_count = rate, n
-        elif priced == n and rate <= path_rate:
-            break  # linear from here on and gains only shrink: the ratio only falls
+        elif rate <= path_rate and (query_rows is None or prefill > 0):
+            break  # priced linearly and gains only shrink: the ratio only falls from here
         path_rate = rate
     drafts = [0] * len(candidates)
     for i in order[:best_count]:

@@ -133,26 +133,29 @@ def test_speculation_turns_itself_off_once_the_step_cost_learns_drafts_lose() ->
     assert size_drafts([good], one, 1, cost, 64) == [0]
 
 
-def test_sizing_prices_a_few_row_pass_whole_and_stays_within_the_kernel() -> None:
-    """On a decode-only step, drafts that open another pass of the few-row kernel are priced
-    as the whole pass, and none takes the step past the kernel's row limit; a step with
-    prefill is priced by the linear model alone."""
+def test_sizing_prices_a_new_few_row_pass_as_a_weight_pass_and_stays_within_the_kernel() -> None:
+    """On a decode-only step, drafts within the passes the decode rows open are priced by the
+    draft term; one that opens another pass also costs a pass over the weights (a one-row
+    step's price), and none takes the step past the kernel's row limit. A step with prefill is
+    priced by the linear model alone."""
     rule = QueryRows(tile=4, limit=8)
-    cost = CostModel(0.010, 0.001, 0.001, "test", 0.0, 0.001)
+    cost = CostModel(0.010, 0.001, 0.001, "test", 0.0, 0.001)  # a pass: 11 ms
     one = StepShape(1, 0, 101)
     assert size_drafts([Candidate(0.9, 4, 100)], one, 1, cost, 64, None) == [4]
     assert size_drafts([Candidate(0.9, 4, 100)], one, 1, cost, 64, rule) == [3]
-    assert size_drafts([Candidate(0.9, 7, 100)], one, 1, cost, 64, rule) == [7]
+    assert size_drafts([Candidate(0.9, 7, 100)], one, 1, cost, 64, rule) == [3]
     four = StepShape(4, 0, 404)
-    good = Candidate(0.9, 6, 100)
-    assert size_drafts([good] * 4, four, 4, cost, 64, rule) == [1, 1, 1, 1]
-    one_draft = [Candidate(0.9, 1, 100)] + [Candidate(0.5, 0, 100)] * 3
-    assert size_drafts(one_draft, four, 4, cost, 64, rule) == [0, 0, 0, 0]
-    assert size_drafts(one_draft, four, 4, cost, 64, None) == [1, 0, 0, 0]
-    assert size_drafts([good] * 8, StepShape(8, 0, 808), 8, cost, 64, rule) == [0] * 8
-    assert sum(size_drafts([good] * 8, StepShape(8, 64, 872), 8, cost, 64, rule)) > 0
-    assert [rule.priced(1, d) for d in range(9)] == [0, 1, 2, 3, 7, 7, 7, 7, None]
-    assert [rule.priced(4, d) for d in range(6)] == [0, 4, 4, 4, 4, None]
+    rows_dear = CostModel(0.010, 0.001, 0.005, "test", 0.0, 0.001)  # a pass 15 ms of b4's 30
+    assert size_drafts([Candidate(0.95, 6, 100)] * 4, four, 4, rows_dear, 64, rule) == [1] * 4
+    assert size_drafts([Candidate(0.95, 6, 100)] * 4, four, 4, cost, 64, rule) == [0] * 4
+    assert size_drafts([Candidate(0.5, 6, 100)] * 4, four, 4, rows_dear, 64, rule) == [0] * 4
+    assert size_drafts([Candidate(0.5, 6, 100)] * 4, four, 4, rows_dear, 64, None) != [0] * 4
+    assert size_drafts([Candidate(0.9, 6, 100)] * 8, StepShape(8, 0, 808), 8, cost, 64,
+                       rule) == [0] * 8
+    assert sum(size_drafts([Candidate(0.9, 6, 100)] * 8, StepShape(8, 64, 872), 8, cost, 64,
+                           rule)) > 0
+    assert [rule.extra_passes(1, d) for d in range(9)] == [0, 0, 0, 0, 1, 1, 1, 1, None]
+    assert [rule.extra_passes(4, d) for d in range(6)] == [0, 1, 1, 1, 1, None]
 
 
 def test_the_few_row_rule_matches_the_cpu_kernel() -> None:
