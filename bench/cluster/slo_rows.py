@@ -21,7 +21,8 @@ first on the target-off cluster (one stream alone). Each cluster runs in a proce
 (Ray and Serve start clean). Every streamed message is timestamped at
 the client (``time.monotonic``): the streams' ITL is the gap between a stream's messages
 carrying tokens; the long prompts' TTFT is send to first token. Reported per run and on ÷ off:
-ITL p50 / p99 and p99 ÷ p50, output tokens/s, long-prompt TTFT p50 / p99, and whether every
+ITL p50 / p99 and p99 ÷ p50, output tokens/s (those that arrived within ``--seconds``),
+long-prompt TTFT p50 / p99, and whether every
 request's greedy tokens were identical in both runs (targets: p99 ≤ 3 × p50, ≥ 0.85 × tok/s,
 long TTFT p99 ≤ 2 ×). The host's load average is recorded beside the numbers: on a loaded host
 they measure the load as much as the policy. JSON: ``bench/results/slo_rows.json``.
@@ -132,10 +133,16 @@ async def single_stream_itl(address: str, tokens: int = 64) -> float:
 
 
 def summarize(runs: list[Stream], seconds: float) -> dict:
+    """The run's stream row: output tokens/s counts the tokens that arrived within the
+    ``seconds`` from the first request's send (the requests still running then finish, and
+    their later tokens are not the window's: counting whole requests would count a stream's
+    last 256-token request in full or not at all)."""
     itl = [b[0] - a[0] for s in runs if s.kind == "stream"
            for a, b in zip(s.stamps, s.stamps[1:], strict=False)]
     ttft = [s.stamps[0][0] - s.sent for s in runs if s.kind == "long" and s.stamps]
-    return {**stream_row(itl, ttft, sum(len(s.tokens) for s in runs) / seconds),
+    end = min((s.sent for s in runs), default=0.0) + seconds
+    tokens = sum(n for s in runs for t, n in s.stamps if t <= end)
+    return {**stream_row(itl, ttft, tokens / seconds),
             "errors": sorted({s.error for s in runs if s.error})[:5]}
 
 

@@ -1,7 +1,8 @@
 """Priority classes and tenant fairness under the ITL target on a virtual clock.
 
-    .venv/bin/python -m bench class_sim [--itl-target-ms 150] [--seconds 120] [--seeds 0,1,2]
-        [--layer-yield [--model smollm2-135m-instruct] [--yield-cost-layers 1]]
+    .venv/bin/python -m bench class_sim [--itl-target-ms 150 (0: none)] [--seconds 120] [--seeds 0,1,2]
+        [--layer-yield [--model smollm2-135m-instruct] [--yield-cost-layers 0]
+        [--merge-within-ms MS]]
 
 One replica's real scheduler and block pool (16 running + 256 waiting, 640 blocks of 16), each
 step lasting exactly what the benches' cost model says (``MEASURED × 0.05``: 16 ms a step,
@@ -22,7 +23,9 @@ first token). Per seed and with ``class_step`` off and on:
   B's share of computed tokens (uncached prompt + output) in the middle half (fair 0.5 ± 10 %).
 
 ``--layer-yield``: steps pause between decoder layers (as many as the model's config has) for
-a nested step of a higher class (:class:`Yield`, ``worker/engine/layer_yield/nested.py``).
+a nested step of a higher class, or in §3 of a less-served tenant (:class:`Yield`,
+``worker/engine/layer_yield/nested.py``). ``--itl-target-ms 0``: no ITL target (the replicas'
+defaults; ``class_step`` then has nothing to do, so its off and on rows agree).
 
 Capacity: completions/s of 16 closed-loop default clients. JSON: ``bench/results/class_sim.json``.
 """
@@ -45,6 +48,7 @@ from kvfleet.sampling_params import SamplingParams
 from kvfleet.worker.engine.layer_yield.nested import may_yield, nested_step, yields_to
 from kvfleet.worker.engine.request import SeqStatus, SequenceState
 from kvfleet.worker.engine.scheduling.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kvfleet.worker.engine.step_plan import StepPlan
 from kvfleet.worker.step_cost.model import MEASURED, StepCost
 
 COST = MEASURED.scaled(0.05)
@@ -67,13 +71,30 @@ class Stream:
 @dataclass(frozen=True)
 class Yield:
     """Layer-level yield on the virtual clock (``worker/engine/layer_yield/nested.py``): a step is
-    ``layers`` equal slices; a request of a strictly better class than every row of the step
-    in flight pauses it at the first layer boundary after its arrival, the real scheduler's
+    ``layers`` equal slices; a request the step in flight yields to (``yields_to``: a better
+    class; with ``tenant_share`` < 1 also a less-served tenant of its class) pauses it at the
+    first layer boundary after its arrival, the real scheduler's
     nested step (``layer_yield.nested.nested_step``) runs, and the paused step's remaining
-    time, plus ``cost_layers`` layers' share of it (saving and resuming), follows."""
+    time, plus ``cost_layers`` layers' share of it for pausing and resuming, follows (default
+    0, as the cost-model executor: the runner resumes on the same tensors and redoes nothing;
+    ``bench nested_cost`` measures it on the real runner).
+
+    ``merge_within_s`` (None: never): catch-up-and-merge instead, where the nested rows' first
+    tokens would still come within this many seconds of the oldest one's arrival: the nested
+    rows run the paused step's done layers alone (that share of their own step, base
+    included), then ride its remaining layers merged into it (adding only their rows' share)
+    and sample at its end."""
 
     layers: int
-    cost_layers: float = 1.0
+    cost_layers: float = 0.0
+    merge_within_s: Optional[float] = None
+
+
+def _row_s(chunk) -> float:
+    """Modelled seconds ``chunk`` adds to a step beyond the step base (its rows' terms)."""
+    n = len(chunk.token_ids)
+    rows = COST.decode_token_s if n == 1 else COST.prefill_token_s * n
+    return rows + COST.context_token_s * (chunk.num_computed_tokens + n)
 
 
 def simulate(streams: list[Stream], config: SchedulerConfig, seconds: float, seed: int,
@@ -99,8 +120,9 @@ def simulate(streams: list[Stream], config: SchedulerConfig, seconds: float, see
     tokens = {st.tenant: 0 for st in streams}
     meta: dict[str, tuple[Stream, float]] = {}
     held = {st.tenant: 0 for st in streams}
+    own = {st.tenant: 0.0 for st in streams}  # replica-seconds of each tenant's own work
+    overhead = 0.0  # replica-seconds of pausing and resuming (no tenant's work)
     n = i = yields = 0
-    classes = {st.priority for st in streams}
 
     def arrive(until: float) -> None:
         nonlocal i, n
@@ -122,6 +144,15 @@ def simulate(streams: list[Stream], config: SchedulerConfig, seconds: float, see
             sched.add([s])
             held[st.tenant] += 1
             meta[s.seq_id] = (st, t)
+
+    def charge(out: SchedulerOutput, seconds_: float) -> None:
+        """Share ``seconds_`` of ``out``'s forward among its tenants by their rows' terms
+        (the step base pro rata: a step of one tenant's rows is all its own)."""
+        rows = [(meta[x.seq.seq_id][0].tenant, _row_s(c))
+                for x, c in zip(out.scheduled, out.plan.chunks, strict=True)]
+        total = sum(r for _, r in rows)
+        for tenant, r in rows:
+            own[tenant] += seconds_ * r / total if total > 0 else seconds_ / len(rows)
 
     def sample(out: SchedulerOutput, now: float) -> None:
         for x in out.scheduled:
@@ -146,15 +177,22 @@ def simulate(streams: list[Stream], config: SchedulerConfig, seconds: float, see
                     arrivals.insert(i, (now, st))
 
     def run_yielding(out: SchedulerOutput, start: float, yd: Yield) -> float:
-        """Run ``out`` from ``start``, pausing for nested steps; returns its end."""
-        nonlocal yields
+        """Run ``out`` from ``start``, pausing for nested steps; returns its end (and samples
+        a nested step merged into ``out``'s remaining layers at it)."""
+        nonlocal yields, overhead
         total = max(COST.step_seconds(out.plan), 1e-3)
         layer = total / yd.layers
         t, progress = start, 0.0  # virtual now, seconds of ``out`` done
-        to = {p for p in classes if yields_to(out, p)}  # the classes ``out`` yields to
-        while to:
+        charge(out, total)
+        fair = config.tenant_share < 1
+        while True:
+            # the streams ``out`` yields to, as of the service charged so far
+            to = {st for st in streams if yields_to(out, st.priority, *(
+                (st.tenant, sched.service.service) if fair else ()))}
+            if not to:
+                break
             urgent = next((max(a[0], t) for a in itertools.islice(arrivals, i, None)
-                           if a[1].priority in to), None)
+                           if a[1] in to), None)
             if may_yield(sched, out):
                 urgent = t
             if urgent is None:
@@ -168,10 +206,25 @@ def simulate(streams: list[Stream], config: SchedulerConfig, seconds: float, see
             if not nested.scheduled:
                 break  # refused (no free seat or blocks): the step runs on whole
             yields += 1
-            t += max(COST.step_seconds(nested.plan), 1e-3)
+            nested_s = max(COST.step_seconds(nested.plan), 1e-3)
+            frac = progress / total  # layers of ``out`` done, as a fraction
+            merged = COST.step_seconds(StepPlan(out.plan.chunks + nested.plan.chunks))
+            rest = (1 - frac) * (merged - total)  # the nested rows' share of the rest
+            end = t + frac * nested_s + yd.cost_layers * layer + total - progress + rest
+            oldest = min(meta[x.seq.seq_id][1] for x in nested.scheduled)
+            if yd.merge_within_s is not None and end - oldest <= yd.merge_within_s:
+                # catch up to the paused layer alone, then ride the rest merged
+                charge(nested, frac * nested_s + rest)
+                overhead += yd.cost_layers * layer
+                sched.on_step_done(nested)
+                sample(nested, end)
+                return end
+            t += nested_s
+            charge(nested, nested_s)
             sched.on_step_done(nested)
             sample(nested, t)
             t += yd.cost_layers * layer
+            overhead += yd.cost_layers * layer
         return t + total - progress
 
     now = 0.0
@@ -183,7 +236,9 @@ def simulate(streams: list[Stream], config: SchedulerConfig, seconds: float, see
         out = sched.schedule(now)
         if layer_yield is None:
             sched.on_step_done(out)
-            now += max(COST.step_seconds(out.plan), 1e-3)
+            step_s = max(COST.step_seconds(out.plan), 1e-3)
+            charge(out, step_s)
+            now += step_s
         else:
             now = run_yielding(out, now, layer_yield)
             sched.on_step_done(out)
@@ -191,9 +246,11 @@ def simulate(streams: list[Stream], config: SchedulerConfig, seconds: float, see
     res: dict = {t: {"ttft_p50_ms": 1e3 * pct(v, 0.5) if v else None,
                      "ttft_p99_ms": 1e3 * pct(v, 0.99) if v else None, "requests": len(v),
                      "itl_p99_ms": 1e3 * pct(gaps[t], 0.99) if gaps[t] else None,
-                     "completions_per_s": done[t] / seconds, "computed_tokens": tokens[t]}
+                     "completions_per_s": done[t] / seconds, "computed_tokens": tokens[t],
+                     "own_replica_s": own[t]}
                  for t, v in ttft.items()}
     res["_yields"] = yields
+    res["_overhead_replica_s"] = overhead
     return res
 
 
@@ -228,6 +285,15 @@ def run_seed(base: SchedulerConfig, seconds: float, seed: int, seat_share: float
                          "batch_drop_per_s": batch["completions_per_s"]
                          - both["batch"]["completions_per_s"],
                          "interactive_per_s": both["chat"]["completions_per_s"],
+                         # the same two sides in replica-seconds a second: lost batch
+                         # completions at batch-alone work each, against the interactive
+                         # rows' own work (whole nested steps, shares of shared steps)
+                         "batch_drop_replica_s_per_s": (
+                             batch["completions_per_s"] - both["batch"]["completions_per_s"])
+                         * batch["own_replica_s"] / max(1e-9, batch["completions_per_s"]
+                                                        * seconds),
+                         "interactive_replica_s_per_s": both["chat"]["own_replica_s"] / seconds,
+                         "yield_overhead_replica_s_per_s": both["_overhead_replica_s"] / seconds,
                          "yields": both["_yields"]},
             "fair": {"alone": f_alone, "both": f_both, "backlogged": backlog,
                      "ttft_p99_ratio": f_both["B"]["ttft_p99_ms"] / f_alone["ttft_p99_ms"],
@@ -246,7 +312,8 @@ def model_layers(name_or_dir: str) -> int:
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="bench.sim.class_sim", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--itl-target-ms", type=float, default=150.0)
+    p.add_argument("--itl-target-ms", type=float, default=150.0,
+                   help="the replica's ITL target (0: none, the defaults)")
     p.add_argument("--seconds", type=float, default=120.0, help="virtual seconds per phase")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--seat-share", type=float, default=0.5,
@@ -257,17 +324,22 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="steps pause between layers for a nested step of a higher class")
     p.add_argument("--model", default="smollm2-135m-instruct",
                    help="--layer-yield: the model whose config gives the number of layers")
-    p.add_argument("--yield-cost-layers", type=float, default=1.0,
-                   help="--layer-yield: what a pause adds to the paused step, in layers")
+    p.add_argument("--yield-cost-layers", type=float, default=0.0,
+                   help="--layer-yield: what a pause adds to the paused step, in layers "
+                        "(default 0: nothing is redone)")
+    p.add_argument("--merge-within-ms", type=float, default=None,
+                   help="--layer-yield: catch up and merge into the paused step when the "
+                        "first tokens still come within this many ms of arrival (default: never)")
     a = p.parse_args(argv)
-    ly = Yield(model_layers(a.model), a.yield_cost_layers) if a.layer_yield else None
+    merge = None if a.merge_within_ms is None else a.merge_within_ms / 1e3
+    ly = Yield(model_layers(a.model), a.yield_cost_layers, merge) if a.layer_yield else None
     base = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512, max_waiting=256,
-                           itl_target_ms=a.itl_target_ms)
+                           itl_target_ms=a.itl_target_ms or None)
     runs = {int(s): run_seed(base, a.seconds, int(s), a.seat_share, not a.fixed_seats, ly)
             for s in a.seeds.split(",")}
     print("seed class_step | §2 chat TTFT p99 alone → both (×) | batch drop vs chat /s "
           "| batch ITL p99 | §3 B TTFT p99 alone → both (×) | B token share | A ITL p99 (backlogged) "
-          "| §2 nested steps")
+          "| §2 nested steps | §2 replica-s/s: batch lost vs interactive own + pauses")
     for seed, r in runs.items():
         for k in ("off", "on"):
             pr, fa = r[k]["priority"], r[k]["fair"]
@@ -277,11 +349,16 @@ def main(argv: Optional[list[str]] = None) -> int:
                   f"{pr['both']['batch']['itl_p99_ms']:.0f} ms | "
                   f"{fa['alone']['ttft_p99_ms']:.0f} → {fa['both']['B']['ttft_p99_ms']:.0f} ms "
                   f"({fa['ttft_p99_ratio']:.2f}×) | {fa['b_token_share']:.3f} | "
-                  f"{fa['backlogged']['A']['itl_p99_ms']:.0f} ms | {pr['yields']}")
+                  f"{fa['backlogged']['A']['itl_p99_ms']:.0f} ms | {pr['yields']} | "
+                  f"{pr['batch_drop_replica_s_per_s']:.4f} vs "
+                  f"{pr['interactive_replica_s_per_s']:.4f} + "
+                  f"{pr['yield_overhead_replica_s_per_s']:.4f}")
     RESULTS.mkdir(parents=True, exist_ok=True)
-    tag = (("" if a.seat_share == 0.5 else f"-seats{a.seat_share:g}")
+    tag = (("" if a.itl_target_ms == 150 else f"-itl{a.itl_target_ms:g}")
+           + ("" if a.seat_share == 0.5 else f"-seats{a.seat_share:g}")
            + ("-fixed" if a.fixed_seats else "") + ("-yield" if a.layer_yield else "")
-           + (f"{a.yield_cost_layers:g}" if a.layer_yield and a.yield_cost_layers != 1 else ""))
+           + (f"{a.yield_cost_layers:g}" if a.layer_yield and a.yield_cost_layers else "")
+           + (f"-merge{a.merge_within_ms:g}" if a.layer_yield and merge is not None else ""))
     path = RESULTS / f"class_sim{tag}.json"
     path.write_text(json.dumps({"args": vars(a), "runs": runs}, indent=1) + "\n")
     print(f"wrote {path}")

@@ -102,14 +102,21 @@ def compare(cost: CostModel, streams: int = 4, prompt: int = 480, period: float 
                        "long_ttft_p99": b["long_ttft_p99_s"] / a["long_ttft_p99_s"]}}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench stream_sim", description=__doc__,
+def workload_args(prog: str, doc: str, seconds: float) -> argparse.ArgumentParser:
+    """A parser with the workload's flags (streams, prompt, period, target × single, seconds),
+    shared with ``bench stream_engine``."""
+    p = argparse.ArgumentParser(prog=prog, description=doc,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--streams", type=int, default=4)
     p.add_argument("--prompt", type=int, default=480)
     p.add_argument("--period", type=float, default=1.5)
     p.add_argument("--target-x", type=float, default=3.0)
-    p.add_argument("--seconds", type=float, default=60.0)
+    p.add_argument("--seconds", type=float, default=seconds)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = workload_args("python -m bench stream_sim", __doc__ or "", 60.0)
     p.add_argument("--overhead-ms", type=float, default=0.0)
     p.add_argument("--cost", help="calibration JSON (default: bench itl_sim's idle SmolLM2)")
     a = p.parse_args(argv)

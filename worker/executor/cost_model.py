@@ -122,7 +122,9 @@ class CostModelExecutor:
 
     def resume(self, paused: PausedSleep, should_yield: Callable[[], bool] | None = None
                ) -> torch.Tensor | PausedSleep:
-        """Sleep the paused step's remaining slices (pausing again when ``should_yield()``)."""
+        """Sleep the paused step's remaining slices (pausing again when ``should_yield()``).
+        The pause itself adds no time: the runner resumes on the same tensors; a nested step
+        in between is an ordinary :meth:`execute`, priced as a whole step."""
         layers = self.config.num_layers
         start = paused.slice_start if paused.next_layer == 0 else self._clock()
         for i in range(paused.next_layer, layers):

@@ -92,12 +92,17 @@ class KVCache:
             groups.layers_per_group, 2, num_blocks, block_size, config.num_kv_heads,
             config.head_dim, dtype=dtype, device=device,
         )
+        self._views = self._layer_views()
+
+    def _layer_views(self) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+        # Made once per `data`: each decode step asks for every layer's views, and two
+        # tensor indexings per layer cost about as much as a small fused op.
+        return tuple((self.data[slot, 0], self.data[slot, 1]) for slot in self._slots)
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(key_cache, value_cache)`` of layer ``i``, views into the shared tensor (the
         blocks of its group's pages, at its slot)."""
-        slot = self._slots[i]
-        return self.data[slot, 0], self.data[slot, 1]
+        return self._views[i]
 
     def copy_blocks(self, copies: tuple[tuple[int, int], ...]) -> None:
         """Copy-on-write: for each ``(src, dst)`` copy K and V of every slot of the page.
@@ -119,3 +124,4 @@ class KVCache:
         0 blocks, so shapes still read; nothing may be stored after. Idempotent."""
         self.num_blocks = 0
         self.data = self.data.new_empty((*self.data.shape[:2], 0, *self.data.shape[3:]))
+        self._views = self._layer_views()

@@ -37,13 +37,16 @@ def load() -> ctypes.CDLL | None:
 
 def applies(x: torch.Tensor) -> bool:
     """Whether the fused ops can run on activations like ``x`` (fp32 CPU, library loaded)."""
-    return x.dtype == torch.float32 and x.device.type == "cpu" and load() is not None
+    return x.dtype == torch.float32 and x.is_cpu and load() is not None
 
 
-def _rows(x: torch.Tensor, what: str) -> None:
-    if x.dim() != 2 or x.stride(1) != 1:
+def _rows(x: torch.Tensor, what: str) -> int:
+    """``x``'s row stride, after checking it is rows with unit column stride."""
+    stride = x.stride()  # one call for both strides: these wrappers run several times a layer
+    if len(stride) != 2 or stride[1] != 1:
         raise ValueError(f"{what}: want rows (T, n) with unit column stride, got "
-                         f"{tuple(x.shape)} strides {x.stride()}")
+                         f"{tuple(x.shape)} strides {stride}")
+    return stride[0]
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
@@ -61,22 +64,21 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     Raises:
         ValueError: layouts the kernel cannot read.
     """
-    _rows(x, "add_rms_norm")
+    ldx = _rows(x, "add_rms_norm")
     rows, size = x.shape
     if weight.shape != (size,) or not weight.is_contiguous():
         raise ValueError(f"add_rms_norm: weight {tuple(weight.shape)} for rows of {size}")
-    normed = x.new_empty(rows, size)
+    normed = torch.empty(rows, size, dtype=torch.float32)
     if delta is None:
-        s, b, ldb = x, None, 0
+        s, lds, b, ldb = x, ldx, None, 0
     else:
-        _rows(delta, "add_rms_norm")
+        ldb = _rows(delta, "add_rms_norm")
         if delta.shape != x.shape:
             raise ValueError(f"add_rms_norm: {tuple(x.shape)} + {tuple(delta.shape)}")
-        s, b, ldb = x.new_empty(rows, size), delta.data_ptr(), delta.stride(0)
+        s, lds, b = torch.empty(rows, size, dtype=torch.float32), size, delta.data_ptr()
     if rows:
-        _lib().add_rms_norm(x.data_ptr(), x.stride(0), b, ldb, s.data_ptr(), s.stride(0),
-                            weight.data_ptr(), normed.data_ptr(), size, rows, size, eps,
-                            torch.get_num_threads())
+        _lib().add_rms_norm(x.data_ptr(), ldx, b, ldb, s.data_ptr(), lds, weight.data_ptr(),
+                            normed.data_ptr(), size, rows, size, eps, torch.get_num_threads())
     return s, normed
 
 
@@ -99,7 +101,7 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads
     Raises:
         ValueError: layouts the kernel cannot read.
     """
-    _rows(qkv, "rope_write_kv")
+    ldq = _rows(qkv, "rope_write_kv")
     rows = qkv.shape[0]
     rot = cos.shape[-1]
     if (qkv.shape[1] != (heads + 2 * kv_heads) * head_dim or rot > head_dim or rot % 2
@@ -115,7 +117,7 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads
             raise ValueError("rope_write_kv: caches must be contiguous (.., kv_heads, head_dim)")
         k, v, s = key_cache.data_ptr(), value_cache.data_ptr(), slots.data_ptr()
     if rows:
-        _lib().rope_write_kv(qkv.data_ptr(), qkv.stride(0), rows, cos.data_ptr(), sin.data_ptr(),
+        _lib().rope_write_kv(qkv.data_ptr(), ldq, rows, cos.data_ptr(), sin.data_ptr(),
                              heads, kv_heads, head_dim, rot, k, v, s, torch.get_num_threads())
 
 
@@ -126,12 +128,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     Raises:
         ValueError: a layout the kernel cannot read.
     """
-    _rows(gate_up, "silu_mul")
+    ld = _rows(gate_up, "silu_mul")
     rows, width = gate_up.shape[0], gate_up.shape[1] // 2
-    out = gate_up.new_empty(rows, width)
+    out = torch.empty(rows, width, dtype=torch.float32)
     if rows:
-        _lib().silu_mul(gate_up.data_ptr(), gate_up.stride(0), rows, width, out.data_ptr(),
-                        out.stride(0), torch.get_num_threads())
+        _lib().silu_mul(gate_up.data_ptr(), ld, rows, width, out.data_ptr(), width,
+                        torch.get_num_threads())
     return out
 
 

@@ -23,6 +23,13 @@ simulator, so that all three agree::
 
 Tokens served from the prefix cache cost nothing: they are never in a chunk; they only add to
 ``c`` of the chunk after them. Everything here is torch-free arithmetic.
+
+A layer-yield nested step (:mod:`kvfleet.worker.engine.layer_yield`) is priced as a whole step,
+step base included: its forward shares no work with the paused one (it embeds its own tokens,
+reads every layer's weights again, runs its own LM head), and pausing and resuming redo nothing
+(the paused forward goes on with the same tensors). ``bench nested_cost`` measures both on the
+real runner. Only merging the nested rows into the paused step's remaining layers would share
+the base, and then their first tokens wait for the paused step's end (docs/slo.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""``bench slo_rows``: the compact table of rows 2 and 3, and the rows it accepts."""
+"""``bench slo_rows``: the compact table of rows 2 and 3, the rows it accepts, and row 1's
+summary of the client's streams."""
 
 from __future__ import annotations
 
@@ -27,3 +28,14 @@ def test_unknown_rows_and_no_runs_are_refused(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         slo_rows.main(argv)
     assert exc.value.code == 2
+
+
+def test_row1_counts_the_tokens_that_arrived_within_the_window() -> None:
+    """A request still running at the window's end counts only its tokens so far: 2 of the
+    stream's 3 messages and the long prompt's first token arrive within 10 s of the first
+    send."""
+    stream = slo_rows.Stream("stream", 0, 100.0, [(101.0, 1), (105.0, 2), (111.0, 4)], [1] * 7)
+    long = slo_rows.Stream("long", 0, 102.0, [(104.0, 1), (113.0, 1)], [1, 1])
+    row = slo_rows.summarize([stream, long], 10.0)
+    assert row["tokens_per_s"] == (1 + 2 + 1) / 10.0
+    assert row["long_ttft_p50_s"] == 2.0 and row["itl_p50_s"] in (4.0, 6.0)

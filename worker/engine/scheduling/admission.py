@@ -142,7 +142,9 @@ class Pass:
     stay out), and the service it admitted per tenant (``planned``: charged after the step,
     counted by the queue's order meanwhile). ``own_victims(seq)``: running sequences of
     ``seq``'s tenant it could preempt (``CLAIM``: its share counts them as given up);
-    ``borrowable(seq)``: seats it may borrow past ``max_num_seqs`` (``NESTED``)."""
+    ``borrowable(seq)``: seats it may borrow past ``max_num_seqs`` (``NESTED``).
+    ``stopped_by``: why :func:`admit_waiting` stopped with sequences still waiting (None: it
+    did not, or the step's budget had no room left to try)."""
 
     mode: Mode
     held: Held
@@ -152,6 +154,7 @@ class Pass:
     planned: dict[str, float] = field(default_factory=dict)
     own_victims: Callable[[SequenceState], int] = _none
     borrowable: Callable[[SequenceState], int] = _none
+    stopped_by: Optional[Refusal] = None
 
 
 @dataclass(frozen=True)
@@ -247,13 +250,14 @@ def _admit(sched: Scheduler, seq: SequenceState, computed: list[int] | ComputedB
 def admit_waiting(sched: Scheduler, budget: Budget, p: Pass,
                   first: tuple[Optional[SequenceState], ...] = (),
                   allow: Callable[[SequenceState], bool] = lambda seq: True,
-                  favour_first: bool = False) -> list[ScheduledSeq]:
+                  favour_first: bool = False, within_class: bool = False) -> list[ScheduledSeq]:
     """Admit waiting sequences in the queue's order (class, then the least-served tenant:
     :meth:`~.seats.TenantSeats.next_waiting`) while they fit; stop at the first that does not
     (no starvation), or that ``allow`` refuses. ``first``: the first pick when already made
     this step (``(seq or None,)``). ``favour_first``: the first admitted is the step's
-    favoured prefill, and those it outranks wait (a nested step's own contents, under an ITL
-    target). Returns their chunks, in order."""
+    favoured prefill, and those it outranks wait (a nested step's own contents under an ITL
+    target; a whole step's with ``tenant_share`` < 1 and no ITL target, ``within_class``:
+    only other tenants of its class wait). Returns their chunks, in order."""
     scheduled: list[ScheduledSeq] = []
     # A nested step counts seats with the ones it may borrow: a share of 1 is no cap there.
     check_share = p.mode is not Mode.NESTED or sched.config.tenant_share < 1
@@ -262,12 +266,15 @@ def admit_waiting(sched: Scheduler, budget: Budget, p: Pass,
             sched.waiting, sched.pending_forks, p.held.by_tenant, p.planned, check_share)
         first = ()
         if picked is None or not allow(picked):
-            break  # every waiting tenant holds its share, or a class this pass may not take
+            # every waiting tenant holds its share, or a class this pass may not take
+            p.stopped_by = Refusal.TENANT_SHARE if picked is None else Refusal.HELD_BACK
+            break
         got = try_admit(sched, picked, budget, p)
         if isinstance(got, Refusal):
+            p.stopped_by = got
             break
         if favour_first and not scheduled:
-            p.contents = StepContents(favoured=picked)
+            p.contents = StepContents(favoured=picked, within_class=within_class)
         scheduled.append(got.scheduled())
         p.planned[picked.tenant] = (p.planned.get(picked.tenant, 0.0)
                                     + sched.service.cost(prefill_tokens=got.n))

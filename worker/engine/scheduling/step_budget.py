@@ -14,14 +14,14 @@ stay within the target:
   remaining tokens split evenly over the fewest steps the target allows (a chunk stretched to
   the target that does not save a step only lengthens the decode rows' gaps);
 * a **floor** of prefill tokens runs each step even past the target, so a prompt's time to
-  first token stays within about ``TTFT_STRETCH`` × its time without the target: for the
-  oldest prefill in progress (or, with none, the sequence admission takes next), the floor
-  is the smallest chunk whose steps, at the predicted length of this one, compute the
-  prompt's remaining tokens within ``TTFT_STRETCH`` × their predicted time without the
-  target (chunks of the token budget beside the step's decode rows), counted from when it
-  became the one paced (:class:`PrefillPace`, :meth:`StepBudget.pace`). Both times come
-  from the same cost model, so its scale cancels; the deadline is in real time, so a prompt
-  made late by steps slower than predicted gets all it has left. The floor is the only way
+  first token stays within about ``TTFT_STRETCH`` × its time without the target. Each
+  prompt's deadline is that stretch of its time to first token on a virtual schedule of the
+  same prompts without the target, from its arrival (:class:`PrefillPace`); the floor is the
+  smallest chunk whose steps, at the predicted length of this one, end every prefill in
+  progress (and the queue's head while only the step's budget keeps it waiting) by its
+  deadline, oldest first (:meth:`StepBudget.pace_queue`). Both times come from the same
+  cost model, so its scale cancels; the deadlines are in real time, so a prompt made late
+  by steps slower than predicted gets all it has left. The floor is the only way
   a step runs past its target. Why this rule, with measurements: docs/slo.md.
 
 Decode rows alone may predict more than the target (many rows, long contexts): the target
@@ -32,15 +32,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
-from kvfleet.worker.engine.request import SeqStatus, SequenceState
+from kvfleet.worker.engine.request import SequenceState
+from kvfleet.worker.engine.scheduling.prefill_pace import PrefillPace, pending_prefills
 from kvfleet.worker.step_cost.model import StepCostModel, attended
 
 if TYPE_CHECKING:  # only for annotations
     from kvfleet.worker.engine.scheduling.config import SchedulerConfig
 
-# A prompt's tokens are paced to be computed within this × their predicted time without the
-# target; the client's bound (2×) also has to hold the step in flight at its arrival.
-TTFT_STRETCH = 1.5
 
 
 class StepBudget:
@@ -120,10 +118,34 @@ class StepBudget:
         Raises:
             ValueError: ``remaining`` < 0.
         """
-        if remaining < 0:
-            raise ValueError(f"remaining must be >= 0, got {remaining}")
-        if not self.timed or remaining <= 1:
+        return self.pace_queue(num_computed, [(remaining, left_s)])
+
+    def pace_queue(self, num_computed: int, queue: Sequence[tuple[int, float]]) -> int:
+        """Set and return the floor for prompts computed one after another, oldest first:
+        ``queue`` holds each one's (tokens to compute, seconds left before it should end);
+        the first starts after ``num_computed`` tokens. The floor is the smallest chunk
+        with which every prompt ends in time when each step runs that many tokens of the
+        queue (:meth:`pace` for the tokens up to and including each prompt; the largest of
+        those); a prompt already late asks for all the tokens up to its end (within the
+        token budget). Call after :meth:`reserve_decodes`.
+
+        Raises:
+            ValueError: a prompt with < 0 tokens.
+        """
+        if any(n < 0 for n, _ in queue):
+            raise ValueError(f"remaining tokens must be >= 0, got {list(queue)}")
+        if not self.timed:
             return self.floor_left
+        floor, through = 0, 0
+        for n, left_s in queue:
+            through += n
+            if through > 1:
+                floor = max(floor, self._paced(num_computed, through, left_s))
+        self.floor_left = min(floor, self.tokens_left) if through > 1 else self.floor_left
+        return self.floor_left
+
+    def _paced(self, num_computed: int, remaining: int, left_s: float) -> int:
+        """The smallest chunk whose steps compute ``remaining`` tokens within ``left_s``."""
         # k steps of ceil(remaining / k) tokens (block-rounded): fewer steps, longer each;
         # their total grows with k, so search for the most steps that still end in time.
         lo, hi = 1, max(1, -(-remaining // self.block_size))
@@ -133,8 +155,7 @@ class StepBudget:
                 lo = mid
             else:
                 hi = mid - 1
-        self.floor_left = min(self._chunk(num_computed, remaining, lo), self.tokens_left)
-        return self.floor_left
+        return self._chunk(num_computed, remaining, lo)
 
     def grant(self, num_computed: int, want: int, reserved: bool = False) -> int:
         """Tokens (0..``want``) of a chunk starting after ``num_computed`` tokens that fit."""
@@ -214,60 +235,6 @@ class StepBudget:
         return lo
 
 
-def paced_prefill(running: Iterable[SequenceState], next_waiting: Optional[SequenceState]
-                  ) -> Optional[SequenceState]:
-    """The prefill the floor paces: the oldest-admitted running sequence with more than one
-    token to compute (the order a step without the target serves them); with none,
-    ``next_waiting`` (admission's next); None when neither exists."""
-    pending = [s for s in running if s.num_tokens - s.num_computed_tokens > 1]
-    if pending:
-        return min(pending, key=lambda s: (s.timing.prefill_started is None,
-                                           s.timing.prefill_started or 0.0, s.arrival_seq))
-    return next_waiting
-
-
-class PrefillPace:
-    """The deadline of the prefill the floor paces, fixed when a running prefill becomes the
-    one paced (or restarts after a preemption; a waiting one gets a fresh allowance each
-    step): ``stretch`` × the predicted time of its remaining tokens without the target, from
-    its turn: its admission, or the older paced prefill's last step where that came later (a
-    prompt admitted beside an older one with a sliver of leftover room, or queued for a seat,
-    waited as long without the target). Counted in real time: steps slower than predicted
-    (time outside the forward, a loaded host) make it late, and a late prompt's floor grows
-    to all it has left, so prefill keeps up with its arrivals.
-
-    Raises:
-        ValueError: ``stretch`` < 1.
-    """
-
-    def __init__(self, stretch: float = TTFT_STRETCH) -> None:
-        if not stretch >= 1:
-            raise ValueError(f"stretch must be >= 1, got {stretch}")
-        self.stretch = stretch
-        self._key: Optional[tuple[str, int]] = None
-        self._deadline = 0.0
-        self._last_seen = float("-inf")  # the last step that paced a running prefill
-
-    def left_s(self, seq: SequenceState, budget: StepBudget, now: float) -> float:
-        """Seconds left at monotonic time ``now`` before ``seq``'s prompt should be computed
-        (negative: late)."""
-        if seq.status is not SeqStatus.RUNNING:
-            # not admitted yet (it may wait for a seat): no turn has started
-            return self.stretch * budget.untargeted_s(seq.num_computed_tokens,
-                                                      seq.num_tokens - seq.num_computed_tokens)
-        key = (seq.seq_id, seq.num_preemptions)
-        if key != self._key:
-            # Its turn began at its admission, or at the older prefill's last step if later;
-            # its allowance is for the prompt as admitted (a prefix hit is not computed).
-            started = now if seq.timing.prefill_started is None else seq.timing.prefill_started
-            first = min(seq.num_cached_tokens or 0, seq.num_computed_tokens)
-            self._key = key
-            self._deadline = max(started, self._last_seen) + self.stretch * budget.untargeted_s(
-                first, seq.num_tokens - first)
-        self._last_seen = now
-        return self._deadline - now
-
-
 def step_budget(config: SchedulerConfig, block_size: int, cost: Optional[StepCostModel],
                 running: Sequence[SequenceState], next_waiting: Optional[SequenceState],
                 sit_out: frozenset[str], now: float,
@@ -289,8 +256,17 @@ def step_budget(config: SchedulerConfig, block_size: int, cost: Optional[StepCos
     budget.reserve_decodes(s.num_computed_tokens for s in running
                            if s.num_tokens - s.num_computed_tokens == 1
                            and s.seq_id not in sit_out)
-    paced = paced_prefill(running, next_waiting)
-    if paced is not None:
-        left = (pacer or PrefillPace()).left_s(paced, budget, now)
-        budget.pace(paced.num_computed_tokens, paced.num_tokens - paced.num_computed_tokens, left)
+    pacer = pacer or PrefillPace()
+    head_waits_for_budget = pacer.plan(now)
+    pending = pending_prefills(running)
+    pacer.forget_all_but(pending)
+    # every prefill in progress must end by its deadline, the oldest computed first, and so
+    # must the queue's head while only the step's budget keeps it waiting
+    paced = list(pending)
+    if next_waiting is not None and (not pending or head_waits_for_budget):
+        paced.append(next_waiting)
+    if paced:
+        budget.pace_queue(paced[0].num_computed_tokens,
+                          [(s.num_tokens - s.num_computed_tokens, pacer.left_s(s, budget, now))
+                           for s in paced])
     return budget

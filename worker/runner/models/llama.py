@@ -142,17 +142,15 @@ class LlamaDecoderLayer(nn.Module):
                        value_cache: torch.Tensor) -> torch.Tensor:
         """:meth:`forward` with the small ops between projections in C (:mod:`.layer_ops`;
         fp32 on CPU, no qk-norm): norm, RoPE with the K/V write, residual add with norm."""
-        t, hd = hidden.shape[0], self.head_dim
-        q_end, k_end = self.num_heads * hd, (self.num_heads + self.num_kv_heads) * hd
+        t, hd, kv = hidden.shape[0], self.head_dim, self.num_kv_heads
         _, x = layer_ops.add_rms_norm(hidden, None, self.input_norm, self.eps)
         qkv = self.qkv(x)
         layer_ops.rope_write_kv(qkv, cos[self.rope_index], sin[self.rope_index], self.num_heads,
-                                self.num_kv_heads, hd, key_cache, value_cache, meta.slot_mapping)
-        attn = self.o(paged_attention(
-            qkv[:, :q_end].view(t, self.num_heads, hd),
-            qkv[:, q_end:k_end].view(t, self.num_kv_heads, hd),
-            qkv[:, k_end:].view(t, self.num_kv_heads, hd), key_cache, value_cache, meta,
-            self.window, self.scale, self.sinks, kv_written=True))
+                                kv, hd, key_cache, value_cache, meta.slot_mapping)
+        # q | k | v as views by one split (per-part slicing costs several torch calls a layer)
+        q, k, v = qkv.view(t, self.num_heads + 2 * kv, hd).split((self.num_heads, kv, kv), 1)
+        attn = self.o(paged_attention(q, k, v, key_cache, value_cache, meta, self.window,
+                                      self.scale, self.sinks, kv_written=True))
         if self.attn_out_norm is not None:
             attn = self.norm(attn, self.attn_out_norm, self.eps)
         hidden, x = layer_ops.add_rms_norm(hidden, attn, self.mlp_norm, self.eps)

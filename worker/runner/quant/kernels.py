@@ -71,12 +71,14 @@ class BoundProduct:
         if width != self.in_features:
             raise ValueError(f"quantized product: x has {width} columns, the weight "
                              f"{self.in_features} inputs")
-        if x.stride(1) != 1:
+        stride = x.stride()  # one call for both: a decode step makes four products a layer
+        if stride[1] != 1:
             x = x.contiguous()
-        y = x.new_empty(rows, self.out_features)
+            stride = x.stride()
+        y = torch.empty(rows, self.out_features, dtype=torch.float32)
         # int8's kernel returns nothing (None), int4's -1 when its scratch allocation failed
-        if rows and self._fn(x.data_ptr(), x.stride(0), rows, *self._weight_args, y.data_ptr(),
-                             y.stride(0), torch.get_num_threads()):
+        if rows and self._fn(x.data_ptr(), stride[0], rows, *self._weight_args, y.data_ptr(),
+                             self.out_features, torch.get_num_threads()):
             raise MemoryError("quantized product: the kernel could not allocate its group sums")
         return y
 

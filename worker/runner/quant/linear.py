@@ -51,6 +51,6 @@ class QuantLinear:
         return self.nbytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._product is not None and x.dtype == torch.float32 and x.device.type == "cpu":
+        if self._product is not None and x.dtype == torch.float32 and x.is_cpu:
             return self._product(x)
         return kernels.qmatmul_torch(x, self.weight, self.bias)

@@ -99,6 +99,16 @@ static inline v16f widen_f16(const uint16_t *p) {
 }
 #endif
 
+/* Cache-line hints for the `bytes` of codes from p, which a task reads next: one thread
+ * streaming alone does not keep enough lines in flight to reach the memory bandwidth. */
+static inline void prefetch_lines(const void *p, int64_t bytes) {
+#if defined(__GNUC__)
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)p + i, 0, 3);
+#else
+    (void)p, (void)bytes;
+#endif
+}
+
 static inline v16f lanes(const void *src, int half, int64_t index) {
     if (half) return widen_f16((const uint16_t *)src + index);
     v16f f;
@@ -113,10 +123,13 @@ static inline v16f lanes(const void *src, int half, int64_t index) {
 #define DEFINE_INT8_TILE(MT, NB)                                                                \
     static void int8_tile_##MT##_##NB(const float *x, int64_t ldx, const int8_t *q,             \
                                       int64_t bstride, const char *scale, int64_t sstride,       \
-                                      int half, int64_t in, int64_t group, v16f *acc) {         \
+                                      int half, int64_t in, int64_t group, int64_t ahead,       \
+                                      v16f *acc) {                                              \
         v16f sum[MT][NB] = {{{0}}};                                                               \
         for (int64_t k0 = 0; k0 < in; k0 += group) {                                            \
             v16f p0[MT][NB] = {{{0}}}, p1[MT][NB] = {{{0}}};                                        \
+            for (int n = 0; n < NB; ++n)                                                        \
+                prefetch_lines(q + n * bstride + k0 * LANES + ahead, group * LANES);            \
             int64_t k = k0;                                                                     \
             for (; k + 1 < k0 + group; k += 2)                                                  \
                 _Pragma("GCC unroll 2") for (int n = 0; n < NB; ++n) {                          \
@@ -148,10 +161,13 @@ static inline v16f lanes(const void *src, int half, int64_t index) {
     static void int4_tile_##MT##_##NB(const float *x, int64_t ldx, const uint8_t *q,            \
                                       int64_t bstride, const char *scale, const char *offset,   \
                                       int64_t sstride, const float *xsum, int64_t ngroups,      \
-                                      int half, int64_t in, int64_t group, v16f *acc) {         \
+                                      int half, int64_t in, int64_t group, int64_t ahead,       \
+                                      v16f *acc) {                                              \
         v16f sum[MT][NB] = {{{0}}};                                                               \
         for (int64_t k0 = 0; k0 < in; k0 += group) {                                            \
             v16f p0[MT][NB] = {{{0}}}, p1[MT][NB] = {{{0}}};                                        \
+            for (int n = 0; n < NB; ++n)                                                        \
+                prefetch_lines(q + n * bstride + k0 / 2 * LANES + ahead, group / 2 * LANES);    \
             for (int64_t k = k0; k < k0 + group; k += 2)                                        \
                 _Pragma("GCC unroll 2") for (int n = 0; n < NB; ++n) {                          \
                     v16f lo, hi;                                                                \
@@ -193,10 +209,10 @@ DEFINE_INT4_TILE(7, 1)
 DEFINE_INT4_TILE(8, 1)
 
 typedef void (*int8_tile_fn)(const float *, int64_t, const int8_t *, int64_t, const char *,
-                             int64_t, int, int64_t, int64_t, v16f *);
+                             int64_t, int, int64_t, int64_t, int64_t, v16f *);
 typedef void (*int4_tile_fn)(const float *, int64_t, const uint8_t *, int64_t, const char *,
                              const char *, int64_t, const float *, int64_t, int, int64_t, int64_t,
-                             v16f *);
+                             int64_t, v16f *);
 static const int8_tile_fn INT8_TILES[TILE + 1] = {
     0, int8_tile_1_2, int8_tile_2_2, int8_tile_3_2, int8_tile_4_2,
     int8_tile_5_1, int8_tile_6_1, int8_tile_7_1, int8_tile_8_1};
@@ -220,12 +236,15 @@ static void store_tile(const v16f *acc, int mt, int nb, float *y, int64_t ldy, i
 }
 
 /* The packed blocks number a multiple of PANEL (the packer pads them); each task takes one
- * panel of PANEL blocks and every row of x, TILE rows at a time. */
-#define FOR_EACH_TILE(BODY)                                                                     \
+ * panel of PANEL blocks and every row of x, TILE rows at a time, prefetching the same place
+ * of the next panel (`ahead` codes on; none past the last). Threads take contiguous runs of
+ * panels, so that next panel is usually the thread's own. */
+#define FOR_EACH_TILE(BSTRIDE, BODY)                                                            \
     const int64_t panels = (out + PANEL * LANES - 1) / (PANEL * LANES);                         \
-    _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")                      \
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads)")                         \
     for (int64_t p = 0; p < panels; ++p) {                                                      \
         v16f acc[TILE * PANEL];                                                                 \
+        const int64_t ahead = p + 1 < panels ? PANEL * (BSTRIDE) : 0;                           \
         for (int64_t m0 = 0; m0 < rows; m0 += TILE) {                                           \
             const int mt = rows - m0 < TILE ? (int)(rows - m0) : TILE, nb = tile_blocks(mt);    \
             for (int64_t b = p * PANEL; b < (p + 1) * PANEL; b += nb) {                         \
@@ -241,8 +260,9 @@ void qgemm_int8(const float *x, int64_t ldx, int64_t rows, const int8_t *q, cons
                 int64_t ldy, int num_threads) {
     const int64_t ngroups = in / group, bstride = in * LANES;
     const int64_t sstride = ngroups * LANES * (half ? 2 : 4);
-    FOR_EACH_TILE(INT8_TILES[mt](x + m0 * ldx, ldx, q + b * bstride, bstride,
-                                 (const char *)scale + b * sstride, sstride, half, in, group, acc))
+    FOR_EACH_TILE(bstride, INT8_TILES[mt](x + m0 * ldx, ldx, q + b * bstride, bstride,
+                                          (const char *)scale + b * sstride, sstride, half, in,
+                                          group, ahead, acc))
 }
 
 /* As qgemm_int8; returns -1 (y unwritten) when the rows' group sums cannot be allocated. */
@@ -259,10 +279,11 @@ int qgemm_int4(const float *x, int64_t ldx, int64_t rows, const uint8_t *q, cons
             for (int64_t k = g * group; k < (g + 1) * group; ++k) s += x[m * ldx + k];
             xsum[m * ngroups + g] = s;
         }
-    FOR_EACH_TILE(INT4_TILES[mt](x + m0 * ldx, ldx, q + b * bstride, bstride,
-                                 (const char *)scale + b * sstride,
-                                 (const char *)offset + b * sstride, sstride,
-                                 xsum + m0 * ngroups, ngroups, half, in, group, acc))
+    FOR_EACH_TILE(bstride, INT4_TILES[mt](x + m0 * ldx, ldx, q + b * bstride, bstride,
+                                          (const char *)scale + b * sstride,
+                                          (const char *)offset + b * sstride, sstride,
+                                          xsum + m0 * ngroups, ngroups, half, in, group, ahead,
+                                          acc))
     free(xsum);
     return 0;
 }

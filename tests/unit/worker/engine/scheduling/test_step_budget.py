@@ -13,14 +13,9 @@ import pytest
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
 from kvfleet.sampling_params import SamplingParams
 from kvfleet.worker.engine.request import SeqStatus, SequenceState
+from kvfleet.worker.engine.scheduling.prefill_pace import TTFT_STRETCH, PrefillPace, paced_prefill
 from kvfleet.worker.engine.scheduling.scheduler import Scheduler, SchedulerConfig
-from kvfleet.worker.engine.scheduling.step_budget import (
-    TTFT_STRETCH,
-    PrefillPace,
-    StepBudget,
-    paced_prefill,
-    step_budget,
-)
+from kvfleet.worker.engine.scheduling.step_budget import StepBudget, step_budget
 from kvfleet.worker.step_cost.model import CostModel, plan_shape
 
 BS = 4
@@ -110,25 +105,98 @@ def test_a_chunk_that_saves_no_step_is_not_stretched_to_the_target():
     assert StepBudget(512, BS).grant(0, 100) == 100
 
 
-def test_the_pace_deadline_runs_from_the_prompts_turn_in_real_time():
+def test_the_pace_deadline_runs_from_the_prompts_arrival_in_real_time():
     pace = PrefillPace()
     s = make()
-    a = seq(200)
+    a = seq(200, arrival=5.0)
     s.add([a])
     b = StepBudget(512, BS, COST, TARGET_MS / 1e3)
     fresh = TTFT_STRETCH * b.untargeted_s(0, 200)
-    assert pace.left_s(a, b, 5.0) == pytest.approx(fresh)  # waiting: a fresh allowance each step
-    assert pace.left_s(a, b, 9.0) == pytest.approx(fresh)
-    step(s, 10.0)
+    assert pace.left_s(a, b, 5.0) == pytest.approx(fresh)  # waiting for the budget counts
+    assert pace.left_s(a, b, 5.0 + fresh / 4) == pytest.approx(fresh * 3 / 4)
+    step(s, 5.0)
     assert a.status is SeqStatus.RUNNING and 0 < a.num_computed_tokens < 200
-    left = pace.left_s(a, b, 10.0)  # its turn starts: the deadline is fixed from now
-    assert pace.left_s(a, b, 10.0 + left / 2) == pytest.approx(left / 2)
-    assert pace.left_s(a, b, 11.0 + left) < 0  # late
-    s.preempt(a)  # a recompute is a new turn
-    a.status = SeqStatus.RUNNING
-    assert pace.left_s(a, b, 50.0) == pytest.approx(TTFT_STRETCH * b.untargeted_s(0, 200))
+    left = pace.left_s(a, b, 5.0)  # running: the deadline is fixed, from its arrival
+    assert left == pytest.approx(fresh)
+    assert pace.left_s(a, b, 5.0 + left / 2) == pytest.approx(left / 2)
+    assert pace.left_s(a, b, 6.0 + left) < 0  # late
+    s.preempt(a)  # a recompute is a new turn, from its readmission
+    assert pace.left_s(a, b, 50.0) == pytest.approx(fresh)
+    a.status, a.timing.prefill_started = SeqStatus.RUNNING, 50.0
+    assert pace.left_s(a, b, 50.0) == pytest.approx(fresh)
     with pytest.raises(ValueError, match="stretch"):
         PrefillPace(0.5)
+
+
+def test_a_prompt_queued_behind_another_gets_the_wait_it_had_without_the_target():
+    """B arrives while A runs: B's allowance is the stretch of its time without the target,
+    which waits for A's end *without* the target (A's start + its untargeted time), not for
+    A's actual, paced, end."""
+    pace = PrefillPace()
+    s = make()
+    a, bq = seq(200, arrival=1.0), seq(160, arrival=1.002)
+    b = StepBudget(512, BS, COST, TARGET_MS / 1e3)
+    u_a, u_b = b.untargeted_s(0, 200), b.untargeted_s(0, 160)
+    assert 1.0 + u_a > 1.002  # A would still run without the target when B arrives
+    for q, t in ((a, 1.0), (bq, 1.5)):  # B admitted late: A's paced chunks took the budget
+        s.add([q])
+        q.status, q.timing.prefill_started = SeqStatus.RUNNING, t
+    assert pace.left_s(a, b, 1.5) == pytest.approx(1.0 + TTFT_STRETCH * u_a - 1.5)
+    without = 1.0 + u_a + u_b - 1.002  # B's time to first token without the target
+    assert pace.left_s(bq, b, 1.5) == pytest.approx(1.002 + TTFT_STRETCH * without - 1.5)
+
+
+def test_the_floor_keeps_every_queued_prompt_in_time():
+    b = StepBudget(512, BS, COST, TARGET_MS / 1e3)
+    b.reserve_decodes([40] * 4)
+    first = b.pace(0, 200, 0.1)
+    both = b.pace_queue(0, [(200, 0.1), (200, 0.12)])  # the second is due soon after
+    assert both > first
+    assert both == max(first, b.pace(0, 400, 0.12))
+    assert b.pace_queue(0, [(200, 0.1), (200, 10.0)]) == first  # not pressed: the first's
+    assert b.pace_queue(0, [(100, 0.1), (300, -1.0)]) == 400  # late: all up to its end
+    with pytest.raises(ValueError, match="remaining"):
+        b.pace_queue(0, [(10, 1.0), (-1, 1.0)])
+
+
+def periodic_ttfts(target_ms: float | None, period: float, prompts: int = 20) -> list[float]:
+    """Four decode streams (replaced when done, so their context stays short) and a 400-token
+    prompt every ``period`` s on the virtual clock (each step as long as the cost model
+    says): each prompt's arrival to first token."""
+    s = make(n_blocks=3000, target_ms=target_ms, max_num_seqs=16)
+    streams = [seq(16, max_tokens=48) for _ in range(4)]
+    s.add(streams)
+    now, arrivals, longs, ttft = 0.0, 0, [], {}
+    while len(ttft) < prompts:
+        while arrivals < prompts and arrivals * period <= now:
+            longs.append(seq(400, max_tokens=2, arrival=arrivals * period))
+            s.add([longs[-1]])
+            arrivals += 1
+        out = step(s, now)
+        now += max(COST.step_seconds(out.plan), 1e-4)
+        for i, x in enumerate(streams):
+            if x.is_finished:
+                streams[i] = seq(16, max_tokens=48, arrival=now)
+                s.add([streams[i]])
+        for q in longs:
+            if q.output_token_ids and q.seq_id not in ttft:
+                ttft[q.seq_id] = now - q.timing.arrival
+    return [ttft[q.seq_id] for q in longs]
+
+
+def test_prefill_keeps_up_with_prompts_that_arrive_faster_than_their_stretched_time():
+    """Prompts arrive every 1.2 × their time without the target, so a prompt paced to the
+    stretch (1.5 ×) of its own time, from its admission, falls behind the next arrival and
+    the queue grows; paced from its arrival on the untargeted schedule, each keeps within
+    the stretch of its time to first token without the target (plus the step it ends in)."""
+    alone = periodic_ttfts(None, 10.0, prompts=2)[0]  # a prompt's untargeted time, alone
+    period = 1.2 * alone
+    off = periodic_ttfts(None, period)
+    on = periodic_ttfts(TARGET_MS, period)
+    assert TTFT_STRETCH * max(off) < 2 * period  # the old rule would have fallen behind
+    for a, b in zip(off, on, strict=True):
+        assert b <= TTFT_STRETCH * a + TARGET_MS / 1e3 * 3, (off, on)
+    assert max(on[-10:]) <= max(on[:10]) * 1.2  # no growing queue
 
 
 def test_the_paced_prefill_is_the_oldest_admitted_then_the_next_waiting():
@@ -248,28 +316,27 @@ def test_behind_decodes_over_the_target_a_prompt_keeps_within_the_stretch_of_no_
 
 
 def test_a_queue_waiting_for_seats_does_not_lift_the_floor():
-    """Requests that waited long for a seat are paced from their admission (their turn), not
-    their arrival: the first is chunked over several steps, not run whole at once as it
-    would be if 100 s of queueing counted as lateness."""
-    s, _ = decoding_over_target(max_num_seqs=13)
-    queued = [seq(200, max_tokens=2, arrival=0.0) for _ in range(6)]  # waiting since t=0
+    """Requests that wait for a seat are paced from the last step that refused them one, not
+    from their arrival: a prompt admitted after a long wait is chunked over several steps,
+    not run whole at once as it would be if that wait counted as lateness (it waited as long
+    without the target)."""
+    s, now = decoding_over_target(max_num_seqs=13)
+    queued = [seq(200, max_tokens=2, arrival=now) for _ in range(6)]
     s.add(queued)
-    now = 100.0
-    first = queued[0]
-    chunks = []
-    while not first.output_token_ids:
+    second, chunks = queued[1], []
+    while not second.output_token_ids:
         out = step(s, now)
-        assert [c.seq_id for c in out.plan.chunks if len(c.token_ids) > 1] == [first.seq_id]
-        chunks.append(sum(len(c.token_ids) for c in out.plan.chunks if c.seq_id == first.seq_id))
+        chunks.append(sum(len(c.token_ids) for c in out.plan.chunks if c.seq_id == second.seq_id))
         now += COST.step_seconds(out.plan)
-    assert sum(chunks) == 200 and len(chunks) > 1, chunks
-    assert first.timing.prefill_started == 100.0
-    assert all(q.timing.prefill_started is None for q in queued[1:])  # still waiting for a seat
+    waited = chunks.index(next(c for c in chunks if c))
+    assert waited > 1  # it waited for the first's seat
+    assert sum(chunks) == 200 and len(chunks) - waited > 1, chunks
+    assert all(q.timing.prefill_started is None for q in queued[2:])  # still waiting for a seat
 
 
 def test_a_preempted_sequence_restarts_its_pace():
     s = make(n_blocks=400)
-    a = seq(200, max_tokens=4)
+    a = seq(200, max_tokens=4, arrival=3.0)
     s.add([a])
     step(s, 3.0)
     step(s, 3.01)  # running: its turn's deadline is fixed

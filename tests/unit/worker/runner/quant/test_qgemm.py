@@ -44,6 +44,30 @@ def test_kernel_matches_dequantized_matmul(bits, out, inputs, group) -> None:
 
 
 @pytest.mark.parametrize("bits", [8, 4])
+def test_thread_splits_give_the_same_outputs(bits) -> None:
+    """Threads take contiguous runs of panels and read ahead into the next one: every split
+    (an odd panel count over 1 to 3 threads, the last panel reading nothing ahead) gives the
+    same bits, equal to the dequantized product."""
+    lib = kernels.load()
+    assert lib is not None
+    g = torch.Generator().manual_seed(bits)
+    packed = quantize(torch.randn(7 * 32 - 3, 160, generator=g), bits, 32)  # 7 panels, a tail
+    w = packed.dequantize()
+    before = torch.get_num_threads()
+    try:
+        for rows in (1, 9):
+            x = torch.randn(rows, 160, generator=g)
+            outputs = []
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                outputs.append(kernels.qmatmul_c(x, packed, None, lib))
+            _check(outputs[0], x, w, None)
+            assert all(torch.equal(y, outputs[0]) for y in outputs[1:])
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
 def test_fp32_scales_and_strided_rows(bits) -> None:
     """Scales that are not exact in fp16 are kept in fp32 (the kernel reads both); ``x`` may
     be a view with a row stride."""
