@@ -86,6 +86,13 @@ class QueryRows:
 CPU_FEW_ROWS = QueryRows(tile=4, limit=8)
 
 
+def query_rows_for(device: str) -> Optional[QueryRows]:
+    """The few-row rule of the runner on ``device`` (a torch device string, e.g. ``"cpu"``,
+    ``"cuda:0"``): :data:`CPU_FEW_ROWS` on CPU; None elsewhere (no such kernel there, so
+    drafts are priced by the step-cost model alone)."""
+    return CPU_FEW_ROWS if device.split(":")[0] == "cpu" else None
+
+
 def size_drafts(candidates: Sequence[Candidate], base: StepShape, sampled_rows: int,
                 cost: Optional[StepCostModel], tokens_left: int,
                 query_rows: Optional[QueryRows] = None) -> list[int]:

@@ -14,6 +14,7 @@ from kvfleet.worker.engine.speculative.sizing import (
     Acceptance,
     Candidate,
     QueryRows,
+    query_rows_for,
     size_drafts,
 )
 from kvfleet.worker.engine.speculative.speculator import Speculator, check_mode
@@ -183,3 +184,9 @@ def test_acceptance_follows_recent_verifications() -> None:
     for _ in range(30):
         a.observe(0, 0)  # not drafting: back toward the prior
     assert 0.4 < a.rate < 0.6
+
+
+def test_the_few_row_rule_is_the_cpu_runners_only() -> None:
+    assert query_rows_for("cpu") is CPU_FEW_ROWS
+    assert query_rows_for("cuda:0") is None
+    assert query_rows_for("cuda") is None
