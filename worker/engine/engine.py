@@ -53,6 +53,18 @@ class WholeStep:
         return engine.executor.execute(out.plan), 0.0
 
 
+
+def _rank0_device(executor: Any) -> Optional[str]:
+    """Rank 0's torch device string (``"cpu"``, ``"cuda:0"``), from the executor's ranks or,
+    for a model runner used as the executor, its ``device``; None when it holds no model
+    (a cost-model executor)."""
+    ranks = getattr(executor, "ranks", None)
+    if callable(ranks):
+        infos = ranks()
+        return infos[0].device if infos else None
+    device = getattr(executor, "device", None)
+    return None if device is None else str(device)
+
 class Engine:
     """Continuous-batching engine of one replica (rank 0 of its TP group).
 
@@ -99,10 +111,10 @@ class Engine:
             if mode == "on" or (mode == "auto" and executor.pausable) else WholeStep())
         self.scheduler = Scheduler(config, kv, self.step_cost, tier)
         # Draft sizing knows the CPU runner's few-row kernel; other devices price drafts
-        # by the step-cost model alone (an executor with no ranks models the CPU's steps).
-        ranks = executor.ranks()
-        if ranks:
-            self.scheduler.spec.query_rows = query_rows_for(ranks[0].device)
+        # by the step-cost model alone (an executor with no device models the CPU's steps).
+        device = _rank0_device(executor)
+        if device is not None:
+            self.scheduler.spec.query_rows = query_rows_for(device)
         # Blocks a peer asks for, snapshotted at once through the engine's executor.
         self.exports = TierExports(kv, lambda: self.executor)
         self.lora = AdapterQueue(adapters, identity, identity_digest, self.scheduler)
