@@ -114,7 +114,8 @@ class LlamaDecoderLayer(nn.Module):
                 value_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream ``hidden + delta`` (``delta`` None: ``hidden``), each
         ``(T, hidden_size)``, through this layer; writes this layer's K/V. ``cos``/``sin``:
-        ``(T, 1, rotary_dim)``, this layer's rope rows.
+        ``(T, 1, rotary_dim)``, this layer's rope rows. With a ``delta``, ``hidden`` must be
+        a tensor a layer returned: the sum may be written over it.
 
         Returns:
             The stream after the layer in the same form, ``(hidden, delta)``: its last residual
@@ -154,12 +155,13 @@ class LlamaDecoderLayer(nn.Module):
         """:meth:`forward` with the small ops between projections in C (:mod:`.layer_ops`;
         fp32 on CPU, no qk-norm): residual add with norm (twice), RoPE with the K/V write."""
         hd, kv = self.head_dim, self.num_kv_heads
-        hidden, x = layer_ops.add_rms_norm(hidden, delta, self.input_norm, self.eps)
+        # in place: with a delta, hidden is a previous layer's own tensor (see forward)
+        hidden, x = layer_ops.add_rms_norm(hidden, delta, self.input_norm, self.eps, in_place=True)
         qkv = self.qkv(x)
         layer_ops.rope_write_kv(qkv, cos, sin, self.num_heads, kv, hd, key_cache, value_cache,
                                 meta.slot_mapping)
         # q | k | v as views by one split (per-part slicing costs several torch calls a layer)
-        q, k, v = qkv.view(hidden.shape[0], self.num_heads + 2 * kv, hd).split(
+        q, k, v = qkv.view(hidden.shape[0], self.num_heads + 2 * kv, hd).split_with_sizes(
             (self.num_heads, kv, kv), 1)
         attn = self.o(paged_attention(q, k, v, key_cache, value_cache, meta, self.window,
                                       self.scale, self.sinks, kv_written=True))
