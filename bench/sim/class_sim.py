@@ -1,6 +1,6 @@
 """Priority classes and tenant fairness under the ITL target on a virtual clock.
 
-    .venv/bin/python -m bench class_sim [--itl-target-ms 150] [--seconds 120] [--seeds 0,1,2]
+    .venv/bin/python -m bench class_sim [--itl-target-ms 150 (0: none)] [--seconds 120] [--seeds 0,1,2]
         [--layer-yield [--model smollm2-135m-instruct] [--yield-cost-layers 0]
         [--merge-within-ms MS]]
 
@@ -23,7 +23,9 @@ first token). Per seed and with ``class_step`` off and on:
   B's share of computed tokens (uncached prompt + output) in the middle half (fair 0.5 ± 10 %).
 
 ``--layer-yield``: steps pause between decoder layers (as many as the model's config has) for
-a nested step of a higher class (:class:`Yield`, ``worker/engine/layer_yield/nested.py``).
+a nested step of a higher class, or in §3 of a less-served tenant (:class:`Yield`,
+``worker/engine/layer_yield/nested.py``). ``--itl-target-ms 0``: no ITL target (the replicas'
+defaults; ``class_step`` then has nothing to do, so its off and on rows agree).
 
 Capacity: completions/s of 16 closed-loop default clients. JSON: ``bench/results/class_sim.json``.
 """
@@ -69,8 +71,9 @@ class Stream:
 @dataclass(frozen=True)
 class Yield:
     """Layer-level yield on the virtual clock (``worker/engine/layer_yield/nested.py``): a step is
-    ``layers`` equal slices; a request of a strictly better class than every row of the step
-    in flight pauses it at the first layer boundary after its arrival, the real scheduler's
+    ``layers`` equal slices; a request the step in flight yields to (``yields_to``: a better
+    class; with ``tenant_share`` < 1 also a less-served tenant of its class) pauses it at the
+    first layer boundary after its arrival, the real scheduler's
     nested step (``layer_yield.nested.nested_step``) runs, and the paused step's remaining
     time, plus ``cost_layers`` layers' share of it for pausing and resuming, follows (default
     0, as the cost-model executor: the runner resumes on the same tensors and redoes nothing;
@@ -120,7 +123,6 @@ def simulate(streams: list[Stream], config: SchedulerConfig, seconds: float, see
     own = {st.tenant: 0.0 for st in streams}  # replica-seconds of each tenant's own work
     overhead = 0.0  # replica-seconds of pausing and resuming (no tenant's work)
     n = i = yields = 0
-    classes = {st.priority for st in streams}
 
     def arrive(until: float) -> None:
         nonlocal i, n
@@ -182,10 +184,15 @@ def simulate(streams: list[Stream], config: SchedulerConfig, seconds: float, see
         layer = total / yd.layers
         t, progress = start, 0.0  # virtual now, seconds of ``out`` done
         charge(out, total)
-        to = {p for p in classes if yields_to(out, p)}  # the classes ``out`` yields to
-        while to:
+        fair = config.tenant_share < 1
+        while True:
+            # the streams ``out`` yields to, as of the service charged so far
+            to = {st for st in streams if yields_to(out, st.priority, *(
+                (st.tenant, sched.service.service) if fair else ()))}
+            if not to:
+                break
             urgent = next((max(a[0], t) for a in itertools.islice(arrivals, i, None)
-                           if a[1].priority in to), None)
+                           if a[1] in to), None)
             if may_yield(sched, out):
                 urgent = t
             if urgent is None:
@@ -305,7 +312,8 @@ def model_layers(name_or_dir: str) -> int:
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="bench.sim.class_sim", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--itl-target-ms", type=float, default=150.0)
+    p.add_argument("--itl-target-ms", type=float, default=150.0,
+                   help="the replica's ITL target (0: none, the defaults)")
     p.add_argument("--seconds", type=float, default=120.0, help="virtual seconds per phase")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--seat-share", type=float, default=0.5,
@@ -326,7 +334,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     merge = None if a.merge_within_ms is None else a.merge_within_ms / 1e3
     ly = Yield(model_layers(a.model), a.yield_cost_layers, merge) if a.layer_yield else None
     base = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512, max_waiting=256,
-                           itl_target_ms=a.itl_target_ms)
+                           itl_target_ms=a.itl_target_ms or None)
     runs = {int(s): run_seed(base, a.seconds, int(s), a.seat_share, not a.fixed_seats, ly)
             for s in a.seeds.split(",")}
     print("seed class_step | §2 chat TTFT p99 alone → both (×) | batch drop vs chat /s "
@@ -346,7 +354,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                   f"{pr['interactive_replica_s_per_s']:.4f} + "
                   f"{pr['yield_overhead_replica_s_per_s']:.4f}")
     RESULTS.mkdir(parents=True, exist_ok=True)
-    tag = (("" if a.seat_share == 0.5 else f"-seats{a.seat_share:g}")
+    tag = (("" if a.itl_target_ms == 150 else f"-itl{a.itl_target_ms:g}")
+           + ("" if a.seat_share == 0.5 else f"-seats{a.seat_share:g}")
            + ("-fixed" if a.fixed_seats else "") + ("-yield" if a.layer_yield else "")
            + (f"{a.yield_cost_layers:g}" if a.layer_yield and a.yield_cost_layers else "")
            + (f"-merge{a.merge_within_ms:g}" if a.layer_yield and merge is not None else ""))

@@ -29,6 +29,7 @@ from kvfleet.worker.engine.output.sample_io import SampleIO, final_output
 from kvfleet.worker.engine.output.sampling import Sampler
 from kvfleet.worker.engine.request import EngineRequest, FinishReason, SequenceState
 from kvfleet.worker.engine.scheduling.scheduler import Fork, Scheduler, SchedulerConfig, SchedulerOutput
+from kvfleet.worker.engine.speculative.sizing import query_rows_for
 from kvfleet.worker.engine.speculative.verify import Verification
 from kvfleet.worker.executor.base import Executor
 from kvfleet.worker.kv_tier.export import ExportDone, TierExports
@@ -97,6 +98,11 @@ class Engine:
             LayerYield(executor, auto=mode == "auto")
             if mode == "on" or (mode == "auto" and executor.pausable) else WholeStep())
         self.scheduler = Scheduler(config, kv, self.step_cost, tier)
+        # Draft sizing knows the CPU runner's few-row kernel; other devices price drafts
+        # by the step-cost model alone (an executor with no ranks models the CPU's steps).
+        ranks = executor.ranks()
+        if ranks:
+            self.scheduler.spec.query_rows = query_rows_for(ranks[0].device)
         # Blocks a peer asks for, snapshotted at once through the engine's executor.
         self.exports = TierExports(kv, lambda: self.executor)
         self.lora = AdapterQueue(adapters, identity, identity_digest, self.scheduler)

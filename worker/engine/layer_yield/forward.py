@@ -1,5 +1,5 @@
 """Layer-level yield's one seam: a step's forward that pauses between decoder layers for nested
-steps of a higher class (:class:`LayerYield`).
+steps of a higher class or a less-served tenant (:class:`LayerYield`).
 
 The engine runs every step's forward through one object: its own whole-step forward, or, with
 ``SchedulerConfig.layer_yield``, a :class:`LayerYield`; nothing else in the engine or the
@@ -54,15 +54,16 @@ class Arrivals(Protocol):
 
 class LayerYield:
     """Forwards that pause between layers for nested steps of new arrivals they yield to
-    (``auto``: only once the scheduler has taken requests of two priorities or more; before,
-    every forward runs whole, as without layer yield).
+    (``auto``: only once the scheduler has taken requests that may yield to each other,
+    :attr:`~kvfleet.worker.engine.scheduling.scheduler.Scheduler.competing`; before, every
+    forward runs whole, as without layer yield).
 
     Raises:
         ValueError: ``executor`` cannot pause a forward.
     """
 
     def __init__(self, executor: Executor, auto: bool = False) -> None:
-        self.auto = auto  # pause only once the replica has taken more than one priority
+        self.auto = auto  # pause only once the replica's requests compete
         if not executor.pausable:
             raise ValueError("layer_yield (--layer-yield) needs an executor that can pause a "
                              "forward between layers")
@@ -82,7 +83,7 @@ class LayerYield:
             Whatever ``out``'s forward raises (a nested forward's failure ends only its
             requests).
         """
-        if arrivals is None or (self.auto and len(engine.scheduler.priorities_seen) < 2):
+        if arrivals is None or (self.auto and not engine.scheduler.competing):
             return engine.executor.execute(out.plan), 0.0
         executor: PausableExecutor = engine.executor  # type: ignore[assignment]  # checked above
 

@@ -250,13 +250,14 @@ def _admit(sched: Scheduler, seq: SequenceState, computed: list[int] | ComputedB
 def admit_waiting(sched: Scheduler, budget: Budget, p: Pass,
                   first: tuple[Optional[SequenceState], ...] = (),
                   allow: Callable[[SequenceState], bool] = lambda seq: True,
-                  favour_first: bool = False) -> list[ScheduledSeq]:
+                  favour_first: bool = False, within_class: bool = False) -> list[ScheduledSeq]:
     """Admit waiting sequences in the queue's order (class, then the least-served tenant:
     :meth:`~.seats.TenantSeats.next_waiting`) while they fit; stop at the first that does not
     (no starvation), or that ``allow`` refuses. ``first``: the first pick when already made
     this step (``(seq or None,)``). ``favour_first``: the first admitted is the step's
-    favoured prefill, and those it outranks wait (a nested step's own contents, under an ITL
-    target). Returns their chunks, in order."""
+    favoured prefill, and those it outranks wait (a nested step's own contents under an ITL
+    target; a whole step's with ``tenant_share`` < 1 and no ITL target, ``within_class``:
+    only other tenants of its class wait). Returns their chunks, in order."""
     scheduled: list[ScheduledSeq] = []
     # A nested step counts seats with the ones it may borrow: a share of 1 is no cap there.
     check_share = p.mode is not Mode.NESTED or sched.config.tenant_share < 1
@@ -273,7 +274,7 @@ def admit_waiting(sched: Scheduler, budget: Budget, p: Pass,
             p.stopped_by = got
             break
         if favour_first and not scheduled:
-            p.contents = StepContents(favoured=picked)
+            p.contents = StepContents(favoured=picked, within_class=within_class)
         scheduled.append(got.scheduled())
         p.planned[picked.tenant] = (p.planned.get(picked.tenant, 0.0)
                                     + sched.service.cost(prefill_tokens=got.n))

@@ -46,17 +46,27 @@ def _to_compute(seq: SequenceState) -> int:
 class StepContents:
     """What the rule decided for one planned step: the running rows that sit out
     (``sit_out``, seq_ids), its ``favoured`` prefill (None: no rule, or no prefill), and each
-    left-out row's steps in a row sat out (``skipped``: the counts the next step starts from).
+    left-out row's steps in a row sat out (``skipped``: the counts the next step starts from);
+    ``within_class``: the favoured prefill holds back only tenants of its own class served
+    strictly more than its own (a whole step's rule without the ITL target, where classes keep
+    their old order and equally served tenants share the step).
     Admission asks :meth:`holds_back` of the same step's waiting sequences."""
 
     sit_out: frozenset[str] = frozenset()
     favoured: Optional[SequenceState] = None
     skipped: Mapping[str, int] = field(default_factory=dict)
+    within_class: bool = False  # held back: only its class's tenants served strictly more
 
     def holds_back(self, seq: SequenceState, service: TenantService) -> bool:
         """Is waiting ``seq`` kept out of this step (outranked by its favoured prefill)?"""
-        return (self.favoured is not None and seq is not self.favoured
-                and outranks(self.favoured, seq, service))
+        fav = self.favoured
+        if fav is None or seq is fav:
+            return False
+        if self.within_class:
+            served = service.service
+            return (seq.priority == fav.priority and seq.tenant != fav.tenant
+                    and served.get(seq.tenant, 0.0) > served.get(fav.tenant, 0.0))
+        return outranks(fav, seq, service)
 
 
 class ClassStep:

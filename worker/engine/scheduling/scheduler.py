@@ -102,6 +102,7 @@ class Scheduler:
             TierAdmission(kv, tier) if tier is not None else NoTierAdmission())
         self.hits = HitCounts()  # prompt tokens admitted, hits by tier (metrics)
         self.priorities_seen: set[int] = set()  # of every request queued (layer yield's auto)
+        self.tenants_seen: set[str] = set()  # the first two tenants queued (idem)
         self.waiting: deque[SequenceState] = deque()
         self.running: list[SequenceState] = []
         # leader seq_id -> siblings waiting for its prompt to be computed (n > 1)
@@ -149,6 +150,8 @@ class Scheduler:
         for s in seqs:
             groups.setdefault(s.request_id, []).append(s)
             self.priorities_seen.add(s.priority)
+            if len(self.tenants_seen) < 2:
+                self.tenants_seen.add(s.tenant)
         for g in groups.values():
             self.check_can_ever_fit(g[0].num_prompt_tokens, g[0].params.max_tokens, len(g))
         num_new = sum(len(g) for g in groups.values())
@@ -161,6 +164,14 @@ class Scheduler:
                 self.pending_forks[leader.seq_id] = siblings
             insert_waiting(self.waiting, leader)
             self.service.arrive(leader.tenant, 1 + len(siblings))
+
+    @property
+    def competing(self) -> bool:
+        """Has this replica queued requests that a step may yield to each other (layer yield's
+        ``auto``): of two priorities or more, or, where it divides seats among tenants
+        (``tenant_share`` < 1), of two tenants or more."""
+        return len(self.priorities_seen) > 1 or (self.config.tenant_share < 1
+                                                 and len(self.tenants_seen) > 1)
 
     @property
     def num_queued(self) -> int:
@@ -190,7 +201,13 @@ class Scheduler:
         if len(preempted) > num_preempted:
             first = ()  # the running set and the queue changed since the pick: pick again
         admitted = Pass(Mode.STEP, Held.of(self.running, self.pending_forks), work, now, contents)
-        scheduled += admit_waiting(self, budget, admitted, first)
+        # Without class_step's contents, a tenant's first prompt in the step still keeps the
+        # prompts of its class's tenants served strictly more out of it where seats are
+        # divided (tenant_share < 1): admitted behind it they would fill the step to the token
+        # budget. Lower classes still fill it, as they always did without the ITL target.
+        hold = self.class_step is None and self.config.tenant_share < 1
+        scheduled += admit_waiting(self, budget, admitted, first, favour_first=hold,
+                                   within_class=True)
         if self.waiting:
             self.pace.admission_stopped(admitted.stopped_by not in (None, Refusal.BUDGET))
         if self.spec.enabled:

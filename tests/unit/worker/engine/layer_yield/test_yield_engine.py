@@ -16,7 +16,7 @@ from typing import Callable
 
 import pytest
 
-from kvfleet.priority import BATCH, INTERACTIVE
+from kvfleet.priority import BATCH, DEFAULT, INTERACTIVE
 from kvfleet.stream_limits import Outbox
 from kvfleet.worker.engine.engine import Engine, EngineRequest
 from kvfleet.worker.engine.output.outputs import SeqOutput
@@ -192,6 +192,26 @@ def test_paused_adapter_rows_keep_their_adapter_across_a_base_nested_step(
         err = lora_error(tiny_llama_dir, tiny_adapters["qv"], rec, r, results[(r.request_id, 0)])
         assert err <= 1, f"{r.request_id}: {err:.2f}x"
     assert lora_error(tiny_llama_dir, None, rec, nested[0], results[(nested[0].request_id, 0)]) <= 1
+
+
+def test_a_less_served_tenants_prompt_nests_in_a_flood_step_and_matches_transformers(
+        tiny_llama_dir) -> None:
+    """One class, two tenants, ``tenant_share`` 0.5: tenant A's mixed step (decode rows and
+    a chunked prompt) pauses for tenant B's new prompt, served less; every output matches
+    the reference model."""
+    arrivals, _ = workload()
+    arrivals = {k: [dataclasses.replace(r, priority=DEFAULT, tenant="A") for r in rs]
+                for k, rs in arrivals.items()}
+    nested = [dataclasses.replace(request(prompt(9, seed=85), max_tokens=3), tenant="B")]
+    engine, rec = make_engine(tiny_llama_dir, max_num_batched_tokens=12, layer_yield=True,
+                              tenant_share=0.5)
+    yielder = LayerArrivals(engine, nested)
+    results, _ = drive(engine, arrivals, yielder)
+    assert yielder.fired and engine.stats()["nested_steps"] == 1
+    i = rec.plans.index(yielder.paused_plan)
+    assert [c.seq_id for c in rec.plans[i - 1].chunks] == [f"{nested[0].request_id}#0"]
+    errors = parity_errors(tiny_llama_dir, rec, arrivals, nested, results)
+    assert max(errors.values()) <= 1, errors
 
 
 def test_an_arrival_the_step_does_not_yield_to_is_taken_once_and_never_pauses(
