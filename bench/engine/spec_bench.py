@@ -5,9 +5,9 @@
     .venv/bin/python -m bench spec --identity 200 [--modes ngram,suffix] [--max-tokens N]
 
 Three workloads, each at batch 1 (two requests one after the other) and batch 4 (four at
-once), greedy: **edit** (about 300 tokens of this repository's code, to be rewritten with a
-rename: the answer copies most of its prompt), **quote** (a passage of the Declaration of
-Independence, to be quoted and explained), **none** (short poems: nothing to copy). Per cell:
+once), greedy: **edit** (about 300 tokens of this repository's code, to be copied with a
+rename, the answer opened with the code's first line: the answer copies most of its prompt),
+**quote** (a passage of the Declaration of Independence, to be quoted and explained), **none** (short poems: nothing to copy). Per cell:
 output tok/s, the ratio to ``off``, drafts accepted ÷ drafted, output tokens per row-step,
 and whether every answer equals the ``off`` answer token for token. The host's load average
 is recorded beside the numbers (timings on a shared machine move with it).
@@ -46,8 +46,19 @@ FORMS = ("short poem", "haiku sequence", "limerick", "four-line rhyme", "sonnet"
          "song verse", "free-verse poem")
 
 
-def _chat(tok, text: str) -> list[int]:
-    return tok.encode(f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n").ids
+def _chat(tok, text: str, answer_start: str = "") -> list[int]:
+    return tok.encode(f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+                      f"{answer_start}").ids
+
+
+def _edit(tok, code: str, old: str, new: str) -> list[int]:
+    """An edit request: the code, the rename, and the answer opened with the code's first line
+    (a client-side answer prefix, as edit tools send). SmolLM2-135M asked only to "rewrite"
+    code answers with new code of its own; told to copy and so started, it copies with
+    small drifts, which is the traffic an edit workload stands for."""
+    first = code.lstrip("\n").split("\n", 1)[0]
+    return _chat(tok, f"Copy this Python code exactly, but rename `{old}` to `{new}`.\n\n"
+                      f"```python\n{code}\n```", f"```python\n{first}\n")
 
 
 def _slice(tok, text: str, tokens: int) -> str:
@@ -60,8 +71,7 @@ def workloads(tok) -> dict[str, tuple[list[list[int]], int]]:
     edit = []
     for f, (old, new) in zip(CODE_FILES, RENAMES, strict=True):
         code = _slice(tok, (ROOT / f).read_text().split('"""', 2)[-1], 300)
-        edit.append(_chat(tok, f"Rewrite this Python code, renaming `{old}` to `{new}`. "
-                               f"Change nothing else.\n\n```python\n{code}\n```"))
+        edit.append(_edit(tok, code, old, new))
     text = (Path(__file__).parent / "data" / "declaration_of_independence.txt").read_text()
     words = text.split()
     quote = [_chat(tok, "Quote the first three sentences of this passage exactly, then say in "
@@ -83,8 +93,7 @@ def identity_prompts(tok, n: int) -> list[list[int]]:
             src = sources[k % len(sources)]
             code = _slice(tok, tok.decode(tok.encode(src).ids[40 * (k // len(sources)):]), 300)
             old, new = RENAMES[(k + k // len(sources)) % len(RENAMES)]
-            out.append(_chat(tok, f"Rewrite this Python code, renaming `{old}` to `{new}`. "
-                                  f"Change nothing else.\n\n```python\n{code}\n```"))
+            out.append(_edit(tok, code, old, new))
         elif i % 3 == 1:
             out.append(_chat(tok, "Quote the first three sentences of this passage exactly, then "
                                   "say in one line what they mean.\n\n"

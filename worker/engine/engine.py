@@ -29,6 +29,7 @@ from kvfleet.worker.engine.output.sample_io import SampleIO, final_output
 from kvfleet.worker.engine.output.sampling import Sampler
 from kvfleet.worker.engine.request import EngineRequest, FinishReason, SequenceState
 from kvfleet.worker.engine.scheduling.scheduler import Fork, Scheduler, SchedulerConfig, SchedulerOutput
+from kvfleet.worker.engine.speculative.sizing import query_rows_for
 from kvfleet.worker.engine.speculative.verify import Verification
 from kvfleet.worker.executor.base import Executor
 from kvfleet.worker.kv_tier.export import ExportDone, TierExports
@@ -51,6 +52,18 @@ class WholeStep:
         """``out``'s logits (:meth:`Executor.execute`) and 0.0 seconds of nested steps."""
         return engine.executor.execute(out.plan), 0.0
 
+
+
+def _rank0_device(executor: Any) -> Optional[str]:
+    """Rank 0's torch device string (``"cpu"``, ``"cuda:0"``), from the executor's ranks or,
+    for a model runner used as the executor, its ``device``; None when it holds no model
+    (a cost-model executor)."""
+    ranks = getattr(executor, "ranks", None)
+    if callable(ranks):
+        infos = ranks()
+        return infos[0].device if infos else None
+    device = getattr(executor, "device", None)
+    return None if device is None else str(device)
 
 class Engine:
     """Continuous-batching engine of one replica (rank 0 of its TP group).
@@ -97,6 +110,11 @@ class Engine:
             LayerYield(executor, auto=mode == "auto")
             if mode == "on" or (mode == "auto" and executor.pausable) else WholeStep())
         self.scheduler = Scheduler(config, kv, self.step_cost, tier)
+        # Draft sizing knows the CPU runner's few-row kernel; other devices price drafts
+        # by the step-cost model alone (an executor with no device models the CPU's steps).
+        device = _rank0_device(executor)
+        if device is not None:
+            self.scheduler.spec.query_rows = query_rows_for(device)
         # Blocks a peer asks for, snapshotted at once through the engine's executor.
         self.exports = TierExports(kv, lambda: self.executor)
         self.lora = AdapterQueue(adapters, identity, identity_digest, self.scheduler)

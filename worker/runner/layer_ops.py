@@ -49,17 +49,19 @@ def _rows(x: torch.Tensor, what: str) -> int:
     return stride[0]
 
 
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``s = x + delta`` (``delta`` None: ``s = x``, not copied) and ``rms_norm(s) · weight``.
 
     Args:
         x, delta: ``(T, size)`` fp32 CPU, unit column stride.
         weight: ``(size,)`` contiguous.
         eps: added to the mean square.
+        in_place: write ``s`` over ``x`` (the same sum, one allocation less).
 
     Returns:
-        ``(s, normed)``, each ``(T, size)``; ``s`` is a new tensor unless ``delta`` is None.
+        ``(s, normed)``, each ``(T, size)``; ``s`` is a new tensor unless ``delta`` is None or
+        ``in_place``.
 
     Raises:
         ValueError: layouts the kernel cannot read.
@@ -75,7 +77,8 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
         ldb = _rows(delta, "add_rms_norm")
         if delta.shape != x.shape:
             raise ValueError(f"add_rms_norm: {tuple(x.shape)} + {tuple(delta.shape)}")
-        s, lds, b = torch.empty(rows, size, dtype=torch.float32), size, delta.data_ptr()
+        s, lds = (x, ldx) if in_place else (torch.empty(rows, size, dtype=torch.float32), size)
+        b = delta.data_ptr()
     if rows:
         _lib().add_rms_norm(x.data_ptr(), ldx, b, ldb, s.data_ptr(), lds, weight.data_ptr(),
                             normed.data_ptr(), size, rows, size, eps, torch.get_num_threads())

@@ -7,13 +7,15 @@ expected tokens beside the one it samples anyway. Their price is the step-cost m
 decode row that carries ``d`` drafts stays a decode row and adds ``d`` draft tokens, which
 attend ``d`` more positions (the model's draft term, calibrated on verify steps and corrected
 online from every step that verifies drafts; see :mod:`kvfleet.worker.step_cost.model`).
-Drafts are handed out greedily, best expected gain first, while each one raises the step's
-expected tokens ÷ predicted seconds: at a large batch or a low acceptance rate the answer is
-0 everywhere, which is speculation off.
+Drafts are handed out best expected gain first, as many as give the step the most expected
+tokens ÷ predicted seconds: at a large batch or a low acceptance rate the answer is 0
+everywhere, which is speculation off. On a step of decode rows only, :class:`QueryRows`
+keeps the count to what the runner's few-row kernel runs cheaply.
 """
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -57,36 +59,93 @@ class Candidate:
     num_computed_tokens: int
 
 
+@dataclass(frozen=True)
+class QueryRows:
+    """What a step of decode rows (and their drafts) only, no prefill chunk, costs beyond the
+    linear model: each projection runs the step's query rows through a few-row kernel that
+    reads every weight once per ``tile`` rows, and past ``limit`` rows through a GEMM that
+    costs several such passes. A draft that opens another pass costs a pass over the weights
+    (priced as a one-row decode step without context: the weights streamed once), and a
+    decode-only step never grows past ``limit`` rows.
+    """
+
+    tile: int
+    limit: int
+
+    def extra_passes(self, decode_rows: int, drafts: int) -> int | None:
+        """Weight passes ``drafts`` drafts add to ``decode_rows`` rows, or None where the step
+        would leave the kernel."""
+        total = decode_rows + drafts
+        if total > self.limit:
+            return None
+        return -(-total // self.tile) - -(-decode_rows // self.tile)
+
+
+# The CPU runner's few-row kernel: four rows per weight pass, eight rows at most
+# (worker/runner/gemv.c TILE_ROWS, worker/runner/models/linear.py FEW_ROWS).
+CPU_FEW_ROWS = QueryRows(tile=4, limit=8)
+
+
+def query_rows_for(device: str) -> Optional[QueryRows]:
+    """The few-row rule of the runner on ``device`` (a torch device string, e.g. ``"cpu"``,
+    ``"cuda:0"``): :data:`CPU_FEW_ROWS` on CPU; None elsewhere (no such kernel there, so
+    drafts are priced by the step-cost model alone)."""
+    return CPU_FEW_ROWS if device.split(":")[0] == "cpu" else None
+
+
 def size_drafts(candidates: Sequence[Candidate], base: StepShape, sampled_rows: int,
-                cost: Optional[StepCostModel], tokens_left: int) -> list[int]:
+                cost: Optional[StepCostModel], tokens_left: int,
+                query_rows: Optional[QueryRows] = None) -> list[int]:
     """Drafts per candidate (same order), within ``tokens_left`` extra tokens in all.
+
+    The best ``D`` drafts are the ``D`` best expected gains (a row's next draft gains less
+    than its last); the answer is the ``D`` with the most expected tokens per predicted
+    second, with the weight passes ``query_rows`` says they open on a step without prefill.
 
     Args:
         base: the step's shape without any draft (every candidate counted as a decode row).
         sampled_rows: rows that sample a token this step (each counts one expected token).
-        cost: the replica's step-cost model (None: every candidate gets its ``max_drafts``).
+        cost: the replica's step-cost model (None, or one that predicts 0 s: every candidate
+            gets its ``max_drafts`` within the budget).
+        query_rows: the runner's few-row rule (None: the linear model alone).
     """
     drafts = [0] * len(candidates)
-    if cost is None:
+    rows, prefill, context, verified = base
+    seconds = 0.0 if cost is None else cost.predict_step_s(rows, prefill, context, verified)
+    if cost is None or seconds <= 0:  # nothing priced: the budget alone
         for i, c in enumerate(candidates):
             drafts[i] = max(0, min(c.max_drafts, tokens_left))
             tokens_left -= drafts[i]
         return drafts
-    rows, prefill, context, verified = base
     tokens = float(sampled_rows)
-    seconds = cost.predict_step_s(rows, prefill, context, verified)
-    gains = [c.rate for c in candidates]  # expected gain of each row's next draft
-    while tokens_left > 0:
-        best = max((i for i, c in enumerate(candidates) if drafts[i] < c.max_drafts),
-                   key=gains.__getitem__, default=None)
-        if best is None:
+    pass_s = cost.predict_step_s(1, 0, 0)
+    # (-expected gain of the row's next draft, row): the best draft first
+    heap = [(-c.rate, i) for i, c in enumerate(candidates) if c.max_drafts > 0]
+    heapq.heapify(heap)
+    best_rate, best_count = tokens / seconds, 0
+    path_rate = best_rate
+    order: list[int] = []
+    while heap and len(order) < tokens_left:
+        neg_gain, i = heapq.heappop(heap)
+        order.append(i)
+        drafts[i] += 1
+        if drafts[i] < candidates[i].max_drafts:
+            heapq.heappush(heap, (neg_gain * candidates[i].rate, i))
+        tokens -= neg_gain
+        n = len(order)
+        passes: int | None = 0
+        if query_rows is not None and prefill == 0:
+            passes = query_rows.extra_passes(rows, n)
+        if passes is None:
             break
-        new_s = cost.predict_step_s(rows, prefill, context + 1, verified + 1)
-        if seconds > 0 and (tokens + gains[best]) * seconds <= tokens * new_s:
-            break  # the best remaining draft no longer pays for itself
-        drafts[best] += 1
-        tokens += gains[best]
-        gains[best] *= candidates[best].rate
-        context, verified, seconds = context + 1, verified + 1, new_s
-        tokens_left -= 1
+        rate = tokens / (cost.predict_step_s(rows, prefill, context + n, verified + n)
+                         + passes * pass_s)
+        if rate > best_rate:
+            best_rate, best_count = rate, n
+        elif rate <= path_rate and (query_rows is None or prefill > 0):
+            break  # priced linearly and gains only shrink: the ratio only falls from here
+        path_rate = rate
+    drafts = [0] * len(candidates)
+    for i in order[:best_count]:
+        drafts[i] += 1
     return drafts

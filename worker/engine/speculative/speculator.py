@@ -20,7 +20,13 @@ from typing import Optional, Sequence
 
 from kvfleet.worker.engine.request import SequenceState
 from kvfleet.worker.engine.speculative.ngram import NgramIndex
-from kvfleet.worker.engine.speculative.sizing import Acceptance, Candidate, size_drafts
+from kvfleet.worker.engine.speculative.sizing import (
+    CPU_FEW_ROWS,
+    Acceptance,
+    Candidate,
+    QueryRows,
+    size_drafts,
+)
 from kvfleet.worker.engine.speculative.suffix import SuffixIndex
 from kvfleet.worker.step_cost.model import StepCostModel, StepShape
 
@@ -67,17 +73,20 @@ class Speculator:
         mode: one of :data:`MODES` (``off``: :meth:`plan` never drafts).
         num_tokens: drafts per row per step at most.
         suffix_tokens: the ``suffix`` index's memory bound, in tokens over all scopes.
+        query_rows: the runner's few-row rule for sizing (:class:`~.sizing.QueryRows`; None:
+            the step-cost model alone).
 
     Raises:
         ValueError: see :func:`check_mode`.
     """
 
-    def __init__(self, mode: str = "off", num_tokens: int = 4, suffix_tokens: int = 1 << 18
-                 ) -> None:
+    def __init__(self, mode: str = "off", num_tokens: int = 4, suffix_tokens: int = 1 << 18,
+                 query_rows: Optional[QueryRows] = CPU_FEW_ROWS) -> None:
         check_mode(mode, num_tokens)
         self.mode = mode
         self.num_tokens = num_tokens
         self.suffix = SuffixIndex(suffix_tokens) if mode == "suffix" else None
+        self.query_rows = query_rows
         self.counts = SpecCounts(accepted_hist=[0] * (num_tokens + 1))
         self._rows: dict[str, _Row] = {}
 
@@ -106,10 +115,15 @@ class Speculator:
              cost: Optional[StepCostModel], tokens_left: int) -> list[tuple[int, ...]]:
         """Drafts for each of ``rows`` (decode rows this step, all :meth:`eligible`), sized
         by :func:`~.sizing.size_drafts` against ``base`` (the step's shape without drafts)."""
-        proposals = [self.propose(s) for s in rows]
+        q = self.query_rows
+        if (q is not None and cost is not None and base.prefill_tokens == 0
+                and base.decode_rows >= q.limit and cost.predict_step_s(*base) > 0):
+            proposals: list[tuple[int, ...]] = [()] * len(rows)  # no room: skip the lookups
+        else:
+            proposals = [self.propose(s) for s in rows]
         cands = [Candidate(self._row(s).acceptance.rate, len(p), s.num_computed_tokens)
                  for s, p in zip(rows, proposals, strict=True)]
-        sizes = size_drafts(cands, base, sampled_rows, cost, tokens_left)
+        sizes = size_drafts(cands, base, sampled_rows, cost, tokens_left, self.query_rows)
         for s, d in zip(rows, sizes, strict=True):
             if d == 0:  # not verifying: drift back toward the prior (see Acceptance)
                 self._row(s).acceptance.observe(0, 0)

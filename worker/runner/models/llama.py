@@ -109,13 +109,24 @@ class LlamaDecoderLayer(nn.Module):
         """Projection name (:data:`~.PROJECTIONS`) → the object holding it as an attribute."""
         return {**{n: self for n in self.PROJECTIONS}, **{n: self.mlp for n in self.mlp.PROJECTIONS}}
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata, key_cache: torch.Tensor, value_cache: torch.Tensor
-                ) -> torch.Tensor:
-        """``hidden`` ``(T, hidden_size)`` → ``(T, hidden_size)``; writes this layer's K/V.
-        ``cos``/``sin``: ``(num_ropes, T, 1, rotary_dim)``, every rope's rows."""
+    def forward(self, hidden: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor, meta: AttentionMetadata, key_cache: torch.Tensor,
+                value_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream ``hidden + delta`` (``delta`` None: ``hidden``), each
+        ``(T, hidden_size)``, through this layer; writes this layer's K/V. ``cos``/``sin``:
+        ``(T, 1, rotary_dim)``, this layer's rope rows. With a ``delta``, ``hidden`` must be
+        a tensor a layer returned: the sum may be written over it.
+
+        Returns:
+            The stream after the layer in the same form, ``(hidden, delta)``: its last residual
+            add is left to the next layer's input norm, which fuses it (as vLLM's
+            ``fused_add_rms_norm``), or to :func:`settle`. ``hidden`` is a tensor of the
+            layer's own, which the caller may add to in place.
+        """
         if self.qk_norm is None and layer_ops.applies(hidden):
-            return self._forward_fused(hidden, cos, sin, meta, key_cache, value_cache)
+            return self._forward_fused(hidden, delta, cos, sin, meta, key_cache, value_cache)
+        if delta is not None:
+            hidden = hidden + delta
         t = hidden.shape[0]
         x = self.norm(hidden, self.input_norm, self.eps)
         qkv = self.qkv(x)
@@ -124,7 +135,7 @@ class LlamaDecoderLayer(nn.Module):
         if self.qk_norm is not None:
             qk = self.norm(qk, self.qk_norm, self.eps)
         # RoPE on Q and K together: one kernel for both.
-        qk = apply_rope(qk, cos[self.rope_index], sin[self.rope_index])
+        qk = apply_rope(qk, cos, sin)
         v = qkv[:, heads * self.head_dim :].view(t, self.num_kv_heads, self.head_dim)
         attn = self.o(paged_attention(qk[:, : self.num_heads], qk[:, self.num_heads :], v,
                                       key_cache, value_cache, meta, self.window, self.scale,
@@ -135,20 +146,23 @@ class LlamaDecoderLayer(nn.Module):
         out = self.mlp.forward(self.norm(hidden, self.mlp_norm, self.eps))
         if self.mlp_out_norm is not None:
             out = self.norm(out, self.mlp_out_norm, self.eps)
-        return hidden + out
+        return hidden, out
 
-    def _forward_fused(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       meta: AttentionMetadata, key_cache: torch.Tensor,
-                       value_cache: torch.Tensor) -> torch.Tensor:
+    def _forward_fused(self, hidden: torch.Tensor, delta: torch.Tensor | None,
+                       cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                       key_cache: torch.Tensor, value_cache: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`forward` with the small ops between projections in C (:mod:`.layer_ops`;
-        fp32 on CPU, no qk-norm): norm, RoPE with the K/V write, residual add with norm."""
-        t, hd, kv = hidden.shape[0], self.head_dim, self.num_kv_heads
-        _, x = layer_ops.add_rms_norm(hidden, None, self.input_norm, self.eps)
+        fp32 on CPU, no qk-norm): residual add with norm (twice), RoPE with the K/V write."""
+        hd, kv = self.head_dim, self.num_kv_heads
+        # in place: with a delta, hidden is a previous layer's own tensor (see forward)
+        hidden, x = layer_ops.add_rms_norm(hidden, delta, self.input_norm, self.eps, in_place=True)
         qkv = self.qkv(x)
-        layer_ops.rope_write_kv(qkv, cos[self.rope_index], sin[self.rope_index], self.num_heads,
-                                kv, hd, key_cache, value_cache, meta.slot_mapping)
+        layer_ops.rope_write_kv(qkv, cos, sin, self.num_heads, kv, hd, key_cache, value_cache,
+                                meta.slot_mapping)
         # q | k | v as views by one split (per-part slicing costs several torch calls a layer)
-        q, k, v = qkv.view(t, self.num_heads + 2 * kv, hd).split((self.num_heads, kv, kv), 1)
+        q, k, v = qkv.view(hidden.shape[0], self.num_heads + 2 * kv, hd).split_with_sizes(
+            (self.num_heads, kv, kv), 1)
         attn = self.o(paged_attention(q, k, v, key_cache, value_cache, meta, self.window,
                                       self.scale, self.sinks, kv_written=True))
         if self.attn_out_norm is not None:
@@ -157,7 +171,13 @@ class LlamaDecoderLayer(nn.Module):
         out = self.mlp.forward(x)
         if self.mlp_out_norm is not None:
             out = self.norm(out, self.mlp_out_norm, self.eps)
-        return hidden.add_(out)  # a tensor of this layer's own (add_rms_norm's sum)
+        return hidden, out
+
+
+def settle(hidden: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+    """The residual stream ``hidden + delta`` as one tensor (:meth:`LlamaDecoderLayer.forward`'s
+    pair; ``hidden`` a layer's own, added to in place: the same sum as the next layer's norm)."""
+    return hidden if delta is None else hidden.add_(delta)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -205,13 +225,22 @@ class LlamaForCausalLM(nn.Module):
             ``(hidden, next_layer)``: ``next_layer == num_layers`` when every layer ran, else
             the layer to resume from (the KV of layers before it is written).
         """
-        last = len(self.layers) - 1
+        layers = self._decoder_layers()  # a list once a step: ModuleList indexing costs per layer
+        last = len(layers) - 1
+        # Each rope's rows once a step (the layers share them); None until a layer asks.
+        ropes: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * cos.shape[0]
+        delta: torch.Tensor | None = None
         for i in range(start, last + 1):
+            layer = layers[i]
+            rope = ropes[layer.rope_index]
+            if rope is None:
+                rope = ropes[layer.rope_index] = (cos[layer.rope_index], sin[layer.rope_index])
             key_cache, value_cache = kv_cache.layer(i)
-            hidden = self.layers[i].forward(hidden, cos, sin, meta.layer(i), key_cache, value_cache)
+            hidden, delta = layer.forward(hidden, delta, rope[0], rope[1], meta.layer(i),
+                                          key_cache, value_cache)
             if should_yield is not None and i < last and should_yield():
-                return hidden, i + 1
-        return hidden, last + 1
+                return settle(hidden, delta), i + 1
+        return settle(hidden, delta), last + 1
 
     def pack(self, one_row_copy: bool = False) -> None:
         """Turn every loaded matrix into a projection (:func:`~.linear.projection`: packed

@@ -36,6 +36,10 @@ def test_add_rms_norm(rows: int) -> None:
     same, normed = layer_ops.add_rms_norm(x, None, weight, 1e-6)
     assert same is x
     _close(normed, rms_norm(x, weight, 1e-6))
+    want, owned = x + delta, x.clone()
+    total, normed = layer_ops.add_rms_norm(owned, delta, weight, 1e-6, in_place=True)
+    assert total is owned and torch.equal(total, want)
+    _close(normed, rms_norm(want, weight, 1e-6))
 
 
 def test_add_rms_norm_strided_rows() -> None:

@@ -9,7 +9,14 @@ import pytest
 from kvfleet.sampling_params import SamplingParams
 from kvfleet.worker.engine.request import SequenceState
 from kvfleet.worker.engine.speculative.ngram import NgramIndex
-from kvfleet.worker.engine.speculative.sizing import Acceptance, Candidate, size_drafts
+from kvfleet.worker.engine.speculative.sizing import (
+    CPU_FEW_ROWS,
+    Acceptance,
+    Candidate,
+    QueryRows,
+    query_rows_for,
+    size_drafts,
+)
 from kvfleet.worker.engine.speculative.speculator import Speculator, check_mode
 from kvfleet.worker.engine.speculative.suffix import SuffixIndex
 from kvfleet.worker.step_cost.model import CostModel, StepCost, StepShape
@@ -127,6 +134,44 @@ def test_speculation_turns_itself_off_once_the_step_cost_learns_drafts_lose() ->
     assert size_drafts([good], one, 1, cost, 64) == [0]
 
 
+def test_sizing_prices_a_new_few_row_pass_as_a_weight_pass_and_stays_within_the_kernel() -> None:
+    """On a decode-only step, drafts within the passes the decode rows open are priced by the
+    draft term; one that opens another pass also costs a pass over the weights (a one-row
+    step's price), and none takes the step past the kernel's row limit. A step with prefill is
+    priced by the linear model alone."""
+    rule = QueryRows(tile=4, limit=8)
+    cost = CostModel(0.010, 0.001, 0.001, "test", 0.0, 0.001)  # a pass: 11 ms
+    one = StepShape(1, 0, 101)
+    assert size_drafts([Candidate(0.9, 4, 100)], one, 1, cost, 64, None) == [4]
+    assert size_drafts([Candidate(0.9, 4, 100)], one, 1, cost, 64, rule) == [3]
+    assert size_drafts([Candidate(0.9, 7, 100)], one, 1, cost, 64, rule) == [3]
+    four = StepShape(4, 0, 404)
+    rows_dear = CostModel(0.010, 0.001, 0.005, "test", 0.0, 0.001)  # a pass 15 ms of b4's 30
+    assert size_drafts([Candidate(0.95, 6, 100)] * 4, four, 4, rows_dear, 64, rule) == [1] * 4
+    assert size_drafts([Candidate(0.95, 6, 100)] * 4, four, 4, cost, 64, rule) == [0] * 4
+    assert size_drafts([Candidate(0.5, 6, 100)] * 4, four, 4, rows_dear, 64, rule) == [0] * 4
+    assert size_drafts([Candidate(0.5, 6, 100)] * 4, four, 4, rows_dear, 64, None) != [0] * 4
+    assert size_drafts([Candidate(0.9, 6, 100)] * 8, StepShape(8, 0, 808), 8, cost, 64,
+                       rule) == [0] * 8
+    assert sum(size_drafts([Candidate(0.9, 6, 100)] * 8, StepShape(8, 64, 872), 8, cost, 64,
+                           rule)) > 0
+    assert [rule.extra_passes(1, d) for d in range(9)] == [0, 0, 0, 0, 1, 1, 1, 1, None]
+    assert [rule.extra_passes(4, d) for d in range(6)] == [0, 1, 1, 1, 1, None]
+
+
+def test_the_few_row_rule_matches_the_cpu_kernel() -> None:
+    """The sizing rule's tile and limit are the runner's (its C kernel's rows per pass, the
+    rows past which a projection leaves the kernel)."""
+    import re
+    from pathlib import Path
+
+    from kvfleet.worker.runner.models import linear
+
+    gemv = (Path(linear.__file__).parents[1] / "gemv.c").read_text()
+    assert CPU_FEW_ROWS.limit == linear.FEW_ROWS
+    assert CPU_FEW_ROWS.tile == int(re.search(r"#define TILE_ROWS (\d+)", gemv).group(1))
+
+
 def test_acceptance_follows_recent_verifications() -> None:
     a = Acceptance()
     assert a.rate == 0.5
@@ -139,3 +184,9 @@ def test_acceptance_follows_recent_verifications() -> None:
     for _ in range(30):
         a.observe(0, 0)  # not drafting: back toward the prior
     assert 0.4 < a.rate < 0.6
+
+
+def test_the_few_row_rule_is_the_cpu_runners_only() -> None:
+    assert query_rows_for("cpu") is CPU_FEW_ROWS
+    assert query_rows_for("cuda:0") is None
+    assert query_rows_for("cuda") is None
