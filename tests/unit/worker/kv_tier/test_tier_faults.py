@@ -13,6 +13,7 @@ from kvfleet.worker.kv_tier.node_tier import RayTier, node_tier, node_tiers, rem
 from kvfleet.worker.kv_tier.tier_layout import LayoutTier, TierLayout
 from tests.unit.worker.engine_harness import prompt, request
 from tests.unit.worker.kv_tier.tier_harness import (
+    chain_of,
     evict_then_ask_again,
     parity_error,
     restored_blocks,
@@ -73,7 +74,12 @@ def test_actor_killed_mid_transfer_the_request_recomputes_and_nothing_leaks(
     refs_before = _live_refs(ray_session)
     base = prompt(22, seed=33)
     again = request(base + prompt(3, seed=34), max_tokens=3)
-    results = evict_then_ask_again(engine, tier, base, again)
+    chain = chain_of(engine, request(base))
+    held_before: list[int] = []  # base's blocks in the tier before the kill (the control)
+    results = evict_then_ask_again(
+        engine, tier, base, again,
+        between=lambda: held_before.append(ray_tier.lookup(chain, [tier.rank])))
+    assert held_before == [len(chain)]
     got = results[(again.request_id, 0)]
     assert len(got.token_ids) == 3 and got.last.error is None
     assert got.last.usage.cached_prompt_tokens == 0  # recomputed, not restored
@@ -85,8 +91,9 @@ def test_actor_killed_mid_transfer_the_request_recomputes_and_nothing_leaks(
     assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
     assert tier.flush() and tier.pending_bytes == 0
     assert _live_refs(ray_session) <= refs_before
-    # The node's next tier starts empty (the dead actor's bytes went with it).
-    assert node_tier(CAPACITY).stats().bytes_used == 0
+    # The dead actor's bytes went with it: the node's next tier holds none of base's blocks
+    # (a write-back queued after the kill may have started that tier afresh).
+    assert node_tier(CAPACITY).lookup(chain, [tier.rank]) == 0
 
 
 def test_a_replica_with_kv_host_memory_uses_its_nodes_tier(ray_session, ray_tier,
