@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING, Mapping, Optional
 from kvfleet.worker.engine.scheduling.admission import Held, Mode, Pass, StepWork, admit_waiting
 from kvfleet.worker.engine.scheduling.output import SchedulerOutput
 from kvfleet.worker.engine.scheduling.step_budget import step_budget
+from kvfleet.worker.engine.scheduling.tenant_service import served_more
 from kvfleet.worker.engine.step_plan import StepPlan
 
 if TYPE_CHECKING:  # only for annotations
@@ -81,8 +82,7 @@ def yields_to(out: SchedulerOutput, priority: int, tenant: Optional[str] = None,
         if p < priority:
             return False
         if p > priority or (tenant is not None and service is not None
-                            and s.seq.tenant != tenant
-                            and service.get(s.seq.tenant, 0.0) > service.get(tenant, 0.0)):
+                            and served_more(service, s.seq.tenant, tenant)):
             lower = True
         elif not s.seq.output_token_ids:
             return False
@@ -140,9 +140,7 @@ def nested_step(sched: Scheduler, paused: SchedulerOutput, now: float) -> Schedu
             return 0
         n = len(sched.rules.victims(seq, sched.running))
         if config.tenant_share < 1:
-            served = sched.service.service
-            mine = served.get(seq.tenant, 0.0)
-            n += any(r.priority == seq.priority and served.get(r.tenant, 0.0) > mine
+            n += any(r.priority == seq.priority and sched.service.served_more(r.tenant, seq.tenant)
                      for r in sched.running)
         return n
 

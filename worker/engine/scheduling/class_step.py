@@ -63,9 +63,7 @@ class StepContents:
         if fav is None or seq is fav:
             return False
         if self.within_class:
-            served = service.service
-            return (seq.priority == fav.priority and seq.tenant != fav.tenant
-                    and served.get(seq.tenant, 0.0) > served.get(fav.tenant, 0.0))
+            return seq.priority == fav.priority and service.served_more(seq.tenant, fav.tenant)
         return outranks(fav, seq, service)
 
 
@@ -173,5 +171,4 @@ def outranks(fav: SequenceState, other: SequenceState, service: TenantService) -
     and another tenant whose service is not below ``fav``'s tenant's."""
     if fav.priority != other.priority:
         return fav.priority < other.priority
-    return (fav.tenant != other.tenant
-            and service.service.get(fav.tenant, 0.0) <= service.service.get(other.tenant, 0.0))
+    return fav.tenant != other.tenant and not service.served_more(fav.tenant, other.tenant)

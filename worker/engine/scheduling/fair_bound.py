@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Iterable, Mapping, Optional, Sequence
 
 from kvfleet.worker.engine.request import SequenceState
+from kvfleet.worker.engine.scheduling.tenant_service import served_more
 from kvfleet.worker.step_cost.model import StepCostModel, attended
 
 FAIR_SLACK = 0.5  # over-served prefill adds at most this × the decode rows' predicted step
@@ -89,8 +90,8 @@ def over_served(seqs: Iterable[SequenceState], service: Mapping[str, float]
         by_class.setdefault(s.priority, set()).add(s.tenant)
     out = set()
     for prio, tenants in by_class.items():
-        least = min(service.get(t, 0.0) for t in tenants)
-        out |= {(prio, t) for t in tenants if service.get(t, 0.0) > least}
+        least = min(tenants, key=lambda t: service.get(t, 0.0))
+        out |= {(prio, t) for t in tenants if served_more(service, t, least)}
     return frozenset(out)
 
 

@@ -110,10 +110,13 @@ class TenantService:
     def is_backlogged(self, tenant: str) -> bool:
         return tenant in self._backlog
 
+    def served_more(self, a: str, b: str) -> bool:
+        """Has tenant ``a`` been served strictly more than tenant ``b`` (:func:`served_more`)?"""
+        return served_more(self.service, a, b)
+
     def behind(self, tenant: str, others: Iterable[str]) -> bool:
         """Has one of ``others`` been served strictly more than ``tenant``?"""
-        mine = self.service.get(tenant, 0.0)
-        return any(self.service.get(t, 0.0) > mine for t in others)
+        return any(self.served_more(t, tenant) for t in others)
 
     def _forget_idle(self, floor: float) -> None:
         """Drop idle tenants at or below ``floor``: coming back they start there anyway, so the
@@ -126,3 +129,10 @@ class TenantService:
         """Every backlogged tenant has a counter and a positive sequence count."""
         for t, n in self._backlog.items():
             assert n > 0 and t in self.service, f"tenant {t!r}: backlog {n}"
+
+
+def served_more(service: Mapping[str, float], a: str, b: str) -> bool:
+    """Has tenant ``a`` been served strictly more than tenant ``b`` in ``service`` (weighted
+    tokens per tenant; a tenant not listed has 0)? False for ``a == b``: the one comparison
+    behind every "a less-served tenant of the same class goes first" rule."""
+    return service.get(a, 0.0) > service.get(b, 0.0)

@@ -183,3 +183,16 @@ def test_each_step_charges_prefill_chunks_and_decodes_by_their_weights():
         if out.scheduled[0].sample:
             x.append_token(7)
     assert s.service.service["a"] == 6 * PREFILL_WEIGHT + 2 * DECODE_WEIGHT
+
+
+def test_served_more_is_strict_and_counts_an_unknown_tenant_as_unserved():
+    svc = TenantService()
+    svc.arrive("a")
+    svc.arrive("b")
+    svc.charge("a", prefill_tokens=3)
+    assert svc.served_more("a", "b") and not svc.served_more("b", "a")
+    assert not svc.served_more("a", "a")
+    assert svc.served_more("a", "never-seen") and not svc.served_more("never-seen", "b")
+    svc.charge("b", prefill_tokens=3)
+    assert not svc.served_more("a", "b") and not svc.served_more("b", "a")  # a tie: neither
+    assert svc.behind("b", ["a", "b"]) is False
