@@ -126,9 +126,11 @@ def within_key(requested: Optional[int], key_class: Optional[int],
     if requested is None:
         return key_class
     if key_class is not None and requested < key_class:
-        raise PermissionDenied(f"{field}: {describe(requested)} is above this API key's class "
-                               f"{describe(key_class)} (a request may only lower its priority)",
-                               field=field)
+        # Numbers on both sides: a key of class interactive (0) refuses -5, also "interactive".
+        asked = CLASS_NAMES.get(requested) or f"{requested} (band {band(requested)})"
+        raise PermissionDenied(f"{field}: {asked} is above this API key's class "
+                               f"{describe(key_class)} = {key_class} (a request may only lower "
+                               f"its priority: a number >= {key_class})", field=field)
     return requested
 
 

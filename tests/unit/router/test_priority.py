@@ -108,6 +108,15 @@ def test_a_key_class_is_a_ceiling_a_request_may_only_lower():
             str(err.value)
 
 
+def test_a_refusal_within_the_keys_own_band_says_which_numbers_are_allowed():
+    with pytest.raises(PermissionDenied) as err:
+        priority.within_key(-5, priority.INTERACTIVE, "priority")
+    text = str(err.value)
+    assert text.startswith("priority: -5 (band interactive) is above this API key's class "
+                           "interactive = 0")
+    assert "a number >= 0" in text and "priority: priority" not in text
+
+
 def test_batch_is_refused_at_its_fraction_of_capacity_interactive_only_when_full():
     admit = priority.DEFAULT_ADMIT  # batch 0.8
     fleet = [cand("a", 10, running=8), cand("b", 10, running=7)]  # 15 of 20 held
