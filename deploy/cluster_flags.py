@@ -296,6 +296,13 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
         from kvfleet.worker.runner.tp.layout import check_tp
 
         check_tp(model, replica_values["tensor_parallel_size"])
+    if replica_values["quantization"] != "none" and model.impl == "native":
+        from kvfleet.worker.runner.quant.checkpoint import read_format
+        from kvfleet.worker.runner.quant.shard import check_quant_groups
+
+        check_quant_groups(model, replica_values["quant_group_size"],
+                           replica_values["tensor_parallel_size"],
+                           own_groups=read_format(model_dir) is not None)
     adapters = _checked_adapters(args, model_dir, replica_values["max_lora_rank"])
     for root in replica_values["adapter_roots"]:
         if not os.path.isdir(root):

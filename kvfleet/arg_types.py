@@ -29,6 +29,19 @@ def positive_int(flag: str) -> Callable[[str], int]:
     return check
 
 
+def even_int(flag: str, least: int = 2) -> Callable[[str], int]:
+    """argparse type: an even integer >= ``least`` (else a usage error naming ``flag``)."""
+    def check(value: str) -> int:
+        try:
+            n = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} must be an integer, got {value!r}") from None
+        if n < least or n % 2:
+            raise argparse.ArgumentTypeError(f"{flag} must be an even integer >= {least}, got {n}")
+        return n
+    return check
+
+
 def _number(value: str, what: str) -> float:
     try:
         return float(value)

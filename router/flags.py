@@ -12,7 +12,7 @@ import os
 from typing import Any, Mapping, Optional, Sequence
 
 from kvfleet.allocator.fingerprint import QUANT_METHODS
-from kvfleet.arg_types import positive_int, priority_admit
+from kvfleet.arg_types import even_int, positive_int, priority_admit
 from kvfleet.flag_table import Flag, add_flags, declared_default, render_argv, values_by_owner
 from kvfleet.priority import format_admit
 from kvfleet.router.config import RouterConfig
@@ -46,7 +46,7 @@ ROUTER_FLAGS: tuple[Flag, ...] = (
          "floats, a GGUF beside them or a GPTQ/AWQ checkpoint, read as they are where they "
          "map; part of the cache identity", "model", choices=QUANT_METHODS),
     Flag("--quant-group-size", "quant_group_size", "inputs sharing one scale when weights are "
-         "quantized at load (default {default})", "model", type=positive_int("--quant-group-size")),
+         "quantized at load (default {default})", "model", type=even_int("--quant-group-size")),
     Flag("--host", "host", "interface both ports bind (default {default})", "fleet", always=True),
     Flag("--port", "port", "router port (default {default}; 0 = a free port)", "fleet", type=int,
          always=True),

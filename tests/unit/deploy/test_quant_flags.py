@@ -17,6 +17,7 @@ from kvfleet.router.served_model import ServedModel
 from kvfleet.worker.replica.replica import ReplicaConfig, cache_identity
 from kvfleet.worker.runner.model_runner import ModelRunner
 from kvfleet.worker.runner.quant.config import QuantConfig
+from kvfleet.worker.runner.quant.packed import QuantLayoutError
 
 
 def _config(model_dir, *flags):
@@ -44,6 +45,26 @@ def test_bad_values_are_refused_naming_the_flag(tiny_llama_dir, capsys) -> None:
     assert exit_.value.code == 2 and "--quantization" in capsys.readouterr().err
     with pytest.raises(ValueError, match="quant_group_size"):
         ReplicaConfig("r", "m", str(tiny_llama_dir), quantization="int4", quant_group_size=3)
+    for odd in ("7", "1", "0"):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(["up", "--model", str(tiny_llama_dir), "--quant-group-size", odd])
+        assert exit_.value.code == 2
+        assert "--quant-group-size must be an even integer >= 2" in capsys.readouterr().err
+
+
+def test_a_group_size_that_cannot_tile_the_weights_is_refused_before_anything_starts(
+        tiny_llama_dir) -> None:
+    # hidden 64, MLP 128, 4 heads x 16: groups of 128 do not tile the hidden-size inputs, and
+    # groups of 64 tile every whole weight but not o_proj's 32 inputs per rank at tp=2.
+    with pytest.raises(QuantLayoutError, match=r"hidden_size: 64 inputs .* groups of 128 "
+                                               r"\(--quant-group-size\)"):
+        _config(tiny_llama_dir, "--quantization", "int8", "--quant-group-size", "128")
+    with pytest.raises(QuantLayoutError, match=r"o_proj: 64 inputs over tp=2 .* groups of 64"):
+        _config(tiny_llama_dir, "--quantization", "int4", "--quant-group-size", "64", "--tp", "2")
+    assert _config(tiny_llama_dir, "--quantization", "int4", "--quant-group-size", "32",
+                   "--tp", "2").replica.quant_group_size == 32
+    # float weights never use the group size
+    assert _config(tiny_llama_dir, "--quant-group-size", "128").replica.quantization == "none"
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])

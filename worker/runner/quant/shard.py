@@ -8,6 +8,7 @@ the whole weight's (a split that cuts a group is refused, naming the sizes).
 
 from __future__ import annotations
 
+from kvfleet.worker.runner.model_config import ModelConfig
 from kvfleet.worker.runner.quant.packed import Decoded, QuantLayoutError
 from kvfleet.worker.runner.tp.layout import COLUMN, SPLITS, ShardLayout
 
@@ -51,3 +52,26 @@ def check_tp_groups(config_sizes: dict[str, int], group: int, tp: int) -> None:
             raise QuantLayoutError(
                 f"{module}: {size} inputs over tp={tp} give {size / tp:g} per rank, not a whole "
                 f"number of quantization groups of {group} (--quant-group-size)")
+
+
+def check_quant_groups(config: ModelConfig, group: int, tp: int, own_groups: bool = False) -> None:
+    """Refuse ``--quant-group-size`` ``group`` before anything starts when it cannot tile a
+    weight quantized at load: the inputs of every projection fed by the hidden state (and of
+    the embedding and LM head), ``o_proj``'s and the dense MLP's ``down_proj``'s (per rank at
+    ``tp``). ``own_groups``: a GPTQ/AWQ checkpoint, whose projections keep their own groups
+    (only the hidden-size inputs are checked then).
+
+    Raises:
+        QuantLayoutError: names the weight, its inputs and the group size.
+    """
+    if config.hidden_size % group:
+        raise QuantLayoutError(
+            f"hidden_size: {config.hidden_size} inputs (the projections fed by the hidden state, "
+            f"the embedding, the LM head) do not split into quantization groups of {group} "
+            f"(--quant-group-size)")
+    if own_groups:
+        return
+    sizes = {"o_proj": config.num_heads * config.head_dim}
+    if config.moe is None:  # an expert's down_proj is held as the checkpoint has it
+        sizes["down_proj"] = config.intermediate_size
+    check_tp_groups(sizes, group, tp)
