@@ -33,6 +33,7 @@ from kvfleet.allocator.lora_bytes import lora_slot_bytes
 from kvfleet.allocator.model_spec import ConfigError, ModelKVSpec, load_config, spec_from_config
 from kvfleet.allocator.param_count import ParamCount, is_moe, param_count
 from kvfleet.allocator.units import describe_bytes, format_bytes, parse_count, parse_size
+from kvfleet.arg_types import even_int
 
 PROG = "kvfleet budget"
 DEFAULT_BLOCK_SIZE = 16
@@ -71,8 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fraction of --memory kept free (default 0)")
     p.add_argument("--weights", "--weight-dtype", dest="weight_dtype", choices=WEIGHT_FORMATS,
                    default="bf16", help="weight storage: a float dtype, or int8 / int4 "
-                   "(kvfleet --quantization: codes plus fp16 group scales) (default bf16)")
-    p.add_argument("--quant-group-size", type=int, default=32, metavar="N",
+                   "(kvfleet --quantization: codes plus fp16 group scales, int4 also fp16 group "
+                   "offsets) (default bf16)")
+    p.add_argument("--quant-group-size", type=even_int("--quant-group-size"), default=32, metavar="N",
                    help="weights per scale for --weights int8/int4 (default 32)")
     p.add_argument("--num-kv-heads", type=int, metavar="N",
                    help="override the config's KV head count")

@@ -81,3 +81,9 @@ def test_budget_weights_are_what_a_quantized_replica_holds(tiny_llama_dir, capsy
     assert budget([str(tiny_llama_dir), "--weight-dtype", "fp32", "--params", str(params),
                    "--memory", "1GB"]) == 0
     assert f"({method})" not in capsys.readouterr().out
+
+
+def test_budget_refuses_a_group_size_no_replica_takes(tiny_llama_dir, capsys) -> None:
+    assert budget([str(tiny_llama_dir), "--weights", "int4", "--params", "1e6",
+                   "--quant-group-size", "7"]) == 2
+    assert "--quant-group-size must be an even integer >= 2" in capsys.readouterr().err
