@@ -198,7 +198,7 @@ SCHEDULER_FLAGS: tuple[Flag, ...] = (
          type=positive_float("--itl-target-ms"), metavar="MS"),
     Flag("--tenant-share", "replica.scheduler.tenant_share",
          "fraction of a replica's running + waiting slots one tenant may hold (default "
-         "{default}: no per-tenant cap)", "scheduling", type=float),
+         "{default}: no per-tenant cap)", "scheduling", type=fraction("--tenant-share")),
     Flag("--batch-share", "replica.scheduler.batch_share",
          "fraction of a replica's running slots the batch priority class may hold (default "
          "{default}: no cap)", "scheduling", type=fraction("--batch-share")),

@@ -27,6 +27,8 @@ def test_priority_flags_land_in_the_configs(tiny_llama_dir) -> None:
     (["--batch-share", "0"], "--batch-share"), (["--batch-share", "x"], "--batch-share"),
     (["--priority-admit", "urgent=1"], "--priority-admit"),
     (["--priority-admit", "batch=2"], "--priority-admit"),
+    (["--tenant-share", "0"], "--tenant-share"), (["--tenant-share", "1.5"], "--tenant-share"),
+    (["--tenant-share", "nan"], "--tenant-share"),
 ])
 def test_bad_priority_flags_exit_2_naming_the_flag(argv, flag, capsys) -> None:
     with pytest.raises(SystemExit) as exit_:
