@@ -134,6 +134,21 @@ def _tenant(request: Request) -> str:
     return request.scope[TENANT_KEY]
 
 
+async def _route_error(request: Request, exc: Exception) -> Response:
+    """An unknown path (404) or method (405) as an OpenAI error body, like every other error:
+    OpenAI clients parse ``error.message`` and would otherwise show Starlette's plain text."""
+    status = getattr(exc, "status_code", 404)
+    if status == 405:
+        message = f"{request.method} is not allowed on {request.url.path}"
+        kind, code = "invalid_request_error", "method_not_allowed"
+    else:
+        message = f"no route {request.method} {request.url.path}"
+        kind, code = "not_found_error", "not_found"
+    headers = dict(getattr(exc, "headers", None) or {})  # 405's Allow
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}},
+                        status_code=status, headers=headers)
+
+
 class HttpFront:
     """The HTTP listener of one router process, over the router's :class:`RouterCore`."""
 
@@ -164,7 +179,8 @@ class HttpFront:
             Route(COMPLETIONS_ROUTE, self.completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
-        ], middleware=[Middleware(_Authenticate, core=core)])
+        ], middleware=[Middleware(_Authenticate, core=core)],
+            exception_handlers={404: _route_error, 405: _route_error})
         self._server: Optional[uvicorn.Server] = None
         self._sock: Optional[socket.socket] = None
         self._ticker: Optional[asyncio.Task] = None

@@ -51,3 +51,15 @@ def test_http_models_hides_adapters_limited_to_other_tenants() -> None:
     assert ids("key-acme") == ["tiny", "chat", "sql"]
     assert ids("key-globex") == ["tiny", "chat"]
     assert client.get("/v1/models").status_code == 401
+
+
+def test_http_unknown_route_and_method_answer_openai_error_bodies() -> None:
+    client = TestClient(HttpFront(_core()).app)
+    auth = {"authorization": "Bearer key-acme"}
+    resp = client.get("/v1/chat/completions", headers=auth)
+    assert resp.status_code == 405 and "POST" in resp.headers["allow"]
+    assert resp.json()["error"]["code"] == "method_not_allowed"
+    resp = client.post("/v1/nothing", headers=auth, json={})
+    assert resp.status_code == 404
+    assert resp.json()["error"] == {"message": "no route POST /v1/nothing", "type": "not_found_error",
+                                    "param": None, "code": "not_found"}
