@@ -42,7 +42,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     try:
         address = cluster.start()
         # After start: ray.init installs its own SIGTERM handler (it aborts the process).
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        # SIGHUP too: a closed terminal drains and stops the cluster like Ctrl-C.
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, on_signal)
         http = (f"OpenAI-compatible HTTP at http://{cluster.http_address}/v1; "
                 if cluster.http_address else "")
@@ -56,8 +57,11 @@ def cmd_up(args: argparse.Namespace) -> int:
             print(f"kvfleet: {name} metrics at http://{metrics}/metrics", file=sys.stderr, flush=True)
         stop.wait()
     finally:
-        print(f"kvfleet: stopping (draining replicas, up to "
-              f"{cluster.cfg.replica.drain_timeout_s:g} s)…", file=sys.stderr, flush=True)
+        try:
+            print(f"kvfleet: stopping (draining replicas, up to "
+                  f"{cluster.cfg.replica.drain_timeout_s:g} s)…", file=sys.stderr, flush=True)
+        except OSError:  # stderr is gone (a closed pipe or terminal): stop everything all the same
+            pass
         remove_cluster_file(os.getpid())
         cluster.stop()
     return 0
