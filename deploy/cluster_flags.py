@@ -19,6 +19,7 @@ from typing import Any, Optional
 from kvfleet.allocator.units import format_bytes, parse_size
 from kvfleet.arg_types import (
     fraction,
+    int_in_range,
     int_range,
     non_negative_float,
     positive_float,
@@ -37,6 +38,7 @@ from kvfleet.telemetry import TelemetryConfig
 from kvfleet.worker.engine.scheduling.config import LAYER_YIELD_MODES
 from kvfleet.worker.engine.scheduling.config import POLICIES as ADMISSION_POLICIES
 from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig
+from kvfleet.worker.engine.speculative.speculator import MAX_DRAFT_TOKENS
 from kvfleet.worker.engine.speculative.speculator import MODES as SPECULATIVE_MODES
 from kvfleet.worker.replica.autoscale import AutoscaleTargets
 from kvfleet.worker.replica.replica import DEFAULT_KV_MEMORY_BYTES, EXECUTORS, ReplicaConfig
@@ -213,8 +215,9 @@ SCHEDULER_FLAGS: tuple[Flag, ...] = (
          "the same cache scope; each row's draft length follows its acceptance and the "
          "step-cost model (default {default})", "scheduling", choices=SPECULATIVE_MODES),
     Flag("--speculative-tokens", "replica.scheduler.speculative_tokens",
-         "speculative decoding: drafts per decode row per step at most (default {default})",
-         "scheduling", type=positive_int("--speculative-tokens")),
+         "speculative decoding: drafts per decode row per step at most, 1 to "
+         f"{MAX_DRAFT_TOKENS} (default {{default}})", "scheduling",
+         type=int_in_range("--speculative-tokens", 1, MAX_DRAFT_TOKENS)),
     Flag("--max-grammar-compile-s", "replica.grammar.max_compile_s",
          "structured output: a schema, regex or grammar whose compile takes longer is refused "
          "with INVALID_ARGUMENT, and so is that constraint from then on; a compile also waits "

@@ -29,6 +29,19 @@ def positive_int(flag: str) -> Callable[[str], int]:
     return check
 
 
+def int_in_range(flag: str, least: int, most: int) -> Callable[[str], int]:
+    """argparse type: an integer in [``least``, ``most``] (else a usage error naming ``flag``)."""
+    def check(value: str) -> int:
+        try:
+            n = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} must be an integer, got {value!r}") from None
+        if not least <= n <= most:
+            raise argparse.ArgumentTypeError(f"{flag} must be in [{least}, {most}], got {n}")
+        return n
+    return check
+
+
 def even_int(flag: str, least: int = 2) -> Callable[[str], int]:
     """argparse type: an even integer >= ``least`` (else a usage error naming ``flag``)."""
     def check(value: str) -> int:

@@ -29,6 +29,8 @@ def test_priority_flags_land_in_the_configs(tiny_llama_dir) -> None:
     (["--priority-admit", "batch=2"], "--priority-admit"),
     (["--tenant-share", "0"], "--tenant-share"), (["--tenant-share", "1.5"], "--tenant-share"),
     (["--tenant-share", "nan"], "--tenant-share"),
+    (["--speculative-tokens", "17"], "--speculative-tokens"),
+    (["--speculative-tokens", "0"], "--speculative-tokens"),
 ])
 def test_bad_priority_flags_exit_2_naming_the_flag(argv, flag, capsys) -> None:
     with pytest.raises(SystemExit) as exit_:
