@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import tempfile
 import time
 from dataclasses import dataclass
@@ -58,10 +59,25 @@ def ray_address(address: Optional[str]) -> str:
                          f"pass --address with the Ray address `kvfleet up` printed") from None
 
 
+def _probe_gcs(target: str, timeout_s: float = 3.0) -> None:
+    """Raise ConnectionError at once when nothing listens at ``target`` (``HOST:PORT``; other
+    forms are left to Ray): Ray itself retries a dead address for minutes (a stale cluster
+    file, a mistyped ``--address``)."""
+    host, sep, port = target.rpartition(":")
+    if not sep or not port.isdigit() or "://" in host:
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ConnectionError(f"cannot reach Ray at {target}: {exc} (is the cluster up? "
+                              f"`kvfleet up` prints its Ray address)") from exc
+
+
 def connect(address: Optional[str]) -> None:
     """Attach this process to the cluster's Ray as a driver. Raises ValueError (see
     :func:`ray_address`) or ConnectionError when Ray does not answer there."""
     target = ray_address(address)
+    _probe_gcs(target)
     try:
         init_ray(target)
     except Exception as exc:  # Ray raises ConnectionError or RuntimeError, by version
