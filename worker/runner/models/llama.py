@@ -30,9 +30,10 @@ from kvfleet.worker.runner.kv_cache import KVCache
 from kvfleet.worker.runner.model_config import ModelConfig
 from kvfleet.worker.runner.models.checkpoint import fuse_hf_weights
 from kvfleet.worker.runner.models.linear import NoLinear, Projection, projection
-from kvfleet.worker.runner.models.mlp import mlp_for_layer
+from kvfleet.worker.runner.models.mlp import DenseMLP, mlp_for_layer
 from kvfleet.worker.runner.models.moe import SparseMoE
 from kvfleet.worker.runner.models.rope import apply_rope, stacked_rope_tables
+from kvfleet.worker.runner.quant.qlayer import QuantDecodeLayer
 
 
 def _weight(*shape: int) -> nn.Parameter:
@@ -94,6 +95,7 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp_norm = _weight(h)
         self.mlp_out_norm = _weight(h) if style.sandwich_norms else None
         self.mlp: Any = mlp_for_layer(config, layer_idx)
+        self._decode_call: QuantDecodeLayer | None = None  # see _decode_layer
 
     def pack(self, one_row_copy: bool = False) -> None:
         """Replace the loaded matrices by projections (:func:`~.linear.projection`;
@@ -154,6 +156,11 @@ class LlamaDecoderLayer(nn.Module):
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`forward` with the small ops between projections in C (:mod:`.layer_ops`;
         fp32 on CPU, no qk-norm): residual add with norm (twice), RoPE with the K/V write."""
+        rows = meta.decode_rows
+        if rows is not None:
+            call = self._decode_layer()
+            if call is not None:
+                return call(hidden, delta, cos, sin, rows, self.window, key_cache, value_cache)
         hd, kv = self.head_dim, self.num_kv_heads
         # in place: with a delta, hidden is a previous layer's own tensor (see forward)
         hidden, x = layer_ops.add_rms_norm(hidden, delta, self.input_norm, self.eps, in_place=True)
@@ -172,6 +179,23 @@ class LlamaDecoderLayer(nn.Module):
         if self.mlp_out_norm is not None:
             out = self.norm(out, self.mlp_out_norm, self.eps)
         return hidden, out
+
+    def _decode_layer(self) -> QuantDecodeLayer | None:
+        """The whole layer as one C call for decode-only steps (:mod:`~..quant.qlayer`:
+        quantized projections, no sandwich norms, a SiLU-gated dense MLP), or None; bound on
+        first use and again whenever a projection was replaced (LoRA and tensor parallelism
+        wrap them after the model is built)."""
+        call = self._decode_call
+        if call is None or not call.current(self.qkv, self.o):
+            mlp = self.mlp
+            if not (isinstance(mlp, DenseMLP) and mlp.silu and self.attn_out_norm is None
+                    and self.mlp_out_norm is None):
+                return None
+            call = QuantDecodeLayer.bind(self.qkv, self.o, mlp, self.input_norm, self.mlp_norm,
+                                         self.eps, self.scale, self.num_heads, self.num_kv_heads,
+                                         self.head_dim, self.sinks)
+            self._decode_call = call
+        return call if call.runs else None
 
 
 def settle(hidden: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
