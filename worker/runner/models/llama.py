@@ -299,7 +299,13 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``(N, hidden_size)`` → ``(N, vocab_size)`` in the model dtype (soft-capped where the
         family says so)."""
-        logits = self.lm_head(self.final_norm(hidden, self.norm, self.config.rms_norm_eps))
+        eps = self.config.rms_norm_eps
+        if (self.final_norm is rms_norm and hidden.dim() == 2 and hidden.stride(1) == 1
+                and layer_ops.applies(hidden)):
+            normed = layer_ops.add_rms_norm(hidden, None, self.norm, eps)[1]  # as the layers' norms
+        else:
+            normed = self.final_norm(hidden, self.norm, eps)
+        logits = self.lm_head(normed)
         cap = self.config.style.final_logit_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

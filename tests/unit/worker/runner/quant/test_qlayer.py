@@ -6,6 +6,8 @@ with QKV bias (Qwen2) and a sliding window (Mistral). The engine-level exactness
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -13,7 +15,9 @@ from kvfleet.worker.engine.step_plan import SeqChunk
 from kvfleet.worker.runner import cpu_kernels
 from kvfleet.worker.runner.model_runner import ModelRunner
 from kvfleet.worker.runner.models.llama import LlamaDecoderLayer
+from kvfleet.worker.runner.quant import kernels
 from kvfleet.worker.runner.quant.config import QuantConfig
+from kvfleet.worker.runner.quant.packed import quantize
 from kvfleet.worker.runner.quant.qlayer import QuantDecodeLayer
 
 BLOCK = 4
@@ -84,3 +88,23 @@ def test_a_replaced_projection_rebinds(tiny_llama_dir) -> None:
     assert layer._decode_layer() is None
     layer.o = inner
     assert layer._decode_layer() is not None
+
+
+@pytest.mark.parametrize("bits, group, half", [(8, 32, True), (4, 32, True), (4, 16, False),
+                                               (8, 64, False)])
+def test_embedding_rows_in_c_equal_the_torch_rows(bits, group, half) -> None:
+    """Every row, fp16 and fp32 scales, a repeated index; an index out of range raises like
+    ``F.embedding``."""
+    if cpu_kernels.load() is None:
+        pytest.skip("no C compiler")
+    g = torch.Generator().manual_seed(bits + group)
+    w = quantize(torch.randn(70, 128, generator=g), bits, group)
+    if not half:
+        w = dataclasses.replace(w, scale=w.scale.float() * 1.0001,
+                                offset=None if w.offset is None else w.offset.float() * 1.0001)
+    index = torch.tensor([*range(70), 3, 3, 69])
+    assert torch.equal(kernels.rows(w, index), w.rows(index))
+    with pytest.raises(IndexError):
+        kernels.rows(w, torch.tensor([70]))
+    with pytest.raises(IndexError):
+        kernels.rows(w, torch.tensor([-1]))
