@@ -95,7 +95,10 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp_norm = _weight(h)
         self.mlp_out_norm = _weight(h) if style.sandwich_norms else None
         self.mlp: Any = mlp_for_layer(config, layer_idx)
-        self._decode_call: QuantDecodeLayer | None = None  # see _decode_layer
+        # see _decode_layer: a shape the one-call decode layer takes, then its binding
+        self._decode_shape = (not style.qk_norm and not style.sandwich_norms
+                              and isinstance(self.mlp, DenseMLP) and self.mlp.silu)
+        self._decode_call: QuantDecodeLayer | None = None
 
     def pack(self, one_row_copy: bool = False) -> None:
         """Replace the loaded matrices by projections (:func:`~.linear.projection`;
@@ -125,6 +128,11 @@ class LlamaDecoderLayer(nn.Module):
             ``fused_add_rms_norm``), or to :func:`settle`. ``hidden`` is a tensor of the
             layer's own, which the caller may add to in place.
         """
+        call = self._decode_call
+        if call is not None and call.runs:  # bound: fp32 activations on CPU (see _decode_layer)
+            rows = meta.decode_rows
+            if rows is not None and call.current(self.qkv, self.o):
+                return call(hidden, delta, cos, sin, rows, self.window, key_cache, value_cache)
         if self.qk_norm is None and layer_ops.applies(hidden):
             return self._forward_fused(hidden, delta, cos, sin, meta, key_cache, value_cache)
         if delta is not None:
@@ -185,13 +193,11 @@ class LlamaDecoderLayer(nn.Module):
         quantized projections, no sandwich norms, a SiLU-gated dense MLP), or None; bound on
         first use and again whenever a projection was replaced (LoRA and tensor parallelism
         wrap them after the model is built)."""
+        if not self._decode_shape:
+            return None
         call = self._decode_call
         if call is None or not call.current(self.qkv, self.o):
-            mlp = self.mlp
-            if not (isinstance(mlp, DenseMLP) and mlp.silu and self.attn_out_norm is None
-                    and self.mlp_out_norm is None):
-                return None
-            call = QuantDecodeLayer.bind(self.qkv, self.o, mlp, self.input_norm, self.mlp_norm,
+            call = QuantDecodeLayer.bind(self.qkv, self.o, self.mlp, self.input_norm, self.mlp_norm,
                                          self.eps, self.scale, self.num_heads, self.num_kv_heads,
                                          self.head_dim, self.sinks)
             self._decode_call = call

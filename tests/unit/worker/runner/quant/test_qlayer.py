@@ -14,7 +14,6 @@ import torch
 from kvfleet.worker.engine.step_plan import SeqChunk
 from kvfleet.worker.runner import cpu_kernels
 from kvfleet.worker.runner.model_runner import ModelRunner
-from kvfleet.worker.runner.models.llama import LlamaDecoderLayer
 from kvfleet.worker.runner.quant import kernels
 from kvfleet.worker.runner.quant.config import QuantConfig
 from kvfleet.worker.runner.quant.packed import quantize
@@ -58,7 +57,9 @@ def test_one_call_layer_equals_the_python_layer(request, monkeypatch, family, me
                         lambda self, *a: calls.append(1) or original(self, *a))
     hidden, cache = _step(runner, contexts, seed=len(contexts))
     assert len(calls) == runner.config.num_layers  # every layer took the one call
-    monkeypatch.setattr(LlamaDecoderLayer, "_decode_layer", lambda self: None)
+    for layer in runner.model.layers:  # back to the Python layer
+        monkeypatch.setattr(layer, "_decode_shape", False)
+        monkeypatch.setattr(layer, "_decode_call", None)
     want_hidden, want_cache = _step(runner, contexts, seed=len(contexts))
     assert len(calls) == runner.config.num_layers
     assert torch.equal(hidden, want_hidden)
