@@ -109,3 +109,32 @@ def test_embedding_rows_in_c_equal_the_torch_rows(bits, group, half) -> None:
         kernels.rows(w, torch.tensor([70]))
     with pytest.raises(IndexError):
         kernels.rows(w, torch.tensor([-1]))
+
+
+def test_a_paused_forward_resumes_to_the_same_state(tiny_llama_dir) -> None:
+    """A layer-level pause settles the stream and the next layer starts without a delta: the
+    one-call layer must then leave its input alone and end where the unpaused run ends."""
+    runner = ModelRunner(tiny_llama_dir, num_blocks=32, block_size=BLOCK,
+                         quantization=QuantConfig("int4"))
+    chunks = tuple(SeqChunk(f"s{i}", (7 + i,), n, tuple(range(3 * i, 3 * i + 3)))
+                   for i, n in enumerate((4, 9)))
+    meta = runner._metadata(chunks)
+    model = runner.model
+
+    def run(pause: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer (``pause``: one layer per call, as a forward paused after each)."""
+        runner.kv_cache.data.copy_(torch.randn(runner.kv_cache.data.shape,
+                                               generator=torch.Generator().manual_seed(0)))
+        with torch.inference_mode():
+            hidden, cos, sin = model.embed(torch.tensor([7, 8]), meta.positions)
+            layer = 0
+            while layer < runner.config.num_layers:
+                given, before = hidden, hidden.clone()
+                hidden, layer = model.run_layers(given, cos, sin, meta, runner.kv_cache, layer,
+                                                 lambda: pause)
+                assert torch.equal(given, before)  # the resumed layer left its input alone
+        return hidden, runner.kv_cache.data.clone()
+
+    want = run(False)
+    got = run(True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
