@@ -76,6 +76,10 @@ class QuantDecodeLayer:
 
     __slots__ = ("runs", "qkv", "o", "mlp", "gate_up", "down", "struct", "address", "_fn",
                  "_caches", "_held")
+    struct: _Layer
+    address: int
+    _fn: Any
+    _held: tuple[Any, ...]
 
     def __init__(self, qkv: Any, o: Any, mlp: Any) -> None:
         self.qkv, self.o, self.mlp = qkv, o, mlp
