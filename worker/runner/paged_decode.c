@@ -10,17 +10,81 @@
  *   first[d] .. ctx[d] - 1  the keys decode d sees (first > 0 under a sliding window)
  *   sinks   NULL, or (num_heads,) per-head sink logits: each joins its head's softmax
  *           denominator (a key with that logit and a zero value), so the weights sum below 1
- * One task per decode: it walks its keys in cache order, each slot's heads in one contiguous
- * read (the prefetcher then streams whole blocks), the next block's slot prefetched ahead.
+ * One task per decode (a verify chunk's rows are decodes too): it walks its keys in cache
+ * order block by block, each slot's heads in one contiguous read (the prefetcher then streams
+ * the block), the next block's first slot prefetched. The values are weighed per KV head with
+ * its query heads' outputs held in registers (AVX-512, head_dim 64), not summed in memory.
  * Softmax in two passes over a scores buffer (max, then exp and sum), as SDPA's math does.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
-static inline const float *slot_ptr(const float *cache, const int64_t *table, int64_t p,
-                                    int64_t block_size, int64_t slot_stride) {
-    return cache + (table[p / block_size] * block_size + p % block_size) * slot_stride;
+/* Heads' outputs acc[hq] = sum over the n keys from position lo of scores[hq, i] · V[i, hq's KV
+ * head], keys in cache order (the same order for every query row, whatever the batch). */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* One KV head's G query heads with head_dim 64: their outputs in 4 x G vector registers while
+ * the walk over the keys reads each value once. */
+static inline __attribute__((always_inline)) void weigh_head64(
+    float *acc, const float *scores, int64_t n, const float *v_cache, const int64_t *table,
+    int64_t lo, int64_t block_size, int64_t slot_stride, int64_t h, const int G) {
+    __m512 a[4][4];
+    for (int g = 0; g < G; ++g) a[g][0] = a[g][1] = a[g][2] = a[g][3] = _mm512_setzero_ps();
+    for (int64_t i = 0, p = lo; i < n;) {
+        const int64_t off = p % block_size, run = block_size - off < n - i ? block_size - off : n - i;
+        const float *v = v_cache + (table[p / block_size] * block_size + off) * slot_stride + h * 64;
+        for (int64_t s = 0; s < run; ++s, v += slot_stride) {
+            const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
+            const __m512 v2 = _mm512_loadu_ps(v + 32), v3 = _mm512_loadu_ps(v + 48);
+            for (int g = 0; g < G; ++g) {
+                const __m512 w = _mm512_set1_ps(scores[(h * G + g) * n + i + s]);
+                a[g][0] = _mm512_fmadd_ps(w, v0, a[g][0]);
+                a[g][1] = _mm512_fmadd_ps(w, v1, a[g][1]);
+                a[g][2] = _mm512_fmadd_ps(w, v2, a[g][2]);
+                a[g][3] = _mm512_fmadd_ps(w, v3, a[g][3]);
+            }
+        }
+        i += run;
+        p += run;
+    }
+    for (int g = 0; g < G; ++g)
+        for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + (h * G + g) * 64 + c * 16, a[g][c]);
+}
+#endif
+
+static void weigh_values(float *acc, const float *scores, int64_t n, const float *v_cache,
+                         const int64_t *table, int64_t lo, int64_t block_size,
+                         int64_t num_kv_heads, int64_t head_dim, int64_t group) {
+    const int64_t slot_stride = num_kv_heads * head_dim;
+#if defined(__AVX512F__)
+    if (head_dim == 64 && group >= 1 && group <= 4) {
+        for (int64_t h = 0; h < num_kv_heads; ++h) switch (group) {
+            case 1: weigh_head64(acc, scores, n, v_cache, table, lo, block_size, slot_stride, h, 1); break;
+            case 2: weigh_head64(acc, scores, n, v_cache, table, lo, block_size, slot_stride, h, 2); break;
+            case 3: weigh_head64(acc, scores, n, v_cache, table, lo, block_size, slot_stride, h, 3); break;
+            default: weigh_head64(acc, scores, n, v_cache, table, lo, block_size, slot_stride, h, 4); break;
+        }
+        return;
+    }
+#endif
+    for (int64_t i = 0, p = lo; i < n;) {
+        const int64_t off = p % block_size, run = block_size - off < n - i ? block_size - off : n - i;
+        const float *v = v_cache + (table[p / block_size] * block_size + off) * slot_stride;
+        for (int64_t s = 0; s < run; ++s, v += slot_stride)
+            for (int64_t h = 0; h < num_kv_heads; ++h) {
+                const float *vh = v + h * head_dim;
+                for (int64_t hq = h * group; hq < (h + 1) * group; ++hq) {
+                    const float w = scores[hq * n + i + s];
+                    float *ah = acc + hq * head_dim;
+#pragma omp simd
+                    for (int64_t e = 0; e < head_dim; ++e) ah[e] += w * vh[e];
+                }
+            }
+        i += run;
+        p += run;
+    }
 }
 
 /* Returns 0, or -1 when a scratch buffer could not be allocated (that decode's row is left
@@ -34,7 +98,6 @@ int paged_decode_attention(const float *query, int64_t q_stride, float *out, int
                             int num_threads) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t slot_stride = num_kv_heads * head_dim;
-    const int64_t ahead = 4;  /* keys prefetched ahead: covers the jump to the next block */
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t d = 0; d < num_decodes; ++d) {
@@ -50,17 +113,25 @@ int paged_decode_attention(const float *query, int64_t q_stride, float *out, int
             continue;
         }
         const float *q = query + token[d] * q_stride;
-        for (int64_t i = 0; i < n; ++i) {
-            if (i + ahead < n)
-                __builtin_prefetch(slot_ptr(k_cache, table, lo + i + ahead, block_size, slot_stride));
-            const float *k = slot_ptr(k_cache, table, lo + i, block_size, slot_stride);
-            for (int64_t hq = 0; hq < num_heads; ++hq) {
-                const float *qh = q + hq * head_dim, *kh = k + (hq / group) * head_dim;
-                float s = 0.f;
-#pragma omp simd reduction(+ : s)
-                for (int64_t e = 0; e < head_dim; ++e) s += qh[e] * kh[e];
-                scores[hq * n + i] = s * scale;
-            }
+        /* Keys in cache order, block by block: slot addresses without a division per key. */
+        for (int64_t i = 0, p = lo; i < n;) {
+            const int64_t off = p % block_size, run = block_size - off < n - i ? block_size - off : n - i;
+            const float *k = k_cache + (table[p / block_size] * block_size + off) * slot_stride;
+            if (i + run < n)  /* the next block's first keys: the prefetcher does not know it */
+                __builtin_prefetch(k_cache + table[(p + run) / block_size] * block_size * slot_stride);
+            for (int64_t s = 0; s < run; ++s, k += slot_stride)
+                for (int64_t h = 0; h < num_kv_heads; ++h) {
+                    const float *kh = k + h * head_dim;
+                    for (int64_t hq = h * group; hq < (h + 1) * group; ++hq) {
+                        const float *qh = q + hq * head_dim;
+                        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+                        for (int64_t e = 0; e < head_dim; ++e) dot += qh[e] * kh[e];
+                        scores[hq * n + i + s] = dot * scale;
+                    }
+                }
+            i += run;
+            p += run;
         }
         for (int64_t hq = 0; hq < num_heads; ++hq) {
             float *sh = scores + hq * n, m = sinks ? sinks[hq] : -INFINITY, sum = 0.f;
@@ -70,17 +141,7 @@ int paged_decode_attention(const float *query, int64_t q_stride, float *out, int
             const float inv = 1.f / sum;
             for (int64_t i = 0; i < n; ++i) sh[i] *= inv;
         }
-        for (int64_t i = 0; i < n; ++i) {
-            if (i + ahead < n)
-                __builtin_prefetch(slot_ptr(v_cache, table, lo + i + ahead, block_size, slot_stride));
-            const float *v = slot_ptr(v_cache, table, lo + i, block_size, slot_stride);
-            for (int64_t hq = 0; hq < num_heads; ++hq) {
-                const float w = scores[hq * n + i], *vh = v + (hq / group) * head_dim;
-                float *ah = acc + hq * head_dim;
-#pragma omp simd
-                for (int64_t e = 0; e < head_dim; ++e) ah[e] += w * vh[e];
-            }
-        }
+        weigh_values(acc, scores, n, v_cache, table, lo, block_size, num_kv_heads, head_dim, group);
         float *o = out + token[d] * o_stride;
         for (int64_t e = 0; e < num_heads * head_dim; ++e) o[e] = acc[e];
         free(scores);

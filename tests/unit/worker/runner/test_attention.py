@@ -153,11 +153,13 @@ def test_decode_kernel_arguments() -> None:
     assert k.first_key[None].tolist() == [0, 0] and k.first_key[2].tolist() == [8, 2]
 
 
-def test_decode_kernel_long_context_gqa_and_strided_rows() -> None:
-    """Many blocks, 4 query heads per KV head, a query view with a row stride (as the model
-    passes q sliced out of q|k), against the dense reference."""
+@pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 16), (9, 3, 64), (8, 8, 64), (8, 2, 64), (12, 2, 64)])
+def test_decode_kernel_long_context_gqa_and_strided_rows(heads, kv_heads, dim) -> None:
+    """Many blocks, 1-6 query heads per KV head (head_dim 64 with up to 4 takes the kernel's
+    register path for the values), a query view with a row stride (as the model passes q
+    sliced out of q|k), against the dense reference."""
     g = torch.Generator().manual_seed(1)
-    heads, kv_heads, dim, bs = 8, 2, 16, 16
+    bs = 16
     ctx = 300
     table = torch.randperm(40, generator=g)[: -(-ctx // bs)].tolist()
     key_cache = torch.randn(40, bs, kv_heads, dim, generator=g)
@@ -172,7 +174,8 @@ def test_decode_kernel_long_context_gqa_and_strided_rows() -> None:
         keys = key_cache[table].view(-1, kv_heads, dim)[:ctx]
         values = value_cache[table].view(-1, kv_heads, dim)[:ctx]
         lo = 0 if window is None else ctx - window
-        scores = torch.einsum("hd,khd->hk", q[0], keys.repeat_interleave(4, 1)) / dim**0.5
+        rep = heads // kv_heads
+        scores = torch.einsum("hd,khd->hk", q[0], keys.repeat_interleave(rep, 1)) / dim**0.5
         scores[:, :lo] = float("-inf")
-        ref = torch.einsum("hk,khd->hd", scores.softmax(-1), values.repeat_interleave(4, 1))
+        ref = torch.einsum("hk,khd->hd", scores.softmax(-1), values.repeat_interleave(rep, 1))
         torch.testing.assert_close(out[0], ref, rtol=1e-5, atol=1e-5)
