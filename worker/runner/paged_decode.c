@@ -14,7 +14,8 @@
  * order block by block, each slot's heads in one contiguous read (the prefetcher then streams
  * the block), the next block's first slot prefetched. The values are weighed per KV head with
  * its query heads' outputs held in registers (AVX-512, head_dim 64), not summed in memory.
- * Softmax in two passes over a scores buffer (max, then exp and sum), as SDPA's math does.
+ * Softmax in two passes over a scores buffer (max, then exp and sum), as SDPA's math does;
+ * with AVX-512 the exp is a vector polynomial (about one ulp) instead of scalar expf.
  */
 #include <math.h>
 #include <stdint.h>
@@ -87,6 +88,46 @@ static void weigh_values(float *acc, const float *scores, int64_t n, const float
     }
 }
 
+#if defined(__AVX512F__)
+/* exp of x <= 0: 2^k · e^r, x = k ln 2 + r (ln 2 in two parts, for an accurate r), |r| <= ln 2 / 2,
+ * e^r by its Taylor series to r^7 (truncation below 1e-8 relative; about one ulp in all).
+ * Below about -103 the result is 0 or a denormal, as expf's. */
+static inline __m512 exp_nonpositive(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.f / 5040.f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(y, k);
+}
+#endif
+
+/* sh[i] = exp(sh[i] - m) for i < n (every sh[i] <= m); returns their sum. */
+static float exp_shifted(float *sh, int64_t n, float m) {
+#if defined(__AVX512F__)
+    __m512 sum = _mm512_setzero_ps();
+    const __m512 mv = _mm512_set1_ps(m);
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 keep = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+        const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(keep, sh + i), mv));
+        _mm512_mask_storeu_ps(sh + i, keep, e);
+        sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(keep, e));
+    }
+    return _mm512_reduce_add_ps(sum);
+#else
+    float sum = 0.f;
+    for (int64_t i = 0; i < n; ++i) { sh[i] = expf(sh[i] - m); sum += sh[i]; }
+    return sum;
+#endif
+}
+
 /* Returns 0, or -1 when a scratch buffer could not be allocated (that decode's row is left
  * unwritten; the caller raises). */
 int paged_decode_attention(const float *query, int64_t q_stride, float *out, int64_t o_stride,
@@ -136,7 +177,7 @@ int paged_decode_attention(const float *query, int64_t q_stride, float *out, int
         for (int64_t hq = 0; hq < num_heads; ++hq) {
             float *sh = scores + hq * n, m = sinks ? sinks[hq] : -INFINITY, sum = 0.f;
             for (int64_t i = 0; i < n; ++i) m = sh[i] > m ? sh[i] : m;
-            for (int64_t i = 0; i < n; ++i) { sh[i] = expf(sh[i] - m); sum += sh[i]; }
+            sum = exp_shifted(sh, n, m);
             if (sinks) sum += expf(sinks[hq] - m);
             const float inv = 1.f / sum;
             for (int64_t i = 0; i < n; ++i) sh[i] *= inv;
