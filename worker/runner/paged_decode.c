@@ -11,9 +11,10 @@
  *   sinks   NULL, or (num_heads,) per-head sink logits: each joins its head's softmax
  *           denominator (a key with that logit and a zero value), so the weights sum below 1
  * One task per decode (a verify chunk's rows are decodes too): it walks its keys in cache
- * order block by block, each slot's heads in one contiguous read (the prefetcher then streams
- * the block), the next block's first slot prefetched. The values are weighed per KV head with
- * its query heads' outputs held in registers (AVX-512, head_dim 64), not summed in memory.
+ * order block by block (the prefetcher then streams the block), the next block's first slot
+ * prefetched. With AVX-512 and head_dim 64 the scores of 16 keys of a block are summed
+ * together (one transpose-add instead of 16 horizontal sums), and the values are weighed per
+ * KV head with its query heads' outputs held in registers, not summed in memory.
  * Softmax in two passes over a scores buffer (max, then exp and sum), as SDPA's math does;
  * with AVX-512 the exp is a vector polynomial (about one ulp) instead of scalar expf.
  */
@@ -128,6 +129,76 @@ static float exp_shifted(float *sh, int64_t n, float m) {
 #endif
 }
 
+#if defined(__AVX512F__)
+/* The sums of 16 vectors, one per lane: lane j of the result is the sum of t[j]'s lanes. */
+static inline __m512 sum16(__m512 t[16]) {
+    __m512 u[8], v[4];
+    for (int j = 0; j < 8; ++j)  /* per 128-bit lane: t[2j] at 0 and 2, t[2j + 1] at 1 and 3 */
+        u[j] = _mm512_add_ps(_mm512_unpacklo_ps(t[2 * j], t[2 * j + 1]),
+                             _mm512_unpackhi_ps(t[2 * j], t[2 * j + 1]));
+    for (int j = 0; j < 4; ++j)  /* per 128-bit lane: t[4j] .. t[4j + 3], one each */
+        v[j] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * j], u[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(u[2 * j], u[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(v[0], v[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_f32x4(v[0], v[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(v[2], v[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_f32x4(v[2], v[3], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(w0, w1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* q · k of one query head (qv: its 64 values) and one key row (64 values at kh), as a vector
+ * whose lanes sum to it. */
+static inline __m512 dot64(const __m512 qv[4], const float *kh) {
+    __m512 t = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kh));
+    t = _mm512_fmadd_ps(qv[1], _mm512_loadu_ps(kh + 16), t);
+    t = _mm512_fmadd_ps(qv[2], _mm512_loadu_ps(kh + 32), t);
+    return _mm512_fmadd_ps(qv[3], _mm512_loadu_ps(kh + 48), t);
+}
+#endif
+
+/* scores[hq, i] = scale · q[hq] · K[lo + i, hq's KV head] for the n keys from position lo, keys
+ * walked in cache order block by block (no division per key). With AVX-512 and head_dim 64,
+ * 16 keys of a block at a time per query head, their 16 horizontal sums done together. */
+static void score_keys(float *scores, int64_t n, const float *q, const float *k_cache,
+                       const int64_t *table, int64_t lo, int64_t block_size, int64_t num_kv_heads,
+                       int64_t head_dim, int64_t group, float scale) {
+    const int64_t slot_stride = num_kv_heads * head_dim;
+    for (int64_t i = 0, p = lo; i < n;) {
+        const int64_t off = p % block_size, run = block_size - off < n - i ? block_size - off : n - i;
+        const float *k = k_cache + (table[p / block_size] * block_size + off) * slot_stride;
+        if (i + run < n)  /* the next block's first keys: the prefetcher does not know it */
+            __builtin_prefetch(k_cache + table[(p + run) / block_size] * block_size * slot_stride);
+        int64_t s = 0;
+#if defined(__AVX512F__)
+        if (head_dim == 64)
+            for (; s + 16 <= run; s += 16)
+                for (int64_t hq = 0; hq < num_kv_heads * group; ++hq) {
+                    const float *qh = q + hq * 64, *kh = k + s * slot_stride + (hq / group) * 64;
+                    const __m512 qv[4] = {_mm512_loadu_ps(qh), _mm512_loadu_ps(qh + 16),
+                                          _mm512_loadu_ps(qh + 32), _mm512_loadu_ps(qh + 48)};
+                    __m512 t[16];
+                    for (int j = 0; j < 16; ++j) t[j] = dot64(qv, kh + j * slot_stride);
+                    _mm512_storeu_ps(scores + hq * n + i + s,
+                                     _mm512_mul_ps(sum16(t), _mm512_set1_ps(scale)));
+                }
+#endif
+        for (const float *ks = k + s * slot_stride; s < run; ++s, ks += slot_stride)
+            for (int64_t h = 0; h < num_kv_heads; ++h) {
+                const float *kh = ks + h * head_dim;
+                for (int64_t hq = h * group; hq < (h + 1) * group; ++hq) {
+                    const float *qh = q + hq * head_dim;
+                    float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+                    for (int64_t e = 0; e < head_dim; ++e) dot += qh[e] * kh[e];
+                    scores[hq * n + i + s] = dot * scale;
+                }
+            }
+        i += run;
+        p += run;
+    }
+}
+
 /* Returns 0, or -1 when a scratch buffer could not be allocated (that decode's row is left
  * unwritten; the caller raises). */
 int paged_decode_attention(const float *query, int64_t q_stride, float *out, int64_t o_stride,
@@ -138,7 +209,6 @@ int paged_decode_attention(const float *query, int64_t q_stride, float *out, int
                             int64_t block_size, float scale, const float *sinks,
                             int num_threads) {
     const int64_t group = num_heads / num_kv_heads;
-    const int64_t slot_stride = num_kv_heads * head_dim;
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t d = 0; d < num_decodes; ++d) {
@@ -154,26 +224,7 @@ int paged_decode_attention(const float *query, int64_t q_stride, float *out, int
             continue;
         }
         const float *q = query + token[d] * q_stride;
-        /* Keys in cache order, block by block: slot addresses without a division per key. */
-        for (int64_t i = 0, p = lo; i < n;) {
-            const int64_t off = p % block_size, run = block_size - off < n - i ? block_size - off : n - i;
-            const float *k = k_cache + (table[p / block_size] * block_size + off) * slot_stride;
-            if (i + run < n)  /* the next block's first keys: the prefetcher does not know it */
-                __builtin_prefetch(k_cache + table[(p + run) / block_size] * block_size * slot_stride);
-            for (int64_t s = 0; s < run; ++s, k += slot_stride)
-                for (int64_t h = 0; h < num_kv_heads; ++h) {
-                    const float *kh = k + h * head_dim;
-                    for (int64_t hq = h * group; hq < (h + 1) * group; ++hq) {
-                        const float *qh = q + hq * head_dim;
-                        float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-                        for (int64_t e = 0; e < head_dim; ++e) dot += qh[e] * kh[e];
-                        scores[hq * n + i + s] = dot * scale;
-                    }
-                }
-            i += run;
-            p += run;
-        }
+        score_keys(scores, n, q, k_cache, table, lo, block_size, num_kv_heads, head_dim, group, scale);
         for (int64_t hq = 0; hq < num_heads; ++hq) {
             float *sh = scores + hq * n, m = sinks ? sinks[hq] : -INFINITY, sum = 0.f;
             for (int64_t i = 0; i < n; ++i) m = sh[i] > m ? sh[i] : m;
