@@ -80,6 +80,7 @@ def run(factory: er.EngineFactory, config: SchedulerConfig, cost: TracingStepCos
     tokens: dict[str, list[int]] = {}
     counts = [0] * streams
     trace: list[dict] = []
+    deadlines: dict[str, float] = {}  # request id → the deadline the floor fixed for it
 
     def add(rid: str, ids: list[int], n: int, now: float) -> None:
         sent[rid], stamps[rid], tokens[rid] = now, [], []
@@ -111,6 +112,8 @@ def run(factory: er.EngineFactory, config: SchedulerConfig, cost: TracingStepCos
             pt.last, n_rec = {}, len(cost.records)
             outs = engine.step()
             end = time.monotonic()
+            for (seq_id, _), at in engine.scheduler.pace._deadlines.items():
+                deadlines.setdefault(seq_id.split("#")[0], at)
             cost.step_done(end - now)
             if len(cost.records) > n_rec:
                 trace.append({**asdict(cost.records[-1]), **pt.last, "t": now - t0})
@@ -123,6 +126,9 @@ def run(factory: er.EngineFactory, config: SchedulerConfig, cost: TracingStepCos
     itl = [b - a for r, s in stamps.items() if r.startswith("s") for a, b in zip(s, s[1:], strict=False)]
     ttft = [s[0] - sent[r] for r, s in stamps.items() if r.startswith("L") and s]
     row = stream_row(itl, ttft, sum(len(t) for t in tokens.values()) / elapsed)
+    row["prompts"] = {r: {"ttft_s": s[0] - sent[r], "deadline_s": deadlines[r] - sent[r]
+                          if r in deadlines else None} for r, s in stamps.items()
+                      if r.startswith("L") and s}
     return row, trace, tokens
 
 
@@ -151,7 +157,14 @@ def main(argv: list[str] | None = None) -> int:
         recs = cost.records
         rows[name]["trace"] = summarize(recs, None if name == "off" else on.itl_target_ms / 1e3)
         rows[name]["scales"] = {"decode": cost.decode_scale, "prefill": cost.prefill_scale}
-        print(name, json.dumps(rows[name], indent=1), flush=True)
+        print(name, json.dumps({k: v for k, v in rows[name].items() if k != "prompts"}, indent=1),
+              flush=True)
+        late = [p["ttft_s"] - p["deadline_s"] for p in rows[name]["prompts"].values()
+                if p["deadline_s"] is not None]
+        if late:
+            print(f"{name}: first token - planned deadline p50 {pct(late, 0.5) * 1e3:.0f} ms, "
+                  f"p90 {pct(late, 0.9) * 1e3:.0f} ms, max {max(late) * 1e3:.0f} ms "
+                  f"({len(late)} prompts)", flush=True)
     load["end"] = os.getloadavg()
     both = [r for r in outs["off"] if r in outs["on"]
             and len(outs["off"][r]) == len(outs["on"][r])]

@@ -18,15 +18,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import random
 from dataclasses import replace
 
-from bench.common.stream_stats import stream_row
+from bench.common.stream_stats import pct, stream_row
 from bench.sim.itl_sim import IDLE_SMOLLM2
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
 from kvfleet.sampling_params import SamplingParams
 from kvfleet.worker.engine.request import SeqStatus, SequenceState
 from kvfleet.worker.engine.scheduling.scheduler import Scheduler, SchedulerConfig
-from kvfleet.worker.step_cost.model import CostModel, StepCost
+from kvfleet.worker.step_cost.model import CostModel, StepCost, plan_shape
 
 BLOCK = 16
 STREAM_PROMPT = 64
@@ -35,10 +37,20 @@ LONG_TOKENS = 16
 
 
 def simulate(config: SchedulerConfig, cost: CostModel, streams: int, prompt: int, period: float,
-             seconds: float, overhead_s: float = 0.0) -> dict:
-    """Run the workload for ``seconds`` of virtual time. Returns the streams' ITL p50 / p99
-    (s), output tokens/s, and the long prompts' TTFT p50 / p99 (s)."""
-    sched = Scheduler(config, KVCacheManager(4096, BLOCK), StepCost(cost, alpha=0.0))
+             seconds: float, overhead_s: float = 0.0, noise: float = 0.0, planner: StepCost | None = None,
+             seed: int = 0, pair_s: float = 0.0) -> dict:
+    """Run the workload for ``seconds`` of virtual time, each step lasting ``cost``'s time, plus
+    ``pair_s`` for each query × prefix key of its continued prompt chunks (a chunk of ``n``
+    tokens after ``c`` computed ones: ``n · c``, a cost the linear model has no term for), ×
+    ``exp(N(0, noise))`` (seeded) + ``overhead_s``; the scheduler plans with ``planner``
+    (default: ``cost`` itself, uncorrected), which observes every forward. Returns the streams'
+    ITL p50 / p99 (s), output tokens/s, the long prompts' TTFT p50 / p99 (s), and ``prompts``:
+    each long prompt's (arrival, deadline the floor planned or None, first token) in seconds."""
+    planner = planner or StepCost(cost, alpha=0.0)
+    rng = random.Random(seed)
+    sched = Scheduler(config, KVCacheManager(4096, BLOCK), planner)
+    deadlines: dict[str, float] = {}
+    prompts: list[list] = []
     counter = iter(range(10**9))
 
     def new(prompt_len: int, max_tokens: int, now: float, kind: str) -> SequenceState:
@@ -63,10 +75,16 @@ def simulate(config: SchedulerConfig, cost: CostModel, streams: int, prompt: int
             next_long += period
         out = sched.schedule(now)
         sched.on_step_done(out)
-        step_s = cost.step_seconds(out.plan)
+        for (seq_id, _), at in sched.pace._deadlines.items():
+            deadlines.setdefault(seq_id, at)
+        step_s = cost.step_seconds(out.plan) + pair_s * sum(
+            len(c.token_ids) * c.num_computed_tokens for c in out.plan.chunks if len(c.token_ids) > 1)
         if step_s == 0.0:  # idle until the next arrival
             now = next_long
             continue
+        if noise:
+            step_s *= math.exp(rng.gauss(0, noise))
+        planner.observe(plan_shape(out.plan), step_s)
         now += step_s + overhead_s
         for x in out.scheduled:
             seq = x.seq
@@ -80,23 +98,39 @@ def simulate(config: SchedulerConfig, cost: CostModel, streams: int, prompt: int
                 last[seq.seq_id] = now
             elif len(seq.output_token_ids) == 1:
                 ttft.append(now - seq.timing.arrival)
+                prompts.append([seq.timing.arrival, deadlines.get(seq.seq_id), now])
             if len(seq.output_token_ids) >= seq.params.max_tokens:
                 sched.finish(seq)
                 if seq in live:
                     live[live.index(seq)] = new(STREAM_PROMPT, STREAM_TOKENS, now, "s")
-    return stream_row(itl, ttft, tokens / now)
+    return {**stream_row(itl, ttft, tokens / now), "prompts": prompts}
 
 
 def compare(cost: CostModel, streams: int = 4, prompt: int = 480, period: float = 1.5,
-            target_x: float = 3.0, seconds: float = 60.0, overhead_s: float = 0.0) -> dict:
-    """Target off and on (``target_x`` × one stream's predicted step), and on ÷ off."""
+            target_x: float = 3.0, seconds: float = 60.0, overhead_s: float = 0.0,
+            noise: float = 0.0, prefill_error: float | None = None, seed: int = 0,
+            pair_s: float = 0.0) -> dict:
+    """Target off and on (``target_x`` × one stream's predicted step), and on ÷ off. With
+    ``noise``, ``prefill_error`` (the planner prices prefill tokens 1/F of their cost) or
+    ``pair_s`` (continued chunks cost that more a query × prefix key: :func:`simulate`) the
+    scheduler plans with a :class:`StepCost` corrected online, as a replica's is. ``lateness``:
+    the long prompts' first token − the deadline the floor planned (s; p50, p90, max)."""
     single = cost.predict_step_s(1, 0, STREAM_PROMPT + STREAM_TOKENS // 2) + overhead_s
     off = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512)
     on = replace(off, itl_target_ms=target_x * single * 1e3)
-    runs = {k: simulate(c, cost, streams, prompt, period, seconds, overhead_s)
-            for k, c in (("off", off), ("on", on))}
+
+    def planner() -> StepCost | None:
+        if not noise and prefill_error is None and not pair_s:
+            return None
+        return StepCost(cost if prefill_error is None else replace(
+            cost, prefill_token_s=cost.prefill_token_s / prefill_error))
+
+    runs = {k: simulate(c, cost, streams, prompt, period, seconds, overhead_s, noise, planner(), seed,
+                        pair_s) for k, c in (("off", off), ("on", on))}
     a, b = runs["off"], runs["on"]
+    late = [first - d for _, d, first in b["prompts"] if d is not None]
     return {"target_ms": on.itl_target_ms, **runs,
+            "lateness_s": {"p50": pct(late, 0.5), "p90": pct(late, 0.9), "max": max(late, default=0.0)},
             "ratios": {"itl_p50": b["itl_p50_s"] / a["itl_p50_s"],
                        "tokens_per_s": b["tokens_per_s"] / a["tokens_per_s"],
                        "long_ttft_p99": b["long_ttft_p99_s"] / a["long_ttft_p99_s"]}}
@@ -119,16 +153,27 @@ def main(argv: list[str] | None = None) -> int:
     p = workload_args("python -m bench stream_sim", __doc__ or "", 60.0)
     p.add_argument("--overhead-ms", type=float, default=0.0)
     p.add_argument("--cost", help="calibration JSON (default: bench itl_sim's idle SmolLM2)")
+    p.add_argument("--noise", type=float, default=0.0, help="sd of log(step time) around the model")
+    p.add_argument("--prefill-error", type=float, default=None,
+                   help="plan with prefill tokens priced 1/F of their cost, corrected online")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prefix-pair-us", type=float, default=0.0,
+                   help="continued prompt chunks cost this more a query x prefix key (µs), unpriced")
     a = p.parse_args(argv)
     cost = CostModel.load(a.cost) if a.cost else IDLE_SMOLLM2
-    r = compare(cost, a.streams, a.prompt, a.period, a.target_x, a.seconds, a.overhead_ms / 1e3)
-    print(json.dumps(r, indent=1))
+    r = compare(cost, a.streams, a.prompt, a.period, a.target_x, a.seconds, a.overhead_ms / 1e3,
+                a.noise, a.prefill_error, a.seed, a.prefix_pair_us / 1e6)
+    print(json.dumps({k: v for k, v in r.items() if k not in ("off", "on")}
+                     | {k: {x: y for x, y in r[k].items() if x != "prompts"} for k in ("off", "on")},
+                     indent=1))
     off, on = r["off"], r["on"]
     print(f"target {r['target_ms']:.0f} ms: ITL p99/p50 {off['itl_p99_over_p50']:.2f} -> "
           f"{on['itl_p99_over_p50']:.2f}, p50 {off['itl_p50_s'] * 1e3:.0f} -> "
           f"{on['itl_p50_s'] * 1e3:.0f} ms; tok/s {r['ratios']['tokens_per_s']:.3f}x; "
           f"long TTFT p99 {off['long_ttft_p99_s']:.2f} -> {on['long_ttft_p99_s']:.2f} s "
-          f"({r['ratios']['long_ttft_p99']:.2f}x)")
+          f"({r['ratios']['long_ttft_p99']:.2f}x); lateness p50/p90/max "
+          f"{r['lateness_s']['p50'] * 1e3:.0f}/{r['lateness_s']['p90'] * 1e3:.0f}/"
+          f"{r['lateness_s']['max'] * 1e3:.0f} ms")
     return 0
 
 

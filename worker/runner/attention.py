@@ -28,6 +28,7 @@ GQA is never materialised: query heads ``h * g .. h * g + g - 1`` share KV head 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ import torch.nn.functional as F
 from kvfleet.allocator.units import cdiv
 from kvfleet.worker.engine.step_plan import SeqChunk
 from kvfleet.worker.runner import cpu_kernels
+from kvfleet.worker.runner.decode_rows import DecodeRows
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,17 @@ class AttentionMetadata:
     def layer(self, i: int) -> "AttentionMetadata":
         """The metadata layer ``i`` reads: this one (one layer group)."""
         return self
+
+    @functools.cached_property
+    def decode_rows(self) -> DecodeRows | None:
+        """The decode kernel's arguments as one struct when every row of the step is a
+        decode through it (for fused decode layers), else None; built on first use, so once
+        a step however many layers read it."""
+        k = self.decode_kernel
+        if k is None or self.prefill or self.decode_token_indices.shape[0] != self.slot_mapping.shape[0]:
+            return None
+        return DecodeRows(self.slot_mapping, self.decode_token_indices, k.tables, k.table_start,
+                          k.context, k.first_key)
 
 
 @dataclass(frozen=True)

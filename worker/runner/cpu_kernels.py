@@ -11,6 +11,9 @@
   write, SiLU · up) fused, bound and called by :mod:`kvfleet.worker.runner.layer_ops`.
 * ``quant/qgemm.c`` — products with int8 / int4 packed weights (bound and called by
   :mod:`kvfleet.worker.runner.quant.kernels`).
+* ``quant/qlayer.c`` — a decoder layer with such products as one call on decode-only steps
+  (:mod:`kvfleet.worker.runner.quant.qlayer`), running the kernels above in sequence; and
+  ``quant/qrows.c``, dequantized rows of a packed table (an embedding lookup).
 
 All use OpenMP, sharing torch's own runtime (its bundled ``libgomp.so.1`` is already loaded
 under that soname) and its thread count.
@@ -39,7 +42,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = (*(Path(__file__).with_name(name) for name in ("paged_decode.c", "gemv.c", "layer_ops.c")),
-           Path(__file__).parent / "quant" / "qgemm.c")
+           *(Path(__file__).parent / "quant" / name for name in ("qgemm.c", "qlayer.c", "qrows.c")))
 # The relaxed-math flags let GCC vectorise the dot products and sums; never
 # -ffast-math or -funsafe-math-optimizations: with them GCC links crtfastmath.o, whose load
 # switches the whole process (torch included) to flush-denormals-to-zero.

@@ -4,6 +4,8 @@ fixed floor missed, and shorten the streams' longest gaps."""
 
 from __future__ import annotations
 
+import pytest
+
 from bench.sim.itl_sim import IDLE_SMOLLM2
 from bench.sim.stream_sim import compare
 
@@ -14,3 +16,14 @@ def test_a_tight_target_keeps_the_long_prompts_within_twice_their_ttft():
     assert r["ratios"]["long_ttft_p99"] <= 2.0  # the fixed floor: 2.17
     assert r["on"]["itl_p99_s"] < r["off"]["itl_p99_s"]
     assert r["ratios"]["tokens_per_s"] >= 0.9
+
+
+def test_an_unpriced_prefix_pair_cost_costs_the_targeted_run_work_and_each_prompt_has_a_deadline():
+    plain = compare(IDLE_SMOLLM2, seconds=15.0)
+    paired = compare(IDLE_SMOLLM2, seconds=15.0, pair_s=1.5e-6)
+    # one prompt in one step has no prefix to attend; cut into the target's chunks it has
+    assert paired["off"]["tokens_per_s"] == pytest.approx(plain["off"]["tokens_per_s"], rel=0.02)
+    assert paired["ratios"]["tokens_per_s"] < plain["ratios"]["tokens_per_s"] - 0.05
+    prompts = paired["on"]["prompts"]
+    assert len(prompts) >= 9 and all(d is not None and a < d for a, d, _ in prompts)
+    assert paired["lateness_s"]["max"] == max(first - d for _, d, first in prompts)

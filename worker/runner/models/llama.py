@@ -30,9 +30,10 @@ from kvfleet.worker.runner.kv_cache import KVCache
 from kvfleet.worker.runner.model_config import ModelConfig
 from kvfleet.worker.runner.models.checkpoint import fuse_hf_weights
 from kvfleet.worker.runner.models.linear import NoLinear, Projection, projection
-from kvfleet.worker.runner.models.mlp import mlp_for_layer
+from kvfleet.worker.runner.models.mlp import DenseMLP, mlp_for_layer
 from kvfleet.worker.runner.models.moe import SparseMoE
 from kvfleet.worker.runner.models.rope import apply_rope, stacked_rope_tables
+from kvfleet.worker.runner.quant.qlayer import QuantDecodeLayer
 
 
 def _weight(*shape: int) -> nn.Parameter:
@@ -94,6 +95,10 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp_norm = _weight(h)
         self.mlp_out_norm = _weight(h) if style.sandwich_norms else None
         self.mlp: Any = mlp_for_layer(config, layer_idx)
+        # see _decode_layer: a shape the one-call decode layer takes, then its binding
+        self._decode_shape = (not style.qk_norm and not style.sandwich_norms
+                              and isinstance(self.mlp, DenseMLP) and self.mlp.silu)
+        self._decode_call: QuantDecodeLayer | None = None
 
     def pack(self, one_row_copy: bool = False) -> None:
         """Replace the loaded matrices by projections (:func:`~.linear.projection`;
@@ -123,6 +128,11 @@ class LlamaDecoderLayer(nn.Module):
             ``fused_add_rms_norm``), or to :func:`settle`. ``hidden`` is a tensor of the
             layer's own, which the caller may add to in place.
         """
+        call = self._decode_call
+        if call is not None and call.runs:  # bound: fp32 activations on CPU (see _decode_layer)
+            rows = meta.decode_rows
+            if rows is not None and call.current(self.qkv, self.o):
+                return call(hidden, delta, cos, sin, rows, self.window, key_cache, value_cache)
         if self.qk_norm is None and layer_ops.applies(hidden):
             return self._forward_fused(hidden, delta, cos, sin, meta, key_cache, value_cache)
         if delta is not None:
@@ -154,6 +164,11 @@ class LlamaDecoderLayer(nn.Module):
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`forward` with the small ops between projections in C (:mod:`.layer_ops`;
         fp32 on CPU, no qk-norm): residual add with norm (twice), RoPE with the K/V write."""
+        rows = meta.decode_rows
+        if rows is not None:
+            call = self._decode_layer()
+            if call is not None:
+                return call(hidden, delta, cos, sin, rows, self.window, key_cache, value_cache)
         hd, kv = self.head_dim, self.num_kv_heads
         # in place: with a delta, hidden is a previous layer's own tensor (see forward)
         hidden, x = layer_ops.add_rms_norm(hidden, delta, self.input_norm, self.eps, in_place=True)
@@ -172,6 +187,21 @@ class LlamaDecoderLayer(nn.Module):
         if self.mlp_out_norm is not None:
             out = self.norm(out, self.mlp_out_norm, self.eps)
         return hidden, out
+
+    def _decode_layer(self) -> QuantDecodeLayer | None:
+        """The whole layer as one C call for decode-only steps (:mod:`~..quant.qlayer`:
+        quantized projections, no sandwich norms, a SiLU-gated dense MLP), or None; bound on
+        first use and again whenever a projection was replaced (LoRA and tensor parallelism
+        wrap them after the model is built)."""
+        if not self._decode_shape:
+            return None
+        call = self._decode_call
+        if call is None or not call.current(self.qkv, self.o):
+            call = QuantDecodeLayer.bind(self.qkv, self.o, self.mlp, self.input_norm, self.mlp_norm,
+                                         self.eps, self.scale, self.num_heads, self.num_kv_heads,
+                                         self.head_dim, self.sinks)
+            self._decode_call = call
+        return call if call.runs else None
 
 
 def settle(hidden: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
@@ -275,7 +305,13 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``(N, hidden_size)`` → ``(N, vocab_size)`` in the model dtype (soft-capped where the
         family says so)."""
-        logits = self.lm_head(self.final_norm(hidden, self.norm, self.config.rms_norm_eps))
+        eps = self.config.rms_norm_eps
+        if (self.final_norm is rms_norm and hidden.dim() == 2 and hidden.stride(1) == 1
+                and layer_ops.applies(hidden)):
+            normed = layer_ops.add_rms_norm(hidden, None, self.norm, eps)[1]  # as the layers' norms
+        else:
+            normed = self.final_norm(hidden, self.norm, eps)
+        logits = self.lm_head(normed)
         cap = self.config.style.final_logit_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -20,6 +20,7 @@ from kvfleet.worker.runner.quant.packed import PackedWeight
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _INT8_ARGS: list[Any] = [_ptr, _i64, _i64, _ptr, _ptr, _int, _i64, _i64, _i64, _ptr, _ptr, _i64, _int]
 _INT4_ARGS: list[Any] = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _int, _i64, _i64, _i64, _ptr, _ptr, _i64, _int]
+_ROWS_ARGS: list[Any] = [_ptr, _i64, _int, _ptr, _ptr, _ptr, _int, _i64, _i64, _i64, _ptr]
 
 
 def load() -> ctypes.CDLL | None:
@@ -29,6 +30,7 @@ def load() -> ctypes.CDLL | None:
     if lib is not None and lib.qgemm_int8.restype is not None:  # not yet bound
         lib.qgemm_int8.argtypes, lib.qgemm_int8.restype = _INT8_ARGS, None
         lib.qgemm_int4.argtypes, lib.qgemm_int4.restype = _INT4_ARGS, _int
+        lib.quant_rows.argtypes, lib.quant_rows.restype = _ROWS_ARGS, _int
     return lib
 
 
@@ -87,6 +89,28 @@ def qmatmul_c(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None,
               lib: ctypes.CDLL) -> torch.Tensor:
     """One product through :class:`BoundProduct` (see there: shapes, errors)."""
     return BoundProduct(weight, bias, lib)(x)
+
+
+def rows(weight: PackedWeight, index: torch.Tensor) -> torch.Tensor:
+    """:meth:`PackedWeight.rows` (output rows ``index`` ``(T,)`` dequantized → ``(T, in)``
+    fp32), in C where the weight is on CPU and the kernels load: the same values bit for bit
+    (``qrows.c``) without a dozen torch ops per lookup.
+
+    Raises:
+        IndexError: an index outside ``0 .. out_features - 1``.
+    """
+    lib = load() if weight.codes.is_cpu else None
+    if lib is None or index.dtype != torch.int64:
+        return weight.rows(index)
+    index = index.contiguous()
+    out = torch.empty(index.shape[0], weight.in_features, dtype=torch.float32)
+    if lib.quant_rows(index.data_ptr(), index.shape[0], weight.bits, weight.codes.data_ptr(),
+                      weight.scale.data_ptr(),
+                      None if weight.offset is None else weight.offset.data_ptr(),
+                      int(weight.half_scales), weight.in_features, weight.out_features,
+                      weight.group, out.data_ptr()):
+        raise IndexError(f"quantized embedding: an index outside 0..{weight.out_features - 1}")
+    return out
 
 
 def qmatmul_torch(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:

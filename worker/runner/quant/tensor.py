@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from kvfleet.worker.runner.quant import kernels
 from kvfleet.worker.runner.quant.packed import PackedWeight, concat_outputs
 
 
@@ -55,7 +56,7 @@ def _cat(tensors: Any, dim: int = 0, **kwargs: Any) -> QuantTensor:
 def _embedding(input: torch.Tensor, weight: QuantTensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     if weight.transposed or any(a not in (None, False, 2.0) for a in (*args, *kwargs.values())):
         raise QuantizedOpError("a quantized embedding table supports plain lookups only")
-    return weight.packed.rows(input.flatten()).view(*input.shape, -1).to(weight.dtype)
+    return kernels.rows(weight.packed, input.flatten()).view(*input.shape, -1).to(weight.dtype)
 
 
 _OPS: dict[Callable, Callable] = {

@@ -1,0 +1,140 @@
+"""The one-call quantized decode layer (``quant/qlayer.c``) against the model's Python layer:
+the same kernels in the same order, so hidden states and written caches must be equal bit
+for bit, on decode-only steps of one and several rows, short and past-the-window contexts,
+with QKV bias (Qwen2) and a sliding window (Mistral). The engine-level exactness tests
+(``test_quant_exactness.py``) then check its cache paths against full recomputation."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kvfleet.worker.engine.step_plan import SeqChunk
+from kvfleet.worker.runner import cpu_kernels
+from kvfleet.worker.runner.model_runner import ModelRunner
+from kvfleet.worker.runner.quant import kernels
+from kvfleet.worker.runner.quant.config import QuantConfig
+from kvfleet.worker.runner.quant.packed import quantize
+from kvfleet.worker.runner.quant.qlayer import QuantDecodeLayer
+
+BLOCK = 4
+
+
+def _step(runner: ModelRunner, contexts: list[int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step after ``contexts`` cached tokens per row over a cache of random
+    values: (hidden states, the cache after)."""
+    g = torch.Generator().manual_seed(seed)
+    runner.kv_cache.data.copy_(torch.randn(runner.kv_cache.data.shape, generator=g))
+    groups = runner.layer_groups.num_groups
+    chunks, next_block = [], 0
+    for i, n in enumerate(contexts):
+        used = n // BLOCK + 1
+        table = tuple(range(next_block, next_block + used))
+        next_block += used
+        chunks.append(SeqChunk(f"s{i}", (int(torch.randint(100, (1,), generator=g)),), n, table,
+                               group_tables=(table,) * (groups - 1)))
+    meta = runner._metadata(tuple(chunks))
+    ids = torch.tensor([c.token_ids[0] for c in chunks])
+    with torch.inference_mode():
+        hidden = runner.model.forward(ids, meta.positions, meta, runner.kv_cache)
+    return hidden, runner.kv_cache.data.clone()
+
+
+@pytest.mark.parametrize("family, method", [("tiny_llama_dir", "int4"), ("tiny_llama_dir", "int8"),
+                                            ("tiny_qwen2_dir", "int4"), ("tiny_mistral_dir", "int8")])
+@pytest.mark.parametrize("contexts", [[5], [0, 3, 17, 30]])
+def test_one_call_layer_equals_the_python_layer(request, monkeypatch, family, method,
+                                                contexts) -> None:
+    if cpu_kernels.load() is None:
+        pytest.skip("no C compiler")
+    runner = ModelRunner(request.getfixturevalue(family), num_blocks=32, block_size=BLOCK,
+                         quantization=QuantConfig(method))
+    calls = []
+    original = QuantDecodeLayer.__call__
+    monkeypatch.setattr(QuantDecodeLayer, "__call__",
+                        lambda self, *a: calls.append(1) or original(self, *a))
+    hidden, cache = _step(runner, contexts, seed=len(contexts))
+    assert len(calls) == runner.config.num_layers  # every layer took the one call
+    for layer in runner.model.layers:  # back to the Python layer
+        monkeypatch.setattr(layer, "_decode_shape", False)
+        monkeypatch.setattr(layer, "_decode_call", None)
+    want_hidden, want_cache = _step(runner, contexts, seed=len(contexts))
+    assert len(calls) == runner.config.num_layers
+    assert torch.equal(hidden, want_hidden)
+    assert torch.equal(cache, want_cache)
+
+
+def test_float_weights_and_prefill_keep_the_python_layer(tiny_llama_dir, monkeypatch) -> None:
+    """fp32 projections never bind; a step with a prefill chunk has no decode rows."""
+    runner = ModelRunner(tiny_llama_dir, num_blocks=32, block_size=BLOCK)
+    layer = runner.model.layers[0]
+    assert layer._decode_layer() is None
+    quant = ModelRunner(tiny_llama_dir, num_blocks=32, block_size=BLOCK,
+                        quantization=QuantConfig("int4"))
+    meta = quant._metadata((SeqChunk("a", (1, 2, 3), 0, (0,)), SeqChunk("b", (4,), 5, (1, 2))))
+    assert meta.decode_rows is None
+    assert quant.model.layers[0]._decode_layer() is not None
+
+
+def test_a_replaced_projection_rebinds(tiny_llama_dir) -> None:
+    """A wrapper put over a projection after the first call (as LoRA does) is not bypassed."""
+    runner = ModelRunner(tiny_llama_dir, num_blocks=32, block_size=BLOCK,
+                         quantization=QuantConfig("int4"))
+    layer = runner.model.layers[0]
+    assert layer._decode_layer() is not None
+    inner = layer.o
+    layer.o = lambda x: inner(x)
+    assert layer._decode_layer() is None
+    layer.o = inner
+    assert layer._decode_layer() is not None
+
+
+@pytest.mark.parametrize("bits, group, half", [(8, 32, True), (4, 32, True), (4, 16, False),
+                                               (8, 64, False)])
+def test_embedding_rows_in_c_equal_the_torch_rows(bits, group, half) -> None:
+    """Every row, fp16 and fp32 scales, a repeated index; an index out of range raises like
+    ``F.embedding``."""
+    if cpu_kernels.load() is None:
+        pytest.skip("no C compiler")
+    g = torch.Generator().manual_seed(bits + group)
+    w = quantize(torch.randn(70, 128, generator=g), bits, group)
+    if not half:
+        w = dataclasses.replace(w, scale=w.scale.float() * 1.0001,
+                                offset=None if w.offset is None else w.offset.float() * 1.0001)
+    index = torch.tensor([*range(70), 3, 3, 69])
+    assert torch.equal(kernels.rows(w, index), w.rows(index))
+    with pytest.raises(IndexError):
+        kernels.rows(w, torch.tensor([70]))
+    with pytest.raises(IndexError):
+        kernels.rows(w, torch.tensor([-1]))
+
+
+def test_a_paused_forward_resumes_to_the_same_state(tiny_llama_dir) -> None:
+    """A layer-level pause settles the stream and the next layer starts without a delta: the
+    one-call layer must then leave its input alone and end where the unpaused run ends."""
+    runner = ModelRunner(tiny_llama_dir, num_blocks=32, block_size=BLOCK,
+                         quantization=QuantConfig("int4"))
+    chunks = tuple(SeqChunk(f"s{i}", (7 + i,), n, tuple(range(3 * i, 3 * i + 3)))
+                   for i, n in enumerate((4, 9)))
+    meta = runner._metadata(chunks)
+    model = runner.model
+
+    def run(pause: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer (``pause``: one layer per call, as a forward paused after each)."""
+        runner.kv_cache.data.copy_(torch.randn(runner.kv_cache.data.shape,
+                                               generator=torch.Generator().manual_seed(0)))
+        with torch.inference_mode():
+            hidden, cos, sin = model.embed(torch.tensor([7, 8]), meta.positions)
+            layer = 0
+            while layer < runner.config.num_layers:
+                given, before = hidden, hidden.clone()
+                hidden, layer = model.run_layers(given, cos, sin, meta, runner.kv_cache, layer,
+                                                 lambda: pause)
+                assert torch.equal(given, before)  # the resumed layer left its input alone
+        return hidden, runner.kv_cache.data.clone()
+
+    want = run(False)
+    got = run(True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
