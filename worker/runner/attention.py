@@ -56,7 +56,8 @@ class DecodeKernelArgs:
 class AttentionMetadata:
     """The batch layout of one step, built once and shared by every layer.
 
-    ``T`` = new tokens in the step, ``B`` = chunks, ``D`` = one-token chunks (decodes).
+    ``T`` = new tokens in the step, ``B`` = chunks, ``D`` = decode rows (one-token chunks and, on
+    the kernel path, every row of a verify chunk).
     """
 
     positions: torch.Tensor  # (T,) int64 absolute position of each new token
