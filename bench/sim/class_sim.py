@@ -332,7 +332,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="§3: tenant A's prompt tokens in the flood phase (default: the cluster "
                         "bench's shape, 4 × 64; 64: the shape of earlier runs)")
     p.add_argument("--fair-slack", type=float, default=FAIR_SLACK,
-                   help="§3 without a target: over-served prefill's bound, × the decode rows' "
+                   help="§3: over-served prefill's bound, × the decode rows' "
                         "step (fair_bound.py; < 0: off, the A/B)")
     p.add_argument("--fixed-seats", action="store_true",
                    help="§3: tenant_share caps running seats whatever the service (before)")

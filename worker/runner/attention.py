@@ -11,8 +11,10 @@ top-left square), and with a sliding window ``w`` only keys ``> c + j - w``.
 Three paths, chosen per chunk when the step's metadata is built:
 
 * **decodes** (one-token chunks), fp32 on CPU: one call of the C kernel in
-  :mod:`.cpu_kernels` per layer for all of them, reading keys and values in place through
-  the block tables. Elsewhere (or without a C compiler) each decode gathers exactly its own
+  :mod:`.cpu_kernels` per layer for all of them and for every row of each verify chunk (a
+  decode row carrying drafts, ``SeqChunk.num_draft_tokens``), each row as the decode at its
+  position would run (same keys, same output, bit for bit), reading keys and values in place
+  through the block tables. Elsewhere (or without a C compiler) each decode gathers exactly its own
   blocks and runs one SDPA call — no padding to the longest context in the batch (on the
   SmolLM2 benchmark this beat one padded batched kernel, length-bucketed padded kernels, a
   flattened all-blocks formulation and hand-written bmm/softmax/bmm);
@@ -54,7 +56,8 @@ class DecodeKernelArgs:
 class AttentionMetadata:
     """The batch layout of one step, built once and shared by every layer.
 
-    ``T`` = new tokens in the step, ``B`` = chunks, ``D`` = one-token chunks (decodes).
+    ``T`` = new tokens in the step, ``B`` = chunks, ``D`` = decode rows (one-token chunks and, on
+    the kernel path, every row of a verify chunk).
     """
 
     positions: torch.Tensor  # (T,) int64 absolute position of each new token
@@ -167,10 +170,13 @@ def build_attention_metadata(
     ``group``: the layer group whose tables to read (``SeqChunk.tables()``); ``freed_window``:
     that group's window when its blocks before the window may be released (holes), so each
     chunk reads its context from the first block its first query sees, never a hole."""
+    applies = (torch.device(device).type == "cpu" and dtype == torch.float32
+               and cpu_kernels.load() is not None)
+    use_kernel = applies if use_kernel is None else use_kernel and applies  # never on GPU memory
     positions: list[int] = []
     slots: list[int] = []
     starts = [0]
-    decode: list[int] = []
+    decode: list[tuple[int, int]] = []  # (chunk, row): a query row through the decode path
     prefill: list[int] = []
     tables = [c.block_table if group == 0 else c.group_tables[group - 1] for c in chunks]
     for i, c in enumerate(chunks):
@@ -179,7 +185,15 @@ def build_attention_metadata(
         positions += range(start, start + n)
         slots += [table[p // block_size] * block_size + p % block_size for p in range(start, start + n)]
         starts.append(starts[-1] + n)
-        (decode if n == 1 else prefill).append(i)
+        if n == 1:
+            decode.append((i, 0))
+        elif use_kernel and c.num_draft_tokens:
+            # A verify chunk's row j attends keys 0 .. start + j, as a decode at that position
+            # would (the chunk's K/V is written before attention): through the kernel each row
+            # costs a decode's read of its keys, and gets exactly a decode's output.
+            decode += ((i, j) for j in range(n))
+        else:
+            prefill.append(i)
 
     def first_block(num_computed: int) -> int:  # the first block a query at num_computed sees
         if freed_window is None:
@@ -187,13 +201,11 @@ def build_attention_metadata(
         return max(0, num_computed - freed_window + 1) // block_size
 
     # Decodes: keys from the first block the window reaches; context counted from there.
-    skip = [first_block(chunks[i].num_computed_tokens) for i in decode]
-    ctx = [chunks[i].num_computed_tokens + 1 - f * block_size for i, f in zip(decode, skip, strict=True)]
+    query_at = [chunks[i].num_computed_tokens + j for i, j in decode]
+    skip = [first_block(p) for p in query_at]
+    ctx = [p + 1 - f * block_size for p, f in zip(query_at, skip, strict=True)]
     used = [tables[i][f: f + cdiv(n, block_size)]
-            for i, f, n in zip(decode, skip, ctx, strict=True)]
-    applies = (torch.device(device).type == "cpu" and dtype == torch.float32
-               and cpu_kernels.load() is not None)
-    use_kernel = applies if use_kernel is None else use_kernel and applies  # never on GPU memory
+            for (i, _), f, n in zip(decode, skip, ctx, strict=True)]
 
     def tensor(values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)
@@ -219,7 +231,7 @@ def build_attention_metadata(
         slot_mapping=tensor(slots),
         query_start=tuple(starts),
         last_token_indices=tensor([s - 1 for s in starts[1:]]),
-        decode_token_indices=tensor([starts[i] for i in decode]),
+        decode_token_indices=tensor([starts[i] + j for i, j in decode]),
         decode_kernel=kernel,
         decode_tables=() if use_kernel else tuple(tensor(t) for t in used),
         decode_context=tuple(ctx),

@@ -102,8 +102,9 @@ def startup_plans(num_blocks: int, block_size: int, max_model_len: int, vocab: i
     """The start-up calibration's shapes, sized to fit the KV pool and the context: decode
     batches of 1, 4 and up to 16 rows at a short context and 1 and 4 at a long one, prefill
     chunks of 16-256 tokens from an empty prefix and 64-128 after a long one, one step
-    mixing decode rows with a chunk (the scheduler's usual step), and verify steps (decode
-    rows carrying 4 and 2 speculative drafts), so each of the base, decode, prefill, context
+    mixing decode rows with a chunk (the scheduler's usual step), and verify steps (one decode
+    row carrying 4 speculative drafts, four rows carrying 1 each: the shapes the sizing rule
+    picks on CPU, within the few-row kernel), so each of the base, decode, prefill, context
     and draft terms varies on its own in more than one shape."""
     slots = num_blocks * block_size
     long_ctx = max(1, min(1024, max_model_len - 257, slots // 2 - 256))
@@ -117,7 +118,7 @@ def startup_plans(num_blocks: int, block_size: int, max_model_len: int, vocab: i
         plans += calibration_plans(block_size, [n], [ctx], [], 0, vocab)
     plans.append(_mixed(min(4, batch), short_ctx, 64, block_size, vocab))
     plans += [_verify(1, short_ctx, 4, block_size, vocab),
-              _verify(min(4, batch), short_ctx, 2, block_size, vocab)]
+              _verify(min(4, batch), short_ctx, 1, block_size, vocab)]
     return [p for p in plans  # a pool or context too small for a shape skips it
             if all(max(c.block_table) < num_blocks
                    and c.num_computed_tokens + len(c.token_ids) <= max_model_len for c in p.chunks)]

@@ -1,19 +1,21 @@
 """A time bound on over-served tenants' prefill while a less-served tenant has rows.
 
-Without an ITL target a step is bounded only by ``max_num_batched_tokens``; beside a flood of
-long prompts its tokens fill with the flood's prefill and every step is long. A less-served
+Without an ITL target a step is bounded only by ``max_num_batched_tokens``, with one by the
+target; beside a flood of long prompts either fills with the flood's prefill and every step is
+long. A less-served
 tenant's rows ride in those steps: each of its requests lives as many of them as it has output
 tokens, its seats turn over slowly, and its next prompts wait for a seat (docs/slo.md,
 "Fairness without the ITL target").
 
-So where seats are divided among tenants (``tenant_share`` < 1) and no ITL target is set, a
-step planned while a tenant of some class has running or waiting sequences and another tenant
+So where seats are divided among tenants (``tenant_share`` < 1), with or without an ITL
+target, a step planned while a tenant of some class has running or waiting sequences and another tenant
 of the same class has been served strictly more (:class:`~.tenant_service.TenantService`)
 gives the over-served tenants' **prefill** chunks (running and admitted alike) at most
 ``slack ×`` the predicted seconds of the step's decode rows alone (the step-cost model), and
 at least ``min_tokens`` of them (one KV block: the flood always progresses). Decode rows are
 never cut, nor any chunk of a tenant not over-served: the less-served tenant's own work is
-outside the bound. The token budget still holds; the bound only shortens the step.
+outside the bound. The token budget still holds, and so does the ITL target (a chunk gets the
+smaller of the two allowances); the bound only shortens the step.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ A step (:meth:`Scheduler.schedule`) is composed of small policies, each in its o
 2. **step contents** (:mod:`.class_step`, under an ITL target): which running rows sit out so
    that a favoured prefill runs in a short step;
 3. **step budget** (:mod:`.step_budget`): ``max_num_batched_tokens`` tokens, and with
-   ``itl_target_ms`` a predicted time; without it, where seats are divided among tenants, a
-   time bound on over-served tenants' prefill (:mod:`.fair_bound`);
+   ``itl_target_ms`` a predicted time; where seats are divided among tenants, with or without
+   the target, a time bound on over-served tenants' prefill (:mod:`.fair_bound`);
 4. **running** sequences first, best class first, oldest first (decodes, and prefills still
    catching up); one that cannot grow preempts the newest running sequence by recompute (its
    blocks are freed; it re-enters the waiting queue at its class and FCFS position and later
@@ -85,8 +85,8 @@ class Scheduler:
     ``tier``: the node's host KV tier, looked up after the device pool at admission (None: no
     tier). ``class_step`` / ``seats_by_service``: the ITL target's step contents and the tenant
     share's lending, both part of their setting (off only for the virtual-clock benches' A/B);
-    ``fair_slack``: without a target, the tenant share's bound on over-served prefill
-    (:mod:`.fair_bound`; None: off, for the same A/B).
+    ``fair_slack``: the tenant share's bound on over-served prefill, with or without the
+    target (:mod:`.fair_bound`; None: off, for the same A/B).
 
     Raises:
         ValueError: an ITL target without a step-cost model.
@@ -202,13 +202,12 @@ class Scheduler:
         budget = step_budget(self.config, self.kv.block_size, self.step_cost, self.running,
                              self.waiting[0] if self.waiting else None, contents.sit_out, now,
                              self.pace)
-        if (self.config.itl_target_ms is None and self.config.tenant_share < 1
-                and self.fair_slack is not None):
+        if self.config.tenant_share < 1 and self.fair_slack is not None:
             # an over-served tenant's prefill may not make the step long while a less-served
             # one has rows (its seats turn over with the steps)
             budget.fair = fair_bound(self.step_cost, self.running, self.waiting,
                                      self.service.service, self.kv.block_size,
-                                     slack=self.fair_slack)
+                                     contents.sit_out, slack=self.fair_slack)
         num_preempted = len(preempted)
         scheduled = self._schedule_running(budget, contents.sit_out, preempted, copies, work)
         if len(preempted) > num_preempted:

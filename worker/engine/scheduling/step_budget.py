@@ -23,6 +23,9 @@ stay within the target:
   cost model, so its scale cancels; the deadlines are in real time, so a prompt made late
   by steps slower than predicted gets all it has left. The floor is the only way
   a step runs past its target. Why this rule, with measurements: docs/slo.md.
+* where tenants share the replica (``tenant_share`` < 1), an over-served tenant's prefill gets
+  no more than :attr:`StepBudget.fair`'s bound allows (:mod:`.fair_bound`), floor included: its
+  prompts wait while a less-served tenant has rows.
 
 Decode rows alone may predict more than the target (many rows, long contexts): the target
 then only keeps prefill to its floor. The token count stays a hard limit throughout.
@@ -75,7 +78,7 @@ class StepBudget:
         self.prefill_tokens = 0
         self.context_tokens = 0
         self.decodes_s = 0.0  # the reserved decode rows' predicted seconds
-        # over-served tenants' prefill, bounded without a target (tenant_share < 1; None: not)
+        # over-served tenants' prefill, bounded within the target (tenant_share < 1; None: not)
         self.fair: Optional[FairBound] = None
 
     @property
@@ -178,6 +181,8 @@ class StepBudget:
         if floor < n < want:  # no longer than the fewest steps the target allows need
             even = self._chunk(num_computed, want, -(-want // n))
             n = max(self._align(num_computed, floor, want), min(n, even))
+        if self.fair is not None and seq is not None and n > 0:  # the shorter allowance
+            n = min(n, self._align(num_computed, self.fair.cap(seq, num_computed, n), want))
         return n
 
     def take(self, num_computed: int, n: int, reserved: bool = False,

@@ -81,9 +81,9 @@ class QueryRows:
         return -(-total // self.tile) - -(-decode_rows // self.tile)
 
 
-# The CPU runner's few-row kernel: four rows per weight pass, eight rows at most
+# The CPU runner's few-row kernel: eight rows per weight pass, eight rows at most
 # (worker/runner/gemv.c TILE_ROWS, worker/runner/models/linear.py FEW_ROWS).
-CPU_FEW_ROWS = QueryRows(tile=4, limit=8)
+CPU_FEW_ROWS = QueryRows(tile=8, limit=8)
 
 
 def query_rows_for(device: str) -> Optional[QueryRows]:

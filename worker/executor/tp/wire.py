@@ -17,14 +17,14 @@ it decodes) and the blocks appended after those; a sequence absent from a plan i
 
     [n_chunks, n_copies, n_commits,
      n_chunks × (key, num_computed_tokens, adapter_slot, n_tokens, keep, n_tail, n_groups,
-                 token_ids × n_tokens, tail × n_tail,
+                 num_draft_tokens, token_ids × n_tokens, tail × n_tail,
                  n_groups × (n_entries, entries × n_entries)),
      n_copies × (src_block, dst_block),
      n_commits × (slot, prepared)]
 
-A chunk's speculative drafts are ordinary tokens of it here: ranks other than 0 compute every
-token's K/V alike and no logits, so which tokens are drafts (``num_draft_tokens``) is rank
-0's business alone and does not travel.
+A chunk's speculative drafts (``num_draft_tokens``) travel with it: ranks other than 0 compute
+no logits, but on CPU a verify chunk's rows attend through the decode kernel (see
+:mod:`kvfleet.worker.runner.attention`), and every rank must take the same path.
 
 ``n_groups`` block tables of layer groups 1.. follow each chunk whole (0 for one group).
 ``n_commits`` adapter slot changes to make before the forward: ``prepared`` > 0 installs the
@@ -52,7 +52,7 @@ from kvfleet.worker.engine.step_plan import SeqChunk, StepPlan
 
 # What rank 0 may call on the other ranks, by index.
 METHODS = ("step", "barrier", "stop", "transfer", "pausable_step", "resume")
-_CHUNK_HEAD = 7
+_CHUNK_HEAD = 8
 Commit = tuple[int, int]  # (slot, prepared id; 0 = empty the slot)
 _GROUP_SHIFT = 40  # a block move's layer group sits above this bit of its block word
 
@@ -150,7 +150,7 @@ class PlanEncoder:
             keep = _kept(old, c.block_table)
             tail = c.block_table[keep:]
             out += (key, c.num_computed_tokens, c.adapter_slot, len(c.token_ids), keep, len(tail),
-                    len(c.group_tables))
+                    len(c.group_tables), c.num_draft_tokens)
             out += c.token_ids
             out += tail
             # Other layer groups' tables travel whole (their heads turn into holes as a
@@ -197,16 +197,18 @@ class PlanDecoder:
         n_chunks, n_copies, n_commits = r.take(3)
         chunks, tables = [], {}
         for _ in range(n_chunks):
-            key, computed, slot, n_tokens, keep, n_tail, n_groups = r.take(_CHUNK_HEAD)
+            key, computed, slot, n_tokens, keep, n_tail, n_groups, drafts = r.take(_CHUNK_HEAD)
             tokens, tail = r.take(n_tokens), r.take(n_tail)
             old = self._tables.get(key, ())
+            if not 0 <= drafts < max(1, n_tokens):
+                raise ValueError(f"malformed step plan: {drafts} drafts in a chunk of {n_tokens} tokens")
             if key in tables or not 0 <= keep <= len(old):
                 raise ValueError(f"malformed step plan: sequence {key} keeps {keep} of "
                                  f"{len(old)} blocks")
             table = (old if keep == len(old) else old[:keep]) + tuple(tail)
             tables[key] = table
             groups = tuple(tuple(r.take(r.take(1)[0])) for _ in range(n_groups))
-            chunks.append(SeqChunk(str(key), tuple(tokens), computed, table, slot, group_tables=groups))
+            chunks.append(SeqChunk(str(key), tuple(tokens), computed, table, slot, drafts, groups))
         pairs = r.take(2 * n_copies)
         copies = tuple(zip(pairs[::2], pairs[1::2], strict=True))
         pairs = r.take(2 * n_commits)

@@ -68,6 +68,51 @@ def test_mixed_batch_matches_dense(window, use_kernel) -> None:
         torch.testing.assert_close(out[s:e], dense_reference(q[c:], k, v, window), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("window,freed", [(None, False), (5, False), (5, True)],
+                         ids=["full", "window", "window-holes"])
+def test_verify_chunk_rows_are_decodes(window, freed) -> None:
+    """On the kernel path a verify chunk (a decode row and its drafts) runs each row as the
+    decode at its position: the rows join the decode list, match the dense reference, and
+    equal bit for bit the same tokens decoded one step at a time. With ``freed`` the blocks
+    before the window are holes (-1) and each row reads from the first block it sees."""
+    g = torch.Generator().manual_seed(3)
+    cached, n, table = 9, 4, (7, 2, 9, 12)
+    q, k, v = (torch.randn(cached + n, h, DIM, generator=g) for h in (HEADS, KV_HEADS, KV_HEADS))
+    other = [torch.randn(6 + 2, h, DIM, generator=g) for h in (HEADS, KV_HEADS, KV_HEADS)]
+    caches = [(torch.zeros(20, BLOCK, KV_HEADS, DIM), torch.zeros(20, BLOCK, KV_HEADS, DIM))
+              for _ in range(2)]
+
+    def step(chunks, parts, cache):
+        meta = build_attention_metadata(tuple(chunks), BLOCK, (window,),
+                                        freed_window=window if freed else None)
+        qs, ks, vs = (torch.cat([p[i] for p in parts]) for i in range(3))
+        return meta, paged_attention(qs, ks, vs, *cache, meta, window)
+
+    for cache in caches:  # the cached prefixes: the verify row's and a continued chunk's
+        step([SeqChunk("v", (0,) * cached, 0, table), SeqChunk("p", (0,) * 6, 0, (11, 0))],
+             [[t[:cached] for t in (q, k, v)], [t[:6] for t in other]], cache)
+    held = table
+    if freed:  # what a released sliding group's table holds: -1 before the window
+        held = tuple(-1 if b < (cached - window + 1) // BLOCK else x for b, x in enumerate(table))
+    verify = SeqChunk("v", (0,) * n, cached, held, num_draft_tokens=n - 1)
+    meta, out = step([SeqChunk("p", (0,) * 2, 6, (11, 0)), verify],
+                     [[t[6:] for t in other], [t[cached:] for t in (q, k, v)]], caches[0])
+    assert meta.decode_kernel is not None
+    assert meta.decode_token_indices.tolist() == [2, 3, 4, 5] and meta.prefill == (0,)
+    torch.testing.assert_close(out[2:], dense_reference(q[cached:], k, v, window), rtol=1e-5, atol=1e-5)
+    for j in range(n):  # the same tokens, one decode a step
+        _, one = step([SeqChunk("v", (0,), cached + j, held)],
+                      [[t[cached + j: cached + j + 1] for t in (q, k, v)]], caches[1])
+        assert torch.equal(one[0], out[2 + j])
+
+
+def test_verify_chunk_stays_a_prefill_chunk_off_the_kernel() -> None:
+    """Without the kernel (GPU, torch path) a verify chunk attends as a continued prefill chunk."""
+    chunks = (SeqChunk("v", (0,) * 3, 5, (1, 2), num_draft_tokens=2),)
+    meta = build_attention_metadata(chunks, BLOCK, (None,), use_kernel=False)
+    assert meta.prefill == (0,) and meta.decode_token_indices.numel() == 0
+
+
 def test_causal_mask_is_offset_by_the_cached_count() -> None:
     m = causal_mask(num_computed=3, q_len=2, window=None)
     assert m.tolist() == [[True, True, True, True, False], [True, True, True, True, True]]
@@ -108,11 +153,13 @@ def test_decode_kernel_arguments() -> None:
     assert k.first_key[None].tolist() == [0, 0] and k.first_key[2].tolist() == [8, 2]
 
 
-def test_decode_kernel_long_context_gqa_and_strided_rows() -> None:
-    """Many blocks, 4 query heads per KV head, a query view with a row stride (as the model
-    passes q sliced out of q|k), against the dense reference."""
+@pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 16), (9, 3, 64), (8, 8, 64), (8, 2, 64), (12, 2, 64)])
+def test_decode_kernel_long_context_gqa_and_strided_rows(heads, kv_heads, dim) -> None:
+    """Many blocks, 1-6 query heads per KV head (head_dim 64 with up to 4 takes the kernel's
+    register path for the values), a query view with a row stride (as the model passes q
+    sliced out of q|k), against the dense reference."""
     g = torch.Generator().manual_seed(1)
-    heads, kv_heads, dim, bs = 8, 2, 16, 16
+    bs = 16
     ctx = 300
     table = torch.randperm(40, generator=g)[: -(-ctx // bs)].tolist()
     key_cache = torch.randn(40, bs, kv_heads, dim, generator=g)
@@ -127,7 +174,8 @@ def test_decode_kernel_long_context_gqa_and_strided_rows() -> None:
         keys = key_cache[table].view(-1, kv_heads, dim)[:ctx]
         values = value_cache[table].view(-1, kv_heads, dim)[:ctx]
         lo = 0 if window is None else ctx - window
-        scores = torch.einsum("hd,khd->hk", q[0], keys.repeat_interleave(4, 1)) / dim**0.5
+        rep = heads // kv_heads
+        scores = torch.einsum("hd,khd->hk", q[0], keys.repeat_interleave(rep, 1)) / dim**0.5
         scores[:, :lo] = float("-inf")
-        ref = torch.einsum("hk,khd->hd", scores.softmax(-1), values.repeat_interleave(4, 1))
+        ref = torch.einsum("hk,khd->hd", scores.softmax(-1), values.repeat_interleave(rep, 1))
         torch.testing.assert_close(out[0], ref, rtol=1e-5, atol=1e-5)

@@ -1,5 +1,5 @@
-"""Without an ITL target, with ``tenant_share`` < 1: an over-served tenant's prefill is bounded
-by the step-cost model while a less-served tenant of its class has rows
+"""With ``tenant_share`` < 1, with or without an ITL target: an over-served tenant's prefill is
+bounded by the step-cost model while a less-served tenant of its class has rows
 (worker/engine/scheduling/fair_bound.py; real KV cache manager, a fixed linear cost model, no
 model, no clock)."""
 
@@ -12,6 +12,7 @@ from kvfleet.priority import BATCH, DEFAULT
 from kvfleet.worker.engine.request import SequenceState
 from kvfleet.worker.engine.scheduling.fair_bound import FairBound, fair_bound, over_served
 from kvfleet.worker.engine.scheduling.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kvfleet.worker.engine.scheduling.step_budget import StepBudget
 from kvfleet.worker.step_cost.model import CostModel
 from tests.unit.worker.scheduler_harness import BS, new_seq, run_step
 
@@ -155,3 +156,34 @@ def test_everything_finishes_and_no_block_leaks_under_the_bound():
         step(s)
     assert not s.num_unfinished
     assert s.kv.num_free_blocks == 96
+
+
+# ---- under the ITL target: the same bound, inside the target's own ----------------------------
+LOOSE_MS = 1000.0  # a target no step here comes near: only the bound can shorten the step
+
+
+def test_under_a_loose_target_the_prompt_is_bounded_as_without_one():
+    s, a1, bs, a2 = a_then_b(itl_target_ms=LOOSE_MS)
+    out = step(s)
+    assert chunks(out) == {a1.seq_id: 1, bs[0].seq_id: 1, bs[1].seq_id: 1,
+                           a2.seq_id: bounded_chunk(decode_rows=3)}
+    assert chunks(step(s))[a2.seq_id] == bounded_chunk(decode_rows=3)
+
+
+def test_under_a_loose_target_without_the_bound_the_prompt_takes_what_the_target_allows():
+    s, a1, bs, a2 = a_then_b(itl_target_ms=LOOSE_MS, slack=None)
+    n = chunks(step(s))[a2.seq_id]
+    assert n > bounded_chunk(decode_rows=3)  # the control: the bound is what shortened it
+
+
+def test_under_a_tight_target_the_shorter_of_target_and_bound_wins():
+    # beside 3 decode rows (22 ms) the bound allows SLACK × 22 ms = 11 ms of A's prefill
+    def grant(target_ms: float) -> int:
+        budget = StepBudget(64, BS, COST, target_ms / 1e3)
+        budget.reserve_decodes([8, 8, 8])
+        budget.fair = FairBound(COST, frozenset({(DEFAULT, "A")}),
+                                SLACK * COST.predict_step_s(3, 0, 0), BS)
+        return budget.grant(0, 64, seq=seq("A", prompt_len=64))
+
+    assert grant(26.0) == BS  # the target leaves 4 ms: one block, shorter than the bound's
+    assert grant(60.0) == bounded_chunk(decode_rows=3)  # the target leaves 38 ms: the bound's

@@ -135,3 +135,34 @@ def test_seeded_sampling_is_the_plain_sampling(tiny_llama_dir) -> None:
                         for (rid, i), r in plain.items()})
     again = run(engine, reqs)
     assert {k: r.token_ids for k, r in again.items()} == {k: r.token_ids for k, r in spec.items()}
+
+
+@pytest.mark.parametrize("quant", [None, "int8"])
+@pytest.mark.parametrize("drafts", [1, 3, 4, 6])
+def test_verify_rows_are_the_plain_decodes_bit_for_bit(tiny_llama_dir, drafts, quant) -> None:
+    """On the CPU kernels (fp32 activations) a verify chunk's logits rows are exactly those of
+    the same tokens decoded one step at a time: its projections run each row as a one-row
+    product would, its attention each row as the decode at that position (up to the few-row
+    kernel's row limit, beside another decode row as in a batch). With int8 weights the
+    verify-only step runs the one-call decode layer, whose rows are decodes too."""
+    import torch
+
+    from kvfleet.worker.engine.step_plan import SeqChunk, StepPlan
+    from kvfleet.worker.runner.model_runner import ModelRunner
+    from kvfleet.worker.runner.quant.config import FLOAT_WEIGHTS, QuantConfig
+
+    runner = ModelRunner(tiny_llama_dir, num_blocks=32, block_size=4,
+                         quantization=QuantConfig(quant) if quant else FLOAT_WEIGHTS)
+    head = prompt(13, seed=7)
+    tokens = prompt(drafts + 1, seed=8)
+    tables = {"plain": tuple(range(0, 8)), "spec": tuple(range(8, 16)), "other": tuple(range(16, 24))}
+    for name, table in tables.items():
+        runner.execute(StepPlan((SeqChunk(name, tuple(head), 0, table),)))
+    other = SeqChunk("other", (5,), len(head), tables["other"])
+    plain = [runner.execute(StepPlan((SeqChunk("plain", (t,), len(head) + j, tables["plain"]),)))[0]
+             for j, t in enumerate(tokens)]
+    spec = runner.execute(StepPlan((other, SeqChunk("spec", tuple(tokens), len(head), tables["spec"],
+                                                    num_draft_tokens=drafts))))
+    assert spec.shape[0] == 2 + drafts
+    for j in range(drafts + 1):
+        assert torch.equal(spec[1 + j], plain[j]), j
