@@ -155,9 +155,11 @@ def identity(factory: er.EngineFactory, n: int, max_tokens: int, modes: list[str
 
 
 def run_cell(factory: er.EngineFactory, prompts: list[list[int]], max_tokens: int,
-             batch: int, mode: str) -> dict:
-    """``prompts`` in groups of ``batch`` submitted at once; one engine for the cell."""
-    engine = factory.engine(SchedulerConfig(max_num_seqs=8, speculative=mode))
+             batch: int, mode: str, draft_tokens: int = SchedulerConfig.speculative_tokens) -> dict:
+    """``prompts`` in groups of ``batch`` submitted at once; one engine for the cell, drafting
+    at most ``draft_tokens`` a row a step."""
+    engine = factory.engine(SchedulerConfig(max_num_seqs=8, speculative=mode,
+                                            speculative_tokens=draft_tokens))
     answers: dict[str, list[int]] = {}
     row_steps = 0
     t0 = time.perf_counter()
@@ -191,6 +193,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--identity", type=int, default=0, metavar="N",
                    help="no timing: N greedy requests, off vs each mode, token for token")
+    p.add_argument("--speculative-tokens", type=int, default=SchedulerConfig.speculative_tokens,
+                   help="the most drafts a row carries a step (the replica's --speculative-tokens)")
     a = p.parse_args(argv)
     model_dir = prepare_model(progress=False)
     factory = er.EngineFactory(model_dir, 2048, SchedulerConfig())
@@ -214,7 +218,8 @@ def main(argv: list[str]) -> int:
         max_tokens = a.max_tokens or (max_tokens // 3 if a.quick else max_tokens)
         for batch in ((1,) if a.quick else batches):
             chosen = prompts[:2] if batch == 1 else prompts
-            cells = {m: run_cell(factory, chosen, max_tokens, batch, m) for m in modes}
+            cells = {m: run_cell(factory, chosen, max_tokens, batch, m, a.speculative_tokens)
+                     for m in modes}
             off = cells["off"]
             for m, c in cells.items():
                 same = sum(c["answers"][k] == off["answers"][k] for k in off["answers"])
@@ -227,7 +232,8 @@ def main(argv: list[str]) -> int:
                       f"accept {acc:>4s}  tok/row-step {row['tokens_per_row_step']:.2f}  "
                       f"identical {row['identical']}", flush=True)
             loads.append(os.getloadavg())
-    record = {"model": str(model_dir.name), "rows": rows, "load_avg_1m": [x[0] for x in loads],
+    record = {"model": str(model_dir.name), "speculative_tokens": a.speculative_tokens, "rows": rows,
+              "load_avg_1m": [x[0] for x in loads],
               "cpus": os.cpu_count()}
     a.out.mkdir(parents=True, exist_ok=True)
     if a.out == RESULTS:
