@@ -7,9 +7,12 @@
 Three workloads, each at batch 1 (two requests one after the other) and batch 4 (four at
 once), greedy: **edit** (about 300 tokens of this repository's code, to be copied with a
 rename, the answer opened with the code's first line: the answer copies most of its prompt),
-**quote** (a passage of the Declaration of Independence, to be quoted and explained), **none** (short poems: nothing to copy). Per cell:
-output tok/s, the ratio to ``off``, drafts accepted ÷ drafted, output tokens per row-step,
-and whether every answer equals the ``off`` answer token for token. The host's load average
+**quote** (a passage of the Declaration of Independence, to be quoted and explained),
+**none** (short poems: nothing to copy). Per cell: output tok/s, the ratio to ``off``, the
+same ratio over the decode phase only (a group's steps after each of its requests emitted its
+first token: the prompts' prefill, which drafts cannot speed up, left out), drafts accepted ÷
+drafted, output tokens per row-step, and whether every answer equals the ``off`` answer token
+for token. The host's load average
 is recorded beside the numbers (timings on a shared machine move with it).
 
 ``--identity N``: no timing; ``N`` greedy requests varied over the three workloads (other code
@@ -162,14 +165,24 @@ def run_cell(factory: er.EngineFactory, prompts: list[list[int]], max_tokens: in
                                             speculative_tokens=draft_tokens))
     answers: dict[str, list[int]] = {}
     row_steps = 0
+    # the decode phase: a group's steps after each of its requests has emitted its first token
+    # (no prompt left to compute: only decode and verify steps)
+    decode_s, decode_tokens, decode_row_steps = 0.0, 0, 0
     t0 = time.perf_counter()
     for g in range(0, len(prompts), batch):
         for i, p in enumerate(prompts[g: g + batch]):
             params = SamplingParams(max_tokens=max_tokens).validate()  # greedy
             engine.add_request(EngineRequest(f"{mode}-{g + i}", tuple(p), params))
         while engine.has_work:
+            s0 = time.perf_counter()
             outs = engine.step()
-            row_steps += sum(1 for o in outs if o.token_ids)
+            step_s = time.perf_counter() - s0
+            emitted = [o for o in outs if o.token_ids]
+            row_steps += len(emitted)
+            if all(str(g + i) in answers for i in range(len(prompts[g: g + batch]))):
+                decode_s += step_s
+                decode_tokens += sum(len(o.token_ids) for o in emitted)
+                decode_row_steps += len(emitted)
             for o in outs:
                 answers.setdefault(o.request_id.split("-", 1)[1], []).extend(o.token_ids)
     wall = time.perf_counter() - t0
@@ -177,6 +190,8 @@ def run_cell(factory: er.EngineFactory, prompts: list[list[int]], max_tokens: in
     tokens = sum(len(a) for a in answers.values())
     return {"mode": mode, "batch": batch, "wall_s": wall, "output_tokens": tokens,
             "tok_s": tokens / wall, "tokens_per_row_step": tokens / max(1, row_steps),
+            "decode_tok_s": decode_tokens / decode_s if decode_s else None,
+            "decode_tokens_per_row_step": decode_tokens / max(1, decode_row_steps),
             "drafted": counts.drafted, "accepted": counts.accepted,
             "acceptance": counts.accepted / counts.drafted if counts.drafted else None,
             "answers": answers}
@@ -225,10 +240,14 @@ def main(argv: list[str]) -> int:
                 same = sum(c["answers"][k] == off["answers"][k] for k in off["answers"])
                 row = {k: v for k, v in c.items() if k != "answers"}
                 row.update(workload=name, ratio=c["tok_s"] / off["tok_s"],
+                           decode_ratio=(c["decode_tok_s"] / off["decode_tok_s"]
+                                         if c["decode_tok_s"] and off["decode_tok_s"] else None),
                            identical=f"{same}/{len(off['answers'])}")
                 rows.append(row)
                 acc = "-" if row["acceptance"] is None else f"{row['acceptance']:.0%}"
+                dr = "-" if row["decode_ratio"] is None else f"{row['decode_ratio']:.2f}"
                 print(f"{name:6s} b{batch} {m:7s} {row['tok_s']:7.1f} tok/s  ×{row['ratio']:.2f}  "
+                      f"(decode phase ×{dr})  "
                       f"accept {acc:>4s}  tok/row-step {row['tokens_per_row_step']:.2f}  "
                       f"identical {row['identical']}", flush=True)
             loads.append(os.getloadavg())
