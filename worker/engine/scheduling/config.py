@@ -49,8 +49,10 @@ class SchedulerConfig:
     layer_yield: str = "auto"
     # Speculative decoding (kvfleet.worker.engine.speculative): "off", "ngram" or "suffix";
     # drafts per decode row per step at most (the step-cost model sizes each row's 0..this).
+    # Seven: a batch-1 row and its drafts stay one weight pass of the CPU few-row kernel's
+    # eight-row tile; the sizing still hands a row fewer (or none) where drafts do not pay.
     speculative: str = "off"
-    speculative_tokens: int = 4
+    speculative_tokens: int = 7
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
