@@ -35,9 +35,10 @@ def _term_on_parent_death(parent_pid: int, mask) -> Callable[[], None]:
     """A ``preexec_fn`` that restores the signal mask ``mask`` (the parent blocks the forwarded
     signals while it starts the child, and exec keeps a mask) and asks the kernel for SIGTERM
     when the parent dies. Runs in the child between fork and exec."""
+    libc = ctypes.CDLL(None, use_errno=True)  # loaded here, not between fork and exec
+
     def preexec() -> None:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
         if os.getppid() != parent_pid:  # the parent died before the prctl took effect
             os.kill(os.getpid(), signal.SIGTERM)
@@ -61,7 +62,6 @@ def run_in_own_session(cmd: Sequence[str], env: Optional[dict] = None) -> int:
     # Block the forwarded signals until the handlers are in place, so that none arriving while
     # the child starts is lost (or kills this process and leaves the child to PDEATHSIG).
     previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED_SIGNALS)
-    proc: Optional[subprocess.Popen] = None
     previous = {}
     try:
         proc = subprocess.Popen(list(cmd), env=child_env, start_new_session=True,
@@ -78,12 +78,7 @@ def run_in_own_session(cmd: Sequence[str], env: Optional[dict] = None) -> int:
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
     try:
-        while True:
-            try:
-                code = proc.wait()
-                break
-            except InterruptedError:  # pragma: no cover - wait() retries on EINTR itself
-                continue
+        code = proc.wait()  # retried after each forwarded signal (the handler returns)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
