@@ -194,7 +194,7 @@ def test_reserve_cuts_a_windowed_sequences_chunks_to_half_its_window(windowed) -
     engine, rec = make_engine(model_dir, num_blocks=120, runner=runner, policy="reserve",
                               max_num_batched_tokens=16)
     kv, blocks = engine.kv, engine.scheduler.blocks
-    cap = window_chunk(kv.windows, BLOCK_SIZE, 5)
+    cap = window_chunk(kv.windows, BLOCK_SIZE, 1 + engine.scheduler.config.speculative_tokens)
     assert blocks.chunk_cap == cap and cap is not None and cap < 16
     assert blocks.max_chunk() == cap
     results = run(engine, {0: reqs[:2], 3: reqs[2:]})
