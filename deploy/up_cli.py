@@ -39,6 +39,12 @@ def cmd_up(args: argparse.Namespace) -> int:
     def on_signal(*_) -> None:
         stop.set()
 
+    def interrupt(*_) -> None:
+        raise KeyboardInterrupt
+
+    # While starting, SIGTERM / SIGHUP interrupt like Ctrl-C: start() then stops what it
+    # started (the private redis-server included) instead of the process dying around it.
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         address = cluster.start()
         # After start: ray.init installs its own SIGTERM handler (it aborts the process).
@@ -64,6 +70,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             pass
         remove_cluster_file(os.getpid())
         cluster.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 0
 
 
