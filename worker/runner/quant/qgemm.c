@@ -116,71 +116,6 @@ static inline v16f lanes(const void *src, int half, int64_t index) {
     return f;
 }
 
-/* Half a block: 8 lanes, one ymm register. Few-row int8 tiles run on halves: on the CPUs
- * measured (docs/quantization.md) 256-bit widen / convert / FMA sequences take less time per
- * weight than 512-bit ones, and a batch-1 product is bound by those instructions. Lane by
- * lane the operations are the same, so the results are bit for bit those of full blocks. */
-typedef float v8f __attribute__((vector_size(32)));
-#define HALF_LANES 8
-#if defined(__AVX2__)
-static inline v8f widen_i8_half(const int8_t *p) {
-    return (v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-}
-#else
-static inline v8f widen_i8_half(const int8_t *p) {
-    v8f v;
-    for (int l = 0; l < HALF_LANES; ++l) v[l] = (float)p[l];
-    return v;
-}
-#endif
-static inline v8f lanes_half(const void *src, int half, int64_t index, int h) {
-    const v16f full = lanes(src, half, index);
-    v8f v;
-    memcpy(&v, (const float *)&full + h * HALF_LANES, sizeof v);
-    return v;
-}
-
-/* As DEFINE_INT8_TILE below, on the two halves of each block (same chains, same order). */
-#define DEFINE_INT8_HALF_TILE(MT, NB)                                                           \
-    static void int8_tile_##MT##_##NB(const float *x, int64_t ldx, const int8_t *q,             \
-                                      int64_t bstride, const char *scale, int64_t sstride,       \
-                                      int half, int64_t in, int64_t group, int64_t ahead,       \
-                                      v16f *acc) {                                              \
-        v8f sum[MT][NB][2] = {{{{0}}}};                                                           \
-        for (int64_t k0 = 0; k0 < in; k0 += group) {                                            \
-            v8f p0[MT][NB][2] = {{{{0}}}}, p1[MT][NB][2] = {{{{0}}}};                                 \
-            for (int n = 0; n < NB; ++n)                                                        \
-                prefetch_lines(q + n * bstride + k0 * LANES + ahead, group * LANES);            \
-            int64_t k = k0;                                                                     \
-            for (; k + 1 < k0 + group; k += 2)                                                  \
-                _Pragma("GCC unroll 2") for (int n = 0; n < NB; ++n)                            \
-                _Pragma("GCC unroll 2") for (int h = 0; h < 2; ++h) {                           \
-                    const int8_t *c = q + n * bstride + k * LANES + h * HALF_LANES;             \
-                    const v8f w0 = widen_i8_half(c), w1 = widen_i8_half(c + LANES);             \
-                    _Pragma("GCC unroll 8") for (int m = 0; m < MT; ++m) {                      \
-                        p0[m][n][h] += x[m * ldx + k] * w0;                                     \
-                        p1[m][n][h] += x[m * ldx + k + 1] * w1;                                 \
-                    }                                                                           \
-                }                                                                               \
-            if (k < k0 + group)                                                                 \
-                _Pragma("GCC unroll 2") for (int n = 0; n < NB; ++n)                            \
-                _Pragma("GCC unroll 2") for (int h = 0; h < 2; ++h) {                           \
-                    const v8f w0 = widen_i8_half(q + n * bstride + k * LANES + h * HALF_LANES); \
-                    _Pragma("GCC unroll 8") for (int m = 0; m < MT; ++m)                        \
-                        p0[m][n][h] += x[m * ldx + k] * w0;                                     \
-                }                                                                               \
-            const int64_t g = k0 / group;                                                       \
-            _Pragma("GCC unroll 2") for (int n = 0; n < NB; ++n)                                \
-            _Pragma("GCC unroll 2") for (int h = 0; h < 2; ++h) {                               \
-                const v8f s = lanes_half(scale + n * sstride, half, g * LANES, h);              \
-                _Pragma("GCC unroll 8") for (int m = 0; m < MT; ++m)                            \
-                    sum[m][n][h] += s * (p0[m][n][h] + p1[m][n][h]);                            \
-            }                                                                                   \
-        }                                                                                       \
-        for (int m = 0; m < MT; ++m)                                                            \
-            for (int n = 0; n < NB; ++n) memcpy(&acc[m * NB + n], sum[m][n], sizeof acc[0]);    \
-    }
-
 /* One tile: rows 0 .. MT - 1 of x (row stride ldx) against NB consecutive output blocks
  * (block stride bstride codes), accumulated over every group into acc[m * NB + n]. Products
  * accumulate unscaled inside a group, in two chains per (m, n) where few rows give too few
@@ -254,11 +189,10 @@ static inline v8f lanes_half(const void *src, int half, int64_t index, int h) {
             for (int n = 0; n < NB; ++n) acc[m * NB + n] = sum[m][n];                           \
     }
 
-/* Tiles by rows: up to 4 rows over both blocks of a panel, 5 to 8 rows block by block; int8's
- * one- and two-row tiles on half blocks (more rows would spill the halves' registers). */
+/* Tiles by rows: up to 4 rows over both blocks of a panel, 5 to 8 rows block by block. */
 #define PANEL 2
-DEFINE_INT8_HALF_TILE(1, 2)
-DEFINE_INT8_HALF_TILE(2, 2)
+DEFINE_INT8_TILE(1, 2)
+DEFINE_INT8_TILE(2, 2)
 DEFINE_INT8_TILE(3, 2)
 DEFINE_INT8_TILE(4, 2)
 DEFINE_INT8_TILE(5, 1)

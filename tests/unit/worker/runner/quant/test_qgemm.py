@@ -43,20 +43,6 @@ def test_kernel_matches_dequantized_matmul(bits, out, inputs, group) -> None:
                                    rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("out, inputs, group", SHAPES)
-def test_int8_half_block_tiles_equal_full_block_tiles(out, inputs, group) -> None:
-    """int8's one- and two-row tiles run on half blocks, wider tiles on whole blocks: the same
-    chains lane by lane, so a row gives the same bits alone, in a pair, or among five."""
-    lib = kernels.load()
-    assert lib is not None
-    g = torch.Generator().manual_seed(out + inputs)
-    packed = quantize(torch.randn(out, inputs, generator=g), 8, group)
-    x = torch.randn(5, inputs, generator=g)
-    wide = kernels.qmatmul_c(x, packed, None, lib)
-    assert torch.equal(kernels.qmatmul_c(x[:1], packed, None, lib), wide[:1])
-    assert torch.equal(kernels.qmatmul_c(x[:2], packed, None, lib), wide[:2])
-
-
 @pytest.mark.parametrize("bits", [8, 4])
 def test_thread_splits_give_the_same_outputs(bits) -> None:
     """Threads take contiguous runs of panels and read ahead into the next one: every split
