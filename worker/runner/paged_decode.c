@@ -11,7 +11,8 @@
  *   sinks   NULL, or (num_heads,) per-head sink logits: each joins its head's softmax
  *           denominator (a key with that logit and a zero value), so the weights sum below 1
  * A verify chunk's rows are decodes too: consecutive decodes over the same blocks are walked
- * together, one task per (such group, KV head), every block read once for the group while hot;
+ * together, one task per such group (or a chunk of it) and KV head, or all KV heads when there
+ * are enough groups for the threads, every block read once per task while hot;
  * each row's keys stay in cache order block by block, the next block's first slot prefetched,
  * so every row's result is bit-equal to its lone decode's. With AVX-512 and head_dim 64 the
  * scores of 16 keys of a block are summed together (one transpose-add instead of 16 horizontal
@@ -191,10 +192,10 @@ static int same_walk(int64_t a, int64_t b, const int64_t *tables, const int64_t 
 /* Returns 0, or -1 when a scratch buffer could not be allocated (that task's rows are left
  * unwritten; the caller raises).
  *
- * Consecutive decodes with the same walk (same_walk with the group's first) form a group; one
- * task per (group, KV head) walks the keys block by block, and at each block every row of the
- * group that sees it scores, then later weighs, that block's keys, so a block is read from memory
- * once for the group while it is hot. Each row keeps a lone decode's per-key arithmetic and order. */
+ * Consecutive decodes with the same walk (same_walk with the group's first) form a group; a task
+ * (a group's rows, or a chunk of them, and all KV heads or one) walks the keys block by block,
+ * and at each block every row of the task that sees it scores, then later weighs, that block's
+ * keys, so a block is read from memory once for the task while it is hot. Each row keeps a lone decode's per-key arithmetic and order. */
 int paged_decode_attention(const float *query, int64_t q_stride, float *out, int64_t o_stride,
                             const float *k_cache, const float *v_cache, const int64_t *token,
                             const int64_t *tables, const int64_t *table_start,
@@ -204,25 +205,52 @@ int paged_decode_attention(const float *query, int64_t q_stride, float *out, int
                             int num_threads) {
     const int64_t group = num_heads / num_kv_heads, slot_stride = num_kv_heads * head_dim;
     int64_t *gstart = malloc(sizeof(int64_t) * (size_t)(num_decodes + 1));
-    if (gstart == NULL) return -1;
-    int64_t num_groups = 0;
+    int64_t *tasks = malloc(sizeof(int64_t) * 3 * (size_t)(num_decodes * num_kv_heads));
+    if (gstart == NULL || tasks == NULL) {
+        free(gstart);
+        free(tasks);
+        return -1;
+    }
+    int64_t num_groups = 0, widest = 1;
     for (int64_t d = 0; d < num_decodes; ++d)
         if (d == 0 || !same_walk(gstart[num_groups - 1], d, tables, table_start, first, ctx, block_size))
             gstart[num_groups++] = d;
     gstart[num_groups] = num_decodes;
+    for (int64_t j = 0; j < num_groups; ++j)
+        widest = gstart[j + 1] - gstart[j] > widest ? gstart[j + 1] - gstart[j] : widest;
+    /* Enough tasks to keep the threads even (a few per thread): KV heads apart when there are
+     * few groups, then groups cut into chunks of at most most_rows rows. */
+    const int64_t want = num_threads > 1 ? 2 * (int64_t)num_threads : 1;
+    const int64_t per_task = num_groups >= want ? num_kv_heads : 1;
+    int64_t most_rows = widest, num_tasks;
+    for (;;) {
+        num_tasks = 0;
+        for (int64_t j = 0; j < num_groups; ++j)
+            num_tasks += (gstart[j + 1] - gstart[j] + most_rows - 1) / most_rows * (num_kv_heads / per_task);
+        if (num_tasks >= want || most_rows == 1) break;
+        most_rows = (most_rows + 1) / 2;
+    }
+    num_tasks = 0;
+    for (int64_t j = 0; j < num_groups; ++j)
+        for (int64_t d = gstart[j]; d < gstart[j + 1]; d += most_rows)
+            for (int64_t h = 0; h < num_kv_heads; h += per_task, ++num_tasks) {
+                tasks[3 * num_tasks] = d;
+                tasks[3 * num_tasks + 1] = gstart[j + 1] - d < most_rows ? gstart[j + 1] - d : most_rows;
+                tasks[3 * num_tasks + 2] = h;
+            }
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t task = 0; task < num_groups * num_kv_heads; ++task) {
-        const int64_t d0 = gstart[task / num_kv_heads], rows = gstart[task / num_kv_heads + 1] - d0;
-        const int64_t h = task % num_kv_heads, lo = first[d0];
+    for (int64_t task = 0; task < num_tasks; ++task) {
+        const int64_t d0 = tasks[3 * task], rows = tasks[3 * task + 1], h0 = tasks[3 * task + 2];
+        const int64_t lo = first[d0], heads = per_task * group, width = heads * head_dim;
         int64_t total = 0, most = 0, far = d0;  /* scores over all rows; the longest row, its keys */
         for (int64_t r = 0; r < rows; ++r) {
             const int64_t n = ctx[d0 + r] - lo;
             total += n;
             if (n > most) most = n, far = d0 + r;
         }
-        float *scores = malloc(sizeof(float) * (size_t)(group * total));
-        float *acc = calloc((size_t)(rows * group * head_dim), sizeof(float));
+        float *scores = malloc(sizeof(float) * (size_t)(heads * total));
+        float *acc = calloc((size_t)(rows * width), sizeof(float));
         if (scores == NULL || acc == NULL) {
             free(scores);
             free(acc);
@@ -232,11 +260,11 @@ int paged_decode_attention(const float *query, int64_t q_stride, float *out, int
         }
         for (int pass = 0; pass < 2; ++pass) {  /* 0: scores of every row; 1: weighed values */
             if (pass == 1)  /* each row's softmax, per query head, over its n keys */
-                for (int64_t r = 0, at = 0; r < rows; at += group * (ctx[d0 + r] - lo), ++r) {
+                for (int64_t r = 0, at = 0; r < rows; at += heads * (ctx[d0 + r] - lo), ++r) {
                     const int64_t n = ctx[d0 + r] - lo;
-                    for (int64_t g = 0; g < group; ++g) {
-                        const int64_t hq = h * group + g;
-                        float *sh = scores + at + g * n, m = sinks ? sinks[hq] : -INFINITY, sum;
+                    for (int64_t j = 0; j < heads; ++j) {
+                        const int64_t hq = h0 * group + j;
+                        float *sh = scores + at + j * n, m = sinks ? sinks[hq] : -INFINITY, sum;
                         for (int64_t i = 0; i < n; ++i) m = sh[i] > m ? sh[i] : m;
                         sum = exp_shifted(sh, n, m);
                         if (sinks) sum += expf(sinks[hq] - m);
@@ -249,32 +277,36 @@ int paged_decode_attention(const float *query, int64_t q_stride, float *out, int
                 const int64_t off = p % block_size, span = block_size - off;
                 if (i + span < most)  /* the next block's first keys: the prefetcher does not know it */
                     __builtin_prefetch(cache + tables[table_start[far] + (p + span) / block_size]
-                                                   * block_size * slot_stride + h * head_dim);
-                for (int64_t r = 0, at = 0; r < rows; at += group * (ctx[d0 + r] - lo), ++r) {
+                                                   * block_size * slot_stride + h0 * head_dim);
+                for (int64_t r = 0, at = 0; r < rows; at += heads * (ctx[d0 + r] - lo), ++r) {
                     const int64_t d = d0 + r, n = ctx[d] - lo;
                     if (i >= n) continue;
                     const int64_t run = span < n - i ? span : n - i;
-                    const float *kv = cache + (tables[table_start[d] + p / block_size] * block_size + off)
-                                                  * slot_stride + h * head_dim;
-                    if (pass == 0)
-                        score_block(scores + at, n, i, run,
-                                    query + token[d] * q_stride + h * group * head_dim, kv, slot_stride,
-                                    head_dim, group, scale);
-                    else
-                        weigh_block(acc + r * group * head_dim, scores + at, n, i, run, kv, slot_stride,
-                                    head_dim, group);
+                    const float *slot = cache + (tables[table_start[d] + p / block_size] * block_size + off)
+                                                    * slot_stride;
+                    for (int64_t h = h0; h < h0 + per_task; ++h) {
+                        const int64_t j = (h - h0) * group;  /* h's first query head in this task */
+                        if (pass == 0)
+                            score_block(scores + at + j * n, n, i, run,
+                                        query + token[d] * q_stride + h * group * head_dim,
+                                        slot + h * head_dim, slot_stride, head_dim, group, scale);
+                        else
+                            weigh_block(acc + r * width + j * head_dim, scores + at + j * n, n, i, run,
+                                        slot + h * head_dim, slot_stride, head_dim, group);
+                    }
                 }
                 i += span;
                 p += span;
             }
         }
         for (int64_t r = 0; r < rows; ++r) {
-            float *o = out + token[d0 + r] * o_stride + h * group * head_dim;
-            for (int64_t e = 0; e < group * head_dim; ++e) o[e] = acc[r * group * head_dim + e];
+            float *o = out + token[d0 + r] * o_stride + h0 * group * head_dim;
+            for (int64_t e = 0; e < width; ++e) o[e] = acc[r * width + e];
         }
         free(scores);
         free(acc);
     }
     free(gstart);
+    free(tasks);
     return failed ? -1 : 0;
 }
