@@ -195,7 +195,8 @@ static int same_walk(int64_t a, int64_t b, const int64_t *tables, const int64_t 
  * Consecutive decodes with the same walk (same_walk with the group's first) form a group; a task
  * (a group's rows, or a chunk of them, and all KV heads or one) walks the keys block by block,
  * and at each block every row of the task that sees it scores, then later weighs, that block's
- * keys, so a block is read from memory once for the task while it is hot. Each row keeps a lone decode's per-key arithmetic and order. */
+ * keys, so a block is read from memory once for the task while it is hot. Each row keeps a lone
+ * decode's per-key arithmetic and order. */
 int paged_decode_attention(const float *query, int64_t q_stride, float *out, int64_t o_stride,
                             const float *k_cache, const float *v_cache, const int64_t *token,
                             const int64_t *tables, const int64_t *table_start,
