@@ -192,6 +192,6 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
         key_cache.data_ptr(), value_cache.data_ptr(), token.data_ptr(), tables.data_ptr(),
         table_start.data_ptr(), first.data_ptr(), ctx.data_ptr(), token.numel(), num_heads,
         kv_heads, head_dim, block_size, scale, None if sinks is None else sinks.data_ptr(),
-        min(torch.get_num_threads(), token.numel()))  # one task per decode: no idle threads
+        min(torch.get_num_threads(), token.numel() * kv_heads))  # tasks per (decodes, KV head)
     if status != 0:
         raise MemoryError("decode kernel: could not allocate its scratch buffers")

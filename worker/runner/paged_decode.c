@@ -10,11 +10,14 @@
  *   first[d] .. ctx[d] - 1  the keys decode d sees (first > 0 under a sliding window)
  *   sinks   NULL, or (num_heads,) per-head sink logits: each joins its head's softmax
  *           denominator (a key with that logit and a zero value), so the weights sum below 1
- * One task per decode (a verify chunk's rows are decodes too): it walks its keys in cache
- * order block by block (the prefetcher then streams the block), the next block's first slot
- * prefetched. With AVX-512 and head_dim 64 the scores of 16 keys of a block are summed
- * together (one transpose-add instead of 16 horizontal sums), and the values are weighed per
- * KV head with its query heads' outputs held in registers, not summed in memory.
+ * A verify chunk's rows are decodes too: consecutive decodes over the same blocks are walked
+ * together, one task per such group (or a chunk of it) and KV head, or all KV heads when there
+ * are enough groups for the threads, every block read once per task while hot;
+ * each row's keys stay in cache order block by block, the next block's first slot prefetched,
+ * so every row's result is bit-equal to its lone decode's. With AVX-512 and head_dim 64 the
+ * scores of 16 keys of a block are summed together (one transpose-add instead of 16 horizontal
+ * sums), and the values are weighed per KV head with its query heads' outputs held in registers
+ * over each block.
  * Softmax in two passes over a scores buffer (max, then exp and sum), as SDPA's math does;
  * with AVX-512 the exp is a vector polynomial (about one ulp) instead of scalar expf.
  */
@@ -22,71 +25,56 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-/* Heads' outputs acc[hq] = sum over the n keys from position lo of scores[hq, i] · V[i, hq's KV
- * head], keys in cache order (the same order for every query row, whatever the batch). */
+/* One KV head h's outputs acc[g] (its G query heads, g < G) += scores[g, i + s] · V[p + s, h] for
+ * the run keys of one block (their first slot at v, position p = lo + i), keys in cache order.
+ * A row's keys are walked block by block in the same order whatever the rows beside it, so its
+ * accumulation order (and its bits) stay those of a lone decode. */
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
-/* One KV head's G query heads with head_dim 64: their outputs in 4 x G vector registers while
- * the walk over the keys reads each value once. */
-static inline __attribute__((always_inline)) void weigh_head64(
-    float *acc, const float *scores, int64_t n, const float *v_cache, const int64_t *table,
-    int64_t lo, int64_t block_size, int64_t slot_stride, int64_t h, const int G) {
+/* head_dim 64: the G outputs in 4 x G vector registers over the block's keys. */
+static inline __attribute__((always_inline)) void weigh_block64(
+    float *acc, const float *scores, int64_t n, int64_t i, int64_t run, const float *v,
+    int64_t slot_stride, const int G) {
     __m512 a[4][4];
-    for (int g = 0; g < G; ++g) a[g][0] = a[g][1] = a[g][2] = a[g][3] = _mm512_setzero_ps();
-    for (int64_t i = 0, p = lo; i < n;) {
-        const int64_t off = p % block_size, run = block_size - off < n - i ? block_size - off : n - i;
-        const float *v = v_cache + (table[p / block_size] * block_size + off) * slot_stride + h * 64;
-        for (int64_t s = 0; s < run; ++s, v += slot_stride) {
-            const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
-            const __m512 v2 = _mm512_loadu_ps(v + 32), v3 = _mm512_loadu_ps(v + 48);
-            for (int g = 0; g < G; ++g) {
-                const __m512 w = _mm512_set1_ps(scores[(h * G + g) * n + i + s]);
-                a[g][0] = _mm512_fmadd_ps(w, v0, a[g][0]);
-                a[g][1] = _mm512_fmadd_ps(w, v1, a[g][1]);
-                a[g][2] = _mm512_fmadd_ps(w, v2, a[g][2]);
-                a[g][3] = _mm512_fmadd_ps(w, v3, a[g][3]);
-            }
+    for (int g = 0; g < G; ++g)
+        for (int c = 0; c < 4; ++c) a[g][c] = _mm512_loadu_ps(acc + g * 64 + c * 16);
+    for (int64_t s = 0; s < run; ++s, v += slot_stride) {
+        const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
+        const __m512 v2 = _mm512_loadu_ps(v + 32), v3 = _mm512_loadu_ps(v + 48);
+        for (int g = 0; g < G; ++g) {
+            const __m512 w = _mm512_set1_ps(scores[g * n + i + s]);
+            a[g][0] = _mm512_fmadd_ps(w, v0, a[g][0]);
+            a[g][1] = _mm512_fmadd_ps(w, v1, a[g][1]);
+            a[g][2] = _mm512_fmadd_ps(w, v2, a[g][2]);
+            a[g][3] = _mm512_fmadd_ps(w, v3, a[g][3]);
         }
-        i += run;
-        p += run;
     }
     for (int g = 0; g < G; ++g)
-        for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + (h * G + g) * 64 + c * 16, a[g][c]);
+        for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + g * 64 + c * 16, a[g][c]);
 }
 #endif
 
-static void weigh_values(float *acc, const float *scores, int64_t n, const float *v_cache,
-                         const int64_t *table, int64_t lo, int64_t block_size,
-                         int64_t num_kv_heads, int64_t head_dim, int64_t group) {
-    const int64_t slot_stride = num_kv_heads * head_dim;
+static void weigh_block(float *acc, const float *scores, int64_t n, int64_t i, int64_t run,
+                        const float *v, int64_t slot_stride, int64_t head_dim, int64_t group) {
 #if defined(__AVX512F__)
     if (head_dim == 64 && group >= 1 && group <= 4) {
-        for (int64_t h = 0; h < num_kv_heads; ++h) switch (group) {
-            case 1: weigh_head64(acc, scores, n, v_cache, table, lo, block_size, slot_stride, h, 1); break;
-            case 2: weigh_head64(acc, scores, n, v_cache, table, lo, block_size, slot_stride, h, 2); break;
-            case 3: weigh_head64(acc, scores, n, v_cache, table, lo, block_size, slot_stride, h, 3); break;
-            default: weigh_head64(acc, scores, n, v_cache, table, lo, block_size, slot_stride, h, 4); break;
+        switch (group) {
+            case 1: weigh_block64(acc, scores, n, i, run, v, slot_stride, 1); break;
+            case 2: weigh_block64(acc, scores, n, i, run, v, slot_stride, 2); break;
+            case 3: weigh_block64(acc, scores, n, i, run, v, slot_stride, 3); break;
+            default: weigh_block64(acc, scores, n, i, run, v, slot_stride, 4); break;
         }
         return;
     }
 #endif
-    for (int64_t i = 0, p = lo; i < n;) {
-        const int64_t off = p % block_size, run = block_size - off < n - i ? block_size - off : n - i;
-        const float *v = v_cache + (table[p / block_size] * block_size + off) * slot_stride;
-        for (int64_t s = 0; s < run; ++s, v += slot_stride)
-            for (int64_t h = 0; h < num_kv_heads; ++h) {
-                const float *vh = v + h * head_dim;
-                for (int64_t hq = h * group; hq < (h + 1) * group; ++hq) {
-                    const float w = scores[hq * n + i + s];
-                    float *ah = acc + hq * head_dim;
+    for (int64_t s = 0; s < run; ++s, v += slot_stride)
+        for (int64_t g = 0; g < group; ++g) {
+            const float w = scores[g * n + i + s];
+            float *ah = acc + g * head_dim;
 #pragma omp simd
-                    for (int64_t e = 0; e < head_dim; ++e) ah[e] += w * vh[e];
-                }
-            }
-        i += run;
-        p += run;
-    }
+            for (int64_t e = 0; e < head_dim; ++e) ah[e] += w * v[e];
+        }
 }
 
 #if defined(__AVX512F__)
@@ -157,50 +145,58 @@ static inline __m512 dot64(const __m512 qv[4], const float *kh) {
 }
 #endif
 
-/* scores[hq, i] = scale · q[hq] · K[lo + i, hq's KV head] for the n keys from position lo, keys
- * walked in cache order block by block (no division per key). With AVX-512 and head_dim 64,
- * 16 keys of a block at a time per query head, their 16 horizontal sums done together. */
-static void score_keys(float *scores, int64_t n, const float *q, const float *k_cache,
-                       const int64_t *table, int64_t lo, int64_t block_size, int64_t num_kv_heads,
-                       int64_t head_dim, int64_t group, float scale) {
-    const int64_t slot_stride = num_kv_heads * head_dim;
-    for (int64_t i = 0, p = lo; i < n;) {
-        const int64_t off = p % block_size, run = block_size - off < n - i ? block_size - off : n - i;
-        const float *k = k_cache + (table[p / block_size] * block_size + off) * slot_stride;
-        if (i + run < n)  /* the next block's first keys: the prefetcher does not know it */
-            __builtin_prefetch(k_cache + table[(p + run) / block_size] * block_size * slot_stride);
-        int64_t s = 0;
+/* scores[g, i + s] = scale · q[g] · K[p + s, h] for KV head h's G query heads (q: the first of
+ * them) and the run keys of one block (their first slot at k, h's part at k + h * head_dim).
+ * With AVX-512 and head_dim 64, 16 keys at a time per query head, their 16 horizontal sums done
+ * together; the block's last run % 16 keys one by one. A key's score depends only on its place
+ * in its block's run, as in a lone decode's walk. */
+static void score_block(float *scores, int64_t n, int64_t i, int64_t run, const float *q,
+                        const float *k, int64_t slot_stride, int64_t head_dim, int64_t group,
+                        float scale) {
+    int64_t s = 0;
 #if defined(__AVX512F__)
-        if (head_dim == 64)
-            for (; s + 16 <= run; s += 16)
-                for (int64_t hq = 0; hq < num_kv_heads * group; ++hq) {
-                    const float *qh = q + hq * 64, *kh = k + s * slot_stride + (hq / group) * 64;
-                    const __m512 qv[4] = {_mm512_loadu_ps(qh), _mm512_loadu_ps(qh + 16),
-                                          _mm512_loadu_ps(qh + 32), _mm512_loadu_ps(qh + 48)};
-                    __m512 t[16];
-                    for (int j = 0; j < 16; ++j) t[j] = dot64(qv, kh + j * slot_stride);
-                    _mm512_storeu_ps(scores + hq * n + i + s,
-                                     _mm512_mul_ps(sum16(t), _mm512_set1_ps(scale)));
-                }
-#endif
-        for (const float *ks = k + s * slot_stride; s < run; ++s, ks += slot_stride)
-            for (int64_t h = 0; h < num_kv_heads; ++h) {
-                const float *kh = ks + h * head_dim;
-                for (int64_t hq = h * group; hq < (h + 1) * group; ++hq) {
-                    const float *qh = q + hq * head_dim;
-                    float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-                    for (int64_t e = 0; e < head_dim; ++e) dot += qh[e] * kh[e];
-                    scores[hq * n + i + s] = dot * scale;
-                }
+    if (head_dim == 64)
+        for (; s + 16 <= run; s += 16)
+            for (int64_t g = 0; g < group; ++g) {
+                const float *qh = q + g * 64, *kh = k + s * slot_stride;
+                const __m512 qv[4] = {_mm512_loadu_ps(qh), _mm512_loadu_ps(qh + 16),
+                                      _mm512_loadu_ps(qh + 32), _mm512_loadu_ps(qh + 48)};
+                __m512 t[16];
+                for (int j = 0; j < 16; ++j) t[j] = dot64(qv, kh + j * slot_stride);
+                _mm512_storeu_ps(scores + g * n + i + s, _mm512_mul_ps(sum16(t), _mm512_set1_ps(scale)));
             }
-        i += run;
-        p += run;
-    }
+#endif
+    for (const float *ks = k + s * slot_stride; s < run; ++s, ks += slot_stride)
+        for (int64_t g = 0; g < group; ++g) {
+            const float *qh = q + g * head_dim;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t e = 0; e < head_dim; ++e) dot += qh[e] * ks[e];
+            scores[g * n + i + s] = dot * scale;
+        }
 }
 
-/* Returns 0, or -1 when a scratch buffer could not be allocated (that decode's row is left
- * unwritten; the caller raises). */
+/* Whether decodes a and b may share a walk: the same first key and the same blocks over the
+ * keys both see (a verify chunk's rows, or sequences sharing a cached prefix). Sharing is only
+ * a speed-up: each row still reads through its own block table. */
+static int same_walk(int64_t a, int64_t b, const int64_t *tables, const int64_t *table_start,
+                     const int64_t *first, const int64_t *ctx, int64_t block_size) {
+    if (first[a] != first[b]) return 0;
+    const int64_t last = (ctx[a] < ctx[b] ? ctx[a] : ctx[b]) - 1;
+    const int64_t *ta = tables + table_start[a], *tb = tables + table_start[b];
+    for (int64_t j = first[a] / block_size; j <= last / block_size; ++j)
+        if (ta[j] != tb[j]) return 0;
+    return 1;
+}
+
+/* Returns 0, or -1 when a scratch buffer could not be allocated (that task's rows are left
+ * unwritten; the caller raises).
+ *
+ * Consecutive decodes with the same walk (same_walk with the group's first) form a group; a task
+ * (a group's rows, or a chunk of them, and all KV heads or one) walks the keys block by block,
+ * and at each block every row of the task that sees it scores, then later weighs, that block's
+ * keys, so a block is read from memory once for the task while it is hot. Each row keeps a lone
+ * decode's per-key arithmetic and order. */
 int paged_decode_attention(const float *query, int64_t q_stride, float *out, int64_t o_stride,
                             const float *k_cache, const float *v_cache, const int64_t *token,
                             const int64_t *tables, const int64_t *table_start,
@@ -208,14 +204,54 @@ int paged_decode_attention(const float *query, int64_t q_stride, float *out, int
                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                             int64_t block_size, float scale, const float *sinks,
                             int num_threads) {
-    const int64_t group = num_heads / num_kv_heads;
+    const int64_t group = num_heads / num_kv_heads, slot_stride = num_kv_heads * head_dim;
+    int64_t *gstart = malloc(sizeof(int64_t) * (size_t)(num_decodes + 1));
+    int64_t *tasks = malloc(sizeof(int64_t) * 3 * (size_t)(num_decodes * num_kv_heads));
+    if (gstart == NULL || tasks == NULL) {
+        free(gstart);
+        free(tasks);
+        return -1;
+    }
+    int64_t num_groups = 0, widest = 1;
+    for (int64_t d = 0; d < num_decodes; ++d)
+        if (d == 0 || !same_walk(gstart[num_groups - 1], d, tables, table_start, first, ctx, block_size))
+            gstart[num_groups++] = d;
+    gstart[num_groups] = num_decodes;
+    for (int64_t j = 0; j < num_groups; ++j)
+        widest = gstart[j + 1] - gstart[j] > widest ? gstart[j + 1] - gstart[j] : widest;
+    /* Enough tasks to keep the threads even (a few per thread): KV heads apart when there are
+     * few groups, then groups cut into chunks of at most most_rows rows. */
+    const int64_t want = num_threads > 1 ? 2 * (int64_t)num_threads : 1;
+    const int64_t per_task = num_groups >= want ? num_kv_heads : 1;
+    int64_t most_rows = widest, num_tasks;
+    for (;;) {
+        num_tasks = 0;
+        for (int64_t j = 0; j < num_groups; ++j)
+            num_tasks += (gstart[j + 1] - gstart[j] + most_rows - 1) / most_rows * (num_kv_heads / per_task);
+        if (num_tasks >= want || most_rows == 1) break;
+        most_rows = (most_rows + 1) / 2;
+    }
+    num_tasks = 0;
+    for (int64_t j = 0; j < num_groups; ++j)
+        for (int64_t d = gstart[j]; d < gstart[j + 1]; d += most_rows)
+            for (int64_t h = 0; h < num_kv_heads; h += per_task, ++num_tasks) {
+                tasks[3 * num_tasks] = d;
+                tasks[3 * num_tasks + 1] = gstart[j + 1] - d < most_rows ? gstart[j + 1] - d : most_rows;
+                tasks[3 * num_tasks + 2] = h;
+            }
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t d = 0; d < num_decodes; ++d) {
-        const int64_t lo = first[d], n = ctx[d] - first[d];
-        const int64_t *table = tables + table_start[d];
-        float *scores = malloc(sizeof(float) * (size_t)(num_heads * n));
-        float *acc = calloc((size_t)(num_heads * head_dim), sizeof(float));
+    for (int64_t task = 0; task < num_tasks; ++task) {
+        const int64_t d0 = tasks[3 * task], rows = tasks[3 * task + 1], h0 = tasks[3 * task + 2];
+        const int64_t lo = first[d0], heads = per_task * group, width = heads * head_dim;
+        int64_t total = 0, most = 0, far = d0;  /* scores over all rows; the longest row, its keys */
+        for (int64_t r = 0; r < rows; ++r) {
+            const int64_t n = ctx[d0 + r] - lo;
+            total += n;
+            if (n > most) most = n, far = d0 + r;
+        }
+        float *scores = malloc(sizeof(float) * (size_t)(heads * total));
+        float *acc = calloc((size_t)(rows * width), sizeof(float));
         if (scores == NULL || acc == NULL) {
             free(scores);
             free(acc);
@@ -223,21 +259,55 @@ int paged_decode_attention(const float *query, int64_t q_stride, float *out, int
             failed = 1;
             continue;
         }
-        const float *q = query + token[d] * q_stride;
-        score_keys(scores, n, q, k_cache, table, lo, block_size, num_kv_heads, head_dim, group, scale);
-        for (int64_t hq = 0; hq < num_heads; ++hq) {
-            float *sh = scores + hq * n, m = sinks ? sinks[hq] : -INFINITY, sum = 0.f;
-            for (int64_t i = 0; i < n; ++i) m = sh[i] > m ? sh[i] : m;
-            sum = exp_shifted(sh, n, m);
-            if (sinks) sum += expf(sinks[hq] - m);
-            const float inv = 1.f / sum;
-            for (int64_t i = 0; i < n; ++i) sh[i] *= inv;
+        for (int pass = 0; pass < 2; ++pass) {  /* 0: scores of every row; 1: weighed values */
+            if (pass == 1)  /* each row's softmax, per query head, over its n keys */
+                for (int64_t r = 0, at = 0; r < rows; at += heads * (ctx[d0 + r] - lo), ++r) {
+                    const int64_t n = ctx[d0 + r] - lo;
+                    for (int64_t j = 0; j < heads; ++j) {
+                        const int64_t hq = h0 * group + j;
+                        float *sh = scores + at + j * n, m = sinks ? sinks[hq] : -INFINITY, sum;
+                        for (int64_t i = 0; i < n; ++i) m = sh[i] > m ? sh[i] : m;
+                        sum = exp_shifted(sh, n, m);
+                        if (sinks) sum += expf(sinks[hq] - m);
+                        const float inv = 1.f / sum;
+                        for (int64_t i = 0; i < n; ++i) sh[i] *= inv;
+                    }
+                }
+            const float *cache = pass == 0 ? k_cache : v_cache;
+            for (int64_t i = 0, p = lo; i < most;) {
+                const int64_t off = p % block_size, span = block_size - off;
+                if (i + span < most)  /* the next block's first keys: the prefetcher does not know it */
+                    __builtin_prefetch(cache + tables[table_start[far] + (p + span) / block_size]
+                                                   * block_size * slot_stride + h0 * head_dim);
+                for (int64_t r = 0, at = 0; r < rows; at += heads * (ctx[d0 + r] - lo), ++r) {
+                    const int64_t d = d0 + r, n = ctx[d] - lo;
+                    if (i >= n) continue;
+                    const int64_t run = span < n - i ? span : n - i;
+                    const float *slot = cache + (tables[table_start[d] + p / block_size] * block_size + off)
+                                                    * slot_stride;
+                    for (int64_t h = h0; h < h0 + per_task; ++h) {
+                        const int64_t j = (h - h0) * group;  /* h's first query head in this task */
+                        if (pass == 0)
+                            score_block(scores + at + j * n, n, i, run,
+                                        query + token[d] * q_stride + h * group * head_dim,
+                                        slot + h * head_dim, slot_stride, head_dim, group, scale);
+                        else
+                            weigh_block(acc + r * width + j * head_dim, scores + at + j * n, n, i, run,
+                                        slot + h * head_dim, slot_stride, head_dim, group);
+                    }
+                }
+                i += span;
+                p += span;
+            }
         }
-        weigh_values(acc, scores, n, v_cache, table, lo, block_size, num_kv_heads, head_dim, group);
-        float *o = out + token[d] * o_stride;
-        for (int64_t e = 0; e < num_heads * head_dim; ++e) o[e] = acc[e];
+        for (int64_t r = 0; r < rows; ++r) {
+            float *o = out + token[d0 + r] * o_stride + h0 * group * head_dim;
+            for (int64_t e = 0; e < width; ++e) o[e] = acc[r * width + e];
+        }
         free(scores);
         free(acc);
     }
+    free(gstart);
+    free(tasks);
     return failed ? -1 : 0;
 }

@@ -179,3 +179,41 @@ def test_decode_kernel_long_context_gqa_and_strided_rows(heads, kv_heads, dim) -
         scores[:, :lo] = float("-inf")
         ref = torch.einsum("hk,khd->hd", scores.softmax(-1), values.repeat_interleave(rep, 1))
         torch.testing.assert_close(out[0], ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 16)])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_decode_kernel_rows_walked_together_equal_lone_decodes(heads, kv_heads, dim, sinks) -> None:
+    """Consecutive decodes over the same blocks (a verify chunk's rows, rows sharing a cached
+    prefix, windowed rows) walked together at 1-3 threads give each row bit for bit what it
+    gives decoded alone; their contexts cross block and 16-key boundaries."""
+    if cpu_kernels.load() is None:
+        pytest.skip("no C kernels here")
+    g = torch.Generator().manual_seed(5)
+    bs, nb = 16, 64
+    key_cache, value_cache = (torch.randn(nb, bs, kv_heads, dim, generator=g) for _ in range(2))
+    perm = torch.randperm(nb, generator=g)
+    a, b, c = perm[:30], perm[30:40], perm[40:]
+    rows = [(a, 0, 395 + j) for j in range(8)] + [(b, 0, 150), (a, 0, 333)]
+    rows += [(c, 100, 300 + j) for j in range(5)] + [(c, 0, 15 + j) for j in range(3)]
+    q = torch.randn(len(rows), heads, dim, generator=g)
+    tables = torch.cat([t for t, _, _ in rows]).long()
+    table_start = torch.tensor([0] + [len(t) for t, _, _ in rows]).cumsum(0)
+    first = torch.tensor([f for _, f, _ in rows])
+    ctx = torch.tensor([n for _, _, n in rows])
+    sink = torch.randn(heads, generator=g) if sinks else None
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in (1, 2, 3):
+            torch.set_num_threads(n_threads)
+            out = torch.full_like(q, float("nan"))
+            cpu_kernels.decode_attention(q, key_cache, value_cache, out, torch.arange(len(rows)), tables,
+                                         table_start, first, ctx, 0.125, sink)
+            for d in range(len(rows)):
+                one = torch.full_like(q[:1], float("nan"))
+                cpu_kernels.decode_attention(q[d:d + 1], key_cache, value_cache, one, torch.zeros(1).long(),
+                                             tables, table_start[d:d + 2], first[d:d + 1], ctx[d:d + 1],
+                                             0.125, sink)
+                assert torch.equal(one[0], out[d]), (n_threads, d)
+    finally:
+        torch.set_num_threads(threads)
