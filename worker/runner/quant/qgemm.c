@@ -21,6 +21,24 @@
 #include <immintrin.h>
 #endif
 
+/* One IEEE half to float, exactly (qrows.c, in the same library, uses it too). */
+float kvf_half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 31, man = h & 1023;
+    uint32_t bits;
+    if (exp == 31) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else {  /* zero or subnormal: man * 2^-24 */
+        const float f = (float)man * 5.9604644775390625e-8f;
+        memcpy(&bits, &f, sizeof bits);
+        bits |= sign;
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
 #define LANES 16
 #define TILE 8
 
@@ -76,25 +94,9 @@ static inline void widen_u4(const uint8_t *p, v16f *lo, v16f *hi) {
         (*hi)[l] = (float)(p[l] >> 4);
     }
 }
-static inline float half_bits_to_float(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 31, man = h & 1023;
-    uint32_t bits;
-    if (exp == 31) {
-        bits = sign | 0x7f800000u | (man << 13);
-    } else if (exp != 0) {
-        bits = sign | ((exp + 112) << 23) | (man << 13);
-    } else {  /* zero or subnormal: man * 2^-24 */
-        const float f = (float)man * 5.9604644775390625e-8f;
-        memcpy(&bits, &f, sizeof bits);
-        bits |= sign;
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
 static inline v16f widen_f16(const uint16_t *p) {
     v16f v;
-    for (int l = 0; l < LANES; ++l) v[l] = half_bits_to_float(p[l]);
+    for (int l = 0; l < LANES; ++l) v[l] = kvf_half_to_float(p[l]);
     return v;
 }
 #endif

@@ -8,29 +8,13 @@
  * formulation cost far more than the row.
  */
 #include <stdint.h>
-#include <string.h>
 
 #define LANES 16
 
-static float half_to_float(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 31, man = h & 1023;
-    uint32_t bits;
-    if (exp == 31) {
-        bits = sign | 0x7f800000u | (man << 13);
-    } else if (exp != 0) {
-        bits = sign | ((exp + 112) << 23) | (man << 13);
-    } else {  /* zero or subnormal: man · 2^-24, exact in fp32 */
-        const float f = (float)man * 5.9604644775390625e-8f;
-        memcpy(&bits, &f, sizeof bits);
-        bits |= sign;
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
+float kvf_half_to_float(uint16_t h);  /* qgemm.c */
 
 static float lane(const void *p, int half, int64_t i) {
-    return half ? half_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+    return half ? kvf_half_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
 /* out[t] (in floats) = output row index[t] of the weight (out_features rows, bits 8 or 4).
