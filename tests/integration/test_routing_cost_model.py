@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 from kvfleet.client import Client
 from kvfleet.deploy.cli import build_parser
@@ -55,7 +56,15 @@ def test_cost_model_replicas_fail_alone_and_ready_means_listed(ray_session, redi
                 out = list(client.stream(prompt, max_tokens=4, ignore_eos=True))[-1]
                 assert out.completion_tokens == 4 and out.replica_id != first.replica_id
             assert survivor in {i.replica_id for i in cluster.registered()}
-            assert pids[hosts[survivor]] in {r["pid"] for r in cluster.serve_replicas()
-                                             if r["state"] == "RUNNING"}
+            # Serve's view of its replicas is polled by its controller: it may still be
+            # settling the kill, so wait (bounded) for the survivor to be listed RUNNING again.
+            deadline = time.monotonic() + 30
+            running: set = set()
+            while time.monotonic() < deadline:
+                running = {r["pid"] for r in cluster.serve_replicas() if r["state"] == "RUNNING"}
+                if pids[hosts[survivor]] in running:
+                    break
+                time.sleep(0.2)
+            assert pids[hosts[survivor]] in running
     finally:
         cluster.stop()
