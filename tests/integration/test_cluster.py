@@ -56,6 +56,22 @@ def idle_free_blocks(address: str, timeout_s: float = 20.0) -> worker_pb2.StatsR
     raise AssertionError(f"replica {address} never became idle")
 
 
+def router_sees_idle(client: Client, since: float, timeout_s: float = 20.0) -> None:
+    """Wait until the router's view holds, for every replica, a load report taken after
+    ``since`` (``time.monotonic()``) that shows nothing running or waiting: requests sent to a
+    worker directly count in its reports until the next heartbeat, and a replica reported
+    busy may rightly lose a request to an idle one."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        elapsed = time.monotonic() - since
+        status = client.cluster_status()
+        if status.replicas and all(r.running == 0 and r.waiting == 0 and r.heartbeat_age_s < elapsed
+                                   for r in status.replicas):
+            return
+        time.sleep(0.05)
+    raise AssertionError("the router never saw every replica idle")
+
+
 def tokens_of(client: Client, messages) -> list[int]:
     stub = client._stub
     req = router_pb2.TokenizeRequest()
@@ -98,8 +114,10 @@ def test_request_lands_on_the_replica_holding_its_longest_prefix(client, tiny_cl
                                                    cache_salt=salt)
             req.sampling.max_tokens = 1
             list(worker_stub(addr).Generate(req))
+        warmed = time.monotonic()
         for holder, prompt in ((a_id, prompt_a), (b_id, prompt_b)):
             wait_indexed(tiny_cluster, client, holder, token_ids=prompt, cache_salt=salt)
+        router_sees_idle(client, since=warmed)
         out_a = list(client.stream(messages=chat(SYSTEM_A, "Which moon is largest?"),
                                    cache_salt=salt, max_tokens=2))[-1]
         out_b = list(client.stream(messages=chat(SYSTEM_B, "How long should dough rest?"),
