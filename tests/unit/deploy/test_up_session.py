@@ -93,15 +93,17 @@ def test_exit_status_of_a_signalled_child_reads_as_a_shell_reports_it() -> None:
     assert code == 128 + signal.SIGKILL
 
 
-def test_only_the_command_line_up_is_supervised(monkeypatch) -> None:
+def test_only_the_command_line_up_and_demo_are_supervised(monkeypatch) -> None:
     monkeypatch.delenv(own_session.SUPERVISED_ENV, raising=False)
-    assert cli._supervise_up(["up", "--replicas", "1"])
-    assert cli._supervise_up(["-v", "up"])
-    assert not cli._supervise_up(["up", "--help"])
-    assert not cli._supervise_up(["demo"])
-    assert not cli._supervise_up(["status"])
+    assert cli._supervise_cluster(["up", "--replicas", "1"])
+    assert cli._supervise_cluster(["-v", "up"])
+    assert cli._supervise_cluster(["demo"])
+    assert not cli._supervise_cluster(["up", "--help"])
+    assert not cli._supervise_cluster(["demo", "-h"])
+    assert not cli._supervise_cluster(["status"])
     monkeypatch.setenv(own_session.SUPERVISED_ENV, "1")
-    assert not cli._supervise_up(["up"])
+    assert not cli._supervise_cluster(["up"])
+    assert not cli._supervise_cluster(["demo"])
 
 
 # The launcher's stand-in: start the child (as it starts the router or redis-server) with the
