@@ -32,12 +32,13 @@ import torch
 from kvfleet.allocator.units import cdiv
 from kvfleet.cpus import available_cpus, cpu_model
 from kvfleet.worker.engine.step_plan import SeqChunk, StepPlan
+from kvfleet.worker.runner.models.linear import FEW_ROWS
 from kvfleet.worker.step_cost.fit import StepSample, fit
 from kvfleet.worker.step_cost.host_lock import host_lock
 from kvfleet.worker.step_cost.model import MEASURED, CostModel, plan_shape
 
 log = logging.getLogger(__name__)
-FORMAT = 3  # bump when the model form, the plans or the fit change: old cache files stop matching
+FORMAT = 4  # bump when the model form, the plans or the fit change: old cache files stop matching
 DEFAULT_BUDGET_S = 20.0
 STARTUP_REPEATS = 4  # passes: the first two always run, the others within the budget
 LOCK_WAIT_S = 180.0  # longest wait for another replica's calibration of the same key
@@ -101,11 +102,15 @@ def calibration_plans(block_size: int, prefill_sizes: Iterable[int], contexts: I
 def startup_plans(num_blocks: int, block_size: int, max_model_len: int, vocab: int) -> list[StepPlan]:
     """The start-up calibration's shapes, sized to fit the KV pool and the context: decode
     batches of 1, 4 and up to 16 rows at a short context and 1 and 4 at a long one, prefill
-    chunks of 16-256 tokens from an empty prefix and 64-128 after a long one, one step
-    mixing decode rows with a chunk (the scheduler's usual step), and verify steps (one decode
-    row carrying 4 speculative drafts, four rows carrying 1 each: the shapes the sizing rule
-    picks on CPU, within the few-row kernel), so each of the base, decode, prefill, context
-    and draft terms varies on its own in more than one shape."""
+    chunks of 16-256 tokens from an empty prefix and 64-128 after a long one, steps mixing
+    decode rows with a chunk of 16, 32 and :data:`~kvfleet.worker.runner.models.linear.FEW_ROWS`
+    tokens (the scheduler's usual step: the chunks an ITL target schedules stay within the
+    few-row kernel's reach, the last is just past it), and verify steps (one decode row
+    carrying 4 speculative drafts, four rows carrying 1 each: the shapes the sizing rule picks
+    on CPU, within the few-row kernel), so each of the base, decode, prefill, context, draft
+    and GEMM-path terms varies on its own in more than one shape (the last: prefill chunks of
+    64 tokens and under and the first two mixed steps within the kernel's reach, the 128- and
+    256-token chunks and the last mixed step past it)."""
     slots = num_blocks * block_size
     long_ctx = max(1, min(1024, max_model_len - 257, slots // 2 - 256))
     short_ctx = min(16, long_ctx)
@@ -116,7 +121,7 @@ def startup_plans(num_blocks: int, block_size: int, max_model_len: int, vocab: i
         plans += calibration_plans(block_size, [], [], [b], ctx, vocab)
     for n, ctx in ((16, 0), (64, 0), (256, 0), (64, long_ctx), (128, long_ctx)):
         plans += calibration_plans(block_size, [n], [ctx], [], 0, vocab)
-    plans.append(_mixed(min(4, batch), short_ctx, 64, block_size, vocab))
+    plans += [_mixed(min(4, batch), short_ctx, n, block_size, vocab) for n in (16, 32, FEW_ROWS)]
     plans += [_verify(1, short_ctx, 4, block_size, vocab),
               _verify(min(4, batch), short_ctx, 1, block_size, vocab)]
     return [p for p in plans  # a pool or context too small for a shape skips it
@@ -129,6 +134,13 @@ def with_group_tables(plan: StepPlan, num_groups: int) -> StepPlan:
     the chunk's one table (the groups' pages then overlap, which only timing runs may do)."""
     return replace(plan, chunks=tuple(replace(c, group_tables=(c.block_table,) * (num_groups - 1))
                                       for c in plan.chunks))
+
+
+def few_rows_of(device: str) -> int:
+    """The few-row kernel's reach on ``device`` (a :func:`device_name`): :data:`FEW_ROWS` on
+    CPU, 0 elsewhere (no such kernel: one path). Where the kernel does not load on a CPU every
+    step takes the GEMM path and the fit leaves that term near 0."""
+    return FEW_ROWS if device.startswith("cpu") else 0
 
 
 def _mixed(rows: int, ctx: int, n: int, block_size: int, vocab: int) -> StepPlan:
@@ -220,7 +232,8 @@ def _calibrate(executor, key: CalibrationKey, path: Path | None, budget_s: float
     t0 = time.perf_counter()
     samples = measure(executor, plans, repeats=STARTUP_REPEATS, budget_s=budget_s)
     cost = fit(samples, f"start-up calibration {key.device} tp={key.tp} {key.dtype} "
-                        f"{key.threads} thread(s), {time.strftime('%Y-%m-%d')}", reference)
+                        f"{key.threads} thread(s), {time.strftime('%Y-%m-%d')}", reference,
+               few_rows_of(key.device))
     log.info("step cost calibrated in %.1f s over %d shapes: %s", time.perf_counter() - t0,
              len(samples), cost)
     if path is not None:

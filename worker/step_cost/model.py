@@ -6,6 +6,7 @@ simulator, so that all three agree::
 
     step_s = step_base_s + decode_token_s · decode_rows + prefill_token_s · prefill_tokens
                          + context_token_s · context_tokens + draft_token_s · draft_tokens
+                         + gemm_step_s · [decode_rows + prefill_tokens + draft_tokens > few_rows]
 
 * ``decode_rows``: chunks of one new token (a decode, or the last token of a prompt);
 * ``prefill_tokens``: new tokens of the chunks longer than one token;
@@ -19,7 +20,14 @@ simulator, so that all three agree::
   positions of K and V. For decode rows that is the KV bytes a step streams, which dominates
   a long-context decode batch; a prefill chunk's query × key compute is counted once per
   position, not per pair (on CPU a chunk after a long prefix costs little more than after
-  none, where a pair count charged at the decode rate would predict many times more).
+  none, where a pair count charged at the decode rate would predict many times more);
+* ``gemm_step_s``: a fixed cost of a step whose query rows (decode rows + prefill tokens +
+  drafts) exceed ``few_rows``. On CPU every projection takes up to ``few_rows`` rows through
+  the few-row kernel (:data:`kvfleet.worker.runner.models.linear.FEW_ROWS`) and more through
+  oneDNN's GEMM, which costs about the same a row but more a call: a whole prompt's step pays
+  it, a small chunk beside the decode rows (what an ITL target schedules) does not. The term
+  is on the decode side of the online correction (it is a step's fixed cost, like the base).
+  ``few_rows`` 0 (the default; GPUs, older calibrations): one path, no such term.
 
 Tokens served from the prefix cache cost nothing: they are never in a chunk; they only add to
 ``c`` of the chunk after them. Everything here is torch-free arithmetic.
@@ -49,6 +57,12 @@ def attended(num_computed_tokens: int, num_new_tokens: int) -> int:
     ``context_tokens`` one chunk adds; a request's uncached prompt of ``P`` tokens after ``c``
     cached ones, run as one chunk, adds ``c + P``)."""
     return num_computed_tokens + num_new_tokens
+
+
+def past_few_rows(few_rows: int, query_rows: int) -> float:
+    """1.0 when a step of ``query_rows`` rows leaves the few-row kernel (more than
+    ``few_rows``, which is > 0), else 0.0: the ``gemm_step_s`` term's factor."""
+    return 1.0 if 0 < few_rows < query_rows else 0.0
 
 
 class StepShape(NamedTuple):
@@ -97,12 +111,14 @@ class CostModel:
     prefill_token_s: float
     decode_token_s: float
     source: str = ""
-    context_token_s: float = 0.0  # last two: older calibration files and callers omit them
+    context_token_s: float = 0.0  # last four: older calibration files and callers omit them
     draft_token_s: float = 0.0
+    gemm_step_s: float = 0.0
+    few_rows: int = 0  # query rows a step may have within the few-row kernel (0: no such path)
 
     def __post_init__(self) -> None:
         if min(self.step_base_s, self.prefill_token_s, self.decode_token_s,
-               self.context_token_s, self.draft_token_s) < 0:
+               self.context_token_s, self.draft_token_s, self.gemm_step_s, self.few_rows) < 0:
             raise ValueError(f"cost model constants must be >= 0, got {self}")
 
     def predict_step_s(self, decode_rows: int, prefill_tokens: int, context_tokens: int,
@@ -112,7 +128,9 @@ class CostModel:
             return 0.0
         return (self.step_base_s + self.decode_token_s * decode_rows
                 + self.prefill_token_s * prefill_tokens + self.context_token_s * context_tokens
-                + self.draft_token_s * draft_tokens)
+                + self.draft_token_s * draft_tokens
+                + self.gemm_step_s * past_few_rows(self.few_rows,
+                                                   decode_rows + prefill_tokens + draft_tokens))
 
     def step_seconds(self, plan: StepPlan) -> float:
         """Modelled duration of one forward over ``plan`` (0 for an empty plan)."""
@@ -128,20 +146,22 @@ class CostModel:
             raise ValueError(f"time scale must be > 0, got {factor}")
         return CostModel(self.step_base_s * factor, self.prefill_token_s * factor,
                          self.decode_token_s * factor, f"{self.source} × {factor:g}",
-                         self.context_token_s * factor, self.draft_token_s * factor)
+                         self.context_token_s * factor, self.draft_token_s * factor,
+                         self.gemm_step_s * factor, self.few_rows)
 
     @classmethod
     def from_json(cls, data: dict, source: str = "") -> "CostModel":
-        """From :meth:`to_json`'s object (``context_token_s``, ``draft_token_s`` may be absent:
-        0; a model without a draft term prices a draft as a prefill token, see
-        :func:`with_draft_prior`).
+        """From :meth:`to_json`'s object (``context_token_s``, ``draft_token_s``,
+        ``gemm_step_s``, ``few_rows`` may be absent: 0; a model without a draft term prices a
+        draft as a prefill token, see :func:`with_draft_prior`).
 
         Raises:
             KeyError, ValueError: a missing or bad constant.
         """
         return cls(float(data["step_base_s"]), float(data["prefill_token_s"]),
                    float(data["decode_token_s"]), str(data.get("source", source)),
-                   float(data.get("context_token_s", 0.0)), float(data.get("draft_token_s", 0.0)))
+                   float(data.get("context_token_s", 0.0)), float(data.get("draft_token_s", 0.0)),
+                   float(data.get("gemm_step_s", 0.0)), int(data.get("few_rows", 0)))
 
     @classmethod
     def load(cls, path: str | Path) -> "CostModel":

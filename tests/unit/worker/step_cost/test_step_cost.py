@@ -65,6 +65,38 @@ def test_prediction_is_the_linear_form_and_loads_older_files(tmp_path):
         CostModel(0.1, 0.0, 0.0, "", -1.0)
 
 
+def test_a_step_past_the_few_row_kernel_pays_the_gemm_term():
+    """The GEMM-path term applies to steps of more than ``few_rows`` query rows (decode rows,
+    prefill tokens and drafts together), scales with the model and survives a round trip;
+    without ``few_rows`` (GPUs, older files) it never applies."""
+    two = replace(TRUE, gemm_step_s=0.005, few_rows=64)
+    assert two.step_seconds(plan((60, 0), (1, 9), (1, 9), (1, 9), (1, 9))) == pytest.approx(
+        TRUE.step_seconds(plan((60, 0), (1, 9), (1, 9), (1, 9), (1, 9))))  # 64 rows: the kernel
+    past = plan((61, 0), (1, 9), (1, 9), (1, 9), (1, 9))  # 65 rows: the GEMM path
+    assert two.step_seconds(past) == pytest.approx(TRUE.step_seconds(past) + 0.005)
+    assert two.predict_step_s(60, 0, 600, 5) == pytest.approx(TRUE.predict_step_s(60, 0, 600, 5) + 0.005)
+    assert two.scaled(2).few_rows == 64 and two.scaled(2).gemm_step_s == pytest.approx(0.01)
+    assert CostModel.from_json(two.to_json()) == two
+    assert replace(two, few_rows=0).step_seconds(past) == pytest.approx(TRUE.step_seconds(past))
+    assert CostModel.from_json({"step_base_s": 1, "prefill_token_s": 2, "decode_token_s": 3}).few_rows == 0
+    with pytest.raises(ValueError, match=">= 0"):
+        replace(TRUE, gemm_step_s=-1.0)
+
+
+def test_startup_plans_time_mixed_steps_on_both_sides_of_the_few_row_kernel():
+    """The mixed steps an ITL target schedules (decode rows beside a 16- or 32-token chunk)
+    run within the few-row kernel's reach; one more is just past it (the GEMM path), as are
+    the larger prefill chunks, so the fit sees both paths."""
+    from kvfleet.worker.runner.models.linear import FEW_ROWS
+
+    shapes = [plan_shape(p) for p in startup_plans(400, 16, 2048, 1000)]
+    mixed = [s for s in shapes if s.decode_rows and s.prefill_tokens]
+    rows = [s.decode_rows + s.prefill_tokens + s.draft_tokens for s in shapes]
+    assert [s.prefill_tokens for s in mixed] == [16, 32, FEW_ROWS]
+    assert [s.decode_rows + s.prefill_tokens <= FEW_ROWS for s in mixed] == [True, True, False]
+    assert sum(r > FEW_ROWS for r in rows) >= 3 and sum(r <= FEW_ROWS for r in rows) >= 8
+
+
 def _shapes(rng: random.Random, n: int):
     for _ in range(n):
         rows = rng.randrange(1, 16)

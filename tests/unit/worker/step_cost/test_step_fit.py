@@ -52,6 +52,20 @@ def test_fit_never_returns_a_negative_constant():
         fit([])
 
 
+def test_fit_recovers_the_gemm_path_term_from_steps_on_both_sides_of_few_rows():
+    """Steps past ``few_rows`` query rows pay a fixed extra (the GEMM path): fitted with
+    ``few_rows``, it is recovered beside the other terms; without, no such column (0)."""
+    true = replace(TRUE, gemm_step_s=0.004, few_rows=64)
+    mixed = [(4, 16, 84), (4, 32, 100), (4, 64, 132)]  # 20 and 36 rows within, 68 past
+    samples = [StepSample(p, d, c, true.predict_step_s(d, p, c)) for d, p, c in SHAPES + mixed]
+    got = fit(samples, "test", few_rows=64)
+    assert (*terms(got), got.gemm_step_s, got.few_rows) == pytest.approx((*terms(true), 0.004, 64), rel=1e-6)
+    assert all(got.predict_step_s(s.decode_tokens, s.prefill_tokens, s.context_tokens)
+               == pytest.approx(s.seconds, rel=1e-6) for s in samples)
+    plain = fit(samples, "test")
+    assert plain.gemm_step_s == 0.0 and plain.few_rows == 0
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_nnls_meets_its_optimality_conditions(seed):
     g = torch.Generator().manual_seed(seed)
@@ -68,7 +82,7 @@ def test_an_outlier_shape_is_dropped_and_the_rest_refitted():
     samples.append(StepSample(32, 4, 200, 5 * TRUE.predict_step_s(4, 32, 200)))  # every repeat hit
     coef, kept = robust_fit(samples)
     assert len(kept) == len(SHAPES) and all(s.seconds < 1 for s in kept)
-    assert coef == pytest.approx([*terms(TRUE), 0.0], rel=1e-6)  # no drafts: draft term 0
+    assert coef == pytest.approx([*terms(TRUE), 0.0, 0.0], rel=1e-6)  # no drafts, no few_rows: 0
 
 
 def test_a_degenerate_term_is_clamped_to_the_scaled_reference_and_logged(caplog):
@@ -117,6 +131,27 @@ def test_a_noisy_start_up_calibration_still_fits_positive_terms_near_the_truth(s
     assert min(terms(got)) > 0
     assert (base, prefill, decode) == pytest.approx(terms(TRUE)[:3], rel=0.25)
     assert TRUE.context_token_s / 3 < context < 3 * TRUE.context_token_s
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_noisy_start_up_calibration_on_cpu_fits_the_gemm_path_term(seed, monkeypatch):
+    """On a CPU key the start-up calibration fits the GEMM-path term at the kernel's reach;
+    the chunks an ITL target schedules (decode rows + 16 or 32 tokens) are priced without it."""
+    from kvfleet.worker.runner.models.linear import FEW_ROWS
+
+    true = replace(TRUE, gemm_step_s=0.006, few_rows=FEW_ROWS)
+    runner = FakeClockRunner(true, seed)
+    monkeypatch.setattr(step_calibration, "time", SimpleNamespace(perf_counter=runner.perf_counter,
+                                                                  strftime=lambda _f: "today"))
+    key = CalibrationKey("ab" * 16, "cpu:fake", 1, "float32", 1)
+    got = load_or_calibrate(runner, key, None, budget_s=60.0, reference=TRUE.scaled(3))
+    assert got.few_rows == FEW_ROWS
+    assert got.gemm_step_s == pytest.approx(0.006, rel=0.5)
+    for rows, chunk in ((4, 16), (4, 32), (4, 480)):
+        shape = (rows, chunk, rows * 17 + chunk)
+        assert got.predict_step_s(*shape) == pytest.approx(true.predict_step_s(*shape), rel=0.25)
+    gpu = CalibrationKey("ab" * 16, "cuda:fake", 1, "float32", 1)
+    assert load_or_calibrate(runner, gpu, None, budget_s=60.0).few_rows == 0
 
 
 def test_measure_keeps_each_shapes_fastest_pass_and_needs_two(monkeypatch):
