@@ -6,9 +6,12 @@ Builds the real :class:`~kvfleet.worker.runner.model_runner.ModelRunner` on the 
 (fp32, one torch thread: what each of two replicas gets on a 2-core machine), times the step
 shapes the router benchmark produces (512-token prefill chunks from an empty and a half-full
 context, the 64-token suffix after a 1,024-token cached prefix, decode batches at ~1,088 tokens
-of context) plus decode batches at 64 and 2,048 tokens (so the context term varies on its own),
-and fits the step-cost model's form (``kvfleet.worker.step_cost.model``: base + prefill
-tokens + decode rows + KV positions attended) by least squares in relative error.
+of context) plus decode batches at 64 and 2,048 tokens (so the context term varies on its own)
+and 4 decode rows beside a chunk of 16, 32 and ``FEW_ROWS`` tokens (the first two within the
+few-row kernel's reach, the last past it), and fits the step-cost model's form
+(``kvfleet.worker.step_cost.model``: base + prefill tokens + decode rows + KV positions
+attended + the GEMM path's fixed cost past ``FEW_ROWS`` query rows) by least squares in
+relative error.
 The samples, the fit, and the machine's load are written to one JSON file, which the benchmark
 reads and records; the constants are never edited by hand. Benchmarks that need the file
 call :func:`ensure_calibration`, which measures it on first use.
@@ -49,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from kvfleet.deploy.models import prepare_model
     from kvfleet.worker.runner.model_runner import ModelRunner
-    from kvfleet.worker.step_cost.calibration import calibration_plans, fit, measure
+    from kvfleet.worker.runner.models.linear import FEW_ROWS
+    from kvfleet.worker.step_cost.calibration import calibration_plans, fit, measure, mixed_plan
 
     torch.set_num_threads(a.threads)
     model_dir = prepare_model(progress=False)
@@ -62,9 +66,11 @@ def main(argv: list[str] | None = None) -> int:
         samples += measure(runner, calibration_plans(block_size, sizes, contexts, [], 0), a.repeats)
     for batches, context in (([1, 4, 8, 16], 1088), ([1, 8], 64), ([1], 2048)):
         samples += measure(runner, calibration_plans(block_size, [], [], batches, context), a.repeats)
+    # decode rows beside a chunk within the few-row kernel's reach and one past it
+    samples += measure(runner, [mixed_plan(4, 64, n, block_size) for n in (16, 32, FEW_ROWS)], a.repeats)
     source = (f"SmolLM2-135M-Instruct fp32, {a.threads} torch thread(s), {platform.node()} "
               f"({os.cpu_count()} CPUs), {time.strftime('%Y-%m-%d')}")
-    cost = fit(samples, source)
+    cost = fit(samples, source, few_rows=FEW_ROWS)
     record = {
         "cost_model": cost.to_json(),
         "samples": [asdict(s) | {"fitted_s": cost.predict_step_s(s.decode_tokens, s.prefill_tokens,

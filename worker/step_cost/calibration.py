@@ -121,7 +121,7 @@ def startup_plans(num_blocks: int, block_size: int, max_model_len: int, vocab: i
         plans += calibration_plans(block_size, [], [], [b], ctx, vocab)
     for n, ctx in ((16, 0), (64, 0), (256, 0), (64, long_ctx), (128, long_ctx)):
         plans += calibration_plans(block_size, [n], [ctx], [], 0, vocab)
-    plans += [_mixed(min(4, batch), short_ctx, n, block_size, vocab) for n in (16, 32, FEW_ROWS)]
+    plans += [mixed_plan(min(4, batch), short_ctx, n, block_size, vocab) for n in (16, 32, FEW_ROWS)]
     plans += [_verify(1, short_ctx, 4, block_size, vocab),
               _verify(min(4, batch), short_ctx, 1, block_size, vocab)]
     return [p for p in plans  # a pool or context too small for a shape skips it
@@ -143,7 +143,9 @@ def few_rows_of(device: str) -> int:
     return FEW_ROWS if device.startswith("cpu") else 0
 
 
-def _mixed(rows: int, ctx: int, n: int, block_size: int, vocab: int) -> StepPlan:
+def mixed_plan(rows: int, ctx: int, n: int, block_size: int, vocab: int = 1100) -> StepPlan:
+    """``rows`` decode rows at ``ctx`` tokens of context beside an ``n``-token chunk from an
+    empty prefix, on disjoint block ranges from block 0."""
     per = cdiv(ctx + 1, block_size)
     decodes = tuple(_chunk(f"d{i}", 1, ctx, i * per, block_size, vocab) for i in range(rows))
     return StepPlan(decodes + (_chunk("p", n, 0, rows * per, block_size, vocab),))
