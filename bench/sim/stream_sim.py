@@ -28,7 +28,9 @@ from kvfleet.allocator.kv_cache_manager import KVCacheManager
 from kvfleet.sampling_params import SamplingParams
 from kvfleet.worker.engine.request import SeqStatus, SequenceState
 from kvfleet.worker.engine.scheduling.scheduler import Scheduler, SchedulerConfig
-from kvfleet.worker.step_cost.model import CostModel, StepCost, plan_shape
+from kvfleet.worker.step_cost.calibration import startup_plans
+from kvfleet.worker.step_cost.fit import StepSample, fit
+from kvfleet.worker.step_cost.model import CostModel, StepCost, past_few_rows, plan_shape
 
 BLOCK = 16
 STREAM_PROMPT = 64
@@ -38,10 +40,12 @@ LONG_TOKENS = 16
 
 def simulate(config: SchedulerConfig, cost: CostModel, streams: int, prompt: int, period: float,
              seconds: float, overhead_s: float = 0.0, noise: float = 0.0, planner: StepCost | None = None,
-             seed: int = 0, pair_s: float = 0.0) -> dict:
+             seed: int = 0, pair_s: float = 0.0, chunk_s: float = 0.0) -> dict:
     """Run the workload for ``seconds`` of virtual time, each step lasting ``cost``'s time, plus
     ``pair_s`` for each query × prefix key of its continued prompt chunks (a chunk of ``n``
-    tokens after ``c`` computed ones: ``n · c``, a cost the linear model has no term for), ×
+    tokens after ``c`` computed ones: ``n · c``, a cost the linear model has no term for), plus
+    ``chunk_s`` for a step with prefill within the few-row kernel (``cost.few_rows``; a fixed
+    cost no term prices), ×
     ``exp(N(0, noise))`` (seeded) + ``overhead_s``; the scheduler plans with ``planner``
     (default: ``cost`` itself, uncorrected), which observes every forward. Returns the streams'
     ITL p50 / p99 (s), output tokens/s, the long prompts' TTFT p50 / p99 (s), and ``prompts``:
@@ -79,6 +83,9 @@ def simulate(config: SchedulerConfig, cost: CostModel, streams: int, prompt: int
             deadlines.setdefault(seq_id, at)
         step_s = cost.step_seconds(out.plan) + pair_s * sum(
             len(c.token_ids) * c.num_computed_tokens for c in out.plan.chunks if len(c.token_ids) > 1)
+        shape = plan_shape(out.plan)
+        if chunk_s and shape.prefill_tokens and not past_few_rows(cost.few_rows, sum(shape) - shape[2]):
+            step_s += chunk_s
         if step_s == 0.0:  # idle until the next arrival
             now = next_long
             continue
@@ -106,27 +113,49 @@ def simulate(config: SchedulerConfig, cost: CostModel, streams: int, prompt: int
     return {**stream_row(itl, ttft, tokens / now), "prompts": prompts}
 
 
+def calibrated(truth: CostModel, chunk_s: float, startup: str) -> CostModel:
+    """The fit a start-up calibration makes, on a quiet host, of steps lasting ``truth``'s time
+    (+ ``chunk_s`` for a step with prefill within the few-row kernel, as :func:`simulate`):
+    ``startup`` ``"kernel"``: the start-up shapes and the GEMM-path term at ``truth.few_rows``;
+    ``"linear"``: the shapes and form before them (one mixed step, 4 decode rows + a 64-token
+    chunk, and no such term)."""
+    samples = []
+    for p in startup_plans(4096, BLOCK, 2048, 1000):
+        sh = plan_shape(p)
+        if startup == "linear" and sh.decode_rows and sh.prefill_tokens and sh.prefill_tokens != 64:
+            continue
+        rows = sh.decode_rows + sh.prefill_tokens + sh.draft_tokens
+        extra = chunk_s if sh.prefill_tokens and not past_few_rows(truth.few_rows, rows) else 0.0
+        samples.append(StepSample(sh.prefill_tokens, sh.decode_rows, sh.context_tokens,
+                                  truth.step_seconds(p) + extra, sh.draft_tokens))
+    return fit(samples, f"{startup} start-up fit of {truth.source}",
+               few_rows=truth.few_rows if startup == "kernel" else 0)
+
+
 def compare(cost: CostModel, streams: int = 4, prompt: int = 480, period: float = 1.5,
             target_x: float = 3.0, seconds: float = 60.0, overhead_s: float = 0.0,
             noise: float = 0.0, prefill_error: float | None = None, seed: int = 0,
-            pair_s: float = 0.0) -> dict:
+            pair_s: float = 0.0, chunk_s: float = 0.0, startup: str | None = None) -> dict:
     """Target off and on (``target_x`` × one stream's predicted step), and on ÷ off. With
-    ``noise``, ``prefill_error`` (the planner prices prefill tokens 1/F of their cost) or
-    ``pair_s`` (continued chunks cost that more a query × prefix key: :func:`simulate`) the
-    scheduler plans with a :class:`StepCost` corrected online, as a replica's is. ``lateness``:
-    the long prompts' first token − the deadline the floor planned (s; p50, p90, max)."""
+    ``noise``, ``prefill_error`` (the planner prices prefill tokens 1/F of their cost),
+    ``pair_s`` (continued chunks cost that more a query × prefix key: :func:`simulate`),
+    ``chunk_s`` (:func:`simulate`) or ``startup`` (the planner starts from :func:`calibrated`'s
+    fit of ``cost``) the scheduler plans with a :class:`StepCost` corrected online, as a
+    replica's is. ``lateness``: the long prompts' first token − the deadline the floor planned
+    (s; p50, p90, max)."""
     single = cost.predict_step_s(1, 0, STREAM_PROMPT + STREAM_TOKENS // 2) + overhead_s
     off = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512)
     on = replace(off, itl_target_ms=target_x * single * 1e3)
 
     def planner() -> StepCost | None:
-        if not noise and prefill_error is None and not pair_s:
+        if not noise and prefill_error is None and not pair_s and not chunk_s and startup is None:
             return None
-        return StepCost(cost if prefill_error is None else replace(
-            cost, prefill_token_s=cost.prefill_token_s / prefill_error))
+        prior = cost if startup is None else calibrated(cost, chunk_s, startup)
+        return StepCost(prior if prefill_error is None else replace(
+            prior, prefill_token_s=prior.prefill_token_s / prefill_error))
 
     runs = {k: simulate(c, cost, streams, prompt, period, seconds, overhead_s, noise, planner(), seed,
-                        pair_s) for k, c in (("off", off), ("on", on))}
+                        pair_s, chunk_s) for k, c in (("off", off), ("on", on))}
     a, b = runs["off"], runs["on"]
     late = [first - d for _, d, first in b["prompts"] if d is not None]
     return {"target_ms": on.itl_target_ms, **runs,
@@ -159,10 +188,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prefix-pair-us", type=float, default=0.0,
                    help="continued prompt chunks cost this more a query x prefix key (µs), unpriced")
+    p.add_argument("--gemm-step-ms", type=float, default=None,
+                   help="steps past --few-rows query rows cost this more (the GEMM path)")
+    p.add_argument("--few-rows", type=int, default=64, help="the few-row kernel's reach (rows)")
+    p.add_argument("--chunk-step-ms", type=float, default=0.0,
+                   help="steps with prefill within the kernel's reach cost this more, unpriced")
+    p.add_argument("--startup", choices=("kernel", "linear"), default=None,
+                   help="plan from a start-up fit of the costs: kernel = the shapes and GEMM-path "
+                        "term now, linear = one 64-token mixed step, no such term")
     a = p.parse_args(argv)
     cost = CostModel.load(a.cost) if a.cost else IDLE_SMOLLM2
+    if a.gemm_step_ms is not None:
+        cost = replace(cost, gemm_step_s=a.gemm_step_ms / 1e3, few_rows=a.few_rows)
     r = compare(cost, a.streams, a.prompt, a.period, a.target_x, a.seconds, a.overhead_ms / 1e3,
-                a.noise, a.prefill_error, a.seed, a.prefix_pair_us / 1e6)
+                a.noise, a.prefill_error, a.seed, a.prefix_pair_us / 1e6, a.chunk_step_ms / 1e3,
+                a.startup)
+    if a.startup:
+        print("planner prior:", calibrated(cost, a.chunk_step_ms / 1e3, a.startup))
     print(json.dumps({k: v for k, v in r.items() if k not in ("off", "on")}
                      | {k: {x: y for x, y in r[k].items() if x != "prompts"} for k in ("off", "on")},
                      indent=1))

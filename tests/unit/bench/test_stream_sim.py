@@ -27,3 +27,20 @@ def test_an_unpriced_prefix_pair_cost_costs_the_targeted_run_work_and_each_promp
     prompts = paired["on"]["prompts"]
     assert len(prompts) >= 9 and all(d is not None and a < d for a, d, _ in prompts)
     assert paired["lateness_s"]["max"] == max(first - d for _, d, first in prompts)
+
+
+def test_on_the_few_row_kernel_the_row_meets_its_targets_planned_from_a_start_up_fit():
+    """Steps past 64 query rows cost a fixed extra (the GEMM path; a whole prompt's step),
+    the target's chunks beside 4 decode rows do not: the start-up fit with the GEMM-path term
+    recovers the costs, and the scheduler planning from it meets the row's three targets."""
+    from dataclasses import replace
+
+    from bench.sim.stream_sim import calibrated
+
+    truth = replace(IDLE_SMOLLM2, gemm_step_s=0.006, few_rows=64)
+    fitted = calibrated(truth, 0.0, "kernel")
+    assert (fitted.gemm_step_s, fitted.few_rows) == (pytest.approx(0.006, rel=1e-3), 64)
+    assert calibrated(truth, 0.0, "linear").few_rows == 0
+    r = compare(truth, seconds=60.0, overhead_s=0.003, startup="kernel")
+    assert r["on"]["itl_p99_over_p50"] <= 3.0
+    assert r["ratios"]["tokens_per_s"] >= 0.85 and r["ratios"]["long_ttft_p99"] <= 2.0
