@@ -42,6 +42,11 @@ _ids = itertools.count()
 # the clock.
 ITL_TARGET = {"itl_target_ms": 65_000.0,
               "step_cost": StepCost(CostModel(0.0, 10.0, 10.0, "test: 10 s a token"), alpha=0.0)}
+# The same with a GEMM-path cost past 3 query rows (20 s): steps of 4 rows and more predict a
+# jump, which moves the chunk boundaries again (the outputs must not move).
+ITL_TARGET_GEMM = {"itl_target_ms": 65_000.0,
+                   "step_cost": StepCost(CostModel(0.0, 10.0, 10.0, "test: 10 s a token, 20 s past 3 rows",
+                                                   gemm_step_s=20.0, few_rows=3), alpha=0.0)}
 
 
 def as_executor(runner: ModelRunner | Executor) -> Executor:

@@ -17,6 +17,7 @@ from kvfleet.priority import BATCH, INTERACTIVE
 from tests.unit.worker.engine_harness import (
     BLOCK_SIZE,
     ITL_TARGET,
+    ITL_TARGET_GEMM,
     by_position,
     make_engine,
     positions,
@@ -31,10 +32,10 @@ from tests.unit.worker.engine_harness import (
 from tests.unit.worker.paged_driver import scaled_error
 
 
-@pytest.fixture(params=["tokens", "itl-target"])
+@pytest.fixture(params=["tokens", "itl-target", "itl-target-gemm"])
 def budget(request) -> dict:
     """``make_engine`` arguments of the step budget under test."""
-    return ITL_TARGET if request.param == "itl-target" else {}
+    return {"itl-target": ITL_TARGET, "itl-target-gemm": ITL_TARGET_GEMM}.get(request.param, {})
 
 
 # The scheduler's chunking (one token a step, uneven widths) and its joins and leaves, under
