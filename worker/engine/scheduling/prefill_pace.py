@@ -15,6 +15,11 @@ if TYPE_CHECKING:  # only for annotations (step_budget imports this module)
 # A prompt's tokens are paced to be computed within this × their predicted time without the
 # target; the client's bound (2×) also has to hold the step in flight at its arrival.
 TTFT_STRETCH = 1.5
+# A prompt paced alone that step noise put behind (less left than this × its remaining time
+# without the target) gets that long from then on, once, rather than all it has left in one
+# step, which would be the decode rows' longest gap. Once, and not with a queue behind it, so
+# the slack cannot compound into a growing queue.
+CATCH_UP_STRETCH = 1.25
 
 
 def pending_prefills(running: Iterable[SequenceState]) -> list[SequenceState]:
@@ -64,6 +69,7 @@ class PrefillPace:
             raise ValueError(f"stretch must be >= 1, got {stretch}")
         self.stretch = stretch
         self._deadlines: dict[tuple[str, int], float] = {}
+        self._caught_up: set[tuple[str, int]] = set()  # deadlines moved by the catch-up rule
         self._virtual_end = float("-inf")  # when the last prompt given a deadline would end untargeted
         # the last two steps planned after an admission pass held up for something else
         # than the budget: what waited, waited for that until then
@@ -101,16 +107,25 @@ class PrefillPace:
         end = max(started, self._virtual_end) + budget.untargeted_s(first, seq.num_tokens - first)
         return started + self.stretch * (end - started), end
 
-    def left_s(self, seq: SequenceState, budget: StepBudget, now: float) -> float:
+    def left_s(self, seq: SequenceState, budget: StepBudget, now: float, alone: bool = False) -> float:
         """Seconds left at monotonic time ``now`` before ``seq``'s prompt should be computed
         (negative: late). A running prefill seen for the first time joins the virtual
         schedule, so those first seen together must be asked oldest first
-        (:func:`pending_prefills`); a waiting one gets a provisional deadline."""
+        (:func:`pending_prefills`); a waiting one gets a provisional deadline. ``alone``: no
+        other prompt is paced this step; a running one that has fallen behind (less left than
+        :data:`CATCH_UP_STRETCH` × its remaining time without the target) then has its
+        deadline moved, once, to that much from ``now``."""
         if seq.status is not SeqStatus.RUNNING:
             return self._deadline(seq, budget, now)[0] - now
         key = (seq.seq_id, seq.num_preemptions)
         if key not in self._deadlines:
             self._deadlines[key], self._virtual_end = self._deadline(seq, budget, now)
+        if alone and key not in self._caught_up:
+            catch_up = CATCH_UP_STRETCH * budget.untargeted_s(seq.num_computed_tokens,
+                                                              seq.num_tokens - seq.num_computed_tokens)
+            if self._deadlines[key] - now < catch_up:
+                self._deadlines[key] = now + catch_up
+                self._caught_up.add(key)
         return self._deadlines[key] - now
 
     def forget_all_but(self, seqs: Iterable[SequenceState]) -> None:
@@ -118,3 +133,4 @@ class PrefillPace:
         keep = {(s.seq_id, s.num_preemptions) for s in seqs}
         for key in [k for k in self._deadlines if k not in keep]:
             del self._deadlines[key]
+            self._caught_up.discard(key)

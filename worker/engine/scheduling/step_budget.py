@@ -21,7 +21,9 @@ stay within the target:
   progress (and the queue's head while only the step's budget keeps it waiting) by its
   deadline, oldest first (:meth:`StepBudget.pace_queue`). Both times come from the same
   cost model, so its scale cancels; the deadlines are in real time, so a prompt made late
-  by steps slower than predicted gets all it has left. The floor is the only way
+  by steps slower than predicted gets all it has left (paced alone, its deadline first moves
+  once to ``CATCH_UP_STRETCH`` × its remaining time from then: :class:`PrefillPace`). The
+  floor is the only way
   a step runs past its target. Why this rule, with measurements: docs/slo.md.
 * where tenants share the replica (``tenant_share`` < 1), an over-served tenant's prefill gets
   no more than :attr:`StepBudget.fair`'s bound allows (:mod:`.fair_bound`), floor included: its
@@ -283,6 +285,6 @@ def step_budget(config: SchedulerConfig, block_size: int, cost: Optional[StepCos
         paced.append(next_waiting)
     if paced:
         budget.pace_queue(paced[0].num_computed_tokens,
-                          [(s.num_tokens - s.num_computed_tokens, pacer.left_s(s, budget, now))
-                           for s in paced])
+                          [(s.num_tokens - s.num_computed_tokens,
+                            pacer.left_s(s, budget, now, alone=len(paced) == 1)) for s in paced])
     return budget

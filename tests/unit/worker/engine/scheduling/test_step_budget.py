@@ -13,7 +13,12 @@ import pytest
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
 from kvfleet.sampling_params import SamplingParams
 from kvfleet.worker.engine.request import SeqStatus, SequenceState
-from kvfleet.worker.engine.scheduling.prefill_pace import TTFT_STRETCH, PrefillPace, paced_prefill
+from kvfleet.worker.engine.scheduling.prefill_pace import (
+    CATCH_UP_STRETCH,
+    TTFT_STRETCH,
+    PrefillPace,
+    paced_prefill,
+)
 from kvfleet.worker.engine.scheduling.scheduler import Scheduler, SchedulerConfig
 from kvfleet.worker.engine.scheduling.step_budget import StepBudget, step_budget
 from kvfleet.worker.step_cost.model import CostModel, plan_shape
@@ -103,6 +108,33 @@ def test_a_chunk_that_saves_no_step_is_not_stretched_to_the_target():
     assert b.grant(0, 30) == 30
     # Without a target nothing is trimmed: the token budget.
     assert StepBudget(512, BS).grant(0, 100) == 100
+
+
+def test_a_lone_prompt_behind_its_pace_gets_the_catch_up_stretch_once():
+    """A running prompt paced alone with less left than CATCH_UP_STRETCH × its remaining
+    untargeted time has its deadline moved, once, to that much from now (so its floor spreads
+    over a few steps, not all at once); paced with others, or a second time, it is not moved."""
+    s = make()
+    a = seq(200, arrival=5.0)
+    s.add([a])
+    step(s, 5.0)
+    assert a.status is SeqStatus.RUNNING and 0 < a.num_computed_tokens < 200
+    b = StepBudget(512, BS, COST, TARGET_MS / 1e3)
+    b.reserve_decodes([])
+    remaining = a.num_tokens - a.num_computed_tokens
+    catch_up = CATCH_UP_STRETCH * b.untargeted_s(a.num_computed_tokens, remaining)
+    pace, other = PrefillPace(), PrefillPace()
+    deadline = 5.0 + pace.left_s(a, b, 5.0)
+    late = deadline + 0.01
+    assert other.left_s(a, b, 5.0) == pytest.approx(deadline - 5.0)
+    assert other.left_s(a, b, late) == pytest.approx(-0.01)  # with a queue: late, all at once
+    assert pace.left_s(a, b, late, alone=True) == pytest.approx(catch_up)
+    assert b.pace(a.num_computed_tokens, remaining, catch_up) < remaining  # spread over steps
+    assert b.pace(a.num_computed_tokens, remaining, -0.01) == remaining
+    # once: later it is late again, and the old rule applies
+    assert pace.left_s(a, b, late + 2 * catch_up, alone=True) == pytest.approx(-catch_up)
+    early = PrefillPace()
+    assert early.left_s(a, b, 5.0, alone=True) == pytest.approx(deadline - 5.0)  # on pace: kept
 
 
 def test_the_pace_deadline_runs_from_the_prompts_arrival_in_real_time():
