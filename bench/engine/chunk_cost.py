@@ -102,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
            "machine": {"cpus": os.cpu_count(), "loadavg_before": load_before,
                        "loadavg_after": os.getloadavg()}}
     print(f"prior: prefill {prior.prefill_token_s * 1e3:.2f} ms/token, base {prior.step_base_s * 1e3:.1f} "
-          f"ms, decode row {prior.decode_token_s * 1e3:.2f} ms")
+          f"ms, decode row {prior.decode_token_s * 1e3:.2f} ms, GEMM-path step "
+          f"{prior.gemm_step_s * 1e3:.1f} ms past {prior.few_rows} rows")
     print("chunk steps  min ms  med ms  pred ms  min/pred  med/pred  prompt ms/token: min, med, pred")
     for r in rows:
         per = (f"{r['prompt_s_per_token_min'] * 1e3:.2f}, {r['prompt_s_per_token_median'] * 1e3:.2f}, "
