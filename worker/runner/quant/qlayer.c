@@ -93,7 +93,7 @@ int quant_decode_layer(const qlayer_t *L, const qstep_t *S, float *hidden, const
     if (paged_decode_attention(qkv, nqkv, attn, q, k_cache, v_cache, S->token, S->tables,
                                S->table_start, first, S->ctx, rows, L->heads, L->kv_heads,
                                L->head_dim, L->block_size, L->attn_scale, L->sinks,
-                               th < rows ? th : (int)rows))
+                               th < rows * L->kv_heads ? th : (int)(rows * L->kv_heads)))
         goto done;
     if (product(&L->o, attn, rows, out, th)) goto done;  /* out holds the attention output */
     add_rms_norm(hidden, h, out, h, hidden, h, L->mlp_norm, x, h, rows, h, L->eps, th);
