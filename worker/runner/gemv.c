@@ -15,6 +15,8 @@
  */
 #include <stdint.h>
 
+#include "kernels.h"
+
 #define PANEL 48
 #define TILE_ROWS 8
 

@@ -25,6 +25,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "kernels.h"
+
 /* One KV head h's outputs acc[g] (its G query heads, g < G) += scores[g, i + s] · V[p + s, h] for
  * the run keys of one block (their first slot at v, position p = lo + i), keys in cache order.
  * A row's keys are walked block by block in the same order whatever the rows beside it, so its
