@@ -49,4 +49,16 @@ int quant_decode_layer(const qlayer_t *L, const qstep_t *S, float *hidden, const
                        float *out, const float *cos, const float *sin, int64_t rot,
                        const int64_t *first, float *k_cache, float *v_cache);
 
+/* One layer of a run of layers called at once: its bound arguments, its caches, and which of
+ * the step's rope rows and first-key arrays it reads. */
+typedef struct {
+    const qlayer_t *layer;
+    float *k_cache, *v_cache;
+    int64_t rope, first;
+} qstack_t;
+
+int quant_decode_layers(const qstack_t *layers, int64_t n, const qstep_t *S, float *hidden,
+                        float *out, const float *const *cos, const float *const *sin, int64_t rot,
+                        const int64_t *const *first);
+
 #endif
