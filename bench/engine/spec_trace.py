@@ -33,9 +33,8 @@ from kvfleet.deploy.models import prepare_model
 from kvfleet.sampling_params import SamplingParams
 from kvfleet.worker.engine.engine import EngineRequest
 from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig
-from kvfleet.worker.engine.speculative import sizing
+from kvfleet.worker.engine.speculative import sizing, speculator
 from kvfleet.worker.engine.speculative.ngram import NgramIndex
-from kvfleet.worker.engine.speculative.speculator import Speculator
 
 CAUSES = ("max_tokens", "no match", "short match", "rows limit", "acceptance/cost")
 
@@ -59,33 +58,39 @@ def replay(prompt: list[int], answer: list[int], k: int, max_tokens: int) -> tup
 class Tracer:
     """Wraps one engine's speculator; books each row's unused draft slots to a cause."""
 
-    def __init__(self, spec: Speculator, show_steps: bool) -> None:
+    def __init__(self, spec: speculator.Speculator, show_steps: bool) -> None:
         self.spec, self.show = spec, show_steps
         self.slots = Counter()  # cause -> unused draft slots
         self.hist = Counter()  # (kept, accepted) -> verify rows
         self.kept = self.possible = 0
         self.step = 0
         plan, verified = spec.plan, spec.verified
+        seen: list = []
+
+        def traced_size(cands, base, sampled_rows, cost, tokens_left, query_rows=None):
+            seen[:] = [cands, sizing.size_drafts(cands, base, sampled_rows, cost, tokens_left, None)]
+            return sizing.size_drafts(cands, base, sampled_rows, cost, tokens_left, query_rows)
+
+        speculator.size_drafts = traced_size
 
         def traced_plan(rows, base, sampled_rows, cost, tokens_left):
-            proposals = {s.seq_id: len(spec.propose(s)) for s in rows}
-            rates = {s.seq_id: spec._row(s).acceptance.rate for s in rows}
             out = plan(rows, base, sampled_rows, cost, tokens_left)
-            cands = [sizing.Candidate(rates[s.seq_id], proposals[s.seq_id], s.num_computed_tokens)
-                     for s in rows]
-            free = sizing.size_drafts(cands, base, sampled_rows, cost, tokens_left, None)
+            cands, free = seen if seen else ([None] * len(rows), [0] * len(rows))
             self.step += 1
             line = []
-            for s, d, f in zip(rows, out, free, strict=True):
+            for s, c, d, f in zip(rows, cands, out, free, strict=True):
                 k = min(spec.num_tokens, s.params.max_tokens - len(s.output_token_ids) - 1)
-                p = proposals[s.seq_id]
+                p = 0 if c is None else c.max_drafts
                 self.slots["max_tokens"] += spec.num_tokens - k
                 self.slots["no match" if p == 0 else "short match"] += k - p
                 self.slots["rows limit"] += max(0, min(f, p) - len(d))
                 self.slots["acceptance/cost"] += p - max(len(d), min(f, p))
                 self.kept += len(d)
                 self.possible += spec.num_tokens
-                line.append(f"{s.seq_id[-4:]}: k{k} p{p} d{len(d)} a={rates[s.seq_id]:.2f}")
+                first = "-" if c is None or c.first is None else f"{c.first:.2f}"
+                cont = "-" if c is None else f"{c.rate:.2f}"
+                line.append(f"{s.seq_id[-4:]}: k{k} p{p} d{len(d)} f={first} c={cont}")
+            seen.clear()
             if self.show:
                 print(f"  step {self.step:3d} rows {base.decode_rows} " + " | ".join(line))
             return out

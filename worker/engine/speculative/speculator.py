@@ -6,7 +6,8 @@ and output (:mod:`.ngram`); ``suffix`` also from recent outputs of the same cach
 (:mod:`.suffix`), the longer match winning. The drafts travel in the step plan as extra
 query tokens of their decode row (``SeqChunk.num_draft_tokens``); the engine verifies them
 (:mod:`.verify`) and only then counts them as computed. How many each row carries comes from
-its recent acceptance and the step-cost model (:mod:`.sizing`).
+the length of the match its drafts copy from (the first draft's chance), the row's recent
+runs of accepted drafts (the next's) and the step-cost model (:mod:`.sizing`).
 
 Rows that never speculate: a sequence that opted out (``SamplingParams.speculative``), a
 structured-output row (its grammar would have to mask every draft position), a leader whose
@@ -24,6 +25,7 @@ from kvfleet.worker.engine.speculative.sizing import (
     CPU_FEW_ROWS,
     Acceptance,
     Candidate,
+    FirstByMatch,
     QueryRows,
     size_drafts,
 )
@@ -48,6 +50,7 @@ class _Row:
 
     ngrams: NgramIndex
     acceptance: Acceptance
+    match: int = 0  # the length of the match the row's last planned proposal copied from
 
 
 @dataclass
@@ -88,6 +91,7 @@ class Speculator:
         self.suffix = SuffixIndex(suffix_tokens) if mode == "suffix" else None
         self.query_rows = query_rows
         self.counts = SpecCounts(accepted_hist=[0] * (num_tokens + 1))
+        self.first = FirstByMatch()
         self._rows: dict[str, _Row] = {}
 
     @property
@@ -101,15 +105,20 @@ class Speculator:
 
     def propose(self, seq: SequenceState) -> tuple[int, ...]:
         """Up to ``num_tokens`` drafts continuing ``seq`` (never past its ``max_tokens``)."""
+        return self._propose(seq)[1]
+
+    def _propose(self, seq: SequenceState) -> tuple[int, tuple[int, ...]]:
+        """``(n, drafts)``: :meth:`propose`'s drafts and the length of the match they copy
+        (0 with no drafts)."""
         k = min(self.num_tokens, seq.params.max_tokens - len(seq.output_token_ids) - 1)
         row = self._row(seq)
         tokens = seq.all_token_ids
         own = row.ngrams.propose(tokens, k)
-        if self.suffix is None:
-            return own
         n_own = row.ngrams.match(tokens)[0] if own else 0
+        if self.suffix is None:
+            return n_own, own
         n, scoped = self.suffix.propose(seq.root_hash, tokens, k)
-        return scoped if n > n_own or (n == n_own and len(scoped) > len(own)) else own
+        return (n, scoped) if n > n_own or (n == n_own and len(scoped) > len(own)) else (n_own, own)
 
     def plan(self, rows: Sequence[SequenceState], base: StepShape, sampled_rows: int,
              cost: Optional[StepCostModel], tokens_left: int) -> list[tuple[int, ...]]:
@@ -118,20 +127,28 @@ class Speculator:
         q = self.query_rows
         if (q is not None and cost is not None and base.prefill_tokens == 0
                 and base.decode_rows >= q.limit and cost.predict_step_s(*base) > 0):
-            proposals: list[tuple[int, ...]] = [()] * len(rows)  # no room: skip the lookups
+            found: list[tuple[int, tuple[int, ...]]] = [(0, ())] * len(rows)  # no room: skip
         else:
-            proposals = [self.propose(s) for s in rows]
-        cands = [Candidate(self._row(s).acceptance.rate, len(p), s.num_computed_tokens)
-                 for s, p in zip(rows, proposals, strict=True)]
+            found = [self._propose(s) for s in rows]
+        cands = [Candidate(self._row(s).acceptance.continuation, len(p), s.num_computed_tokens,
+                           self.first.rate(n) if p else None)
+                 for s, (n, p) in zip(rows, found, strict=True)]
         sizes = size_drafts(cands, base, sampled_rows, cost, tokens_left, self.query_rows)
-        for s, d in zip(rows, sizes, strict=True):
+        for s, (n, p), d in zip(rows, found, sizes, strict=True):
+            row = self._row(s)
+            row.match = n
             if d == 0:  # not verifying: drift back toward the prior (see Acceptance)
-                self._row(s).acceptance.observe(0, 0)
-        return [p[:d] for p, d in zip(proposals, sizes, strict=True)]
+                row.acceptance.observe(0, 0)
+                if p:
+                    self.first.observe(n, 0, 0)
+        return [p[:d] for (_, p), d in zip(found, sizes, strict=True)]
 
     def verified(self, seq: SequenceState, drafted: int, accepted: int) -> None:
         """The engine verified ``drafted`` drafts of ``seq`` and accepted ``accepted``."""
-        self._row(seq).acceptance.observe(drafted, accepted)
+        row = self._row(seq)
+        row.acceptance.observe(drafted, accepted)
+        if row.match:
+            self.first.observe(row.match, drafted, accepted)
         seq.spec_drafted += drafted
         seq.spec_accepted += accepted
         self.counts.drafted += drafted
