@@ -40,9 +40,9 @@ CAUSES = ("max_tokens", "no match", "short match", "rows limit", "acceptance/cos
 
 
 def replay(prompt: list[int], answer: list[int], k: int, max_tokens: int) -> tuple[int, int, int]:
-    """(row-steps, drafted, accepted) of the n-gram drafter at ``k`` on ``answer``, every
-    proposal verified (the first token: the prefill's row-step)."""
-    index = NgramIndex()
+    """(row-steps, drafted, accepted) of the engine's own-sequence n-gram drafter at ``k`` on
+    ``answer``, every proposal verified (the first token: the prefill's row-step)."""
+    index = NgramIndex(speculator.NGRAM_MIN, speculator.NGRAM_MAX)
     pos, steps, drafted, accepted = 1, 1, 0, 0
     while pos < len(answer):
         kk = min(k, max_tokens - pos - 1)

@@ -34,6 +34,9 @@ from kvfleet.worker.step_cost.model import StepCostModel, StepShape
 
 MODES = ("off", "ngram", "suffix")
 MAX_DRAFT_TOKENS = 16  # a verify chunk stays small beside a prefill chunk
+# Own-sequence n-gram lengths: down to one token (a guess sizing prices by its own, lower, first
+# draft chance: see sizing.FirstByMatch), up to four.
+NGRAM_MIN, NGRAM_MAX = 1, 4
 
 
 def check_mode(mode: str, num_tokens: int) -> None:
@@ -104,12 +107,14 @@ class Speculator:
                 and seq.params.max_tokens - len(seq.output_token_ids) > 1)
 
     def propose(self, seq: SequenceState) -> tuple[int, ...]:
-        """Up to ``num_tokens`` drafts continuing ``seq`` (never past its ``max_tokens``)."""
-        return self._propose(seq)[1]
+        """Up to ``num_tokens`` drafts continuing ``seq`` (never past its ``max_tokens``); the
+        length of the match they copy is kept for sizing (see :meth:`plan`)."""
+        n, drafts = self._lookup(seq)
+        self._row(seq).match = n if drafts else 0
+        return drafts
 
-    def _propose(self, seq: SequenceState) -> tuple[int, tuple[int, ...]]:
-        """``(n, drafts)``: :meth:`propose`'s drafts and the length of the match they copy
-        (0 with no drafts)."""
+    def _lookup(self, seq: SequenceState) -> tuple[int, tuple[int, ...]]:
+        """``(n, drafts)``: the drafts and the length of the match they copy."""
         k = min(self.num_tokens, seq.params.max_tokens - len(seq.output_token_ids) - 1)
         row = self._row(seq)
         tokens = seq.all_token_ids
@@ -127,21 +132,24 @@ class Speculator:
         q = self.query_rows
         if (q is not None and cost is not None and base.prefill_tokens == 0
                 and base.decode_rows >= q.limit and cost.predict_step_s(*base) > 0):
-            found: list[tuple[int, tuple[int, ...]]] = [(0, ())] * len(rows)  # no room: skip
+            proposals: list[tuple[int, ...]] = [()] * len(rows)  # no room: skip the lookups
         else:
-            found = [self._propose(s) for s in rows]
+            proposals = [self.propose(s) for s in rows]
+        # the match length is 0 where a drafter other than the lookups proposed (tests' oracles):
+        # the first draft then gets the row's continuation chance too
+        matches = [self._row(s).match if p else 0 for s, p in zip(rows, proposals, strict=True)]
         cands = [Candidate(self._row(s).acceptance.continuation, len(p), s.num_computed_tokens,
-                           self.first.rate(n) if p else None)
-                 for s, (n, p) in zip(rows, found, strict=True)]
+                           self.first.rate(n) if n else None)
+                 for s, p, n in zip(rows, proposals, matches, strict=True)]
         sizes = size_drafts(cands, base, sampled_rows, cost, tokens_left, self.query_rows)
-        for s, (n, p), d in zip(rows, found, sizes, strict=True):
+        for s, n, d in zip(rows, matches, sizes, strict=True):
             row = self._row(s)
             row.match = n
             if d == 0:  # not verifying: drift back toward the prior (see Acceptance)
                 row.acceptance.observe(0, 0)
-                if p:
+                if n:
                     self.first.observe(n, 0, 0)
-        return [p[:d] for (_, p), d in zip(found, sizes, strict=True)]
+        return [p[:d] for p, d in zip(proposals, sizes, strict=True)]
 
     def verified(self, seq: SequenceState, drafted: int, accepted: int) -> None:
         """The engine verified ``drafted`` drafts of ``seq`` and accepted ``accepted``."""
@@ -168,5 +176,5 @@ class Speculator:
     def _row(self, seq: SequenceState) -> _Row:
         row = self._rows.get(seq.seq_id)
         if row is None:
-            row = self._rows[seq.seq_id] = _Row(NgramIndex(), Acceptance())
+            row = self._rows[seq.seq_id] = _Row(NgramIndex(NGRAM_MIN, NGRAM_MAX), Acceptance())
         return row
