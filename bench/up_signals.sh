@@ -6,7 +6,8 @@
 #
 #   bash bench/up_signals.sh MODE [MODE ...]     MODE: group-term group-int group-hup
 #                                                      launcher-term launcher-kill cluster-term
-# launcher-*: the process started (the supervisor); cluster-term: the cluster process it runs in a
+#                                                      cluster-kill
+# launcher-*: the process started (the supervisor); cluster-*: the cluster process it runs in a
 # session of its own (the pid `kvfleet status` records).
 # KVFLEET_UP_SUPERVISED=1 in the environment runs `up` unsupervised (the behaviour before the
 # cluster had a session of its own), for comparison; SHOW=1 lists the cluster's processes. Quote `uptime` with the times.
@@ -33,6 +34,7 @@ for mode in "$@"; do
     launcher-term) kill -TERM "$leader" ;;
     launcher-kill) kill -KILL "$leader" ;;
     cluster-term) kill -TERM "$(pgrep -P "$leader" | head -1)" ;;
+    cluster-kill) kill -KILL "$(pgrep -P "$leader" | head -1)" ;;
   esac
   wait "$leader"; rc=$?
   # The launcher is gone; what it started may still be stopping: give it up to 120 s.

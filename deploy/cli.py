@@ -86,25 +86,27 @@ def model_refusal(argv: list[str]) -> Optional[str]:
     return None
 
 
-def _supervise_up(argv: list[str]) -> bool:
-    """Whether this ``kvfleet`` process should supervise ``up`` rather than run it: not for help,
-    not inside the supervised process itself, and only where the parent-death signal exists."""
+def _supervise_cluster(argv: list[str]) -> bool:
+    """Whether this ``kvfleet`` process should supervise ``up`` or ``demo`` (each starts a
+    cluster) rather than run it: not for help, not inside the supervised process itself, and
+    only where the parent-death signal exists."""
     import os
 
     from kvfleet.deploy import own_session
 
     command = next((a for a in argv if not a.startswith("-")), None)
-    return (command == "up" and not {"-h", "--help"} & set(argv)
+    return (command in CLUSTER_COMMANDS and not {"-h", "--help"} & set(argv)
             and own_session.SUPERVISED_ENV not in os.environ and own_session.supported())
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Run the ``kvfleet`` command line ``argv`` (default: this process's arguments) and return
-    its exit code. Started as a command (``argv`` None), ``up`` runs its cluster in a session of
-    its own under a supervisor that forwards the signals (kvfleet.deploy.own_session)."""
+    its exit code. Started as a command (``argv`` None), ``up`` and ``demo`` run their cluster in
+    a session of its own under a supervisor that forwards the signals
+    (kvfleet.deploy.own_session)."""
     from_command_line = argv is None
     argv = sys.argv[1:] if argv is None else argv
-    if from_command_line and _supervise_up(argv):
+    if from_command_line and _supervise_cluster(argv):
         from kvfleet.deploy import own_session
 
         return own_session.run_in_own_session([sys.executable, "-m", "kvfleet.deploy.cli", *argv])

@@ -46,7 +46,8 @@ ROUTER_FLAGS: tuple[Flag, ...] = (
          "floats, a GGUF beside them or a GPTQ/AWQ checkpoint, read as they are where they "
          "map; part of the cache identity", "model", choices=QUANT_METHODS),
     Flag("--quant-group-size", "quant_group_size", "inputs sharing one scale when weights are "
-         "quantized at load (default {default})", "model", type=even_int("--quant-group-size")),
+         "quantized at load from floats (default {default}); tensors read as they are from a "
+         "GGUF or GPTQ/AWQ checkpoint keep their own groups", "model", type=even_int("--quant-group-size")),
     Flag("--host", "host", "interface both ports bind (default {default})", "fleet", always=True),
     Flag("--port", "port", "router port (default {default}; 0 = a free port)", "fleet", type=int,
          always=True),

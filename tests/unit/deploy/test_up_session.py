@@ -93,12 +93,51 @@ def test_exit_status_of_a_signalled_child_reads_as_a_shell_reports_it() -> None:
     assert code == 128 + signal.SIGKILL
 
 
-def test_only_the_command_line_up_is_supervised(monkeypatch) -> None:
+def test_only_the_command_line_up_and_demo_are_supervised(monkeypatch) -> None:
     monkeypatch.delenv(own_session.SUPERVISED_ENV, raising=False)
-    assert cli._supervise_up(["up", "--replicas", "1"])
-    assert cli._supervise_up(["-v", "up"])
-    assert not cli._supervise_up(["up", "--help"])
-    assert not cli._supervise_up(["demo"])
-    assert not cli._supervise_up(["status"])
+    assert cli._supervise_cluster(["up", "--replicas", "1"])
+    assert cli._supervise_cluster(["-v", "up"])
+    assert cli._supervise_cluster(["demo"])
+    assert not cli._supervise_cluster(["up", "--help"])
+    assert not cli._supervise_cluster(["demo", "-h"])
+    assert not cli._supervise_cluster(["status"])
     monkeypatch.setenv(own_session.SUPERVISED_ENV, "1")
-    assert not cli._supervise_up(["up"])
+    assert not cli._supervise_cluster(["up"])
+    assert not cli._supervise_cluster(["demo"])
+
+
+# The launcher's stand-in: start the child (as it starts the router or redis-server) with the
+# parent-death request, then wait; the test SIGKILLs it.
+OWNER = r"""
+import subprocess, sys, time
+from kvfleet.deploy.own_session import stop_with_this_process
+subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]], preexec_fn=stop_with_this_process())
+time.sleep(600)
+"""
+
+
+def test_a_helper_process_stops_when_its_owner_is_sigkilled(tmp_path):
+    out = tmp_path / "child.log"
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, CHILD, str(out)])
+    try:
+        _lines(out, 1)  # the child runs
+        owner.kill()
+        owner.wait(timeout=30)
+        lines = _lines(out, 2)
+        assert lines[1] == f"signal {int(signal.SIGTERM)} supervised=None"
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+
+
+def test_no_parent_death_request_off_the_main_thread():
+    """The signal follows the thread that started the child: from a worker thread that may end
+    first, none is asked for."""
+    import threading
+
+    got = []
+    t = threading.Thread(target=lambda: got.append(own_session.stop_with_this_process()))
+    t.start()
+    t.join()
+    assert got == [None]
+    assert callable(own_session.stop_with_this_process())

@@ -126,9 +126,10 @@ class QueryRows:
         return -(-total // self.tile) - -(-decode_rows // self.tile)
 
 
-# The CPU runner's few-row kernel: eight rows per weight pass, eight rows at most
-# (worker/runner/gemv.c TILE_ROWS, worker/runner/models/linear.py FEW_ROWS).
-CPU_FEW_ROWS = QueryRows(tile=8, limit=8)
+# The CPU runner's few-row kernel: eight rows per weight pass (each full tile runs at the FMA
+# rate, as long as the weight streams), FEW_ROWS rows at most (worker/runner/gemv.c TILE_ROWS,
+# worker/runner/models/linear.py FEW_ROWS; a test keeps them equal).
+CPU_FEW_ROWS = QueryRows(tile=8, limit=64)
 
 
 def query_rows_for(device: str) -> Optional[QueryRows]:
