@@ -11,51 +11,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-void add_rms_norm(const float *a, int64_t lda, const float *b, int64_t ldb, float *sum,
-                  int64_t lds, const float *weight, float *normed, int64_t ldn, int64_t rows,
-                  int64_t size, float eps, int num_threads);
-void rope_write_kv(float *qkv, int64_t ldq, int64_t rows, const float *cos, const float *sin,
-                   int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t rot,
-                   float *k_cache, float *v_cache, const int64_t *slots, int num_threads);
-void silu_mul(const float *gate_up, int64_t ldg, int64_t rows, int64_t width, float *out,
-              int64_t ldo, int num_threads);
-int paged_decode_attention(const float *query, int64_t q_stride, float *out, int64_t o_stride,
-                           const float *k_cache, const float *v_cache, const int64_t *token,
-                           const int64_t *tables, const int64_t *table_start,
-                           const int64_t *first, const int64_t *ctx, int64_t num_decodes,
-                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                           int64_t block_size, float scale, const float *sinks,
-                           int num_threads);
-void qgemm_int8(const float *x, int64_t ldx, int64_t rows, const int8_t *q, const void *scale,
-                int half, int64_t in, int64_t out, int64_t group, const float *bias, float *y,
-                int64_t ldy, int num_threads);
-int qgemm_int4(const float *x, int64_t ldx, int64_t rows, const uint8_t *q, const void *scale,
-               const void *offset, int half, int64_t in, int64_t out, int64_t group,
-               const float *bias, float *y, int64_t ldy, int num_threads);
-
-/* A packed projection's kernel arguments (see qgemm.c); offset NULL for int8. */
-typedef struct {
-    int32_t bits, half;
-    int64_t in, out, group;
-    const void *codes, *scale, *offset;
-    const float *bias;
-} qproj_t;
-
-/* A layer's fixed arguments, filled once when the layer is bound. */
-typedef struct {
-    qproj_t qkv, o, gate_up, down;
-    const float *input_norm, *mlp_norm;
-    float eps, attn_scale;
-    int64_t hidden, heads, kv_heads, head_dim, block_size;
-    const float *sinks;
-} qlayer_t;
-
-/* A step's decode rows, filled once a step and shared by every layer: row d is decode d. */
-typedef struct {
-    int64_t rows;
-    const int64_t *slots, *token, *tables, *table_start, *ctx;
-    int32_t num_threads;
-} qstep_t;
+#include "../kernels.h"
+#include "qkernels.h"
 
 static int product(const qproj_t *p, const float *x, int64_t rows, float *y, int threads) {
     if (p->bits == 8) {
@@ -93,7 +50,7 @@ int quant_decode_layer(const qlayer_t *L, const qstep_t *S, float *hidden, const
     if (paged_decode_attention(qkv, nqkv, attn, q, k_cache, v_cache, S->token, S->tables,
                                S->table_start, first, S->ctx, rows, L->heads, L->kv_heads,
                                L->head_dim, L->block_size, L->attn_scale, L->sinks,
-                               th < rows ? th : (int)rows))
+                               th < rows * L->kv_heads ? th : (int)(rows * L->kv_heads)))
         goto done;
     if (product(&L->o, attn, rows, out, th)) goto done;  /* out holds the attention output */
     add_rms_norm(hidden, h, out, h, hidden, h, L->mlp_norm, x, h, rows, h, L->eps, th);

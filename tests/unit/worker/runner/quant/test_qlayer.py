@@ -44,7 +44,7 @@ def _step(runner: ModelRunner, contexts: list[int], seed: int) -> tuple[torch.Te
 
 @pytest.mark.parametrize("family, method", [("tiny_llama_dir", "int4"), ("tiny_llama_dir", "int8"),
                                             ("tiny_qwen2_dir", "int4"), ("tiny_mistral_dir", "int8")])
-@pytest.mark.parametrize("contexts", [[5], [0, 3, 17, 30]])
+@pytest.mark.parametrize("contexts", [[5], [0, 3, 17, 30], [90]])
 def test_one_call_layer_equals_the_python_layer(request, monkeypatch, family, method,
                                                 contexts) -> None:
     if cpu_kernels.load() is None:
@@ -62,6 +62,28 @@ def test_one_call_layer_equals_the_python_layer(request, monkeypatch, family, me
         monkeypatch.setattr(layer, "_decode_call", None)
     want_hidden, want_cache = _step(runner, contexts, seed=len(contexts))
     assert len(calls) == runner.config.num_layers
+    assert torch.equal(hidden, want_hidden)
+    assert torch.equal(cache, want_cache)
+
+
+@pytest.mark.parametrize("method", ["int4", "int8"])
+@pytest.mark.parametrize("context", [5, 90])
+def test_one_row_equal_at_one_and_two_threads(tiny_llama_dir, method, context) -> None:
+    """One decode row: past enough keys its attention splits the KV heads across the
+    threads, short of them it stays on one; either way the results are the one-thread
+    run's bit for bit."""
+    if cpu_kernels.load() is None:
+        pytest.skip("no C compiler")
+    runner = ModelRunner(tiny_llama_dir, num_blocks=32, block_size=BLOCK,
+                         quantization=QuantConfig(method))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want_hidden, want_cache = _step(runner, [context], seed=context)
+        torch.set_num_threads(2)
+        hidden, cache = _step(runner, [context], seed=context)
+    finally:
+        torch.set_num_threads(threads)
     assert torch.equal(hidden, want_hidden)
     assert torch.equal(cache, want_cache)
 
