@@ -9,11 +9,15 @@
  * rows. With AVX-512 a tile of eight rows is 8 x 3 vector accumulators, all in registers, with
  * fused multiply-adds: the arithmetic of rows 5..8 then overlaps the weight stream instead of
  * costing a second walk over the panel. Each row's sums run in the same order whatever the
- * tile's row count, so a row's outputs do not depend on the rows beside it. oneDNN's packed
- * path, which wins from a dozen or so rows on, reads a weight at well under the bandwidth for
- * so few rows.
+ * tile's row count, so a row's outputs do not depend on the rows beside it. Past one tile the
+ * thread runs the next tiles over the same panel while it is still in cache (a panel of the
+ * default model's widest `in` fits in L2), so a step of a few dozen rows streams the weight from memory once
+ * and runs at the FMA rate: oneDNN's packed path, which reads a weight at well under the
+ * bandwidth for a few rows, only catches up past FEW_ROWS (kvfleet/worker/runner/models/linear.py).
  */
 #include <stdint.h>
+
+#include "kernels.h"
 
 #define PANEL 48
 #define TILE_ROWS 8

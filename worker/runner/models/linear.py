@@ -26,9 +26,12 @@ from kvfleet.worker.runner.quant.linear import QuantLinear
 from kvfleet.worker.runner.quant.tensor import QuantTensor
 
 PACK_BATCH_HINT = 16
-# Most rows a product takes through the C few-row kernel (with a copy to run on); from there
-# on oneDNN's packed GEMM is as fast or faster (measured per projection: docs/speculative.md).
-FEW_ROWS = 8
+# Most rows a product takes through the C few-row kernel (with a copy to run on): decode and
+# verify steps, and the steps of a small prefill chunk beside decode rows. The kernel streams a
+# weight once and runs every tile of rows over a panel while it is in cache, at the FMA rate
+# once a tile is full; oneDNN's packed GEMM only catches up past this many rows (one measured
+# crossover for every projection shape of the default model: docs/speculative.md).
+FEW_ROWS = 64
 
 
 def pack_weight(weight_in_out: torch.Tensor) -> torch.Tensor | None:
@@ -75,7 +78,8 @@ class Linear:
             for products of up to :data:`FEW_ROWS` rows through the C few-row kernel of
             :mod:`kvfleet.worker.runner.cpu_kernels` (where it loads): a decode step of a few
             rows, or a verify chunk, then streams the weight once at close to the read
-            bandwidth, at the cost of holding it twice.
+            bandwidth, and a step with a small prefill chunk runs at the FMA rate without the
+            GEMM's fixed cost, at the cost of holding the weight twice.
     """
 
     __slots__ = ("weight", "bias", "packed", "in_features", "out_features", "panels", "_lib")

@@ -13,7 +13,7 @@ from kvfleet.worker.runner.models.linear import FEW_ROWS, Linear
 
 
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 3, FEW_ROWS, 17])
+@pytest.mark.parametrize("rows", [1, 3, 17, FEW_ROWS, FEW_ROWS + 1])
 @pytest.mark.parametrize("one_row_copy", [False, True])
 def test_linear_matches_matmul(rows, bias, one_row_copy) -> None:
     g = torch.Generator().manual_seed(rows)
@@ -28,12 +28,13 @@ def test_linear_matches_matmul(rows, bias, one_row_copy) -> None:
     assert lin.nbytes == (70 * 45 + (45 if bias else 0)) * 4
 
 
-@pytest.mark.parametrize("rows", range(1, 19))
+@pytest.mark.parametrize("rows", [*range(1, 19), 31, 36, FEW_ROWS - 1, FEW_ROWS, FEW_ROWS + 3])
 @pytest.mark.parametrize("shape", [(576, 960), (1536, 576), (33, 130)])
 def test_few_row_kernel_matches_torch(rows, shape) -> None:
-    """Every row count through the tile and its remainders (1..7 rows past a multiple of eight,
-    beyond FEW_ROWS too), outputs a multiple of the panel width or not, with and without bias:
-    the kernel equals torch's matmul within fp32 accumulation error."""
+    """Every row count through the tile and its remainders (1..7 rows past a multiple of eight),
+    several full tiles over one panel, up to and beyond FEW_ROWS, outputs a multiple of the
+    panel width or not, with and without bias: the kernel equals torch's matmul within fp32
+    accumulation error."""
     assert cpu_kernels.load() is not None
     g = torch.Generator().manual_seed(rows * 7 + shape[1])
     w = torch.randn(*shape, generator=g)  # [in, out]
@@ -50,16 +51,20 @@ def test_few_row_kernel_matches_torch(rows, shape) -> None:
 
 @pytest.mark.parametrize("shape", [(576, 960), (33, 130)])
 def test_few_row_kernel_rows_do_not_depend_on_their_neighbours(shape) -> None:
-    """A row's outputs are bit for bit the same whatever rows share its tile: a verify chunk's
-    rows get exactly the projections each would get as a one-row decode."""
+    """A row's outputs are bit for bit the same whatever rows share its tile or its step, up to
+    FEW_ROWS rows (every tile count the kernel runs): a verify chunk's rows, or a decode row
+    beside a prefill chunk, get exactly the projections each would get as a one-row decode."""
     g = torch.Generator().manual_seed(shape[1])
     w = torch.randn(*shape, generator=g)
     b = torch.randn(shape[1], generator=g)
-    x = torch.randn(17, shape[0], generator=g)
+    x = torch.randn(FEW_ROWS, shape[0], generator=g)
     panels = cpu_kernels.pack_panels(w)
-    alone = torch.cat([cpu_kernels.gemv(x[i:i + 1], panels, b, shape[1]) for i in range(17)])
-    for rows in range(2, 18):
+    alone = torch.cat([cpu_kernels.gemv(x[i:i + 1], panels, b, shape[1]) for i in range(FEW_ROWS)])
+    for rows in range(2, FEW_ROWS + 1):
         assert torch.equal(cpu_kernels.gemv(x[:rows], panels, b, shape[1]), alone[:rows]), rows
+    for start in (1, 5, 8, 13):  # the same rows at other places in their tiles
+        got = cpu_kernels.gemv(x[start:], panels, b, shape[1])
+        assert torch.equal(got, alone[start:]), start
 
 
 def test_few_rows_route_by_row_count(monkeypatch) -> None:
