@@ -204,6 +204,12 @@ SCHEDULER_FLAGS: tuple[Flag, ...] = (
     Flag("--batch-share", "replica.scheduler.batch_share",
          "fraction of a replica's running slots the batch priority class may hold (default "
          "{default}: no cap)", "scheduling", type=fraction("--batch-share")),
+    Flag("--class-headroom", "replica.scheduler.class_headroom",
+         "running slots a better priority class may take past --max-num-seqs beside a lower "
+         "class, which never count against the lower one (an interactive trickle adds its rows "
+         "to a batch flood's steps instead of taking its slots; default: an eighth of "
+         "--max-num-seqs, at least 1; 0: none, a better class takes a lower one's slot)",
+         "scheduling", type=int_in_range("--class-headroom", 0, 1 << 20), metavar="N"),
     Flag("--layer-yield", "replica.scheduler.layer_yield",
          "a step in flight pauses between decoder layers for a nested step of newly arrived "
          "higher-class prompts (interactive TTFT beside a batch flood): on, off, or auto = on "

@@ -86,6 +86,8 @@ def test_the_wheel_installs_every_module_of_the_tree(tmp_path: Path) -> None:
     site = run(str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])")
     prefix = site.stdout.strip() + "/kvfleet"
     assert (Path(prefix) / "worker" / "runner" / "paged_decode.c").is_file()
+    for header in ("kernels.h", "quant/qkernels.h"):  # the kernel sources include them
+        assert (Path(prefix) / "worker" / "runner" / header).is_file()
 
     import json
 

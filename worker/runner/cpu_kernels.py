@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 
 SOURCES = (*(Path(__file__).with_name(name) for name in ("paged_decode.c", "gemv.c", "layer_ops.c")),
            *(Path(__file__).parent / "quant" / name for name in ("qgemm.c", "qlayer.c", "qrows.c")))
+# The sources' shared declarations (each .c includes them by relative path): hashed with them.
+HEADERS = (Path(__file__).with_name("kernels.h"), Path(__file__).parent / "quant" / "qkernels.h")
 # The relaxed-math flags let GCC vectorise the dot products and sums; never
 # -ffast-math or -funsafe-math-optimizations: with them GCC links crtfastmath.o, whose load
 # switches the whole process (torch included) to flush-denormals-to-zero.
@@ -70,7 +72,7 @@ def _cpu_signature() -> str:
 
 def _build(compiler: str) -> Path:
     """Compile (or reuse) the shared library; returns its path. Raises OSError / CalledProcessError."""
-    source = b"".join(src.read_bytes() for src in SOURCES)
+    source = b"".join(src.read_bytes() for src in (*SOURCES, *HEADERS))
     key = hashlib.sha256(source + " ".join((compiler, *FLAGS, _cpu_signature())).encode()).hexdigest()[:16]
     lib = _cache_dir() / f"kvfleet-kernels-{key}.so"
     if lib.is_file():

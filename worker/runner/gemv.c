@@ -17,6 +17,8 @@
  */
 #include <stdint.h>
 
+#include "kernels.h"
+
 #define PANEL 48
 #define TILE_ROWS 8
 

@@ -99,6 +99,11 @@ class KVCache:
         # tensor indexings per layer cost about as much as a small fused op.
         return tuple((self.data[slot, 0], self.data[slot, 1]) for slot in self._slots)
 
+    def views(self) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+        """Every layer's :meth:`layer` views, by layer: the same tuple object until the cache
+        tensor is replaced (callers holding addresses compare it by identity)."""
+        return self._views
+
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(key_cache, value_cache)`` of layer ``i``, views into the shared tensor (the
         blocks of its group's pages, at its slot)."""

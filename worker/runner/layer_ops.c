@@ -12,6 +12,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kernels.h"
+
 #define ROWS_PER_THREAD 64
 
 /* sum = a + b (b NULL: sum = a, which may then alias a), then

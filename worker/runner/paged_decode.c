@@ -25,6 +25,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "kernels.h"
+
 /* One KV head h's outputs acc[g] (its G query heads, g < G) += scores[g, i + s] · V[p + s, h] for
  * the run keys of one block (their first slot at v, position p = lo + i), keys in cache order.
  * A row's keys are walked block by block in the same order whatever the rows beside it, so its
@@ -189,6 +191,12 @@ static int same_walk(int64_t a, int64_t b, const int64_t *tables, const int64_t 
     return 1;
 }
 
+/* Fewer decodes than threads split each decode's KV heads across the threads; that pays
+ * only when the decodes see this many keys on average: below it a parallel region's start
+ * and barrier cost about what they save, so such steps run on one thread a decode. The
+ * split does not change any result (each KV head's arithmetic is the same either way). */
+#define SPLIT_MIN_KEYS 64
+
 /* Returns 0, or -1 when a scratch buffer could not be allocated (that task's rows are left
  * unwritten; the caller raises).
  *
@@ -205,6 +213,11 @@ int paged_decode_attention(const float *query, int64_t q_stride, float *out, int
                             int64_t block_size, float scale, const float *sinks,
                             int num_threads) {
     const int64_t group = num_heads / num_kv_heads, slot_stride = num_kv_heads * head_dim;
+    if (num_decodes < num_threads) {  /* the KV heads would go apart: worth a region? */
+        int64_t keys = 0;
+        for (int64_t d = 0; d < num_decodes; ++d) keys += ctx[d] - first[d];
+        if (keys < SPLIT_MIN_KEYS * num_decodes) num_threads = (int)num_decodes;
+    }
     int64_t *gstart = malloc(sizeof(int64_t) * (size_t)(num_decodes + 1));
     int64_t *tasks = malloc(sizeof(int64_t) * 3 * (size_t)(num_decodes * num_kv_heads));
     if (gstart == NULL || tasks == NULL) {

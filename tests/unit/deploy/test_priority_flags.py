@@ -15,16 +15,19 @@ from kvfleet.router.flags import parse_args
 def test_priority_flags_land_in_the_configs(tiny_llama_dir) -> None:
     cfg = cluster_config(cli.build_parser().parse_args(
         ["up", "--model", str(tiny_llama_dir), "--batch-share", "0.5",
-         "--priority-admit", "batch=0.6,default=0.9"]))
+         "--priority-admit", "batch=0.6,default=0.9", "--class-headroom", "0"]))
     assert cfg.replica.scheduler.batch_share == 0.5
+    assert cfg.replica.scheduler.class_headroom == 0
     assert cfg.router.priority_admit == {"interactive": 1.0, "default": 0.9, "batch": 0.6}
     plain = cluster_config(cli.build_parser().parse_args(["up", "--model", str(tiny_llama_dir)]))
     assert plain.replica.scheduler.batch_share == 1.0
+    assert plain.replica.scheduler.class_headroom is None  # an eighth of max_num_seqs
     assert plain.router.priority_admit == RouterConfig().priority_admit
 
 
 @pytest.mark.parametrize("argv, flag", [
     (["--batch-share", "0"], "--batch-share"), (["--batch-share", "x"], "--batch-share"),
+    (["--class-headroom", "-1"], "--class-headroom"), (["--class-headroom", "x"], "--class-headroom"),
     (["--priority-admit", "urgent=1"], "--priority-admit"),
     (["--priority-admit", "batch=2"], "--priority-admit"),
     (["--tenant-share", "0"], "--tenant-share"), (["--tenant-share", "1.5"], "--tenant-share"),

@@ -106,20 +106,24 @@ class Held:
     batch: int
     by_tenant: Counter
     blocks: int = 0
+    by_class: Counter = field(default_factory=Counter)  # seats per priority
 
     @classmethod
     def of(cls, running: list[SequenceState], forks: Forks) -> Held:
         seats = batch = 0
+        by_class: Counter = Counter()
         for s in running:
             group = group_size(s, forks)
             seats += group
             batch += group if s.priority >= BATCH else 0
-        return cls(seats, batch, Counter(s.tenant for s in running))
+            by_class[s.priority] += group
+        return cls(seats, batch, Counter(s.tenant for s in running), by_class=by_class)
 
     def take(self, seq: SequenceState, group: int, blocks: int = 0) -> None:
         self.seats += group
         self.batch += group if seq.priority >= BATCH else 0
         self.by_tenant[seq.tenant] += group
+        self.by_class[seq.priority] += group
         self.blocks += blocks
 
 
@@ -189,7 +193,7 @@ def try_admit(sched: Scheduler, seq: SequenceState, budget: Budget, p: Pass
         return Refusal.TENANT_SHARE
     if sched.rules.batch_capped(seq, group, p.held.batch):
         return Refusal.BATCH_SHARE
-    if p.held.seats + group > config.max_num_seqs + p.borrowable(seq):
+    if group > sched.rules.free_seats(seq.priority, p.held.by_class) + p.borrowable(seq):
         return Refusal.SEATS
     computed = kv.get_computed_blocks(seq.block_hashes, seq.num_tokens)
     key = (seq.seq_id, len(computed))

@@ -42,6 +42,10 @@ class SchedulerConfig:
     itl_target_ms: Optional[float] = None
     # Priority classes: the fraction of max_num_seqs the batch band may run (1.0: no cap).
     batch_share: float = 1.0
+    # Seats a better class may run past max_num_seqs beside a lower one (priority_queue.py,
+    # "Headroom"); None: an eighth of max_num_seqs, at least one; 0: none (the seat is taken
+    # from the lower class, by preemption if need be).
+    class_headroom: Optional[int] = None
     # Layer-level yield (kvfleet.worker.engine.layer_yield): a step in flight pauses between
     # decoder layers for a nested step of newly arrived higher-class prompts. "on"; "auto":
     # once the replica has taken requests of more than one priority, where the executor can
@@ -70,7 +74,7 @@ class SchedulerConfig:
         if self.layer_yield not in LAYER_YIELD_MODES:
             raise ValueError(f"layer_yield must be one of {LAYER_YIELD_MODES}, got "
                              f"{self.layer_yield!r}")
-        PriorityRules(self.max_num_seqs, self.batch_share)  # checks
+        PriorityRules(self.max_num_seqs, self.batch_share, self.class_headroom)  # checks
         check_mode(self.speculative, self.speculative_tokens)
 
     @property

@@ -29,7 +29,8 @@ from kvfleet.worker.engine.scheduling.admission import (
     StepWork,
     try_admit,
 )
-from kvfleet.worker.engine.scheduling.seats import group_size, seats_taken
+from kvfleet.worker.engine.scheduling.priority_queue import seats_by_class
+from kvfleet.worker.engine.scheduling.seats import group_size
 
 if TYPE_CHECKING:  # only for annotations: the scheduler imports this module
     from kvfleet.worker.engine.scheduling.scheduler import Scheduler
@@ -93,6 +94,7 @@ def _claim_pass(sched: Scheduler, claims: Held, work: StepWork, now: float,
     held.seats += claims.seats
     held.batch += claims.batch
     held.by_tenant.update(claims.by_tenant)
+    held.by_class.update(claims.by_class)
     held.blocks = claims.blocks
 
     def own_victims(seq: SequenceState) -> int:  # seats its tenant holds that it could take
@@ -102,12 +104,13 @@ def _claim_pass(sched: Scheduler, claims: Held, work: StepWork, now: float,
 
 
 def return_seats_over_limit(sched: Scheduler) -> list[SequenceState]:
-    """While the running set holds more than ``max_num_seqs`` seats (a nested step borrowed
-    some, :mod:`kvfleet.worker.engine.layer_yield`), preempt, by recompute, the victims the
-    best running class may take (lowest class, newest first). Returns them (waiting again)."""
+    """While the running set holds more seats than the class rules allow
+    (:meth:`~.priority_queue.PriorityRules.seats_over`: a nested step borrowed some,
+    :mod:`kvfleet.worker.engine.layer_yield`), preempt, by recompute, the victims the best
+    running class may take (lowest class, newest first). Returns them (waiting again)."""
     preempted: list[SequenceState] = []
-    while (sched.running and seats_taken(sched.running, sched.pending_forks)
-           > sched.config.max_num_seqs):
+    while sched.running and sched.rules.seats_over(seats_by_class(sched.running,
+                                                                  sched.pending_forks)):
         best = min(sched.running, key=lambda s: (s.priority, s.arrival_seq))
         victims = sched.rules.victims(best, sched.running)
         if not victims:

@@ -17,13 +17,20 @@ which running sequences a higher class may preempt (``kvfleet.priority``: lower 
   bounded number of times, never without end.
 * **Batch share.** Sequences in the ``batch`` band (priority >= 2) run in at most
   ``batch_share × max_num_seqs`` seats (at least one), keeping the rest for higher classes.
+* **Headroom.** Beside a lower class, a better one may run in up to ``class_headroom`` seats
+  past ``max_num_seqs``, and the first ``class_headroom`` seats of better classes never count
+  against a lower one (:meth:`PriorityRules.free_seats`). So an interactive trickle beside a
+  batch flood adds its rows to the batch's steps instead of taking a batch row's seat: a
+  displaced row costs the batch its share of every step's base for the interactive request's
+  life, on top of the interactive prompt's own step (docs/slo.md). One class alone runs in
+  ``max_num_seqs`` seats as before; past the headroom a better class preempts as before.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, Mapping, Optional, Sequence
 
 from kvfleet.priority import BATCH
 from kvfleet.worker.engine.request import SequenceState
@@ -61,19 +68,44 @@ def classes(waiting: Iterable[SequenceState]) -> Iterator[list[SequenceState]]:
 
 @dataclass(frozen=True)
 class PriorityRules:
-    """A replica's class rules (``SchedulerConfig.batch_share``).
+    """A replica's class rules (``SchedulerConfig.batch_share`` and ``class_headroom``;
+    ``headroom`` None: :func:`default_headroom`).
 
-    Raises ValueError for ``batch_share`` outside (0, 1] or ``max_num_seqs`` < 1.
+    Raises ValueError for ``batch_share`` outside (0, 1], ``max_num_seqs`` < 1 or a negative
+    ``headroom``.
     """
 
     max_num_seqs: int
     batch_share: float = 1.0
+    headroom: Optional[int] = None
 
     def __post_init__(self) -> None:
         if not 0 < self.batch_share <= 1:
             raise ValueError(f"batch_share must be in (0, 1], got {self.batch_share}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.headroom is None:
+            object.__setattr__(self, "headroom", default_headroom(self.max_num_seqs))
+        if self.headroom < 0:
+            raise ValueError(f"class_headroom must be >= 0, got {self.headroom}")
+
+    def free_seats(self, priority: int, held: Mapping[int, int]) -> int:
+        """Seats a sequence of class ``priority`` may still take, ``held`` being the seats
+        taken per class (running sequences and their unforked siblings). One that outranks a
+        held seat may fill ``max_num_seqs + headroom`` in all; any other counts the seats of
+        better classes only past the first ``headroom`` of them. Negative: over (a nested
+        step borrowed seats)."""
+        total = sum(held.values())
+        if any(p > priority and n for p, n in held.items()):
+            return self.max_num_seqs + self.headroom - total
+        better = sum(n for p, n in held.items() if p < priority)
+        return self.max_num_seqs + min(self.headroom, better) - total
+
+    def seats_over(self, held: Mapping[int, int]) -> int:
+        """Seats ``held`` (per class) holds past what the rules allow: what the lowest held
+        class counts (:meth:`free_seats`) past ``max_num_seqs``; 0 when within them."""
+        classes_held = [p for p, n in held.items() if n]
+        return max(0, -self.free_seats(max(classes_held), held)) if classes_held else 0
 
     @property
     def batch_seats(self) -> int:
@@ -93,6 +125,22 @@ class PriorityRules:
         eligible = [r for r in running if r.priority > seq.priority
                     and r.class_preemptions < MAX_CLASS_PREEMPTIONS]
         return sorted(eligible, key=order_key, reverse=True)
+
+
+def default_headroom(max_num_seqs: int) -> int:
+    """Seats a better class may run past ``max_num_seqs`` beside a lower one by default: a
+    eighth of them, at least one (a trickle's burst beside a flood; more rows on top lengthen
+    the flood's steps, which an interactive prompt admitted in a whole step then waits for)."""
+    return max(1, max_num_seqs // 8)
+
+
+def seats_by_class(running: Iterable[SequenceState], pending: Mapping[str, Sequence]
+                   ) -> Counter:
+    """Seats taken per priority: running sequences and their unforked siblings."""
+    held: Counter = Counter()
+    for s in running:
+        held[s.priority] += 1 + len(pending.get(s.seq_id, ()))
+    return held
 
 
 def batch_held(running: Iterable[SequenceState], pending: dict[str, list[SequenceState]]

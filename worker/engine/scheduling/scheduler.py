@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from typing import Iterable, Mapping, Optional
+from typing import Callable, Iterable, Mapping, Optional
 
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
 from kvfleet.errors import ResourceExhausted
@@ -62,8 +62,13 @@ from kvfleet.worker.engine.scheduling.preemption import (
     return_seats_over_limit,
 )
 from kvfleet.worker.engine.scheduling.prefill_pace import PrefillPace
-from kvfleet.worker.engine.scheduling.priority_queue import PriorityRules, insert_waiting, order_key
-from kvfleet.worker.engine.scheduling.seats import TenantSeats, seats_taken
+from kvfleet.worker.engine.scheduling.priority_queue import (
+    PriorityRules,
+    insert_waiting,
+    order_key,
+    seats_by_class,
+)
+from kvfleet.worker.engine.scheduling.seats import TenantSeats
 from kvfleet.worker.engine.scheduling.step_budget import StepBudget, step_budget
 from kvfleet.worker.engine.scheduling.tenant_service import TenantService
 from kvfleet.worker.engine.speculative.drafts import add_drafts
@@ -116,7 +121,7 @@ class Scheduler:
                                      lambda: self.config.max_num_batched_tokens,
                                      min_chunk=1 + config.speculative_tokens)
         self.spec = Speculator(config.speculative, config.speculative_tokens)
-        self.rules = PriorityRules(config.max_num_seqs, config.batch_share)
+        self.rules = PriorityRules(config.max_num_seqs, config.batch_share, config.class_headroom)
         # per-tenant service: who is admitted next; a returning tenant may start up to one
         # step's prefill behind the others
         self.service = TenantService(credit=config.max_num_batched_tokens * PREFILL_WEIGHT)
@@ -219,7 +224,7 @@ class Scheduler:
         # budget. Lower classes still fill it, as they always did without the ITL target.
         hold = self.class_step is None and self.config.tenant_share < 1
         scheduled += admit_waiting(self, budget, admitted, first, favour_first=hold,
-                                   within_class=True)
+                                   within_class=True, allow=self._not_behind_better(admitted))
         if self.waiting:
             self.pace.admission_stopped(admitted.stopped_by not in (None, Refusal.BUDGET))
         if self.spec.enabled:
@@ -262,6 +267,23 @@ class Scheduler:
             i += 1
         return scheduled
 
+    def _not_behind_better(self, admitted: Pass) -> Callable[[SequenceState], bool]:
+        """Admission's ``allow`` for a whole step: once a prompt is admitted beside running
+        rows of a lower class, no prompt of a lower class joins the step: its prefill would
+        fill the step to the token budget, and the better prompt's first token waits for all
+        of it (under an ITL target class_step keeps it out too; with the class headroom a
+        better prompt no longer takes the last free seat that kept it out before)."""
+        better: list[int] = []
+
+        def allow(seq: SequenceState) -> bool:
+            if any(p < seq.priority for p in better):
+                return False
+            if any(p > seq.priority and n for p, n in admitted.held.by_class.items()):
+                better.append(seq.priority)  # admitted beside a lower class, if at all
+            return True
+
+        return allow
+
     def _contents(self) -> tuple[StepContents, FirstPick]:
         """The step's contents (:class:`ClassStep`: rows left out, the favoured prefill; none
         without it) and the waiting sequence the rule took as admission's next pick (``(seq or
@@ -270,7 +292,8 @@ class Scheduler:
             return StepContents(), ()
         first: FirstPick = ()
         candidate = None
-        if seats_taken(self.running, self.pending_forks) < self.config.max_num_seqs:
+        held = seats_by_class(self.running, self.pending_forks)
+        if self.waiting and self.rules.free_seats(self.waiting[0].priority, held) > 0:
             candidate = self.seats.next_waiting(self.waiting, self.pending_forks,
                                                 Counter(s.tenant for s in self.running), {})
             first = (candidate,)

@@ -56,6 +56,9 @@ class TenantSeats:
         # Running slots one tenant may hold (tenant_share < 1 keeps the rest for the others,
         # so a newly arrived tenant starts at the next step, not when a flood's requests end).
         self.per_tenant = max(1, int(max_num_seqs * tenant_share))
+        # a share of 1 caps nothing the seat rule does not (past max_num_seqs, only a better
+        # class's headroom: priority_queue.py), so a tenant sending two classes gets it too
+        self.capped = tenant_share < 1
         self.by_service = seats_by_service
         self.service = service
 
@@ -63,7 +66,7 @@ class TenantSeats:
         """May ``tenant``, holding ``held`` running seats, take ``group`` more? Within its
         share (one with none may always start), or past it (``seats_by_service``) while one
         of the tenants with sequences ``waiting`` has been served more."""
-        return (not held or held + group <= self.per_tenant
+        return (not self.capped or not held or held + group <= self.per_tenant
                 or (self.by_service
                     and self.service.behind(tenant, (t for t in waiting if t != tenant))))
 

@@ -1,16 +1,18 @@
 """How many drafts each decode row verifies this step: the count that maximises the step's
 expected tokens per predicted second.
 
-A row whose recent drafts were accepted at rate ``a`` (per drafted token) is modelled as
-accepting its ``j``-th draft with probability ``a^j``, so ``d`` drafts add ``a + … + a^d``
-expected tokens beside the one it samples anyway. Their price is the step-cost model's: a
-decode row that carries ``d`` drafts stays a decode row and adds ``d`` draft tokens, which
-attend ``d`` more positions (the model's draft term, calibrated on verify steps and corrected
-online from every step that verifies drafts; see :mod:`kvfleet.worker.step_cost.model`).
-Drafts are handed out best expected gain first, as many as give the step the most expected
-tokens ÷ predicted seconds: at a large batch or a low acceptance rate the answer is 0
-everywhere, which is speculation off. On a step of decode rows only, :class:`QueryRows`
-keeps the count to what the runner's few-row kernel runs cheaply.
+A row's ``j``-th draft is modelled as accepted with probability ``f · c^(j-1)``: ``f`` the
+chance its first draft is right (how long a match the drafter found says most about it: see
+:class:`FirstByMatch`), ``c`` the chance a draft is right once the one before it was (the
+row's own runs: copied text is accepted in runs, all or nothing). So ``d`` drafts add
+``f · (1 + c + … + c^(d-1))`` expected tokens beside the one it samples anyway. Their price is
+the step-cost model's: a decode row that carries ``d`` drafts stays a decode row and adds ``d``
+draft tokens, which attend ``d`` more positions (the model's draft term, calibrated on verify
+steps and corrected online from every step that verifies drafts; see
+:mod:`kvfleet.worker.step_cost.model`). Drafts are handed out best expected gain first, as many
+as give the step the most expected tokens ÷ predicted seconds: at a large batch or a low
+acceptance rate the answer is 0 everywhere, which is speculation off. On a step of decode rows
+only, :class:`QueryRows` keeps the count to what the runner's few-row kernel runs cheaply.
 """
 
 from __future__ import annotations
@@ -23,40 +25,83 @@ from kvfleet.worker.step_cost.model import StepCostModel, StepShape
 
 DECAY = 0.8  # weight of the past in a row's acceptance counts, per step it verifies
 PRIOR_ACCEPTED, PRIOR_DRAFTED = 1.0, 2.0  # an unseen row starts at rate 1/2
+MATCH_DECAY = 0.95  # weight of the past in a match class's counts, per proposal of the class
 
 
 class Acceptance:
-    """One sequence's recent acceptance: decayed counts of drafted and accepted tokens.
+    """One sequence's recent acceptance: decayed counts of drafted and accepted tokens, and of
+    the drafts verified after an accepted one (``followed``) and how many of those were
+    accepted (``continued``).
 
     While a row drafts nothing its counts decay toward the prior, so a row that stopped
     speculating tries again later (what it copies from may have changed).
     """
 
-    __slots__ = ("accepted", "drafted")
+    __slots__ = ("accepted", "drafted", "continued", "followed")
 
     def __init__(self) -> None:
-        self.accepted = 0.0
-        self.drafted = 0.0
+        self.accepted = self.drafted = 0.0
+        self.continued = self.followed = 0.0
 
     @property
     def rate(self) -> float:
         """Expected acceptance per drafted token, in (0, 1)."""
         return (self.accepted + PRIOR_ACCEPTED) / (self.drafted + PRIOR_DRAFTED)
 
+    @property
+    def continuation(self) -> float:
+        """Chance a draft is accepted once the one before it was, in (0, 1): accepted drafts
+        after the first ÷ drafts verified after an accepted one (the run's end counted once,
+        drafts past it never seen by the model)."""
+        return (self.continued + PRIOR_ACCEPTED) / (self.followed + PRIOR_DRAFTED)
+
     def observe(self, drafted: int, accepted: int) -> None:
         """A step verified ``drafted`` drafts of this row and accepted ``accepted``."""
         self.drafted = DECAY * self.drafted + drafted
         self.accepted = DECAY * self.accepted + accepted
+        self.continued = DECAY * self.continued + max(0, accepted - 1)
+        self.followed = DECAY * self.followed + max(0, min(drafted, accepted + 1) - 1)
+
+
+class FirstByMatch:
+    """The chance a proposal's first draft is accepted, by the length of the match it copies
+    from (1, 2, ``top`` or more tokens): decayed counts over the replica's verify rows.
+
+    A one-token match guesses far more often than a four-token one, whatever the row; a class
+    whose proposals go undrafted decays toward the prior, so it is tried again later.
+
+    Args:
+        top: the longest class (longer matches count as ``top``).
+    """
+
+    def __init__(self, top: int = 3) -> None:
+        self.top = top
+        self._hits = [0.0] * (top + 1)
+        self._rows = [0.0] * (top + 1)
+
+    def rate(self, n: int) -> float:
+        """First-draft acceptance of a proposal from an ``n``-token match (``n`` ≥ 1)."""
+        c = min(n, self.top)
+        return (self._hits[c] + PRIOR_ACCEPTED) / (self._rows[c] + PRIOR_DRAFTED)
+
+    def observe(self, n: int, drafted: int, accepted: int) -> None:
+        """A proposal from an ``n``-token match: ``drafted`` of it verified (0: not drafted,
+        the class drifts toward its prior), ``accepted`` accepted."""
+        c = min(n, self.top)
+        self._hits[c] = MATCH_DECAY * self._hits[c] + (accepted > 0)
+        self._rows[c] = MATCH_DECAY * self._rows[c] + (drafted > 0)
 
 
 @dataclass(frozen=True)
 class Candidate:
-    """A decode row that could carry drafts: its acceptance ``rate``, the drafts available
-    (``max_drafts``) and its computed tokens (its chunk's context)."""
+    """A decode row that could carry drafts: the chance a draft is accepted once the one
+    before it was (``rate``), the drafts available (``max_drafts``), its computed tokens (its
+    chunk's context) and the chance its first draft is accepted (``first``; None: ``rate``)."""
 
     rate: float
     max_drafts: int
     num_computed_tokens: int
+    first: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -121,7 +166,8 @@ def size_drafts(candidates: Sequence[Candidate], base: StepShape, sampled_rows: 
     tokens = float(sampled_rows)
     pass_s = cost.predict_step_s(1, 0, 0)
     # (-expected gain of the row's next draft, row): the best draft first
-    heap = [(-c.rate, i) for i, c in enumerate(candidates) if c.max_drafts > 0]
+    heap = [(-(c.rate if c.first is None else c.first), i)
+            for i, c in enumerate(candidates) if c.max_drafts > 0]
     heapq.heapify(heap)
     best_rate, best_count = tokens / seconds, 0
     path_rate = best_rate

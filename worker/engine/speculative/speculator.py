@@ -6,7 +6,8 @@ and output (:mod:`.ngram`); ``suffix`` also from recent outputs of the same cach
 (:mod:`.suffix`), the longer match winning. The drafts travel in the step plan as extra
 query tokens of their decode row (``SeqChunk.num_draft_tokens``); the engine verifies them
 (:mod:`.verify`) and only then counts them as computed. How many each row carries comes from
-its recent acceptance and the step-cost model (:mod:`.sizing`).
+the length of the match its drafts copy from (the first draft's chance), the row's recent
+runs of accepted drafts (the next's) and the step-cost model (:mod:`.sizing`).
 
 Rows that never speculate: a sequence that opted out (``SamplingParams.speculative``), a
 structured-output row (its grammar would have to mask every draft position), a leader whose
@@ -24,6 +25,7 @@ from kvfleet.worker.engine.speculative.sizing import (
     CPU_FEW_ROWS,
     Acceptance,
     Candidate,
+    FirstByMatch,
     QueryRows,
     size_drafts,
 )
@@ -32,6 +34,9 @@ from kvfleet.worker.step_cost.model import StepCostModel, StepShape
 
 MODES = ("off", "ngram", "suffix")
 MAX_DRAFT_TOKENS = 16  # a verify chunk stays small beside a prefill chunk
+# Own-sequence n-gram lengths: down to one token (a guess sizing prices by its own, lower, first
+# draft chance: see sizing.FirstByMatch), up to four.
+NGRAM_MIN, NGRAM_MAX = 1, 4
 
 
 def check_mode(mode: str, num_tokens: int) -> None:
@@ -48,6 +53,7 @@ class _Row:
 
     ngrams: NgramIndex
     acceptance: Acceptance
+    match: int = 0  # the length of the match the row's last planned proposal copied from
 
 
 @dataclass
@@ -88,6 +94,7 @@ class Speculator:
         self.suffix = SuffixIndex(suffix_tokens) if mode == "suffix" else None
         self.query_rows = query_rows
         self.counts = SpecCounts(accepted_hist=[0] * (num_tokens + 1))
+        self.first = FirstByMatch()
         self._rows: dict[str, _Row] = {}
 
     @property
@@ -100,16 +107,23 @@ class Speculator:
                 and seq.params.max_tokens - len(seq.output_token_ids) > 1)
 
     def propose(self, seq: SequenceState) -> tuple[int, ...]:
-        """Up to ``num_tokens`` drafts continuing ``seq`` (never past its ``max_tokens``)."""
+        """Up to ``num_tokens`` drafts continuing ``seq`` (never past its ``max_tokens``); the
+        length of the match they copy is kept for sizing (see :meth:`plan`)."""
+        n, drafts = self._lookup(seq)
+        self._row(seq).match = n if drafts else 0
+        return drafts
+
+    def _lookup(self, seq: SequenceState) -> tuple[int, tuple[int, ...]]:
+        """``(n, drafts)``: the drafts and the length of the match they copy."""
         k = min(self.num_tokens, seq.params.max_tokens - len(seq.output_token_ids) - 1)
         row = self._row(seq)
         tokens = seq.all_token_ids
         own = row.ngrams.propose(tokens, k)
-        if self.suffix is None:
-            return own
         n_own = row.ngrams.match(tokens)[0] if own else 0
+        if self.suffix is None:
+            return n_own, own
         n, scoped = self.suffix.propose(seq.root_hash, tokens, k)
-        return scoped if n > n_own or (n == n_own and len(scoped) > len(own)) else own
+        return (n, scoped) if n > n_own or (n == n_own and len(scoped) > len(own)) else (n_own, own)
 
     def plan(self, rows: Sequence[SequenceState], base: StepShape, sampled_rows: int,
              cost: Optional[StepCostModel], tokens_left: int) -> list[tuple[int, ...]]:
@@ -121,17 +135,28 @@ class Speculator:
             proposals: list[tuple[int, ...]] = [()] * len(rows)  # no room: skip the lookups
         else:
             proposals = [self.propose(s) for s in rows]
-        cands = [Candidate(self._row(s).acceptance.rate, len(p), s.num_computed_tokens)
-                 for s, p in zip(rows, proposals, strict=True)]
+        # the match length is 0 where a drafter other than the lookups proposed (tests' oracles):
+        # the first draft then gets the row's continuation chance too
+        matches = [self._row(s).match if p else 0 for s, p in zip(rows, proposals, strict=True)]
+        cands = [Candidate(self._row(s).acceptance.continuation, len(p), s.num_computed_tokens,
+                           self.first.rate(n) if n else None)
+                 for s, p, n in zip(rows, proposals, matches, strict=True)]
         sizes = size_drafts(cands, base, sampled_rows, cost, tokens_left, self.query_rows)
-        for s, d in zip(rows, sizes, strict=True):
+        for s, n, d in zip(rows, matches, sizes, strict=True):
+            row = self._row(s)
+            row.match = n
             if d == 0:  # not verifying: drift back toward the prior (see Acceptance)
-                self._row(s).acceptance.observe(0, 0)
+                row.acceptance.observe(0, 0)
+                if n:
+                    self.first.observe(n, 0, 0)
         return [p[:d] for p, d in zip(proposals, sizes, strict=True)]
 
     def verified(self, seq: SequenceState, drafted: int, accepted: int) -> None:
         """The engine verified ``drafted`` drafts of ``seq`` and accepted ``accepted``."""
-        self._row(seq).acceptance.observe(drafted, accepted)
+        row = self._row(seq)
+        row.acceptance.observe(drafted, accepted)
+        if row.match:
+            self.first.observe(row.match, drafted, accepted)
         seq.spec_drafted += drafted
         seq.spec_accepted += accepted
         self.counts.drafted += drafted
@@ -151,5 +176,5 @@ class Speculator:
     def _row(self, seq: SequenceState) -> _Row:
         row = self._rows.get(seq.seq_id)
         if row is None:
-            row = self._rows[seq.seq_id] = _Row(NgramIndex(), Acceptance())
+            row = self._rows[seq.seq_id] = _Row(NgramIndex(NGRAM_MIN, NGRAM_MAX), Acceptance())
         return row

@@ -26,6 +26,7 @@ from torch import nn
 
 from kvfleet.worker.runner import layer_ops
 from kvfleet.worker.runner.attention import AttentionMetadata, GroupedMetadata, paged_attention
+from kvfleet.worker.runner.decode_rows import DecodeRows
 from kvfleet.worker.runner.kv_cache import KVCache
 from kvfleet.worker.runner.model_config import ModelConfig
 from kvfleet.worker.runner.models.checkpoint import fuse_hf_weights
@@ -34,6 +35,7 @@ from kvfleet.worker.runner.models.mlp import DenseMLP, mlp_for_layer
 from kvfleet.worker.runner.models.moe import SparseMoE
 from kvfleet.worker.runner.models.rope import apply_rope, stacked_rope_tables
 from kvfleet.worker.runner.quant.qlayer import QuantDecodeLayer
+from kvfleet.worker.runner.quant.qstack import QuantDecodeStack
 
 
 def _weight(*shape: int) -> nn.Parameter:
@@ -228,6 +230,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_weight = _weight(config.hidden_size, config.vocab_size) if lm_head else None
         self.rope_cos = self.rope_sin = torch.empty(0)
         self.embed_scale: torch.Tensor | None = None
+        self._decode_stack: QuantDecodeStack | None = None  # see _stack
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata | GroupedMetadata, kv_cache: KVCache) -> torch.Tensor:
@@ -257,6 +260,11 @@ class LlamaForCausalLM(nn.Module):
         """
         layers = self._decoder_layers()  # a list once a step: ModuleList indexing costs per layer
         last = len(layers) - 1
+        if should_yield is None and start <= last:
+            found = self._stack(layers, hidden, meta, kv_cache)
+            if found is not None:  # every layer one C call: all of them in one
+                hidden, delta = found[0](hidden, cos, sin, found[1], start)
+                return settle(hidden, delta), last + 1
         # Each rope's rows once a step (the layers share them); None until a layer asks.
         ropes: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * cos.shape[0]
         delta: torch.Tensor | None = None
@@ -271,6 +279,34 @@ class LlamaForCausalLM(nn.Module):
             if should_yield is not None and i < last and should_yield():
                 return settle(hidden, delta), i + 1
         return settle(hidden, delta), last + 1
+
+    def _stack(self, layers: list[LlamaDecoderLayer], hidden: torch.Tensor,
+               meta: AttentionMetadata | GroupedMetadata, kv_cache: KVCache
+               ) -> tuple[QuantDecodeStack, DecodeRows] | None:
+        """Every layer as one C call (:mod:`~..quant.qstack`) with the step's decode rows, where
+        each layer would take its one-call path (:meth:`LlamaDecoderLayer._decode_layer`) and
+        the step is decode-only with one layer group; else None (the per-layer loop). Rebuilt
+        when a layer was rebound (LoRA, tensor parallelism) or the cache replaced."""
+        if not isinstance(meta, AttentionMetadata):
+            return None
+        stack, views = self._decode_stack, kv_cache.views()
+        if stack is None or stack.caches is not views or not all(
+                layer._decode_call is call and call.current(layer.qkv, layer.o)
+                for layer, call in zip(layers, stack.calls, strict=True)):
+            self._decode_stack = stack = None
+            if not layer_ops.applies(hidden):
+                return None
+            calls = []
+            for layer in layers:
+                call = layer._decode_layer()
+                if call is None:
+                    return None
+                calls.append(call)
+            stack = QuantDecodeStack(calls, views, [layer.rope_index for layer in layers],
+                                     [layer.window for layer in layers])
+            self._decode_stack = stack
+        rows = meta.decode_rows
+        return None if rows is None else (stack, rows)
 
     def pack(self, one_row_copy: bool = False) -> None:
         """Turn every loaded matrix into a projection (:func:`~.linear.projection`: packed

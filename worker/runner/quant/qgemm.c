@@ -17,6 +17,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "qkernels.h"
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif

@@ -1,4 +1,5 @@
-/* One decoder layer of a decode-only step with int8 / int4 projections, in one call (fp32, CPU).
+/* One decoder layer of a decode-only step with int8 / int4 projections, in one call (fp32, CPU);
+ * and a run of such layers in one call (quant_decode_layers, driven by quant/qstack.py).
  *
  * Built with the other kernels by kvfleet/worker/runner/cpu_kernels.py and called through
  * kvfleet/worker/runner/quant/qlayer.py. It runs the same kernels, in the same order, as the
@@ -11,51 +12,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-void add_rms_norm(const float *a, int64_t lda, const float *b, int64_t ldb, float *sum,
-                  int64_t lds, const float *weight, float *normed, int64_t ldn, int64_t rows,
-                  int64_t size, float eps, int num_threads);
-void rope_write_kv(float *qkv, int64_t ldq, int64_t rows, const float *cos, const float *sin,
-                   int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t rot,
-                   float *k_cache, float *v_cache, const int64_t *slots, int num_threads);
-void silu_mul(const float *gate_up, int64_t ldg, int64_t rows, int64_t width, float *out,
-              int64_t ldo, int num_threads);
-int paged_decode_attention(const float *query, int64_t q_stride, float *out, int64_t o_stride,
-                           const float *k_cache, const float *v_cache, const int64_t *token,
-                           const int64_t *tables, const int64_t *table_start,
-                           const int64_t *first, const int64_t *ctx, int64_t num_decodes,
-                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                           int64_t block_size, float scale, const float *sinks,
-                           int num_threads);
-void qgemm_int8(const float *x, int64_t ldx, int64_t rows, const int8_t *q, const void *scale,
-                int half, int64_t in, int64_t out, int64_t group, const float *bias, float *y,
-                int64_t ldy, int num_threads);
-int qgemm_int4(const float *x, int64_t ldx, int64_t rows, const uint8_t *q, const void *scale,
-               const void *offset, int half, int64_t in, int64_t out, int64_t group,
-               const float *bias, float *y, int64_t ldy, int num_threads);
-
-/* A packed projection's kernel arguments (see qgemm.c); offset NULL for int8. */
-typedef struct {
-    int32_t bits, half;
-    int64_t in, out, group;
-    const void *codes, *scale, *offset;
-    const float *bias;
-} qproj_t;
-
-/* A layer's fixed arguments, filled once when the layer is bound. */
-typedef struct {
-    qproj_t qkv, o, gate_up, down;
-    const float *input_norm, *mlp_norm;
-    float eps, attn_scale;
-    int64_t hidden, heads, kv_heads, head_dim, block_size;
-    const float *sinks;
-} qlayer_t;
-
-/* A step's decode rows, filled once a step and shared by every layer: row d is decode d. */
-typedef struct {
-    int64_t rows;
-    const int64_t *slots, *token, *tables, *table_start, *ctx;
-    int32_t num_threads;
-} qstep_t;
+#include "../kernels.h"
+#include "qkernels.h"
 
 static int product(const qproj_t *p, const float *x, int64_t rows, float *y, int threads) {
     if (p->bits == 8) {
@@ -67,6 +25,64 @@ static int product(const qproj_t *p, const float *x, int64_t rows, float *y, int
                       p->group, p->bias, y, p->out, threads);
 }
 
+/* A layer's scratch: x (rows, hidden), qkv, attn (rows, heads * head_dim), gate_up, act. */
+typedef struct {
+    float *x, *qkv, *attn, *gate_up, *act;
+} scratch_t;
+
+static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+/* Scratch for `rows` rows of every layer in layers[0..n) (each buffer the widest layer's). */
+static int scratch_alloc(scratch_t *s, const qlayer_t *const *layers, int64_t n, int64_t rows) {
+    int64_t h = 0, nqkv = 0, q = 0, gu = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const qlayer_t *L = layers[i];
+        h = max64(h, L->hidden);
+        nqkv = max64(nqkv, L->qkv.out);
+        q = max64(q, L->heads * L->head_dim);
+        gu = max64(gu, L->gate_up.out);
+    }
+    s->x = malloc(sizeof(float) * (size_t)(rows * h));
+    s->qkv = malloc(sizeof(float) * (size_t)(rows * nqkv));
+    s->attn = malloc(sizeof(float) * (size_t)(rows * q));
+    s->gate_up = malloc(sizeof(float) * (size_t)(rows * gu));
+    s->act = malloc(sizeof(float) * (size_t)(rows * (gu / 2)));
+    return s->x == NULL || s->qkv == NULL || s->attn == NULL || s->gate_up == NULL
+           || s->act == NULL ? -1 : 0;
+}
+
+static void scratch_free(scratch_t *s) {
+    free(s->x);
+    free(s->qkv);
+    free(s->attn);
+    free(s->gate_up);
+    free(s->act);
+}
+
+/* The layer body of quant_decode_layer over preallocated scratch; delta may alias out (it is
+ * consumed by the first norm, before out is written). */
+static int layer_body(const qlayer_t *L, const qstep_t *S, float *hidden, const float *delta,
+                      float *out, const float *cos, const float *sin, int64_t rot,
+                      const int64_t *first, float *k_cache, float *v_cache, const scratch_t *s) {
+    const int64_t rows = S->rows, h = L->hidden, q = L->heads * L->head_dim;
+    const int64_t nqkv = L->qkv.out, width = L->gate_up.out / 2;
+    const int th = S->num_threads;
+    add_rms_norm(hidden, h, delta, h, hidden, h, L->input_norm, s->x, h, rows, h, L->eps, th);
+    if (product(&L->qkv, s->x, rows, s->qkv, th)) return -1;
+    rope_write_kv(s->qkv, nqkv, rows, cos, sin, L->heads, L->kv_heads, L->head_dim, rot, k_cache,
+                  v_cache, S->slots, th);
+    if (paged_decode_attention(s->qkv, nqkv, s->attn, q, k_cache, v_cache, S->token, S->tables,
+                               S->table_start, first, S->ctx, rows, L->heads, L->kv_heads,
+                               L->head_dim, L->block_size, L->attn_scale, L->sinks,
+                               th < rows * L->kv_heads ? th : (int)(rows * L->kv_heads)))
+        return -1;
+    if (product(&L->o, s->attn, rows, out, th)) return -1;  /* out holds the attention output */
+    add_rms_norm(hidden, h, out, h, hidden, h, L->mlp_norm, s->x, h, rows, h, L->eps, th);
+    if (product(&L->gate_up, s->x, rows, s->gate_up, th)) return -1;
+    silu_mul(s->gate_up, 2 * width, rows, width, s->act, width, th);
+    return product(&L->down, s->act, rows, out, th);
+}
+
 /* hidden (rows, L->hidden) += delta (delta NULL: nothing added), then the layer; the
  * attention output is added to hidden in place too, and the MLP's output written to out
  * (rows, L->hidden): the residual stream after the layer is hidden + out. cos / sin: rows of
@@ -76,35 +92,36 @@ static int product(const qproj_t *p, const float *x, int64_t rows, float *y, int
 int quant_decode_layer(const qlayer_t *L, const qstep_t *S, float *hidden, const float *delta,
                        float *out, const float *cos, const float *sin, int64_t rot,
                        const int64_t *first, float *k_cache, float *v_cache) {
-    const int64_t rows = S->rows, h = L->hidden, q = L->heads * L->head_dim;
-    const int64_t nqkv = L->qkv.out, width = L->gate_up.out / 2;
-    const int th = S->num_threads;
-    float *x = malloc(sizeof(float) * (size_t)(rows * h));
-    float *qkv = malloc(sizeof(float) * (size_t)(rows * nqkv));
-    float *attn = malloc(sizeof(float) * (size_t)(rows * q));
-    float *gate_up = malloc(sizeof(float) * (size_t)(rows * 2 * width));
-    float *act = malloc(sizeof(float) * (size_t)(rows * width));
+    scratch_t s;
+    int status = scratch_alloc(&s, &L, 1, S->rows);
+    if (status == 0)
+        status = layer_body(L, S, hidden, delta, out, cos, sin, rot, first, k_cache, v_cache, &s);
+    scratch_free(&s);
+    return status;
+}
+
+/* quant_decode_layer for layers[0..n) in turn, as the model's layer loop calls it: the first
+ * without a delta, each next one with the previous one's out; the stream after the last is
+ * hidden + out. The step's rope rows are cos[layers[i].rope] / sin[...], its first keys
+ * first[layers[i].first]. One scratch for all layers. Returns 0 or -1 (as quant_decode_layer;
+ * the layers before the failing one have run). */
+int quant_decode_layers(const qstack_t *layers, int64_t n, const qstep_t *S, float *hidden,
+                        float *out, const float *const *cos, const float *const *sin, int64_t rot,
+                        const int64_t *const *first) {
+    const qlayer_t **each = malloc(sizeof(*each) * (size_t)(n > 0 ? n : 1));
+    scratch_t s = {0};
     int status = -1;
-    if (x == NULL || qkv == NULL || attn == NULL || gate_up == NULL || act == NULL) goto done;
-    add_rms_norm(hidden, h, delta, h, hidden, h, L->input_norm, x, h, rows, h, L->eps, th);
-    if (product(&L->qkv, x, rows, qkv, th)) goto done;
-    rope_write_kv(qkv, nqkv, rows, cos, sin, L->heads, L->kv_heads, L->head_dim, rot, k_cache,
-                  v_cache, S->slots, th);
-    if (paged_decode_attention(qkv, nqkv, attn, q, k_cache, v_cache, S->token, S->tables,
-                               S->table_start, first, S->ctx, rows, L->heads, L->kv_heads,
-                               L->head_dim, L->block_size, L->attn_scale, L->sinks,
-                               th < rows ? th : (int)rows))
-        goto done;
-    if (product(&L->o, attn, rows, out, th)) goto done;  /* out holds the attention output */
-    add_rms_norm(hidden, h, out, h, hidden, h, L->mlp_norm, x, h, rows, h, L->eps, th);
-    if (product(&L->gate_up, x, rows, gate_up, th)) goto done;
-    silu_mul(gate_up, 2 * width, rows, width, act, width, th);
-    status = product(&L->down, act, rows, out, th);
-done:
-    free(x);
-    free(qkv);
-    free(attn);
-    free(gate_up);
-    free(act);
+    if (each == NULL) return -1;
+    for (int64_t i = 0; i < n; i++) each[i] = layers[i].layer;
+    if (scratch_alloc(&s, each, n, S->rows) == 0) {
+        status = 0;
+        for (int64_t i = 0; i < n && status == 0; i++) {
+            const qstack_t *l = &layers[i];
+            status = layer_body(l->layer, S, hidden, i ? out : NULL, out, cos[l->rope], sin[l->rope],
+                                rot, first[l->first], l->k_cache, l->v_cache, &s);
+        }
+    }
+    scratch_free(&s);
+    free(each);
     return status;
 }

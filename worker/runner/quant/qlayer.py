@@ -42,7 +42,8 @@ class _Layer(ctypes.Structure):
                 ("block_size", _i64), ("sinks", _ptr)]
 
 
-def _load() -> ctypes.CDLL | None:
+def load() -> ctypes.CDLL | None:
+    """The kernel library with the layer call's signature set, or None (no C compiler)."""
     lib = kernels.load()
     layer_ops.load()  # the layer's own small ops are in the same library
     if lib is not None and lib.quant_decode_layer.argtypes is None:  # not yet bound
@@ -97,7 +98,7 @@ class QuantDecodeLayer:
         ``(heads,)`` or None. Not :attr:`runs` unless every projection is a C-run
         :class:`QuantLinear` with matching widths and the norms are fp32 CPU vectors."""
         self = cls(qkv, o, mlp)
-        lib = _load()
+        lib = load()
         projs = [_proj(p) for p in (qkv, o, self.gate_up, self.down)]
         if lib is None or any(p is None for p in projs):
             return self
@@ -124,7 +125,7 @@ class QuantDecodeLayer:
         return (qkv is self.qkv and o is self.o and self.mlp.gate_up is self.gate_up
                 and self.mlp.down is self.down)
 
-    def _check_caches(self, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    def check_caches(self, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
         s = self.struct
         shape = (s.kv_heads, s.head_dim)
         for c in (key_cache, value_cache):
@@ -161,7 +162,7 @@ class QuantDecodeLayer:
         """
         caches = self._caches
         if caches is None or caches[0] is not key_cache or caches[1] is not value_cache:
-            self._check_caches(key_cache, value_cache)
+            self.check_caches(key_cache, value_cache)
         shape = hidden.shape
         if (shape[0] != rows.struct.rows or shape[1] != self.struct.hidden
                 or not hidden.is_contiguous()

@@ -9,9 +9,9 @@
  */
 #include <stdint.h>
 
-#define LANES 16
+#include "qkernels.h"
 
-float kvf_half_to_float(uint16_t h);  /* qgemm.c */
+#define LANES 16
 
 static float lane(const void *p, int half, int64_t i) {
     return half ? kvf_half_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];

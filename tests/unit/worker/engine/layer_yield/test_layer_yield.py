@@ -136,7 +136,7 @@ def test_beside_a_host_tier_the_nested_plan_lists_the_cached_blocks_it_evicts():
 
 
 def test_a_borrowed_seat_goes_back_by_preemption_at_the_next_step():
-    s = make_scheduler(64, max_num_seqs=2)
+    s = make_scheduler(64, max_num_seqs=2, class_headroom=0)
     rows, paused = batch_in_flight(s, 2)
     i1 = seq(INTERACTIVE)
     s.add([i1])
@@ -153,7 +153,7 @@ def test_a_borrowed_seat_goes_back_by_preemption_at_the_next_step():
 def test_no_seat_to_borrow_means_no_nested_step():
     # Reserve never preempts: no seat to borrow.
     for cfg in ({"policy": "reserve"},):
-        s = make_scheduler(64, max_num_seqs=2, **cfg)
+        s = make_scheduler(64, max_num_seqs=2, class_headroom=0, **cfg)
         _, paused = batch_in_flight(s, 2)
         i1 = seq(INTERACTIVE)
         s.add([i1])

@@ -82,7 +82,7 @@ def test_class_preemption_counts_host_tier_hits_as_admission_does() -> None:
     # (before: the first claimed all 16 tokens, and the second waited a step for a seat).
     kv = KVCacheManager(64, BS)
     first = new_seq(prompt_len=16, priority=INTERACTIVE)
-    s = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16), kv,
+    s = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16, class_headroom=0), kv,
                   tier=_tier_prefix(kv, first, 3))
     batch = [new_seq(prompt_len=4, max_tokens=50, priority=BATCH) for _ in range(2)]
     s.add(batch)

@@ -42,7 +42,7 @@ def test_the_head_class_still_goes_first_while_its_tenant_may_take_a_seat():
 def test_class_preemption_takes_one_sequence_a_bounded_number_of_times():
     """One seat: a long batch prompt is preempted by each interactive arrival until it has
     been preempted ``MAX_CLASS_PREEMPTIONS`` times; then the next arrival waits for it."""
-    s = make_scheduler(256, max_num_seqs=1, max_num_batched_tokens=8)
+    s = make_scheduler(256, max_num_seqs=1, max_num_batched_tokens=8, class_headroom=0)
     long = seq(BATCH, prompt_len=40, max_tokens=4)
     s.add([long])
     taken = 0

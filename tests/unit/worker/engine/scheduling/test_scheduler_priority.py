@@ -12,7 +12,9 @@ from tests.unit.worker.scheduler_harness import run_step as step
 
 
 def make(n_blocks: int = 32, **cfg) -> Scheduler:
-    return make_scheduler(n_blocks, **cfg)
+    # No class headroom by default: these tests take a lower class's seat by preemption
+    # (test_class_headroom.py has the seats a better class takes on top first).
+    return make_scheduler(n_blocks, **{"class_headroom": 0, **cfg})
 
 
 def seq(level: int, prompt_len: int = 4, tenant: str = "t", max_tokens: int = 8) -> SequenceState:

@@ -13,6 +13,7 @@ from kvfleet.worker.engine.speculative.sizing import (
     CPU_FEW_ROWS,
     Acceptance,
     Candidate,
+    FirstByMatch,
     QueryRows,
     query_rows_for,
     size_drafts,
@@ -190,3 +191,45 @@ def test_the_few_row_rule_is_the_cpu_runners_only() -> None:
     assert query_rows_for("cpu") is CPU_FEW_ROWS
     assert query_rows_for("cuda:0") is None
     assert query_rows_for("cuda") is None
+
+
+def test_a_miss_at_the_first_draft_does_not_shorten_a_copying_rows_runs() -> None:
+    """Copied text is accepted in runs: a row that copies whole drafts and sometimes misses at
+    once keeps a high continuation (the per-token rate halves), and a run cut short counts one
+    failed continuation, never the drafts past it."""
+    a = Acceptance()
+    assert a.continuation == 0.5
+    for _ in range(10):
+        a.observe(7, 7)
+        a.observe(7, 0)
+    assert a.continuation > 0.9
+    assert a.rate < 0.6
+    b = Acceptance()
+    b.observe(7, 3)  # drafts 2 and 3 continued, draft 4 did not, 5..7 unseen
+    assert (b.continued, b.followed) == (2, 3)
+    b.observe(4, 0)
+    assert (b.continued, b.followed) == (1.6, 2.4000000000000004)
+
+
+def test_first_draft_chance_is_learnt_by_match_length() -> None:
+    first = FirstByMatch(top=3)
+    for _ in range(20):
+        first.observe(1, 4, 0)
+        first.observe(4, 4, 2)
+    assert first.rate(1) < 0.1
+    assert first.rate(3) > 0.9 and first.rate(7) == first.rate(3)  # longer matches share a class
+    assert first.rate(2) == 0.5  # never verified: the prior
+    for _ in range(100):
+        first.observe(1, 0, 0)  # proposed, not drafted: back toward the prior
+    assert 0.4 < first.rate(1) <= 0.5
+
+
+def test_sizing_prices_the_first_draft_and_the_run_apart() -> None:
+    """Gains ``f · c^(j-1)``: a likely first draft and long runs earn the whole proposal where
+    the per-token model (``a^j``) stopped early; an unlikely first draft earns none."""
+    one = StepShape(1, 0, 101)
+    assert size_drafts([Candidate(0.95, 7, 100, first=0.6)], one, 1, CHEAP_VERIFY, 64) == [7]
+    assert size_drafts([Candidate(0.6, 7, 100)], one, 1, CHEAP_VERIFY, 64) == [3]
+    assert size_drafts([Candidate(0.95, 7, 100, first=0.02)], one, 1, CHEAP_VERIFY, 64) == [0]
+    assert size_drafts([Candidate(0.9, 6, 100, first=0.9)], one, 1, CHEAP_VERIFY, 64) == \
+        size_drafts([Candidate(0.9, 6, 100)], one, 1, CHEAP_VERIFY, 64)

@@ -1,8 +1,9 @@
-"""The one-call quantized decode layer (``quant/qlayer.c``) against the model's Python layer:
-the same kernels in the same order, so hidden states and written caches must be equal bit
-for bit, on decode-only steps of one and several rows, short and past-the-window contexts,
-with QKV bias (Qwen2) and a sliding window (Mistral). The engine-level exactness tests
-(``test_quant_exactness.py``) then check its cache paths against full recomputation."""
+"""The one-call quantized decode layer (``quant/qlayer.c``), and all layers of a step in one
+call (``quant/qstack.py``), against the model's Python layer: the same kernels in the same
+order, so hidden states and written caches must be equal bit for bit, on decode-only steps
+of one and several rows, short and past-the-window contexts, with QKV bias (Qwen2) and a
+sliding window (Mistral). The engine-level exactness tests (``test_quant_exactness.py``)
+then check its cache paths against full recomputation."""
 
 from __future__ import annotations
 
@@ -13,11 +14,13 @@ import torch
 
 from kvfleet.worker.engine.step_plan import SeqChunk
 from kvfleet.worker.runner import cpu_kernels
+from kvfleet.worker.runner.kv_cache import KVCache
 from kvfleet.worker.runner.model_runner import ModelRunner
 from kvfleet.worker.runner.quant import kernels
 from kvfleet.worker.runner.quant.config import QuantConfig
 from kvfleet.worker.runner.quant.packed import quantize
 from kvfleet.worker.runner.quant.qlayer import QuantDecodeLayer
+from kvfleet.worker.runner.quant.qstack import QuantDecodeStack
 
 BLOCK = 4
 
@@ -42,26 +45,90 @@ def _step(runner: ModelRunner, contexts: list[int], seed: int) -> tuple[torch.Te
     return hidden, runner.kv_cache.data.clone()
 
 
+def _count(monkeypatch, cls: type) -> list[int]:
+    """Each call of ``cls`` instances appends to the list returned."""
+    calls: list[int] = []
+    original = cls.__call__
+    monkeypatch.setattr(cls, "__call__", lambda self, *a: calls.append(1) or original(self, *a))
+    return calls
+
+
 @pytest.mark.parametrize("family, method", [("tiny_llama_dir", "int4"), ("tiny_llama_dir", "int8"),
                                             ("tiny_qwen2_dir", "int4"), ("tiny_mistral_dir", "int8")])
-@pytest.mark.parametrize("contexts", [[5], [0, 3, 17, 30]])
+@pytest.mark.parametrize("contexts", [[5], [0, 3, 17, 30], [90]])
 def test_one_call_layer_equals_the_python_layer(request, monkeypatch, family, method,
                                                 contexts) -> None:
+    """All layers in one call, then one call per layer, then the Python layer: all equal."""
     if cpu_kernels.load() is None:
         pytest.skip("no C compiler")
     runner = ModelRunner(request.getfixturevalue(family), num_blocks=32, block_size=BLOCK,
                          quantization=QuantConfig(method))
-    calls = []
-    original = QuantDecodeLayer.__call__
-    monkeypatch.setattr(QuantDecodeLayer, "__call__",
-                        lambda self, *a: calls.append(1) or original(self, *a))
+    calls, stacks = _count(monkeypatch, QuantDecodeLayer), _count(monkeypatch, QuantDecodeStack)
     hidden, cache = _step(runner, contexts, seed=len(contexts))
-    assert len(calls) == runner.config.num_layers  # every layer took the one call
+    assert (len(stacks), len(calls)) == (1, 0)  # every layer in the one call
+    monkeypatch.setattr(runner.model, "_stack", lambda *a: None)  # one call per layer
+    layer_hidden, layer_cache = _step(runner, contexts, seed=len(contexts))
+    assert (len(stacks), len(calls)) == (1, runner.config.num_layers)
     for layer in runner.model.layers:  # back to the Python layer
         monkeypatch.setattr(layer, "_decode_shape", False)
         monkeypatch.setattr(layer, "_decode_call", None)
     want_hidden, want_cache = _step(runner, contexts, seed=len(contexts))
-    assert len(calls) == runner.config.num_layers
+    assert (len(stacks), len(calls)) == (1, runner.config.num_layers)
+    assert torch.equal(hidden, layer_hidden) and torch.equal(cache, layer_cache)
+    assert torch.equal(hidden, want_hidden)
+    assert torch.equal(cache, want_cache)
+
+
+@pytest.mark.parametrize("method", ["int4", "int8"])
+def test_a_replaced_projection_falls_back_per_layer(tiny_llama_dir, monkeypatch, method) -> None:
+    """A wrapped projection (as LoRA puts over one) takes its layer off the C path: the step
+    then runs layer by layer, the others still one call each, to the all-layers result; with
+    the projection restored the step is one call again. A new cache rebuilds the call."""
+    if cpu_kernels.load() is None:
+        pytest.skip("no C compiler")
+    runner = ModelRunner(tiny_llama_dir, num_blocks=32, block_size=BLOCK,
+                         quantization=QuantConfig(method))
+    calls, stacks = _count(monkeypatch, QuantDecodeLayer), _count(monkeypatch, QuantDecodeStack)
+    contexts = [3, 20]
+    want = _step(runner, contexts, seed=1)
+    assert (len(stacks), len(calls)) == (1, 0)
+    layer = runner.model.layers[1]
+    inner = layer.o
+    wrapped: list[int] = []
+    layer.o = lambda x: wrapped.append(1) or inner(x)
+    got = _step(runner, contexts, seed=1)
+    assert (len(stacks), len(calls), len(wrapped)) == (1, runner.config.num_layers - 1, 1)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    layer.o = inner
+    got = _step(runner, contexts, seed=1)
+    assert (len(stacks), len(wrapped)) == (2, 1)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    stack = runner.model._decode_stack
+    runner.kv_cache = KVCache(runner.local_config, 32, BLOCK, torch.float32, runner.device,
+                              runner.layer_groups)
+    got = _step(runner, contexts, seed=1)
+    assert runner.model._decode_stack is not stack and len(stacks) == 3
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("method", ["int4", "int8"])
+@pytest.mark.parametrize("context", [5, 90])
+def test_one_row_equal_at_one_and_two_threads(tiny_llama_dir, method, context) -> None:
+    """One decode row: past enough keys its attention splits the KV heads across the
+    threads, short of them it stays on one; either way the results are the one-thread
+    run's bit for bit."""
+    if cpu_kernels.load() is None:
+        pytest.skip("no C compiler")
+    runner = ModelRunner(tiny_llama_dir, num_blocks=32, block_size=BLOCK,
+                         quantization=QuantConfig(method))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want_hidden, want_cache = _step(runner, [context], seed=context)
+        torch.set_num_threads(2)
+        hidden, cache = _step(runner, [context], seed=context)
+    finally:
+        torch.set_num_threads(threads)
     assert torch.equal(hidden, want_hidden)
     assert torch.equal(cache, want_cache)
 
