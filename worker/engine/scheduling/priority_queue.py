@@ -84,10 +84,17 @@ class PriorityRules:
             raise ValueError(f"batch_share must be in (0, 1], got {self.batch_share}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.headroom is None:
-            object.__setattr__(self, "headroom", default_headroom(self.max_num_seqs))
-        if self.headroom < 0:
-            raise ValueError(f"class_headroom must be >= 0, got {self.headroom}")
+        headroom = default_headroom(self.max_num_seqs) if self.headroom is None else self.headroom
+        if headroom < 0:
+            raise ValueError(f"class_headroom must be >= 0, got {headroom}")
+        object.__setattr__(self, "headroom", headroom)
+
+    @property
+    def seats_past_limit(self) -> int:
+        """``headroom`` as resolved at construction: seats a better class may hold past
+        ``max_num_seqs`` beside a lower one."""
+        assert self.headroom is not None  # resolved in __post_init__
+        return self.headroom
 
     def free_seats(self, priority: int, held: Mapping[int, int]) -> int:
         """Seats a sequence of class ``priority`` may still take, ``held`` being the seats
@@ -97,9 +104,9 @@ class PriorityRules:
         step borrowed seats)."""
         total = sum(held.values())
         if any(p > priority and n for p, n in held.items()):
-            return self.max_num_seqs + self.headroom - total
+            return self.max_num_seqs + self.seats_past_limit - total
         better = sum(n for p, n in held.items() if p < priority)
-        return self.max_num_seqs + min(self.headroom, better) - total
+        return self.max_num_seqs + min(self.seats_past_limit, better) - total
 
     def seats_over(self, held: Mapping[int, int]) -> int:
         """Seats ``held`` (per class) holds past what the rules allow: what the lowest held

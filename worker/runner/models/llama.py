@@ -263,8 +263,8 @@ class LlamaForCausalLM(nn.Module):
         if should_yield is None and start <= last:
             found = self._stack(layers, hidden, meta, kv_cache)
             if found is not None:  # every layer one C call: all of them in one
-                hidden, delta = found[0](hidden, cos, sin, found[1], start)
-                return settle(hidden, delta), last + 1
+                hidden, stacked_delta = found[0](hidden, cos, sin, found[1], start)
+                return settle(hidden, stacked_delta), last + 1
         # Each rope's rows once a step (the layers share them); None until a layer asks.
         ropes: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * cos.shape[0]
         delta: torch.Tensor | None = None
