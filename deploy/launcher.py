@@ -22,7 +22,6 @@ from kvfleet.deploy.cluster_config import (
     serve_hosts,
 )
 from kvfleet.deploy.operate import AppRef
-from kvfleet.deploy.own_session import stop_with_this_process
 from kvfleet.deploy.process_relay import wait_ready
 from kvfleet.deploy.ray_local import check_port_free, free_port, init_ray, shutdown_ray
 from kvfleet.deploy.redis_server import RedisServer, start_redis
@@ -198,8 +197,7 @@ class LocalCluster:
         cmd = [sys.executable, "-m", "kvfleet.router.main", *router_args(router)]
         # The router reads OTEL_* and the Redis password from its environment at start-up.
         env = router_env(router, dict(os.environ))
-        self.router_proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env,
-                                            preexec_fn=stop_with_this_process())
+        self.router_proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
 
     def stop(self) -> None:
         """Drain and stop the replicas (Serve stops each gracefully, which drains it, while the

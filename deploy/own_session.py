@@ -18,7 +18,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 from typing import Callable, Optional, Sequence
 
 SUPERVISED_ENV = "KVFLEET_UP_SUPERVISED"  # set in the cluster process: do not supervise again
@@ -32,30 +31,18 @@ def supported() -> bool:
     return sys.platform.startswith("linux")
 
 
-def _term_on_parent_death(parent_pid: int, mask=None) -> Callable[[], None]:
-    """A ``preexec_fn`` that restores the signal mask ``mask`` (when given: the parent blocks the
-    forwarded signals while it starts the child, and exec keeps a mask) and asks the kernel for
-    SIGTERM when the parent dies. Runs in the child between fork and exec."""
+def _term_on_parent_death(parent_pid: int, mask) -> Callable[[], None]:
+    """A ``preexec_fn`` that restores the signal mask ``mask`` (the parent blocks the forwarded
+    signals while it starts the child, and exec keeps a mask) and asks the kernel for SIGTERM
+    when the parent dies. Runs in the child between fork and exec."""
     libc = ctypes.CDLL(None, use_errno=True)  # loaded here, not between fork and exec
 
     def preexec() -> None:
-        if mask is not None:
-            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
         if os.getppid() != parent_pid:  # the parent died before the prctl took effect
             os.kill(os.getpid(), signal.SIGTERM)
     return preexec
-
-
-def stop_with_this_process() -> Optional[Callable[[], None]]:
-    """A ``preexec_fn`` for a helper process this one owns (the router, a private redis-server):
-    the kernel sends it SIGTERM if this process dies without stopping it (SIGKILL, the OOM
-    killer), so it is not left running unowned. None where that cannot be promised: off Linux,
-    or off the main thread (the parent-death signal follows the thread that started the child,
-    and a worker thread may end long before this process)."""
-    if not supported() or threading.current_thread() is not threading.main_thread():
-        return None
-    return _term_on_parent_death(os.getpid())
 
 
 def run_in_own_session(cmd: Sequence[str], env: Optional[dict] = None) -> int:

@@ -17,8 +17,6 @@ import urllib.parse
 from dataclasses import dataclass, field
 from typing import Optional
 
-from kvfleet.deploy.own_session import stop_with_this_process
-
 
 @dataclass(frozen=True)
 class RedisTLS:
@@ -98,8 +96,7 @@ def start_redis(port: int | None = None, timeout_s: float = 10.0, *,
                  "--tls-auth-clients", "no"]
     if password:
         args += ["--requirepass", password]
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            preexec_fn=stop_with_this_process())
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     server = RedisServer(port=port, process=proc, workdir=workdir, password=password, tls=tls)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

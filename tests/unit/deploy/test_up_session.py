@@ -105,39 +105,3 @@ def test_only_the_command_line_up_and_demo_are_supervised(monkeypatch) -> None:
     assert not cli._supervise_cluster(["up"])
     assert not cli._supervise_cluster(["demo"])
 
-
-# The launcher's stand-in: start the child (as it starts the router or redis-server) with the
-# parent-death request, then wait; the test SIGKILLs it.
-OWNER = r"""
-import subprocess, sys, time
-from kvfleet.deploy.own_session import stop_with_this_process
-subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]], preexec_fn=stop_with_this_process())
-time.sleep(600)
-"""
-
-
-def test_a_helper_process_stops_when_its_owner_is_sigkilled(tmp_path):
-    out = tmp_path / "child.log"
-    owner = subprocess.Popen([sys.executable, "-c", OWNER, CHILD, str(out)])
-    try:
-        _lines(out, 1)  # the child runs
-        owner.kill()
-        owner.wait(timeout=30)
-        lines = _lines(out, 2)
-        assert lines[1] == f"signal {int(signal.SIGTERM)} supervised=None"
-    finally:
-        if owner.poll() is None:
-            owner.kill()
-
-
-def test_no_parent_death_request_off_the_main_thread():
-    """The signal follows the thread that started the child: from a worker thread that may end
-    first, none is asked for."""
-    import threading
-
-    got = []
-    t = threading.Thread(target=lambda: got.append(own_session.stop_with_this_process()))
-    t.start()
-    t.join()
-    assert got == [None]
-    assert callable(own_session.stop_with_this_process())
