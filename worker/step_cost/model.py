@@ -192,6 +192,10 @@ ZERO = CostModel(0.0, 0.0, 0.0, "zero: answers at once")
 MAX_LOG_RATIO = math.log(4.0)  # one step counts as at most ×4 off (a GC pause, a swap)
 MAX_LOG_SCALE = math.log(16.0)  # a side corrected past ×16 either way needs recalibrating
 SIDES = ("decode", "prefill", "draft")
+FIT_DECAY = 0.98  # weight of the past in the draft-slope fit, per step without prefill
+# 1 - (uncentred correlation of the decode and draft sides)² below which the fit cannot tell
+# a draft's price from the step's (steps that all carry the same drafts): share-out instead
+FIT_MIN_SPREAD = 0.02
 
 
 class StepCost:
@@ -211,6 +215,16 @@ class StepCost:
     the decode side where it is; likewise drafts from steps that verify some. Bounded: one
     step moves a scale by at most ``4^(1.37 alpha)``, and a scale stays within ``16^±1`` of
     the calibration. ``alpha`` 0 keeps the prior fixed (tests, a modelled executor).
+
+    The draft side is not left to that share-out once it can be measured directly: a draft's
+    price is the **slope** of a step's seconds in its drafts. Every step without prefill adds
+    to a decayed least-squares fit ``measured ≈ a · decode_side + b · draft_side`` (the prior's
+    seconds of each side; the measured time clipped to ``4^±1`` of the prediction, as the
+    error is); once the steps' draft counts vary enough beside their decode side for the two
+    to separate (:data:`FIT_MIN_SPREAD`), ``draft_scale`` is ``b`` and the share-out moves the
+    other sides alone. Whatever slows every step alike (a loaded host, a prior that is far
+    off, a decode side held at its bound) lands in ``a``, so the price of a draft — what
+    sizing weighs against its expected gain — stays the marginal cost of one more query row.
 
     ``predicted_total_s`` / ``measured_total_s`` / ``steps`` (and the last pair) are what the
     metrics export, with :attr:`decode_scale` and :attr:`prefill_scale`: their rates' ratio
@@ -232,6 +246,8 @@ class StepCost:
         self.measured_total_s = 0.0
         self.last_predicted_s = 0.0
         self.last_measured_s = 0.0
+        # decayed sums of the draft-slope fit: decode side u, draft side v, measured y
+        self._fit = {"uu": 0.0, "uv": 0.0, "vv": 0.0, "uy": 0.0, "vy": 0.0}
 
     @property
     def decode_scale(self) -> float:
@@ -283,8 +299,31 @@ class StepCost:
         self.measured_total_s += measured_s
         self.steps += 1
         error = max(-MAX_LOG_RATIO, min(MAX_LOG_RATIO, math.log(measured_s / predicted)))
+        fitted = self._fit_draft_slope(shape, predicted * math.exp(error))
         shares = [part / predicted for part in sides]
+        if fitted:  # the draft side is the fit's: the share-out explains the rest
+            shares[2] = 0.0
         norm = sum(x * x for x in shares)  # in [1/3, 1]: the prediction moves by alpha × error
         for i, share in enumerate(shares):
             moved = self.log_scales[i] + self.alpha * share / norm * error
             self.log_scales[i] = max(-MAX_LOG_SCALE, min(MAX_LOG_SCALE, moved))
+
+    def _fit_draft_slope(self, shape: StepShape, measured_s: float) -> bool:
+        """Add one step to the draft-slope fit (steps without prefill; see the class
+        docstring) and set the draft side from it where it separates; True when it did."""
+        if self.alpha <= 0 or self.prior.draft_token_s <= 0:
+            return False
+        u, prefill, v = self._sides(*shape)
+        if prefill > 0 or u <= 0:
+            return False
+        f = self._fit
+        for key, value in (("uu", u * u), ("uv", u * v), ("vv", v * v), ("uy", u * measured_s),
+                           ("vy", v * measured_s)):
+            f[key] = FIT_DECAY * f[key] + value
+        det = f["uu"] * f["vv"] - f["uv"] ** 2
+        if f["vv"] <= 0 or det <= FIT_MIN_SPREAD * f["uu"] * f["vv"]:
+            return False
+        slope = (f["uu"] * f["vy"] - f["uv"] * f["uy"]) / det  # × the prior's draft price
+        low, high = math.exp(-MAX_LOG_SCALE), math.exp(MAX_LOG_SCALE)
+        self.log_scales[2] = math.log(max(low, min(high, slope)))
+        return True

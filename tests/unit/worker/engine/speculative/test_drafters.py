@@ -233,3 +233,59 @@ def test_sizing_prices_the_first_draft_and_the_run_apart() -> None:
     assert size_drafts([Candidate(0.95, 7, 100, first=0.02)], one, 1, CHEAP_VERIFY, 64) == [0]
     assert size_drafts([Candidate(0.9, 6, 100, first=0.9)], one, 1, CHEAP_VERIFY, 64) == \
         size_drafts([Candidate(0.9, 6, 100)], one, 1, CHEAP_VERIFY, 64)
+
+
+class FakeClock:
+    """A step timer: each step advances it by the machine's seconds for the shape × the host's
+    slowdown, plus a stall (another process holding the core)."""
+
+    def __init__(self, machine: CostModel) -> None:
+        self.machine, self.now = machine, 0.0
+
+    def step(self, shape: StepShape, slowdown: float = 1.0, stall_s: float = 0.0) -> float:
+        start = self.now
+        self.now += self.machine.predict_step_s(*shape) * slowdown + stall_s
+        return self.now - start
+
+
+def _b1_steps(n: int):
+    """A batch-1 replica's steps: one decode row at a growing context, 0..7 drafts."""
+    for i in range(n):
+        drafts = (0, 7, 3, 7, 2, 0, 7, 5)[i % 8]
+        yield StepShape(1, 0, 400 + i + drafts, drafts)
+
+
+def test_the_draft_price_is_the_slope_in_drafts_whatever_slows_every_step() -> None:
+    """The draft side is fitted as the marginal seconds of a draft across verify steps of
+    different draft counts: a prior far dearer than the machine (its decode side held at the
+    correction's bound), a host that slows every step, or one that adds a stall to each, leave
+    a draft's price relative to the step where the machine has it, and sizing where it was."""
+    prior = CostModel(0.32, 0.0125, 0.088, "far-off prior")  # no draft term: a prefill token
+    machine = CostModel(0.014, 0.001, 0.002, "machine", 0.0, 0.0012)
+    cost, clock = StepCost(prior), FakeClock(machine)
+    for shape in _b1_steps(300):  # quiet
+        cost.observe(shape, clock.step(shape))
+    assert cost.decode_scale == pytest.approx(1 / 16)  # the decode side sits at its bound
+    draft_price = cost.prior.draft_token_s * cost.draft_scale
+    assert draft_price == pytest.approx(machine.draft_token_s, rel=0.02)
+    cands = [Candidate(0.7, 7, 400, first=0.9)]
+    quiet = size_drafts(cands, StepShape(1, 0, 401), 1, cost, 64)
+    for shape in _b1_steps(300):  # loaded: every step 2.5× as long
+        cost.observe(shape, clock.step(shape, slowdown=2.5))
+    assert cost.prior.draft_token_s * cost.draft_scale == pytest.approx(2.5 * draft_price, rel=0.05)
+    for shape in _b1_steps(300):  # a stall of half a step in each
+        cost.observe(shape, clock.step(shape, stall_s=0.008))
+    assert cost.prior.draft_token_s * cost.draft_scale == pytest.approx(draft_price, rel=0.05)
+    assert size_drafts(cands, StepShape(1, 0, 401), 1, cost, 64) == quiet
+
+
+def test_steps_that_all_carry_the_same_drafts_leave_the_draft_side_to_the_share_out() -> None:
+    """With no spread in draft counts the slope cannot be told from the step's own cost: the
+    draft side moves by its share of each step's error, as before there was a fit."""
+    cost = StepCost(CostModel(0.010, 0.001, 0.001, "prior", 0.0, 0.001), alpha=0.2)
+    clock = FakeClock(CostModel(0.010, 0.001, 0.001, "machine", 0.0, 0.002))
+    shape = StepShape(1, 0, 105, 4)
+    for _ in range(100):
+        cost.observe(shape, clock.step(shape))
+    assert cost.predict_step_s(*shape) == pytest.approx(clock.machine.predict_step_s(*shape), rel=0.01)
+    assert 1.0 < cost.draft_scale < 2.0 and cost.decode_scale > 1.0  # the error shared out
