@@ -192,7 +192,7 @@ ZERO = CostModel(0.0, 0.0, 0.0, "zero: answers at once")
 MAX_LOG_RATIO = math.log(4.0)  # one step counts as at most ×4 off (a GC pause, a swap)
 MAX_LOG_SCALE = math.log(16.0)  # a side corrected past ×16 either way needs recalibrating
 SIDES = ("decode", "prefill", "draft")
-FIT_DECAY = 0.98  # weight of the past in the draft-slope fit, per step without prefill
+FIT_DECAY = 0.99  # weight of the past in the draft-slope fit, per step without prefill
 # 1 - (uncentred correlation of the decode and draft sides)² below which the fit cannot tell
 # a draft's price from the step's (steps that all carry the same drafts): share-out instead
 FIT_MIN_SPREAD = 0.02
@@ -221,9 +221,10 @@ class StepCost:
     to a decayed least-squares fit ``measured ≈ a · decode_side + b · draft_side`` (the prior's
     seconds of each side; the measured time clipped to ``4^±1`` of the prediction, as the
     error is); once the steps' draft counts vary enough beside their decode side for the two
-    to separate (:data:`FIT_MIN_SPREAD`), ``draft_scale`` is ``b`` and the share-out moves the
-    other sides alone. Whatever slows every step alike (a loaded host, a prior that is far
-    off, a decode side held at its bound) lands in ``a``, so the price of a draft — what
+    to separate (:data:`FIT_MIN_SPREAD`), the draft side is priced at ``b ÷ a`` of the decode
+    side's scale and the share-out moves the other sides alone. Whatever slows every step alike
+    (a loaded host, a prior that is far off, a decode side held at its bound) moves ``a`` and
+    ``b`` together and the decode side with them, so a draft's price beside the step's — what
     sizing weighs against its expected gain — stays the marginal cost of one more query row.
 
     ``predicted_total_s`` / ``measured_total_s`` / ``steps`` (and the last pair) are what the
@@ -323,7 +324,12 @@ class StepCost:
         det = f["uu"] * f["vv"] - f["uv"] ** 2
         if f["vv"] <= 0 or det <= FIT_MIN_SPREAD * f["uu"] * f["vv"]:
             return False
-        slope = (f["uu"] * f["vy"] - f["uv"] * f["uy"]) / det  # × the prior's draft price
-        low, high = math.exp(-MAX_LOG_SCALE), math.exp(MAX_LOG_SCALE)
-        self.log_scales[2] = math.log(max(low, min(high, slope)))
+        per_step = (f["vv"] * f["uy"] - f["uv"] * f["vy"]) / det
+        per_draft = (f["uu"] * f["vy"] - f["uv"] * f["uy"]) / det
+        if per_step <= 0:
+            return False
+        # relative to the decode side: what slows every step alike moves both together
+        relative = math.log(max(per_draft / per_step, math.exp(-2 * MAX_LOG_SCALE)))
+        moved = self.log_scales[0] + relative
+        self.log_scales[2] = max(-MAX_LOG_SCALE, min(MAX_LOG_SCALE, moved))
         return True
