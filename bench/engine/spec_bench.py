@@ -6,7 +6,8 @@
 
 Three workloads, each at batch 1 (two requests one after the other) and batch 4 (four at
 once), greedy: **edit** (about 300 tokens of this repository's code, to be copied with a
-rename, the answer opened with the code's first line: the answer copies most of its prompt),
+rename, the answer opened with the code's first line: the answer copies most of its prompt;
+320 tokens, room for the whole ~300-token copy, measured answer lengths in docs/speculative.md),
 **quote** (a passage of the Declaration of Independence, to be quoted and explained),
 **none** (short poems: nothing to copy). Per cell: output tok/s, the ratio to ``off``, the
 same ratio over the decode phase only (a group's steps after each of its requests emitted its
@@ -81,7 +82,7 @@ def workloads(tok) -> dict[str, tuple[list[list[int]], int]]:
                         "one line what they mean.\n\n" + _slice(tok, " ".join(words[i * 220:]), 300))
              for i in range(4)]
     none = [_chat(tok, f"Write a short poem about {t}.") for t in TOPICS]
-    return {"edit": (edit, 192), "quote": (quote, 128), "none": (none, 128)}
+    return {"edit": (edit, 320), "quote": (quote, 128), "none": (none, 128)}
 
 
 def identity_prompts(tok, n: int) -> list[list[int]]:

@@ -3,6 +3,7 @@ proposed, sized and accepted, beside the replay bound on the same answers (a deb
 
     .venv/bin/python -m bench spec_trace [--workload edit] [--batches 1,4] [--max-tokens 96]
                                          [--mode ngram] [--speculative-tokens 7] [--steps]
+                                         [--costs]
 
 Runs the ``bench spec`` workload's requests (batch 1: two one after the other; batch 4: four
 at once) with speculation on, wrapping the engine's :class:`Speculator` (its ``plan`` and
@@ -17,6 +18,10 @@ one cause:
 - ``acceptance/cost``: the rest of sizing's cut (the row's estimated acceptance against the
   step-cost model's price of a draft).
 
+``--costs``: beside each step, the step-cost model's price of one draft (seconds, and ÷ its
+one-row decode price, the ratio sizing weighs) and the step's measured seconds; a summary of
+the measured seconds by drafts in the step (decode-only steps), to compare with that price.
+
 The **replay bound** drafts for the same answers with the same drafter at every position,
 every proposal verified (no sizing): tokens per row-step a drafter of this kind could give at
 ``k``. The first token of each answer (the prefill's step) counts as one row-step on both sides.
@@ -25,7 +30,8 @@ every proposal verified (no sizing): tokens per row-step a drafter of this kind 
 from __future__ import annotations
 
 import argparse
-from collections import Counter
+import statistics
+from collections import Counter, defaultdict
 
 from bench.engine import engine_runs as er
 from bench.engine.spec_bench import workloads
@@ -35,6 +41,7 @@ from kvfleet.worker.engine.engine import EngineRequest
 from kvfleet.worker.engine.scheduling.scheduler import SchedulerConfig
 from kvfleet.worker.engine.speculative import sizing, speculator
 from kvfleet.worker.engine.speculative.ngram import NgramIndex
+from kvfleet.worker.step_cost.model import StepCost, StepShape
 
 CAUSES = ("max_tokens", "no match", "short match", "rows limit", "acceptance/cost")
 
@@ -104,10 +111,35 @@ class Tracer:
         spec.plan, spec.verified = traced_plan, traced_verified
 
 
+def trace_costs(cost: StepCost, show_steps: bool) -> dict[int, list[float]]:
+    """Wrap ``cost.observe``: print each step's measured seconds beside the draft price the
+    model held when it was planned (with ``show_steps``); measured seconds of decode-only
+    steps by their drafts."""
+    by_drafts: dict[int, list[float]] = defaultdict(list)
+    observe = cost.observe
+
+    def traced(shape: StepShape, measured_s: float) -> None:
+        draft_s = cost.prior.draft_token_s * cost.draft_scale
+        one_row_s = cost.predict_step_s(1, 0, 0)
+        if shape.prefill_tokens == 0:
+            by_drafts[shape.draft_tokens].append(measured_s)
+        if show_steps:
+            print(f"    cost: rows {shape.decode_rows} prefill {shape.prefill_tokens} drafts "
+                  f"{shape.draft_tokens}: measured {measured_s * 1e3:.1f} ms, predicted "
+                  f"{cost.predict_step_s(*shape) * 1e3:.1f} ms; a draft {draft_s * 1e3:.2f} ms "
+                  f"({draft_s / one_row_s:.3f} of a one-row step; scales decode "
+                  f"{cost.decode_scale:.3f} draft {cost.draft_scale:.3f})")
+        observe(shape, measured_s)
+
+    cost.observe = traced  # type: ignore[method-assign]
+    return by_drafts
+
+
 def run(factory: er.EngineFactory, prompts: list[list[int]], batch: int, max_tokens: int,
-        mode: str, k: int, show_steps: bool) -> dict:
+        mode: str, k: int, show_steps: bool, costs: bool = False) -> dict:
     engine = factory.engine(SchedulerConfig(max_num_seqs=8, speculative=mode, speculative_tokens=k))
     tracer = Tracer(engine.scheduler.spec, show_steps)
+    by_drafts = trace_costs(engine.step_cost, show_steps) if costs else {}
     answers: dict[int, list[int]] = {}
     row_steps = 0
     for g in range(0, len(prompts), batch):
@@ -127,7 +159,9 @@ def run(factory: er.EngineFactory, prompts: list[list[int]], batch: int, max_tok
             "kept": tracer.kept, "possible": tracer.possible, "hist": tracer.hist,
             "replay_tprs": tokens / sum(r[0] for r in rp),
             "replay_acc": sum(r[2] for r in rp) / max(1, sum(r[1] for r in rp)),
-            "answers": answers}
+            "answers": answers, "by_drafts": by_drafts,
+            "draft_price": (engine.step_cost.prior.draft_token_s * engine.step_cost.draft_scale
+                            / engine.step_cost.predict_step_s(1, 0, 0))}
 
 
 def main(argv: list[str]) -> int:
@@ -138,12 +172,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("--mode", default="ngram")
     p.add_argument("--speculative-tokens", type=int, default=SchedulerConfig.speculative_tokens)
     p.add_argument("--steps", action="store_true", help="print every step's rows")
+    p.add_argument("--costs", action="store_true",
+                   help="the draft price beside measured step seconds (module docstring)")
     a = p.parse_args(argv)
     factory = er.EngineFactory(prepare_model(progress=False), 2048, SchedulerConfig())
     prompts = workloads(factory.tokenizer)[a.workload][0]
     for b in (int(x) for x in a.batches.split(",")):
         r = run(factory, prompts[:2] if b == 1 else prompts, b, a.max_tokens, a.mode,
-                a.speculative_tokens, a.steps)
+                a.speculative_tokens, a.steps, a.costs)
         print(f"{a.workload} b{b} {a.mode} k={a.speculative_tokens}: tokens/row-step "
               f"{r['tprs']:.2f} (replay bound {r['replay_tprs']:.2f}, replay accepted "
               f"{r['replay_acc']:.0%}); drafted {r['drafted']} accepted {r['accepted']} "
@@ -154,5 +190,10 @@ def main(argv: list[str]) -> int:
             f"{c} {r['slots'][c]} ({r['slots'][c] / max(1, unused):.0%})" for c in CAUSES))
         hist = sorted(r["hist"].items())
         print("  verify rows (drafted, accepted): count  " + "  ".join(f"{k}:{v}" for k, v in hist))
+        if a.costs:
+            print(f"  a draft at the end: {r['draft_price']:.3f} of a one-row step; measured ms by "
+                  "drafts (median, steps): " + "  ".join(
+                      f"{d}:{statistics.median(v) * 1e3:.1f} ({len(v)})"
+                      for d, v in sorted(r["by_drafts"].items())))
     return 0
 
