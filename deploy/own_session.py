@@ -8,7 +8,10 @@ a local head's processes outside the caller's group, so the launcher itself move
 supervisor stays in the caller's group, receives the group's signals and forwards each one to the
 cluster process, which stops everything it started in order. If the supervisor is killed
 (SIGKILL), the kernel sends the cluster process SIGTERM (``PR_SET_PDEATHSIG``), so it still stops
-cleanly instead of running on unowned.
+cleanly instead of running on unowned. If the cluster process itself dies by a signal it could
+not handle (SIGKILL from the OOM killer, a crash), whatever it started in its process group (the
+router, the private redis-server, Ray's head processes) would run on unowned: the supervisor then
+stops that group (:func:`stop_orphaned_group`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Callable, Optional, Sequence
 SUPERVISED_ENV = "KVFLEET_UP_SUPERVISED"  # set in the cluster process: do not supervise again
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _PR_SET_PDEATHSIG = 1
+ORPHAN_GRACE_S = 5.0  # SIGTERM first (the router drains, redis-server exits), then SIGKILL
 
 
 def supported() -> bool:
@@ -50,7 +54,8 @@ def run_in_own_session(cmd: Sequence[str], env: Optional[dict] = None) -> int:
     to it until it exits, and return its exit status (128 + N when signal N ended it, as a shell
     reports it). ``env``: its environment (default: this one), with :data:`SUPERVISED_ENV` set.
 
-    The child inherits stdin, stdout and stderr; it gets SIGTERM if this process dies first.
+    The child inherits stdin, stdout and stderr; it gets SIGTERM if this process dies first. If
+    the child dies by a signal, what is left in its process group is stopped.
     Must be called from the main thread (signal handlers; the parent-death signal is tied to the
     thread that starts the child).
 
@@ -82,4 +87,38 @@ def run_in_own_session(cmd: Sequence[str], env: Optional[dict] = None) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if code < 0:  # it could not stop what it started: its group is left to this process
+        stop_orphaned_group(proc.pid)
     return 128 - code if code < 0 else code
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a member runs as another user: still there, not ours to stop
+        return True
+    return True
+
+
+def stop_orphaned_group(pgid: int, grace_s: float = ORPHAN_GRACE_S) -> bool:
+    """Stop every process left in process group ``pgid`` (the dead cluster process's group):
+    SIGTERM, then SIGKILL to what is still there after ``grace_s`` seconds. A group id is not
+    given to a new process while any member lives, so this reaches only what the cluster process
+    started. Returns True when the group is empty at the end."""
+    import time
+
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 1.0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        end = time.monotonic() + wait_s
+        while time.monotonic() < end:
+            if not _group_alive(pgid):
+                return True
+            time.sleep(0.05)
+    return not _group_alive(pgid)
