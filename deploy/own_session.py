@@ -11,7 +11,8 @@ cluster process, which stops everything it started in order. If the supervisor i
 cleanly instead of running on unowned. If the cluster process itself dies by a signal it could
 not handle (SIGKILL from the OOM killer, a crash), whatever it started in its process group (the
 router, the private redis-server, Ray's head processes) would run on unowned: the supervisor then
-stops that group (:func:`stop_orphaned_group`).
+stops that group (:func:`stop_orphaned_group`) and removes the local Ray's session directory,
+which it made for the cluster process (:data:`RAY_TEMP_DIR_ENV`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import signal
 import subprocess
 import sys
 from typing import Callable, Optional, Sequence
+
+from kvfleet.deploy.ray_local import RAY_TEMP_DIR_ENV
 
 SUPERVISED_ENV = "KVFLEET_UP_SUPERVISED"  # set in the cluster process: do not supervise again
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -52,7 +55,8 @@ def _term_on_parent_death(parent_pid: int, mask) -> Callable[[], None]:
 def run_in_own_session(cmd: Sequence[str], env: Optional[dict] = None) -> int:
     """Start ``cmd`` in a new session (its own process group), forward SIGINT / SIGTERM / SIGHUP
     to it until it exits, and return its exit status (128 + N when signal N ended it, as a shell
-    reports it). ``env``: its environment (default: this one), with :data:`SUPERVISED_ENV` set.
+    reports it). ``env``: its environment (default: this one), with :data:`SUPERVISED_ENV` set
+    and :data:`RAY_TEMP_DIR_ENV` naming a fresh directory, removed when the child has exited.
 
     The child inherits stdin, stdout and stderr; it gets SIGTERM if this process dies first. If
     the child dies by a signal, what is left in its process group is stopped.
@@ -62,14 +66,28 @@ def run_in_own_session(cmd: Sequence[str], env: Optional[dict] = None) -> int:
     Raises:
         OSError: ``cmd`` could not be started.
     """
+    import shutil
+    import tempfile
+
     child_env = dict(os.environ if env is None else env)
     child_env[SUPERVISED_ENV] = "1"
+    ray_dir = child_env[RAY_TEMP_DIR_ENV] = tempfile.mkdtemp(prefix="kvf-ray-")
+    try:
+        code = _run_forwarding_signals(cmd, child_env)
+    finally:
+        shutil.rmtree(ray_dir, ignore_errors=True)  # the child's own stop removed it, or not
+    return 128 - code if code < 0 else code
+
+
+def _run_forwarding_signals(cmd: Sequence[str], env: dict) -> int:
+    """Start ``cmd`` in a new session, forward the signals until it exits and return its
+    ``Popen.returncode``; if a signal ended it, stop what is left in its process group."""
     # Block the forwarded signals until the handlers are in place, so that none arriving while
     # the child starts is lost (or kills this process and leaves the child to PDEATHSIG).
     previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED_SIGNALS)
     previous = {}
     try:
-        proc = subprocess.Popen(list(cmd), env=child_env, start_new_session=True,
+        proc = subprocess.Popen(list(cmd), env=env, start_new_session=True,
                                 preexec_fn=_term_on_parent_death(os.getpid(), previous_mask))
 
         def forward(signum, _frame) -> None:
@@ -89,7 +107,7 @@ def run_in_own_session(cmd: Sequence[str], env: Optional[dict] = None) -> int:
             signal.signal(sig, handler)
     if code < 0:  # it could not stop what it started: its group is left to this process
         stop_orphaned_group(proc.pid)
-    return 128 - code if code < 0 else code
+    return code
 
 
 def _group_alive(pgid: int) -> bool:

@@ -108,12 +108,15 @@ def test_only_the_command_line_up_and_demo_are_supervised(monkeypatch) -> None:
 
 
 # The cluster process stand-in: start a grandchild in its own process group (as the launcher
-# starts the router and redis-server), write the grandchild's pid, then die by SIGKILL.
+# starts the router and redis-server), write into the Ray session directory the supervisor made,
+# write the grandchild's pid and that directory, then die by SIGKILL.
 KILLED_LAUNCHER = r"""
 import os, signal, subprocess, sys
 child = subprocess.Popen([sys.executable, "-c", sys.argv[2]])
+ray_dir = os.environ["KVFLEET_RAY_TEMP_DIR"]
+os.makedirs(os.path.join(ray_dir, "session_latest", "logs"))
 with open(sys.argv[1], "w") as f:
-    f.write(str(child.pid))
+    f.write(f"{child.pid} {ray_dir}")
 os.kill(os.getpid(), signal.SIGKILL)
 """
 SLEEPER = "import time; time.sleep(600)"
@@ -138,9 +141,11 @@ def test_a_sigkilled_cluster_process_leaves_nothing_it_started(tmp_path, grandch
     code = own_session.run_in_own_session(
         [sys.executable, "-c", KILLED_LAUNCHER, str(pid_file), grandchild])
     assert code == 128 + signal.SIGKILL
-    pid = int(pid_file.read_text())
+    pid_text, ray_dir = pid_file.read_text().split()
+    pid = int(pid_text)
     try:
         assert _gone(pid), "the router / redis-server stand-in outlived the killed launcher"
+        assert not Path(ray_dir).exists(), "the Ray session directory was left behind"
     finally:
         try:  # never leave the sleeper behind, whatever the assertion said
             os.kill(pid, signal.SIGKILL)
