@@ -3,7 +3,7 @@
     .venv/bin/python -m bench class_sim [--itl-target-ms 150 (0: none)] [--seconds 120] [--seeds 0,1,2]
         [--flood-prompt 256] [--fair-slack 0.5 (< 0: off)]
         [--layer-yield [--model smollm2-135m-instruct] [--yield-cost-layers 0]
-        [--merge-within-ms MS]]
+        [--merge-within-ms MS]] [--stall P,F] [--fair-only [--no-tenant-preempt]]
 
 One replica's real scheduler and block pool (16 running + 256 waiting, 640 blocks of 16), each
 step lasting exactly what the benches' cost model says (``MEASURED × 0.05``: 16 ms a step,
@@ -28,6 +28,11 @@ first token). Per seed and with ``class_step`` off and on:
 a nested step of a higher class, or in §3 of a less-served tenant (:class:`Yield`,
 ``worker/engine/layer_yield/nested.py``). ``--itl-target-ms 0``: no ITL target (the replicas'
 defaults; ``class_step`` then has nothing to do, so its off and on rows agree).
+
+``--stall P,F``: host-like noise, each step F × its modelled length with probability P, unknown
+to the scheduler (:class:`Stall`). ``--fair-only``: §3 alone, class_step on, with B's wait in the
+queue (arrival to first admission) and the preemptions (``--no-tenant-preempt``: without the
+seat for the tenant behind, ``preemption.preempt_for_behind_tenant``, for its A/B).
 
 Capacity: completions/s of 16 closed-loop default clients. JSON: ``bench/results/class_sim.json``.
 """
