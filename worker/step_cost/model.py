@@ -196,6 +196,7 @@ FIT_DECAY = 0.99  # weight of the past in the draft-slope fit, per step without 
 # 1 - (uncentred correlation of the decode and draft sides)² below which the fit cannot tell
 # a draft's price from the step's (steps that all carry the same drafts): share-out instead
 FIT_MIN_SPREAD = 0.02
+FIT_MIN_STEPS = 8.0  # decayed steps with drafts before the fit prices drafts
 
 
 class StepCost:
@@ -219,9 +220,10 @@ class StepCost:
     The draft side is not left to that share-out once it can be measured directly: a draft's
     price is the **slope** of a step's seconds in its drafts. Every step without prefill adds
     to a decayed least-squares fit ``measured ≈ a · decode_side + b · draft_side`` (the prior's
-    seconds of each side; the measured time clipped to ``4^±1`` of the prediction, as the
-    error is); once the steps' draft counts vary enough beside their decode side for the two
-    to separate (:data:`FIT_MIN_SPREAD`), the draft side is priced at ``b ÷ a`` of the decode
+    seconds of each side; a step more than ``4^±1`` off its prediction, where the error is
+    clipped, does not enter it); once the fit holds :data:`FIT_MIN_STEPS` verify steps whose
+    draft counts vary enough beside their decode side for the two to separate
+    (:data:`FIT_MIN_SPREAD`), the draft side is priced at ``b ÷ a`` of the decode
     side's scale and the share-out moves the other sides alone. Whatever slows every step alike
     (a loaded host, a prior that is far off, a decode side held at its bound) moves ``a`` and
     ``b`` together and the decode side with them, so a draft's price beside the step's — what
@@ -248,7 +250,7 @@ class StepCost:
         self.last_predicted_s = 0.0
         self.last_measured_s = 0.0
         # decayed sums of the draft-slope fit: decode side u, draft side v, measured y
-        self._fit = {"uu": 0.0, "uv": 0.0, "vv": 0.0, "uy": 0.0, "vy": 0.0}
+        self._fit = dict.fromkeys(("uu", "uv", "vv", "verify", "uy", "vy"), 0.0)
 
     @property
     def decode_scale(self) -> float:
@@ -299,37 +301,42 @@ class StepCost:
         self.predicted_total_s += predicted
         self.measured_total_s += measured_s
         self.steps += 1
-        error = max(-MAX_LOG_RATIO, min(MAX_LOG_RATIO, math.log(measured_s / predicted)))
-        fitted = self._fit_draft_slope(shape, predicted * math.exp(error))
+        raw_error = math.log(measured_s / predicted)
+        error = max(-MAX_LOG_RATIO, min(MAX_LOG_RATIO, raw_error))
+        relative = self._fit_draft_slope(shape, measured_s, outlier=error != raw_error)
         shares = [part / predicted for part in sides]
-        if fitted:  # the draft side is the fit's: the share-out explains the rest
+        if relative is not None:  # the draft side is the fit's: the share-out explains the rest
             shares[2] = 0.0
         norm = sum(x * x for x in shares)  # in [1/3, 1]: the prediction moves by alpha × error
         for i, share in enumerate(shares):
             moved = self.log_scales[i] + self.alpha * share / norm * error
             self.log_scales[i] = max(-MAX_LOG_SCALE, min(MAX_LOG_SCALE, moved))
+        if relative is not None:  # beside the decode side as it now stands
+            moved = self.log_scales[0] + relative
+            self.log_scales[2] = max(-MAX_LOG_SCALE, min(MAX_LOG_SCALE, moved))
 
-    def _fit_draft_slope(self, shape: StepShape, measured_s: float) -> bool:
-        """Add one step to the draft-slope fit (steps without prefill; see the class
-        docstring) and set the draft side from it where it separates; True when it did."""
+    def _fit_draft_slope(self, shape: StepShape, measured_s: float, outlier: bool) -> float | None:
+        """Add one step to the draft-slope fit (steps without prefill, not ``outlier``: more
+        than ×4 off the prediction, a pause or a prior not yet corrected; see the class
+        docstring); the log of the draft side's scale over the decode side's where the fit
+        separates them, else None."""
         if self.alpha <= 0 or self.prior.draft_token_s <= 0:
-            return False
+            return None
         u, prefill, v = self._sides(*shape)
         if prefill > 0 or u <= 0:
-            return False
+            return None
         f = self._fit
-        for key, value in (("uu", u * u), ("uv", u * v), ("vv", v * v), ("uy", u * measured_s),
-                           ("vy", v * measured_s)):
-            f[key] = FIT_DECAY * f[key] + value
+        if not outlier:
+            for key, value in (("uu", u * u), ("uv", u * v), ("vv", v * v),
+                               ("verify", float(v > 0)), ("uy", u * measured_s),
+                               ("vy", v * measured_s)):
+                f[key] = FIT_DECAY * f[key] + value
         det = f["uu"] * f["vv"] - f["uv"] ** 2
-        if f["vv"] <= 0 or det <= FIT_MIN_SPREAD * f["uu"] * f["vv"]:
-            return False
+        if f["verify"] < FIT_MIN_STEPS or det <= FIT_MIN_SPREAD * f["uu"] * f["vv"]:
+            return None
         per_step = (f["vv"] * f["uy"] - f["uv"] * f["vy"]) / det
         per_draft = (f["uu"] * f["vy"] - f["uv"] * f["uy"]) / det
         if per_step <= 0:
-            return False
+            return None
         # relative to the decode side: what slows every step alike moves both together
-        relative = math.log(max(per_draft / per_step, math.exp(-2 * MAX_LOG_SCALE)))
-        moved = self.log_scales[0] + relative
-        self.log_scales[2] = max(-MAX_LOG_SCALE, min(MAX_LOG_SCALE, moved))
-        return True
+        return math.log(max(per_draft / per_step, math.exp(-2 * MAX_LOG_SCALE)))

@@ -275,6 +275,9 @@ def test_the_draft_price_is_the_slope_in_drafts_whatever_slows_every_step() -> N
     assert relative_price() == pytest.approx(want, rel=0.05)
     cands = [Candidate(0.7, 7, 400, first=0.9)]
     quiet = size_drafts(cands, StepShape(1, 0, 401), 1, cost, 64)
+    before = relative_price()
+    cost.observe(StepShape(1, 0, 700, 7), clock.step(StepShape(1, 0, 700, 7), slowdown=50))
+    assert relative_price() == pytest.approx(before)  # a pause does not enter the fit
     for shape in _b1_steps(300):  # loaded: every step 2.5× as long
         cost.observe(shape, clock.step(shape, slowdown=2.5))
     assert cost.decode_scale > 1 / 16  # off its bound: the decode side follows the load
