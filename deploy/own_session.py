@@ -8,7 +8,11 @@ a local head's processes outside the caller's group, so the launcher itself move
 supervisor stays in the caller's group, receives the group's signals and forwards each one to the
 cluster process, which stops everything it started in order. If the supervisor is killed
 (SIGKILL), the kernel sends the cluster process SIGTERM (``PR_SET_PDEATHSIG``), so it still stops
-cleanly instead of running on unowned.
+cleanly instead of running on unowned. If the cluster process itself dies by a signal it could
+not handle (SIGKILL from the OOM killer, a crash), whatever it started in its process group (the
+router, the private redis-server, Ray's head processes) would run on unowned: the supervisor then
+stops that group (:func:`stop_orphaned_group`) and removes the local Ray's session directory,
+which it made for the cluster process (:data:`RAY_TEMP_DIR_ENV`).
 """
 
 from __future__ import annotations
@@ -20,9 +24,12 @@ import subprocess
 import sys
 from typing import Callable, Optional, Sequence
 
+from kvfleet.deploy.ray_local import RAY_TEMP_DIR_ENV
+
 SUPERVISED_ENV = "KVFLEET_UP_SUPERVISED"  # set in the cluster process: do not supervise again
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _PR_SET_PDEATHSIG = 1
+ORPHAN_GRACE_S = 5.0  # SIGTERM first (the router drains, redis-server exits), then SIGKILL
 
 
 def supported() -> bool:
@@ -48,23 +55,39 @@ def _term_on_parent_death(parent_pid: int, mask) -> Callable[[], None]:
 def run_in_own_session(cmd: Sequence[str], env: Optional[dict] = None) -> int:
     """Start ``cmd`` in a new session (its own process group), forward SIGINT / SIGTERM / SIGHUP
     to it until it exits, and return its exit status (128 + N when signal N ended it, as a shell
-    reports it). ``env``: its environment (default: this one), with :data:`SUPERVISED_ENV` set.
+    reports it). ``env``: its environment (default: this one), with :data:`SUPERVISED_ENV` set
+    and :data:`RAY_TEMP_DIR_ENV` naming a fresh directory, removed when the child has exited.
 
-    The child inherits stdin, stdout and stderr; it gets SIGTERM if this process dies first.
+    The child inherits stdin, stdout and stderr; it gets SIGTERM if this process dies first. If
+    the child dies by a signal, what is left in its process group is stopped.
     Must be called from the main thread (signal handlers; the parent-death signal is tied to the
     thread that starts the child).
 
     Raises:
         OSError: ``cmd`` could not be started.
     """
+    import shutil
+    import tempfile
+
     child_env = dict(os.environ if env is None else env)
     child_env[SUPERVISED_ENV] = "1"
+    ray_dir = child_env[RAY_TEMP_DIR_ENV] = tempfile.mkdtemp(prefix="kvf-ray-")
+    try:
+        code = _run_forwarding_signals(cmd, child_env)
+    finally:
+        shutil.rmtree(ray_dir, ignore_errors=True)  # the child's own stop removed it, or not
+    return 128 - code if code < 0 else code
+
+
+def _run_forwarding_signals(cmd: Sequence[str], env: dict) -> int:
+    """Start ``cmd`` in a new session, forward the signals until it exits and return its
+    ``Popen.returncode``; if a signal ended it, stop what is left in its process group."""
     # Block the forwarded signals until the handlers are in place, so that none arriving while
     # the child starts is lost (or kills this process and leaves the child to PDEATHSIG).
     previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED_SIGNALS)
     previous = {}
     try:
-        proc = subprocess.Popen(list(cmd), env=child_env, start_new_session=True,
+        proc = subprocess.Popen(list(cmd), env=env, start_new_session=True,
                                 preexec_fn=_term_on_parent_death(os.getpid(), previous_mask))
 
         def forward(signum, _frame) -> None:
@@ -82,4 +105,38 @@ def run_in_own_session(cmd: Sequence[str], env: Optional[dict] = None) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return 128 - code if code < 0 else code
+    if code < 0:  # it could not stop what it started: its group is left to this process
+        stop_orphaned_group(proc.pid)
+    return code
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a member runs as another user: still there, not ours to stop
+        return True
+    return True
+
+
+def stop_orphaned_group(pgid: int, grace_s: float = ORPHAN_GRACE_S) -> bool:
+    """Stop every process left in process group ``pgid`` (the dead cluster process's group):
+    SIGTERM, then SIGKILL to what is still there after ``grace_s`` seconds. A group id is not
+    given to a new process while any member lives, so this reaches only what the cluster process
+    started. Returns True when the group is empty at the end."""
+    import time
+
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 1.0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        end = time.monotonic() + wait_s
+        while time.monotonic() < end:
+            if not _group_alive(pgid):
+                return True
+            time.sleep(0.05)
+    return not _group_alive(pgid)

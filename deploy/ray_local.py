@@ -17,6 +17,9 @@ RAY_ENV = {
     "RAY_DEDUP_LOGS": "0",
 }
 RAY_OBJECT_STORE_BYTES = 512 << 20
+# The local Ray's session directory when `kvfleet up`'s supervisor (deploy.own_session) made it:
+# it removes it even where this process dies without stopping Ray.
+RAY_TEMP_DIR_ENV = "KVFLEET_RAY_TEMP_DIR"
 
 _ray_temp_dir: Optional[str] = None  # the session directory of a Ray that init_ray started
 
@@ -35,7 +38,10 @@ def init_ray(address: Optional[str] = None, num_cpus: Optional[int] = None,
     if address:
         ray.init(address=address, log_to_driver=log_to_driver)
         return
-    _ray_temp_dir = tempfile.mkdtemp(prefix="kvf-ray-")
+    given = os.environ.get(RAY_TEMP_DIR_ENV)
+    if given:
+        os.makedirs(given, exist_ok=True)
+    _ray_temp_dir = given or tempfile.mkdtemp(prefix="kvf-ray-")
     ray.init(num_cpus=num_cpus or os.cpu_count() or 2, include_dashboard=False,
              object_store_memory=RAY_OBJECT_STORE_BYTES, log_to_driver=log_to_driver,
              _temp_dir=_ray_temp_dir, runtime_env={"env_vars": dict(RAY_ENV)})

@@ -3,7 +3,7 @@
     .venv/bin/python -m bench class_sim [--itl-target-ms 150 (0: none)] [--seconds 120] [--seeds 0,1,2]
         [--flood-prompt 256] [--fair-slack 0.5 (< 0: off)]
         [--layer-yield [--model smollm2-135m-instruct] [--yield-cost-layers 0]
-        [--merge-within-ms MS]]
+        [--merge-within-ms MS]] [--stall P,F] [--fair-only [--no-tenant-preempt]]
 
 One replica's real scheduler and block pool (16 running + 256 waiting, 640 blocks of 16), each
 step lasting exactly what the benches' cost model says (``MEASURED × 0.05``: 16 ms a step,
@@ -28,6 +28,11 @@ first token). Per seed and with ``class_step`` off and on:
 a nested step of a higher class, or in §3 of a less-served tenant (:class:`Yield`,
 ``worker/engine/layer_yield/nested.py``). ``--itl-target-ms 0``: no ITL target (the replicas'
 defaults; ``class_step`` then has nothing to do, so its off and on rows agree).
+
+``--stall P,F``: host-like noise, each step F × its modelled length with probability P, unknown
+to the scheduler (:class:`Stall`). ``--fair-only``: §3 alone, class_step on, with B's wait in the
+queue (arrival to first admission) and the preemptions (``--no-tenant-preempt``: without the
+seat for the tenant behind, ``preemption.preempt_for_behind_tenant``, for its A/B).
 
 Capacity: completions/s of 16 closed-loop default clients. JSON: ``bench/results/class_sim.json``.
 """
@@ -102,13 +107,31 @@ def _row_s(chunk) -> float:
     return rows + COST.context_token_s * (chunk.num_computed_tokens + n)
 
 
+@dataclass(frozen=True)
+class Stall:
+    """Host-like noise: each step (nested ones too) lasts ``factor`` × its modelled length with
+    probability ``p``, unknown to the scheduler (its cost model still predicts the model's
+    length). Drawn from a generator of its own, so the arrivals match a run without stalls."""
+
+    p: float
+    factor: float
+
+
 def simulate(streams: list[Stream], config: SchedulerConfig, seconds: float, seed: int,
-             layer_yield: Optional[Yield] = None, variant: Optional[dict] = None) -> dict:
-    """Run ``streams`` for ``seconds`` of virtual time; per tenant: TTFT p50/p99 and token
-    gap (ITL) p99 (ms) of requests arriving in the run, completions/s, computed tokens of
-    requests finishing in the middle half; ``"_yields"``: nested steps run. ``variant``:
-    the scheduler's ``class_step`` / ``seats_by_service`` (off for the A/B)."""
+             layer_yield: Optional[Yield] = None, variant: Optional[dict] = None,
+             stall: Optional[Stall] = None) -> dict:
+    """Run ``streams`` for ``seconds`` of virtual time; per tenant: TTFT p50/p99, the wait
+    in the queue for a first admission p99 and token gap (ITL) p99 (ms) of requests arriving
+    in the run, completions/s, computed tokens of requests finishing in the middle half;
+    ``"_yields"``: nested steps run; ``"_preemptions"``: sequences preempted. ``variant``:
+    the scheduler's ``class_step`` / ``seats_by_service`` (off for the A/B); ``stall``: host
+    noise (None: none)."""
     rng = random.Random(seed)
+    stall_rng = random.Random(f"stall-{seed}")
+
+    def stretch(step_s: float) -> float:
+        return step_s * stall.factor if stall and stall_rng.random() < stall.p else step_s
+
     sched = Scheduler(config, KVCacheManager(640, BLOCK), StepCost(COST, alpha=0.0),
                       **(variant or {}))
     arrivals: list[tuple[float, Stream]] = []
@@ -119,6 +142,7 @@ def simulate(streams: list[Stream], config: SchedulerConfig, seconds: float, see
         arrivals += [(0.0, st)] * st.clients
     arrivals.sort(key=lambda a: a[0])
     ttft: dict[str, list[float]] = {st.tenant: [] for st in streams}
+    queued: dict[str, list[float]] = {st.tenant: [] for st in streams}  # arrival -> admission
     gaps: dict[str, list[float]] = {st.tenant: [] for st in streams}
     last: dict[str, float] = {}  # seq_id -> when its last token came
     done = {st.tenant: 0 for st in streams}
@@ -127,7 +151,14 @@ def simulate(streams: list[Stream], config: SchedulerConfig, seconds: float, see
     held = {st.tenant: 0 for st in streams}
     own = {st.tenant: 0.0 for st in streams}  # replica-seconds of each tenant's own work
     overhead = 0.0  # replica-seconds of pausing and resuming (no tenant's work)
-    n = i = yields = 0
+    n = i = yields = preemptions = 0
+    first_admitted: dict[str, float] = {}  # seq_id -> when it was first admitted
+
+    def admitted(out: SchedulerOutput, now: float) -> None:
+        nonlocal preemptions
+        preemptions += len(out.preempted)
+        for x in out.scheduled:
+            first_admitted.setdefault(x.seq.seq_id, now)
 
     def arrive(until: float) -> None:
         nonlocal i, n
@@ -167,6 +198,7 @@ def simulate(streams: list[Stream], config: SchedulerConfig, seconds: float, see
             st, t0 = meta[seq.seq_id]
             if not seq.output_token_ids:
                 ttft[st.tenant].append(now - t0)
+                queued[st.tenant].append(first_admitted[seq.seq_id] - t0)
             else:
                 gaps[st.tenant].append(now - last[seq.seq_id])
             last[seq.seq_id] = now
@@ -185,7 +217,8 @@ def simulate(streams: list[Stream], config: SchedulerConfig, seconds: float, see
         """Run ``out`` from ``start``, pausing for nested steps; returns its end (and samples
         a nested step merged into ``out``'s remaining layers at it)."""
         nonlocal yields, overhead
-        total = max(COST.step_seconds(out.plan), 1e-3)
+        modelled = max(COST.step_seconds(out.plan), 1e-3)
+        total = stretch(modelled)
         layer = total / yd.layers
         t, progress = start, 0.0  # virtual now, seconds of ``out`` done
         charge(out, total)
@@ -208,13 +241,14 @@ def simulate(streams: list[Stream], config: SchedulerConfig, seconds: float, see
             t, progress = t + boundary - progress, boundary
             arrive(t)  # the engine drains its inbox at the yield point
             nested = nested_step(sched, out, t)
+            admitted(nested, t)
             if not nested.scheduled:
                 break  # refused (no free seat or blocks): the step runs on whole
             yields += 1
-            nested_s = max(COST.step_seconds(nested.plan), 1e-3)
+            nested_s = stretch(max(COST.step_seconds(nested.plan), 1e-3))
             frac = progress / total  # layers of ``out`` done, as a fraction
             merged = COST.step_seconds(StepPlan(out.plan.chunks + nested.plan.chunks))
-            rest = (1 - frac) * (merged - total)  # the nested rows' share of the rest
+            rest = (1 - frac) * (merged - modelled)  # the nested rows' share of the rest
             end = t + frac * nested_s + yd.cost_layers * layer + total - progress + rest
             oldest = min(meta[x.seq.seq_id][1] for x in nested.scheduled)
             if yd.merge_within_s is not None and end - oldest <= yd.merge_within_s:
@@ -239,9 +273,10 @@ def simulate(streams: list[Stream], config: SchedulerConfig, seconds: float, see
             now = arrivals[i][0] if i < len(arrivals) else seconds
             continue
         out = sched.schedule(now)
+        admitted(out, now)
         if layer_yield is None:
             sched.on_step_done(out)
-            step_s = max(COST.step_seconds(out.plan), 1e-3)
+            step_s = stretch(max(COST.step_seconds(out.plan), 1e-3))
             charge(out, step_s)
             now += step_s
         else:
@@ -250,11 +285,13 @@ def simulate(streams: list[Stream], config: SchedulerConfig, seconds: float, see
         sample(out, now)
     res: dict = {t: {"ttft_p50_ms": 1e3 * pct(v, 0.5) if v else None,
                      "ttft_p99_ms": 1e3 * pct(v, 0.99) if v else None, "requests": len(v),
+                     "queue_p99_ms": 1e3 * pct(queued[t], 0.99) if v else None,
                      "itl_p99_ms": 1e3 * pct(gaps[t], 0.99) if gaps[t] else None,
                      "completions_per_s": done[t] / seconds, "computed_tokens": tokens[t],
                      "own_replica_s": own[t]}
                  for t, v in ttft.items()}
     res["_yields"] = yields
+    res["_preemptions"] = preemptions
     res["_overhead_replica_s"] = overhead
     return res
 
@@ -311,6 +348,29 @@ def run_seed(base: SchedulerConfig, seconds: float, seed: int, seat_share: float
     return out
 
 
+def run_fair(base: SchedulerConfig, seconds: float, seed: int, seat_share: float,
+             layer_yield: Optional[Yield], flood_prompt: int, variant: dict,
+             stall: Optional[Stall]) -> dict:
+    """§3 alone, ``class_step`` on (the replicas' default), with ``stall`` on every phase
+    but the capacity run (so the arrival rates match a run without stalls): B's TTFT and
+    queue-wait p99 alone and beside A's flood, A's completions/s in the flood, preemptions;
+    B's share of computed tokens when both are backlogged."""
+    cap = simulate([Stream("c", clients=16)], base, seconds, seed, variant={"class_step": False})
+    rate = cap["c"]["completions_per_s"]
+    fair = replace(base, tenant_share=seat_share)
+    b_alone = Stream("B", rate=0.2 * rate, share=seat_share)
+    a_flood = Stream("A", rate=10 * rate, prompt=flood_prompt, share=seat_share)
+    f_alone = simulate([b_alone], fair, seconds, seed, layer_yield, variant, stall)["B"]
+    f_both = simulate([b_alone, a_flood], fair, seconds, seed, layer_yield, variant, stall)
+    backlog = simulate([Stream("B", clients=16, share=seat_share),
+                        Stream("A", clients=16, prompt=256, share=seat_share)],
+                       fair, seconds, seed, layer_yield, variant, stall)
+    total = backlog["A"]["computed_tokens"] + backlog["B"]["computed_tokens"]
+    return {"capacity_per_s": rate, "alone": f_alone, "both": f_both, "backlogged": backlog,
+            "ttft_p99_ratio": f_both["B"]["ttft_p99_ms"] / f_alone["ttft_p99_ms"],
+            "b_token_share": backlog["B"]["computed_tokens"] / max(1, total)}
+
+
 def model_layers(name_or_dir: str) -> int:
     """Decoder layers of a model (a known name or an HF directory: ``num_hidden_layers``)."""
     from kvfleet.deploy.models import resolve_model
@@ -346,11 +406,37 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--merge-within-ms", type=float, default=None,
                    help="--layer-yield: catch up and merge into the paused step when the "
                         "first tokens still come within this many ms of arrival (default: never)")
+    p.add_argument("--stall", default=None, metavar="P,F",
+                   help="host-like noise: each step lasts F × its modelled length with "
+                        "probability P, unknown to the scheduler (e.g. 0.1,3)")
+    p.add_argument("--fair-only", action="store_true",
+                   help="§3 only, class_step on (the replicas' default)")
+    p.add_argument("--no-tenant-preempt", action="store_true",
+                   help="§3: no seat preemption for a tenant under its share (the A/B)")
     a = p.parse_args(argv)
+    stall = Stall(*map(float, a.stall.split(","))) if a.stall else None
     merge = None if a.merge_within_ms is None else a.merge_within_ms / 1e3
     ly = Yield(model_layers(a.model), a.yield_cost_layers, merge) if a.layer_yield else None
     base = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512, max_waiting=256,
                            itl_target_ms=a.itl_target_ms or None)
+    if a.fair_only:
+        v = {"class_step": True, "seats_by_service": not a.fixed_seats,
+             "fair_slack": None if a.fair_slack < 0 else a.fair_slack,
+             "tenant_preempt": not a.no_tenant_preempt}
+        fair_runs = {int(s): run_fair(base, a.seconds, int(s), a.seat_share, ly, a.flood_prompt,
+                                      v, stall) for s in a.seeds.split(",")}
+        print("seed | B TTFT p99 alone → flood (×) | B queue p99 alone → flood | A /s in flood "
+              "| preemptions in flood | B token share backlogged | A ITL p99 backlogged "
+              "| preemptions backlogged | A, B /s backlogged")
+        for seed, f in fair_runs.items():
+            print(f"{seed} | {f['alone']['ttft_p99_ms']:.0f} → {f['both']['B']['ttft_p99_ms']:.0f}"
+                  f" ms ({f['ttft_p99_ratio']:.2f}×) | {f['alone']['queue_p99_ms']:.0f} → "
+                  f"{f['both']['B']['queue_p99_ms']:.0f} ms | "
+                  f"{f['both']['A']['completions_per_s']:.2f} | {f['both']['_preemptions']} | "
+                  f"{f['b_token_share']:.3f} | {f['backlogged']['A']['itl_p99_ms']:.0f} ms | "
+                  f"{f['backlogged']['_preemptions']} | {f['backlogged']['A']['completions_per_s']:.2f}, "
+                  f"{f['backlogged']['B']['completions_per_s']:.2f}")
+        return 0
     runs = {int(s): run_seed(base, a.seconds, int(s), a.seat_share, not a.fixed_seats, ly,
                              a.flood_prompt, None if a.fair_slack < 0 else a.fair_slack)
             for s in a.seeds.split(",")}

@@ -48,8 +48,10 @@ def simulate(config: SchedulerConfig, cost: CostModel, streams: int, prompt: int
     cost no term prices), ×
     ``exp(N(0, noise))`` (seeded) + ``overhead_s``; the scheduler plans with ``planner``
     (default: ``cost`` itself, uncorrected), which observes every forward. Returns the streams'
-    ITL p50 / p99 (s), output tokens/s, the long prompts' TTFT p50 / p99 (s), and ``prompts``:
-    each long prompt's (arrival, deadline the floor planned or None, first token) in seconds."""
+    ITL p50 / p99 (s), output tokens/s, the long prompts' TTFT p50 / p99 (s), ``prompts``:
+    each long prompt's (arrival, deadline the floor planned or None, first token) in seconds,
+    and ``steps`` / ``prefill_steps`` / ``prefill_tokens``: the forwards run, those carrying
+    prefill (a chunk of more than one token), and their prefill tokens."""
     planner = planner or StepCost(cost, alpha=0.0)
     rng = random.Random(seed)
     sched = Scheduler(config, KVCacheManager(4096, BLOCK), planner)
@@ -71,6 +73,7 @@ def simulate(config: SchedulerConfig, cost: CostModel, streams: int, prompt: int
     itl: list[float] = []
     ttft: list[float] = []
     tokens = 0
+    counts = {"steps": 0, "prefill_steps": 0, "prefill_tokens": 0}
     now, next_long = 0.0, 0.0
     live = [new(STREAM_PROMPT, STREAM_TOKENS, now, "s") for _ in range(streams)]
     while now < seconds:
@@ -89,6 +92,9 @@ def simulate(config: SchedulerConfig, cost: CostModel, streams: int, prompt: int
         if step_s == 0.0:  # idle until the next arrival
             now = next_long
             continue
+        counts["steps"] += 1
+        counts["prefill_steps"] += shape.prefill_tokens > 0
+        counts["prefill_tokens"] += shape.prefill_tokens
         if noise:
             step_s *= math.exp(rng.gauss(0, noise))
         planner.observe(plan_shape(out.plan), step_s)
@@ -110,7 +116,7 @@ def simulate(config: SchedulerConfig, cost: CostModel, streams: int, prompt: int
                 sched.finish(seq)
                 if seq in live:
                     live[live.index(seq)] = new(STREAM_PROMPT, STREAM_TOKENS, now, "s")
-    return {**stream_row(itl, ttft, tokens / now), "prompts": prompts}
+    return {**stream_row(itl, ttft, tokens / now), "prompts": prompts, **counts}
 
 
 def calibrated(truth: CostModel, chunk_s: float, startup: str) -> CostModel:
@@ -215,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
           f"long TTFT p99 {off['long_ttft_p99_s']:.2f} -> {on['long_ttft_p99_s']:.2f} s "
           f"({r['ratios']['long_ttft_p99']:.2f}x); lateness p50/p90/max "
           f"{r['lateness_s']['p50'] * 1e3:.0f}/{r['lateness_s']['p90'] * 1e3:.0f}/"
-          f"{r['lateness_s']['max'] * 1e3:.0f} ms")
+          f"{r['lateness_s']['max'] * 1e3:.0f} ms; steps with prefill {off['prefill_steps']} of "
+          f"{off['steps']} -> {on['prefill_steps']} of {on['steps']}")
     return 0
 
 

@@ -67,7 +67,7 @@ class SequenceState:
     num_computed_tokens: int = 0
     num_cached_tokens: Optional[int] = None  # set once, at first admission
     num_preemptions: int = 0
-    class_preemptions: int = 0  # of num_preemptions, those for a higher class (bounded)
+    class_preemptions: int = 0  # of num_preemptions, those for a higher class or a tenant behind (bounded)
     tier_skip: bool = False  # a host-tier restore for it failed: recompute from now on
     may_speculate: bool = True  # False: never carries drafts (a structured-output row)
     spec_drafted: int = 0  # draft tokens verified for it, and of those accepted

@@ -44,3 +44,23 @@ def test_on_the_few_row_kernel_the_row_meets_its_targets_planned_from_a_start_up
     r = compare(truth, seconds=60.0, overhead_s=0.003, startup="kernel")
     assert r["on"]["itl_p99_over_p50"] <= 3.0
     assert r["ratios"]["tokens_per_s"] >= 0.85 and r["ratios"]["long_ttft_p99"] <= 2.0
+
+
+def test_an_unpriced_cost_per_step_with_prefill_costs_the_target_throughput_by_its_chunks():
+    """The same prefill tokens in one step a prompt without the target and in about ten under
+    it: a fixed cost of each step that carries prefill, which no term prices, is paid ten
+    times as often with the target, and that is throughput lost (the step's sizing within
+    the target does not change the count: docs/slo.md)."""
+    from dataclasses import replace
+
+    truth = replace(IDLE_SMOLLM2, gemm_step_s=0.010, few_rows=64)
+    plain = compare(truth, seconds=15.0, overhead_s=0.003, startup="kernel")
+    taxed = compare(truth, seconds=15.0, overhead_s=0.003, startup="kernel", chunk_s=0.015)
+    for r in (plain, taxed):
+        off, on = r["off"], r["on"]
+        assert on["prefill_tokens"] == pytest.approx(off["prefill_tokens"], abs=16) and on["prefill_tokens"] > 0
+        assert off["prefill_steps"] <= off["long_prompts"] + 1  # each prompt in one step
+        assert on["prefill_steps"] >= 8 * off["prefill_steps"]
+        assert 0 < on["prefill_steps"] < on["steps"]
+    assert plain["ratios"]["tokens_per_s"] >= 0.95
+    assert taxed["ratios"]["tokens_per_s"] < plain["ratios"]["tokens_per_s"] - 0.1

@@ -105,3 +105,55 @@ def test_only_the_command_line_up_and_demo_are_supervised(monkeypatch) -> None:
     assert not cli._supervise_cluster(["up"])
     assert not cli._supervise_cluster(["demo"])
 
+
+
+# The cluster process stand-in: start a grandchild in its own process group (as the launcher
+# starts the router and redis-server), write into the Ray session directory the supervisor made,
+# write the grandchild's pid and that directory, then die by SIGKILL.
+KILLED_LAUNCHER = r"""
+import os, signal, subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", sys.argv[2]])
+ray_dir = os.environ["KVFLEET_RAY_TEMP_DIR"]
+os.makedirs(os.path.join(ray_dir, "session_latest", "logs"))
+with open(sys.argv[1], "w") as f:
+    f.write(f"{child.pid} {ray_dir}")
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+SLEEPER = "import time; time.sleep(600)"
+DEAF_SLEEPER = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+
+
+def _gone(pid: int, deadline_s: float = 30.0) -> bool:
+    """Whether ``pid`` has exited (reaped by whoever adopted it) within the deadline."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize("grandchild", [SLEEPER, DEAF_SLEEPER], ids=["terminates", "ignores-term"])
+def test_a_sigkilled_cluster_process_leaves_nothing_it_started(tmp_path, grandchild) -> None:
+    pid_file = tmp_path / "grandchild.pid"
+    code = own_session.run_in_own_session(
+        [sys.executable, "-c", KILLED_LAUNCHER, str(pid_file), grandchild])
+    assert code == 128 + signal.SIGKILL
+    pid_text, ray_dir = pid_file.read_text().split()
+    pid = int(pid_text)
+    try:
+        assert _gone(pid), "the router / redis-server stand-in outlived the killed launcher"
+        assert not Path(ray_dir).exists(), "the Ray session directory was left behind"
+    finally:
+        try:  # never leave the sleeper behind, whatever the assertion said
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_stopping_an_empty_group_is_a_no_op() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
+    proc.wait()
+    assert own_session.stop_orphaned_group(proc.pid, grace_s=0.1)

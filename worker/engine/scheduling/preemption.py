@@ -1,5 +1,7 @@
 """Preemption by class: before a step, waiting sequences of a higher class take seats and
-blocks from running ones of a lower class; and seats a nested step borrowed go back.
+blocks from running ones of a lower class; seats a nested step borrowed go back; and where
+seats are divided among tenants, a less-served tenant's prompt takes a seat from a more-served
+tenant of its class (:func:`preempt_for_behind_tenant`).
 
 Under the ``watermark`` policy, a waiting sequence that :func:`~.admission.try_admit` refuses
 for seats or blocks (``CLAIM`` mode: nothing is admitted here) preempts, by recompute, running
@@ -29,7 +31,7 @@ from kvfleet.worker.engine.scheduling.admission import (
     StepWork,
     try_admit,
 )
-from kvfleet.worker.engine.scheduling.priority_queue import seats_by_class
+from kvfleet.worker.engine.scheduling.priority_queue import MAX_CLASS_PREEMPTIONS, seats_by_class
 from kvfleet.worker.engine.scheduling.seats import group_size
 
 if TYPE_CHECKING:  # only for annotations: the scheduler imports this module
@@ -125,3 +127,61 @@ def preempt_for_class(sched: Scheduler, victim: SequenceState) -> None:
     bound (:data:`~.priority_queue.MAX_CLASS_PREEMPTIONS`)."""
     sched.preempt(victim)
     victim.class_preemptions += 1
+
+
+def preempt_for_behind_tenant(sched: Scheduler, waited: frozenset[str]) -> list[SequenceState]:
+    """A seat for a tenant served less than another of its class, taken from the other's newest
+    running sequence rather than waited for (``tenant_share`` < 1, ``watermark``).
+
+    The queue's next pick (:meth:`~.seats.TenantSeats.next_waiting`: the least-served tenant
+    that may take a seat) finds every seat held. When it has waited at least one step (its
+    ``seq_id`` in ``waited``: it was still waiting when the last step was planned) and a
+    running sequence of its class belongs to a tenant served more than its own by more than the
+    service's credit (one step's token budget of prefill: :mod:`.tenant_service`), the
+    most-served such tenant's newest sequence (the latest arrival, as a memory preemption's
+    victim; its full blocks stay cached, so its recompute is mostly prefix hits) is preempted
+    by recompute, once more if a nested step left a borrowed seat to return, until the pick's
+    seats are free. Never a sequence of a tenant served less, the same or within the credit
+    more, so two backlogged tenants whose counters cross step by step do not take seats back
+    and forth; a sequence preempted :data:`~.priority_queue.MAX_CLASS_PREEMPTIONS` times for a
+    class or a tenant is no victim any more. Without it a less-served tenant's
+    burst waits for the next natural finish, which on a stalling host is many slow steps
+    (docs/slo.md, "A seat for the tenant behind").
+
+    Returns:
+        The sequences preempted (now waiting again), at most the pick's seats plus the seats
+        held past ``max_num_seqs``.
+    """
+    if not sched.waiting:
+        return []
+    pick = sched.seats.next_waiting(sched.waiting, sched.pending_forks,
+                                    Counter(s.tenant for s in sched.running), {})
+    if pick is None or pick.seq_id not in waited:
+        return []
+    group = group_size(pick, sched.pending_forks)
+    preempted: list[SequenceState] = []
+    while (sched.rules.free_seats(pick.priority, seats_by_class(sched.running, sched.pending_forks))
+           < group):
+        victim = _tenant_victim(sched, pick)
+        if victim is None:
+            break
+        preempt_for_class(sched, victim)
+        preempted.append(victim)
+    return preempted
+
+
+def _tenant_victim(sched: Scheduler, pick: SequenceState) -> SequenceState | None:
+    """The running sequence ``pick`` may preempt for its seat (:func:`preempt_for_behind_tenant`):
+    of ``pick``'s class, of the tenant served most among those served more than ``pick``'s by
+    more than the credit, its newest; none whose siblings wait to fork or that hit the preemption bound."""
+    service = sched.service.service
+    # past the credit a returning tenant starts below the others with: within it the two
+    # tenants' counters cross step by step when both are backlogged (no back and forth)
+    floor = service.get(pick.tenant, 0.0) + sched.service.credit
+    eligible = [r for r in sched.running
+                if r.priority == pick.priority and service.get(r.tenant, 0.0) > floor
+                and r.class_preemptions < MAX_CLASS_PREEMPTIONS
+                and r.seq_id not in sched.pending_forks]
+    if not eligible:
+        return None
+    return max(eligible, key=lambda r: (service.get(r.tenant, 0.0), r.arrival_seq))

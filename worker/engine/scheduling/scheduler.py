@@ -4,7 +4,9 @@ A step (:meth:`Scheduler.schedule`) is composed of small policies, each in its o
 
 1. **preemption** (:mod:`.preemption`): seats a nested step borrowed go back; under
    ``watermark``, waiting sequences of a higher class take seats and blocks from running ones
-   of a lower class;
+   of a lower class, and where seats are divided among tenants, a prompt of a tenant served
+   less than another of its class (past the service credit) that waited a step takes a seat
+   from the other's newest running sequence;
 2. **step contents** (:mod:`.class_step`, under an ITL target): which running rows sit out so
    that a favoured prefill runs in a short step;
 3. **step budget** (:mod:`.step_budget`): ``max_num_batched_tokens`` tokens, and with
@@ -58,6 +60,7 @@ from kvfleet.worker.engine.scheduling.fair_bound import FAIR_SLACK, fair_bound
 from kvfleet.worker.engine.scheduling.forks import drop_sibling, fork_siblings
 from kvfleet.worker.engine.scheduling.output import Fork, ScheduledSeq, SchedulerOutput
 from kvfleet.worker.engine.scheduling.preemption import (
+    preempt_for_behind_tenant,
     preempt_for_higher_class,
     return_seats_over_limit,
 )
@@ -91,7 +94,9 @@ class Scheduler:
     tier). ``class_step`` / ``seats_by_service``: the ITL target's step contents and the tenant
     share's lending, both part of their setting (off only for the virtual-clock benches' A/B);
     ``fair_slack``: the tenant share's bound on over-served prefill, with or without the
-    target (:mod:`.fair_bound`; None: off, for the same A/B).
+    target (:mod:`.fair_bound`; None: off, for the same A/B); ``tenant_preempt``: with the
+    tenant share, a seat for the tenant behind (:func:`~.preemption.preempt_for_behind_tenant`;
+    off only for the same A/B).
 
     Raises:
         ValueError: an ITL target without a step-cost model.
@@ -101,7 +106,7 @@ class Scheduler:
                  step_cost: Optional[StepCostModel] = None,
                  tier: TierLookup | None = None, *, class_step: bool = True,
                  seats_by_service: bool = True,
-                 fair_slack: Optional[float] = FAIR_SLACK) -> None:
+                 fair_slack: Optional[float] = FAIR_SLACK, tenant_preempt: bool = True) -> None:
         if config.itl_target_ms is not None and step_cost is None:
             raise ValueError("itl_target_ms needs a step-cost model")
         self.config = config
@@ -130,6 +135,10 @@ class Scheduler:
         self.class_step = (ClassStep(step_cost, config.max_num_batched_tokens, config.itl_target_ms)
                            if step_cost and config.itl_target_ms and class_step else None)
         self.fair_slack = fair_slack
+        self.tenant_preempt = tenant_preempt
+        # seq_ids still waiting when the last step was planned (a seat taken for a tenant
+        # behind goes only to a prompt that waited a step)
+        self.waited: frozenset[str] = frozenset()
         self.pace = PrefillPace()  # the ITL target's floor: the paced prefill's deadline
         # seq_id -> steps in a row it sat out, as of the last plan (its StepContents.skipped)
         self.skipped: Mapping[str, int] = {}
@@ -203,6 +212,8 @@ class Scheduler:
         preempted = return_seats_over_limit(self)
         if self.config.policy == "watermark":
             preempted += preempt_for_higher_class(self, work, now)
+            if self.config.tenant_share < 1 and self.tenant_preempt:
+                preempted += preempt_for_behind_tenant(self, self.waited)
         contents, first = self._contents()
         budget = step_budget(self.config, self.kv.block_size, self.step_cost, self.running,
                              self.waiting[0] if self.waiting else None, contents.sit_out, now,
@@ -227,6 +238,7 @@ class Scheduler:
                                    within_class=True, allow=self._not_behind_better(admitted))
         if self.waiting:
             self.pace.admission_stopped(admitted.stopped_by not in (None, Refusal.BUDGET))
+        self.waited = frozenset(s.seq_id for s in self.waiting)
         if self.spec.enabled:
             scheduled = add_drafts(self, scheduled, budget.tokens_left, work)
         chunks = tuple(s.chunk(self.kv.block_tables(s.seq.seq_id)) for s in scheduled)
