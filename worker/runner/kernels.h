@@ -14,6 +14,22 @@ int paged_decode_attention(const float *query, int64_t q_stride, float *out, int
                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                            int64_t block_size, float scale, const float *sinks,
                            int num_threads);
+/* Its arguments as one struct, for callers that run its tasks in a parallel region of their own. */
+typedef struct {
+    const float *query;
+    int64_t q_stride;
+    float *out;
+    int64_t o_stride;
+    const float *k_cache, *v_cache;
+    const int64_t *token, *tables, *table_start, *first, *ctx;
+    int64_t num_decodes, num_heads, num_kv_heads, head_dim, block_size;
+    float scale;
+    const float *sinks;
+} decode_attn_t;
+int64_t decode_attention_plan(const decode_attn_t *a, int num_threads, int64_t *gstart,
+                              int64_t *tasks, int64_t *per_task, int *threads);
+int decode_attention_task(const decode_attn_t *a, const int64_t *tasks, int64_t task,
+                          int64_t per_task);
 
 /* gemv.c */
 int few_rows_panel_width(void);
@@ -29,5 +45,13 @@ void rope_write_kv(float *qkv, int64_t ldq, int64_t rows, const float *cos, cons
                    float *k_cache, float *v_cache, const int64_t *slots, int num_threads);
 void silu_mul(const float *gate_up, int64_t ldg, int64_t rows, int64_t width, float *out,
               int64_t ldo, int num_threads);
+/* The same per row, rows r0 .. r1 - 1 on the calling thread (quant/qlayer.c's parallel region);
+ * a, b, sum, normed rows of `size`, contiguous. */
+void add_rms_norm_rows(const float *a, const float *b, float *sum, const float *weight,
+                       float *normed, int64_t r0, int64_t r1, int64_t size, float eps);
+void rope_write_kv_rows(float *qkv, int64_t ldq, int64_t r0, int64_t r1, const float *cos,
+                        const float *sin, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                        int64_t rot, float *k_cache, float *v_cache, const int64_t *slots);
+void silu_mul_rows(const float *gate_up, int64_t r0, int64_t r1, int64_t width, float *out);
 
 #endif

@@ -197,37 +197,30 @@ static int same_walk(int64_t a, int64_t b, const int64_t *tables, const int64_t 
  * split does not change any result (each KV head's arithmetic is the same either way). */
 #define SPLIT_MIN_KEYS 64
 
-/* Returns 0, or -1 when a scratch buffer could not be allocated (that task's rows are left
- * unwritten; the caller raises).
- *
- * Consecutive decodes with the same walk (same_walk with the group's first) form a group; a task
+/* Consecutive decodes with the same walk (same_walk with the group's first) form a group; a task
  * (a group's rows, or a chunk of them, and all KV heads or one) walks the keys block by block,
  * and at each block every row of the task that sees it scores, then later weighs, that block's
  * keys, so a block is read from memory once for the task while it is hot. Each row keeps a lone
- * decode's per-key arithmetic and order. */
-int paged_decode_attention(const float *query, int64_t q_stride, float *out, int64_t o_stride,
-                            const float *k_cache, const float *v_cache, const int64_t *token,
-                            const int64_t *tables, const int64_t *table_start,
-                            const int64_t *first, const int64_t *ctx, int64_t num_decodes,
-                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                            int64_t block_size, float scale, const float *sinks,
-                            int num_threads) {
-    const int64_t group = num_heads / num_kv_heads, slot_stride = num_kv_heads * head_dim;
+ * decode's per-key arithmetic and order, so the tasks' split never changes a result.
+ *
+ * decode_attention_plan writes the tasks for `num_threads` threads: 3 int64 each (first row,
+ * rows, first KV head) into tasks (room for num_decodes * num_kv_heads), gstart (room for
+ * num_decodes + 1) its scratch; *per_task gets the KV heads a task covers, *threads the threads
+ * worth running them (at most num_threads). Returns the number of tasks. The plan depends only
+ * on its arguments, so every thread of a team may make its own. */
+int64_t decode_attention_plan(const decode_attn_t *a, int num_threads, int64_t *gstart,
+                              int64_t *tasks, int64_t *per_task_out, int *threads) {
+    const int64_t num_decodes = a->num_decodes, num_kv_heads = a->num_kv_heads;
+    const int64_t *first = a->first, *ctx = a->ctx;
     if (num_decodes < num_threads) {  /* the KV heads would go apart: worth a region? */
         int64_t keys = 0;
         for (int64_t d = 0; d < num_decodes; ++d) keys += ctx[d] - first[d];
         if (keys < SPLIT_MIN_KEYS * num_decodes) num_threads = (int)num_decodes;
     }
-    int64_t *gstart = malloc(sizeof(int64_t) * (size_t)(num_decodes + 1));
-    int64_t *tasks = malloc(sizeof(int64_t) * 3 * (size_t)(num_decodes * num_kv_heads));
-    if (gstart == NULL || tasks == NULL) {
-        free(gstart);
-        free(tasks);
-        return -1;
-    }
     int64_t num_groups = 0, widest = 1;
     for (int64_t d = 0; d < num_decodes; ++d)
-        if (d == 0 || !same_walk(gstart[num_groups - 1], d, tables, table_start, first, ctx, block_size))
+        if (d == 0 || !same_walk(gstart[num_groups - 1], d, a->tables, a->table_start, first, ctx,
+                                 a->block_size))
             gstart[num_groups++] = d;
     gstart[num_groups] = num_decodes;
     for (int64_t j = 0; j < num_groups; ++j)
@@ -252,74 +245,116 @@ int paged_decode_attention(const float *query, int64_t q_stride, float *out, int
                 tasks[3 * num_tasks + 1] = gstart[j + 1] - d < most_rows ? gstart[j + 1] - d : most_rows;
                 tasks[3 * num_tasks + 2] = h;
             }
-    int failed = 0;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t task = 0; task < num_tasks; ++task) {
-        const int64_t d0 = tasks[3 * task], rows = tasks[3 * task + 1], h0 = tasks[3 * task + 2];
-        const int64_t lo = first[d0], heads = per_task * group, width = heads * head_dim;
-        int64_t total = 0, most = 0, far = d0;  /* scores over all rows; the longest row, its keys */
-        for (int64_t r = 0; r < rows; ++r) {
-            const int64_t n = ctx[d0 + r] - lo;
-            total += n;
-            if (n > most) most = n, far = d0 + r;
-        }
-        float *scores = malloc(sizeof(float) * (size_t)(heads * total));
-        float *acc = calloc((size_t)(rows * width), sizeof(float));
-        if (scores == NULL || acc == NULL) {
-            free(scores);
-            free(acc);
-#pragma omp atomic write
-            failed = 1;
-            continue;
-        }
-        for (int pass = 0; pass < 2; ++pass) {  /* 0: scores of every row; 1: weighed values */
-            if (pass == 1)  /* each row's softmax, per query head, over its n keys */
-                for (int64_t r = 0, at = 0; r < rows; at += heads * (ctx[d0 + r] - lo), ++r) {
-                    const int64_t n = ctx[d0 + r] - lo;
-                    for (int64_t j = 0; j < heads; ++j) {
-                        const int64_t hq = h0 * group + j;
-                        float *sh = scores + at + j * n, m = sinks ? sinks[hq] : -INFINITY, sum;
-                        for (int64_t i = 0; i < n; ++i) m = sh[i] > m ? sh[i] : m;
-                        sum = exp_shifted(sh, n, m);
-                        if (sinks) sum += expf(sinks[hq] - m);
-                        const float inv = 1.f / sum;
-                        for (int64_t i = 0; i < n; ++i) sh[i] *= inv;
-                    }
-                }
-            const float *cache = pass == 0 ? k_cache : v_cache;
-            for (int64_t i = 0, p = lo; i < most;) {
-                const int64_t off = p % block_size, span = block_size - off;
-                if (i + span < most)  /* the next block's first keys: the prefetcher does not know it */
-                    __builtin_prefetch(cache + tables[table_start[far] + (p + span) / block_size]
-                                                   * block_size * slot_stride + h0 * head_dim);
-                for (int64_t r = 0, at = 0; r < rows; at += heads * (ctx[d0 + r] - lo), ++r) {
-                    const int64_t d = d0 + r, n = ctx[d] - lo;
-                    if (i >= n) continue;
-                    const int64_t run = span < n - i ? span : n - i;
-                    const float *slot = cache + (tables[table_start[d] + p / block_size] * block_size + off)
-                                                    * slot_stride;
-                    for (int64_t h = h0; h < h0 + per_task; ++h) {
-                        const int64_t j = (h - h0) * group;  /* h's first query head in this task */
-                        if (pass == 0)
-                            score_block(scores + at + j * n, n, i, run,
-                                        query + token[d] * q_stride + h * group * head_dim,
-                                        slot + h * head_dim, slot_stride, head_dim, group, scale);
-                        else
-                            weigh_block(acc + r * width + j * head_dim, scores + at + j * n, n, i, run,
-                                        slot + h * head_dim, slot_stride, head_dim, group);
-                    }
-                }
-                i += span;
-                p += span;
-            }
-        }
-        for (int64_t r = 0; r < rows; ++r) {
-            float *o = out + token[d0 + r] * o_stride + h0 * group * head_dim;
-            for (int64_t e = 0; e < width; ++e) o[e] = acc[r * width + e];
-        }
+    *per_task_out = per_task;
+    *threads = num_threads;
+    return num_tasks;
+}
+
+/* One task of a plan. Returns 0, or -1 when its scratch could not be allocated (its rows are
+ * left unwritten). */
+int decode_attention_task(const decode_attn_t *a, const int64_t *tasks, int64_t task,
+                          int64_t per_task) {
+    const float *query = a->query, *k_cache = a->k_cache, *v_cache = a->v_cache, *sinks = a->sinks;
+    float *out = a->out;
+    const int64_t q_stride = a->q_stride, o_stride = a->o_stride, head_dim = a->head_dim;
+    const int64_t *token = a->token, *tables = a->tables, *table_start = a->table_start;
+    const int64_t *first = a->first, *ctx = a->ctx, block_size = a->block_size;
+    const int64_t group = a->num_heads / a->num_kv_heads, slot_stride = a->num_kv_heads * head_dim;
+    const float scale = a->scale;
+    const int64_t d0 = tasks[3 * task], rows = tasks[3 * task + 1], h0 = tasks[3 * task + 2];
+    const int64_t lo = first[d0], heads = per_task * group, width = heads * head_dim;
+    int64_t total = 0, most = 0, far = d0;  /* scores over all rows; the longest row, its keys */
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t n = ctx[d0 + r] - lo;
+        total += n;
+        if (n > most) most = n, far = d0 + r;
+    }
+    float *scores = malloc(sizeof(float) * (size_t)(heads * total));
+    float *acc = calloc((size_t)(rows * width), sizeof(float));
+    if (scores == NULL || acc == NULL) {
         free(scores);
         free(acc);
+        return -1;
     }
+    for (int pass = 0; pass < 2; ++pass) {  /* 0: scores of every row; 1: weighed values */
+        if (pass == 1)  /* each row's softmax, per query head, over its n keys */
+            for (int64_t r = 0, at = 0; r < rows; at += heads * (ctx[d0 + r] - lo), ++r) {
+                const int64_t n = ctx[d0 + r] - lo;
+                for (int64_t j = 0; j < heads; ++j) {
+                    const int64_t hq = h0 * group + j;
+                    float *sh = scores + at + j * n, m = sinks ? sinks[hq] : -INFINITY, sum;
+                    for (int64_t i = 0; i < n; ++i) m = sh[i] > m ? sh[i] : m;
+                    sum = exp_shifted(sh, n, m);
+                    if (sinks) sum += expf(sinks[hq] - m);
+                    const float inv = 1.f / sum;
+                    for (int64_t i = 0; i < n; ++i) sh[i] *= inv;
+                }
+            }
+        const float *cache = pass == 0 ? k_cache : v_cache;
+        for (int64_t i = 0, p = lo; i < most;) {
+            const int64_t off = p % block_size, span = block_size - off;
+            if (i + span < most)  /* the next block's first keys: the prefetcher does not know it */
+                __builtin_prefetch(cache + tables[table_start[far] + (p + span) / block_size]
+                                               * block_size * slot_stride + h0 * head_dim);
+            for (int64_t r = 0, at = 0; r < rows; at += heads * (ctx[d0 + r] - lo), ++r) {
+                const int64_t d = d0 + r, n = ctx[d] - lo;
+                if (i >= n) continue;
+                const int64_t run = span < n - i ? span : n - i;
+                const float *slot = cache + (tables[table_start[d] + p / block_size] * block_size + off)
+                                                * slot_stride;
+                for (int64_t h = h0; h < h0 + per_task; ++h) {
+                    const int64_t j = (h - h0) * group;  /* h's first query head in this task */
+                    if (pass == 0)
+                        score_block(scores + at + j * n, n, i, run,
+                                    query + token[d] * q_stride + h * group * head_dim,
+                                    slot + h * head_dim, slot_stride, head_dim, group, scale);
+                    else
+                        weigh_block(acc + r * width + j * head_dim, scores + at + j * n, n, i, run,
+                                    slot + h * head_dim, slot_stride, head_dim, group);
+                }
+            }
+            i += span;
+            p += span;
+        }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+        float *o = out + token[d0 + r] * o_stride + h0 * group * head_dim;
+        for (int64_t e = 0; e < width; ++e) o[e] = acc[r * width + e];
+    }
+    free(scores);
+    free(acc);
+    return 0;
+}
+
+/* Returns 0, or -1 when a scratch buffer could not be allocated (that task's rows are left
+ * unwritten; the caller raises). */
+int paged_decode_attention(const float *query, int64_t q_stride, float *out, int64_t o_stride,
+                           const float *k_cache, const float *v_cache, const int64_t *token,
+                           const int64_t *tables, const int64_t *table_start,
+                           const int64_t *first, const int64_t *ctx, int64_t num_decodes,
+                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                           int64_t block_size, float scale, const float *sinks,
+                           int num_threads) {
+    const decode_attn_t a = {query, q_stride, out, o_stride, k_cache, v_cache, token, tables,
+                             table_start, first, ctx, num_decodes, num_heads, num_kv_heads,
+                             head_dim, block_size, scale, sinks};
+    int64_t *gstart = malloc(sizeof(int64_t) * (size_t)(num_decodes + 1));
+    int64_t *tasks = malloc(sizeof(int64_t) * 3 * (size_t)(num_decodes * num_kv_heads));
+    if (gstart == NULL || tasks == NULL) {
+        free(gstart);
+        free(tasks);
+        return -1;
+    }
+    int64_t per_task;
+    const int64_t num_tasks = decode_attention_plan(&a, num_threads, gstart, tasks, &per_task,
+                                                    &num_threads);
+    int failed = 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t task = 0; task < num_tasks; ++task)
+        if (decode_attention_task(&a, tasks, task, per_task)) {
+#pragma omp atomic write
+            failed = 1;
+        }
     free(gstart);
     free(tasks);
     return failed ? -1 : 0;

@@ -18,6 +18,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <omp.h>
+
 #include "qkernels.h"
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -242,10 +244,11 @@ static void store_tile(const v16f *acc, int mt, int nb, float *y, int64_t ldy, i
 /* The packed blocks number a multiple of PANEL (the packer pads them); each task takes one
  * panel of PANEL blocks and every row of x, TILE rows at a time, prefetching the same place
  * of the next panel (`ahead` codes on; none past the last). Threads take contiguous runs of
- * panels, so that next panel is usually the thread's own. */
+ * panels, so that next panel is usually the thread's own. A work-shared loop without its
+ * barrier: the caller opens the region (or calls it outside one) and waits where it must. */
 #define FOR_EACH_TILE(BSTRIDE, BODY)                                                            \
     const int64_t panels = (out + PANEL * LANES - 1) / (PANEL * LANES);                         \
-    _Pragma("omp parallel for schedule(static) num_threads(num_threads)")                         \
+    _Pragma("omp for schedule(static) nowait")                                                  \
     for (int64_t p = 0; p < panels; ++p) {                                                      \
         v16f acc[TILE * PANEL];                                                                 \
         const int64_t ahead = p + 1 < panels ? PANEL * (BSTRIDE) : 0;                           \
@@ -258,10 +261,11 @@ static void store_tile(const v16f *acc, int mt, int nb, float *y, int64_t ldy, i
         }                                                                                       \
     }
 
-/* x (rows, in) with row stride ldx → y (rows, out) with row stride ldy. */
-void qgemm_int8(const float *x, int64_t ldx, int64_t rows, const int8_t *q, const void *scale,
-                int half, int64_t in, int64_t out, int64_t group, const float *bias, float *y,
-                int64_t ldy, int num_threads) {
+/* qgemm_int8 as a work-shared loop of the enclosing parallel region, without its barrier (the
+ * caller waits before it reads y); outside a region, the whole product on the calling thread. */
+void qgemm_int8_for(const float *x, int64_t ldx, int64_t rows, const int8_t *q, const void *scale,
+                    int half, int64_t in, int64_t out, int64_t group, const float *bias, float *y,
+                    int64_t ldy) {
     const int64_t ngroups = in / group, bstride = in * LANES;
     const int64_t sstride = ngroups * LANES * (half ? 2 : 4);
     FOR_EACH_TILE(bstride, INT8_TILES[mt](x + m0 * ldx, ldx, q + b * bstride, bstride,
@@ -269,14 +273,21 @@ void qgemm_int8(const float *x, int64_t ldx, int64_t rows, const int8_t *q, cons
                                           group, ahead, acc))
 }
 
-/* As qgemm_int8; returns -1 (y unwritten) when the rows' group sums cannot be allocated. */
-int qgemm_int4(const float *x, int64_t ldx, int64_t rows, const uint8_t *q, const void *scale,
-               const void *offset, int half, int64_t in, int64_t out, int64_t group,
-               const float *bias, float *y, int64_t ldy, int num_threads) {
+/* x (rows, in) with row stride ldx → y (rows, out) with row stride ldy. */
+void qgemm_int8(const float *x, int64_t ldx, int64_t rows, const int8_t *q, const void *scale,
+                int half, int64_t in, int64_t out, int64_t group, const float *bias, float *y,
+                int64_t ldy, int num_threads) {
+#pragma omp parallel num_threads(num_threads)
+    qgemm_int8_for(x, ldx, rows, q, scale, half, in, out, group, bias, y, ldy);
+}
+
+/* qgemm_int4 as qgemm_int8_for; xsum: the calling thread's scratch of rows · (in / group)
+ * floats (every thread of the region fills its own with the same group sums of x). */
+void qgemm_int4_for(const float *x, int64_t ldx, int64_t rows, const uint8_t *q, const void *scale,
+                    const void *offset, int half, int64_t in, int64_t out, int64_t group,
+                    const float *bias, float *y, int64_t ldy, float *xsum) {
     const int64_t ngroups = in / group, bstride = in / 2 * LANES;
     const int64_t sstride = ngroups * LANES * (half ? 2 : 4);
-    float *xsum = malloc((size_t)(rows * ngroups) * sizeof(float));
-    if (xsum == 0) return -1;
     for (int64_t m = 0; m < rows; ++m)
         for (int64_t g = 0; g < ngroups; ++g) {
             float s = 0.f;
@@ -288,6 +299,17 @@ int qgemm_int4(const float *x, int64_t ldx, int64_t rows, const uint8_t *q, cons
                                           (const char *)offset + b * sstride, sstride,
                                           xsum + m0 * ngroups, ngroups, half, in, group, ahead,
                                           acc))
+}
+
+/* As qgemm_int8; returns -1 (y unwritten) when the rows' group sums cannot be allocated. */
+int qgemm_int4(const float *x, int64_t ldx, int64_t rows, const uint8_t *q, const void *scale,
+               const void *offset, int half, int64_t in, int64_t out, int64_t group,
+               const float *bias, float *y, int64_t ldy, int num_threads) {
+    float *xsum = malloc((size_t)(rows * (in / group) * num_threads) * sizeof(float));
+    if (xsum == 0) return -1;
+#pragma omp parallel num_threads(num_threads)
+    qgemm_int4_for(x, ldx, rows, q, scale, offset, half, in, out, group, bias, y, ldy,
+                   xsum + (size_t)omp_get_thread_num() * (size_t)(rows * (in / group)));
     free(xsum);
     return 0;
 }

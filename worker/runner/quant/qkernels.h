@@ -14,6 +14,13 @@ void qgemm_int8(const float *x, int64_t ldx, int64_t rows, const int8_t *q, cons
 int qgemm_int4(const float *x, int64_t ldx, int64_t rows, const uint8_t *q, const void *scale,
                const void *offset, int half, int64_t in, int64_t out, int64_t group,
                const float *bias, float *y, int64_t ldy, int num_threads);
+/* The same as work-shared loops of the caller's parallel region, without a closing barrier. */
+void qgemm_int8_for(const float *x, int64_t ldx, int64_t rows, const int8_t *q, const void *scale,
+                    int half, int64_t in, int64_t out, int64_t group, const float *bias, float *y,
+                    int64_t ldy);
+void qgemm_int4_for(const float *x, int64_t ldx, int64_t rows, const uint8_t *q, const void *scale,
+                    const void *offset, int half, int64_t in, int64_t out, int64_t group,
+                    const float *bias, float *y, int64_t ldy, float *xsum);
 
 /* qrows.c */
 int quant_rows(const int64_t *index, int64_t n, int bits, const void *codes, const void *scale,

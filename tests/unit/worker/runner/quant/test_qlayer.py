@@ -80,6 +80,37 @@ def test_one_call_layer_equals_the_python_layer(request, monkeypatch, family, me
 
 
 @pytest.mark.parametrize("method", ["int4", "int8"])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("contexts", [[0, 3, 17, 30], [i % 11 for i in range(70)]])
+def test_one_region_equals_the_python_layer_at_each_thread_count(tiny_llama_dir, monkeypatch, method,
+                                                                 threads, contexts) -> None:
+    """The one-call layers share one parallel region: at 1, 2 and 3 threads (a team that does
+    not divide the work evenly), with few rows (small ops repeated by every thread) and more
+    rows than that (small ops split, a barrier after each), the hidden states and caches are
+    the Python layer's bit for bit."""
+    if cpu_kernels.load() is None:
+        pytest.skip("no C compiler")
+    runner = ModelRunner(tiny_llama_dir, num_blocks=256, block_size=BLOCK,
+                         quantization=QuantConfig(method))
+    stacks = _count(monkeypatch, QuantDecodeStack)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        hidden, cache = _step(runner, contexts, seed=threads)
+        assert len(stacks) == 1
+        for layer in runner.model.layers:
+            monkeypatch.setattr(layer, "_decode_shape", False)
+            monkeypatch.setattr(layer, "_decode_call", None)
+        monkeypatch.setattr(runner.model, "_stack", lambda *a: None)
+        want_hidden, want_cache = _step(runner, contexts, seed=threads)
+        assert len(stacks) == 1
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(hidden, want_hidden)
+    assert torch.equal(cache, want_cache)
+
+
+@pytest.mark.parametrize("method", ["int4", "int8"])
 def test_a_replaced_projection_falls_back_per_layer(tiny_llama_dir, monkeypatch, method) -> None:
     """A wrapped projection (as LoRA puts over one) takes its layer off the C path: the step
     then runs layer by layer, the others still one call each, to the all-layers result; with
