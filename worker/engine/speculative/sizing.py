@@ -126,10 +126,12 @@ class QueryRows:
         return -(-total // self.tile) - -(-decode_rows // self.tile)
 
 
-# The CPU runner's few-row kernel: eight rows per weight pass (each full tile runs at the FMA
-# rate, as long as the weight streams), FEW_ROWS rows at most (worker/runner/gemv.c TILE_ROWS,
-# worker/runner/models/linear.py FEW_ROWS; a test keeps them equal).
-CPU_FEW_ROWS = QueryRows(tile=8, limit=64)
+# The CPU runner's few-row kernel: each thread runs every register tile of rows
+# (worker/runner/gemv.c TILE_ROWS) over a weight panel while the panel sits in L2, so the weights
+# stream from memory once for all FEW_ROWS rows (worker/runner/models/linear.py; a test keeps
+# them equal): one pass. What each further row costs (its FMAs, its attention) is the step-cost
+# model's draft term, fitted online, not a pass (docs/speculative.md, the batch-4 ceiling).
+CPU_FEW_ROWS = QueryRows(tile=64, limit=64)
 
 
 def query_rows_for(device: str) -> Optional[QueryRows]:

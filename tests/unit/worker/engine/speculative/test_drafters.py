@@ -161,16 +161,17 @@ def test_sizing_prices_a_new_few_row_pass_as_a_weight_pass_and_stays_within_the_
 
 
 def test_the_few_row_rule_matches_the_cpu_kernel() -> None:
-    """The sizing rule's tile and limit are the runner's (its C kernel's rows per pass, the
-    rows past which a projection leaves the kernel)."""
+    """The sizing rule's limit is the runner's (the rows past which a projection leaves the
+    kernel), and so is its pass: the kernel runs every register tile over a weight panel held
+    in L2, so its whole reach (a whole number of tiles) reads the weights once."""
     import re
     from pathlib import Path
 
     from kvfleet.worker.runner.models import linear
 
     gemv = (Path(linear.__file__).parents[1] / "gemv.c").read_text()
-    assert CPU_FEW_ROWS.limit == linear.FEW_ROWS
-    assert CPU_FEW_ROWS.tile == int(re.search(r"#define TILE_ROWS (\d+)", gemv).group(1))
+    assert CPU_FEW_ROWS.limit == linear.FEW_ROWS == CPU_FEW_ROWS.tile
+    assert linear.FEW_ROWS % int(re.search(r"#define TILE_ROWS (\d+)", gemv).group(1)) == 0
 
 
 def test_acceptance_follows_recent_verifications() -> None:
