@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import time
 from typing import Callable, Optional, Sequence
 
 from kvfleet.deploy.ray_local import RAY_TEMP_DIR_ENV
@@ -66,9 +69,6 @@ def run_in_own_session(cmd: Sequence[str], env: Optional[dict] = None) -> int:
     Raises:
         OSError: ``cmd`` could not be started.
     """
-    import shutil
-    import tempfile
-
     child_env = dict(os.environ if env is None else env)
     child_env[SUPERVISED_ENV] = "1"
     ray_dir = child_env[RAY_TEMP_DIR_ENV] = tempfile.mkdtemp(prefix="kvf-ray-")
@@ -125,8 +125,6 @@ def stop_orphaned_group(pgid: int, grace_s: float = ORPHAN_GRACE_S) -> bool:
     SIGTERM, then SIGKILL to what is still there after ``grace_s`` seconds. A group id is not
     given to a new process while any member lives, so this reaches only what the cluster process
     started. Returns True when the group is empty at the end."""
-    import time
-
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 1.0)):
         try:
             os.killpg(pgid, sig)

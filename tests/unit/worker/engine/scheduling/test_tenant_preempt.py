@@ -41,6 +41,13 @@ def late_b(s: Scheduler) -> SequenceState:
     return late
 
 
+def assert_keeps_waiting(s, late) -> None:
+    """Four steps preempt nothing and ``late`` is still waiting for a seat."""
+    for _ in range(4):
+        assert not run_step(s).preempted
+    assert late.status is SeqStatus.WAITING
+
+
 def test_the_tenant_behind_gets_a_seat_the_step_after_it_waited_one():
     s, a_running = seats_full(a_ahead_by=5000)
     assert (held(s, "a"), held(s, "b")) == (2, 4)
@@ -65,9 +72,7 @@ def test_no_back_and_forth():
 def test_within_the_credit_nobody_is_preempted():
     s, _ = seats_full(a_ahead_by=s_credit() / 2)
     late = late_b(s)
-    for _ in range(4):
-        assert not run_step(s).preempted
-    assert late.status is SeqStatus.WAITING  # waits for a finish, as before
+    assert_keeps_waiting(s, late)  # waits for a finish, as before
 
 
 def s_credit() -> float:
@@ -88,9 +93,7 @@ def test_the_tenant_ahead_is_the_victim_never_the_one_behind():
 def test_only_where_seats_are_divided_under_watermark(tenant_share: float, policy: str):
     s, _ = seats_full(a_ahead_by=5000, tenant_share=tenant_share, policy=policy)
     late = late_b(s)
-    for _ in range(4):
-        assert not run_step(s).preempted
-    assert late.status is SeqStatus.WAITING
+    assert_keeps_waiting(s, late)
 
 
 def test_a_sequence_preempted_to_the_bound_is_no_victim():
@@ -98,18 +101,14 @@ def test_a_sequence_preempted_to_the_bound_is_no_victim():
     for x in a_running:
         x.class_preemptions = MAX_CLASS_PREEMPTIONS
     late = late_b(s)
-    for _ in range(4):
-        assert not run_step(s).preempted
-    assert late.status is SeqStatus.WAITING
+    assert_keeps_waiting(s, late)
 
 
 def test_switched_off_nothing_is_preempted():
     s, _ = seats_full(a_ahead_by=5000)
     s.tenant_preempt = False
     late = late_b(s)
-    for _ in range(4):
-        assert not run_step(s).preempted
-    assert late.status is SeqStatus.WAITING
+    assert_keeps_waiting(s, late)
 
 
 def finish_all(s: Scheduler, limit: int = 400) -> Optional[int]:
