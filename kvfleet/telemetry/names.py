@@ -87,6 +87,7 @@ KVFLEET_CLIENT_TTFT_S = "kvfleet.client.ttft_s"    # client-observed time to fir
 KVFLEET_REQUEST_STATE = "kvfleet.request.state"    # running | waiting (gauge attribute)
 KVFLEET_KV_TIER = "kvfleet.kv.tier"                # device | host: where a prefix hit came from
 KVFLEET_STEP_SIDE = "kvfleet.step.side"            # decode | prefill: a step-cost correction
+KVFLEET_PREEMPT_REASON = "kvfleet.preemption.reason"  # blocks | class | tenant_seat
 
 # ---- finish reasons (gen_ai.response.finish_reasons values)
 FINISH_STOP = "stop"
@@ -115,6 +116,8 @@ METRIC_STEP_PREDICTED = "kvfleet.worker.step.predicted_time"
 METRIC_STEP_MEASURED = "kvfleet.worker.step.measured_time"
 METRIC_STEPS = "kvfleet.worker.steps"
 METRIC_NESTED_STEPS = "kvfleet.worker.nested_steps"
+# Sequences preempted by recompute, by reason (Prometheus: kvfleet_worker_preemptions_total).
+METRIC_PREEMPTIONS = "kvfleet.worker.preemptions"
 # Speculative decoding: drafted / accepted tokens (per request at its finish, summed), and the
 # acceptance (accepted ÷ drafted) of each request that drafted.
 METRIC_SPEC_DRAFTED = "kvfleet.worker.speculative.drafted_tokens"

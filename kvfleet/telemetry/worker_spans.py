@@ -98,6 +98,10 @@ class WorkerTelemetry:
             m.create_observable_counter(
                 n.METRIC_NESTED_STEPS, [self._nested_steps], unit="{step}",
                 description="Layer yield: steps run while a lower class's forward paused")
+            m.create_observable_counter(
+                n.METRIC_PREEMPTIONS, [self._preemptions], unit="{sequence}",
+                description="Sequences preempted by recompute, by reason: blocks (memory), class "
+                            "(a higher class's seat or blocks), tenant_seat (a tenant behind)")
             register_tier_metrics(m, model, stats_fn)
         if pull_stats_fn is not None:  # -> the replica's PullStats, or None (no puller)
             register_pull_metrics(m, model, pull_stats_fn)
@@ -168,6 +172,11 @@ class WorkerTelemetry:
     def _nested_steps(self, _options):
         yield metrics.Observation(self._stats_fn().get("nested_steps", 0),
                                   {n.GEN_AI_REQUEST_MODEL: self.model})
+
+    def _preemptions(self, _options):
+        for reason, count in self._stats_fn().get("preemptions", {}).items():
+            yield metrics.Observation(count, {n.KVFLEET_PREEMPT_REASON: reason,
+                                              n.GEN_AI_REQUEST_MODEL: self.model})
 
     def _requests(self, _options):
         s = self._stats_fn()

@@ -28,6 +28,7 @@ from kvfleet.worker.engine.output.outputs import SeqOutput, TokenLogprobs
 from kvfleet.worker.engine.output.sample_io import SampleIO, final_output
 from kvfleet.worker.engine.output.sampling import Sampler
 from kvfleet.worker.engine.request import EngineRequest, FinishReason, SequenceState
+from kvfleet.worker.engine.scheduling.preemption import REASONS
 from kvfleet.worker.engine.scheduling.scheduler import Fork, Scheduler, SchedulerConfig, SchedulerOutput
 from kvfleet.worker.engine.speculative.sizing import query_rows_for
 from kvfleet.worker.engine.speculative.verify import Verification
@@ -369,7 +370,9 @@ class Engine:
         """Counts for load reports: sequences running / waiting, free / total KV blocks,
         ``prefill_tokens_queued`` (tokens of waiting and running sequences still to compute
         before their next sample: prompts, recompute after preemption), ``context_tokens``
-        (tokens with KV of the running sequences), ``nested_steps`` (layer yield's steps run
+        (tokens with KV of the running sequences), ``preemptions`` (reason → sequences
+        preempted by recompute, cumulative: :data:`~.scheduling.preemption.REASONS`),
+        ``nested_steps`` (layer yield's steps run
         inside a paused one, cumulative), speculative decoding's totals
         (``spec_drafted_tokens``, ``spec_accepted_tokens``, ``spec_verify_rows``,
         ``spec_accepted_hist``: verify rows by drafts accepted), per-tenant service, and the
@@ -391,6 +394,7 @@ class Engine:
             "prefill_tokens_queued": queued,
             "context_tokens": sum(s.num_computed_tokens for s in running),
             "nested_steps": self.forward.nested_steps,
+            "preemptions": {r: sched.preemptions[r] for r in REASONS},
             **self.scheduler.spec.counts.as_dict(),
             **sched.tier.stats(sched.hits, self.executor.tier),
         }

@@ -40,7 +40,8 @@ def final(rid, base, reason=FinishReason.LENGTH, index=0, sched=0.010, first=0.0
 @pytest.fixture
 def wt(worker_capture):
     stats = {"running": 1, "waiting": 2, "num_free_blocks": 48, "num_total_blocks": 64,
-             "tenant_service": {"acme": 120.0, "globex": 8.0}, "nested_steps": 3}
+             "tenant_service": {"acme": 120.0, "globex": 8.0}, "nested_steps": 3,
+             "preemptions": {"blocks": 2, "class": 0, "tenant_seat": 5}}
     return WorkerTelemetry(worker_capture.telemetry, "replica-a", "tiny", stats_fn=lambda: stats)
 
 
@@ -87,6 +88,9 @@ async def test_phases_tile_worker_generate_with_attributes_and_events(wt, worker
                for p in worker_capture.points(n.METRIC_TENANT_SERVICE)}
     assert service == {"acme": 120.0, "globex": 8.0}  # the scheduler's fairness counters
     assert [p.value for p in worker_capture.points(n.METRIC_NESTED_STEPS)] == [3]
+    preempted = {p.attributes[n.KVFLEET_PREEMPT_REASON]: p.value
+                 for p in worker_capture.points(n.METRIC_PREEMPTIONS)}
+    assert preempted == {"blocks": 2, "class": 0, "tenant_seat": 5}
     assert not wt._open  # nothing left behind
 
 

@@ -38,6 +38,11 @@ if TYPE_CHECKING:  # only for annotations: the scheduler imports this module
     from kvfleet.worker.engine.scheduling.scheduler import Scheduler
 
 CURABLE = (Refusal.SEATS, Refusal.BLOCKS)  # what preempting a lower class can free
+# Why a sequence was preempted (the scheduler's ``preemptions`` counter, a metric label):
+# a running sequence could not grow (memory); a higher class took its seat or blocks, or a
+# nested step's borrowed seat went back; a tenant served less took its seat.
+BLOCKS, CLASS, TENANT_SEAT = "blocks", "class", "tenant_seat"
+REASONS = (BLOCKS, CLASS, TENANT_SEAT)
 
 
 def preempt_for_higher_class(sched: Scheduler, work: StepWork, now: float) -> list[SequenceState]:
@@ -122,10 +127,11 @@ def return_seats_over_limit(sched: Scheduler) -> list[SequenceState]:
     return preempted
 
 
-def preempt_for_class(sched: Scheduler, victim: SequenceState) -> None:
-    """Preempt running ``victim`` by recompute for a higher class, counting it against its
-    bound (:data:`~.priority_queue.MAX_CLASS_PREEMPTIONS`)."""
-    sched.preempt(victim)
+def preempt_for_class(sched: Scheduler, victim: SequenceState, reason: str = CLASS) -> None:
+    """Preempt running ``victim`` by recompute for a higher class (``reason`` :data:`CLASS`)
+    or a tenant behind (:data:`TENANT_SEAT`), counting it against its bound
+    (:data:`~.priority_queue.MAX_CLASS_PREEMPTIONS`)."""
+    sched.preempt(victim, reason=reason)
     victim.class_preemptions += 1
 
 
@@ -165,7 +171,7 @@ def preempt_for_behind_tenant(sched: Scheduler, waited: frozenset[str]) -> list[
         victim = _tenant_victim(sched, pick)
         if victim is None:
             break
-        preempt_for_class(sched, victim)
+        preempt_for_class(sched, victim, TENANT_SEAT)
         preempted.append(victim)
     return preempted
 

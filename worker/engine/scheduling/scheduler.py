@@ -60,6 +60,7 @@ from kvfleet.worker.engine.scheduling.fair_bound import FAIR_SLACK, fair_bound
 from kvfleet.worker.engine.scheduling.forks import drop_sibling, fork_siblings
 from kvfleet.worker.engine.scheduling.output import Fork, ScheduledSeq, SchedulerOutput
 from kvfleet.worker.engine.scheduling.preemption import (
+    BLOCKS,
     preempt_for_behind_tenant,
     preempt_for_higher_class,
     return_seats_over_limit,
@@ -142,6 +143,9 @@ class Scheduler:
         self.pace = PrefillPace()  # the ITL target's floor: the paced prefill's deadline
         # seq_id -> steps in a row it sat out, as of the last plan (its StepContents.skipped)
         self.skipped: Mapping[str, int] = {}
+        # preemptions by reason (preemption.REASONS), cumulative: the worker's metrics tell a
+        # seat taken for a tenant behind from memory pressure
+        self.preemptions: Counter[str] = Counter()
 
     # ---- admission -------------------------------------------------------------------
     def check_can_ever_fit(self, num_prompt_tokens: int, max_tokens: int, n: int = 1) -> None:
@@ -268,7 +272,7 @@ class Scheduler:
                 if self.config.policy == "reserve":
                     raise AssertionError("reserve policy ran out of reserved blocks")
                 victim = self.running[-1]
-                self.preempt(victim)
+                self.preempt(victim, reason=BLOCKS)
                 preempted.append(victim)
                 if victim is seq:
                     break
@@ -329,15 +333,18 @@ class Scheduler:
         assert allocated is not None, "free blocks were counted just above"
         return True
 
-    def preempt(self, seq: SequenceState, count: bool = True) -> None:
+    def preempt(self, seq: SequenceState, count: bool = True, reason: str = BLOCKS) -> None:
         """Preempt running ``seq`` by recompute: free its blocks and put it back in FCFS order
-        (``count``: as a preemption; a failed tier restore's undo is not one)."""
+        (``count``: as a preemption, under ``reason``, one of :data:`.preemption.REASONS`; a
+        failed tier restore's undo is not one)."""
         self.running.remove(seq)
         self.kv.free(seq.seq_id)
         seq.status = SeqStatus.WAITING
         seq.timing.prefill_started = None  # its recompute is a new prefill
         seq.num_computed_tokens = 0
         seq.num_preemptions += count
+        if count:
+            self.preemptions[reason] += 1
         insert_waiting(self.waiting, seq)  # back at its class and FCFS position
 
     def undo_restores(self, out: SchedulerOutput) -> None:

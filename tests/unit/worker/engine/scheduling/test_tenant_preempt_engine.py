@@ -38,6 +38,8 @@ def test_the_preempted_sequence_recomputes_exactly(tiny_llama_dir) -> None:
 
     results = run_all(engine, arrivals, on_step=watch)
     assert preempted and all(p.startswith(tuple(r.request_id for r in a_reqs)) for p in preempted)
+    counted = engine.stats()["preemptions"]  # what the worker's metrics export
+    assert counted["tenant_seat"] >= len(preempted) and counted["class"] == 0
     errors = {r.request_id: reference_error(tiny_llama_dir, rec, f"{r.request_id}#0",
                                             seq_tokens(r, results[(r.request_id, 0)]))
               for r in a_reqs + b_reqs}
