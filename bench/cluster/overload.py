@@ -116,6 +116,21 @@ async def send(stub, run: Run, rng: random.Random, tenant: str = "",
     return out
 
 
+def slowest_split(outs: list[Outcome], n: int = 8) -> list[dict]:
+    """The ``n`` admitted requests with the longest client TTFT, each split (milliseconds) into the
+    worker's queue (arrival to first scheduled: a seat wait), its prefill (first scheduled to first
+    token: step lengths) and the rest outside the worker (router, network, stream relay)."""
+    done = [o for o in outs if o.code == "OK" and o.first and o.worker_ttft_s is not None]
+    done.sort(key=lambda o: o.first - o.sent, reverse=True)  # type: ignore[operator]
+    rows = []
+    for o in done[:n]:
+        ttft = (o.first - o.sent) * 1e3  # type: ignore[operator]
+        queue, wttft = (o.worker_queue_s or 0.0) * 1e3, (o.worker_ttft_s or 0.0) * 1e3
+        rows.append({"ttft_ms": round(ttft, 2), "queue_ms": round(queue, 2),
+                     "prefill_ms": round(wttft - queue, 2), "outside_ms": round(ttft - wttft, 2)})
+    return rows
+
+
 def summarize(outs: list[Outcome]) -> dict:
     """Counts by status, refusal latency and admitted TTFT quantiles (milliseconds)."""
     codes = Counter(o.code for o in outs)
@@ -132,6 +147,7 @@ def summarize(outs: list[Outcome]) -> dict:
         xs = [getattr(o, name) * 1e3 for o in outs if o.code == "OK" and getattr(o, name) is not None]
         if xs:
             s[f"{name[:-2]}_p50_ms"], s[f"{name[:-2]}_p99_ms"] = quantile(xs, 0.5), quantile(xs, 0.99)
+    s["slowest"] = slowest_split(outs)
     other = sorted({f"{o.code}: {o.details}" for o in outs
                     if o.code not in ("OK", "RESOURCE_EXHAUSTED")})
     s["other_statuses"] = other[:5]

@@ -107,6 +107,14 @@ def _row_s(chunk) -> float:
     return rows + COST.context_token_s * (chunk.num_computed_tokens + n)
 
 
+def _slowest(split: list[tuple[float, float, int]], n: int = 5) -> list[dict]:
+    """The ``n`` longest TTFTs of ``split`` ((TTFT s, queue s, preemptions) a request), each
+    as its wait in the queue (arrival to first admission), its prefill (first admission to the
+    first token: the steps it ran in, a recompute's too) in ms, and its preemptions."""
+    return [{"ttft_ms": 1e3 * t, "queue_ms": 1e3 * q, "prefill_ms": 1e3 * (t - q), "preempted": k}
+            for t, q, k in sorted(split, reverse=True)[:n]]
+
+
 @dataclass(frozen=True)
 class Stall:
     """Host-like noise: each step (nested ones too) lasts ``factor`` × its modelled length with
@@ -143,6 +151,8 @@ def simulate(streams: list[Stream], config: SchedulerConfig, seconds: float, see
     arrivals.sort(key=lambda a: a[0])
     ttft: dict[str, list[float]] = {st.tenant: [] for st in streams}
     queued: dict[str, list[float]] = {st.tenant: [] for st in streams}  # arrival -> admission
+    # (TTFT, queue, its preemptions before the first token) of each request, for the tail's split
+    split: dict[str, list[tuple[float, float, int]]] = {st.tenant: [] for st in streams}
     gaps: dict[str, list[float]] = {st.tenant: [] for st in streams}
     last: dict[str, float] = {}  # seq_id -> when its last token came
     done = {st.tenant: 0 for st in streams}
@@ -199,6 +209,8 @@ def simulate(streams: list[Stream], config: SchedulerConfig, seconds: float, see
             if not seq.output_token_ids:
                 ttft[st.tenant].append(now - t0)
                 queued[st.tenant].append(first_admitted[seq.seq_id] - t0)
+                split[st.tenant].append((now - t0, first_admitted[seq.seq_id] - t0,
+                                         seq.num_preemptions))
             else:
                 gaps[st.tenant].append(now - last[seq.seq_id])
             last[seq.seq_id] = now
@@ -288,7 +300,7 @@ def simulate(streams: list[Stream], config: SchedulerConfig, seconds: float, see
                      "queue_p99_ms": 1e3 * pct(queued[t], 0.99) if v else None,
                      "itl_p99_ms": 1e3 * pct(gaps[t], 0.99) if gaps[t] else None,
                      "completions_per_s": done[t] / seconds, "computed_tokens": tokens[t],
-                     "own_replica_s": own[t]}
+                     "own_replica_s": own[t], "slowest": _slowest(split[t])}
                  for t, v in ttft.items()}
     res["_yields"] = yields
     res["_preemptions"] = preemptions
@@ -413,6 +425,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="§3 only, class_step on (the replicas' default)")
     p.add_argument("--no-tenant-preempt", action="store_true",
                    help="§3: no seat preemption for a tenant under its share (the A/B)")
+    p.add_argument("--json", default=None,
+                   help="--fair-only: also write the runs to bench/results/JSON")
     a = p.parse_args(argv)
     stall = Stall(*map(float, a.stall.split(","))) if a.stall else None
     merge = None if a.merge_within_ms is None else a.merge_within_ms / 1e3
@@ -436,6 +450,16 @@ def main(argv: Optional[list[str]] = None) -> int:
                   f"{f['b_token_share']:.3f} | {f['backlogged']['A']['itl_p99_ms']:.0f} ms | "
                   f"{f['backlogged']['_preemptions']} | {f['backlogged']['A']['completions_per_s']:.2f}, "
                   f"{f['backlogged']['B']['completions_per_s']:.2f}")
+        print("seed | B's slowest 3 in the flood: TTFT = queue + prefill ms (preempted) "
+              "| A ITL p99 in flood")
+        for seed, f in fair_runs.items():
+            tail = ", ".join(f"{x['ttft_ms']:.0f} = {x['queue_ms']:.0f} + {x['prefill_ms']:.0f}"
+                             f" ({x['preempted']})" for x in f["both"]["B"]["slowest"][:3])
+            print(f"{seed} | {tail} | {f['both']['A']['itl_p99_ms']:.0f} ms")
+        if a.json:
+            RESULTS.mkdir(parents=True, exist_ok=True)
+            (RESULTS / a.json).write_text(json.dumps({"args": vars(a), "runs": fair_runs},
+                                                     indent=1) + "\n")
         return 0
     runs = {int(s): run_seed(base, a.seconds, int(s), a.seat_share, not a.fixed_seats, ly,
                              a.flood_prompt, None if a.fair_slack < 0 else a.fair_slack)
