@@ -141,7 +141,10 @@ def preempt_for_behind_tenant(sched: Scheduler, waited: frozenset[str]) -> list[
 
     The queue's next pick (:meth:`~.seats.TenantSeats.next_waiting`: the least-served tenant
     that may take a seat) finds every seat held. When it has waited at least one step (its
-    ``seq_id`` in ``waited``: it was still waiting when the last step was planned) and a
+    ``seq_id`` in ``waited``: it was still waiting when the last step was planned), or no seat
+    surely comes back at the end of the step now planned (no running row of its class or a
+    lower one samples its last token in it: waiting would cost a whole step, a stalled one on
+    a loaded host, for nothing), and a
     running sequence of its class belongs to a tenant served more than its own by more than the
     service's credit (one step's token budget of prefill: :mod:`.tenant_service`), the
     most-served such tenant's newest sequence (the latest arrival, as a memory preemption's
@@ -162,7 +165,7 @@ def preempt_for_behind_tenant(sched: Scheduler, waited: frozenset[str]) -> list[
         return []
     pick = sched.seats.next_waiting(sched.waiting, sched.pending_forks,
                                     Counter(s.tenant for s in sched.running), {})
-    if pick is None or pick.seq_id not in waited:
+    if pick is None or (pick.seq_id not in waited and _seat_frees(sched, pick)):
         return []
     group = group_size(pick, sched.pending_forks)
     preempted: list[SequenceState] = []
@@ -174,6 +177,14 @@ def preempt_for_behind_tenant(sched: Scheduler, waited: frozenset[str]) -> list[
         preempt_for_class(sched, victim, TENANT_SEAT)
         preempted.append(victim)
     return preempted
+
+
+def _seat_frees(sched: Scheduler, pick: SequenceState) -> bool:
+    """Will a seat ``pick`` may take surely come back at the end of the step now planned: a
+    running row of its class or a lower one samples its last token (``max_tokens``) in it."""
+    return any(r.priority >= pick.priority and r.num_tokens - r.num_computed_tokens == 1
+               and len(r.output_token_ids) + 1 >= r.params.max_tokens
+               for r in sched.running)
 
 
 def _tenant_victim(sched: Scheduler, pick: SequenceState) -> SequenceState | None:

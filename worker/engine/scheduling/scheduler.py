@@ -5,8 +5,8 @@ A step (:meth:`Scheduler.schedule`) is composed of small policies, each in its o
 1. **preemption** (:mod:`.preemption`): seats a nested step borrowed go back; under
    ``watermark``, waiting sequences of a higher class take seats and blocks from running ones
    of a lower class, and where seats are divided among tenants, a prompt of a tenant served
-   less than another of its class (past the service credit) that waited a step takes a seat
-   from the other's newest running sequence;
+   less than another of its class (past the service credit) that waited a step, or finds no
+   seat coming back at the step's end, takes a seat from the other's newest running sequence;
 2. **step contents** (:mod:`.class_step`, under an ITL target): which running rows sit out so
    that a favoured prefill runs in a short step;
 3. **step budget** (:mod:`.step_budget`): ``max_num_batched_tokens`` tokens, and with
@@ -138,7 +138,7 @@ class Scheduler:
         self.fair_slack = fair_slack
         self.tenant_preempt = tenant_preempt
         # seq_ids still waiting when the last step was planned (a seat taken for a tenant
-        # behind goes only to a prompt that waited a step)
+        # behind goes to a prompt that waited a step, or sooner if no seat comes back)
         self.waited: frozenset[str] = frozenset()
         self.pace = PrefillPace()  # the ITL target's floor: the paced prefill's deadline
         # seq_id -> steps in a row it sat out, as of the last plan (its StepContents.skipped)

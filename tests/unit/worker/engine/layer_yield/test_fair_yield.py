@@ -143,7 +143,8 @@ def test_with_every_seat_taken_the_nested_step_borrows_one_from_a_more_served_te
     rows = [seq("A"), seq("A"), seq("B"), seq("B")]
     s.add(rows)
     finish_step(s, s.schedule())  # equally served: all four in one step
-    s.service.charge("A", prefill_tokens=100)
+    # A served more, within the service credit: the borrowed seat, no seat preempted for B
+    s.service.charge("A", prefill_tokens=s.service.credit - 14)
     paused = s.schedule()  # four decode rows, every seat taken
     assert len(paused.scheduled) == 4
     a3, b3, b4 = seq("A"), seq("B"), seq("B")

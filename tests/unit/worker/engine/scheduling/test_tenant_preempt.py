@@ -1,10 +1,11 @@
 """A seat for the tenant behind (``preempt_for_behind_tenant``, ``tenant_share`` < 1): a prompt of a
 tenant served less than another of its class, finding every seat held, takes the other's newest
-running sequence's seat after waiting one step; never within the service credit, never from a
-tenant served less, never back and forth."""
+running sequence's seat at once, or after waiting one step where a running row ends in the step;
+never within the service credit, never from a tenant served less, never back and forth."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import pytest
@@ -48,18 +49,30 @@ def assert_keeps_waiting(s, late) -> None:
     assert late.status is SeqStatus.WAITING
 
 
-def test_the_tenant_behind_gets_a_seat_the_step_after_it_waited_one():
+def test_the_tenant_behind_gets_a_seat_at_once_when_no_seat_comes_back_at_the_step():
     s, a_running = seats_full(a_ahead_by=5000)
     assert (held(s, "a"), held(s, "b")) == (2, 4)
     late = late_b(s)
-    out = run_step(s)
-    assert not out.preempted and late.status is SeqStatus.WAITING  # not waited a step yet
-    out = run_step(s)
+    out = run_step(s)  # no running row samples its last token in this step: no wait
     newest = max(a_running, key=lambda x: x.arrival_seq)
     assert out.preempted == (newest,) and late in s.running
     assert newest.status is SeqStatus.WAITING and newest.class_preemptions == 1
     assert (held(s, "a"), held(s, "b")) == (1, 5)
     s.kv.check_invariants()
+
+
+def test_it_waits_one_step_for_a_seat_the_step_gives_back():
+    s, a_running = seats_full(a_ahead_by=5000)
+    ending = max(a_running, key=lambda x: x.arrival_seq)
+    # its next token is its last
+    ending.params = dataclasses.replace(ending.params, max_tokens=len(ending.output_token_ids) + 1)
+    late = late_b(s)
+    out = run_step(s, finish=True)
+    assert not out.preempted and late.status is SeqStatus.WAITING  # a seat comes back
+    assert ending.is_finished
+    out = run_step(s, finish=True)
+    assert not out.preempted and late in s.running  # it took the seat given back
+    assert s.preemptions["tenant_seat"] == 0
 
 
 def test_no_back_and_forth():
