@@ -287,7 +287,8 @@ def start_cluster(run: Run, redis_url: str, api_keys_file: Optional[str]):
                                      if run.tenant_share != 1.0 else {}), **run.scheduler),
         executor="cost-model", cost_model=MEASURED.scaled(run.scale))
     router = replace(router_from_flags(run.router_args), port=0, api_keys_file=api_keys_file)
-    cfg = ClusterConfig(replica, router, replicas=run.replicas, replica_num_cpus=0)
+    # Prometheus on each replica (a free port): the preemption counters by reason
+    cfg = ClusterConfig(replica, router, replicas=run.replicas, replica_num_cpus=0, metrics_port=0)
     cluster = LocalCluster(cfg)
     cluster.start()
     return cluster
@@ -311,6 +312,26 @@ def local_cluster(run: Run, api_keys_file: Optional[str]):
             cluster.stop()
         redis.stop()
         shutdown_ray()
+
+
+def preemptions(cluster) -> dict[str, float]:
+    """The replicas' preemptions by reason, summed (``kvfleet_worker_preemptions_total`` on
+    their Prometheus endpoints); {} where none answers."""
+    import urllib.request
+
+    counts: Counter = Counter()
+    for name, address in cluster.metrics_addresses.items():
+        if not name.startswith("replica-") or not address:
+            continue
+        try:
+            text = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            if line.startswith("kvfleet_worker_preemptions_total{") and 'reason="' in line:
+                reason = line.split('reason="', 1)[1].split('"', 1)[0]
+                counts[reason] += float(line.rsplit(" ", 1)[1])
+    return dict(counts)
 
 
 def actor_pids(cluster) -> list[int]:
@@ -338,8 +359,11 @@ async def drive(a: argparse.Namespace, run: Run, cluster) -> dict:
         steady = {"steady": (a.steady_share * cap, "key-steady")}
         alone = await open_loop(stub, run, 0, a.duration_s, router, steady, a.seed)
         await asyncio.sleep(2.0)  # the fleet drains
+        pre0 = preemptions(cluster)
         both = await open_loop(stub, run, 0, a.duration_s, router,
                                {"flood": (a.factor * cap, "key-flood"), **steady}, a.seed)
+        # what the flood phase preempted, by reason: a seat for B, memory, a class
+        both["preemptions"] = {k: v - pre0.get(k, 0.0) for k, v in preemptions(cluster).items()}
         alone_p99 = alone["per_tenant"]["steady"].get("ttft_p99_ms")
         both_p99 = both["per_tenant"]["steady"].get("ttft_p99_ms")
         ratio = both_p99 / alone_p99 if alone_p99 and both_p99 else None
