@@ -16,9 +16,14 @@ pool, Redis, gRPC; only the forward is a modelled sleep) is started once; in one
    kvfleet did before classes), for comparison.
 
 Targets (``targets`` in the JSON): interactive TTFT p99 in ``both`` ≤ 1.5× its value in
-``interactive_alone``, and batch's completions/s in ``both`` fall short of ``batch_alone``'s by
-no more than interactive's completions/s in ``both`` (every request has the same prompt and
-output length, so completions compare work). JSON goes to ``bench/results/``.
+``interactive_alone``, and batch loses no more replica-seconds than the interactive requests
+consume: (batch completions/s alone − in ``both``) × a batch completion's mean replica-seconds
+alone ≤ the interactive requests' replica-seconds in ``both`` per second (each request's
+``Timing.replica_s``, the worker's forward seconds its rows took). The same in completions
+(lost completions/s ÷ interactive completions/s; every request has the same size) is kept
+beside it: an interactive request, served in smaller steps, costs the replica more than a
+batch one, so the two differ (docs/slo.md, "Replica-seconds per request"). JSON goes to
+``bench/results/``.
 """
 
 from __future__ import annotations
@@ -48,7 +53,8 @@ async def streams(stub, run: Run, seconds: float,
                   spec: dict[str, tuple[float, str, str]], seed: int = 0) -> dict:
     """Poisson arrivals for ``seconds``; ``spec``: stream name → (rate /s, api key, class);
     ``seed`` picks the arrivals and prompts. Returns per stream: ``summarize``'s fields plus
-    completions/s."""
+    completions/s, the completions' replica-seconds per second of the phase and their mean
+    replica-seconds (None: no completion)."""
     rng = random.Random(5 + 1000 * seed)
     arrivals = []
     for name, (rate, key, klass) in spec.items():
@@ -68,6 +74,9 @@ async def streams(stub, run: Run, seconds: float,
         mine = [o for o in outs if o.tenant == name]
         s = summarize(mine)
         s["completions_per_s"] = sum(1 for o in mine if o.code == "OK") / seconds
+        spent = [o.replica_s or 0.0 for o in mine if o.code == "OK"]
+        s["replica_s_per_s"] = sum(spent) / seconds
+        s["replica_s_mean"] = sum(spent) / len(spent) if spent else None
         result[name] = s
     return result
 
@@ -108,16 +117,26 @@ async def drive(a: argparse.Namespace, run: Run, cluster) -> dict:
 
 
 def targets(r: dict) -> dict:
-    """The issue's two targets, from one run's phases."""
+    """The issue's two targets, from one run's phases: the TTFT ratio, and the batch side in
+    replica-seconds (``throughput_target_met``: ``batch_drop_replica_s_per_s`` ≤
+    ``interactive_replica_s_per_s``); the batch side in completions beside it
+    (``completions_ratio``, not judged)."""
     alone, both = r["interactive_alone"]["chat"], r["both"]["chat"]
     ratio = both["ttft_p99_ms"] / alone["ttft_p99_ms"]
-    batch_drop = r["batch_alone"]["flood"]["completions_per_s"] - r["both"]["flood"]["completions_per_s"]
+    batch_alone = r["batch_alone"]["flood"]
+    batch_drop = batch_alone["completions_per_s"] - r["both"]["flood"]["completions_per_s"]
+    # a batch completion's replica-seconds with the fleet to itself (0: no completion)
+    drop_rs = batch_drop * (batch_alone.get("replica_s_mean") or 0.0)
+    used_rs = both.get("replica_s_per_s", 0.0)
     return {"interactive_ttft_p99_ratio": ratio, "ttft_target_met": ratio <= 1.5,
             "unclassed_ttft_p99_ratio": r["both_unclassed"]["chat"]["ttft_p99_ms"]
             / alone["ttft_p99_ms"],
             "batch_drop_per_s": batch_drop, "interactive_per_s": both["completions_per_s"],
-            # completions over one phase: equal counts may differ by float rounding only
-            "throughput_target_met": batch_drop <= both["completions_per_s"] + 1e-9}
+            "completions_ratio": batch_drop / both["completions_per_s"]
+            if both["completions_per_s"] > 0 else None,
+            "batch_drop_replica_s_per_s": drop_rs, "interactive_replica_s_per_s": used_rs,
+            "replica_s_ratio": drop_rs / used_rs if used_rs > 0 else None,
+            "throughput_target_met": used_rs > 0 and drop_rs <= used_rs}
 
 
 def main(argv: list[str] | None = None) -> int:
