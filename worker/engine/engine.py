@@ -216,7 +216,9 @@ class Engine:
         return outputs + self.run(out, arrivals)
 
     def run(self, out: SchedulerOutput, arrivals: Arrivals | None) -> list[SeqOutput]:
-        """Forward ``out``, then sample and emit; a failed forward fails its requests only."""
+        """Forward ``out``, charge its rows their shares of the forward's measured seconds
+        (``SequenceState.replica_s``, :mod:`kvfleet.worker.step_cost.share`), then sample and
+        emit; a failed forward fails its requests only."""
         if not out.scheduled:
             return []
         now = time.monotonic()
