@@ -44,21 +44,25 @@ def test_row1_counts_the_tokens_that_arrived_within_the_window() -> None:
 
 
 def test_row2_judges_the_batch_side_in_replica_seconds_and_keeps_completions_beside() -> None:
-    """Batch loses 1.0 completions/s of 0.12 replica-s each (0.12 replica-s/s) beside a trickle
-    of 0.9/s that took 0.135 replica-s/s: met in replica-seconds, 1.11x in completions."""
+    """Within the phases' middle halves batch does 1.20 replica-s/s alone and 1.08 beside a
+    trickle that took 0.135: met in replica-seconds (0.12 lost). Counted by admissions (every
+    admitted request completes, the backlog after the phase) batch lost 1.0 completions/s
+    against the trickle's 0.9: 1.11x, printed, not judged."""
     from bench.cluster.priority_bench import targets
 
-    def stream(ttft_ms: float, per_s: float, mean: float) -> dict:
-        return {"ttft_p99_ms": ttft_ms, "completions_per_s": per_s, "replica_s_mean": mean,
-                "replica_s_per_s": per_s * mean}
+    def stream(ttft_ms: float, per_s: float, window_rs: float) -> dict:
+        return {"ttft_p99_ms": ttft_ms, "completions_per_s": per_s,
+                "window_replica_s_per_s": window_rs}
 
-    r = {"interactive_alone": {"chat": stream(100.0, 0.9, 0.1)},
-         "batch_alone": {"flood": stream(500.0, 10.0, 0.12)},
-         "both": {"chat": stream(120.0, 0.9, 0.15), "flood": stream(600.0, 9.0, 0.12)},
-         "both_unclassed": {"chat": stream(300.0, 0.9, 0.1)}}
+    r = {"interactive_alone": {"chat": stream(100.0, 0.9, 0.09)},
+         "batch_alone": {"flood": stream(500.0, 10.0, 1.20)},
+         "both": {"chat": stream(120.0, 0.9, 0.135), "flood": stream(600.0, 9.0, 1.08)},
+         "both_unclassed": {"chat": stream(300.0, 0.9, 0.09)}}
     t = targets(r)
     assert t["batch_drop_replica_s_per_s"] == pytest.approx(0.12)
     assert t["interactive_replica_s_per_s"] == pytest.approx(0.135)
     assert t["replica_s_ratio"] == pytest.approx(0.12 / 0.135) and t["throughput_target_met"]
     assert t["completions_ratio"] == pytest.approx(1.0 / 0.9)
+    r["both"]["flood"] = stream(600.0, 9.0, 1.0)  # batch lost 0.20 replica-s/s: missed
+    assert not targets(r)["throughput_target_met"]
     assert t["ttft_target_met"] and t["interactive_ttft_p99_ratio"] == pytest.approx(1.2)
