@@ -44,7 +44,7 @@ class Chunk:
     cached_prompt_tokens: int = 0
     completion_tokens: int = 0
     replica_id: str = ""
-    timing: dict = field(default_factory=dict)  # worker-measured seconds: queue/prefill/decode/ttft
+    timing: dict = field(default_factory=dict)  # worker-measured seconds: queue/prefill/decode/ttft/replica
     received_s: float = 0.0  # client monotonic clock when this chunk arrived
 
     @classmethod
@@ -57,7 +57,8 @@ class Chunk:
             cached_prompt_tokens=m.usage.cached_prompt_tokens if done else 0,
             completion_tokens=m.usage.completion_tokens if done else 0,
             replica_id=m.replica_id,
-            timing={k: getattr(m.timing, k) for k in ("queue_s", "prefill_s", "decode_s", "ttft_s")}
+            timing={k: getattr(m.timing, k) for k in ("queue_s", "prefill_s", "decode_s", "ttft_s",
+                                                      "replica_s")}
             if done else {},
             received_s=received_s)
 

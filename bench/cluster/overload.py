@@ -61,6 +61,7 @@ class Outcome:
     details: str = ""
     worker_queue_s: Optional[float] = None  # the worker's own timing (final message)
     worker_ttft_s: Optional[float] = None
+    replica_s: Optional[float] = None  # the replica's forward seconds its rows took (worker's)
     computed_tokens: int = 0  # uncached prompt + output tokens the worker computed
     service: float = 0.0      # the same, weighted as the scheduler's fairness counts them
 
@@ -105,6 +106,7 @@ async def send(stub, run: Run, rng: random.Random, tenant: str = "",
                 out.first = time.monotonic()
             if m.finish_reason:
                 out.worker_queue_s, out.worker_ttft_s = m.timing.queue_s, m.timing.ttft_s
+                out.replica_s = m.timing.replica_s
                 u = m.usage
                 out.computed_tokens = (u.prompt_tokens - u.cached_prompt_tokens
                                        + u.completion_tokens)

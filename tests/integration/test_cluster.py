@@ -93,6 +93,7 @@ def test_stream_returns_tokens_text_usage_and_timing(client):
     assert last.finish_reason == "length" and last.completion_tokens == 12
     assert last.prompt_tokens > 32 and last.replica_id
     assert last.timing["ttft_s"] > 0 and last.timing["decode_s"] >= 0
+    assert last.timing["replica_s"] > 0  # the worker's forward seconds, relayed unchanged
     assert all(c.finish_reason is None for c in chunks[:-1])
 
 

@@ -38,6 +38,7 @@ from kvfleet.worker.kv_tier.lookup import TierLookup
 from kvfleet.worker.kv_tier.moves import move_blocks
 from kvfleet.worker.step_cost.model import MEASURED, StepCost, plan_shape
 from kvfleet.worker.step_cost.queue_delay import load_forecast
+from kvfleet.worker.step_cost.share import share_step_s
 
 log = logging.getLogger(__name__)
 _GRAMMAR_DEFAULTS = GrammarConfig()
@@ -216,7 +217,9 @@ class Engine:
         return outputs + self.run(out, arrivals)
 
     def run(self, out: SchedulerOutput, arrivals: Arrivals | None) -> list[SeqOutput]:
-        """Forward ``out``, then sample and emit; a failed forward fails its requests only."""
+        """Forward ``out``, charge its rows their shares of the forward's measured seconds
+        (``SequenceState.replica_s``, :mod:`kvfleet.worker.step_cost.share`), then sample and
+        emit; a failed forward fails its requests only."""
         if not out.scheduled:
             return []
         now = time.monotonic()
@@ -232,7 +235,11 @@ class Engine:
             log.exception("forward failed for %d sequences", len(out.scheduled))
             failed = dict.fromkeys(s.seq.request_id for s in out.scheduled)
             return [o for rid in failed for o in self.abort(rid, FinishReason.ERROR, exc)]
-        self.step_cost.observe(plan_shape(out.plan), time.perf_counter() - start - nested_s)
+        measured_s = time.perf_counter() - start - nested_s  # nested steps charge their own
+        shares = share_step_s(self.step_cost.corrected(), out.plan, measured_s)
+        for s, share in zip(out.scheduled, shares, strict=True):
+            s.seq.replica_s += share
+        self.step_cost.observe(plan_shape(out.plan), measured_s)
         forks = self.scheduler.on_step_done(out)
         return self._sample_and_emit(out, forks, logits)
 

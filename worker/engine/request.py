@@ -72,6 +72,7 @@ class SequenceState:
     may_speculate: bool = True  # False: never carries drafts (a structured-output row)
     spec_drafted: int = 0  # draft tokens verified for it, and of those accepted
     spec_accepted: int = 0
+    replica_s: float = 0.0  # forward seconds of its rows (kvfleet.worker.step_cost.share)
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: Optional[FinishReason] = None
     error: Optional[BaseException] = None

@@ -12,8 +12,10 @@
  * tile's row count, so a row's outputs do not depend on the rows beside it. Past one tile the
  * thread runs the next tiles over the same panel while it is still in cache (a panel of the
  * default model's widest `in` fits in L2), so a step of a few dozen rows streams the weight from memory once
- * and runs at the FMA rate: oneDNN's packed path, which reads a weight at well under the
- * bandwidth for a few rows, only catches up past FEW_ROWS (kvfleet/worker/runner/models/linear.py).
+ * and runs at the FMA rate. During the second tile's pass the thread prefetches its next panel, so that
+ * panel's stream from memory overlaps arithmetic instead of stalling its first tile. oneDNN's packed
+ * path, which reads a weight at well under the bandwidth for a few rows, only catches up past FEW_ROWS
+ * (kvfleet/worker/runner/models/linear.py).
  */
 #include <stdint.h>
 
@@ -28,11 +30,16 @@
 /* Outputs [o0, o0 + width) of R (<= TILE_ROWS) rows of X against one panel `wp` (in, PANEL). */
 static inline __attribute__((always_inline)) void panel_tile(
     const float *x, int64_t in, const float *wp, const float *bias, float *y, int64_t out,
-    int64_t o0, int64_t width, const int R) {
+    int64_t o0, int64_t width, const int R, const float *next) {
     __m512 acc[TILE_ROWS][3];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = acc[r][2] = _mm512_setzero_ps();
     for (int64_t i = 0; i < in; ++i) {
         const float *wv = wp + i * PANEL;
+        if (next != 0) {
+            __builtin_prefetch(next + i * PANEL, 0, 2);
+            __builtin_prefetch(next + i * PANEL + 16, 0, 2);
+            __builtin_prefetch(next + i * PANEL + 32, 0, 2);
+        }
         const __m512 w0 = _mm512_loadu_ps(wv), w1 = _mm512_loadu_ps(wv + 16);
         const __m512 w2 = _mm512_loadu_ps(wv + 32);
         for (int r = 0; r < R; ++r) {
@@ -55,13 +62,18 @@ static inline __attribute__((always_inline)) void panel_tile(
 /* Portable form of the tile above (the compiler vectorises the column loop). */
 static inline __attribute__((always_inline)) void panel_tile(
     const float *x, int64_t in, const float *wp, const float *bias, float *y, int64_t out,
-    int64_t o0, int64_t width, const int R) {
+    int64_t o0, int64_t width, const int R, const float *next) {
     float acc[TILE_ROWS][PANEL];
     for (int r = 0; r < R; ++r)
 #pragma omp simd
         for (int j = 0; j < PANEL; ++j) acc[r][j] = 0.f;
     for (int64_t i = 0; i < in; ++i) {
         const float *wv = wp + i * PANEL;
+        if (next != 0) {
+            __builtin_prefetch(next + i * PANEL, 0, 2);
+            __builtin_prefetch(next + i * PANEL + 16, 0, 2);
+            __builtin_prefetch(next + i * PANEL + 32, 0, 2);
+        }
         for (int r = 0; r < R; ++r) {
             const float xv = x[r * in + i];
 #pragma omp simd
@@ -83,18 +95,22 @@ void gemm_few_rows(const float *x, int64_t m, const float *panels, const float *
     for (int64_t p = 0; p < count; ++p) {
         const int64_t o0 = p * PANEL, width = out - o0 < PANEL ? out - o0 : PANEL;
         const float *wp = panels + p * in * PANEL;
+        /* the second tile pass over a panel runs from cache: fetch the next panel meanwhile */
+        const float *next = p + 1 < count ? wp + in * PANEL : 0;
         int64_t r = 0;
         for (; r + TILE_ROWS <= m; r += TILE_ROWS)
-            panel_tile(x + r * in, in, wp, bias, y + r * out, out, o0, width, TILE_ROWS);
+            panel_tile(x + r * in, in, wp, bias, y + r * out, out, o0, width, TILE_ROWS,
+                       r == TILE_ROWS ? next : 0);
+        const float *tail_next = r == TILE_ROWS ? next : 0;
         /* constant row counts: each call is specialised with its accumulators in registers */
         switch (m - r) {
-            case 7: panel_tile(x + r * in, in, wp, bias, y + r * out, out, o0, width, 7); break;
-            case 6: panel_tile(x + r * in, in, wp, bias, y + r * out, out, o0, width, 6); break;
-            case 5: panel_tile(x + r * in, in, wp, bias, y + r * out, out, o0, width, 5); break;
-            case 4: panel_tile(x + r * in, in, wp, bias, y + r * out, out, o0, width, 4); break;
-            case 3: panel_tile(x + r * in, in, wp, bias, y + r * out, out, o0, width, 3); break;
-            case 2: panel_tile(x + r * in, in, wp, bias, y + r * out, out, o0, width, 2); break;
-            case 1: panel_tile(x + r * in, in, wp, bias, y + r * out, out, o0, width, 1); break;
+            case 7: panel_tile(x + r * in, in, wp, bias, y + r * out, out, o0, width, 7, tail_next); break;
+            case 6: panel_tile(x + r * in, in, wp, bias, y + r * out, out, o0, width, 6, tail_next); break;
+            case 5: panel_tile(x + r * in, in, wp, bias, y + r * out, out, o0, width, 5, tail_next); break;
+            case 4: panel_tile(x + r * in, in, wp, bias, y + r * out, out, o0, width, 4, tail_next); break;
+            case 3: panel_tile(x + r * in, in, wp, bias, y + r * out, out, o0, width, 3, tail_next); break;
+            case 2: panel_tile(x + r * in, in, wp, bias, y + r * out, out, o0, width, 2, tail_next); break;
+            case 1: panel_tile(x + r * in, in, wp, bias, y + r * out, out, o0, width, 1, tail_next); break;
             default: break;
         }
     }

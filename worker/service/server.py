@@ -64,7 +64,7 @@ def output_to_proto(o: SeqOutput, replica_id: str) -> common_pb2.GenerateRespons
             completion_tokens=o.usage.completion_tokens))
         msg.timing.CopyFrom(common_pb2.Timing(
             queue_s=o.timing.queue_s, prefill_s=o.timing.prefill_s,
-            decode_s=o.timing.decode_s, ttft_s=o.timing.ttft_s))
+            decode_s=o.timing.decode_s, ttft_s=o.timing.ttft_s, replica_s=o.timing.replica_s))
         msg.replica_id = replica_id
     return msg
 

@@ -286,6 +286,15 @@ class StepCost:
         return sum(self._scaled(self._sides(decode_rows, prefill_tokens, context_tokens,
                                             draft_tokens)))
 
+    def corrected(self) -> CostModel:
+        """The prior with each side's scale applied (the decode side's to the base, decode
+        rows, context and GEMM terms): the constants this model now predicts with."""
+        d, p, dr = (math.exp(x) for x in self.log_scales)
+        c = self.prior
+        return replace(c, step_base_s=c.step_base_s * d, decode_token_s=c.decode_token_s * d,
+                       context_token_s=c.context_token_s * d, gemm_step_s=c.gemm_step_s * d,
+                       prefill_token_s=c.prefill_token_s * p, draft_token_s=c.draft_token_s * dr)
+
     def predict_plan_s(self, plan: StepPlan) -> float:
         """Predicted seconds of the forward over ``plan``."""
         return self.predict_step_s(*plan_shape(plan))

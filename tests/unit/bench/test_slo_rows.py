@@ -12,6 +12,7 @@ from bench.cluster.slo_class_rows import table_lines
 def test_the_table_has_one_line_per_row_seed_and_setting() -> None:
     r2 = {"alone_p99_ms": 100.0, "both_p99_ms": 140.0, "ratio": 1.4, "batch_alone_per_s": 8.0,
           "batch_both_per_s": 7.3, "batch_drop_per_s": 0.7, "interactive_per_s": 0.8,
+          "rs_drop": 0.0812, "rs_interactive": 0.0926, "rs_ratio": 0.0812 / 0.0926,
           "met": True, "load": 1.0}
     r3 = {"alone_p99_ms": None, "both_p99_ms": 300.0, "ratio": None, "admitted": 0.5,
           "met": False, "load": 2.0}
@@ -20,6 +21,7 @@ def test_the_table_has_one_line_per_row_seed_and_setting() -> None:
         "row 2 seed 0 target on ", "row 2 seed 1 target off", "row 2 seed 1 target on ",
         "row 3 seed 0 target off"]
     assert "(1.40x, <= 1.5)" in lines[0] and "lost 0.70 vs interactive 0.80/s" in lines[0]
+    assert "batch lost 0.0812 vs interactive 0.0926 replica-s/s (0.88x, <= 1)" in lines[0]
     assert "(n/a, <= 2.0)" in lines[3] and "B admitted 50%" in lines[3]
 
 
@@ -39,3 +41,28 @@ def test_row1_counts_the_tokens_that_arrived_within_the_window() -> None:
     row = slo_rows.summarize([stream, long], 10.0)
     assert row["tokens_per_s"] == (1 + 2 + 1) / 10.0
     assert row["long_ttft_p50_s"] == 2.0 and row["itl_p50_s"] in (4.0, 6.0)
+
+
+def test_row2_judges_the_batch_side_in_replica_seconds_and_keeps_completions_beside() -> None:
+    """Within the phases' middle halves batch does 1.20 replica-s/s alone and 1.08 beside a
+    trickle that took 0.135: met in replica-seconds (0.12 lost). Counted by admissions (every
+    admitted request completes, the backlog after the phase) batch lost 1.0 completions/s
+    against the trickle's 0.9: 1.11x, printed, not judged."""
+    from bench.cluster.priority_bench import targets
+
+    def stream(ttft_ms: float, per_s: float, window_rs: float) -> dict:
+        return {"ttft_p99_ms": ttft_ms, "completions_per_s": per_s,
+                "window_replica_s_per_s": window_rs}
+
+    r = {"interactive_alone": {"chat": stream(100.0, 0.9, 0.09)},
+         "batch_alone": {"flood": stream(500.0, 10.0, 1.20)},
+         "both": {"chat": stream(120.0, 0.9, 0.135), "flood": stream(600.0, 9.0, 1.08)},
+         "both_unclassed": {"chat": stream(300.0, 0.9, 0.09)}}
+    t = targets(r)
+    assert t["batch_drop_replica_s_per_s"] == pytest.approx(0.12)
+    assert t["interactive_replica_s_per_s"] == pytest.approx(0.135)
+    assert t["replica_s_ratio"] == pytest.approx(0.12 / 0.135) and t["throughput_target_met"]
+    assert t["completions_ratio"] == pytest.approx(1.0 / 0.9)
+    r["both"]["flood"] = stream(600.0, 9.0, 1.0)  # batch lost 0.20 replica-s/s: missed
+    assert not targets(r)["throughput_target_met"]
+    assert t["ttft_target_met"] and t["interactive_ttft_p99_ratio"] == pytest.approx(1.2)

@@ -24,12 +24,14 @@ class Usage:
 
 @dataclass(frozen=True)
 class Timing:
-    """Worker-side durations in seconds (one monotonic clock)."""
+    """Worker-side durations in seconds (one monotonic clock). ``replica_s``: the replica's
+    forward seconds the sample's rows took (:mod:`kvfleet.worker.step_cost.share`)."""
 
     queue_s: float
     prefill_s: float
     decode_s: float
     ttft_s: float
+    replica_s: float = 0.0
 
 
 @dataclass(frozen=True)

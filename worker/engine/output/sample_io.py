@@ -82,12 +82,13 @@ def final_output(seq: SequenceState, reason: FinishReason, error: BaseException 
                  token_ids: tuple[int, ...] = (), text: str = "",
                  logprobs: tuple[TokenLogprobs, ...] = ()) -> SeqOutput:
     """The last output of ``seq`` (ended for ``reason``): its usage, worker-side timing and
-    milestones (monotonic seconds)."""
+    milestones (monotonic seconds), and the replica's forward seconds its rows took."""
     t = seq.timing
     first = t.first_token or time.monotonic()
     scheduled = t.first_scheduled or first
     timing = Timing(queue_s=scheduled - t.arrival, prefill_s=first - scheduled,
-                    decode_s=(t.last_token or first) - first, ttft_s=first - t.arrival)
+                    decode_s=(t.last_token or first) - first, ttft_s=first - t.arrival,
+                    replica_s=seq.replica_s)
     usage = Usage(seq.num_prompt_tokens, seq.num_cached_tokens or 0, len(seq.output_token_ids))
     milestones = Milestones(t.arrival, t.first_scheduled, t.first_token, t.last_token,
                             time.monotonic(), tuple(t.prefill_chunks), seq.spec_drafted,
