@@ -1,7 +1,8 @@
 """Preemption by class: before a step, waiting sequences of a higher class take seats and
 blocks from running ones of a lower class; seats a nested step borrowed go back; and where
 seats are divided among tenants, a less-served tenant's prompt takes a seat from a more-served
-tenant of its class (:func:`preempt_for_behind_tenant`).
+tenant of its class (:func:`preempt_for_behind_tenant`), and a tenant that asks no more than its
+seat share goes first and takes back a seat lent past another's share (:func:`preempt_for_share`).
 
 Under the ``watermark`` policy, a waiting sequence that :func:`~.admission.try_admit` refuses
 for seats or blocks (``CLAIM`` mode: nothing is admitted here) preempts, by recompute, running
@@ -19,7 +20,7 @@ aging: a long lower-class prompt is delayed a bounded number of times).
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from kvfleet.worker.engine.request import SequenceState
 from kvfleet.worker.engine.scheduling.admission import (
@@ -202,3 +203,93 @@ def _tenant_victim(sched: Scheduler, pick: SequenceState) -> SequenceState | Non
     if not eligible:
         return None
     return max(eligible, key=lambda r: (service.get(r.tenant, 0.0), r.arrival_seq))
+
+
+def preempt_for_share(sched: Scheduler, waited: frozenset[str]
+                      ) -> tuple[list[SequenceState], Optional[SequenceState]]:
+    """A seat within its share for a tenant that asks no more than its share (``tenant_share``
+    < 1, ``watermark``; tried when :func:`preempt_for_behind_tenant` took nothing): admitted
+    first, and where every seat is held, a seat taken back from a tenant running past its own.
+
+    Service orders the queue and lends seats past a share (:mod:`.seats`) on any margin, and
+    holds back the prompts of a tenant served more than the step's first (admission's
+    ``favour_first``). Within the service credit two tenants' counters cross step by step: a
+    flood that becomes backlogged starts up to the credit below a light tenant that ran alone,
+    and for the next seconds the light tenant's prompts lose every such comparison by a few
+    tokens — held back beside free seats, or waiting while the flood holds seats lent past
+    its share that only a natural finish gave back (:func:`preempt_for_behind_tenant` acts only
+    past the credit; docs/slo.md, "B's wait at the flood's start").
+
+    So the share is a guarantee to a tenant that asks no more than it: the oldest waiting
+    sequence, of the class the queue serves next (:meth:`~.seats.TenantSeats.next_waiting`), of
+    a tenant whose running and waiting sequences together fit its seat share is admission's
+    first pick — unless the tenant service would pick is
+    behind its tenant by more than the credit (then service decides, as before). Where every
+    seat of its class is held it first takes, by recompute, the newest running sequence of the
+    same-class tenant furthest past its share — only of a tenant served less than its own by
+    no more than the credit — once more if a nested step left a borrowed seat to return, with
+    the one-step wait where a seat comes back at the step's end and the bound per sequence
+    (:data:`~.priority_queue.MAX_CLASS_PREEMPTIONS`) of :func:`preempt_for_behind_tenant`;
+    counted as :data:`TENANT_SEAT`. A tenant asking for more than its share competes by service
+    alone, as before: two backlogged tenants keep the seats service lent them.
+
+    Returns:
+        ``(preempted, pick)``: the sequences preempted (now waiting again) and the sequence to
+        be admission's first pick in this step; ``([], None)`` when the rule does not apply.
+    """
+    running = Counter(s.tenant for s in sched.running)
+    first = sched.seats.next_waiting(sched.waiting, sched.pending_forks, running, {})
+    pick = None if first is None else _within_share(sched, running, first.priority)
+    if first is None or pick is None:
+        return [], None  # the class the queue serves now has no such tenant
+    service, credit = sched.service.service, sched.service.credit
+    if service.get(first.tenant, 0.0) < service.get(pick.tenant, 0.0) - credit:
+        return [], None  # the tenant service picks is behind past the credit: service decides
+    need = group_size(pick, sched.pending_forks) - sched.rules.free_seats(
+        pick.priority, seats_by_class(sched.running, sched.pending_forks))
+    if need <= 0:
+        return [], pick
+    if pick.seq_id not in waited and _seat_frees(sched, pick):
+        return [], None
+    victims: list[SequenceState] = []
+    for _ in range(need):  # all of them found first: none is preempted for a seat not freed
+        victim = _share_victim(sched, pick, running, victims)
+        if victim is None:
+            return [], None
+        running[victim.tenant] -= 1
+        victims.append(victim)
+    for victim in victims:
+        preempt_for_class(sched, victim, TENANT_SEAT)
+    return victims, pick
+
+
+def _within_share(sched: Scheduler, running: Counter, priority: int) -> Optional[SequenceState]:
+    """The oldest waiting sequence of class ``priority`` of a tenant whose whole demand fits its
+    seat share (``running[tenant]`` seats held plus the seats of all its waiting sequences);
+    None if there is none."""
+    per_tenant = sched.seats.per_tenant
+    demand = running.copy()
+    for seq in sched.waiting:
+        demand[seq.tenant] += group_size(seq, sched.pending_forks)
+    return next((seq for seq in sched.waiting
+                 if seq.priority == priority and demand[seq.tenant] <= per_tenant), None)
+
+
+def _share_victim(sched: Scheduler, pick: SequenceState, running: Counter,
+                  taken: list[SequenceState]) -> SequenceState | None:
+    """The running sequence ``pick`` may preempt for its seat (:func:`preempt_for_share`): of
+    ``pick``'s class, of the tenant furthest past its seat share among those past it and
+    served less than ``pick``'s by no more than the credit (``running``: seats per tenant, less
+    those ``taken`` already), its newest; none whose siblings wait to fork or that hit the
+    preemption bound."""
+    service = sched.service.service
+    floor = service.get(pick.tenant, 0.0) - sched.service.credit
+    per_tenant = sched.seats.per_tenant
+    eligible = [r for r in sched.running
+                if r.priority == pick.priority and r.tenant != pick.tenant
+                and running[r.tenant] > per_tenant and service.get(r.tenant, 0.0) >= floor
+                and r.class_preemptions < MAX_CLASS_PREEMPTIONS
+                and r.seq_id not in sched.pending_forks and r not in taken]
+    if not eligible:
+        return None
+    return max(eligible, key=lambda r: (running[r.tenant], r.arrival_seq))

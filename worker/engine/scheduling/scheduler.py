@@ -7,6 +7,8 @@ A step (:meth:`Scheduler.schedule`) is composed of small policies, each in its o
    of a lower class, and where seats are divided among tenants, a prompt of a tenant served
    less than another of its class (past the service credit) that waited a step, or finds no
    seat coming back at the step's end, takes a seat from the other's newest running sequence;
+   a tenant whose whole demand fits its seat share goes first, taking back a seat lent past
+   another's share if every seat is held (:func:`~.preemption.preempt_for_share`);
 2. **step contents** (:mod:`.class_step`, under an ITL target): which running rows sit out so
    that a favoured prefill runs in a short step;
 3. **step budget** (:mod:`.step_budget`): ``max_num_batched_tokens`` tokens, and with
@@ -63,6 +65,7 @@ from kvfleet.worker.engine.scheduling.preemption import (
     BLOCKS,
     preempt_for_behind_tenant,
     preempt_for_higher_class,
+    preempt_for_share,
     return_seats_over_limit,
 )
 from kvfleet.worker.engine.scheduling.prefill_pace import PrefillPace
@@ -214,11 +217,15 @@ class Scheduler:
         work = StepWork(evicted=self.tier.eviction_log())
         copies: list[tuple[int, int]] = []
         preempted = return_seats_over_limit(self)
+        seat_for: Optional[SequenceState] = None  # a seat freed for it: admission's first pick
         if self.config.policy == "watermark":
             preempted += preempt_for_higher_class(self, work, now)
             if self.config.tenant_share < 1 and self.tenant_preempt:
-                preempted += preempt_for_behind_tenant(self, self.waited)
-        contents, first = self._contents()
+                taken = preempt_for_behind_tenant(self, self.waited)
+                if not taken:
+                    taken, seat_for = preempt_for_share(self, self.waited)
+                preempted += taken
+        contents, first = self._contents(seat_for)
         budget = step_budget(self.config, self.kv.block_size, self.step_cost, self.running,
                              self.waiting[0] if self.waiting else None, contents.sit_out, now,
                              self.pace)
@@ -300,16 +307,21 @@ class Scheduler:
 
         return allow
 
-    def _contents(self) -> tuple[StepContents, FirstPick]:
+    def _contents(self, seat_for: Optional[SequenceState] = None
+                  ) -> tuple[StepContents, FirstPick]:
         """The step's contents (:class:`ClassStep`: rows left out, the favoured prefill; none
-        without it) and the waiting sequence the rule took as admission's next pick (``(seq or
-        None,)``; ``()`` when it looked none up: no rule, or no free seat)."""
+        without it) and the waiting sequence taken as admission's next pick (``(seq or
+        None,)``; ``()`` when none was looked up: no rule, or no free seat). ``seat_for``: the
+        sequence a seat was just freed for (:func:`~.preemption.preempt_for_share`), the
+        pick whatever the rule."""
         if self.class_step is None:
-            return StepContents(), ()
+            return StepContents(), (() if seat_for is None else (seat_for,))
         first: FirstPick = ()
-        candidate = None
+        candidate = seat_for
         held = seats_by_class(self.running, self.pending_forks)
-        if self.waiting and self.rules.free_seats(self.waiting[0].priority, held) > 0:
+        if seat_for is not None:
+            first = (seat_for,)
+        elif self.waiting and self.rules.free_seats(self.waiting[0].priority, held) > 0:
             candidate = self.seats.next_waiting(self.waiting, self.pending_forks,
                                                 Counter(s.tenant for s in self.running), {})
             first = (candidate,)
