@@ -51,3 +51,8 @@ def run_step(s: Scheduler, token: int = 7, finish: bool = False) -> SchedulerOut
                 s.finish(x.seq)
     s.kv.check_invariants()
     return out
+
+
+def held(s: Scheduler, tenant: str) -> int:
+    """Seats ``tenant``'s sequences hold in ``s`` (its running sequences)."""
+    return sum(1 for x in s.running if x.tenant == tenant)

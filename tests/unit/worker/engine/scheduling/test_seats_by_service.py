@@ -8,11 +8,7 @@ import pytest
 
 from kvfleet.worker.engine.request import SequenceState
 from kvfleet.worker.engine.scheduling.scheduler import Scheduler
-from tests.unit.worker.scheduler_harness import make_scheduler, new_seq, run_step
-
-
-def held(s: Scheduler, tenant: str) -> int:
-    return sum(1 for x in s.running if x.tenant == tenant)
+from tests.unit.worker.scheduler_harness import held, make_scheduler, new_seq, run_step
 
 
 def two_tenants(lend: bool, waiting_b: int) -> tuple[Scheduler, list[SequenceState]]:

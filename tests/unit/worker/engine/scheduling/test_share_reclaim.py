@@ -9,11 +9,7 @@ from __future__ import annotations
 from kvfleet.worker.engine.request import SeqStatus, SequenceState
 from kvfleet.worker.engine.scheduling.preemption import TENANT_SEAT
 from kvfleet.worker.engine.scheduling.scheduler import Scheduler
-from tests.unit.worker.scheduler_harness import make_scheduler, new_seq, run_step
-
-
-def held(s: Scheduler, tenant: str) -> int:
-    return sum(1 for x in s.running if x.tenant == tenant)
+from tests.unit.worker.scheduler_harness import held, make_scheduler, new_seq, run_step
 
 
 def a_past_its_share(b_ahead_by: float = 100.0) -> tuple[Scheduler, list[SequenceState]]:

@@ -13,11 +13,7 @@ import pytest
 from kvfleet.worker.engine.request import SeqStatus, SequenceState
 from kvfleet.worker.engine.scheduling.priority_queue import MAX_CLASS_PREEMPTIONS
 from kvfleet.worker.engine.scheduling.scheduler import Scheduler
-from tests.unit.worker.scheduler_harness import make_scheduler, new_seq, run_step
-
-
-def held(s: Scheduler, tenant: str) -> int:
-    return sum(1 for x in s.running if x.tenant == tenant)
+from tests.unit.worker.scheduler_harness import held, make_scheduler, new_seq, run_step
 
 
 def seats_full(a_ahead_by: float, tenant_share: float = 0.5, policy: str = "watermark"
