@@ -98,6 +98,7 @@ def simulate(config: SchedulerConfig, cost: CostModel, streams: int, prompt: int
         if noise:
             step_s *= math.exp(rng.gauss(0, noise))
         planner.observe(plan_shape(out.plan), step_s)
+        planner.observe_outside(overhead_s)
         now += step_s + overhead_s
         for x in out.scheduled:
             seq = x.seq

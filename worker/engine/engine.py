@@ -112,6 +112,10 @@ class Engine:
             LayerYield(executor, auto=mode == "auto")
             if mode == "on" or (mode == "auto" and executor.pausable) else WholeStep())
         self.scheduler = Scheduler(config, kv, self.step_cost, tier)
+        # When the last forward ended, while requests kept running (None: idle since): the
+        # gap to the next forward is a step's time outside it (the scheduler plans with it).
+        self._busy_since: float | None = None
+        self._in_forward = False
         # Draft sizing knows the CPU runner's few-row kernel; other devices price drafts
         # by the step-cost model alone (an executor with no device models the CPU's steps).
         device = _rank0_device(executor)
@@ -209,6 +213,7 @@ class Engine:
         if out.plan.block_saves or out.plan.block_restores:
             out = move_blocks(self.executor, self.scheduler, out)
         if not out.scheduled:
+            self._busy_since = None  # a pause (a load, a lookup), not a step's own time
             if self.lora.has_waiting and not outputs:
                 self.lora.wait(0.01)  # nothing to run but a load: do not spin
             elif self.scheduler.tier.lookups_pending and not outputs:
@@ -229,9 +234,13 @@ class Engine:
             if s.seq.num_computed_tokens < s.seq.num_prompt_tokens:  # a prefill chunk (tracing)
                 s.seq.timing.prefill_chunks.append((now, s.num_new_tokens))
         start, nested_s = time.perf_counter(), 0.0
+        outer, self._in_forward = not self._in_forward, True  # a nested step runs inside one
+        if outer and self._busy_since is not None:
+            self.step_cost.observe_outside(start - self._busy_since)
         try:
             logits, nested_s = self.forward(self, out, arrivals)
         except Exception as exc:  # a failed forward fails the requests in it, not the replica
+            self._in_forward, self._busy_since = not outer, None
             log.exception("forward failed for %d sequences", len(out.scheduled))
             failed = dict.fromkeys(s.seq.request_id for s in out.scheduled)
             return [o for rid in failed for o in self.abort(rid, FinishReason.ERROR, exc)]
@@ -240,6 +249,9 @@ class Engine:
         for s, share in zip(out.scheduled, shares, strict=True):
             s.seq.replica_s += share
         self.step_cost.observe(plan_shape(out.plan), measured_s)
+        self._in_forward = not outer
+        if outer:
+            self._busy_since = time.perf_counter() if self.scheduler.running else None
         forks = self.scheduler.on_step_done(out)
         return self._sample_and_emit(out, forks, logits)
 

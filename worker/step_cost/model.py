@@ -89,6 +89,11 @@ def plan_shape(plan: StepPlan) -> StepShape:
     return StepShape(decode, prefill, context, drafts)
 
 
+# Weight of each new step in the mean time outside the forward: a measurement, not a correction
+# of the prior, so it moves even where the forward's correction is off (alpha 0).
+OUTSIDE_WEIGHT = 0.05
+
+
 class StepCostModel(Protocol):
     """What the scheduler's time budget and the router's queue-delay estimate code against."""
 
@@ -249,6 +254,7 @@ class StepCost:
         self.measured_total_s = 0.0
         self.last_predicted_s = 0.0
         self.last_measured_s = 0.0
+        self.outside_s = 0.0  # seconds a busy step spends outside its forward (decayed mean)
         # decayed sums of the draft-slope fit: decode side u, draft side v, measured y
         self._fit = dict.fromkeys(("uu", "uv", "vv", "verify", "uy", "vy"), 0.0)
 
@@ -323,6 +329,13 @@ class StepCost:
         if relative is not None:  # beside the decode side as it now stands
             moved = self.log_scales[0] + relative
             self.log_scales[2] = max(-MAX_LOG_SCALE, min(MAX_LOG_SCALE, moved))
+
+    def observe_outside(self, seconds: float) -> None:
+        """Record the seconds between one forward's end and the next one's start while
+        requests kept running (scheduling, sampling, emitting): what every step costs beyond
+        its forward, so a plan of more steps pays it more times. Negative values are ignored."""
+        if seconds >= 0:
+            self.outside_s += OUTSIDE_WEIGHT * (seconds - self.outside_s)
 
     def _fit_draft_slope(self, shape: StepShape, measured_s: float, outlier: bool) -> float | None:
         """Add one step to the draft-slope fit (steps without prefill, not ``outlier``: more

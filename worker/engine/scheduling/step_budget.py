@@ -107,12 +107,12 @@ class StepBudget:
     def untargeted_s(self, num_computed: int, prompt: int) -> float:
         """Predicted seconds to compute ``prompt`` tokens after ``num_computed`` without the
         target: chunks of the token budget left beside the reserved decode rows, one a step,
-        each step with those rows."""
+        each step with those rows and its time outside the forward."""
         per_step = max(1, self.max_tokens - self.decode_rows)
         total, done = 0.0, 0
         while done < prompt:
             n = min(per_step, prompt - done)
-            total += self._with(num_computed + done, n)
+            total += self._with(num_computed + done, n) + self._outside_s()
             done += n
         return total
 
@@ -216,14 +216,18 @@ class StepBudget:
     def _steps_s(self, num_computed: int, remaining: int, steps: int) -> float:
         """Predicted seconds of ``remaining`` tokens run in chunks of :meth:`_chunk`'s size
         beside this step's decode rows, each chunk attending the prefix before it and each
-        decode row one more position a step."""
+        decode row one more position a step, and each step its time outside the forward."""
         n = self._chunk(num_computed, remaining, steps)
         total, done, later = 0.0, 0, 0
         while done < remaining:
             k = min(n, remaining - done)
-            total += self._with(num_computed + done, k, later)
+            total += self._with(num_computed + done, k, later) + self._outside_s()
             done, later = done + k, later + self.decode_rows
         return total
+
+    def _outside_s(self) -> float:
+        """Seconds a step costs beyond its forward, as the model has measured (0 if not)."""
+        return float(getattr(self.cost, "outside_s", 0.0))
 
     def _add(self, num_computed: int, n: int) -> None:
         if n == 1:

@@ -37,6 +37,8 @@ def test_the_samples_shares_add_up_to_the_engines_forward_seconds(tiny_llama_dir
     assert engine.step_cost.steps == len(rec.plans)  # every forward observed (and charged)
     assert math.fsum(o.timing.replica_s for o in last) == pytest.approx(
         engine.step_cost.measured_total_s, rel=1e-9)
+    # the gaps between busy forwards (sampling, emitting, scheduling) were measured too
+    assert engine.step_cost.outside_s > 0
 
 
 class ArriveOnce:

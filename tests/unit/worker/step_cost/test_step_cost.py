@@ -176,6 +176,22 @@ def test_alpha_zero_keeps_the_prior():
         StepCost(TRUE, alpha=1.5)
 
 
+def test_time_outside_the_forward_is_a_decayed_mean_even_uncorrected():
+    """Each busy gap moves the mean by ``OUTSIDE_WEIGHT`` of its distance (also with alpha 0:
+    a measurement, not a correction); a negative gap (a clock that went back) is ignored."""
+    from kvfleet.worker.step_cost.model import OUTSIDE_WEIGHT
+
+    cost = StepCost(TRUE, alpha=0.0)
+    assert cost.outside_s == 0.0
+    cost.observe_outside(0.02)
+    assert cost.outside_s == pytest.approx(OUTSIDE_WEIGHT * 0.02)
+    for _ in range(400):
+        cost.observe_outside(0.004)
+    assert cost.outside_s == pytest.approx(0.004, rel=1e-6)
+    cost.observe_outside(-1.0)
+    assert cost.outside_s == pytest.approx(0.004, rel=1e-6)
+
+
 class FakeExecutor:
     """Counts forwards; answers with zero logits at once (timing values are not asserted)."""
 

@@ -72,11 +72,13 @@ def test_the_floor_is_the_smallest_chunk_whose_steps_end_the_prompt_in_time():
     f = b.pace(0, 400, left)
     assert f % BS == 0 and b.floor_left == f
 
-    def steps_s(n: int) -> float:  # ceil(400 / n) steps: the full ones as this one with n
-        full = -(-400 // n) - 1
-        last = 400 - full * n
-        return full * COST.predict_step_s(6, n, 6 * 41 + n) + COST.predict_step_s(
-            6, last, 6 * 41 + full * n + last)
+    def steps_s(n: int) -> float:  # ceil(400 / n) steps, each chunk after the ones before it
+        total, done, step = 0.0, 0, 0  # and each decode row a position longer a step
+        while done < 400:
+            k = min(n, 400 - done)
+            total += COST.predict_step_s(6, k, 6 * 41 + 6 * step + attended(done, k))
+            done, step = done + k, step + 1
+        return total
     assert steps_s(f) <= left
     assert steps_s(f - BS) > left  # a block less would be late
     # More time, a smaller floor; late (even one step is too long): all that is left.
@@ -85,6 +87,22 @@ def test_the_floor_is_the_smallest_chunk_whose_steps_end_the_prompt_in_time():
     assert b.pace(0, 1, 0.0) == 512 and StepBudget(8, BS).pace(0, 9, 0.0) == 0  # kept; untimed
     with pytest.raises(ValueError, match="remaining"):
         b.pace(0, -1, 1.0)
+
+
+def test_time_outside_the_forward_is_paid_once_a_step_so_the_floor_takes_fewer_steps():
+    """With 2 ms a step outside the forward (measured by the model) the untargeted time pays
+    it once a 512-token step, the floor's plan once a chunk: the same deadline then asks for
+    larger chunks."""
+    from kvfleet.worker.step_cost.model import StepCost
+
+    plain, outside = StepCost(COST, alpha=0.0), StepCost(COST, alpha=0.0)
+    outside.outside_s = 0.002
+    budgets = [StepBudget(512, BS, c, TARGET_MS / 1e3) for c in (plain, outside)]
+    for b in budgets:
+        b.reserve_decodes([40] * 6)
+    assert budgets[1].untargeted_s(0, 1000) == pytest.approx(budgets[0].untargeted_s(0, 1000) + 2 * 0.002)
+    floors = [b.pace(0, 400, 0.06) for b in budgets]
+    assert floors[1] > floors[0]
 
 
 def test_the_untargeted_time_is_token_budget_chunks_beside_the_rows():
