@@ -54,13 +54,16 @@ class ClusterConfig:
       share a Ray whose CPUs another holds). ``replicas_per_host``: cost-model replicas one
       Serve replica (one process) hosts: 1, each fails (and is replaced) alone; more are
       cheaper (one torch import) but a process that dies takes all of them with it.
-      ``revision`` labels a rollout. ``autoscale``: Serve scales the
-      replicas between its MIN and MAX with kvfleet's policy (kvfleet.deploy.autoscale_serve),
-      starting at MIN (= ``replicas``), one kvfleet replica per Serve replica.
+      ``reserved_cpus``: whole CPUs of the launching host left out of the local replicas'
+      torch threads, for the router, the token relay and the OS (a thread pool that spans every
+      core stalls at each barrier whenever one of them runs). ``revision`` labels a rollout.
+      ``autoscale``: Serve scales the replicas between its MIN and MAX with kvfleet's policy
+      (kvfleet.deploy.autoscale_serve), starting at MIN (= ``replicas``), one kvfleet replica
+      per Serve replica.
 
     Raises:
-        ValueError: ``replicas`` < 1, a shared router field set unlike the replica's, or
-            ``replica.telemetry.metrics_port`` set (the message names the field).
+        ValueError: ``replicas`` < 1, ``reserved_cpus`` < 0, a shared router field set unlike
+            the replica's, or ``replica.telemetry.metrics_port`` set (the message names the field).
     """
 
     replica: ReplicaConfig
@@ -70,6 +73,7 @@ class ClusterConfig:
     ray_num_cpus: Optional[int] = None
     replica_num_cpus: Optional[float] = None
     replicas_per_host: int = 1
+    reserved_cpus: int = 1
     metrics_port: Optional[int] = None
     revision: str = ""
     health_check_period_s: float = 1.0
@@ -81,6 +85,8 @@ class ClusterConfig:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
         if self.replicas_per_host < 1:
             raise ValueError(f"replicas_per_host must be >= 1, got {self.replicas_per_host}")
+        if self.reserved_cpus < 0:
+            raise ValueError(f"reserved_cpus must be >= 0, got {self.reserved_cpus}")
         if self.autoscale is not None and self.replicas != self.autoscale.targets.min_replicas:
             raise ValueError(f"replicas ({self.replicas}) must be the autoscale MIN "
                              f"({self.autoscale.targets.min_replicas}): it starts there")

@@ -83,6 +83,11 @@ CLUSTER_FLAGS: tuple[Flag, ...] = (
          "cost-model replicas one process hosts (default {default}: each fails alone; more "
          "are cheaper, but a process that dies takes all of its replicas with it)", "fleet",
          type=positive_int("--replicas-per-process")),
+    Flag("--reserved-cpus", "reserved_cpus",
+         "whole CPUs of this host kept out of the local replicas' torch threads, for the "
+         "router, the token relay and the OS (default {default}; threads per replica = the "
+         "rest over the replicas, at least 1)", "fleet",
+         type=int_in_range("--reserved-cpus", 0, 4096)),
     _ROUTER["--metrics-port"].at(
         "metrics_port", help="Prometheus metrics: the router on this port, each replica on a "
         "free one (0 = free ports). Traces and OTLP metrics follow OTEL_* variables, e.g. "

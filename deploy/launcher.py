@@ -33,6 +33,13 @@ log = logging.getLogger(__name__)
 MIN_REPLICA_CPUS = 0.05  # the smallest share a replica is given (the rest of a tiny Ray)
 
 
+def replica_threads(host_cpus: int, cfg: ClusterConfig) -> int:
+    """Torch threads for each local replica (each TP rank): ``host_cpus`` whole CPUs less
+    ``cfg.reserved_cpus`` for the router and the relay, shared out over ``cfg.replicas``, at
+    least 1."""
+    return max(1, (host_cpus - cfg.reserved_cpus) // cfg.replicas)
+
+
 def replica_cpus(cfg: ClusterConfig, free: dict, strict: bool = True) -> float:
     """Ray CPUs per Serve replica: ``cfg.replica_num_cpus``, else the free CPUs shared out
     (at most 1 each) over twice the fleet (room to double it in place) or, autoscaled, over
@@ -133,7 +140,7 @@ class LocalCluster:
                              f"the Ray cluster has {ray.cluster_resources().get('GPU', 0):g}")
         # A cluster joined by address may grow (an autoscaler): warn there, refuse here.
         per_replica = replica_cpus(cfg, ray.available_resources(), strict=not cfg.ray_address)
-        threads = max(1, whole_cpus() // cfg.replicas)
+        threads = replica_threads(whole_cpus(), cfg)
         assert self.redis_url is not None  # set by _start first
         return serve_application(cfg, self.redis_url, per_replica, threads)
 

@@ -14,7 +14,7 @@ if TYPE_CHECKING:  # only for annotations (step_budget imports this module)
 
 # A prompt's tokens are paced to be computed within this × their predicted time without the
 # target; the client's bound (2×) also has to hold the step in flight at its arrival.
-TTFT_STRETCH = 1.5
+TTFT_STRETCH = 1.75
 # A prompt paced alone that step noise put behind (less left than this × its remaining time
 # without the target) gets that long from then on, once, rather than all it has left in one
 # step, which would be the decode rows' longest gap. Once, and not with a queue behind it, so

@@ -215,12 +215,15 @@ class StepBudget:
 
     def _steps_s(self, num_computed: int, remaining: int, steps: int) -> float:
         """Predicted seconds of ``remaining`` tokens run in chunks of :meth:`_chunk`'s size
-        beside this step's decode rows: the full chunks priced as the first (the prefix grows
-        little), the last one at its own size."""
+        beside this step's decode rows, each chunk attending the prefix before it and each
+        decode row one more position a step."""
         n = self._chunk(num_computed, remaining, steps)
-        full = -(-remaining // n) - 1
-        last = remaining - full * n
-        return full * self._with(num_computed, n) + self._with(num_computed + full * n, last)
+        total, done, later = 0.0, 0, 0
+        while done < remaining:
+            k = min(n, remaining - done)
+            total += self._with(num_computed + done, k, later)
+            done, later = done + k, later + self.decode_rows
+        return total
 
     def _add(self, num_computed: int, n: int) -> None:
         if n == 1:
@@ -229,12 +232,13 @@ class StepBudget:
             self.prefill_tokens += n
         self.context_tokens += attended(num_computed, n)
 
-    def _with(self, num_computed: int, n: int) -> float:
-        """Predicted seconds with a chunk of ``n`` more tokens."""
+    def _with(self, num_computed: int, n: int, later: int = 0) -> float:
+        """Predicted seconds with a chunk of ``n`` more tokens; ``later``: positions the
+        step's other rows attend past this step's (a step planned ahead)."""
         assert self.cost is not None
         rows, prefill = (1, 0) if n == 1 else (0, n)
         return self.cost.predict_step_s(self.decode_rows + rows, self.prefill_tokens + prefill,
-                                        self.context_tokens + attended(num_computed, n))
+                                        self.context_tokens + later + attended(num_computed, n))
 
     def _target(self) -> float:
         assert self.target_s is not None, "only a timed budget has a target"
