@@ -2,12 +2,14 @@
 
     .venv/bin/python -m bench slo_rows [--rows 1,2,3] [--runs 1] [--seed 0]
         [--seconds 60] [--target-x 3] [--itl-target-ms MS] [--streams 4] [--prompt 480]
-        [--period 1.5] [--class-seconds 30] [--class-target-ms 150]
+        [--period 1.5] [--class-seconds 30] [--class-target-ms 150] [--settings off,on]
 
 ``--runs N`` repeats each row with seeds ``--seed`` .. ``--seed + N - 1``; a compact table of
-every row, seed and setting is printed at the end. Row 1 is below; rows 2 and 3 (classes,
-fairness, on cost-model replicas, ``--class-seconds`` per phase, target
-``--class-target-ms``) are :mod:`bench.cluster.slo_class_rows`.
+every row, seed and setting is printed at the end. ``--settings`` (rows 2-3) runs only the
+named target settings (``on`` for row 2's judged one, ``off`` for row 3's): repeats of the
+judged half in half the time; row 1 always runs both (its target comes from the off run).
+Row 1 is below; rows 2 and 3 (classes, fairness, on cost-model replicas, ``--class-seconds``
+per phase, target ``--class-target-ms``) are :mod:`bench.cluster.slo_class_rows`.
 
 Row 1:
 
@@ -254,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="rows 2-3: seconds per phase")
     p.add_argument("--class-target-ms", type=float, default=150.0,
                    help="rows 2-3: the replicas' ITL target (the cost model's milliseconds)")
+    p.add_argument("--settings", default="off,on",
+                   help="rows 2-3: comma-separated target settings to run (off, on)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(RESULTS / "slo_rows.json"))
     p.add_argument("--phase", choices=("off", "on"), help=argparse.SUPPRESS)
@@ -263,8 +267,11 @@ def main(argv: list[str] | None = None) -> int:
         phase(a)
         return 0
     rows = sorted({int(r) for r in a.rows.split(",")})
+    settings = [k for k in ("off", "on") if k in a.settings.split(",")]
     if not set(rows) <= {1, 2, 3} or a.runs < 1:
         p.error("--rows takes 1, 2 and 3; --runs must be >= 1")
+    if not settings or not set(a.settings.split(",")) <= {"off", "on"}:
+        p.error(f"--settings takes off and/or on, got {a.settings!r}")
     seeds = range(a.seed, a.seed + a.runs)
     result: dict = {"args": vars(a), "rows": {}}
     lines: list[str] = []
@@ -274,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         lines += [row1_line(s, r) for s, r in result["rows"][1].items()]
     fns = {2: slo_class_rows.row2, 3: slo_class_rows.row3}
     classed = {row: {s: {k: fns[row](s, t, a.class_seconds)
-                         for k, t in (("off", None), ("on", a.class_target_ms))}
+                         for k, t in (("off", None), ("on", a.class_target_ms)) if k in settings}
                      for s in seeds} for row in rows if row in fns}
     result["rows"].update(classed)
     lines += slo_class_rows.table_lines(classed)

@@ -25,8 +25,10 @@ def test_the_table_has_one_line_per_row_seed_and_setting() -> None:
     assert "(n/a, <= 2.0)" in lines[3] and "B admitted 50%" in lines[3]
 
 
-@pytest.mark.parametrize("argv", [["--rows", "4"], ["--rows", "2", "--runs", "0"]])
-def test_unknown_rows_and_no_runs_are_refused(argv: list[str]) -> None:
+@pytest.mark.parametrize("argv", [["--rows", "4"], ["--rows", "2", "--runs", "0"],
+                                  ["--rows", "3", "--settings", "both"],
+                                  ["--rows", "3", "--settings", ""]])
+def test_unknown_rows_settings_and_no_runs_are_refused(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         slo_rows.main(argv)
     assert exc.value.code == 2
@@ -66,3 +68,24 @@ def test_row2_judges_the_batch_side_in_replica_seconds_and_keeps_completions_bes
     r["both"]["flood"] = stream(600.0, 9.0, 1.0)  # batch lost 0.20 replica-s/s: missed
     assert not targets(r)["throughput_target_met"]
     assert t["ttft_target_met"] and t["interactive_ttft_p99_ratio"] == pytest.approx(1.2)
+
+
+def test_settings_runs_only_the_named_target_settings(monkeypatch, tmp_path) -> None:
+    """``--settings on`` runs row 2 with the target only, ``off`` row 3 without it; each
+    row function gets None (no target) or the class target."""
+    from bench.cluster import slo_class_rows
+
+    calls: list[tuple[int, int, object]] = []
+    r2 = {"alone_p99_ms": 1.0, "both_p99_ms": 1.0, "ratio": 1.0, "batch_alone_per_s": 1.0,
+          "batch_both_per_s": 1.0, "batch_drop_per_s": 0.0, "interactive_per_s": 1.0,
+          "rs_drop": 0.0, "rs_interactive": 1.0, "rs_ratio": 0.0, "met": True, "load": 0.0}
+    r3 = {"alone_p99_ms": 1.0, "both_p99_ms": 1.0, "ratio": 1.0, "admitted": 1.0, "met": True,
+          "load": 0.0}
+    monkeypatch.setattr(slo_class_rows, "row2",
+                        lambda seed, t, s: calls.append((2, seed, t)) or r2)
+    monkeypatch.setattr(slo_class_rows, "row3",
+                        lambda seed, t, s: calls.append((3, seed, t)) or r3)
+    out = str(tmp_path / "r.json")
+    assert slo_rows.main(["--rows", "2", "--settings", "on", "--seed", "4", "--out", out]) == 0
+    assert slo_rows.main(["--rows", "3", "--settings", "off", "--runs", "2", "--out", out]) == 0
+    assert calls == [(2, 4, 150.0), (3, 0, None), (3, 1, None)]
