@@ -3,7 +3,7 @@
     .venv/bin/python -m bench class_sim [--itl-target-ms 150 (0: none)] [--seconds 120] [--seeds 0,1,2]
         [--flood-prompt 256] [--fair-slack 0.5 (< 0: off)]
         [--layer-yield [--model smollm2-135m-instruct] [--yield-cost-layers 0]
-        [--merge-within-ms MS]] [--stall P,F] [--fair-only [--no-tenant-preempt]]
+        [--merge-within-ms MS]] [--stall P,F] [--fair-only [--no-tenant-preempt]] [--fresh-phases]
 
 One replica's real scheduler and block pool (16 running + 256 waiting, 640 blocks of 16), each
 step lasting exactly what the benches' cost model says (``MEASURED × 0.05``: 16 ms a step,
@@ -23,6 +23,9 @@ first token). Per seed and with ``class_step`` off and on:
   service past it: ``seats_by_service``, ``--fixed-seats`` for the fixed cap); B's TTFT p99
   both ÷ alone (target ≤ 2); then both backlogged (16 closed-loop clients each, A's prompts 256 tokens):
   B's share of computed tokens (uncached prompt + output) in the middle half (fair 0.5 ± 10 %).
+  The three phases run on one scheduler, each from 2 s after the last drained, as the cluster
+  bench's run on one fleet: A's flood becomes backlogged beside a B that ran alone, its service
+  counter where B's run left it (``--fresh-phases``: a fresh scheduler a phase, counters at 0).
 
 ``--layer-yield``: steps pause between decoder layers (as many as the model's config has) for
 a nested step of a higher class, or in §3 of a less-served tenant (:class:`Yield`,
@@ -63,6 +66,8 @@ COST = MEASURED.scaled(0.05)
 BLOCK = 16
 # §3's flood prompts: 4 × the others, as ``bench overload fair``'s --flood-prompt-factor
 FLOOD_PROMPT = 256
+# §3 with carried phases: idle virtual seconds between them (``bench overload``'s drain sleep)
+PHASE_GAP_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -107,12 +112,13 @@ def _row_s(chunk) -> float:
     return rows + COST.context_token_s * (chunk.num_computed_tokens + n)
 
 
-def _slowest(split: list[tuple[float, float, int]], n: int = 5) -> list[dict]:
-    """The ``n`` longest TTFTs of ``split`` ((TTFT s, queue s, preemptions) a request), each
-    as its wait in the queue (arrival to first admission), its prefill (first admission to the
-    first token: the steps it ran in, a recompute's too) in ms, and its preemptions."""
-    return [{"ttft_ms": 1e3 * t, "queue_ms": 1e3 * q, "prefill_ms": 1e3 * (t - q), "preempted": k}
-            for t, q, k in sorted(split, reverse=True)[:n]]
+def _slowest(split: list[tuple[float, float, int, float]], n: int = 5) -> list[dict]:
+    """The ``n`` longest TTFTs of ``split`` ((TTFT s, queue s, preemptions, arrival s into the
+    run) a request), each as its wait in the queue (arrival to first admission), its prefill
+    (first admission to the first token: the steps it ran in, a recompute's too) in ms, its
+    preemptions and when it arrived (s from the run's start)."""
+    return [{"ttft_ms": 1e3 * t, "queue_ms": 1e3 * q, "prefill_ms": 1e3 * (t - q), "preempted": k,
+             "at_s": at} for t, q, k, at in sorted(split, reverse=True)[:n]]
 
 
 @dataclass(frozen=True)
@@ -125,34 +131,48 @@ class Stall:
     factor: float
 
 
+def new_scheduler(config: SchedulerConfig, variant: Optional[dict] = None) -> Scheduler:
+    """The simulated replica's scheduler: 640 blocks, the step-cost model without learning."""
+    return Scheduler(config, KVCacheManager(640, BLOCK), StepCost(COST, alpha=0.0),
+                     **(variant or {}))
+
+
 def simulate(streams: list[Stream], config: SchedulerConfig, seconds: float, seed: int,
              layer_yield: Optional[Yield] = None, variant: Optional[dict] = None,
-             stall: Optional[Stall] = None) -> dict:
+             stall: Optional[Stall] = None, sched: Optional[Scheduler] = None,
+             start: float = 0.0, seq_base: int = 0) -> dict:
     """Run ``streams`` for ``seconds`` of virtual time; per tenant: TTFT p50/p99, the wait
     in the queue for a first admission p99 and token gap (ITL) p99 (ms) of requests arriving
     in the run, completions/s, computed tokens of requests finishing in the middle half;
     ``"_yields"``: nested steps run; ``"_preemptions"``: sequences preempted. ``variant``:
     the scheduler's ``class_step`` / ``seats_by_service`` (off for the A/B); ``stall``: host
-    noise (None: none)."""
+    noise (None: none).
+
+    ``sched`` (None: a fresh one, :func:`new_scheduler`): a scheduler that ran an earlier phase
+    and is empty, continued from virtual time ``start`` with its tenant service and prefix
+    cache as they are (a cluster bench's phases run on one fleet); the run then drains it
+    (no new arrival, nothing recorded) and ``"_end"`` is when it is empty again, ``"_seqs"``
+    ``seq_base`` plus the sequences it added (the next phase's ``seq_base``: ids stay unique)."""
     rng = random.Random(seed)
     stall_rng = random.Random(f"stall-{seed}")
 
     def stretch(step_s: float) -> float:
         return step_s * stall.factor if stall and stall_rng.random() < stall.p else step_s
 
-    sched = Scheduler(config, KVCacheManager(640, BLOCK), StepCost(COST, alpha=0.0),
-                      **(variant or {}))
+    carried = sched is not None
+    if sched is None:
+        sched = new_scheduler(config, variant)
     arrivals: list[tuple[float, Stream]] = []
     for st in streams:
         t = 0.0
         while st.rate and (t := t + rng.expovariate(st.rate)) < seconds:
-            arrivals.append((t, st))
-        arrivals += [(0.0, st)] * st.clients
+            arrivals.append((start + t, st))
+        arrivals += [(start, st)] * st.clients
     arrivals.sort(key=lambda a: a[0])
     ttft: dict[str, list[float]] = {st.tenant: [] for st in streams}
     queued: dict[str, list[float]] = {st.tenant: [] for st in streams}  # arrival -> admission
-    # (TTFT, queue, its preemptions before the first token) of each request, for the tail's split
-    split: dict[str, list[tuple[float, float, int]]] = {st.tenant: [] for st in streams}
+    # (TTFT, queue, its preemptions before the first token, arrival) a request: the tail's split
+    split: dict[str, list[tuple[float, float, int, float]]] = {st.tenant: [] for st in streams}
     gaps: dict[str, list[float]] = {st.tenant: [] for st in streams}
     last: dict[str, float] = {}  # seq_id -> when its last token came
     done = {st.tenant: 0 for st in streams}
@@ -162,6 +182,7 @@ def simulate(streams: list[Stream], config: SchedulerConfig, seconds: float, see
     own = {st.tenant: 0.0 for st in streams}  # replica-seconds of each tenant's own work
     overhead = 0.0  # replica-seconds of pausing and resuming (no tenant's work)
     n = i = yields = preemptions = 0
+    recording = True  # False while a carried scheduler drains after the run
     first_admitted: dict[str, float] = {}  # seq_id -> when it was first admitted
 
     def admitted(out: SchedulerOutput, now: float) -> None:
@@ -182,10 +203,11 @@ def simulate(streams: list[Stream], config: SchedulerConfig, seconds: float, see
                     arrivals.sort(key=lambda a: a[0])
                 continue
             n += 1
-            s = SequenceState(seq_id=f"q{n}", request_id=f"q{n}", index=0,
+            sid = f"q{seq_base + n}"
+            s = SequenceState(seq_id=sid, request_id=sid, index=0,
                               prompt_token_ids=[rng.randrange(1, 40000) for _ in range(st.prompt)],
                               params=SamplingParams(max_tokens=16, ignore_eos=True),
-                              root_hash=b"s" * 16, block_size=BLOCK, arrival_seq=n,
+                              root_hash=b"s" * 16, block_size=BLOCK, arrival_seq=seq_base + n,
                               tenant=st.tenant, priority=st.priority)
             sched.add([s])
             held[st.tenant] += 1
@@ -206,11 +228,13 @@ def simulate(streams: list[Stream], config: SchedulerConfig, seconds: float, see
             if not (x.sample and seq.status is SeqStatus.RUNNING):
                 continue
             st, t0 = meta[seq.seq_id]
-            if not seq.output_token_ids:
+            if not recording:
+                pass
+            elif not seq.output_token_ids:
                 ttft[st.tenant].append(now - t0)
                 queued[st.tenant].append(first_admitted[seq.seq_id] - t0)
                 split[st.tenant].append((now - t0, first_admitted[seq.seq_id] - t0,
-                                         seq.num_preemptions))
+                                         seq.num_preemptions, t0 - start))
             else:
                 gaps[st.tenant].append(now - last[seq.seq_id])
             last[seq.seq_id] = now
@@ -219,8 +243,10 @@ def simulate(streams: list[Stream], config: SchedulerConfig, seconds: float, see
                 sched.finish(seq)
                 del last[seq.seq_id]
                 held[st.tenant] -= 1
+                if not recording:
+                    continue
                 done[st.tenant] += 1
-                if seconds / 4 <= now <= 3 * seconds / 4:
+                if seconds / 4 <= now - start <= 3 * seconds / 4:
                     tokens[st.tenant] += seq.num_prompt_tokens - (seq.num_cached_tokens or 0) + 16
                 if st.clients:
                     arrivals.insert(i, (now, st))
@@ -278,11 +304,14 @@ def simulate(streams: list[Stream], config: SchedulerConfig, seconds: float, see
             overhead += yd.cost_layers * layer
         return t + total - progress
 
-    now = 0.0
-    while now < seconds:
+    now = start
+    while now < start + seconds or (carried and sched.num_unfinished):
+        if now >= start + seconds and recording:
+            recording = False  # drain: the next phase starts on an empty replica
+            del arrivals[i:]
         arrive(now)
         if not sched.num_unfinished:
-            now = arrivals[i][0] if i < len(arrivals) else seconds
+            now = arrivals[i][0] if i < len(arrivals) else start + seconds
             continue
         out = sched.schedule(now)
         admitted(out, now)
@@ -305,18 +334,20 @@ def simulate(streams: list[Stream], config: SchedulerConfig, seconds: float, see
     res["_yields"] = yields
     res["_preemptions"] = preemptions
     res["_overhead_replica_s"] = overhead
+    res["_end"] = now
+    res["_seqs"] = seq_base + n
     return res
 
 
 def run_seed(base: SchedulerConfig, seconds: float, seed: int, seat_share: float = 0.5,
              seats_by_service: bool = True, layer_yield: Optional[Yield] = None,
-             flood_prompt: int = FLOOD_PROMPT, fair_slack: Optional[float] = FAIR_SLACK
-             ) -> dict:
+             flood_prompt: int = FLOOD_PROMPT, fair_slack: Optional[float] = FAIR_SLACK,
+             carry: bool = True) -> dict:
     """Both sections with ``class_step`` off and on, one seed (``seat_share``: §3's
     ``tenant_share``; ``seats_by_service`` False: a fixed cap of running seats;
     ``layer_yield``: steps pause between layers for a higher class, None: atomic steps;
     ``flood_prompt``: §3's tenant A's prompt tokens in the flood phase; ``fair_slack``: the
-    scheduler's, None: off)."""
+    scheduler's, None: off; ``carry``: §3's phases on one scheduler, :func:`fair_phases`)."""
     cap = simulate([Stream("c", clients=16)], base, seconds, seed, variant={"class_step": False})
     rate = cap["c"]["completions_per_s"]
     out: dict = {"capacity_per_s": rate}
@@ -332,11 +363,11 @@ def run_seed(base: SchedulerConfig, seconds: float, seed: int, seat_share: float
         alone = simulate([chat], prio, seconds, seed, ly, v)["chat"]
         batch = simulate([flood], prio, seconds, seed, ly, v)["batch"]
         both = simulate([chat, flood], prio, seconds, seed, ly, v)
-        f_alone = simulate([b_alone], fair, seconds, seed, ly, v)["B"]
-        f_both = simulate([b_alone, a_flood], fair, seconds, seed, ly, v)
-        backlog = simulate([Stream("B", clients=16, share=seat_share),
-                            Stream("A", clients=16, prompt=256, share=seat_share)],
-                           fair, seconds, seed, ly, v)
+        f_alone, f_both, backlog = fair_phases(
+            fair, seconds, seed, ly, v, None, carry, [b_alone], [b_alone, a_flood],
+            [Stream("B", clients=16, share=seat_share),
+             Stream("A", clients=16, prompt=256, share=seat_share)])
+        f_alone = f_alone["B"]
         total = backlog["A"]["computed_tokens"] + backlog["B"]["computed_tokens"]
         out["on" if on else "off"] = {
             "priority": {"alone": alone, "batch_alone": batch, "both": both,
@@ -360,23 +391,40 @@ def run_seed(base: SchedulerConfig, seconds: float, seed: int, seat_share: float
     return out
 
 
+def fair_phases(config: SchedulerConfig, seconds: float, seed: int, layer_yield: Optional[Yield],
+                variant: dict, stall: Optional[Stall], carry: bool,
+                *phases: list[Stream]) -> list[dict]:
+    """§3's phases (alone, flood, backlogged), one :func:`simulate` each. ``carry``: on one
+    scheduler, each phase starting ``PHASE_GAP_S`` after the last drained, as ``bench overload
+    fair`` runs its phases on one fleet (a tenant's service counter, and so where a tenant that
+    becomes backlogged starts, carries over); False: each on a fresh scheduler, counters at 0."""
+    if not carry:
+        return [simulate(ss, config, seconds, seed, layer_yield, variant, stall) for ss in phases]
+    sched, start, seqs, runs = new_scheduler(config, variant), 0.0, 0, []
+    for ss in phases:
+        runs.append(simulate(ss, config, seconds, seed, layer_yield, variant, stall, sched,
+                             start, seqs))
+        start, seqs = runs[-1]["_end"] + PHASE_GAP_S, runs[-1]["_seqs"]
+    return runs
+
+
 def run_fair(base: SchedulerConfig, seconds: float, seed: int, seat_share: float,
              layer_yield: Optional[Yield], flood_prompt: int, variant: dict,
-             stall: Optional[Stall]) -> dict:
+             stall: Optional[Stall], carry: bool = True) -> dict:
     """§3 alone, ``class_step`` on (the replicas' default), with ``stall`` on every phase
     but the capacity run (so the arrival rates match a run without stalls): B's TTFT and
     queue-wait p99 alone and beside A's flood, A's completions/s in the flood, preemptions;
-    B's share of computed tokens when both are backlogged."""
+    B's share of computed tokens when both are backlogged. ``carry``: :func:`fair_phases`'."""
     cap = simulate([Stream("c", clients=16)], base, seconds, seed, variant={"class_step": False})
     rate = cap["c"]["completions_per_s"]
     fair = replace(base, tenant_share=seat_share)
     b_alone = Stream("B", rate=0.2 * rate, share=seat_share)
     a_flood = Stream("A", rate=10 * rate, prompt=flood_prompt, share=seat_share)
-    f_alone = simulate([b_alone], fair, seconds, seed, layer_yield, variant, stall)["B"]
-    f_both = simulate([b_alone, a_flood], fair, seconds, seed, layer_yield, variant, stall)
-    backlog = simulate([Stream("B", clients=16, share=seat_share),
-                        Stream("A", clients=16, prompt=256, share=seat_share)],
-                       fair, seconds, seed, layer_yield, variant, stall)
+    f_alone, f_both, backlog = fair_phases(
+        fair, seconds, seed, layer_yield, variant, stall, carry,
+        [b_alone], [b_alone, a_flood], [Stream("B", clients=16, share=seat_share),
+                                        Stream("A", clients=16, prompt=256, share=seat_share)])
+    f_alone = f_alone["B"]
     total = backlog["A"]["computed_tokens"] + backlog["B"]["computed_tokens"]
     return {"capacity_per_s": rate, "alone": f_alone, "both": f_both, "backlogged": backlog,
             "ttft_p99_ratio": f_both["B"]["ttft_p99_ms"] / f_alone["ttft_p99_ms"],
@@ -425,6 +473,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="§3 only, class_step on (the replicas' default)")
     p.add_argument("--no-tenant-preempt", action="store_true",
                    help="§3: no seat preemption for a tenant under its share (the A/B)")
+    p.add_argument("--fresh-phases", action="store_true",
+                   help="§3: each phase on a fresh scheduler, counters at 0 (before: the "
+                        "default now carries the alone phase's scheduler into the flood and on)")
     p.add_argument("--json", default=None,
                    help="--fair-only: also write the runs to bench/results/JSON")
     a = p.parse_args(argv)
@@ -438,7 +489,7 @@ def main(argv: Optional[list[str]] = None) -> int:
              "fair_slack": None if a.fair_slack < 0 else a.fair_slack,
              "tenant_preempt": not a.no_tenant_preempt}
         fair_runs = {int(s): run_fair(base, a.seconds, int(s), a.seat_share, ly, a.flood_prompt,
-                                      v, stall) for s in a.seeds.split(",")}
+                                      v, stall, not a.fresh_phases) for s in a.seeds.split(",")}
         print("seed | B TTFT p99 alone → flood (×) | B queue p99 alone → flood | A /s in flood "
               "| preemptions in flood | B token share backlogged | A ITL p99 backlogged "
               "| preemptions backlogged | A, B /s backlogged")
@@ -450,11 +501,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                   f"{f['b_token_share']:.3f} | {f['backlogged']['A']['itl_p99_ms']:.0f} ms | "
                   f"{f['backlogged']['_preemptions']} | {f['backlogged']['A']['completions_per_s']:.2f}, "
                   f"{f['backlogged']['B']['completions_per_s']:.2f}")
-        print("seed | B's slowest 3 in the flood: TTFT = queue + prefill ms (preempted) "
+        print("seed | B's slowest 3 in the flood: TTFT = queue + prefill ms (preempted, arrival) "
               "| A ITL p99 in flood")
         for seed, f in fair_runs.items():
             tail = ", ".join(f"{x['ttft_ms']:.0f} = {x['queue_ms']:.0f} + {x['prefill_ms']:.0f}"
-                             f" ({x['preempted']})" for x in f["both"]["B"]["slowest"][:3])
+                             f" ({x['preempted']}, at {x['at_s']:.1f} s)"
+                             for x in f["both"]["B"]["slowest"][:3])
             print(f"{seed} | {tail} | {f['both']['A']['itl_p99_ms']:.0f} ms")
         if a.json:
             RESULTS.mkdir(parents=True, exist_ok=True)
@@ -462,7 +514,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                                                      indent=1) + "\n")
         return 0
     runs = {int(s): run_seed(base, a.seconds, int(s), a.seat_share, not a.fixed_seats, ly,
-                             a.flood_prompt, None if a.fair_slack < 0 else a.fair_slack)
+                             a.flood_prompt, None if a.fair_slack < 0 else a.fair_slack,
+                             not a.fresh_phases)
             for s in a.seeds.split(",")}
     print("seed class_step | §2 chat TTFT p99 alone → both (×) | batch drop vs chat /s "
           "| batch ITL p99 | §3 B TTFT p99 alone → both (×) | B token share | A ITL p99 (backlogged) "
@@ -486,6 +539,7 @@ def main(argv: Optional[list[str]] = None) -> int:
            + ("" if a.flood_prompt == FLOOD_PROMPT else f"-flood{a.flood_prompt}")
            + ("" if a.fair_slack == FAIR_SLACK else f"-slack{a.fair_slack:g}")
            + ("-fixed" if a.fixed_seats else "") + ("-yield" if a.layer_yield else "")
+           + ("-fresh" if a.fresh_phases else "")
            + (f"{a.yield_cost_layers:g}" if a.layer_yield and a.yield_cost_layers else "")
            + (f"-merge{a.merge_within_ms:g}" if a.layer_yield and merge is not None else ""))
     path = RESULTS / f"class_sim{tag}.json"

@@ -213,12 +213,13 @@ def preempt_for_share(sched: Scheduler, waited: frozenset[str]
 
     Service orders the queue and lends seats past a share (:mod:`.seats`) on any margin, and
     holds back the prompts of a tenant served more than the step's first (admission's
-    ``favour_first``). Within the service credit two tenants' counters cross step by step: a
-    flood that becomes backlogged starts up to the credit below a light tenant that ran alone,
-    and for the next seconds the light tenant's prompts lose every such comparison by a few
-    tokens — held back beside free seats, or waiting while the flood holds seats lent past
-    its share that only a natural finish gave back (:func:`preempt_for_behind_tenant` acts only
-    past the credit; docs/slo.md, "B's wait at the flood's start").
+    ``favour_first``). Within the service credit two tenants' counters cross step by step (a
+    flood starting beside a light tenant that ran alone started up to the credit below it,
+    until the flood's credit became a loan paid back once it floods: :mod:`.tenant_service`),
+    and the light tenant's prompts may lose such comparisons by a few tokens — held back
+    beside free seats, or waiting while the flood holds seats lent past its share that only a
+    natural finish gave back (:func:`preempt_for_behind_tenant` acts only past the credit;
+    docs/slo.md, "B's wait at the flood's start").
 
     So the share is a guarantee to a tenant that asks no more than it: the oldest waiting
     sequence, of the class the queue serves next (:meth:`~.seats.TenantSeats.next_waiting`), of

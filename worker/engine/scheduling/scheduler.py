@@ -132,8 +132,9 @@ class Scheduler:
         self.spec = Speculator(config.speculative, config.speculative_tokens)
         self.rules = PriorityRules(config.max_num_seqs, config.batch_share, config.class_headroom)
         # per-tenant service: who is admitted next; a returning tenant may start up to one
-        # step's prefill behind the others
-        self.service = TenantService(credit=config.max_num_batched_tokens * PREFILL_WEIGHT)
+        # step's prefill behind a tenant asking for more than its split of the seats
+        self.service = TenantService(credit=config.max_num_batched_tokens * PREFILL_WEIGHT,
+                                     seats=config.max_num_seqs)
         self.seats = TenantSeats(config.max_num_seqs, config.tenant_share, seats_by_service,
                                  self.service)
         self.class_step = (ClassStep(step_cost, config.max_num_batched_tokens, config.itl_target_ms)

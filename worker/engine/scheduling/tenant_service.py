@@ -21,6 +21,19 @@ tenant that comes back beside a flood is still behind it for its first prompts. 
 flood's counter exactly, its first prefill would put it ahead, and the next prompt of a
 small burst (two arrivals close together) would wait behind the flood's next prefill.
 
+The credit is for a light tenant beside a **flood** (a backlogged tenant asking for more
+sequences, running and waiting, than an equal split of the replica's ``seats`` among the
+backlogged tenants). Below a flood it is kept. Below a light tenant (or on an idle replica,
+below the one that ran alone) it is only lent: the borrower pays it back once it floods itself,
+and its counter is then where VTC's lift without a credit would have put it. Else a flood that
+starts beside a light tenant that just ran alone would start the credit *behind* it, and for
+that credit's worth the light tenant, "served more", would lose every comparison to it: its
+prompts held back behind, and riding in, the flood's long prefill steps, which the bound on an
+over-served tenant's prefill (``fair_bound.py``) does not shorten while the flood is the tenant
+served less. So a light tenant returning beside a flood keeps its credit (a burst past its split
+included), two light tenants lend each other theirs, a lag a tenant earned while backlogged is
+never taken back, and a newcomer's floor counts the others' counters as without their loans.
+
 Weights: decode 2, prefill 1 (the paper's choice). A decode token costs a whole row of the
 batch for one token: on the calibrated CPU model several prefill tokens' worth, on a GPU far
 closer to one (decode rows ride along in a memory-bound step); 2 sits between and keeps
@@ -45,35 +58,65 @@ class TenantService:
         prefill_weight, decode_weight: service per prefill token computed / decode token.
         credit: service a tenant that becomes backlogged may start below the floor (weighted
             tokens, >= 0; 0: the floor exactly, as in VTC).
+        seats: the replica's running seats, whose equal split among the backlogged tenants
+            tells a flood (>= 1; None: no tenant floods, and the credit is always kept).
 
     Raises:
-        ValueError: a negative weight or credit.
+        ValueError: a negative weight or credit, or fewer than one seat.
     """
 
     def __init__(self, prefill_weight: float = PREFILL_WEIGHT,
-                 decode_weight: float = DECODE_WEIGHT, credit: float = 0.0) -> None:
+                 decode_weight: float = DECODE_WEIGHT, credit: float = 0.0,
+                 seats: Optional[int] = None) -> None:
         if prefill_weight < 0 or decode_weight < 0:
             raise ValueError("service weights must be >= 0")
         if not credit >= 0:
             raise ValueError(f"credit must be >= 0, got {credit}")
+        if seats is not None and seats < 1:
+            raise ValueError(f"seats must be >= 1, got {seats}")
         self.prefill_weight = prefill_weight
         self.decode_weight = decode_weight
         self.credit = credit
+        self.seats = seats
         self.service: dict[str, float] = {}  # tenant -> weighted tokens computed
         self._high = 0.0  # the highest counter yet: where a tenant starts on an idle replica
         self._backlog: dict[str, int] = {}    # tenant -> unfinished sequences
+        self._lent: dict[str, float] = {}  # backlogged tenant -> credit lent it, to pay back
 
     def arrive(self, tenant: str, num_seqs: int = 1) -> None:
         """``num_seqs`` sequences of ``tenant`` were queued. A tenant not backlogged until now
         starts at the least service of those that are, or the highest yet when none is, less
-        the credit (its own if higher)."""
+        the credit (its own if higher). Credit taken below a tenant that does not flood is lent,
+        paid back once the borrower floods (:meth:`floods`)."""
         if tenant not in self._backlog:
-            floor = min((self.service.get(t, 0.0) for t in self._backlog),
-                        default=self._high) - self.credit
-            self._forget_idle(floor)
-            self.service[tenant] = max(self.service.get(tenant, 0.0), floor)
-            self._backlog[tenant] = 0
+            self._backlog[tenant] = 0  # counted in the split of the seats from now
+            self._repay()
+            # the others' counters as without a loan they may still pay back
+            others = {t: self.service.get(t, 0.0) + self._lent.get(t, 0.0)
+                      for t in self._backlog if t != tenant}
+            floor = min(others.values(), default=self._high)
+            self._forget_idle(floor - self.credit)
+            own = self.service.get(tenant, 0.0)
+            self.service[tenant] = max(own, floor - self.credit)
+            lent = max(own, floor) - self.service[tenant]
+            if self.seats is not None and lent and not (
+                    others and self.floods(min(others, key=others.__getitem__))):
+                self._lent[tenant] = lent  # lent below a light tenant (or on an idle replica)
         self._backlog[tenant] += num_seqs
+        self._repay()
+
+    def _repay(self) -> None:
+        """A tenant lent the credit below a light tenant pays it back once it floods."""
+        for t in [t for t in self._lent if self.floods(t)]:
+            self.service[t] += self._lent.pop(t)
+            self._high = max(self._high, self.service[t])
+
+    def floods(self, tenant: str) -> bool:
+        """Does backlogged ``tenant`` ask for more sequences (unfinished: running and waiting)
+        than an equal split of ``seats`` among the backlogged tenants? (False where ``seats``
+        is None.)"""
+        return (self.seats is not None
+                and self._backlog.get(tenant, 0) * len(self._backlog) > self.seats)
 
     def leave(self, tenant: str, num_seqs: int = 1) -> None:
         """``num_seqs`` sequences of ``tenant`` finished (or were refused after arrive)."""
@@ -83,6 +126,7 @@ class TenantService:
             self._backlog[tenant] = left
         else:
             self._backlog.pop(tenant, None)
+            self._lent.pop(tenant, None)  # it never flooded: the credit was its to keep
 
     def charge(self, tenant: str, prefill_tokens: int = 0, decode_tokens: int = 0) -> None:
         """Add computed tokens (cached prompt tokens are never passed here)."""
@@ -126,9 +170,13 @@ class TenantService:
             del self.service[t]
 
     def check_invariants(self) -> None:
-        """Every backlogged tenant has a counter and a positive sequence count."""
+        """Every backlogged tenant has a counter and a positive sequence count; credit is lent
+        only to backlogged tenants, within the credit, and paid back by one that floods."""
         for t, n in self._backlog.items():
             assert n > 0 and t in self.service, f"tenant {t!r}: backlog {n}"
+        for t, lent in self._lent.items():
+            assert t in self._backlog and 0 < lent <= self.credit, f"tenant {t!r}: lent {lent}"
+            assert not self.floods(t), f"tenant {t!r} floods with lent credit {lent}"
 
 
 def served_more(service: Mapping[str, float], a: str, b: str) -> bool:

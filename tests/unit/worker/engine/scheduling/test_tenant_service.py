@@ -125,14 +125,15 @@ def test_a_tenant_whose_prompts_hit_the_cache_is_charged_less_and_gets_more_turn
     order = [x.tenant for _ in range(8) for x in step_and_finish(s)]
     # A hit computes 4 of 16 tokens (the last prompt token is always recomputed), so fresh
     # (16 per request) pays 4x what cached pays: cached takes 4 turns per fresh turn, where
-    # counting running sequences would alternate. Ties go to the oldest waiting request.
-    assert order == ["fresh", "cached", "cached", "cached", "cached", "fresh", "cached", "cached"]
-    # Both started at warmer's 16 (the highest counter: it ran alone) less the scheduler's
-    # credit (one step's prefill: 16 here), then paid their own.
-    start = max(0.0, 16 - s.service.credit)
+    # counting running sequences would alternate (6 and 2 in 8 steps).
+    # fresh came first, on the idle replica: one credit (the scheduler's: one step's prefill,
+    # 16 here) below warmer's 16 (the highest counter: it ran alone); it paid the credit back
+    # when cached arrived, asking for more than its split of the one seat (a flood). cached
+    # became backlogged beside that flood and keeps the credit: 16 below it, its 4 turns first.
+    assert order == ["cached"] * 4 + ["fresh", "cached", "cached", "fresh"]
     assert s.service.credit == 16 * PREFILL_WEIGHT
-    assert s.service.service["cached"] == start + 6 * 4 * PREFILL_WEIGHT
-    assert s.service.service["fresh"] == start + 2 * 16 * PREFILL_WEIGHT
+    assert s.service.service["cached"] == 16 - s.service.credit + 6 * 4 * PREFILL_WEIGHT
+    assert s.service.service["fresh"] == 16 + 2 * 16 * PREFILL_WEIGHT
     assert all(x.num_cached_tokens == 12 for x in cached)
 
 
