@@ -56,3 +56,17 @@ def run_step(s: Scheduler, token: int = 7, finish: bool = False) -> SchedulerOut
 def held(s: Scheduler, tenant: str) -> int:
     """Seats ``tenant``'s sequences hold in ``s`` (its running sequences)."""
     return sum(1 for x in s.running if x.tenant == tenant)
+
+
+def two_tenants_seated(s: Scheduler, a: int, b: int, ahead: str, by: float
+                       ) -> tuple[list[SequenceState], list[SequenceState]]:
+    """Queue ``a`` and ``b`` long sequences (50 tokens each) of tenants "a" and "b", charge
+    ``ahead`` ``by`` prefill tokens of service, and run two steps (admission settles). Returns
+    both tenants' sequences."""
+    seqs = {t: [new_seq(prompt_len=4, max_tokens=50, tenant=t) for _ in range(n)]
+            for t, n in (("a", a), ("b", b))}
+    s.add(seqs["a"] + seqs["b"])
+    s.service.charge(ahead, prefill_tokens=by)
+    for _ in range(2):
+        run_step(s)
+    return seqs["a"], seqs["b"]

@@ -218,12 +218,16 @@ class StepBudget:
         beside this step's decode rows, each chunk attending the prefix before it and each
         decode row one more position a step, and each step its time outside the forward."""
         n = self._chunk(num_computed, remaining, steps)
-        total, done, later = 0.0, 0, 0
-        while done < remaining:
-            k = min(n, remaining - done)
-            total += self._with(num_computed + done, k, later) + self._outside_s()
-            done, later = done + k, later + self.decode_rows
-        return total
+        full = -(-remaining // n) - 1  # chunks of n before the last one
+        rows = self.decode_rows
+        last = self._with(num_computed + full * n, remaining - full * n, full * rows)
+        # the full chunks differ only in positions attended, which the form prices linearly:
+        # their sum is their count times the mean of the first and the last
+        if full:
+            first, final = self._with(num_computed, n), self._with(
+                num_computed + (full - 1) * n, n, (full - 1) * rows)
+            last += full * (first + final) / 2
+        return last + (full + 1) * self._outside_s()
 
     def _outside_s(self) -> float:
         """Seconds a step costs beyond its forward, as the model has measured (0 if not)."""

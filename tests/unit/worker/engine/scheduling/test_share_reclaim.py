@@ -9,7 +9,13 @@ from __future__ import annotations
 from kvfleet.worker.engine.request import SeqStatus, SequenceState
 from kvfleet.worker.engine.scheduling.preemption import TENANT_SEAT
 from kvfleet.worker.engine.scheduling.scheduler import Scheduler
-from tests.unit.worker.scheduler_harness import held, make_scheduler, new_seq, run_step
+from tests.unit.worker.scheduler_harness import (
+    held,
+    make_scheduler,
+    new_seq,
+    run_step,
+    two_tenants_seated,
+)
 
 
 def a_past_its_share(b_ahead_by: float = 100.0) -> tuple[Scheduler, list[SequenceState]]:
@@ -17,12 +23,7 @@ def a_past_its_share(b_ahead_by: float = 100.0) -> tuple[Scheduler, list[Sequenc
     so service lends a a fourth seat; then b's two prompts take the rest: a 4, b 2, every seat
     held. Returns the scheduler and a's running sequences."""
     s = make_scheduler(256, max_num_seqs=6, tenant_share=0.5)
-    a = [new_seq(prompt_len=4, max_tokens=50, tenant="a") for _ in range(4)]
-    b = [new_seq(prompt_len=4, max_tokens=50, tenant="b") for _ in range(2)]
-    s.add(a + b)
-    s.service.charge("b", prefill_tokens=b_ahead_by)
-    for _ in range(2):
-        run_step(s)
+    a, _ = two_tenants_seated(s, 4, 2, "b", b_ahead_by)
     assert (held(s, "a"), held(s, "b"), len(s.waiting)) == (4, 2, 0)
     return s, a
 

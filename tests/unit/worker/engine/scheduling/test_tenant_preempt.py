@@ -13,7 +13,13 @@ import pytest
 from kvfleet.worker.engine.request import SeqStatus, SequenceState
 from kvfleet.worker.engine.scheduling.priority_queue import MAX_CLASS_PREEMPTIONS
 from kvfleet.worker.engine.scheduling.scheduler import Scheduler
-from tests.unit.worker.scheduler_harness import held, make_scheduler, new_seq, run_step
+from tests.unit.worker.scheduler_harness import (
+    held,
+    make_scheduler,
+    new_seq,
+    run_step,
+    two_tenants_seated,
+)
 
 
 def seats_full(a_ahead_by: float, tenant_share: float = 0.5, policy: str = "watermark"
@@ -22,12 +28,7 @@ def seats_full(a_ahead_by: float, tenant_share: float = 0.5, policy: str = "wate
     served ``a_ahead_by`` more, waited), a runs 2 and has 2 more waiting: every seat held.
     Returns the scheduler and a's running sequences, oldest first."""
     s = make_scheduler(256, max_num_seqs=6, tenant_share=tenant_share, policy=policy)
-    a = [new_seq(prompt_len=4, max_tokens=50, tenant="a") for _ in range(4)]
-    b = [new_seq(prompt_len=4, max_tokens=50, tenant="b") for _ in range(4)]
-    s.add(a + b)
-    s.service.charge("a", prefill_tokens=a_ahead_by)
-    for _ in range(2):
-        run_step(s)
+    a, _ = two_tenants_seated(s, 4, 4, "a", a_ahead_by)
     assert len(s.running) == 6
     return s, [x for x in a if x in s.running]
 
