@@ -240,19 +240,21 @@ class RouterCore:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizers, fn, arg)
 
     def _candidates(self, model: str, matched: Optional[dict[str, int]] = None,
-                    live: Optional[list] = None,
-                    host: Optional[dict[str, int]] = None) -> list[Candidate]:
+                    live: Optional[list] = None, host: Optional[dict[str, int]] = None,
+                    tenant: Optional[str] = None) -> list[Candidate]:
         """Every live replica of ``model`` with its load (``live``: ``for_model``'s answer, if
-        the caller has it; ``matched`` / ``host``: its device / host-tier hits). Raises
-        Unavailable if none is live."""
+        the caller has it; ``matched`` / ``host``: its device / host-tier hits; ``tenant``:
+        the request's, for the tenant spread's counts). Raises Unavailable if none is live."""
         live = self.replicas.for_model(model) if live is None else live
         if not live:
             raise Unavailable(self.replicas.none_reason(model))
         ledger, matched, host = self.replicas.ledger, matched or {}, host or {}
+        spread = {} if tenant is None else ledger.tenant_spread(tenant)
         now = ledger.clock()
         return [Candidate(info, load, matched.get(info.replica_id, 0),
                           ledger.inflight[info.replica_id], ledger.settled(info.replica_id),
-                          report_age(load, now), host.get(info.replica_id, 0))
+                          report_age(load, now), host.get(info.replica_id, 0),
+                          spread.get(info.replica_id, 0))
                 for info, load in live]
 
     def _claim_id(self, tenant: str, client_id: str) -> tuple[str, str]:
@@ -269,10 +271,12 @@ class RouterCore:
         return client_id, f"{tenant}/{client_id}"
 
     async def route(self, model: ServedModel, chain: list[bytes],
-                    adapter: Optional[tuple[str, str]] = None) -> RouteDecision:
+                    adapter: Optional[tuple[str, str]] = None,
+                    tenant: Optional[str] = None) -> RouteDecision:
         """Pick a replica with room for a chain of block hashes (``adapter``: (name,
         revision), among the replicas serving it; ``prefix_aware`` prefers those where it is
-        resident). Raises Unavailable if none is live."""
+        resident; ``tenant``: the request's, spread when light). Raises Unavailable if none
+        is live."""
         live = self._candidates(model.name)  # Unavailable before any lookup
         matched: dict[str, int] = {}
         host: dict[str, int] = {}
@@ -296,7 +300,7 @@ class RouterCore:
             except IndexUnavailable as exc:
                 self.replicas.mark_index_down(exc)
         redis_s = time.perf_counter() - t0
-        candidates = self._candidates(model.name, matched, host=host)
+        candidates = self._candidates(model.name, matched, host=host, tenant=tenant)
         if adapter is not None:
             candidates = serving(candidates, adapter)
             if not candidates:
@@ -352,7 +356,7 @@ class RouterCore:
             scope = self.auth.cache_scope(tenant)  # the tenant, or its shared namespace
             chain = block_hash_chain(model.root_hash(scope, req.cache_salt, adapter), tokens,
                                      model.block_size)
-            decision = await self.route(model, chain, adapter)
+            decision = await self.route(model, chain, adapter, tenant)
             trace.routed(route_start, decision, self.policy.name)
             client_id, request_id = self._claim_id(tenant, req.request_id)  # last: released below
             try:
@@ -380,6 +384,7 @@ class RouterCore:
         (draining, a failed rank) before anything was relayed. ``ids``: (the client's request
         id, the worker's)."""
         client_id, request_id = ids
+        tenant = request_id.partition("/")[0]  # see _claim_id
         for attempt in range(1, MAX_DISPATCHES + 1):
             info = decision.candidate.info
             if req.fill_context:
@@ -393,7 +398,7 @@ class RouterCore:
                           len(tokens), info.replica_id, self.policy.name,
                           "; ".join(c.describe() for c in decision.candidates))
             relayed = False
-            dispatched_at = self.replicas.ledger.dispatched(info.replica_id)
+            dispatched_at = self.replicas.ledger.dispatched(info.replica_id, tenant)
             # The deadline travels as deadline_unix_s (the worker enforces it); an edge that
             # gives up cancels this generator, which cancels the call below.
             try:
@@ -412,7 +417,7 @@ class RouterCore:
                     # Nothing reached the client: safe to move.
                     if not relayed and attempt < MAX_DISPATCHES:
                         with contextlib.suppress(KvfleetError):
-                            retry = await self.route(model, chain, decision.adapter)
+                            retry = await self.route(model, chain, decision.adapter, tenant)
                             chosen = retry.candidate.info
                             if (chosen.replica_id == info.replica_id
                                     or self.replicas.is_unreachable(chosen)):
@@ -420,14 +425,14 @@ class RouterCore:
                                 # a replacement may have registered since the last registry
                                 # read (every 0.5 s); read it now.
                                 await self.replicas.refresh()
-                                retry = await self.route(model, chain, decision.adapter)
+                                retry = await self.route(model, chain, decision.adapter, tenant)
                         if retry is not None and retry.candidate.info.replica_id != info.replica_id:
                             trace.dispatch_failed(exc.code, exc.details)
                             decision = retry
                             continue
                 raise
             finally:
-                self.replicas.ledger.finished(info.replica_id, dispatched_at)
+                self.replicas.ledger.finished(info.replica_id, dispatched_at, tenant)
                 call.cancel()  # no-op when finished; aborts the worker's call if the client left
 
     @staticmethod

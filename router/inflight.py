@@ -21,13 +21,16 @@ from collections import defaultdict
 from typing import Callable, Iterable, Optional
 
 from kvfleet.index_keys import ReplicaLoad
+from kvfleet.router.tenant_spread import light_counts
 
 MAX_FINISHED = 4096  # finishes kept per replica while its report does not advance (a hung worker)
 
 
 class InflightLedger:
     """Per replica: open streams (``inflight``) and ``settled(rid)``, the number of this
-    router's requests that the replica's current report counts but that have finished."""
+    router's requests that the replica's current report counts but that have finished; per
+    tenant and replica, open streams (``by_tenant``: the tenant-aware spread's counts,
+    ``router/tenant_spread.py``)."""
 
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self.clock = clock
@@ -36,15 +39,26 @@ class InflightLedger:
         # replica → (dispatched, finished) unix s of requests finished after that report
         self._finished: dict[str, list[tuple[float, float]]] = {}
         self._settled: dict[str, int] = {}
+        self.by_tenant: dict[str, dict[str, int]] = {}  # tenant → replica → open streams
 
-    def dispatched(self, replica_id: str) -> float:
-        """A stream to ``replica_id`` opened; returns its dispatch time for ``finished``."""
+    def dispatched(self, replica_id: str, tenant: str = "") -> float:
+        """A stream of ``tenant`` to ``replica_id`` opened; returns its dispatch time for
+        ``finished``."""
         self.inflight[replica_id] += 1
+        per = self.by_tenant.setdefault(tenant, {})
+        per[replica_id] = per.get(replica_id, 0) + 1
         return self.clock()
 
-    def finished(self, replica_id: str, dispatched_at: float) -> None:
-        """The stream opened at ``dispatched_at`` ended (done, failed or cancelled)."""
+    def finished(self, replica_id: str, dispatched_at: float, tenant: str = "") -> None:
+        """The stream of ``tenant`` opened at ``dispatched_at`` ended (done, failed or
+        cancelled)."""
         self.inflight[replica_id] -= 1
+        per = self.by_tenant.get(tenant, {})
+        per[replica_id] = per.get(replica_id, 0) - 1
+        if per[replica_id] <= 0:  # forgotten at zero: a tenant or replica id may never return
+            del per[replica_id]
+            if not per:
+                self.by_tenant.pop(tenant, None)
         report_at = self._report_at.get(replica_id)
         if report_at is None:
             return  # no report to correct
@@ -77,6 +91,13 @@ class InflightLedger:
             self._forget(rid)
         for rid in [r for r, n in self.inflight.items() if n == 0 and r not in seen]:
             del self.inflight[rid]  # a replaced replica's id never comes back
+
+    def tenant_spread(self, tenant: str) -> dict[str, int]:
+        """``tenant``'s open streams per replica when it is light beside other tenants, else
+        ``{}`` (``router/tenant_spread.py``)."""
+        mine = self.by_tenant.get(tenant, {})
+        others = len(self.by_tenant) - (tenant in self.by_tenant)  # a tenant at zero is dropped
+        return light_counts(mine, others, sum(self.inflight.values()))
 
     def settled(self, replica_id: str) -> int:
         """This router's requests counted by the replica's report that have since finished."""

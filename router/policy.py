@@ -38,7 +38,11 @@ a finished one stops counting at once):
 3. **KV saturation.** A replica whose KV blocks are ``kv_saturation`` or more in use by live
    requests (last report) is skipped while another is not: it could not admit the request.
 
-``predicted_ttft`` (the default) keeps 2 and 3 and scores in seconds instead
+4. **Tenant spread.** A request of a tenant that is light beside others goes, for a new
+   family, where its tenant would be least past its even split of the tenant's open requests
+   (ahead of the score), and breaks equal scores the same way (``router/tenant_spread.py``).
+
+``predicted_ttft`` (the default) keeps 2, 3 and 4 and scores in seconds instead
 (``router/predicted_ttft.py``); a decision where a replica's report lacks the forecast is
 ``prefix_aware``'s.
 ``least_loaded`` and ``round_robin`` are the baselines benchmarks compare against.
@@ -53,6 +57,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Protocol, Sequence
 
 from kvfleet.index_keys import ReplicaInfo, ReplicaLoad
+from kvfleet.router.tenant_spread import tenant_excess
 from kvfleet.router.tier_credit import DEFAULT_HOST_HIT_WEIGHT, host_credit_blocks
 
 DEFAULT_LOAD_PENALTY_BLOCKS = 1.0
@@ -77,6 +82,9 @@ class Candidate:
     report_age_s: float = 0.0  # seconds since the report was taken (this router's clock)
     # Blocks after the device match that its node's host tier holds (restored, not computed).
     host_blocks: int = 0
+    # The request's tenant's open streams on the replica (this router's), when the tenant is
+    # light beside others; else 0 (router/tenant_spread.py).
+    tenant_inflight: int = 0
 
     @property
     def reported(self) -> Optional[int]:
@@ -96,6 +104,7 @@ class Candidate:
         decision's inputs, for the ``kvfleet.route.candidates`` span attribute and debug logs."""
         reported = "none" if self.reported is None else self.reported
         host = f" host={self.host_blocks}" if self.host_blocks else ""
+        host += f" tenant={self.tenant_inflight}" if self.tenant_inflight else ""
         return (f"{self.info.replica_id} matched={self.matched_blocks}{host} load={self.load} "
                 f"(reported={reported} settled={self.settled} inflight={self.inflight})")
 
@@ -260,14 +269,19 @@ class PrefixAware:
     def _best_score(self, candidates: Sequence[Candidate], chain: Sequence[bytes]) -> Candidate:
         """Highest score; then the deeper match (the score says the extra load is worth the
         extra cached blocks, and sending the request elsewhere would copy the prefix); then
-        least loaded; holders then by recent load (the one with less other work takes the
-        shared family's traffic); then :class:`TieOrder` (rendezvous on the first block)."""
+        the tenant's excess over its even split; then least loaded; holders then by recent
+        load (the one with less other work takes the shared family's traffic); then
+        :class:`TieOrder` (rendezvous on the first block). A new family (nothing cached
+        anywhere) goes by the tenant's excess first (``router/tenant_spread.py``)."""
         cached = {c.info.replica_id: c.matched_blocks + host_credit_blocks(c, self.host_hit_weight)
                   for c in candidates}  # host-tier hits at their weight (router/tier_credit.py)
         rank = self.ties.ranks(candidates, chain)
+        excess = tenant_excess(candidates)
+        new = not any(cached.values())
         return max(candidates, key=lambda c: (
+            -excess[c.info.replica_id] if new else 0,
             cached[c.info.replica_id] - self.load_penalty_blocks * c.load,
-            cached[c.info.replica_id], -c.load,
+            cached[c.info.replica_id], -excess[c.info.replica_id], -c.load,
             -self.recent_load.get(c.info.replica_id, 0.0) if c.matched_blocks else 0.0,
             -rank[c.info.replica_id]))
 

@@ -33,7 +33,9 @@ holders of one prefix, each with a share of the fleet's KV). The same record giv
 replica's **working set**: the distinct blocks sent to it over ~``load_window`` decisions per
 replica. A new family (no replica holds any block of it) goes where that working set is the
 smallest share of the replica's KV — among the replicas whose backlog is shorter than the
-prompt's full prefill on the fastest (all, if none is) — then by load and rendezvous. By
+prompt's full prefill on the fastest (all, if none is), and after the tenant spread (a light
+tenant's request goes where it is least past its even split: ``router/tenant_spread.py``)
+— then by load and rendezvous. By
 load alone a family lands wherever the queue is short at the moment it first arrives, and
 a replica given more families than its KV holds evicts what its own traffic returns for; by
 room each replica holds its share. The backlog guard keeps a cold start's prefills off a
@@ -63,6 +65,7 @@ from typing import Optional, Sequence
 from kvfleet.index_keys import ReplicaLoad
 from kvfleet.router.placement_memory import PlacementMemory
 from kvfleet.router.policy import Candidate, PrefixAware, rendezvous_desc
+from kvfleet.router.tenant_spread import tenant_excess
 from kvfleet.router.tier_credit import host_credit_s
 
 MAX_REPORT_AGE_S = 10.0  # older is a clock offset between hosts, not drained work
@@ -198,14 +201,18 @@ class PredictedTTFT(PrefixAware):
     def _place_new(self, candidates: Sequence[Candidate], chain: Sequence[bytes]) -> Candidate:
         """Where a prefix no replica holds goes: among the replicas whose backlog is shorter
         than the prompt's full prefill on the fastest (all, if none is, or if a candidate
-        lacks the forecast), the one whose KV working set has the most room; then least
-        loaded, then :class:`~kvfleet.router.policy.TieOrder`."""
+        lacks the forecast), the one where the request's tenant would be least past its even
+        split (``router/tenant_spread.py``: 0 everywhere unless the tenant is light), then
+        whose KV working set has the most room; then least loaded, then
+        :class:`~kvfleet.router.policy.TieOrder`."""
         pool = candidates
         if all(_forecast(c) is not None for c in candidates):
             copy_s = min(self.own_prefill_s(c, chain, matched=0) for c in candidates)
             pool = [c for c in candidates if self.backlog_s(c) <= copy_s] or candidates
         rank = self.ties.ranks(pool, chain)
-        return min(pool, key=lambda c: (room_order(self.sent.working_set(c.info.replica_id), c),
+        excess = tenant_excess(pool)
+        return min(pool, key=lambda c: (excess[c.info.replica_id],
+                                        room_order(self.sent.working_set(c.info.replica_id), c),
                                         c.load, rank[c.info.replica_id]))
 
     def _order(self, c: Candidate, chain: Sequence[bytes]) -> tuple:

@@ -31,15 +31,17 @@ def report(running: int = 0, waiting: int = 0, *, free: int = 10, total: int = 1
 
 def cand(replica: Union[str, ReplicaInfo], matched: int = 0, *, inflight: int = 0,
          settled: int = 0, host: int = 0, age: float = 0.0, limit: int = 0,
-         kv_tier: str = "", reported: bool = True, **load) -> Candidate:
+         kv_tier: str = "", reported: bool = True, tenant_inflight: int = 0,
+         **load) -> Candidate:
     """A candidate: ``replica`` (an id, or its entry), ``matched`` device blocks, ``host``
-    blocks after them in its node tier, this router's ``inflight`` / ``settled`` requests,
-    a report ``age`` seconds old (none at all unless ``reported``); ``load``: :func:`report`'s
+    blocks after them in its node tier, this router's ``inflight`` / ``settled`` requests
+    (``tenant_inflight``: the request's tenant's, as the tenant spread counts them), a report
+    ``age`` seconds old (none at all unless ``reported``); ``load``: :func:`report`'s
     arguments."""
     entry = replica if isinstance(replica, ReplicaInfo) else info(replica, limit=limit,
                                                                   kv_tier=kv_tier)
     return Candidate(entry, report(**load) if reported else None, matched, inflight, settled,
-                     report_age_s=age, host_blocks=host)
+                     report_age_s=age, host_blocks=host, tenant_inflight=tenant_inflight)
 
 
 def chain(name: bytes, n: int) -> list[bytes]:
