@@ -64,6 +64,7 @@ class Outcome:
     replica_s: Optional[float] = None  # the replica's forward seconds its rows took (worker's)
     computed_tokens: int = 0  # uncached prompt + output tokens the worker computed
     service: float = 0.0      # the same, weighted as the scheduler's fairness counts them
+    replica: str = ""         # the replica that answered (final message)
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,7 @@ async def send(stub, run: Run, rng: random.Random, tenant: str = "",
             if m.finish_reason:
                 out.worker_queue_s, out.worker_ttft_s = m.timing.queue_s, m.timing.ttft_s
                 out.replica_s = m.timing.replica_s
+                out.replica = m.replica_id
                 u = m.usage
                 out.computed_tokens = (u.prompt_tokens - u.cached_prompt_tokens
                                        + u.completion_tokens)
@@ -121,15 +123,19 @@ async def send(stub, run: Run, rng: random.Random, tenant: str = "",
 def slowest_split(outs: list[Outcome], n: int = 8) -> list[dict]:
     """The ``n`` admitted requests with the longest client TTFT, each split (milliseconds) into the
     worker's queue (arrival to first scheduled: a seat wait), its prefill (first scheduled to first
-    token: step lengths) and the rest outside the worker (router, network, stream relay)."""
+    token: step lengths) and the rest outside the worker (router, network, stream relay); with
+    its replica and ``own_open``, how many of ``outs`` were open on that replica when it was
+    sent (the same tenant's when ``outs`` is one tenant's)."""
     done = [o for o in outs if o.code == "OK" and o.first and o.worker_ttft_s is not None]
     done.sort(key=lambda o: o.first - o.sent, reverse=True)  # type: ignore[operator]
     rows = []
     for o in done[:n]:
         ttft = (o.first - o.sent) * 1e3  # type: ignore[operator]
         queue, wttft = (o.worker_queue_s or 0.0) * 1e3, (o.worker_ttft_s or 0.0) * 1e3
+        own = sum(1 for p in outs if p is not o and p.replica == o.replica and p.sent < o.sent < p.end)
         rows.append({"ttft_ms": round(ttft, 2), "queue_ms": round(queue, 2),
-                     "prefill_ms": round(wttft - queue, 2), "outside_ms": round(ttft - wttft, 2)})
+                     "prefill_ms": round(wttft - queue, 2), "outside_ms": round(ttft - wttft, 2),
+                     "replica": o.replica, "own_open": own})
     return rows
 
 
@@ -150,6 +156,7 @@ def summarize(outs: list[Outcome]) -> dict:
         if xs:
             s[f"{name[:-2]}_p50_ms"], s[f"{name[:-2]}_p99_ms"] = quantile(xs, 0.5), quantile(xs, 0.99)
     s["slowest"] = slowest_split(outs)
+    s["by_replica"] = dict(sorted(Counter(o.replica for o in outs if o.code == "OK").items()))
     other = sorted({f"{o.code}: {o.details}" for o in outs
                     if o.code not in ("OK", "RESOURCE_EXHAUSTED")})
     s["other_statuses"] = other[:5]
