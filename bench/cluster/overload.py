@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import contextlib
 import json
 import os
@@ -132,11 +133,30 @@ def slowest_split(outs: list[Outcome], n: int = 8) -> list[dict]:
     for o in done[:n]:
         ttft = (o.first - o.sent) * 1e3  # type: ignore[operator]
         queue, wttft = (o.worker_queue_s or 0.0) * 1e3, (o.worker_ttft_s or 0.0) * 1e3
-        own = sum(1 for p in outs if p is not o and p.replica == o.replica and p.sent < o.sent < p.end)
+        own = open_at_send(outs, o)
         rows.append({"ttft_ms": round(ttft, 2), "queue_ms": round(queue, 2),
                      "prefill_ms": round(wttft - queue, 2), "outside_ms": round(ttft - wttft, 2),
                      "replica": o.replica, "own_open": own})
     return rows
+
+
+def open_at_send(outs: list[Outcome], o: Outcome) -> int:
+    """Requests of ``outs`` open on ``o``'s replica when ``o`` was sent (sent before, ended after)."""
+    return sum(1 for p in outs if p.replica == o.replica and p.sent < o.sent < p.end)
+
+
+def open_counts(outs: list[Outcome]) -> list[int]:
+    """:func:`open_at_send` for every admitted request of ``outs``, by a sweep per replica."""
+    by_replica: dict[str, list[Outcome]] = {}
+    for o in outs:
+        if o.code == "OK" and o.replica:
+            by_replica.setdefault(o.replica, []).append(o)
+    counts = []
+    for group in by_replica.values():
+        sent, ended = sorted(p.sent for p in group), sorted(p.end for p in group)
+        counts += [bisect.bisect_left(sent, o.sent) - bisect.bisect_right(ended, o.sent)
+                   for o in group]
+    return counts
 
 
 def summarize(outs: list[Outcome]) -> dict:
@@ -157,6 +177,10 @@ def summarize(outs: list[Outcome]) -> dict:
             s[f"{name[:-2]}_p50_ms"], s[f"{name[:-2]}_p99_ms"] = quantile(xs, 0.5), quantile(xs, 0.99)
     s["slowest"] = slowest_split(outs)
     s["by_replica"] = dict(sorted(Counter(o.replica for o in outs if o.code == "OK").items()))
+    opened = open_counts(outs)  # one tenant's outs: its own requests open where each landed
+    if opened:
+        s["open_at_send"] = {"p50": quantile(opened, 0.5), "p99": quantile(opened, 0.99),
+                             "max": max(opened)}
     other = sorted({f"{o.code}: {o.details}" for o in outs
                     if o.code not in ("OK", "RESOURCE_EXHAUSTED")})
     s["other_statuses"] = other[:5]
