@@ -347,9 +347,10 @@ def local_cluster(run: Run, api_keys_file: Optional[str]):
         shutdown_ray()
 
 
-def preemptions(cluster) -> dict[str, float]:
-    """The replicas' preemptions by reason, summed (``kvfleet_worker_preemptions_total`` on
-    their Prometheus endpoints); {} where none answers."""
+def replica_counter(cluster, metric: str, label: str) -> dict[str, float]:
+    """A counter the replicas export on their Prometheus endpoints (``metric``, its full
+    exposition name), summed over replicas by the value of its ``label``; {} where none
+    answers."""
     import urllib.request
 
     counts: Counter = Counter()
@@ -361,10 +362,15 @@ def preemptions(cluster) -> dict[str, float]:
         except OSError:
             continue
         for line in text.splitlines():
-            if line.startswith("kvfleet_worker_preemptions_total{") and 'reason="' in line:
-                reason = line.split('reason="', 1)[1].split('"', 1)[0]
-                counts[reason] += float(line.rsplit(" ", 1)[1])
+            if line.startswith(metric + "{") and f'{label}="' in line:
+                value = line.split(f'{label}="', 1)[1].split('"', 1)[0]
+                counts[value] += float(line.rsplit(" ", 1)[1])
     return dict(counts)
+
+
+def preemptions(cluster) -> dict[str, float]:
+    """The replicas' preemptions by reason, summed (``kvfleet_worker_preemptions_total``)."""
+    return replica_counter(cluster, "kvfleet_worker_preemptions_total", "reason")
 
 
 def actor_pids(cluster) -> list[int]:

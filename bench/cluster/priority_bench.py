@@ -17,9 +17,12 @@ pool, Redis, gRPC; only the forward is a modelled sleep) is started once; in one
 
 Targets (``targets`` in the JSON): interactive TTFT p99 in ``both`` ≤ 1.5× its value in
 ``interactive_alone``, and batch loses no more replica-seconds than the interactive requests
-consume. Both in replica-seconds a second of the requests that finished in a phase's middle
-half (each request's ``Timing.replica_s``, the worker's forward seconds its rows took): batch's
-alone less beside the trickle ≤ the trickle's own beside the flood. The same in admitted
+consume. Both in replica-seconds a second over a phase's middle half, read from the replicas'
+own per-class counter (``kvfleet_worker_replica_time_seconds_total``: each step's measured
+forward seconds shared among its rows, summed by class; the cluster exports it with
+``metrics_port=0``) at the half's two edges: batch's alone less beside the trickle ≤ the
+trickle's own beside the flood. The same from the requests that finished in the middle half
+(each at its whole ``Timing.replica_s``) is kept beside it, not judged. The same in admitted
 completions (lost completions/s ÷ interactive completions/s; every request has the same size)
 is kept beside it, not judged: every admitted request completes, the flood's backlog after the
 phase, so it counts the router's admissions; and an interactive request, served in smaller
@@ -39,7 +42,7 @@ from dataclasses import asdict
 
 import grpc
 
-from bench.cluster.overload import ProcStats, Run, capacity, local_cluster, send, summarize
+from bench.cluster.overload import ProcStats, Run, capacity, local_cluster, replica_counter, send, summarize
 from bench.common.result_file import RESULTS
 from kvfleet.grpc_util import CHANNEL_OPTIONS
 from kvfleet.v1 import router_pb2, router_pb2_grpc
@@ -50,12 +53,31 @@ KEYS = {"key-chat": {"tenant": "chat", "priority": "interactive"},
         "key-batch-default": {"tenant": "batch", "priority": "default"}}
 
 
+REPLICA_TIME = "kvfleet_worker_replica_time_seconds_total"
+CLASS_LABEL = "kvfleet_request_priority_class"
+
+
+async def class_rates(scrape, start: float, seconds: float) -> dict[str, float]:
+    """Replica-seconds per second each priority class took in the middle half of a phase that
+    began at ``start`` (monotonic) and lasts ``seconds``: ``scrape()`` (blocking: class →
+    cumulative forward seconds, summed over replicas) read at the half's two edges, the
+    difference over the time between the reads."""
+    reads = []
+    for edge in (start + seconds / 4, start + 3 * seconds / 4):
+        await asyncio.sleep(max(0.0, edge - time.monotonic()))
+        reads.append((time.monotonic(), await asyncio.to_thread(scrape)))
+    (t0, c0), (t1, c1) = reads
+    return {k: (v - c0.get(k, 0.0)) / (t1 - t0) for k, v in c1.items()}
+
+
 async def streams(stub, run: Run, seconds: float,
-                  spec: dict[str, tuple[float, str, str]], seed: int = 0) -> dict:
+                  spec: dict[str, tuple[float, str, str]], seed: int = 0, scrape=None) -> dict:
     """Poisson arrivals for ``seconds``; ``spec``: stream name → (rate /s, api key, class);
-    ``seed`` picks the arrivals and prompts. Returns per stream: ``summarize``'s fields plus
-    completions/s, the completions' replica-seconds per second of the phase and their mean
-    replica-seconds (None: no completion)."""
+    ``seed`` picks the arrivals and prompts; ``scrape``: see :func:`class_rates` (None: not
+    read). Returns per stream: ``summarize``'s fields plus completions/s, the completions'
+    replica-seconds per second of the phase and their mean replica-seconds (None: no
+    completion), and ``class_replica_s_per_s``: what the replicas spent on the stream's class
+    in the phase's middle half by their own counters (streams of one class share it)."""
     rng = random.Random(5 + 1000 * seed)
     arrivals = []
     for name, (rate, key, klass) in spec.items():
@@ -64,12 +86,14 @@ async def streams(stub, run: Run, seconds: float,
             arrivals.append((t, name, key, klass))
     arrivals.sort()
     start, tasks = time.monotonic(), []
+    rates = asyncio.create_task(class_rates(scrape, start, seconds)) if scrape else None
     for t, name, key, klass in arrivals:
         delay = start + t - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
         tasks.append(asyncio.create_task(send(stub, run, rng, name, key, priority=klass)))
     outs = list(await asyncio.gather(*tasks))
+    by_class = await rates if rates is not None else {}
     lo, hi = start + seconds / 4, start + 3 * seconds / 4
     result = {}
     for name in spec:
@@ -84,6 +108,8 @@ async def streams(stub, run: Run, seconds: float,
         inside = [o for o in mine if o.code == "OK" and lo <= o.end <= hi]
         s["window_completions_per_s"] = len(inside) / (hi - lo)
         s["window_replica_s_per_s"] = sum(o.replica_s or 0.0 for o in inside) / (hi - lo)
+        if rates is not None:
+            s["class_replica_s_per_s"] = by_class.get(spec[name][2], 0.0)
         result[name] = s
     return result
 
@@ -101,6 +127,7 @@ async def wait_registered(stub, n: int, timeout_s: float = 60.0) -> None:
 
 
 async def drive(a: argparse.Namespace, run: Run, cluster) -> dict:
+    scrape = lambda: replica_counter(cluster, REPLICA_TIME, CLASS_LABEL)  # noqa: E731
     async with grpc.aio.insecure_channel(cluster.router_address, options=CHANNEL_OPTIONS) as ch:
         stub = router_pb2_grpc.RouterStub(ch)
         await wait_registered(stub, run.replicas)
@@ -115,7 +142,7 @@ async def drive(a: argparse.Namespace, run: Run, cluster) -> dict:
                                      "flood": (flood[0], "key-batch-default", "default")}}
         out: dict = {"capacity_per_s": cap}
         for name, spec in phases.items():
-            out[name] = await streams(stub, run, a.duration_s, spec, a.seed)
+            out[name] = await streams(stub, run, a.duration_s, spec, a.seed, scrape)
             print(f"{name}: " + ", ".join(
                 f"{s}: ttft p99 {r.get('ttft_p99_ms', float('nan')):.1f} ms, "
                 f"{r['completions_per_s']:.1f}/s" for s, r in out[name].items()), flush=True)
@@ -125,17 +152,22 @@ async def drive(a: argparse.Namespace, run: Run, cluster) -> dict:
 
 def targets(r: dict) -> dict:
     """The issue's two targets, from one run's phases: the TTFT ratio, and the batch side in
-    replica-seconds within the phases (``throughput_target_met``: ``batch_drop_replica_s_per_s``
-    — batch's ``window_replica_s_per_s`` alone less beside the trickle — ≤
-    ``interactive_replica_s_per_s``, the trickle's own in ``both``); the batch side in admitted
-    completions beside it (``completions_ratio``, not judged: with the flood every admitted
-    request completes, so it counts what the router admitted, not what the replicas did)."""
+    replica-seconds (``throughput_target_met``: ``batch_drop_replica_s_per_s`` — what the
+    replicas spent on class batch a second in ``batch_alone``'s middle half less in ``both``'s,
+    by their own per-class counters — ≤ ``interactive_replica_s_per_s``, what they spent on
+    class interactive in ``both``'s). Beside it, not judged: the same from the requests that
+    *finished* in the middle half at their whole ``replica_s`` (``window_replica_s_ratio``: a
+    sample of completions in waves, noisier than the counters), and in admitted completions
+    (``completions_ratio``: with the flood every admitted request completes, so it counts what
+    the router admitted, not what the replicas did)."""
     alone, both = r["interactive_alone"]["chat"], r["both"]["chat"]
     ratio = both["ttft_p99_ms"] / alone["ttft_p99_ms"]
-    batch_alone = r["batch_alone"]["flood"]
-    batch_drop = batch_alone["completions_per_s"] - r["both"]["flood"]["completions_per_s"]
-    drop_rs = batch_alone["window_replica_s_per_s"] - r["both"]["flood"]["window_replica_s_per_s"]
-    used_rs = both["window_replica_s_per_s"]
+    batch_alone, batch_both = r["batch_alone"]["flood"], r["both"]["flood"]
+    batch_drop = batch_alone["completions_per_s"] - batch_both["completions_per_s"]
+    drop_rs = batch_alone["class_replica_s_per_s"] - batch_both["class_replica_s_per_s"]
+    used_rs = both["class_replica_s_per_s"]
+    window_drop = batch_alone["window_replica_s_per_s"] - batch_both["window_replica_s_per_s"]
+    window_used = both["window_replica_s_per_s"]
     return {"interactive_ttft_p99_ratio": ratio, "ttft_target_met": ratio <= 1.5,
             "unclassed_ttft_p99_ratio": r["both_unclassed"]["chat"]["ttft_p99_ms"]
             / alone["ttft_p99_ms"],
@@ -144,6 +176,7 @@ def targets(r: dict) -> dict:
             if both["completions_per_s"] > 0 else None,
             "batch_drop_replica_s_per_s": drop_rs, "interactive_replica_s_per_s": used_rs,
             "replica_s_ratio": drop_rs / used_rs if used_rs > 0 else None,
+            "window_replica_s_ratio": window_drop / window_used if window_used > 0 else None,
             "throughput_target_met": used_rs > 0 and drop_rs <= used_rs}
 
 

@@ -7,8 +7,9 @@ tenants' step rules act under the target), same seed, and reads its JSON:
 * **row 2** (``bench priority --factor 5``): two cost-model replicas behind the real router,
   an interactive Poisson trickle at 0.1 × capacity alone, a batch flood at 5 × alone, then
   both. Interactive TTFT p99 both ÷ alone (target ≤ 1.5), and the replica-seconds batch lost
-  beside the trickle against those the trickle's requests took (``Timing.replica_s``; target
-  lost ≤ trickle's); the same in completions/s is printed beside it, not judged.
+  beside the trickle against those the trickle's requests took (the replicas' per-class
+  forward-seconds counter over each phase's middle half; target lost ≤ trickle's); the same
+  from the requests finished in that half and in completions/s is printed beside it, not judged.
 * **row 3** (``bench overload fair --tenant-share 0.5``): tenant B (``steady``) at 0.2 ×
   capacity alone, then beside tenant A (``flood``) at 10 ×. B's TTFT p99 both ÷ alone
   (target ≤ 2) and the share of B's requests admitted.
@@ -50,8 +51,9 @@ def row2(seed: int, target_ms: Optional[float], seconds: float, factor: float = 
     """Row 2 once (``target_ms`` None: no ITL target); ``seconds`` per phase. Returns the
     interactive TTFT p99 alone and with the flood (ms), their ratio, batch completions/s
     alone and with the trickle, the trickle's completions/s, and batch's replica-seconds lost
-    a second against the trickle's own (``rs_drop``, ``rs_interactive``, ``rs_ratio``; the
-    judged batch side)."""
+    a second against the trickle's own by the replicas' per-class counters (``rs_drop``,
+    ``rs_interactive``, ``rs_ratio``; the judged batch side), and the same ratio from the
+    completions that finished in the window (``rs_window_ratio``, not judged)."""
     tag = f"slo-r2-{'on' if target_ms else 'off'}-{seed}"
     args = ["priority", "--factor", str(factor), "--seed", str(seed), "--tag", tag,
             "--duration-s", str(seconds)]
@@ -67,6 +69,7 @@ def row2(seed: int, target_ms: Optional[float], seconds: float, factor: float = 
             "batch_drop_per_s": t["batch_drop_per_s"], "interactive_per_s": t["interactive_per_s"],
             "rs_drop": t["batch_drop_replica_s_per_s"],
             "rs_interactive": t["interactive_replica_s_per_s"], "rs_ratio": t["replica_s_ratio"],
+            "rs_window_ratio": t.get("window_replica_s_ratio"),
             "met": bool(t["ttft_target_met"] and t["throughput_target_met"]),
             "load": r["machine"]["loadavg_after"][0]}
 
@@ -99,12 +102,15 @@ def table_lines(results: dict) -> list[str]:
             for k, r in runs.items():
                 if row == 2:
                     rs = f"{r['rs_ratio']:.2f}x" if r["rs_ratio"] is not None else "n/a"
+                    window = r.get("rs_window_ratio")
+                    rs_window = f"{window:.2f}x" if window is not None else "n/a"
                     lines.append(
                         f"row 2 seed {seed} target {k:3s} | interactive TTFT p99 "
                         f"{r['alone_p99_ms']:.0f} -> {r['both_p99_ms']:.0f} ms "
                         f"({r['ratio']:.2f}x, <= {ROW2_TARGET}) | batch lost "
                         f"{r['rs_drop']:.4f} vs interactive {r['rs_interactive']:.4f} replica-s/s "
-                        f"({rs}, <= 1) | completions {r['batch_alone_per_s']:.2f}"
+                        f"({rs}, <= 1; finished in window {rs_window}) "
+                        f"| completions {r['batch_alone_per_s']:.2f}"
                         f" -> {r['batch_both_per_s']:.2f}/s (lost {r['batch_drop_per_s']:.2f} vs "
                         f"interactive {r['interactive_per_s']:.2f}/s) | met {r['met']} "
                         f"| load {r['load']:.1f}")

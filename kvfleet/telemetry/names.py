@@ -118,6 +118,9 @@ METRIC_STEPS = "kvfleet.worker.steps"
 METRIC_NESTED_STEPS = "kvfleet.worker.nested_steps"
 # Sequences preempted by recompute, by reason (Prometheus: kvfleet_worker_preemptions_total).
 METRIC_PREEMPTIONS = "kvfleet.worker.preemptions"
+# Forward seconds charged to each priority class's rows (the requests' replica_s, summed by
+# class as the steps run; Prometheus: kvfleet_worker_replica_time_seconds_total).
+METRIC_REPLICA_TIME = "kvfleet.worker.replica_time"
 # Speculative decoding: drafted / accepted tokens (per request at its finish, summed), and the
 # acceptance (accepted ÷ drafted) of each request that drafted.
 METRIC_SPEC_DRAFTED = "kvfleet.worker.speculative.drafted_tokens"

@@ -102,6 +102,10 @@ class WorkerTelemetry:
                 n.METRIC_PREEMPTIONS, [self._preemptions], unit="{sequence}",
                 description="Sequences preempted by recompute, by reason: blocks (memory), class "
                             "(a higher class's seat or blocks), tenant_seat (a tenant behind)")
+            m.create_observable_counter(
+                n.METRIC_REPLICA_TIME, [self._replica_time], unit="s",
+                description="Forward seconds charged to each priority class's rows (each step's "
+                            "measured seconds shared among its rows by their modelled cost)")
             register_tier_metrics(m, model, stats_fn)
         if pull_stats_fn is not None:  # -> the replica's PullStats, or None (no puller)
             register_pull_metrics(m, model, pull_stats_fn)
@@ -177,6 +181,11 @@ class WorkerTelemetry:
         for reason, count in self._stats_fn().get("preemptions", {}).items():
             yield metrics.Observation(count, {n.KVFLEET_PREEMPT_REASON: reason,
                                               n.GEN_AI_REQUEST_MODEL: self.model})
+
+    def _replica_time(self, _options):
+        for klass, seconds in self._stats_fn().get("replica_s_by_class", {}).items():
+            yield metrics.Observation(seconds, {n.KVFLEET_PRIORITY_CLASS: klass,
+                                                n.GEN_AI_REQUEST_MODEL: self.model})
 
     def _requests(self, _options):
         s = self._stats_fn()

@@ -18,6 +18,7 @@ from kvfleet.allocator.hashing import CacheIdentity, root_hash
 from kvfleet.allocator.kv_cache_manager import KVCacheManager
 from kvfleet.constraint import GrammarConfig
 from kvfleet.errors import AlreadyExists, FailedPrecondition, InvalidArgument
+from kvfleet.priority import label as priority_label
 from kvfleet.sampling_params import check_context_length
 from kvfleet.worker.engine.adapters.queue import AdapterQueue
 from kvfleet.worker.engine.adapters.residency import AdapterResidency
@@ -116,6 +117,8 @@ class Engine:
         # gap to the next forward is a step's time outside it (the scheduler plans with it).
         self._busy_since: float | None = None
         self._in_forward = False
+        # Forward seconds charged per priority class label, cumulative: what each class took.
+        self.replica_s_by_class: dict[str, float] = {}
         # Draft sizing knows the CPU runner's few-row kernel; other devices price drafts
         # by the step-cost model alone (an executor with no device models the CPU's steps).
         device = _rank0_device(executor)
@@ -246,8 +249,11 @@ class Engine:
             return [o for rid in failed for o in self.abort(rid, FinishReason.ERROR, exc)]
         measured_s = time.perf_counter() - start - nested_s  # nested steps charge their own
         shares = share_step_s(self.step_cost.corrected(), out.plan, measured_s)
+        by_class = self.replica_s_by_class
         for s, share in zip(out.scheduled, shares, strict=True):
             s.seq.replica_s += share
+            klass = priority_label(s.seq.priority)
+            by_class[klass] = by_class.get(klass, 0.0) + share
         self.step_cost.observe(plan_shape(out.plan), measured_s)
         self._in_forward = not outer
         if outer:
@@ -392,7 +398,9 @@ class Engine:
         (tokens with KV of the running sequences), ``preemptions`` (reason → sequences
         preempted by recompute, cumulative: :data:`~.scheduling.preemption.REASONS`),
         ``nested_steps`` (layer yield's steps run
-        inside a paused one, cumulative), speculative decoding's totals
+        inside a paused one, cumulative), ``replica_s_by_class`` (priority class label →
+        forward seconds its rows were charged, cumulative: the per-request ``replica_s``
+        summed by class, finished or not), speculative decoding's totals
         (``spec_drafted_tokens``, ``spec_accepted_tokens``, ``spec_verify_rows``,
         ``spec_accepted_hist``: verify rows by drafts accepted), per-tenant service, and the
         load forecast
@@ -414,6 +422,7 @@ class Engine:
             "context_tokens": sum(s.num_computed_tokens for s in running),
             "nested_steps": self.forward.nested_steps,
             "preemptions": {r: sched.preemptions[r] for r in REASONS},
+            "replica_s_by_class": dict(self.replica_s_by_class),  # a copy: read off-thread
             **self.scheduler.spec.counts.as_dict(),
             **sched.tier.stats(sched.hits, self.executor.tier),
         }

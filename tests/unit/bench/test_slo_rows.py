@@ -21,7 +21,8 @@ def test_the_table_has_one_line_per_row_seed_and_setting() -> None:
         "row 2 seed 0 target on ", "row 2 seed 1 target off", "row 2 seed 1 target on ",
         "row 3 seed 0 target off"]
     assert "(1.40x, <= 1.5)" in lines[0] and "lost 0.70 vs interactive 0.80/s" in lines[0]
-    assert "batch lost 0.0812 vs interactive 0.0926 replica-s/s (0.88x, <= 1)" in lines[0]
+    assert "batch lost 0.0812 vs interactive 0.0926 replica-s/s (0.88x, <= 1; finished in " \
+        "window n/a)" in lines[0]
     assert "(n/a, <= 2.0)" in lines[3] and "B admitted 50%" in lines[3]
 
 
@@ -45,29 +46,54 @@ def test_row1_counts_the_tokens_that_arrived_within_the_window() -> None:
     assert row["long_ttft_p50_s"] == 2.0 and row["itl_p50_s"] in (4.0, 6.0)
 
 
-def test_row2_judges_the_batch_side_in_replica_seconds_and_keeps_completions_beside() -> None:
-    """Within the phases' middle halves batch does 1.20 replica-s/s alone and 1.08 beside a
-    trickle that took 0.135: met in replica-seconds (0.12 lost). Counted by admissions (every
-    admitted request completes, the backlog after the phase) batch lost 1.0 completions/s
-    against the trickle's 0.9: 1.11x, printed, not judged."""
+def test_row2_judges_the_batch_side_on_the_replicas_class_counters() -> None:
+    """By the replicas' per-class counters over the middle halves batch took 1.20 replica-s/s
+    alone and 1.08 beside a trickle that took 0.135: met (0.12 lost). The completions that
+    finished in the window say batch lost 0.20 against 0.135 (a sample in waves): printed, not
+    judged; so is the count by admissions (1.0 completions/s lost against 0.9: 1.11x)."""
     from bench.cluster.priority_bench import targets
 
-    def stream(ttft_ms: float, per_s: float, window_rs: float) -> dict:
+    def stream(ttft_ms: float, per_s: float, class_rs: float, window_rs: float) -> dict:
         return {"ttft_p99_ms": ttft_ms, "completions_per_s": per_s,
-                "window_replica_s_per_s": window_rs}
+                "class_replica_s_per_s": class_rs, "window_replica_s_per_s": window_rs}
 
-    r = {"interactive_alone": {"chat": stream(100.0, 0.9, 0.09)},
-         "batch_alone": {"flood": stream(500.0, 10.0, 1.20)},
-         "both": {"chat": stream(120.0, 0.9, 0.135), "flood": stream(600.0, 9.0, 1.08)},
-         "both_unclassed": {"chat": stream(300.0, 0.9, 0.09)}}
+    r = {"interactive_alone": {"chat": stream(100.0, 0.9, 0.09, 0.09)},
+         "batch_alone": {"flood": stream(500.0, 10.0, 1.20, 1.20)},
+         "both": {"chat": stream(120.0, 0.9, 0.135, 0.135), "flood": stream(600.0, 9.0, 1.08, 1.0)},
+         "both_unclassed": {"chat": stream(300.0, 0.9, 0.09, 0.09)}}
     t = targets(r)
     assert t["batch_drop_replica_s_per_s"] == pytest.approx(0.12)
     assert t["interactive_replica_s_per_s"] == pytest.approx(0.135)
     assert t["replica_s_ratio"] == pytest.approx(0.12 / 0.135) and t["throughput_target_met"]
+    assert t["window_replica_s_ratio"] == pytest.approx(0.20 / 0.135)
     assert t["completions_ratio"] == pytest.approx(1.0 / 0.9)
-    r["both"]["flood"] = stream(600.0, 9.0, 1.0)  # batch lost 0.20 replica-s/s: missed
+    r["both"]["flood"] = stream(600.0, 9.0, 1.0, 1.08)  # the counters: 0.20 lost, missed
     assert not targets(r)["throughput_target_met"]
     assert t["ttft_target_met"] and t["interactive_ttft_p99_ratio"] == pytest.approx(1.2)
+
+
+def test_class_rates_difference_the_counters_read_at_the_middle_halfs_edges() -> None:
+    """The scrape runs twice, at a quarter and three quarters of the phase; each class's rate
+    is its counter's growth over the time between the reads (a class first seen at the second
+    read grew from 0)."""
+    import asyncio
+    import time
+
+    from bench.cluster.priority_bench import class_rates
+
+    reads = iter([{"batch": 5.0}, {"batch": 5.6, "interactive": 0.1}])
+    stamps: list[float] = []
+
+    def scrape() -> dict[str, float]:
+        stamps.append(time.monotonic())
+        return next(reads)
+
+    start = time.monotonic()
+    rates = asyncio.run(class_rates(scrape, start, 0.4))
+    assert len(stamps) == 2 and stamps[0] >= start + 0.1 and stamps[1] >= start + 0.3
+    elapsed = stamps[1] - stamps[0]
+    assert rates["batch"] == pytest.approx(0.6 / elapsed, rel=0.2)
+    assert rates["interactive"] == pytest.approx(0.1 / elapsed, rel=0.2)
 
 
 def test_settings_runs_only_the_named_target_settings(monkeypatch, tmp_path) -> None:

@@ -41,7 +41,8 @@ def final(rid, base, reason=FinishReason.LENGTH, index=0, sched=0.010, first=0.0
 def wt(worker_capture):
     stats = {"running": 1, "waiting": 2, "num_free_blocks": 48, "num_total_blocks": 64,
              "tenant_service": {"acme": 120.0, "globex": 8.0}, "nested_steps": 3,
-             "preemptions": {"blocks": 2, "class": 0, "tenant_seat": 5}}
+             "preemptions": {"blocks": 2, "class": 0, "tenant_seat": 5},
+             "replica_s_by_class": {"interactive": 0.25, "batch": 1.5}}
     return WorkerTelemetry(worker_capture.telemetry, "replica-a", "tiny", stats_fn=lambda: stats)
 
 
@@ -91,6 +92,9 @@ async def test_phases_tile_worker_generate_with_attributes_and_events(wt, worker
     preempted = {p.attributes[n.KVFLEET_PREEMPT_REASON]: p.value
                  for p in worker_capture.points(n.METRIC_PREEMPTIONS)}
     assert preempted == {"blocks": 2, "class": 0, "tenant_seat": 5}
+    by_class = {p.attributes[n.KVFLEET_PRIORITY_CLASS]: p.value
+                for p in worker_capture.points(n.METRIC_REPLICA_TIME)}
+    assert by_class == {"interactive": 0.25, "batch": 1.5}
     assert not wt._open  # nothing left behind
 
 

@@ -37,6 +37,9 @@ def test_the_samples_shares_add_up_to_the_engines_forward_seconds(tiny_llama_dir
     assert engine.step_cost.steps == len(rec.plans)  # every forward observed (and charged)
     assert math.fsum(o.timing.replica_s for o in last) == pytest.approx(
         engine.step_cost.measured_total_s, rel=1e-9)
+    # the per-class counter is the same seconds (every request here is in class default)
+    assert engine.stats()["replica_s_by_class"] == {
+        "default": pytest.approx(engine.step_cost.measured_total_s, rel=1e-9)}
     # the gaps between busy forwards (sampling, emitting, scheduling) were measured too
     assert engine.step_cost.outside_s > 0
 
@@ -94,4 +97,7 @@ def test_a_nested_steps_seconds_are_its_rows_and_not_the_paused_steps(tiny_llama
     assert math.fsum(o.timing.replica_s for o in last) == pytest.approx(executor.busy_s, rel=1e-9)
     chat_s = next(o.timing.replica_s for o in last if o.request_id == chat.request_id)
     assert chat_s < executor.busy_s / 2  # its own rows, not the paused step's
+    by_class = engine.stats()["replica_s_by_class"]  # the counter a bench scrapes, per class
+    assert by_class == {"interactive": pytest.approx(chat_s, rel=1e-9),
+                        "batch": pytest.approx(executor.busy_s - chat_s, rel=1e-9)}
     engine.kv.check_invariants()
