@@ -100,12 +100,13 @@ class Candidate:
         return max(0 if reported is None else reported - self.settled, self.inflight, 0)
 
     def describe(self) -> str:
-        """``"<id> matched=<blocks> load=<requests> (reported=R settled=S inflight=I)"``: the
-        decision's inputs, for the ``kvfleet.route.candidates`` span attribute and debug logs."""
+        """``"<id> matched=<blocks> load=<requests> (reported=R settled=S inflight=I)"`` (with
+        `` host=H`` / `` tenant=T`` after the match when not 0): the decision's inputs, for the
+        ``kvfleet.route.candidates`` span attribute and debug logs."""
         reported = "none" if self.reported is None else self.reported
-        host = f" host={self.host_blocks}" if self.host_blocks else ""
-        host += f" tenant={self.tenant_inflight}" if self.tenant_inflight else ""
-        return (f"{self.info.replica_id} matched={self.matched_blocks}{host} load={self.load} "
+        extra = f" host={self.host_blocks}" if self.host_blocks else ""
+        extra += f" tenant={self.tenant_inflight}" if self.tenant_inflight else ""
+        return (f"{self.info.replica_id} matched={self.matched_blocks}{extra} load={self.load} "
                 f"(reported={reported} settled={self.settled} inflight={self.inflight})")
 
     @property

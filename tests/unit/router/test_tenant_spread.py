@@ -139,3 +139,8 @@ def test_the_router_builds_candidates_with_the_tenants_counts():
         assert {c.tenant_inflight for c in core._candidates("m")} == {0}  # no tenant: no spread
     finally:
         core.close()
+
+
+def test_the_tenants_count_shows_in_the_decisions_description():
+    assert " tenant=3 " in factories.cand("a", tenant_inflight=3).describe()
+    assert "tenant=" not in factories.cand("a").describe()
