@@ -347,25 +347,37 @@ def local_cluster(run: Run, api_keys_file: Optional[str]):
         shutdown_ray()
 
 
-def replica_counter(cluster, metric: str, label: str) -> dict[str, float]:
-    """A counter the replicas export on their Prometheus endpoints (``metric``, its full
-    exposition name), summed over replicas by the value of its ``label``; {} where none
-    answers."""
+def replica_metric_texts(cluster) -> list[str]:
+    """Each replica's Prometheus exposition text (a replica that does not answer is left
+    out)."""
     import urllib.request
 
-    counts: Counter = Counter()
+    texts = []
     for name, address in cluster.metrics_addresses.items():
         if not name.startswith("replica-") or not address:
             continue
         try:
-            text = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
+            texts.append(urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode())
         except OSError:
             continue
+    return texts
+
+
+def counter_by_label(texts: list[str], metric: str, label: str) -> dict[str, float]:
+    """``metric`` (its full exposition name) in the exposition ``texts``, summed by the value
+    of its ``label``; {} where no text has it."""
+    counts: Counter = Counter()
+    for text in texts:
         for line in text.splitlines():
             if line.startswith(metric + "{") and f'{label}="' in line:
                 value = line.split(f'{label}="', 1)[1].split('"', 1)[0]
                 counts[value] += float(line.rsplit(" ", 1)[1])
     return dict(counts)
+
+
+def replica_counter(cluster, metric: str, label: str) -> dict[str, float]:
+    """A counter the replicas export, summed over replicas by the value of its ``label``."""
+    return counter_by_label(replica_metric_texts(cluster), metric, label)
 
 
 def preemptions(cluster) -> dict[str, float]:

@@ -42,7 +42,8 @@ from dataclasses import asdict
 
 import grpc
 
-from bench.cluster.overload import ProcStats, Run, capacity, local_cluster, replica_counter, send, summarize
+from bench.cluster.overload import (ProcStats, Run, capacity, counter_by_label, local_cluster,
+                                    replica_metric_texts, send, summarize)
 from bench.common.result_file import RESULTS
 from kvfleet.grpc_util import CHANNEL_OPTIONS
 from kvfleet.v1 import router_pb2, router_pb2_grpc
@@ -53,15 +54,31 @@ KEYS = {"key-chat": {"tenant": "chat", "priority": "interactive"},
         "key-batch-default": {"tenant": "batch", "priority": "default"}}
 
 
-REPLICA_TIME = "kvfleet_worker_replica_time_seconds_total"
-CLASS_LABEL = "kvfleet_request_priority_class"
+CLASS_LABEL, MODEL_LABEL = "kvfleet_request_priority_class", "gen_ai_request_model"
+# counters summed over the replicas: name in the result → (exposition name, label summed by)
+STEP_COUNTERS = {"forward_s": ("kvfleet_worker_step_measured_time_seconds_total", MODEL_LABEL),
+                 "steps": ("kvfleet_worker_steps_total", MODEL_LABEL),
+                 "nested_steps": ("kvfleet_worker_nested_steps_total", MODEL_LABEL)}
 
 
-async def class_rates(scrape, start: float, seconds: float) -> dict[str, float]:
-    """Replica-seconds per second each priority class took in the middle half of a phase that
-    began at ``start`` (monotonic) and lasts ``seconds``: ``scrape()`` (blocking: class →
-    cumulative forward seconds, summed over replicas) read at the half's two edges, the
-    difference over the time between the reads."""
+def replica_counters(cluster) -> dict[str, float]:
+    """The replicas' cumulative counters the phases are judged and explained by, summed over
+    replicas: ``class:<priority class>`` (forward seconds charged to the class's rows),
+    ``forward_s`` (forward seconds measured), ``steps`` and ``nested_steps`` (forwards run,
+    and those run inside a paused one)."""
+    texts = replica_metric_texts(cluster)
+    out = {f"class:{k}": v for k, v in counter_by_label(
+        texts, "kvfleet_worker_replica_time_seconds_total", CLASS_LABEL).items()}
+    for key, (metric, label) in STEP_COUNTERS.items():
+        out[key] = sum(counter_by_label(texts, metric, label).values())
+    return out
+
+
+async def counter_rates(scrape, start: float, seconds: float) -> dict[str, float]:
+    """Each counter's growth a second over the middle half of a phase that began at ``start``
+    (monotonic) and lasts ``seconds``: ``scrape()`` (blocking: name → cumulative value, e.g.
+    :func:`replica_counters`) read at the half's two edges, the difference over the time
+    between the reads (a counter first seen at the second read grew from 0)."""
     reads = []
     for edge in (start + seconds / 4, start + 3 * seconds / 4):
         await asyncio.sleep(max(0.0, edge - time.monotonic()))
@@ -73,11 +90,12 @@ async def class_rates(scrape, start: float, seconds: float) -> dict[str, float]:
 async def streams(stub, run: Run, seconds: float,
                   spec: dict[str, tuple[float, str, str]], seed: int = 0, scrape=None) -> dict:
     """Poisson arrivals for ``seconds``; ``spec``: stream name → (rate /s, api key, class);
-    ``seed`` picks the arrivals and prompts; ``scrape``: see :func:`class_rates` (None: not
+    ``seed`` picks the arrivals and prompts; ``scrape``: see :func:`counter_rates` (None: not
     read). Returns per stream: ``summarize``'s fields plus completions/s, the completions'
     replica-seconds per second of the phase and their mean replica-seconds (None: no
     completion), and ``class_replica_s_per_s``: what the replicas spent on the stream's class
-    in the phase's middle half by their own counters (streams of one class share it)."""
+    in the phase's middle half by their own counters (streams of one class share it); and
+    under ``"replicas"`` every scraped counter's rate over that half."""
     rng = random.Random(5 + 1000 * seed)
     arrivals = []
     for name, (rate, key, klass) in spec.items():
@@ -86,14 +104,14 @@ async def streams(stub, run: Run, seconds: float,
             arrivals.append((t, name, key, klass))
     arrivals.sort()
     start, tasks = time.monotonic(), []
-    rates = asyncio.create_task(class_rates(scrape, start, seconds)) if scrape else None
+    rates = asyncio.create_task(counter_rates(scrape, start, seconds)) if scrape else None
     for t, name, key, klass in arrivals:
         delay = start + t - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
         tasks.append(asyncio.create_task(send(stub, run, rng, name, key, priority=klass)))
     outs = list(await asyncio.gather(*tasks))
-    by_class = await rates if rates is not None else {}
+    counted = await rates if rates is not None else {}
     lo, hi = start + seconds / 4, start + 3 * seconds / 4
     result = {}
     for name in spec:
@@ -109,8 +127,10 @@ async def streams(stub, run: Run, seconds: float,
         s["window_completions_per_s"] = len(inside) / (hi - lo)
         s["window_replica_s_per_s"] = sum(o.replica_s or 0.0 for o in inside) / (hi - lo)
         if rates is not None:
-            s["class_replica_s_per_s"] = by_class.get(spec[name][2], 0.0)
+            s["class_replica_s_per_s"] = counted.get(f"class:{spec[name][2]}", 0.0)
         result[name] = s
+    if rates is not None:
+        result["replicas"] = counted
     return result
 
 
@@ -127,7 +147,7 @@ async def wait_registered(stub, n: int, timeout_s: float = 60.0) -> None:
 
 
 async def drive(a: argparse.Namespace, run: Run, cluster) -> dict:
-    scrape = lambda: replica_counter(cluster, REPLICA_TIME, CLASS_LABEL)  # noqa: E731
+    scrape = lambda: replica_counters(cluster)  # noqa: E731
     async with grpc.aio.insecure_channel(cluster.router_address, options=CHANNEL_OPTIONS) as ch:
         stub = router_pb2_grpc.RouterStub(ch)
         await wait_registered(stub, run.replicas)
@@ -145,7 +165,8 @@ async def drive(a: argparse.Namespace, run: Run, cluster) -> dict:
             out[name] = await streams(stub, run, a.duration_s, spec, a.seed, scrape)
             print(f"{name}: " + ", ".join(
                 f"{s}: ttft p99 {r.get('ttft_p99_ms', float('nan')):.1f} ms, "
-                f"{r['completions_per_s']:.1f}/s" for s, r in out[name].items()), flush=True)
+                f"{r['completions_per_s']:.1f}/s" for s, r in out[name].items() if s in spec),
+                flush=True)
             await asyncio.sleep(2.0)  # the fleet drains
     return out
 
@@ -177,7 +198,12 @@ def targets(r: dict) -> dict:
             "batch_drop_replica_s_per_s": drop_rs, "interactive_replica_s_per_s": used_rs,
             "replica_s_ratio": drop_rs / used_rs if used_rs > 0 else None,
             "window_replica_s_ratio": window_drop / window_used if window_used > 0 else None,
-            "throughput_target_met": used_rs > 0 and drop_rs <= used_rs}
+            "throughput_target_met": used_rs > 0 and drop_rs <= used_rs,
+            # where a loss went: the replicas' forward seconds, forwards and nested forwards a
+            # second over each phase's middle half (summed over replicas)
+            "replicas_per_s": {phase: r[phase]["replicas"] for phase in
+                               ("interactive_alone", "batch_alone", "both", "both_unclassed")
+                               if "replicas" in r[phase]}}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,6 +3,7 @@
     .venv/bin/python -m bench slo_rows [--rows 1,2,3] [--runs 1] [--seed 0]
         [--seconds 60] [--target-x 3] [--itl-target-ms MS] [--streams 4] [--prompt 480]
         [--period 1.5] [--class-seconds 30] [--class-target-ms 150] [--settings off,on]
+        [--up-arg=--reserved-cpus=0 ...]
 
 ``--runs N`` repeats each row with seeds ``--seed`` .. ``--seed + N - 1``; a compact table of
 every row, seed and setting is printed at the end. ``--settings`` (rows 2-3) runs only the
@@ -177,7 +178,8 @@ def phase(a: argparse.Namespace) -> None:
     """One cluster (``--phase off|on``) in this process; the raw streams go to ``--dump``."""
     from dataclasses import asdict
 
-    base = ["--replicas", "1", "--max-num-seqs", "16", "--max-num-batched-tokens", "512"]
+    base = ["--replicas", "1", "--max-num-seqs", "16", "--max-num-batched-tokens", "512",
+            *a.up_args]
     flags = base if a.phase == "off" else [*base, "--itl-target-ms", f"{a.itl_target_ms:.0f}"]
 
     def body(address: str) -> dict:
@@ -201,6 +203,7 @@ def run_phase(a: argparse.Namespace, name: str, target_ms: Optional[float]) -> d
                str(a.prompt), "--period", str(a.period), "--seed", str(a.seed)]
         if target_ms is not None:
             cmd += ["--itl-target-ms", str(target_ms)]
+        cmd += [f"--up-arg={arg}" for arg in a.up_args]
         subprocess.run(cmd, check=True)
         with open(tmp.name) as f:
             data = json.load(f)
@@ -256,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="rows 2-3: seconds per phase")
     p.add_argument("--class-target-ms", type=float, default=150.0,
                    help="rows 2-3: the replicas' ITL target (the cost model's milliseconds)")
+    p.add_argument("--up-arg", action="append", default=[], dest="up_args",
+                   help="row 1: a further `kvfleet up` flag for both clusters, e.g. "
+                        "--up-arg=--reserved-cpus=0 (repeatable)")
     p.add_argument("--settings", default="off,on",
                    help="rows 2-3: comma-separated target settings to run (off, on)")
     p.add_argument("--seed", type=int, default=0)

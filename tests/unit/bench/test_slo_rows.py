@@ -72,16 +72,16 @@ def test_row2_judges_the_batch_side_on_the_replicas_class_counters() -> None:
     assert t["ttft_target_met"] and t["interactive_ttft_p99_ratio"] == pytest.approx(1.2)
 
 
-def test_class_rates_difference_the_counters_read_at_the_middle_halfs_edges() -> None:
-    """The scrape runs twice, at a quarter and three quarters of the phase; each class's rate
-    is its counter's growth over the time between the reads (a class first seen at the second
-    read grew from 0)."""
+def test_counter_rates_difference_the_counters_read_at_the_middle_halfs_edges() -> None:
+    """The scrape runs twice, at a quarter and three quarters of the phase; each counter's rate
+    is its growth over the time between the reads (a counter first seen at the second read grew
+    from 0)."""
     import asyncio
     import time
 
-    from bench.cluster.priority_bench import class_rates
+    from bench.cluster.priority_bench import counter_rates
 
-    reads = iter([{"batch": 5.0}, {"batch": 5.6, "interactive": 0.1}])
+    reads = iter([{"class:batch": 5.0}, {"class:batch": 5.6, "class:interactive": 0.1}])
     stamps: list[float] = []
 
     def scrape() -> dict[str, float]:
@@ -89,11 +89,11 @@ def test_class_rates_difference_the_counters_read_at_the_middle_halfs_edges() ->
         return next(reads)
 
     start = time.monotonic()
-    rates = asyncio.run(class_rates(scrape, start, 0.4))
+    rates = asyncio.run(counter_rates(scrape, start, 0.4))
     assert len(stamps) == 2 and stamps[0] >= start + 0.1 and stamps[1] >= start + 0.3
     elapsed = stamps[1] - stamps[0]
-    assert rates["batch"] == pytest.approx(0.6 / elapsed, rel=0.2)
-    assert rates["interactive"] == pytest.approx(0.1 / elapsed, rel=0.2)
+    assert rates["class:batch"] == pytest.approx(0.6 / elapsed, rel=0.2)
+    assert rates["class:interactive"] == pytest.approx(0.1 / elapsed, rel=0.2)
 
 
 def test_settings_runs_only_the_named_target_settings(monkeypatch, tmp_path) -> None:
@@ -115,3 +115,24 @@ def test_settings_runs_only_the_named_target_settings(monkeypatch, tmp_path) -> 
     assert slo_rows.main(["--rows", "2", "--settings", "on", "--seed", "4", "--out", out]) == 0
     assert slo_rows.main(["--rows", "3", "--settings", "off", "--runs", "2", "--out", out]) == 0
     assert calls == [(2, 4, 150.0), (3, 0, None), (3, 1, None)]
+
+
+def test_replica_counters_sum_the_replicas_expositions(monkeypatch) -> None:
+    """Two replicas' Prometheus texts: the class counter is summed by class, the step counters
+    over everything (another metric sharing a prefix is not read)."""
+    from bench.cluster import priority_bench
+
+    def text(batch: float, steps: float) -> str:
+        model = 'gen_ai_request_model="m"'
+        return "\n".join([
+            "# TYPE kvfleet_worker_replica_time_seconds_total counter",
+            f'kvfleet_worker_replica_time_seconds_total{{kvfleet_request_priority_class="batch",{model}}} {batch}',
+            f'kvfleet_worker_replica_time_seconds_total{{kvfleet_request_priority_class="interactive",{model}}} 0.5',
+            f"kvfleet_worker_steps_total{{{model}}} {steps}",
+            f"kvfleet_worker_steps_total_other{{{model}}} 99",
+            f"kvfleet_worker_step_measured_time_seconds_total{{{model}}} 2.0",
+            f"kvfleet_worker_nested_steps_total{{{model}}} 1"])
+
+    monkeypatch.setattr(priority_bench, "replica_metric_texts", lambda _c: [text(3.0, 10), text(1.0, 20)])
+    assert priority_bench.replica_counters(None) == {
+        "class:batch": 4.0, "class:interactive": 1.0, "forward_s": 4.0, "steps": 30.0, "nested_steps": 2.0}
