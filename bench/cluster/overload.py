@@ -347,19 +347,23 @@ def local_cluster(run: Run, api_keys_file: Optional[str]):
         shutdown_ray()
 
 
-def replica_metric_texts(cluster) -> list[str]:
-    """Each replica's Prometheus exposition text (a replica that does not answer is left
-    out)."""
+def replica_metric_texts(cluster, strict: bool = False) -> list[str]:
+    """Each replica's Prometheus exposition text. A replica that does not answer is left out,
+    or with ``strict`` raises RuntimeError naming it (a rate from two reads must not mix a
+    missing replica's read with a present one)."""
     import urllib.request
 
     texts = []
     for name, address in cluster.metrics_addresses.items():
-        if not name.startswith("replica-") or not address:
+        if not name.startswith("replica-"):
             continue
         try:
+            if not address:
+                raise OSError("no metrics address")
             texts.append(urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode())
-        except OSError:
-            continue
+        except OSError as exc:
+            if strict:
+                raise RuntimeError(f"{name}: its metrics could not be read ({exc})") from exc
     return texts
 
 

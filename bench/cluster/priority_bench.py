@@ -65,8 +65,8 @@ def replica_counters(cluster) -> dict[str, float]:
     """The replicas' cumulative counters the phases are judged and explained by, summed over
     replicas: ``class:<priority class>`` (forward seconds charged to the class's rows),
     ``forward_s`` (forward seconds measured), ``steps`` and ``nested_steps`` (forwards run,
-    and those run inside a paused one)."""
-    texts = replica_metric_texts(cluster)
+    and those run inside a paused one). Raises RuntimeError when a replica does not answer."""
+    texts = replica_metric_texts(cluster, strict=True)
     out = {f"class:{k}": v for k, v in counter_by_label(
         texts, "kvfleet_worker_replica_time_seconds_total", CLASS_LABEL).items()}
     for key, (metric, label) in STEP_COUNTERS.items():

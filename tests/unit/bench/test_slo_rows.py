@@ -133,6 +133,20 @@ def test_replica_counters_sum_the_replicas_expositions(monkeypatch) -> None:
             f"kvfleet_worker_step_measured_time_seconds_total{{{model}}} 2.0",
             f"kvfleet_worker_nested_steps_total{{{model}}} 1"])
 
-    monkeypatch.setattr(priority_bench, "replica_metric_texts", lambda _c: [text(3.0, 10), text(1.0, 20)])
+    monkeypatch.setattr(priority_bench, "replica_metric_texts",
+                        lambda _c, strict: [text(3.0, 10), text(1.0, 20)])
     assert priority_bench.replica_counters(None) == {
         "class:batch": 4.0, "class:interactive": 1.0, "forward_s": 4.0, "steps": 30.0, "nested_steps": 2.0}
+
+
+def test_a_replica_whose_metrics_cannot_be_read_is_an_error_when_strict() -> None:
+    """Lenient (the preemption counts): the replica is left out; strict (the rates): an error
+    naming it."""
+    import types
+
+    from bench.cluster.overload import replica_metric_texts
+
+    cluster = types.SimpleNamespace(metrics_addresses={"router": "x", "replica-0": None})
+    assert replica_metric_texts(cluster) == []
+    with pytest.raises(RuntimeError, match="replica-0: its metrics could not be read"):
+        replica_metric_texts(cluster, strict=True)
