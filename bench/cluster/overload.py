@@ -129,34 +129,40 @@ def slowest_split(outs: list[Outcome], n: int = 8) -> list[dict]:
     sent (the same tenant's when ``outs`` is one tenant's)."""
     done = [o for o in outs if o.code == "OK" and o.first and o.worker_ttft_s is not None]
     done.sort(key=lambda o: o.first - o.sent, reverse=True)  # type: ignore[operator]
-    rows = []
+    rows, opened = [], open_by_request(outs)
     for o in done[:n]:
         ttft = (o.first - o.sent) * 1e3  # type: ignore[operator]
         queue, wttft = (o.worker_queue_s or 0.0) * 1e3, (o.worker_ttft_s or 0.0) * 1e3
-        own = open_at_send(outs, o)
+        own = opened.get(id(o), 0)
         rows.append({"ttft_ms": round(ttft, 2), "queue_ms": round(queue, 2),
                      "prefill_ms": round(wttft - queue, 2), "outside_ms": round(ttft - wttft, 2),
                      "replica": o.replica, "own_open": own})
     return rows
 
 
-def open_at_send(outs: list[Outcome], o: Outcome) -> int:
-    """Requests of ``outs`` open on ``o``'s replica when ``o`` was sent (sent before, ended after)."""
-    return sum(1 for p in outs if p.replica == o.replica and p.sent < o.sent < p.end)
-
-
-def open_counts(outs: list[Outcome]) -> list[int]:
-    """:func:`open_at_send` for every admitted request of ``outs``, by a sweep per replica."""
+def open_by_request(outs: list[Outcome]) -> dict[int, int]:
+    """``id(o)`` → how many admitted requests of ``outs`` were open on ``o``'s replica when
+    ``o`` was sent (sent before, ended after), for every admitted ``o``: one sweep per replica."""
     by_replica: dict[str, list[Outcome]] = {}
     for o in outs:
         if o.code == "OK" and o.replica:
             by_replica.setdefault(o.replica, []).append(o)
-    counts = []
+    counts = {}
     for group in by_replica.values():
         sent, ended = sorted(p.sent for p in group), sorted(p.end for p in group)
-        counts += [bisect.bisect_left(sent, o.sent) - bisect.bisect_right(ended, o.sent)
-                   for o in group]
+        for o in group:
+            counts[id(o)] = bisect.bisect_left(sent, o.sent) - bisect.bisect_right(ended, o.sent)
     return counts
+
+
+def open_at_send(outs: list[Outcome], o: Outcome) -> int:
+    """:func:`open_by_request` for one request (0 for one not admitted)."""
+    return open_by_request(outs).get(id(o), 0)
+
+
+def open_counts(outs: list[Outcome]) -> list[int]:
+    """:func:`open_by_request`'s counts, for every admitted request of ``outs``."""
+    return list(open_by_request(outs).values())
 
 
 def summarize(outs: list[Outcome]) -> dict:
